@@ -1,0 +1,3 @@
+from gpuq.cli.app import main
+
+main()

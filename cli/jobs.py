@@ -1,0 +1,146 @@
+"""One job at a time: `gpuq show`, `gpuq logs`, `gpuq wait`, `gpuq cancel`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from gpuq.cli.render import duration, job_dict, print_json, result_summary, timestamp
+from gpuq.service import constants as c
+from gpuq.service import jobs
+from gpuq.service.db import require_schema, session_scope
+from gpuq.service.settings import get_settings
+
+app = typer.Typer()
+
+JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
+
+
+@app.command()
+def show(job_id: JobId, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Everything about one job: its spec, state, GPUs, timing and result."""
+    settings = get_settings()
+    require_schema(settings)
+    with session_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        gpus = [g.index for g in jobs.job_gpus(session, job_id)]
+        metrics = jobs.read_metrics(session, job_id)
+    data = job_dict(job, gpus or None)
+    data["metrics"] = metrics
+    if as_json:
+        print_json(data)
+        return
+    what = job.workload + " " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in job.params.items()) \
+        if job.kind == c.KIND_WORKLOAD else " ".join(job.argv or [])
+    lines = [
+        ("job", f"{job.id}  {job.name}"),
+        ("user", job.user),
+        ("state", job.state + (f" ({job.reason})" if job.reason else "")),
+        ("runs", what),
+        ("directory", job.cwd or "-"),
+        ("gpus", f"{job.gpus}" + (f" on {job.node}: {', '.join(map(str, gpus))}" if gpus else
+                                  (f" on {job.node}" if job.node else ""))),
+        ("worker", job.worker or "-"),
+        ("submitted", timestamp(job.submitted_at)),
+        ("started", timestamp(job.started_at)),
+        ("ended", timestamp(job.ended_at)),
+        ("elapsed", duration(jobs.elapsed(job))),
+    ]
+    if job.exit_code is not None:
+        lines.append(("exit code", str(job.exit_code)))
+    for key, value in lines:
+        typer.echo(f"{key:>10}  {value}")
+    if job.result:
+        typer.echo("    result")
+        for key, value in job.result.items():
+            shown = f"{value:.6g}" if isinstance(value, float) else value
+            typer.echo(f"{key:>20}  {shown}")
+    if metrics:
+        typer.echo("   metrics")
+        for row in metrics:
+            typer.echo("            " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                  for k, v in row.items()))
+
+
+@app.command()
+def logs(job_id: JobId,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+         ) -> None:
+    """A job's output (stdout and stderr as written)."""
+    settings = get_settings()
+    require_schema(settings)
+    seq = -1
+    while True:
+        with session_scope(settings) as session:
+            state = jobs.get_job(session, job_id).state
+            chunks = jobs.read_output(session, job_id, seq)
+        for seq, data in chunks:
+            sys.stdout.write(data)
+        sys.stdout.flush()
+        if not follow or (state in c.END_STATES and not chunks):
+            return
+        time.sleep(c.CLIENT_POLL_SECONDS)
+
+
+@app.command()
+def wait(job_ids: Annotated[list[int], typer.Argument(help="Job ids.", min=1)],
+         timeout: Annotated[Optional[float], typer.Option(help="Give up after this many seconds.")] = None,
+         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False) -> None:
+    """Block until the jobs end; exit 0 only if all of them succeeded."""
+    settings = get_settings()
+    require_schema(settings)
+    with session_scope(settings) as session:
+        for job_id in job_ids:
+            jobs.get_job(session, job_id)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with session_scope(settings) as session:
+            states = jobs.wait_states(session, job_ids)
+        if all(s in c.END_STATES for s in states.values()):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            waiting = ", ".join(f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES)
+            typer.echo(f"gpuq: still waiting after {timeout:g} s: job {waiting}", err=True)
+            raise typer.Exit(c.EXIT_TIMEOUT)
+        time.sleep(c.CLIENT_POLL_SECONDS)
+    if not quiet:
+        for job_id in job_ids:
+            typer.echo(f"job {job_id} {states[job_id]}")
+    if any(s != c.SUCCEEDED for s in states.values()):
+        raise typer.Exit(c.EXIT_JOB_FAILED)
+
+
+@app.command()
+def cancel(job_ids: Annotated[list[int], typer.Argument(help="Job ids.", min=1)],
+           no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
+           ) -> None:
+    """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree."""
+    settings = get_settings()
+    stopping = []
+    for job_id in job_ids:
+        outcome = jobs.cancel(settings, job_id)
+        if outcome.state == c.CANCELLED:
+            typer.echo(f"job {job_id} cancelled")
+        else:
+            stopping.append(job_id)
+    if not stopping:
+        return
+    if no_wait:
+        for job_id in stopping:
+            typer.echo(f"job {job_id} cancelling")
+        return
+    # The worker sends SIGTERM, waits kill_grace, then SIGKILLs: wait a little longer than that.
+    deadline = time.monotonic() + settings.kill_grace + 15
+    while time.monotonic() < deadline:
+        with session_scope(settings) as session:
+            states = jobs.wait_states(session, stopping)
+        if all(s in c.END_STATES for s in states.values()):
+            break
+        time.sleep(c.CLIENT_POLL_SECONDS)
+    for job_id in stopping:
+        state = states.get(job_id)
+        typer.echo(f"job {job_id} {state}" if state in c.END_STATES else
+                   f"job {job_id} still stopping: its worker has not confirmed yet")

@@ -1,0 +1,78 @@
+"""How the CLI shows things: durations, sizes, job summaries, JSON. Printing only, no queries."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from typing import Any
+
+import typer
+
+from gpuq.service import constants as c
+from gpuq.service.models import Job
+
+
+def duration(d: timedelta | None) -> str:
+    if d is None:
+        return "-"
+    s = max(d.total_seconds(), 0.0)
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    h, m = divmod(m, 60)
+    days, h = divmod(h, 24)
+    return (f"{days}-" if days else "") + (f"{h}:{m:02d}:{sec:02d}" if h or days else f"{m}:{sec:02d}")
+
+
+def mib(v: int | None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v / 1024:.1f}G" if v >= 1024 else f"{v}M"
+
+
+def timestamp(t: datetime | None) -> str:
+    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def result_summary(job: Job) -> str:
+    """One cell's worth of what a job produced, or why it waits or failed."""
+    r = job.result or {}
+    if job.state == c.SUCCEEDED:
+        if "gflops" in r:
+            return f"{r['gflops']:.1f} GFLOP/s"
+        if "test_acc" in r:
+            return f"test acc {r['test_acc']:.3f}"
+        if job.kind == c.KIND_COMMAND:
+            return "exit 0"
+        return "done"
+    if job.state == c.PENDING:
+        return job.reason or "waiting for GPUs"
+    if job.state == c.RUNNING and job.cancel_requested_at:
+        return "cancelling"
+    return job.reason or ""
+
+
+def job_dict(job: Job, gpus: list[int] | None = None) -> dict[str, Any]:
+    """The job as JSON-ready data (the --json output)."""
+    return {
+        "id": job.id, "name": job.name, "user": job.user, "kind": job.kind, "workload": job.workload,
+        "params": job.params, "argv": job.argv, "cwd": job.cwd, "gpus": job.gpus, "priority": job.priority,
+        "state": job.state, "reason": job.reason, "node": job.node, "worker": job.worker,
+        "gpu_indices": gpus, "exit_code": job.exit_code, "result": job.result,
+        "submitted_at": _iso(job.submitted_at), "dispatched_at": _iso(job.dispatched_at),
+        "started_at": _iso(job.started_at), "ended_at": _iso(job.ended_at),
+    }
+
+
+def _iso(t: datetime | None) -> str | None:
+    return t.isoformat() if t else None
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
+
+
+def one_line(text: str, width: int = 60) -> str:
+    """Text made safe for a table cell: control characters shown, long text cut."""
+    flat = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return flat if len(flat) <= width else flat[: width - 1] + "…"

@@ -1,0 +1,46 @@
+"""Constants in one place, each with the reason it has the value it has."""
+
+# Job states. Truth lives in SQL; every change is a conditional UPDATE from one of these to another.
+PENDING = "pending"  # queued, waiting for GPUs
+DISPATCHED = "dispatched"  # GPUs allocated, message sent to the first GPU's worker
+RUNNING = "running"  # a worker claimed it and runs it
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TIMED_OUT = "timed_out"
+
+ACTIVE_STATES = (PENDING, DISPATCHED, RUNNING)
+END_STATES = (SUCCEEDED, FAILED, CANCELLED, TIMED_OUT)
+ALL_STATES = ACTIVE_STATES + END_STATES
+
+# Job kinds.
+KIND_WORKLOAD = "workload"  # a built-in torch workload run inside the warm worker
+KIND_COMMAND = "command"  # the user's own argv, run as a child process
+
+# The one Celery task gpuq sends; its only argument is the job id (the rest comes from SQL).
+RUN_JOB_TASK = "gpuq.run_job"
+
+# Exit codes of the CLI, named so scripts can tell failures apart (sysexits.h where one fits).
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1  # `gpuq wait`: the job ended in a state other than succeeded
+EXIT_USAGE = 2  # bad input: the command line or a job spec
+EXIT_NOT_FOUND = 3  # no such job
+EXIT_CONFLICT = 4  # the job is not in a state that allows this
+EXIT_TIMEOUT = 5  # `gpuq wait --timeout` ran out first
+EXIT_UNAVAILABLE = 69  # the database or the broker cannot be reached
+EXIT_SOFTWARE = 70  # a bug in gpuq: please report it
+EXIT_CONFIG = 78  # the settings are wrong
+
+# Largest job name we store; SQL column size.
+MAX_NAME_LENGTH = 200
+# Largest command line we store, in bytes once JSON-encoded: a command is not a data channel.
+MAX_ARGV_BYTES = 128 * 1024
+# Output is kept in SQL in chunks of at most this many bytes, flushed at least this often.
+OUTPUT_CHUNK_BYTES = 64 * 1024
+OUTPUT_FLUSH_SECONDS = 0.5
+# How often a running job's worker looks at SQL for a cancel request.
+CANCEL_POLL_SECONDS = 0.2
+# How often `gpuq wait` and `gpuq logs -f` look at SQL.
+CLIENT_POLL_SECONDS = 0.2
+# Timeout for reaching Redis from the CLI: an unreachable broker must fail fast, not hang.
+BROKER_CONNECT_TIMEOUT = 3.0

@@ -1,0 +1,150 @@
+"""The GPUs of this node, behind one small interface: NVML on a GPU machine, simulated elsewhere.
+
+A metric a device cannot report is ``None`` ("not available"), never an exception; only opening
+the devices can fail, and "no NVIDIA library or driver here" means "no GPUs", not a crash.
+"""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpuq.service.settings import Settings
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """What does not change while a GPU is up."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+    simulated: bool = False
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One reading of a GPU's state; None where the device cannot tell."""
+
+    memory_used_mib: int | None = None
+    utilization: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+
+
+class Devices(Protocol):
+    """The GPUs of this node."""
+
+    kind: str  # "nvml", "simulated" or "none"
+    why_none: str  # when there are no GPUs, why
+
+    def list(self) -> list[GpuInfo]: ...
+
+    def read(self, index: int) -> GpuReading: ...
+
+
+class NoDevices:
+    """A node with no GPU gpuq can use."""
+
+    kind = "none"
+
+    def __init__(self, why: str) -> None:
+        self.why_none = why
+
+    def list(self) -> list[GpuInfo]:
+        return []
+
+    def read(self, index: int) -> GpuReading:
+        return GpuReading()
+
+
+class SimulatedDevices:
+    """``count`` fake GPUs for laptops, CI and demos; the torch work of their jobs runs on the CPU.
+
+    Their readings come from the worker (``read`` returns what the worker last measured of its
+    job's processes), so a busy simulated GPU shows real load.
+    """
+
+    kind = "simulated"
+    why_none = ""
+
+    def __init__(self, count: int, memory_mib: int, node: str) -> None:
+        self._gpus = [
+            GpuInfo(index=i, uuid=f"GPU-sim-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{node}/{i}')}",
+                    name="Simulated GPU", memory_total_mib=memory_mib, simulated=True)
+            for i in range(count)
+        ]
+
+    def list(self) -> list[GpuInfo]:
+        return list(self._gpus)
+
+    def read(self, index: int) -> GpuReading:
+        return GpuReading()
+
+
+class NvmlDevices:
+    """The NVIDIA GPUs of this node through NVML (nvidia-ml-py), numbered in PCI bus order."""
+
+    kind = "nvml"
+    why_none = ""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+
+    def _handle(self, index: int):
+        return self._nvml.nvmlDeviceGetHandleByIndex(index)
+
+    def list(self) -> list[GpuInfo]:
+        n = self._nvml
+        out = []
+        for i in range(n.nvmlDeviceGetCount()):
+            h = self._handle(i)
+            name = n.nvmlDeviceGetName(h)
+            uuid = n.nvmlDeviceGetUUID(h)
+            out.append(GpuInfo(
+                index=i,
+                uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                name=name.decode() if isinstance(name, bytes) else name,
+                memory_total_mib=n.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+            ))
+        return out
+
+    def read(self, index: int) -> GpuReading:
+        n = self._nvml
+        try:
+            h = self._handle(index)
+        except n.NVMLError:
+            return GpuReading()
+        return GpuReading(
+            memory_used_mib=_na(lambda: n.nvmlDeviceGetMemoryInfo(h).used // 2**20, n),
+            utilization=_na(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu, n),
+            temperature_c=_na(lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU), n),
+            power_w=_na(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0, n),
+        )
+
+
+def _na(read, nvml):
+    try:
+        return read()
+    except nvml.NVMLError:
+        return None
+
+
+def open_devices(settings: Settings) -> Devices:
+    """This node's GPUs: simulated when ``fake_gpus`` is set, else NVML, else none (with why)."""
+    if settings.fake_gpus:
+        return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node)
+    try:
+        import pynvml
+    except ImportError:
+        return NoDevices("nvidia-ml-py is not installed")
+    try:
+        return NvmlDevices()
+    except pynvml.NVMLError as exc:
+        # NVMLError_LibraryNotFound / DriverNotLoaded / NoPermission: no NVIDIA GPU we can use here.
+        return NoDevices(f"NVML: {exc}")

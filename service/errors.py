@@ -1,0 +1,57 @@
+"""The one error hierarchy. The CLI turns each into a one-line message and its exit code."""
+
+from gpuq.service import constants as c
+
+
+class GpuqError(Exception):
+    """Root of every error gpuq raises on purpose."""
+
+    exit_code = c.EXIT_SOFTWARE
+
+
+class ConfigError(GpuqError):
+    """A setting is malformed or missing."""
+
+    exit_code = c.EXIT_CONFIG
+
+
+class InvalidSpec(GpuqError):
+    """A job spec or a command line is not acceptable; nothing was written."""
+
+    exit_code = c.EXIT_USAGE
+
+
+class JobNotFound(GpuqError):
+    """No job has that id."""
+
+    exit_code = c.EXIT_NOT_FOUND
+
+
+class StateConflict(GpuqError):
+    """The job is not in a state that allows the request (cancelling a finished job)."""
+
+    exit_code = c.EXIT_CONFLICT
+
+
+class Unreachable(GpuqError):
+    """The database or the broker did not answer; the message names which URL (password masked)."""
+
+    exit_code = c.EXIT_UNAVAILABLE
+
+
+class SchemaOutOfDate(GpuqError):
+    """The database has not been upgraded to this gpuq's schema (`gpuq db upgrade`)."""
+
+    exit_code = c.EXIT_CONFIG
+
+
+class StackError(GpuqError):
+    """The local stack (`gpuq up` / `gpuq down`) could not be started or stopped."""
+
+    exit_code = c.EXIT_UNAVAILABLE
+
+
+class JobCancelled(GpuqError):
+    """Raised inside a running built-in workload when its job was cancelled."""
+
+    exit_code = c.EXIT_JOB_FAILED

@@ -1,0 +1,75 @@
+"""Which GPUs exist, on which node, who serves them and how they are doing: the ``gpus`` table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gpuq.service.devices import GpuInfo, GpuReading
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.settings import Settings
+
+
+def live_cutoff(settings: Settings) -> datetime:
+    """Heartbeats older than this mean the worker is lost."""
+    return utcnow() - timedelta(seconds=settings.worker_timeout)
+
+
+def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str, pid: int) -> int:
+    """Record (or refresh) the GPU a worker serves; returns its row id."""
+    gpu = session.scalar(select(Gpu).where(Gpu.node == node, Gpu.index == info.index))
+    if gpu is None:
+        gpu = Gpu(node=node, index=info.index)
+        session.add(gpu)
+    gpu.uuid, gpu.name, gpu.memory_total_mib = info.uuid, info.name, info.memory_total_mib
+    gpu.simulated, gpu.queue, gpu.worker, gpu.worker_pid = info.simulated, queue, worker, pid
+    gpu.heartbeat_at = utcnow()
+    session.flush()
+    return gpu.id
+
+
+def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
+    """A heartbeat: the worker is alive, and this is how its GPU looks."""
+    session.execute(update(Gpu).where(Gpu.id == gpu_id).values(
+        heartbeat_at=utcnow(), memory_used_mib=reading.memory_used_mib, utilization=reading.utilization))
+
+
+def sign_off(session: Session, gpu_id: int) -> None:
+    """The worker stopped on purpose: its GPU is offline until a worker registers it again."""
+    session.execute(update(Gpu).where(Gpu.id == gpu_id).values(
+        heartbeat_at=None, worker=None, worker_pid=None, utilization=None, memory_used_mib=None))
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """A GPU as `gpuq status` shows it."""
+
+    node: str
+    index: int
+    name: str
+    memory_used_mib: int | None
+    memory_total_mib: int
+    utilization: int | None
+    online: bool
+    worker: str | None
+    job_id: int | None
+    job_user: str | None
+    heartbeat_at: datetime | None
+
+
+def view(session: Session, settings: Settings) -> list[GpuView]:
+    cutoff = live_cutoff(settings)
+    rows = session.execute(
+        select(Gpu, Job.id, Job.user).outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
+        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)
+    ).all()
+    return [
+        GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
+                memory_total_mib=g.memory_total_mib, utilization=g.utilization,
+                online=g.heartbeat_at is not None and g.heartbeat_at >= cutoff, worker=g.worker,
+                job_id=job_id, job_user=user, heartbeat_at=g.heartbeat_at)
+        for g, job_id, user in rows
+    ]

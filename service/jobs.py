@@ -1,0 +1,173 @@
+"""The queue's operations on SQL: submit, look up, cancel, claim, finish, output.
+
+Every state change is a conditional UPDATE (``WHERE id = ? AND state = ?``): a job starts at most
+once even when its message is delivered twice, and a cancel never overwrites an ending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, exists, func, select, update
+from sqlalchemy.orm import Session
+
+from gpuq.service import broker
+from gpuq.service import constants as c
+from gpuq.service.db import require_schema, session_scope
+from gpuq.service.devices import open_devices
+from gpuq.service.errors import InvalidSpec, JobNotFound, StateConflict
+from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
+from gpuq.service.settings import Settings
+from gpuq.service.spec import JobSpec
+
+
+def largest_node(session: Session, settings: Settings) -> tuple[str | None, int]:
+    """The node with the most GPUs known to gpuq (registered by workers, or on this node)."""
+    rows = session.execute(select(Gpu.node, func.count()).group_by(Gpu.node)).all()
+    best = max(rows, key=lambda r: r[1], default=(None, 0))
+    local = len(open_devices(settings).list())
+    if local > best[1]:
+        return settings.node, local
+    return best[0], best[1]
+
+
+def submit(settings: Settings, spec: JobSpec) -> Job:
+    """Queue ``spec`` as a pending job and wake the scheduler. Nothing is written on any error."""
+    require_schema(settings)
+    broker.check(settings)
+    with session_scope(settings) as session:
+        node, most = largest_node(session, settings)
+        if most == 0:
+            raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
+                              "`gpuq worker --gpu I` on each GPU node)")
+        if spec.gpus > most:
+            raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
+        job = Job(name=spec.name, user=spec.user, kind=spec.kind, workload=spec.workload,
+                  params=spec.params, argv=spec.argv, cwd=spec.cwd, gpus=spec.gpus,
+                  priority=spec.priority, state=c.PENDING, submitted_at=utcnow())
+        session.add(job)
+        session.flush()
+    broker.wake_scheduler(settings)
+    return job
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise JobNotFound(f"no job {job_id}")
+    return job
+
+
+def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = None) -> list[Job]:
+    """Active jobs (oldest first), then the ``ended_limit`` most recently ended ones."""
+    base = select(Job)
+    if user:
+        base = base.where(Job.user == user)
+    rows = list(session.scalars(base.where(Job.state.in_(c.ACTIVE_STATES)).order_by(Job.id)))
+    if ended_limit:
+        ended = session.scalars(base.where(Job.state.in_(c.END_STATES))
+                                .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
+        rows.extend(sorted(ended, key=lambda j: j.id))
+    return rows
+
+
+def job_gpus(session: Session, job_id: int) -> list[Gpu]:
+    """The GPUs allocated to the job, in rank order."""
+    return list(session.scalars(select(Gpu).join(Allocation).where(Allocation.job_id == job_id)
+                                .order_by(Allocation.rank)))
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    job_id: int
+    state: str  # "cancelled" at once, or "cancelling" (a running job being stopped by its worker)
+
+
+def cancel(settings: Settings, job_id: int) -> CancelOutcome:
+    """Cancel a job: a pending or dispatched one at once, a running one by asking its worker."""
+    require_schema(settings)
+    now = utcnow()
+    with session_scope(settings) as session:
+        job = get_job(session, job_id)
+        if job.state in c.END_STATES:
+            raise StateConflict(f"job {job_id} already ended ({job.state})")
+        ended = session.execute(
+            update(Job).where(Job.id == job_id, Job.state.in_((c.PENDING, c.DISPATCHED)))
+            .values(state=c.CANCELLED, ended_at=now, cancel_requested_at=now, reason="cancelled by user")
+        ).rowcount
+        if ended:
+            # A dispatched job's worker will find the state changed and drop the message.
+            session.execute(delete(Allocation).where(Allocation.job_id == job_id))
+            outcome = CancelOutcome(job_id, c.CANCELLED)
+        else:
+            session.execute(update(Job).where(Job.id == job_id, Job.state == c.RUNNING)
+                            .values(cancel_requested_at=now))
+            outcome = CancelOutcome(job_id, "cancelling")
+    if outcome.state == c.CANCELLED:
+        broker.wake_scheduler(settings)
+    return outcome
+
+
+# ---- the worker's side ---------------------------------------------------------------------------
+
+def claim(session: Session, job_id: int, gpu_id: int, worker: str) -> bool:
+    """Mark the job running on this worker, if it is dispatched to this GPU as rank 0. Atomic."""
+    held = exists().where(Allocation.job_id == job_id, Allocation.gpu_id == gpu_id, Allocation.rank == 0)
+    return session.execute(
+        update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED, held)
+        .values(state=c.RUNNING, started_at=utcnow(), worker=worker)
+        .execution_options(synchronize_session=False)
+    ).rowcount == 1
+
+
+def cancel_requested(session: Session, job_id: int) -> bool:
+    row = session.execute(select(Job.state, Job.cancel_requested_at).where(Job.id == job_id)).one_or_none()
+    return row is None or row.state != c.RUNNING or row.cancel_requested_at is not None
+
+
+def finish(session: Session, job_id: int, state: str, *, exit_code: int | None = None,
+           result: dict[str, Any] | None = None, reason: str | None = None) -> bool:
+    """End a running job and free its GPUs. False if it was not running (already ended)."""
+    assert state in c.END_STATES
+    done = session.execute(
+        update(Job).where(Job.id == job_id, Job.state == c.RUNNING)
+        .values(state=state, ended_at=utcnow(), exit_code=exit_code, result=result, reason=reason)
+    ).rowcount == 1
+    if done:
+        session.execute(delete(Allocation).where(Allocation.job_id == job_id))
+    return done
+
+
+def append_output(session: Session, job_id: int, seq: int, data: str) -> None:
+    session.add(JobOutput(job_id=job_id, seq=seq, data=data, written_at=utcnow()))
+
+
+def read_output(session: Session, job_id: int, after_seq: int = -1) -> list[tuple[int, str]]:
+    rows = session.execute(select(JobOutput.seq, JobOutput.data)
+                           .where(JobOutput.job_id == job_id, JobOutput.seq > after_seq)
+                           .order_by(JobOutput.seq)).all()
+    return [(r.seq, r.data) for r in rows]
+
+
+def record_metric(session: Session, job_id: int, values: dict[str, Any]) -> None:
+    seq = session.scalar(select(func.count()).select_from(JobMetric).where(JobMetric.job_id == job_id))
+    session.add(JobMetric(job_id=job_id, seq=seq or 0, values=values, recorded_at=utcnow()))
+
+
+def read_metrics(session: Session, job_id: int) -> list[dict[str, Any]]:
+    return list(session.scalars(select(JobMetric.values).where(JobMetric.job_id == job_id)
+                                .order_by(JobMetric.seq)))
+
+
+def elapsed(job: Job, now: datetime | None = None) -> timedelta | None:
+    """How long the job has run (or ran); None if it never started."""
+    if job.started_at is None:
+        return None
+    return (job.ended_at or now or utcnow()) - job.started_at
+
+
+def wait_states(session: Session, job_ids: Sequence[int]) -> dict[int, str]:
+    return {r.id: r.state for r in session.execute(select(Job.id, Job.state).where(Job.id.in_(job_ids)))}

@@ -1,0 +1,165 @@
+"""The SQL schema as SQLAlchemy 2.0 typed models. It changes only through an Alembic migration."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from gpuq.service import constants as c
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored in UTC and always read back timezone-aware (SQLite keeps no zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(timezone.utc) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+_STATES = ", ".join(f"'{s}'" for s in c.ALL_STATES)
+
+
+class Job(Base):
+    """One submitted job: a built-in workload or a user command, and everything known about its run."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(f"state IN ({_STATES})", name="state"),
+        CheckConstraint(f"kind IN ('{c.KIND_WORKLOAD}', '{c.KIND_COMMAND}')", name="kind"),
+        CheckConstraint("gpus >= 1", name="gpus_positive"),
+        Index("ix_jobs_state_priority", "state", "priority", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(c.MAX_NAME_LENGTH))
+    user: Mapped[str] = mapped_column(String(64), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    workload: Mapped[str | None] = mapped_column(String(64))
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    argv: Mapped[list[str] | None] = mapped_column(JSON)
+    cwd: Mapped[str | None] = mapped_column(Text)
+    gpus: Mapped[int] = mapped_column(Integer, default=1)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(16), default=c.PENDING)
+    # Why it waits, or why it ended the way it did, in a sentence.
+    reason: Mapped[str | None] = mapped_column(Text)
+    node: Mapped[str | None] = mapped_column(String(255))
+    worker: Mapped[str | None] = mapped_column(String(255))
+    submitted_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    allocations: Mapped[list[Allocation]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"
+    )
+
+
+class Gpu(Base):
+    """One GPU of one node, as its worker last reported it."""
+
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node", "index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node: Mapped[str] = mapped_column(String(255))
+    # NVML index: PCI bus order, the order CUDA uses too once CUDA_DEVICE_ORDER=PCI_BUS_ID.
+    index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(255))
+    memory_total_mib: Mapped[int] = mapped_column(Integer)
+    memory_used_mib: Mapped[int | None] = mapped_column(Integer)
+    utilization: Mapped[int | None] = mapped_column(Integer)
+    simulated: Mapped[bool] = mapped_column(default=False)
+    # The Celery queue its worker listens on, and the worker's name (gpu<index>@<node>).
+    queue: Mapped[str] = mapped_column(String(255))
+    worker: Mapped[str | None] = mapped_column(String(255))
+    worker_pid: Mapped[int | None] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    allocation: Mapped[Allocation | None] = relationship(back_populates="gpu", uselist=False)
+
+
+class Allocation(Base):
+    """A GPU held by a job. The unique key on gpu_id is what makes double-booking impossible."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (UniqueConstraint("gpu_id"), UniqueConstraint("job_id", "rank"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"))
+    # 0 for the GPU whose worker runs the job; the order CUDA_VISIBLE_DEVICES lists them in.
+    rank: Mapped[int] = mapped_column(Integer)
+
+    job: Mapped[Job] = relationship(back_populates="allocations")
+    gpu: Mapped[Gpu] = relationship(back_populates="allocation")
+
+
+class JobOutput(Base):
+    """A chunk of a job's stdout and stderr (interleaved as written), in order of seq."""
+
+    __tablename__ = "job_output"
+    __table_args__ = (UniqueConstraint("job_id", "seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    data: Mapped[str] = mapped_column(Text)
+    written_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class JobMetric(Base):
+    """One row of a running job's progress (an epoch's loss and accuracy), in order of seq."""
+
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    values: Mapped[dict[str, Any]] = mapped_column(JSON)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

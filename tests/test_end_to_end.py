@@ -1,0 +1,187 @@
+"""The whole path, for real: `gpuq submit` -> SQL -> scheduler -> Redis/Celery -> a pinned worker
+process -> SQL -> `gpuq status`, on SQLite and PostgreSQL, with simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+from gpuq.service import constants as c
+from gpuq.service import jobs
+from gpuq.service.db import session_scope
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+
+def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with session_scope(settings) as session:
+            state = jobs.get_job(session, job_id).state
+        if state in states:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+
+
+def output_of(settings, job_id: int) -> str:
+    with session_scope(settings) as session:
+        return "".join(d for _, d in jobs.read_output(session, job_id))
+
+
+def submit(settings, args, cwd=None) -> int:
+    result = run_cli(["submit", "--json", *args], settings, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["id"]
+
+
+def test_matmul_goes_pending_running_succeeded_with_its_gflops_in_status_and_show(stack, tmp_path):
+    s = stack.settings
+    job_id = submit(s, ["matmul", "--size", "128", "--repeat", "20"])
+    waited = run_cli(["wait", str(job_id), "--timeout", "120"], s, timeout=150)
+    assert waited.returncode == 0, waited.stdout + waited.stderr + stack.logs()
+    with session_scope(s) as session:
+        job = jobs.get_job(session, job_id)
+        assert job.state == c.SUCCEEDED and job.node == "testnode" and job.worker.startswith("gpu")
+        assert job.submitted_at <= job.dispatched_at <= job.started_at <= job.ended_at
+        result = job.result
+    assert result["size"] == 128 and result["repeat"] == 20
+    assert result["seconds"] > 0 and result["gflops"] == pytest.approx(2 * 128**3 * 20 / result["seconds"] / 1e9)
+    assert result["device"] == "cpu" and result["fell_back_to_cpu"] is True
+    status = run_cli(["status"], s)
+    assert status.returncode == 0
+    line = next(ln for ln in status.stdout.splitlines() if ln.strip().startswith(str(job_id)))
+    assert "succeeded" in line and "GFLOP/s" in line and "matmul" in line
+    assert "Simulated GPU" in status.stdout and "idle" in status.stdout
+    show = run_cli(["show", str(job_id)], s)
+    assert "gflops" in show.stdout and "succeeded" in show.stdout
+    logs = run_cli(["logs", str(job_id)], s)
+    assert "matmul: 20 products of 128x128" in logs.stdout
+
+
+def test_a_command_runs_without_a_shell_in_its_directory_with_its_gpus_and_keeps_its_output(stack, tmp_path):
+    s = stack.settings
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('visible', os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER'])\n"
+        "print('cwd', os.getcwd())\n"
+        "print('args', sys.argv[1:])\n"
+        "print('job', os.environ['GPUQ_JOB_ID'])\n"
+        "print('secret', os.environ.get('GPUQ_DATABASE_URL'), os.environ.get('GPUQ_BROKER_URL'))\n"
+        "print('to stderr', file=sys.stderr)\n"
+    )
+    job_id = submit(s, ["--gpus", "2", "--", sys.executable, "train.py", "--lr", "0.1", "$HOME;", "a b"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, c.END_STATES) == c.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    out = run_cli(["logs", str(job_id)], s).stdout
+    assert "visible 0,1 PCI_BUS_ID" in out
+    assert f"cwd {tmp_path}" in out
+    assert "args ['--lr', '0.1', '$HOME;', 'a b']" in out  # no shell: nothing expanded or split
+    assert f"job {job_id}" in out and "to stderr" in out
+    assert "secret None None" in out  # the worker's database and broker URLs stay with the worker
+
+
+def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
+    s = stack.settings
+    job_id = submit(s, ["--", sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"], cwd=tmp_path)
+    waited = run_cli(["wait", str(job_id)], s, timeout=90)
+    assert waited.returncode == c.EXIT_JOB_FAILED and f"job {job_id} failed" in waited.stdout
+    with session_scope(s) as session:
+        job = jobs.get_job(session, job_id)
+        assert job.exit_code == 3 and job.reason == "exited with status 3"
+    assert output_of(s, job_id) == "bye\n"
+
+
+def test_cancel_kills_a_running_jobs_whole_process_tree_and_frees_the_gpu(stack, tmp_path):
+    s = stack.settings
+    pid_file = tmp_path / "pids"
+    # A job that ignores SIGTERM and leaves a grandchild in its own new session.
+    script = tmp_path / "stubborn.py"
+    script.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "escaped = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}} {{escaped.pid}}')\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    job_id = submit(s, ["--", sys.executable, str(script)], cwd=tmp_path)
+    wait_for_state(s, job_id, [c.RUNNING])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text().count(" ") == 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert all(psutil.pid_exists(p) for p in pids)
+    result = run_cli(["cancel", str(job_id)], s, timeout=60)
+    assert result.returncode == 0 and f"job {job_id} cancelled" in result.stdout, result.stdout + result.stderr
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    with session_scope(s) as session:
+        assert jobs.job_gpus(session, job_id) == []
+        assert jobs.get_job(session, job_id).reason == "cancelled by user"
+    # The freed GPU takes the next job.
+    nxt = submit(s, ["--", "true"])
+    assert wait_for_state(s, nxt, c.END_STATES) == c.SUCCEEDED
+
+
+def test_cancel_stops_a_running_builtin_workload_within_a_step(stack):
+    s = stack.settings
+    job_id = submit(s, ["matmul", "--size", "256", "--repeat", "1000000"])
+    wait_for_state(s, job_id, [c.RUNNING])
+    started = time.monotonic()
+    result = run_cli(["cancel", str(job_id)], s, timeout=60)
+    assert result.returncode == 0 and "cancelled" in result.stdout
+    assert time.monotonic() - started < 20
+    # The worker stays up and warm: the next job on it runs.
+    nxt = submit(s, ["matmul", "--size", "64", "--repeat", "2"])
+    assert wait_for_state(s, nxt, c.END_STATES) == c.SUCCEEDED
+
+
+def test_jobs_queue_when_gpus_are_busy_and_a_gpu_is_never_given_to_two_jobs(stack, tmp_path):
+    s = stack.settings
+    marker = tmp_path / "running"
+    marker.mkdir()
+    # Each job records that it runs, on which GPU, while holding it for a moment.
+    code = ("import os, time; d=%r; me=os.path.join(d, os.environ['GPUQ_JOB_ID']);"
+            "open(me, 'w').write(os.environ['CUDA_VISIBLE_DEVICES']);"
+            "seen=[open(os.path.join(d, f)).read() for f in os.listdir(d)];"
+            "time.sleep(0.7); os.remove(me); print(sorted(seen))") % str(marker)
+    ids = [submit(s, ["--", sys.executable, "-c", code]) for _ in range(5)]
+    states = {j: wait_for_state(s, j, c.END_STATES, timeout=90) for j in ids}
+    assert set(states.values()) == {c.SUCCEEDED}, stack.logs()
+    for j in ids:
+        seen = eval(output_of(s, j))  # the GPUs busy while job j held its own
+        assert len(seen) == len(set(seen)) and len(seen) <= 2
+    with session_scope(s) as session:
+        started = sorted(jobs.get_job(session, j).started_at for j in ids)
+    assert started == sorted(started)
+
+
+def test_status_json_lists_jobs_and_gpus(stack):
+    s = stack.settings
+    job_id = submit(s, ["--", "true"])
+    wait_for_state(s, job_id, c.END_STATES)
+    data = json.loads(run_cli(["status", "--json", "--ended", "1"], s).stdout)
+    assert [j["id"] for j in data["jobs"]] == [job_id]
+    assert data["jobs"][0]["state"] == c.SUCCEEDED and data["jobs"][0]["elapsed_s"] >= 0
+    assert sorted((g["node"], g["index"], g["online"]) for g in data["gpus"]) == [
+        ("testnode", 0, True), ("testnode", 1, True)]
+
+
+def test_each_worker_is_pinned_to_its_gpu_with_pci_bus_order(stack):
+    for name, proc in stack.procs.items():
+        if not name.startswith("worker"):
+            continue
+        env = psutil.Process(proc.pid).environ()
+        assert env["CUDA_VISIBLE_DEVICES"] == name.rsplit("-", 1)[1]
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        cmdline = " ".join(psutil.Process(proc.pid).cmdline())
+        assert "gpuq.workers" in cmdline
+        # solo pool: the worker runs jobs in its own process, no forked pool children
+        assert psutil.Process(proc.pid).children() == []

@@ -1,0 +1,46 @@
+"""The schema exists only through Alembic, and the migrations build exactly what the models say."""
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from gpuq.migrations.versions import HEAD
+from gpuq.service import db
+from gpuq.service.errors import SchemaOutOfDate
+from gpuq.service.models import Base
+from tests.conftest import make_settings
+
+
+def test_migrations_upgrade_an_empty_database_to_exactly_the_models(database_url, tmp_path):
+    settings = make_settings(tmp_path, database_url, "redis://127.0.0.1:6379/13")
+    db.upgrade(settings)
+    with db.get_engine(settings).connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    assert diff == []
+    assert db.current_revision(settings) == HEAD
+
+
+def test_head_constant_matches_the_newest_migration(tmp_path):
+    settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'x.db'}", "redis://127.0.0.1:6379/13")
+    assert ScriptDirectory.from_config(db.alembic_config(settings)).get_current_head() == HEAD
+
+
+def test_a_database_without_the_schema_is_refused_with_the_command_that_fixes_it(tmp_path):
+    settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'empty.db'}", "redis://127.0.0.1:6379/13")
+    with pytest.raises(SchemaOutOfDate, match="gpuq db upgrade"):
+        db.require_schema(settings)
+
+
+def test_downgrade_to_base_removes_every_table(database_url, tmp_path):
+    from alembic import command
+    from sqlalchemy import inspect
+
+    settings = make_settings(tmp_path, database_url, "redis://127.0.0.1:6379/13")
+    db.upgrade(settings)
+    cfg = db.alembic_config(settings)
+    with db.get_engine(settings).connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "base")
+        conn.commit()
+        assert set(inspect(conn).get_table_names()) <= {"alembic_version"}

@@ -1,0 +1,47 @@
+"""One settings object, from the environment and a file; secrets never shown."""
+
+from pathlib import Path
+
+import pytest
+
+from gpuq.service.errors import ConfigError
+from gpuq.service.settings import load_settings, mask_url
+
+
+def test_defaults_are_sqlite_in_the_data_dir_and_the_local_redis(tmp_path):
+    s = load_settings({"XDG_DATA_HOME": str(tmp_path), "GPUQ_CONFIG": str(tmp_path / "none.toml")})
+    assert s.database == f"sqlite:///{Path(s.home) / 'gpuq.db'}"
+    assert s.broker == "redis://127.0.0.1:6379/0" and s.broker_is_managed
+
+
+def test_environment_overrides_the_file(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('database_url = "postgresql+psycopg://db/gpuq"\nfake_gpus = 4\nkill_grace = 3\n')
+    s = load_settings({"GPUQ_CONFIG": str(cfg), "GPUQ_FAKE_GPUS": "8"})
+    assert s.database == "postgresql+psycopg://db/gpuq"
+    assert s.fake_gpus == 8 and s.kill_grace == 3.0
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"GPUQ_FAKE_GPUS": "two"}, "fake_gpus must be int"),
+    ({"GPUQ_KILL_GRACE": "-1"}, "must not be negative"),
+    ({"GPUQ_BROKER_URL": "amqp://guest@localhost//"}, "redis:// or rediss://"),
+    ({"GPUQ_DATABASE_URL": "gpuq.db"}, "not a database URL"),
+    ({"GPUQ_WARM_START": "maybe"}, "warm_start must be bool"),
+])
+def test_malformed_settings_are_refused_with_the_setting_named(env, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        load_settings({"GPUQ_CONFIG": str(tmp_path / "none.toml"), **env})
+
+
+def test_unknown_key_in_the_file_is_refused(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('databse_url = "x"\n')
+    with pytest.raises(ConfigError, match="unknown setting 'databse_url'"):
+        load_settings({"GPUQ_CONFIG": str(cfg)})
+
+
+def test_passwords_are_masked_in_urls():
+    assert mask_url("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
+    assert mask_url("postgresql+psycopg://bob:pw@db/gpuq") == "postgresql+psycopg://bob:***@db/gpuq"
+    assert mask_url("sqlite:///x.db") == "sqlite:///x.db"

@@ -1,0 +1,108 @@
+"""Bad input gets one line that says what to change, a non-zero exit, and nothing written."""
+
+import pytest
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from gpuq.cli.app import app
+from gpuq.service import constants as c
+from gpuq.service.db import session_scope
+from gpuq.service.models import Job
+
+
+def jobs_in(settings) -> int:
+    with session_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+def invoke(args):
+    return CliRunner().invoke(app, args, prog_name="gpuq")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["submit", "--gpus", "0", "matmul"], "--gpus must be at least 1"),
+    (["submit", "--gpus", "-2", "matmul"], "--gpus must be at least 1"),
+    (["submit", "--gpus", "3", "--", "true"], "more than any node has (the largest, testnode, has 2)"),
+    (["submit", "--gpus", "2", "matmul"], "matmul runs on one GPU"),
+    (["submit", "matmull"], "unknown workload 'matmull'"),
+    (["submit", "matmul", "--size", "big"], "--size must be a whole number; got 'big'"),
+    (["submit", "matmul", "--size", "0"], "--size must be at least 1"),
+    (["submit", "matmul", "--size", "9999999"], "--size must be at most 65536"),
+    (["submit", "matmul", "--dtype", "fp64"], "--dtype must be one of fp32, tf32, fp16, bf16"),
+    (["submit", "matmul", "--sise", "5"], "matmul has no parameter --sise"),
+    (["submit", "matmul", "--size"], "--size needs a value"),
+    (["submit", "matmul", "--size", "5", "--size", "6"], "--size is given twice"),
+    (["submit", "matmul", "500"], "unexpected argument '500'"),
+    (["submit"], "nothing to run"),
+    (["submit", "--"], "no command given after --"),
+    (["submit", "matmul", "--", "true"], "either a workload or a command"),
+    (["submit", "--", "no-such-program-gpuq"], "command not found: no-such-program-gpuq"),
+    (["submit", "--", "./not-here.sh"], "./not-here.sh is not an executable file"),
+    (["submit", "--name", "", "--", "true"], "--name must not be empty"),
+    (["submit", "--name", "a\nb", "--", "true"], "--name must be one line"),
+    (["submit", "--name", "x" * 201, "--", "true"], "at most 200"),
+])
+def test_bad_submissions_are_refused_in_one_line_and_write_nothing(use_settings, args, message):
+    result = invoke(args)
+    assert result.exit_code == c.EXIT_USAGE, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuq: ")
+    assert message in lines[0]
+    assert jobs_in(use_settings) == 0
+
+
+def test_an_unreachable_broker_is_named_and_nothing_is_written(use_settings, monkeypatch):
+    from gpuq.service import settings as settings_module
+
+    monkeypatch.setenv("GPUQ_BROKER_URL", "redis://:hunter2@127.0.0.1:1/0")
+    settings_module.get_settings.cache_clear()
+    result = invoke(["submit", "--", "true"])
+    assert result.exit_code == c.EXIT_UNAVAILABLE
+    assert "cannot reach the broker at redis://:***@127.0.0.1:1/0" in result.output
+    assert "hunter2" not in result.output
+    assert jobs_in(use_settings) == 0
+
+
+def test_an_unreachable_database_is_named(use_settings, monkeypatch):
+    from gpuq.service import settings as settings_module
+
+    monkeypatch.setenv("GPUQ_DATABASE_URL", "postgresql+psycopg://gpuq:pw@127.0.0.1:1/gpuq")
+    settings_module.get_settings.cache_clear()
+    result = invoke(["status"])
+    assert result.exit_code == c.EXIT_UNAVAILABLE
+    assert result.output.startswith("gpuq: cannot use the database at postgresql+psycopg://gpuq:***@127.0.0.1:1/gpuq")
+    assert "pw@" not in result.output
+
+
+def test_a_good_submission_prints_the_job_id_and_stores_the_spec(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["submit", "--name", "bench", "matmul", "--size", "500", "--repeat", "100"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "submitted job 1"
+    result = invoke(["submit", "--gpus", "2", "--json", "--", "python", "train.py", "--lr", "0.1"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    job = json.loads(result.output)
+    assert job["id"] == 2 and job["argv"] == ["python", "train.py", "--lr", "0.1"]
+    assert job["cwd"] == str(tmp_path) and job["gpus"] == 2 and job["state"] == "pending"
+    with session_scope(use_settings) as session:
+        first = session.get(Job, 1)
+        assert first.name == "bench" and first.workload == "matmul"
+        assert first.params == {"size": 500, "repeat": 100, "warmup": 3, "dtype": "fp32", "cpu_baseline": False}
+
+
+def test_status_show_and_cancel_name_a_missing_job(use_settings):
+    for args in (["show", "42"], ["logs", "42"], ["wait", "42"], ["cancel", "42"]):
+        result = invoke(args)
+        assert result.exit_code == c.EXIT_NOT_FOUND, (args, result.output)
+        assert result.output.strip() == "gpuq: no job 42"
+
+
+def test_cancelling_a_pending_job_ends_it_at_once_and_twice_is_a_conflict(use_settings):
+    assert invoke(["submit", "--", "true"]).exit_code == 0
+    result = invoke(["cancel", "1"])
+    assert result.exit_code == 0 and "job 1 cancelled" in result.output
+    again = invoke(["cancel", "1"])
+    assert again.exit_code == c.EXIT_CONFLICT and "already ended (cancelled)" in again.output
+    assert invoke(["wait", "1"]).exit_code == c.EXIT_JOB_FAILED

@@ -1,0 +1,5 @@
+import sys
+
+from gpuq.workers.main import main
+
+sys.exit(main())

@@ -1,0 +1,96 @@
+"""One worker process per GPU: ``python -m gpuq.workers --gpu I`` (what `gpuq worker` runs).
+
+It pins itself to its GPU before torch is imported, registers the GPU in SQL, keeps torch and the
+CUDA context warm, beats its heart, and serves its GPU's own Celery queue with the solo pool:
+concurrency 1, prefetch 1, late acks, and no fork (CUDA cannot be initialised again in a forked
+child, so Celery's prefork pool is wrong for a process that keeps a CUDA context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from gpuq.service import broker, inventory
+from gpuq.service.celery_app import make_app, queue_name
+from gpuq.service.db import require_schema, session_scope
+from gpuq.service.devices import open_devices
+from gpuq.service.errors import GpuqError
+from gpuq.service.settings import get_settings
+
+log = logging.getLogger("gpuq.worker")
+
+
+def pin_to_gpu(index: int) -> None:
+    """Make GPU ``index`` (NVML's numbering) the only one this process, and torch, can see."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpuq-worker", description="Serve one GPU's job queue.")
+    parser.add_argument("--gpu", type=int, required=True, help="GPU index (NVML/PCI bus order)")
+    parser.add_argument("--loglevel", default="INFO")
+    args = parser.parse_args(argv)
+    pin_to_gpu(args.gpu)
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return serve(args.gpu, args.loglevel)
+    except GpuqError as exc:
+        print(f"gpuq worker: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def serve(index: int, loglevel: str) -> int:
+    settings = get_settings()
+    devices = open_devices(settings)
+    gpus = {g.index: g for g in devices.list()}
+    if index not in gpus:
+        have = f"GPUs {', '.join(map(str, sorted(gpus)))}" if gpus else f"no GPU ({devices.why_none})"
+        raise GpuqError(f"there is no GPU {index} on node {settings.node}: it has {have}")
+    require_schema(settings)
+    broker.check(settings)
+    name, queue = f"gpu{index}@{settings.node}", queue_name(settings, settings.node, index)
+
+    from gpuq.workers import tasks
+    from gpuq.workers.heartbeat import Heartbeat
+    from gpuq.workers.runner import WorkerState
+
+    if settings.warm_start:
+        from gpuq.workers.builtin import warm_up
+
+        log.info("%s: warm on %s", name, warm_up())
+    with session_scope(settings) as session:
+        gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
+    state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name)
+    heartbeat = Heartbeat(settings, gpu_id, devices, index)
+    heartbeat.start()
+    app = make_app(settings)
+    tasks.register(app, state)
+    _interrupt_on_second_shutdown(state)
+    broker.wake_scheduler(settings)  # a new GPU may be what a waiting job needs
+    try:
+        app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={queue}", f"--hostname={name}",
+                         "--without-gossip", "--without-mingle", "--without-heartbeat",
+                         f"--loglevel={loglevel}"])
+    finally:
+        heartbeat.stop()
+        with session_scope(settings) as session:
+            inventory.sign_off(session, gpu_id)
+        log.info("%s: stopped", name)
+    return 0
+
+
+def _interrupt_on_second_shutdown(state) -> None:
+    """First SIGTERM: warm shutdown, the running job finishes. Second: the running job is stopped."""
+    from celery.signals import worker_shutting_down
+
+    requests = []
+
+    @worker_shutting_down.connect(weak=False)
+    def _on_shutdown(sig=None, how=None, **_):
+        requests.append(how)
+        if len(requests) >= 2 or how == "Cold":
+            state.interrupt.set()

@@ -1,0 +1,191 @@
+"""Running one job on this worker, from claim to end state: a plain function, no Celery in sight."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuq.service import broker
+from gpuq.service import constants as c
+from gpuq.service.db import session_scope
+from gpuq.service.errors import JobCancelled
+from gpuq.service.jobs import cancel_requested, claim, finish, get_job, job_gpus, record_metric
+from gpuq.service.settings import Settings, secret_env_names
+from gpuq.workers.command import run_command
+from gpuq.workers.output import OutputSink
+
+log = logging.getLogger("gpuq.worker")
+
+
+@dataclass
+class WorkerState:
+    """Who this worker is: its settings, node, GPU, and whether it was told to stop."""
+
+    settings: Settings
+    node: str
+    gpu_index: int
+    gpu_id: int
+    name: str
+    # Set on the second shutdown request: stop the running job now instead of letting it finish.
+    interrupt: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """The parts of a job row a run needs, read once after the claim."""
+
+    id: int
+    name: str
+    kind: str
+    workload: str | None
+    params: dict[str, Any]
+    argv: list[str] | None
+    cwd: str | None
+    gpu_indices: tuple[int, ...]
+
+
+def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
+    """The environment a job runs with: the worker's, minus its secrets, plus gpuq's own variables."""
+    env = {k: v for k, v in base.items() if k not in secret_env_names()}
+    env.update(
+        CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
+        # NVML numbers GPUs in PCI bus order; without this CUDA may number them differently.
+        CUDA_DEVICE_ORDER="PCI_BUS_ID",
+        GPUQ_JOB_ID=str(job.id),
+        GPUQ_JOB_NAME=job.name,
+        GPUQ_GPUS=str(len(job.gpu_indices)),
+        GPUQ_NODE=node,
+    )
+    return env
+
+
+class CancelWatcher(threading.Thread):
+    """Looks at SQL while the job runs and sets ``cancelled`` when someone asked for a cancel."""
+
+    def __init__(self, settings: Settings, job_id: int, cancelled: threading.Event,
+                 interrupt: threading.Event) -> None:
+        super().__init__(name=f"cancel-watch-{job_id}", daemon=True)
+        self.settings, self.job_id, self.cancelled, self.interrupt = settings, job_id, cancelled, interrupt
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(c.CANCEL_POLL_SECONDS):
+            if self.interrupt.is_set():
+                self.cancelled.set()
+                return
+            try:
+                with session_scope(self.settings) as session:
+                    if cancel_requested(session, self.job_id):
+                        self.cancelled.set()
+                        return
+            except Exception:  # noqa: BLE001 - a database blip must not stop the job
+                log.warning("job %s: could not check for a cancel request", self.job_id)
+
+
+def load(settings: Settings, job_id: int) -> JobRun:
+    with session_scope(settings) as session:
+        job = get_job(session, job_id)
+        gpus = job_gpus(session, job_id)
+        return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
+                      argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus))
+
+
+def run_job(state: WorkerState, job_id: int) -> str | None:
+    """Claim and run job ``job_id``; returns its end state, or None if it was not ours to run.
+
+    A message for a job that is not dispatched to this GPU (a duplicate, a cancelled job, a
+    forged id) changes nothing.
+    """
+    settings = state.settings
+    with session_scope(settings) as session:
+        if not claim(session, job_id, state.gpu_id, state.name):
+            log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
+            return None
+    job = load(settings, job_id)
+    log.info("%s: job %s started (%s)", state.name, job.id, job.workload or job.argv[0])
+    sink = OutputSink(settings, job.id)
+    cancelled = threading.Event()
+    watcher = CancelWatcher(settings, job.id, cancelled, state.interrupt)
+    watcher.start()
+    end: dict[str, Any]
+    try:
+        end = _execute(state, job, sink, cancelled)
+    except JobCancelled:
+        end = _cancelled_end(state)
+    except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
+        sink.write(traceback.format_exc())
+        end = {"state": c.FAILED, "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+    finally:
+        watcher.done.set()
+        sink.close()
+    with session_scope(settings) as session:
+        if not finish(session, job.id, **end):
+            log.warning("%s: job %s had already ended elsewhere", state.name, job.id)
+    broker.wake_scheduler(settings)
+    log.info("%s: job %s %s", state.name, job.id, end["state"])
+    return end["state"]
+
+
+def _cancelled_end(state: WorkerState) -> dict[str, Any]:
+    if state.interrupt.is_set():
+        return {"state": c.FAILED, "reason": "interrupted: the worker was shut down"}
+    return {"state": c.CANCELLED, "reason": "cancelled by user"}
+
+
+def _execute(state: WorkerState, job: JobRun, sink: OutputSink, cancelled: threading.Event) -> dict[str, Any]:
+    settings = state.settings
+    if job.kind == c.KIND_COMMAND:
+        assert job.argv is not None and job.cwd is not None
+        outcome = run_command(job.argv, job.cwd, job_env(os.environ, job, state.node), sink, cancelled,
+                              settings.kill_grace)
+        if outcome.cancelled:
+            return _cancelled_end(state)
+        if outcome.exit_code == 0:
+            return {"state": c.SUCCEEDED, "exit_code": 0}
+        return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
+    if len(job.gpu_indices) == 1:
+        from gpuq.workers.builtin import run_workload  # torch: imported where it runs
+
+        def on_metric(values: dict[str, Any]) -> None:
+            with session_scope(settings) as session:
+                record_metric(session, job.id, values)
+
+        result = run_workload(job.id, job.workload, job.params, 1, sink.line, cancelled, on_metric)
+        return {"state": c.SUCCEEDED, "result": result}
+    return _execute_in_child(state, job, sink, cancelled)
+
+
+def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink,
+                      cancelled: threading.Event) -> dict[str, Any]:
+    """A workload on several GPUs runs in a child that sees all of them (this worker sees one)."""
+    with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
+        env.update(job_env({}, job, state.node))
+        argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
+        outcome = run_command(argv, job.cwd or tmp, env, sink, cancelled, state.settings.kill_grace)
+        if outcome.cancelled:
+            return _cancelled_end(state)
+        if outcome.exit_code != 0 or not os.path.exists(result_path):
+            return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
+        with open(result_path) as f:
+            return {"state": c.SUCCEEDED, "result": json.load(f)}
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
