@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gpuq.service.errors import JobCancelled
 from gpuq.service.workloads import get_workload
@@ -26,39 +28,52 @@ def one_torch_thread():
     yield
     torch.set_num_threads(before)
 
-# One rank: two DDP steps on the shared global batch, then its parameters to a file.
+# Two DDP steps on the shared global batch; the rank's parameters after them, to a file.
 RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from gpuq.workers.workloads import data, nets, parallel
-rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.path.insert(0, sys.argv[5])
+from test_workload_ddp import ddp_steps
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-torch.manual_seed(rank)  # different initial parameters per rank: DDP must broadcast rank 0's
-trainer = parallel.make("ddp", nets.build("lenet"), [torch.device("cpu")], lr=0.5)
-x, y = next(data.batches(data.synthetic(0, 15, 1)[0], 15))
-for _ in range(2):
-    trainer.step(x, y)
-torch.save(trainer.model.state_dict(), out)
-dist.destroy_process_group()
+torch.save(ddp_steps(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), sys.argv[4])
 """
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return next(data.batches(data.synthetic(0, 15, 1)[0], 15))
+
+
+def ddp_steps(rank: int, world: int, init_method: str) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s parameters after two DDP steps on the global batch."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)  # different initial parameters per rank: DDP must broadcast rank 0's
+        trainer = parallel.make("ddp", nets.build("lenet"), [CPU], lr=0.5)
+        x, y = global_batch()
+        for _ in range(2):
+            trainer.step(x, y)
+        return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(60)
 def test_every_ddp_rank_ends_with_the_single_device_parameters(tmp_path):
     init = f"file://{tmp_path}/rendezvous"
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), "2", init,
-                               str(tmp_path / f"rank{r}.pt")]) for r in range(2)]
-    assert [p.wait(timeout=50) for p in ranks] == [0, 0]
+    # Rank 1 in a process of its own, rank 0 here: two processes that only meet through gloo.
+    rank1 = subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, "1", "2", init,
+                              str(tmp_path / "rank1.pt"), os.path.dirname(__file__)])
+    rank0 = ddp_steps(0, 2, init)
+    assert rank1.wait(timeout=50) == 0
+    rank1_state = torch.load(tmp_path / "rank1.pt", weights_only=True)
 
     torch.manual_seed(0)
     single = parallel.make("single", nets.build("lenet"), [CPU], lr=0.5)
-    x, y = next(data.batches(data.synthetic(0, 15, 1)[0], 15))
+    x, y = global_batch()
     for _ in range(2):
         single.step(x, y)
-    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for key, value in single.model.state_dict().items():
-        assert torch.equal(states[0][key], states[1][key]), key
-        torch.testing.assert_close(states[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(rank0[key], rank1_state[key]), key
+        torch.testing.assert_close(rank0[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def ddp_context(tmp_path, **params) -> tuple[WorkloadContext, list[dict]]:

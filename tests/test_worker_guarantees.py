@@ -1,0 +1,133 @@
+"""What the SQL claim guarantees, tested on the plain functions under the Celery task: a job runs
+at most once, only on the GPU it was dispatched to, and a GPU is never allocated twice."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from gpuq.service import constants as c
+from gpuq.service import inventory, jobs, spec
+from gpuq.service.celery_app import make_app, queue_name
+from gpuq.service.db import session_scope
+from gpuq.service.devices import open_devices
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.scheduler import Scheduler
+from gpuq.workers.runner import WorkerState, run_job
+
+
+def register_gpus(settings) -> list[int]:
+    ids = []
+    with session_scope(settings) as session:
+        for info in open_devices(settings).list():
+            q = queue_name(settings, settings.node, info.index)
+            ids.append(inventory.register(session, settings.node, info, q, f"gpu{info.index}@{settings.node}", 1))
+    return ids
+
+
+def dispatched_command(settings, argv, cwd) -> int:
+    """A command job, placed and dispatched by a real scheduler pass (message sent to Redis)."""
+    job = jobs.submit(settings, spec.command_spec(argv, cwd=str(cwd)))
+    placements = Scheduler(settings).schedule_once()
+    assert [p.job_id for p in placements] == [job.id]
+    return job.id
+
+
+def worker(settings, gpu_id: int, index: int) -> WorkerState:
+    return WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=f"gpu{index}@t")
+
+
+def test_a_message_delivered_twice_runs_the_job_once(settings, tmp_path):
+    gpu_ids = register_gpus(settings)
+    runs = tmp_path / "runs"
+    job_id = dispatched_command(settings, [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x')"], tmp_path)
+    with session_scope(settings) as session:
+        rank0 = jobs.job_gpus(session, job_id)[0]
+    state = worker(settings, rank0.id, rank0.index)
+    assert run_job(state, job_id) == c.SUCCEEDED
+    assert run_job(state, job_id) is None
+    assert runs.read_text() == "x"
+
+
+def test_a_message_reaching_another_gpus_worker_is_dropped(settings, tmp_path):
+    gpu_ids = register_gpus(settings)
+    job_id = dispatched_command(settings, ["true"], tmp_path)
+    with session_scope(settings) as session:
+        mine = jobs.job_gpus(session, job_id)[0].id
+    other = next(g for g in gpu_ids if g != mine)
+    assert run_job(worker(settings, other, 9), job_id) is None
+    with session_scope(settings) as session:
+        assert jobs.get_job(session, job_id).state == c.DISPATCHED
+
+
+def test_a_message_for_a_job_that_does_not_exist_changes_nothing(settings):
+    gpu_ids = register_gpus(settings)
+    assert run_job(worker(settings, gpu_ids[0], 0), 424242) is None
+
+
+def test_a_message_for_a_cancelled_job_does_not_start_it(settings, tmp_path):
+    register_gpus(settings)
+    job_id = dispatched_command(settings, ["true"], tmp_path)
+    assert jobs.cancel(settings, job_id).state == c.CANCELLED
+    with session_scope(settings) as session:
+        gpus = session.scalars(select(Gpu)).all()
+        assert jobs.job_gpus(session, job_id) == []
+    for g in gpus:
+        assert run_job(worker(settings, g.id, g.index), job_id) is None
+
+
+def test_the_database_refuses_to_allocate_one_gpu_to_two_jobs(settings, tmp_path):
+    gpu_ids = register_gpus(settings)
+    with pytest.raises(IntegrityError):
+        with session_scope(settings) as session:
+            a = Job(name="a", user="u", kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=1, params={})
+            b = Job(name="b", user="u", kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=1, params={})
+            session.add_all([a, b])
+            session.flush()
+            session.add_all([Allocation(job_id=a.id, gpu_id=gpu_ids[0], rank=0),
+                             Allocation(job_id=b.id, gpu_id=gpu_ids[0], rank=0)])
+
+
+def test_the_scheduler_sends_one_message_with_only_the_job_id_to_the_gpus_own_queue(settings, tmp_path):
+    import json
+
+    from gpuq.service import broker
+
+    register_gpus(settings)
+    job_id = dispatched_command(settings, ["true"], tmp_path)
+    with session_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job_id)[0]
+        assert jobs.get_job(session, job_id).state == c.DISPATCHED
+    r = broker.client(settings)
+    messages = r.lrange(gpu.queue, 0, -1)
+    r.delete(gpu.queue)
+    assert len(messages) == 1
+    envelope = json.loads(messages[0])
+    assert envelope["content-type"] == "application/json"
+    assert envelope["headers"]["task"] == c.RUN_JOB_TASK
+    body = json.loads(__import__("base64").b64decode(envelope["body"]))
+    assert body[0] == [job_id] and body[1] == {}
+
+
+def test_a_running_job_whose_worker_went_silent_fails_as_worker_lost(settings, tmp_path):
+    gpu_ids = register_gpus(settings)
+    job_id = dispatched_command(settings, ["true"], tmp_path)
+    with session_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job_id)[0]
+        assert jobs.claim(session, job_id, gpu.id, "gpu@t")
+        session.execute(update(Gpu).where(Gpu.id == gpu.id).values(heartbeat_at=utcnow().replace(year=2000)))
+    Scheduler(settings).schedule_once()
+    with session_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        assert job.state == c.FAILED and job.reason.startswith("worker lost")
+        assert jobs.job_gpus(session, job_id) == []
+
+
+def test_celery_is_configured_for_one_late_acked_json_job_at_a_time(settings):
+    conf = make_app(settings).conf
+    assert conf.accept_content == ["json"] and conf.task_serializer == "json"
+    assert conf.worker_prefetch_multiplier == 1 and conf.worker_concurrency == 1
+    assert conf.task_acks_late is True
