@@ -185,3 +185,29 @@ def test_each_worker_is_pinned_to_its_gpu_with_pci_bus_order(stack):
         assert "gpuq.workers" in cmdline
         # solo pool: the worker runs jobs in its own process, no forked pool children
         assert psutil.Process(proc.pid).children() == []
+
+
+def test_a_training_job_records_each_epoch_in_sql_and_show_prints_them(stack):
+    s = stack.settings
+    job_id = submit(s, ["train", "--model", "lenet", "--epochs", "2", "--batch-size", "64",
+                        "--train-size", "512", "--test-size", "128", "--lr", "0.5"])
+    assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == c.SUCCEEDED, output_of(s, job_id)
+    with session_scope(s) as session:
+        metrics = jobs.read_metrics(session, job_id)
+        result = jobs.get_job(session, job_id).result
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    assert all({"train_loss", "train_acc", "test_acc", "examples_per_s", "seconds"} <= m.keys() for m in metrics)
+    assert result["test_acc"] == metrics[-1]["test_acc"]
+    show = run_cli(["show", str(job_id)], s).stdout
+    assert "metrics" in show and "epoch=2" in show
+
+
+def test_a_two_gpu_ddp_training_job_runs_a_rank_per_gpu_and_succeeds(stack):
+    s = stack.settings
+    job_id = submit(s, ["--gpus", "2", "train", "--strategy", "ddp", "--epochs", "1", "--batch-size", "64",
+                        "--train-size", "256", "--test-size", "64"])
+    assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == c.SUCCEEDED, output_of(s, job_id)
+    with session_scope(s) as session:
+        job = jobs.get_job(session, job_id)
+        assert job.result["world_size"] == 2 and job.result["strategy"] == "ddp"
+        assert len(jobs.read_metrics(session, job_id)) == 1

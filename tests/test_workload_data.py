@@ -14,10 +14,11 @@ from gpuq.workers.workloads import data
 def write_idx(path, tensor: torch.Tensor, type_byte: int = 0x08) -> None:
     """An IDX file holding ``tensor`` (big-endian), gzipped when ``path`` ends in .gz."""
     header = bytes([0, 0, type_byte, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
-    if tensor.dtype == torch.uint8:
-        body = tensor.numpy().tobytes()
-    else:
-        body = tensor.numpy().astype(tensor.numpy().dtype.newbyteorder(">")).tobytes()
+    # struct, not NumPy: torch's CPU wheel does not bring NumPy, and gpuq does not need it.
+    code = {torch.uint8: "B", torch.int8: "b", torch.int16: "h", torch.int32: "i",
+            torch.float32: "f", torch.float64: "d"}[tensor.dtype]
+    values = tensor.flatten().tolist()
+    body = struct.pack(f">{len(values)}{code}", *values)
     raw = header + body
     path.write_bytes(gzip.compress(raw) if str(path).endswith(".gz") else raw)
 

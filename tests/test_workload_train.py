@@ -105,7 +105,7 @@ def test_training_reads_fashion_mnist_idx_files_from_data_dir(tmp_path):
         images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
         labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
         for kind, t in (("images-idx3", images), ("labels-idx1", labels)):
-            raw = bytes([0, 0, 8, t.dim()]) + struct.pack(f">{t.dim()}I", *t.shape) + t.numpy().tobytes()
+            raw = bytes([0, 0, 8, t.dim()]) + struct.pack(f">{t.dim()}I", *t.shape) + bytes(t.flatten().tolist())
             (tmp_path / f"{prefix}-{kind}-ubyte.gz").write_bytes(gzip.compress(raw))
     ctx, rows, _ = context(data_dir=str(tmp_path))
     result = train.run(ctx)
