@@ -29,6 +29,9 @@ class Param:
     min: float | None = None
     max: float | None = None
     choices: tuple[str, ...] | None = None
+    # A file or directory: made absolute at submit, since the job does not run in the submitter's
+    # directory (built-in workloads run inside the worker).
+    path: bool = False
 
     @property
     def flag(self) -> str:
@@ -37,6 +40,8 @@ class Param:
     def parse(self, raw: Any) -> Any:
         """The typed value of ``raw``; InvalidSpec saying what to change when it does not fit."""
         value = self._convert(raw)
+        if self.path and value:
+            value = os.path.abspath(os.path.expanduser(value))
         if self.choices is not None and value not in self.choices:
             raise InvalidSpec(f"{self.flag} must be one of {', '.join(self.choices)}; got {raw!r}")
         if self.min is not None and value < self.min:
@@ -279,12 +284,14 @@ TRAIN = Workload(
         Param("lr", float, 0.1, "SGD learning rate (seed 001: scale it with the batch)"),
         Param("strategy", str, "single", "single GPU, or data parallel: manual, dp, ddp",
               choices=_STRATEGIES),
-        Param("data_dir", str, "", "directory with Fashion-MNIST's IDX files; none: synthetic data"),
+        Param("data_dir", str, "", "directory with Fashion-MNIST's IDX files; none: synthetic data",
+              path=True),
         Param("train_size", int, 60000, "synthetic training examples", min=1, max=10_000_000),
         Param("test_size", int, 10000, "synthetic test examples", min=1, max=10_000_000),
         Param("seed", int, 0, "seed of the initial parameters, the shuffles and the synthetic data",
               min=0, max=2**31 - 1),
-        Param("checkpoint", str, "", "file saved every epoch, and resumed from when it exists"),
+        Param("checkpoint", str, "", "file saved every epoch, and resumed from when it exists",
+              path=True),
     ),
     max_gpus=None,
     check=_check_train,

@@ -135,6 +135,17 @@ def use_settings(settings, monkeypatch) -> Settings:
     settings_module.get_settings.cache_clear()
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op torch thread: on a small shared box, more threads wait on each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -106,3 +106,12 @@ def test_cancelling_a_pending_job_ends_it_at_once_and_twice_is_a_conflict(use_se
     again = invoke(["cancel", "1"])
     assert again.exit_code == c.EXIT_CONFLICT and "already ended (cancelled)" in again.output
     assert invoke(["wait", "1"]).exit_code == c.EXIT_JOB_FAILED
+
+
+def test_relative_paths_in_workload_parameters_are_stored_from_the_submit_directory(tmp_path, monkeypatch):
+    from gpuq.service.spec import workload_spec
+
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    job = workload_spec("train", ["--checkpoint", "ckpt/run1.pt"])
+    assert job.params["checkpoint"] == str(tmp_path / "ckpt" / "run1.pt")

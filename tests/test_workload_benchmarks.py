@@ -17,13 +17,7 @@ from gpuq.workers.context import WorkloadContext
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared box, more threads wait on each other (and on others)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(name: str, params: dict, gpus: int = 1) -> dict:

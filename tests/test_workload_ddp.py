@@ -20,13 +20,8 @@ from gpuq.workers.workloads import data, nets, parallel, train
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared box, more threads wait on each other (and on others)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 # Two DDP steps on the shared global batch; the rank's parameters after them, to a file.
 RANK_SCRIPT = """

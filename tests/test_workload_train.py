@@ -19,13 +19,8 @@ from gpuq.workers.workloads import train
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared box, more threads wait on each other (and on others)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 RESULT_KEYS = {"model", "strategy", "devices", "world_size", "simulated", "data", "train_size",
                "test_size", "batch_size", "lr", "epochs", "epochs_this_run", "resumed_from_epoch",
                "train_loss", "train_acc", "test_acc", "examples_per_s", "seconds", "checkpoint"}
