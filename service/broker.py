@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import redis
+from typing import TYPE_CHECKING
 
 from gpuq.service import constants as c
 from gpuq.service.errors import Unreachable
 from gpuq.service.settings import Settings, mask_url
 
 
+if TYPE_CHECKING:
+    import redis
+
+
 def client(settings: Settings, timeout: float = c.BROKER_CONNECT_TIMEOUT) -> redis.Redis:
+    import redis  # only the commands that talk to Redis pay for importing it
+
     return redis.Redis.from_url(settings.broker, socket_connect_timeout=timeout, socket_timeout=timeout + 30)
 
 
@@ -18,6 +24,8 @@ def wake_key(settings: Settings) -> str:
 
 
 def reachable(settings: Settings, timeout: float = 1.0) -> bool:
+    import redis
+
     try:
         return bool(client(settings, timeout).ping())
     except redis.RedisError:
@@ -26,6 +34,8 @@ def reachable(settings: Settings, timeout: float = 1.0) -> bool:
 
 def check(settings: Settings) -> None:
     """Raise Unreachable naming the broker URL (password masked) unless Redis answers."""
+    import redis
+
     try:
         client(settings).ping()
     except redis.RedisError as exc:
@@ -37,6 +47,8 @@ def wake_scheduler(settings: Settings, conn: redis.Redis | None = None) -> None:
 
     Best effort: a scheduler that misses it still finds the job on its next timed pass.
     """
+    import redis
+
     try:
         r = conn or client(settings)
         pipe = r.pipeline()
