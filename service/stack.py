@@ -88,6 +88,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         raise StackError(f"no GPU on this node ({devices.why_none}); set GPUQ_FAKE_GPUS=N to run on N simulated GPUs")
     if not settings.broker_is_managed:
         broker.check(settings)
+    starts_redis = settings.broker_is_managed and not broker.reachable(settings)
     upgrade(settings)
     for d in (settings.run_dir, settings.log_dir):
         d.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         if proc.poll() is not None:
             raise StackError(f"the stack did not start: {_tail(settings.log_dir / 'supervisor.log')}")
         if _registered(settings, [g.index for g in gpus], started) == len(gpus):
-            return StackStatus(proc.pid, len(gpus), settings.log_dir, settings.broker_is_managed)
+            return StackStatus(proc.pid, len(gpus), settings.log_dir, starts_redis)
         time.sleep(0.2)
     raise StackError(f"workers did not register within {timeout:g} s; see {settings.log_dir}")
 

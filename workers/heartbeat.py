@@ -28,12 +28,15 @@ class Heartbeat(threading.Thread):
         self._procs: dict[int, psutil.Process] = {}
 
     def run(self) -> None:
-        while not self.stopped.wait(self.settings.heartbeat_interval):
+        # Beat at once, then every interval: a new worker shows its readings straight away.
+        while True:
             try:
                 with session_scope(self.settings) as session:
                     inventory.beat(session, self.gpu_id, self.reading())
             except Exception:  # noqa: BLE001 - keep beating; the reaper decides when we are lost
                 log.exception("heartbeat failed")
+            if self.stopped.wait(self.settings.heartbeat_interval):
+                return
 
     def reading(self) -> GpuReading:
         if self.devices.kind != "simulated":
