@@ -38,6 +38,8 @@ def _sqlite_begin(conn) -> None:
 
 _engines: dict[str, Engine] = {}
 _sessionmakers: dict[str, sessionmaker[Session]] = {}
+# Databases this process has seen at the head revision: checked once, not on every command.
+_schema_ok: set[str] = set()
 
 
 def _engine(url: str) -> Engine:
@@ -128,12 +130,6 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
         raise Unreachable(_unreachable_message(settings, exc)) from None
 
 
-def head_revision(settings: Settings) -> str:
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(alembic_config(settings)).get_current_head()
-
-
 def current_revision(settings: Settings) -> str | None:
     try:
         with get_engine(settings).connect() as conn:
@@ -156,9 +152,6 @@ def require_schema(settings: Settings) -> None:
             raise SchemaOutOfDate(f"the database at {where} has no gpuq schema yet: run `gpuq db upgrade`")
         raise SchemaOutOfDate(f"the database at {where} is at revision {current}, not {head}: run `gpuq db upgrade`")
     _schema_ok.add(settings.database)
-
-
-_schema_ok: set[str] = set()
 
 
 def _head_without_alembic_import() -> str:
