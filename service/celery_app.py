@@ -42,3 +42,8 @@ def make_app(settings: Settings) -> Celery:
 def send_run_job(app: Celery, queue: str, job_id: int) -> None:
     """Send the message that asks the worker listening on ``queue`` to run job ``job_id``."""
     app.send_task(c.RUN_JOB_TASK, args=[job_id], queue=queue, routing_key=queue, retry=False)
+
+
+def send_run_rank(app: Celery, queue: str, job_id: int, rank: int) -> None:
+    """Ask the worker listening on ``queue`` to run rank ``rank`` of job ``job_id``."""
+    app.send_task(c.RUN_RANK_TASK, args=[job_id, rank], queue=queue, routing_key=queue, retry=False)

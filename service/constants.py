@@ -17,8 +17,10 @@ ALL_STATES = ACTIVE_STATES + END_STATES
 KIND_WORKLOAD = "workload"  # a built-in torch workload run inside the warm worker
 KIND_COMMAND = "command"  # the user's own argv, run as a child process
 
-# The one Celery task gpuq sends; its only argument is the job id (the rest comes from SQL).
+# The Celery tasks gpuq sends. run_job's only argument is the job id (the rest comes from SQL);
+# run_rank asks the worker of one of a job's other GPUs to run its rank (job id, rank).
 RUN_JOB_TASK = "gpuq.run_job"
+RUN_RANK_TASK = "gpuq.run_rank"
 
 # Exit codes of the CLI, named so scripts can tell failures apart (sysexits.h where one fits).
 EXIT_OK = 0

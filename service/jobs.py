@@ -123,6 +123,22 @@ def claim(session: Session, job_id: int, gpu_id: int, worker: str) -> bool:
     ).rowcount == 1
 
 
+def set_rendezvous(session: Session, job_id: int, init_method: str) -> None:
+    session.execute(update(Job).where(Job.id == job_id, Job.state == c.RUNNING).values(rendezvous=init_method))
+
+
+def rank_to_run(session: Session, job_id: int, gpu_id: int, rank: int) -> Job | None:
+    """The job, if it is running with rank ``rank`` (1 or more) on this GPU and its ranks' meeting
+    point is set; None otherwise (rank 0 is the job itself, started by run_job)."""
+    if rank < 1:
+        return None
+    return session.scalar(
+        select(Job).join(Allocation, Allocation.job_id == Job.id)
+        .where(Job.id == job_id, Job.state == c.RUNNING, Job.rendezvous.is_not(None),
+               Allocation.gpu_id == gpu_id, Allocation.rank == rank)
+    )
+
+
 def cancel_requested(session: Session, job_id: int) -> bool:
     row = session.execute(select(Job.state, Job.cancel_requested_at).where(Job.id == job_id)).one_or_none()
     return row is None or row.state != c.RUNNING or row.cancel_requested_at is not None

@@ -92,6 +92,9 @@ class Job(Base):
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);
+    # written by rank 0's worker when it starts the job.
+    rendezvous: Mapped[str | None] = mapped_column(String(255))
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"

@@ -65,6 +65,9 @@ class Settings:
     kill_grace: float = 10.0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
     max_output_bytes: int = 16 * 1024 * 1024
+    # Address other nodes reach this one at, for the ranks of a multi-GPU job to meet; empty: the
+    # address this host's name resolves to.
+    advertise_addr: str = ""
     # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
     warm_start: bool = True
 

@@ -94,6 +94,13 @@ class Workload:
     max_gpus: int | None = 1
     # Checks that span several parameters or the GPU count; raise InvalidSpec.
     check: Callable[[dict[str, Any], int], None] | None = field(default=None, compare=False)
+    # True for parameters that run one rank in each allocated GPU's own worker (DDP), rather than
+    # one process that sees all the job's GPUs; ``rank_entry`` ("module:function") runs one rank.
+    rank_per_gpu: Callable[[dict[str, Any]], bool] | None = field(default=None, compare=False)
+    rank_entry: str = ""
+
+    def runs_rank_per_gpu(self, params: dict[str, Any], gpus: int) -> bool:
+        return gpus > 1 and self.rank_per_gpu is not None and self.rank_per_gpu(params)
 
     def param(self, name: str) -> Param | None:
         key = name.replace("-", "_")
@@ -295,6 +302,8 @@ TRAIN = Workload(
     ),
     max_gpus=None,
     check=_check_train,
+    rank_per_gpu=lambda params: params["strategy"] == "ddp",
+    rank_entry="gpuq.workers.workloads.ranks:run_rank",
 )
 
 CATALOGUE: dict[str, Workload] = {

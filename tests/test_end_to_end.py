@@ -202,7 +202,7 @@ def test_a_training_job_records_each_epoch_in_sql_and_show_prints_them(stack):
     assert "metrics" in show and "epoch=2" in show
 
 
-def test_a_two_gpu_ddp_training_job_runs_a_rank_per_gpu_and_succeeds(stack):
+def test_a_two_gpu_ddp_training_job_runs_one_rank_in_each_gpus_own_worker(stack):
     s = stack.settings
     job_id = submit(s, ["--gpus", "2", "train", "--strategy", "ddp", "--epochs", "1", "--batch-size", "64",
                         "--train-size", "256", "--test-size", "64"])
@@ -210,4 +210,9 @@ def test_a_two_gpu_ddp_training_job_runs_a_rank_per_gpu_and_succeeds(stack):
     with session_scope(s) as session:
         job = jobs.get_job(session, job_id)
         assert job.result["world_size"] == 2 and job.result["strategy"] == "ddp"
-        assert len(jobs.read_metrics(session, job_id)) == 1
+        assert job.rendezvous.startswith("tcp://")
+        assert len(jobs.read_metrics(session, job_id)) == 1  # rank 0 alone records
+        rank0 = job.worker
+    # Rank 1 ran in the other GPU's warm worker, not in a process rank 0 started.
+    other = next(n for n in stack.procs if n.startswith("worker") and not rank0.startswith(f"gpu{n[-1]}@"))
+    assert f"job {job_id} rank 1/2 started" in (stack.log_dir / f"{other}.log").read_text()

@@ -131,3 +131,25 @@ def test_celery_is_configured_for_one_late_acked_json_job_at_a_time(settings):
     assert conf.accept_content == ["json"] and conf.task_serializer == "json"
     assert conf.worker_prefetch_multiplier == 1 and conf.worker_concurrency == 1
     assert conf.task_acks_late is True
+
+
+def test_a_rank_message_runs_only_for_a_running_job_holding_that_gpu_at_that_rank(settings, tmp_path):
+    from gpuq.workers.runner import run_rank
+
+    register_gpus(settings)
+    job = jobs.submit(settings, spec.workload_spec("train", ["--strategy", "ddp", "--epochs", "1"], gpus=2))
+    Scheduler(settings).schedule_once()
+    with session_scope(settings) as session:
+        g0, g1 = jobs.job_gpus(session, job.id)
+    # Dispatched, not yet running: no rank may start.
+    assert run_rank(worker(settings, g1.id, g1.index), job.id, 1) is False
+    with session_scope(settings) as session:
+        assert jobs.claim(session, job.id, g0.id, "gpu@t")
+    # Running, but rank 0 has not set where the ranks meet yet.
+    assert run_rank(worker(settings, g1.id, g1.index), job.id, 1) is False
+    with session_scope(settings) as session:
+        jobs.set_rendezvous(session, job.id, "tcp://127.0.0.1:1")
+        assert jobs.rank_to_run(session, job.id, g1.id, 1) is not None
+        assert jobs.rank_to_run(session, job.id, g0.id, 1) is None  # wrong GPU for rank 1
+        assert jobs.rank_to_run(session, job.id, g1.id, 2) is None  # no such rank
+        assert jobs.rank_to_run(session, job.id, g0.id, 0) is None  # rank 0 is the job itself

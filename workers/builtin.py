@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,22 +26,36 @@ def job_devices(count: int) -> list[torch.device]:
     return [torch.device("cpu")] * count
 
 
-def entry_point(workload: str) -> Callable[[WorkloadContext], dict[str, Any]]:
-    module, _, func = get_workload(workload).entry.partition(":")
+def entry_point(entry: str) -> Callable[..., dict[str, Any]]:
+    module, _, func = entry.partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank of a job run one rank per GPU worker: which, of how many, meeting where."""
+
+    rank: int
+    world_size: int
+    init_method: str
 
 
 def run_workload(job_id: int, workload: str, params: dict[str, Any], gpus: int,
                  log: Callable[[str], None], cancelled: threading.Event,
-                 on_metric: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the workload and return its result, with the peak memory it held added."""
-    run = entry_point(workload)
-    devices = job_devices(gpus)
+                 on_metric: Callable[[dict[str, Any]], None] | None = None,
+                 rank: Rank | None = None) -> dict[str, Any]:
+    """Run the workload (or one rank of it, on this worker's GPU) and return its result, with the
+    peak memory it held added."""
+    w = get_workload(workload)
+    devices = job_devices(gpus if rank is None else 1)
     ctx = WorkloadContext(job_id=job_id, params=params, devices=devices, log=log, cancelled=cancelled,
                           on_metric=on_metric)
     reset_peak_memory(devices)
     try:
-        result = dict(run(ctx))
+        if rank is None:
+            result = dict(entry_point(w.entry)(ctx))
+        else:
+            result = dict(entry_point(w.rank_entry)(ctx, rank.rank, rank.world_size, rank.init_method))
         result["memory"] = peak_memory(devices)
         if devices[0].type == "cpu":
             result.setdefault("fell_back_to_cpu", True)

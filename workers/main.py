@@ -64,10 +64,10 @@ def serve(index: int, loglevel: str) -> int:
         log.info("%s: warm on %s", name, warm_up())
     with session_scope(settings) as session:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
-    state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name)
+    app = make_app(settings)
+    state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, app=app)
     heartbeat = Heartbeat(settings, gpu_id, devices, index)
     heartbeat.start()
-    app = make_app(settings)
     tasks.register(app, state)
     _interrupt_on_second_shutdown(state)
     broker.wake_scheduler(settings)  # a new GPU may be what a waiting job needs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -17,8 +18,11 @@ from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.errors import JobCancelled
-from gpuq.service.jobs import cancel_requested, claim, finish, get_job, job_gpus, record_metric
+from gpuq.service.celery_app import send_run_rank
+from gpuq.service.jobs import (cancel_requested, claim, finish, get_job, job_gpus, rank_to_run, record_metric,
+                               set_rendezvous)
 from gpuq.service.settings import Settings, secret_env_names
+from gpuq.service.workloads import get_workload
 from gpuq.workers.command import run_command
 from gpuq.workers.output import OutputSink
 
@@ -34,6 +38,8 @@ class WorkerState:
     gpu_index: int
     gpu_id: int
     name: str
+    # The Celery app, to ask the job's other GPUs' workers to run their ranks.
+    app: Any = None
     # Set on the second shutdown request: stop the running job now instead of letting it finish.
     interrupt: threading.Event = field(default_factory=threading.Event)
 
@@ -50,6 +56,7 @@ class JobRun:
     argv: list[str] | None
     cwd: str | None
     gpu_indices: tuple[int, ...]
+    gpu_queues: tuple[str, ...]
 
 
 def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
@@ -95,7 +102,8 @@ def load(settings: Settings, job_id: int) -> JobRun:
         job = get_job(session, job_id)
         gpus = job_gpus(session, job_id)
         return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
-                      argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus))
+                      argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
+                      gpu_queues=tuple(g.queue for g in gpus))
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -151,16 +159,83 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, cancelled: threa
         if outcome.exit_code == 0:
             return {"state": c.SUCCEEDED, "exit_code": 0}
         return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
-    if len(job.gpu_indices) == 1:
-        from gpuq.workers.builtin import run_workload  # torch: imported where it runs
+    from gpuq.workers.builtin import run_workload  # torch: imported where it runs
 
-        def on_metric(values: dict[str, Any]) -> None:
-            with session_scope(settings) as session:
-                record_metric(session, job.id, values)
+    def on_metric(values: dict[str, Any]) -> None:
+        with session_scope(settings) as session:
+            record_metric(session, job.id, values)
 
+    gpus = len(job.gpu_indices)
+    if gpus == 1:
         result = run_workload(job.id, job.workload, job.params, 1, sink.line, cancelled, on_metric)
-        return {"state": c.SUCCEEDED, "result": result}
-    return _execute_in_child(state, job, sink, cancelled)
+    elif get_workload(job.workload).runs_rank_per_gpu(job.params, gpus):
+        rank0 = _start_ranks(state, job)
+        result = run_workload(job.id, job.workload, job.params, gpus, sink.line, cancelled, on_metric, rank0)
+    else:
+        return _execute_in_child(state, job, sink, cancelled)
+    return {"state": c.SUCCEEDED, "result": result}
+
+
+def _start_ranks(state: WorkerState, job: JobRun):
+    """Set where the job's ranks meet and ask each of its other GPUs' workers to run its rank.
+
+    Each rank then runs in the warm worker pinned to its own GPU; this worker runs rank 0.
+    """
+    from gpuq.workers.builtin import Rank
+
+    init_method = f"tcp://{advertise_addr(state.settings)}:{free_port()}"
+    with session_scope(state.settings) as session:
+        set_rendezvous(session, job.id, init_method)
+    for rank, queue in enumerate(job.gpu_queues[1:], start=1):
+        send_run_rank(state.app, queue, job.id, rank)
+    return Rank(0, len(job.gpu_queues), init_method)
+
+
+def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
+    """Run rank ``rank`` of a running job on this worker's GPU; False if it is not ours to run.
+
+    Only rank 0 (the job's own worker) writes output, metrics and the end state; a failing rank
+    here makes rank 0's collectives fail, and so the job.
+    """
+    from gpuq.workers.builtin import Rank, run_workload
+
+    with session_scope(state.settings) as session:
+        job = rank_to_run(session, job_id, state.gpu_id, rank)
+        if job is None:
+            log.info("%s: rank %s of job %s is not this GPU's to run; message dropped", state.name, rank, job_id)
+            return False
+        workload, params, gpus, meet = job.workload, dict(job.params), job.gpus, job.rendezvous
+    log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
+    cancelled = threading.Event()
+    watcher = CancelWatcher(state.settings, job_id, cancelled, state.interrupt)
+    watcher.start()
+    try:
+        run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),
+                     cancelled, None, Rank(rank, gpus, meet))
+    except JobCancelled:
+        log.info("%s: job %s rank %s stopped: job cancelled or ended", state.name, job_id, rank)
+    except Exception:  # noqa: BLE001 - rank 0 reports the job's failure
+        log.exception("%s: job %s rank %s failed", state.name, job_id, rank)
+    finally:
+        watcher.done.set()
+    log.info("%s: job %s rank %s done", state.name, job_id, rank)
+    return True
+
+
+def advertise_addr(settings: Settings) -> str:
+    """The address other nodes reach this one at (GPUQ_ADVERTISE_ADDR, else the host name's)."""
+    if settings.advertise_addr:
+        return settings.advertise_addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink,

@@ -7,7 +7,7 @@ import logging
 from celery import Celery
 
 from gpuq.service import constants as c
-from gpuq.workers.runner import WorkerState, run_job
+from gpuq.workers.runner import WorkerState, run_job, run_rank
 
 log = logging.getLogger("gpuq.worker")
 
@@ -20,3 +20,10 @@ def register(app: Celery, state: WorkerState) -> None:
             log.warning("%s: dropped a message with job id %r", state.name, job_id)
             return
         run_job(state, job_id)
+
+    @app.task(name=c.RUN_RANK_TASK, ignore_result=True, acks_late=True)
+    def run_rank_task(job_id, rank):
+        if type(job_id) is not int or type(rank) is not int:
+            log.warning("%s: dropped a rank message %r/%r", state.name, job_id, rank)
+            return
+        run_rank(state, job_id, rank)

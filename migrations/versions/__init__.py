@@ -1,1 +1,1 @@
-HEAD = "0001"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0002"  # the newest revision; tests/test_migrations.py checks it against Alembic
