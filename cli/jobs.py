@@ -12,6 +12,7 @@ from gpuq.cli.render import duration, job_dict, print_json, result_summary, time
 from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.db import require_schema, session_scope
+from gpuq.service.errors import InvalidSpec, StateConflict
 from gpuq.service.settings import get_settings
 
 app = typer.Typer()
@@ -85,16 +86,30 @@ def logs(job_id: JobId,
         time.sleep(c.CLIENT_POLL_SECONDS)
 
 
+def _selected(settings, job_ids: list[int] | None, array: int | None, user: str | None = None) -> list[int]:
+    """The jobs a command acts on: ids, an array's jobs, or (cancel) a user's active jobs."""
+    chosen = list(job_ids or [])
+    with session_scope(settings) as session:
+        for job_id in chosen:
+            jobs.get_job(session, job_id)
+        if array is not None:
+            chosen += jobs.array_jobs(session, array)
+        if user is not None:
+            chosen += jobs.active_jobs_of(session, user)
+    if not chosen and user is None:
+        raise InvalidSpec("name the jobs: ids, --array ID" + (" or --user" if user is not None else ""))
+    return list(dict.fromkeys(chosen))
+
+
 @app.command()
-def wait(job_ids: Annotated[list[int], typer.Argument(help="Job ids.", min=1)],
+def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
+         array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
          timeout: Annotated[Optional[float], typer.Option(help="Give up after this many seconds.")] = None,
          quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False) -> None:
     """Block until the jobs end; exit 0 only if all of them succeeded."""
     settings = get_settings()
     require_schema(settings)
-    with session_scope(settings) as session:
-        for job_id in job_ids:
-            jobs.get_job(session, job_id)
+    job_ids = _selected(settings, job_ids, array)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         with session_scope(settings) as session:
@@ -114,14 +129,29 @@ def wait(job_ids: Annotated[list[int], typer.Argument(help="Job ids.", min=1)],
 
 
 @app.command()
-def cancel(job_ids: Annotated[list[int], typer.Argument(help="Job ids.", min=1)],
+def cancel(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
+           array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
+           user: Annotated[bool, typer.Option("--user", help="All my waiting and running jobs.")] = False,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
            ) -> None:
     """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree."""
     settings = get_settings()
+    require_schema(settings)
+    from gpuq.service.spec import current_user
+
+    targets = _selected(settings, job_ids, array, current_user() if user else None)
+    if not targets:
+        typer.echo("no active jobs to cancel")
+        return
     stopping = []
-    for job_id in job_ids:
-        outcome = jobs.cancel(settings, job_id)
+    for job_id in targets:
+        try:
+            outcome = jobs.cancel(settings, job_id)
+        except StateConflict as exc:
+            if len(targets) == 1:
+                raise
+            typer.echo(f"job {job_id}: {exc}")  # in an array, ended tasks are no error
+            continue
         if outcome.state == c.CANCELLED:
             typer.echo(f"job {job_id} cancelled")
         else:

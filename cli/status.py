@@ -49,6 +49,10 @@ def status(
         devices.add_column(col, justify="right" if col in ("GPU", "UTIL") else "left")
     for g in gpus:
         state = "offline" if not g.online else ("busy" if g.job_id else "idle")
+        if g.drained:
+            state += " (drained)"
+        if g.foreign_mib:
+            state += f" +{mib(g.foreign_mib)} foreign"
         devices.add_row(g.node, str(g.index), g.name, f"{mib(g.memory_used_mib)} / {mib(g.memory_total_mib)}",
                         "n/a" if g.utilization is None else f"{g.utilization}%", _state(state),
                         f"{g.job_id} ({g.job_user})" if g.job_id else "-")

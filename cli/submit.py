@@ -36,6 +36,18 @@ def submit(
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs the job needs, all on one node.")] = 1,
     name: Annotated[Optional[str], typer.Option("--name", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
+    priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
+    mem: Annotated[Optional[str], typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
+    node: Annotated[Optional[str], typer.Option(help="Run on this node only.")] = None,
+    time: Annotated[Optional[str], typer.Option(help="Time limit (2h, 30m, 1:30:00); stopped past it.")] = None,
+    retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.")] = 0,
+    hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
+    after: Annotated[Optional[str], typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
+    after_any: Annotated[Optional[str], typer.Option(help="Start after these jobs ended, in any state.")] = None,
+    array: Annotated[Optional[str], typer.Option(help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
+                                                      "(GPUQ_ARRAY_INDEX; {index} in a command).")] = None,
+    sweep: Annotated[Optional[list[str]], typer.Option(help="name=v1,v2: a job per value (repeat for the "
+                                                            "cross product).")] = None,
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
 
@@ -46,13 +58,25 @@ def submit(
     if command is not None:
         if workload is not None or ctx.args:
             raise InvalidSpec("give either a workload or a command after --, not both")
-        job_spec = spec.command_spec(command, gpus=gpus, name=name)
+
+        def make(extra: list[str]) -> spec.JobSpec:
+            return spec.command_spec(command, gpus=gpus, name=name)
     elif workload is None:
         raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
     else:
-        job_spec = spec.workload_spec(workload, list(ctx.args), gpus=gpus, name=name)
-    job = jobs.submit(get_settings(), job_spec)
+
+        def make(extra: list[str]) -> spec.JobSpec:
+            return spec.workload_spec(workload, list(ctx.args) + extra, gpus=gpus, name=name)
+
+    sched = spec.Scheduling(priority=priority, mem=mem, node=node, time=time, retries=retries, hold=hold,
+                            after=after, after_any=after_any)
+    specs = spec.expand(make, sched, array, sweep or [])
+    submitted = jobs.submit_all(get_settings(), specs)
     if as_json:
-        print_json(job_dict(job))
+        data = [job_dict(j) for j in submitted]
+        print_json(data[0] if len(data) == 1 and array is None and not sweep else data)
+    elif len(submitted) == 1 and submitted[0].array_id is None:
+        typer.echo(f"submitted job {submitted[0].id}")
     else:
-        typer.echo(f"submitted job {job.id}")
+        typer.echo(f"submitted array {submitted[0].array_id}: jobs {submitted[0].id}-{submitted[-1].id} "
+                   f"({len(submitted)})")

@@ -29,6 +29,7 @@ EXIT_USAGE = 2  # bad input: the command line or a job spec
 EXIT_NOT_FOUND = 3  # no such job
 EXIT_CONFLICT = 4  # the job is not in a state that allows this
 EXIT_TIMEOUT = 5  # `gpuq wait --timeout` ran out first
+EXIT_NOT_ALLOWED = 77  # another user's job
 EXIT_UNAVAILABLE = 69  # the database or the broker cannot be reached
 EXIT_SOFTWARE = 70  # a bug in gpuq: please report it
 EXIT_CONFIG = 78  # the settings are wrong

@@ -10,6 +10,7 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpuq.service.errors import ConfigError
 from gpuq.service.settings import Settings
 
 
@@ -25,6 +26,16 @@ class GpuInfo:
 
 
 @dataclass(frozen=True)
+class GpuProcess:
+    """A process using a GPU, as NVML lists it."""
+
+    pid: int
+    mib: int | None
+    user: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """One reading of a GPU's state; None where the device cannot tell."""
 
@@ -32,6 +43,7 @@ class GpuReading:
     utilization: int | None = None
     temperature_c: int | None = None
     power_w: float | None = None
+    processes: tuple[GpuProcess, ...] = ()
 
 
 class Devices(Protocol):
@@ -70,7 +82,8 @@ class SimulatedDevices:
     kind = "simulated"
     why_none = ""
 
-    def __init__(self, count: int, memory_mib: int, node: str) -> None:
+    def __init__(self, count: int, memory_mib: int, node: str, foreign: str = "") -> None:
+        self._foreign = parse_foreign(foreign)
         self._gpus = [
             GpuInfo(index=i, uuid=f"GPU-sim-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{node}/{i}')}",
                     name="Simulated GPU", memory_total_mib=memory_mib, simulated=True)
@@ -81,7 +94,20 @@ class SimulatedDevices:
         return list(self._gpus)
 
     def read(self, index: int) -> GpuReading:
-        return GpuReading()
+        return GpuReading(processes=tuple(self._foreign.get(index, ())))
+
+
+def parse_foreign(text: str) -> dict[int, list[GpuProcess]]:
+    """``"1:12000:4242:bob,..."``: on simulated GPU 1, pid 4242 of bob holds 12000 MiB."""
+    out: dict[int, list[GpuProcess]] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            index, mib, pid, user = item.split(":")
+            out.setdefault(int(index), []).append(GpuProcess(pid=int(pid), mib=int(mib), user=user,
+                                                             name="simulated"))
+        except ValueError:
+            raise ConfigError(f"fake_gpu_foreign takes GPU:MIB:PID:USER[,...]; got {item!r}") from None
+    return out
 
 
 class NvmlDevices:
@@ -125,7 +151,28 @@ class NvmlDevices:
             utilization=_na(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu, n),
             temperature_c=_na(lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU), n),
             power_w=_na(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0, n),
+            processes=tuple(_processes(n, h)),
         )
+
+
+def _processes(nvml, handle) -> list[GpuProcess]:
+    try:
+        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError:
+        return []
+    out = []
+    for p in procs:
+        mib = p.usedGpuMemory // 2**20 if isinstance(p.usedGpuMemory, int) else None
+        user = name = None
+        try:
+            import psutil
+
+            proc = psutil.Process(p.pid)
+            user, name = proc.username(), proc.name()
+        except Exception:  # noqa: BLE001 - another container's or user's process: pid and memory only
+            pass
+        out.append(GpuProcess(pid=p.pid, mib=mib, user=user, name=name))
+    return out
 
 
 def _na(read, nvml):
@@ -138,7 +185,8 @@ def _na(read, nvml):
 def open_devices(settings: Settings) -> Devices:
     """This node's GPUs: simulated when ``fake_gpus`` is set, else NVML, else none (with why)."""
     if settings.fake_gpus:
-        return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node)
+        return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node,
+                                settings.fake_gpu_foreign)
     try:
         import pynvml
     except ImportError:

@@ -33,6 +33,12 @@ class StateConflict(GpuqError):
     exit_code = c.EXIT_CONFLICT
 
 
+class NotAllowed(GpuqError):
+    """The job belongs to another user and the caller is not an admin."""
+
+    exit_code = c.EXIT_NOT_ALLOWED
+
+
 class Unreachable(GpuqError):
     """The database or the broker did not answer; the message names which URL (password masked)."""
 

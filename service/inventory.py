@@ -9,7 +9,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from gpuq.service.devices import GpuInfo, GpuReading
-from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, Node, utcnow
 from gpuq.service.settings import Settings
 
 
@@ -31,10 +31,14 @@ def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str
     return gpu.id
 
 
-def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
-    """A heartbeat: the worker is alive, and this is how its GPU looks."""
+def beat(session: Session, gpu_id: int, reading: GpuReading, own_pids: set[int] = frozenset()) -> None:
+    """A heartbeat: the worker is alive, and this is how its GPU looks. Processes on the GPU that
+    are not the worker's or its jobs' (``own_pids``) are foreign: other programs' memory."""
+    foreign = [p for p in reading.processes if p.pid not in own_pids]
     session.execute(update(Gpu).where(Gpu.id == gpu_id).values(
-        heartbeat_at=utcnow(), memory_used_mib=reading.memory_used_mib, utilization=reading.utilization))
+        heartbeat_at=utcnow(), memory_used_mib=reading.memory_used_mib, utilization=reading.utilization,
+        foreign_mib=sum(p.mib or 0 for p in foreign),
+        foreign=[{"pid": p.pid, "mib": p.mib, "user": p.user, "name": p.name} for p in foreign] or None))
 
 
 def sign_off(session: Session, gpu_id: int) -> None:
@@ -58,10 +62,13 @@ class GpuView:
     job_id: int | None
     job_user: str | None
     heartbeat_at: datetime | None
+    drained: bool = False
+    foreign_mib: int | None = None
 
 
 def view(session: Session, settings: Settings) -> list[GpuView]:
     cutoff = live_cutoff(settings)
+    drained = drained_nodes(session)
     rows = session.execute(
         select(Gpu, Job.id, Job.user).outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
         .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)
@@ -70,6 +77,28 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,
                 online=g.heartbeat_at is not None and g.heartbeat_at >= cutoff, worker=g.worker,
-                job_id=job_id, job_user=user, heartbeat_at=g.heartbeat_at)
+                job_id=job_id, job_user=user, heartbeat_at=g.heartbeat_at, drained=g.node in drained,
+                foreign_mib=g.foreign_mib)
         for g, job_id, user in rows
     ]
+
+
+def set_drained(session: Session, node: str, drained: bool, reason: str | None = None) -> None:
+    """Drain a node (running jobs finish, nothing new starts there) or resume it."""
+    from gpuq.service.errors import InvalidSpec, StateConflict
+
+    known = session.scalar(select(Gpu.id).where(Gpu.node == node).limit(1))
+    row = session.get(Node, node)
+    if known is None and row is None:
+        raise InvalidSpec(f"no node {node} is known to gpuq")
+    if row is None:
+        row = Node(name=node, drained=False)
+        session.add(row)
+    if row.drained == drained:
+        raise StateConflict(f"node {node} is {'already drained' if drained else 'not drained'}")
+    row.drained, row.drain_reason = drained, reason if drained else None
+    row.drained_at = utcnow() if drained else None
+
+
+def drained_nodes(session: Session) -> dict[str, str | None]:
+    return {n.name: n.drain_reason for n in session.scalars(select(Node).where(Node.drained))}

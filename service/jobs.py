@@ -18,10 +18,10 @@ from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service.db import require_schema, session_scope
 from gpuq.service.devices import open_devices
-from gpuq.service.errors import InvalidSpec, JobNotFound, StateConflict
+from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
 from gpuq.service.settings import Settings
-from gpuq.service.spec import JobSpec
+from gpuq.service.spec import JobSpec, current_user
 
 
 def largest_node(session: Session, settings: Settings) -> tuple[str | None, int]:
@@ -35,23 +35,71 @@ def largest_node(session: Session, settings: Settings) -> tuple[str | None, int]
 
 
 def submit(settings: Settings, spec: JobSpec) -> Job:
-    """Queue ``spec`` as a pending job and wake the scheduler. Nothing is written on any error."""
+    """Queue one job; see ``submit_all``."""
+    return submit_all(settings, [spec])[0]
+
+
+def submit_all(settings: Settings, specs: list[JobSpec]) -> list[Job]:
+    """Queue ``specs`` as pending jobs in one transaction (an array shares its first job's id as
+    ``array_id``) and wake the scheduler. Nothing is written on any error."""
     require_schema(settings)
     broker.check(settings)
+    first = specs[0]
     with session_scope(settings) as session:
-        node, most = largest_node(session, settings)
-        if most == 0:
-            raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
-                              "`gpuq worker --gpu I` on each GPU node)")
-        if spec.gpus > most:
-            raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
-        job = Job(name=spec.name, user=spec.user, kind=spec.kind, workload=spec.workload,
-                  params=spec.params, argv=spec.argv, cwd=spec.cwd, gpus=spec.gpus,
-                  priority=spec.priority, state=c.PENDING, submitted_at=utcnow())
-        session.add(job)
+        _check_resources(session, settings, first)
+        _check_priority(settings, first)
+        _check_dependencies(session, first.after)
+        now = utcnow()
+        rows = [Job(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
+                    cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
+                    mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
+                    attempts=[], held=s.held, after=s.after, after_any=s.after_any, env=s.env,
+                    array_index=s.array_index)
+                for s in specs]
+        session.add_all(rows)
         session.flush()
+        if len(rows) > 1 or first.array_index is not None:
+            for row in rows:
+                row.array_id = rows[0].id
+            session.flush()
     broker.wake_scheduler(settings)
-    return job
+    return rows
+
+
+def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:
+    node, most = largest_node(session, settings)
+    if most == 0:
+        raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
+                          "`gpuq worker --gpu I` on each GPU node)")
+    if spec.on_node is not None:
+        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node))
+        if spec.on_node == settings.node:
+            n = max(n, len(open_devices(settings).list()))
+        if n == 0:
+            raise InvalidSpec(f"--node {spec.on_node}: no such node is known to gpuq")
+        if spec.gpus > n:
+            raise InvalidSpec(f"--gpus {spec.gpus} is more than node {spec.on_node} has ({n})")
+    elif spec.gpus > most:
+        raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
+    if spec.mem_mib is not None:
+        biggest = session.scalar(select(func.max(Gpu.memory_total_mib))) or 0
+        local = max((g.memory_total_mib for g in open_devices(settings).list()), default=0)
+        if spec.mem_mib > max(biggest, local):
+            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({max(biggest, local)} MiB)")
+
+
+def _check_priority(settings: Settings, spec: JobSpec) -> None:
+    if spec.priority > settings.max_priority and spec.user not in settings.admin_users:
+        raise InvalidSpec(f"--priority {spec.priority} is above the users' limit of {settings.max_priority}")
+
+
+def _check_dependencies(session: Session, after: list[int] | None) -> None:
+    if not after:
+        return
+    found = set(session.scalars(select(Job.id).where(Job.id.in_(after))))
+    missing = [i for i in after if i not in found]
+    if missing:
+        raise InvalidSpec(f"--after: no job {missing[0]}")
 
 
 def get_job(session: Session, job_id: int) -> Job:
@@ -86,12 +134,19 @@ class CancelOutcome:
     state: str  # "cancelled" at once, or "cancelling" (a running job being stopped by its worker)
 
 
-def cancel(settings: Settings, job_id: int) -> CancelOutcome:
+def check_owner(settings: Settings, job: Job, user: str) -> None:
+    """Only a job's owner, or an admin, may change it."""
+    if job.user != user and user not in settings.admin_users:
+        raise NotAllowed(f"job {job.id} belongs to {job.user}; only they or an admin may change it")
+
+
+def cancel(settings: Settings, job_id: int, user: str | None = None) -> CancelOutcome:
     """Cancel a job: a pending or dispatched one at once, a running one by asking its worker."""
     require_schema(settings)
     now = utcnow()
     with session_scope(settings) as session:
         job = get_job(session, job_id)
+        check_owner(settings, job, user or current_user())
         if job.state in c.END_STATES:
             raise StateConflict(f"job {job_id} already ended ({job.state})")
         ended = session.execute(
@@ -109,6 +164,36 @@ def cancel(settings: Settings, job_id: int) -> CancelOutcome:
     if outcome.state == c.CANCELLED:
         broker.wake_scheduler(settings)
     return outcome
+
+
+def set_held(settings: Settings, job_id: int, held: bool, user: str | None = None) -> None:
+    """Hold a pending job (it will not start) or release it."""
+    require_schema(settings)
+    with session_scope(settings) as session:
+        job = get_job(session, job_id)
+        check_owner(settings, job, user or current_user())
+        if job.state != c.PENDING:
+            raise StateConflict(f"job {job_id} is {job.state}; only a pending job can be "
+                                f"{'held' if held else 'released'}")
+        if job.held == held:
+            raise StateConflict(f"job {job_id} is {'already held' if held else 'not held'}")
+        session.execute(update(Job).where(Job.id == job_id, Job.state == c.PENDING)
+                        .values(held=held, reason="held" if held else None))
+    if not held:
+        broker.wake_scheduler(settings)
+
+
+def array_jobs(session: Session, array_id: int) -> list[int]:
+    """The jobs of array ``array_id``; JobNotFound if there is no such array."""
+    ids = list(session.scalars(select(Job.id).where(Job.array_id == array_id).order_by(Job.id)))
+    if not ids:
+        raise JobNotFound(f"no array {array_id}")
+    return ids
+
+
+def active_jobs_of(session: Session, user: str) -> list[int]:
+    return list(session.scalars(select(Job.id).where(Job.user == user, Job.state.in_(c.ACTIVE_STATES))
+                                .order_by(Job.id)))
 
 
 # ---- the worker's side ---------------------------------------------------------------------------
@@ -145,13 +230,25 @@ def cancel_requested(session: Session, job_id: int) -> bool:
 
 
 def finish(session: Session, job_id: int, state: str, *, exit_code: int | None = None,
-           result: dict[str, Any] | None = None, reason: str | None = None) -> bool:
-    """End a running job and free its GPUs. False if it was not running (already ended)."""
+           result: dict[str, Any] | None = None, reason: str | None = None, from_state: str = c.RUNNING) -> bool:
+    """End a running job and free its GPUs. A failed job with retries left goes back to pending
+    instead, its attempt kept. False if the job was not in ``from_state`` (already ended)."""
     assert state in c.END_STATES
-    done = session.execute(
-        update(Job).where(Job.id == job_id, Job.state == c.RUNNING)
-        .values(state=state, ended_at=utcnow(), exit_code=exit_code, result=result, reason=reason)
-    ).rowcount == 1
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or job.state != from_state:
+        return False
+    now = utcnow()
+    if state == c.FAILED and len(job.attempts or []) < job.max_retries:
+        attempt = {"started_at": job.started_at.isoformat() if job.started_at else None, "ended_at": now.isoformat(),
+                   "state": state, "reason": reason, "exit_code": exit_code, "worker": job.worker}
+        tries = len(job.attempts or []) + 1
+        values: dict[str, Any] = dict(
+            state=c.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
+            node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
+            reason=f"retry {tries} of {job.max_retries} after: {reason}")
+    else:
+        values = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason)
+    done = session.execute(update(Job).where(Job.id == job_id, Job.state == from_state).values(**values)).rowcount == 1
     if done:
         session.execute(delete(Allocation).where(Allocation.job_id == job_id))
     return done

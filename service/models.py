@@ -92,6 +92,22 @@ class Job(Base):
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Scheduling requests: free memory per GPU, a node, a time limit, retries, dependencies.
+    mem_mib: Mapped[int | None] = mapped_column(Integer)
+    on_node: Mapped[str | None] = mapped_column(String(255))
+    time_limit_s: Mapped[int | None] = mapped_column(Integer)
+    max_retries: Mapped[int] = mapped_column(Integer, default=0)
+    # Earlier attempts of a retried job: [{started_at, ended_at, state, reason, worker}, ...].
+    attempts: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    held: Mapped[bool] = mapped_column(default=False)
+    # Job ids this one waits for: all succeeded, or (after_any) all ended in any state.
+    after: Mapped[list[int] | None] = mapped_column(JSON)
+    after_any: Mapped[bool] = mapped_column(default=False)
+    # Array and sweep tasks share the id of their first task; each has its index.
+    array_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    array_index: Mapped[int | None] = mapped_column(Integer)
+    # Extra environment for a command (GPUQ_ARRAY_INDEX, sweep values).
+    env: Mapped[dict[str, str] | None] = mapped_column(JSON)
     # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);
     # written by rank 0's worker when it starts the job.
     rendezvous: Mapped[str | None] = mapped_column(String(255))
@@ -116,6 +132,9 @@ class Gpu(Base):
     memory_total_mib: Mapped[int] = mapped_column(Integer)
     memory_used_mib: Mapped[int | None] = mapped_column(Integer)
     utilization: Mapped[int | None] = mapped_column(Integer)
+    # Memory held by processes gpuq did not start, and those processes: [{pid, user, mib, name}].
+    foreign_mib: Mapped[int | None] = mapped_column(Integer)
+    foreign: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     simulated: Mapped[bool] = mapped_column(default=False)
     # The Celery queue its worker listens on, and the worker's name (gpu<index>@<node>).
     queue: Mapped[str] = mapped_column(String(255))
@@ -124,6 +143,17 @@ class Gpu(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     allocation: Mapped[Allocation | None] = relationship(back_populates="gpu", uselist=False)
+
+
+class Node(Base):
+    """A node's administrative state: drained nodes finish their jobs and start no new ones."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    drained: Mapped[bool] = mapped_column(default=False)
+    drain_reason: Mapped[str | None] = mapped_column(Text)
+    drained_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Allocation(Base):

@@ -1,83 +1,106 @@
-"""The scheduler: places pending jobs on free GPUs, sends each to its first GPU's worker, and
-notices workers that went silent.
-
-``place`` is a pure function over a snapshot, so policy is tested without a database or broker;
-``schedule_once`` applies it to SQL and Celery; ``run`` loops, woken by Redis on submit and on job end.
+"""The scheduler: reads a snapshot of SQL, lets the policy (``policy.decide``, a pure function)
+place pending jobs on free GPUs, sends each to its first GPU's worker, records why the others wait,
+and notices workers that went silent. ``run`` loops, woken by Redis on submit and on job end.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import math
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker
+from gpuq.service import broker, jobs, policy
 from gpuq.service import constants as c
 from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.db import session_scope
 from gpuq.service.inventory import live_cutoff
-from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, Node, utcnow
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
 
 
-@dataclass(frozen=True)
-class FreeGpu:
-    id: int
-    node: str
-    index: int
-    queue: str
+def fair_share_usage(session: Session, settings: Settings, now: datetime) -> dict[str, float]:
+    """Each user's recent GPU-hours, a GPU-hour ``h`` half-lives ago counting 2**-h.
 
-
-@dataclass(frozen=True)
-class PendingJob:
-    id: int
-    gpus: int
-
-
-@dataclass(frozen=True)
-class Placement:
-    job_id: int
-    gpus: tuple[FreeGpu, ...]  # rank order; gpus[0]'s worker runs the job
-
-
-def place(pending: list[PendingJob], free: list[FreeGpu]) -> list[Placement]:
-    """Place jobs in queue order, each on ``gpus`` free GPUs of one node (gang), or not at all.
-
-    The queue is strict: when the first waiting job does not fit, nothing behind it starts, so a
-    big job is never starved by a stream of small ones.
+    The integral of the decay over each job's run, in closed form: no per-interval bookkeeping.
     """
-    by_node: dict[str, list[FreeGpu]] = defaultdict(list)
-    for g in sorted(free, key=lambda g: (g.node, g.index)):
-        by_node[g.node].append(g)
-    out = []
-    for job in pending:
-        # Best fit: the node with the fewest free GPUs that still fits keeps bigger holes open.
-        fits = [n for n, gs in by_node.items() if len(gs) >= job.gpus]
-        if not fits:
-            break
-        node = min(fits, key=lambda n: (len(by_node[n]), n))
-        chosen, by_node[node] = by_node[node][: job.gpus], by_node[node][job.gpus:]
-        out.append(Placement(job.id, tuple(chosen)))
-    return out
+    half = settings.fairshare_half_life_h * 3600.0
+    horizon = now - timedelta(seconds=10 * half)
+    rows = session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
+                            .where(Job.started_at.is_not(None),
+                                   (Job.ended_at.is_(None)) | (Job.ended_at >= horizon)))
+    usage: dict[str, float] = defaultdict(float)
+    rate = math.log(2) / half
+    for user, gpus, started, ended in rows:
+        age_end = (now - (ended or now)).total_seconds()
+        age_start = (now - started).total_seconds()
+        usage[user] += gpus * (math.exp(-rate * age_end) - math.exp(-rate * age_start)) / rate / 3600.0
+    return dict(usage)
 
 
-def free_gpus(session: Session, settings: Settings) -> list[FreeGpu]:
-    """GPUs whose worker heart-beats and that no job holds."""
-    rows = session.scalars(select(Gpu).outerjoin(Allocation)
-                           .where(Allocation.id.is_(None), Gpu.heartbeat_at >= live_cutoff(settings)))
-    return [FreeGpu(g.id, g.node, g.index, g.queue) for g in rows]
+@dataclass
+class Snapshot:
+    """What the scheduler read from SQL for one pass."""
+
+    policy: policy.Snapshot
+    # Pending jobs that cannot be considered, and why (held, dependency, drained node).
+    not_eligible: dict[int, str]
+    # Pending jobs whose dependency can never be met: cancelled with this reason.
+    doomed: dict[int, str]
+    # The reason each pending job shows now, to write only those that change.
+    shown: dict[int, str | None]
 
 
-def pending_jobs(session: Session) -> list[PendingJob]:
-    rows = session.execute(select(Job.id, Job.gpus).where(Job.state == c.PENDING)
-                           .order_by(Job.priority.desc(), Job.id))
-    return [PendingJob(r.id, r.gpus) for r in rows]
+def read_snapshot(session: Session, settings: Settings) -> Snapshot:
+    now = utcnow()
+    drained = set(session.scalars(select(Node.name).where(Node.drained)))
+    busy: dict[int, float] = {}
+    held: dict[str, int] = defaultdict(int)
+    for gpu_id, user, started, limit in session.execute(
+            select(Allocation.gpu_id, Job.user, Job.started_at, Job.time_limit_s).join(Job)):
+        held[user] += 1
+        busy[gpu_id] = (started or now).timestamp() + limit if limit else math.inf
+    gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
+                            memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
+                            busy_until=busy.get(g.id))
+            for g in session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(settings)))
+            if g.node not in drained]
+    pending = session.execute(
+        select(Job.id, Job.user, Job.gpus, Job.priority, Job.submitted_at, Job.mem_mib, Job.on_node,
+               Job.time_limit_s, Job.held, Job.after, Job.after_any, Job.reason)
+        .where(Job.state == c.PENDING)).all()
+    deps = {d for row in pending for d in (row.after or [])}
+    dep_state = dict(session.execute(select(Job.id, Job.state).where(Job.id.in_(deps))).all()) if deps else {}
+    jobs, not_eligible, doomed = [], {}, {}
+    for row in pending:
+        if row.held:
+            not_eligible[row.id] = policy.HELD
+            continue
+        if row.after:
+            states = [(d, dep_state.get(d, c.CANCELLED)) for d in row.after]
+            failed = [(d, st) for d, st in states if st in c.END_STATES and st != c.SUCCEEDED]
+            if failed and not row.after_any:
+                doomed[row.id] = f"dependency never satisfied: job {failed[0][0]} {failed[0][1]}"
+                continue
+            if any(st not in c.END_STATES for _, st in states):
+                not_eligible[row.id] = policy.DEPENDENCY
+                continue
+        if row.on_node in drained:
+            not_eligible[row.id] = policy.NODE_DRAINED
+            continue
+        jobs.append(policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
+                                      submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib,
+                                      node=row.on_node, time_limit_s=row.time_limit_s))
+    snap = policy.Snapshot(now=now.timestamp(), jobs=jobs, gpus=gpus, usage=fair_share_usage(session, settings, now),
+                           held_gpus=dict(held), user_gpu_limit=settings.user_gpu_limit)
+    return Snapshot(snap, not_eligible, doomed, {row.id: row.reason for row in pending})
 
 
 def reap_lost(session: Session, settings: Settings) -> list[int]:
@@ -89,16 +112,14 @@ def reap_lost(session: Session, settings: Settings) -> list[int]:
         .where(Allocation.rank == 0, Job.state.in_((c.DISPATCHED, c.RUNNING)),
                (Gpu.heartbeat_at < cutoff) | Gpu.heartbeat_at.is_(None))
     ).all()
-    now = utcnow()
     for job_id, state, worker in lost:
         if state == c.RUNNING:
             why = f"worker lost: {worker} sent no heartbeat for {settings.worker_timeout:g} s"
-            session.execute(update(Job).where(Job.id == job_id, Job.state == c.RUNNING)
-                            .values(state=c.FAILED, ended_at=now, reason=why))
+            jobs.finish(session, job_id, c.FAILED, reason=why)  # retried if the job asked for it
         else:
             session.execute(update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED)
                             .values(state=c.PENDING, dispatched_at=None, node=None))
-        session.execute(delete(Allocation).where(Allocation.job_id == job_id))
+            session.execute(delete(Allocation).where(Allocation.job_id == job_id))
         log.warning("job %s: worker %s lost while %s", job_id, worker, state)
     return [j for j, _, _ in lost]
 
@@ -111,14 +132,19 @@ class Scheduler:
         self.app = make_app(settings)
         self.redis = broker.client(settings)
 
-    def schedule_once(self) -> list[Placement]:
-        """One pass: reap lost workers, place what fits, send the messages. Returns the placements."""
+    def schedule_once(self) -> list[policy.Placement]:
+        """One pass: reap lost workers, decide, allocate, record why the rest waits, send messages."""
         with session_scope(self.settings) as session:
             reap_lost(session, self.settings)
         try:
             with session_scope(self.settings) as session:
-                placements = place(pending_jobs(session), free_gpus(session, self.settings))
-                placements = [p for p in placements if self._allocate(session, p)]
+                snap = read_snapshot(session, self.settings)
+                for job_id, why in snap.doomed.items():
+                    session.execute(update(Job).where(Job.id == job_id, Job.state == c.PENDING)
+                                    .values(state=c.CANCELLED, ended_at=utcnow(), reason=why))
+                decision = policy.decide(snap.policy)
+                placements = [p for p in decision.placements if self._allocate(session, p)]
+                self._record_reasons(session, snap, decision)
         except IntegrityError:
             # Another scheduler took one of these GPUs first; the next pass sees the new state.
             log.info("allocation raced with another scheduler; retrying next pass")
@@ -127,10 +153,20 @@ class Scheduler:
             self._send(p)
         return placements
 
-    def _allocate(self, session: Session, p: Placement) -> bool:
+    @staticmethod
+    def _record_reasons(session: Session, snap: Snapshot, decision: policy.Decision) -> None:
+        reasons = {**snap.not_eligible, **decision.waiting}
+        changed: dict[str, list[int]] = defaultdict(list)
+        for job_id, why in reasons.items():
+            if snap.shown.get(job_id) != why:
+                changed[why].append(job_id)
+        for why, ids in changed.items():
+            session.execute(update(Job).where(Job.id.in_(ids), Job.state == c.PENDING).values(reason=why))
+
+    def _allocate(self, session: Session, p: policy.Placement) -> bool:
         moved = session.execute(
             update(Job).where(Job.id == p.job_id, Job.state == c.PENDING)
-            .values(state=c.DISPATCHED, dispatched_at=utcnow(), node=p.gpus[0].node)
+            .values(state=c.DISPATCHED, dispatched_at=utcnow(), node=p.gpus[0].node, reason=None)
         ).rowcount
         if not moved:
             return False  # cancelled meanwhile
@@ -138,7 +174,7 @@ class Scheduler:
         session.flush()
         return True
 
-    def _send(self, p: Placement) -> None:
+    def _send(self, p: policy.Placement) -> None:
         try:
             send_run_job(self.app, p.gpus[0].queue, p.job_id)
             log.info("job %s: sent to %s", p.job_id, p.gpus[0].queue)

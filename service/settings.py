@@ -68,6 +68,16 @@ class Settings:
     # Address other nodes reach this one at, for the ranks of a multi-GPU job to meet; empty: the
     # address this host's name resolves to.
     advertise_addr: str = ""
+    # Fair share: a GPU-hour used this many hours ago counts half as much as one used now.
+    fairshare_half_life_h: float = 168.0
+    # GPUs one user's jobs may hold at once; 0: no limit.
+    user_gpu_limit: int = 0
+    # Highest --priority a user may give (admins: up to 1000); anyone may go down to -1000.
+    max_priority: int = 10
+    # Users (comma-separated) who may act on anyone's jobs and use higher priorities.
+    admins: str = ""
+    # Simulated foreign use: "GPU:MIB:PID:USER[,...]", processes gpuq did not start on simulated GPUs.
+    fake_gpu_foreign: str = ""
     # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
     warm_start: bool = True
 
@@ -93,6 +103,10 @@ class Settings:
     @property
     def log_dir(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def admin_users(self) -> frozenset[str]:
+        return frozenset(u.strip() for u in self.admins.split(",") if u.strip())
 
     def with_overrides(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

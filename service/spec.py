@@ -6,11 +6,14 @@ import getpass
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_indices, parse_job_ids, parse_mem, parse_sweep
 from gpuq.service.workloads import get_workload, parse_args
 
 MAX_GPUS_PER_JOB = 1024  # a sanity bound, far above any node; the real bound is the largest node
@@ -29,6 +32,99 @@ class JobSpec:
     params: dict[str, Any] = field(default_factory=dict)
     argv: list[str] | None = None
     priority: int = 0
+    mem_mib: int | None = None
+    on_node: str | None = None
+    time_limit_s: int | None = None
+    max_retries: int = 0
+    held: bool = False
+    after: list[int] | None = None
+    after_any: bool = False
+    env: dict[str, str] | None = None
+    array_index: int | None = None
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """What a job asks of the scheduler beyond its GPU count (`gpuq submit` options)."""
+
+    priority: int = 0
+    mem: str | None = None
+    node: str | None = None
+    time: str | None = None
+    retries: int = 0
+    hold: bool = False
+    after: str | None = None
+    after_any: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The JobSpec fields these options set; InvalidSpec for a malformed one."""
+        if self.after and self.after_any:
+            raise InvalidSpec("give --after or --after-any, not both")
+        if not -ADMIN_MAX_PRIORITY <= self.priority <= ADMIN_MAX_PRIORITY:
+            raise InvalidSpec(f"--priority must be between -{ADMIN_MAX_PRIORITY} and {ADMIN_MAX_PRIORITY}")
+        if not 0 <= self.retries <= MAX_RETRIES:
+            raise InvalidSpec(f"--retries must be between 0 and {MAX_RETRIES}; got {self.retries}")
+        if self.node is not None and not self.node.strip():
+            raise InvalidSpec("--node must not be empty")
+        deps = self.after or self.after_any
+        return {
+            "priority": self.priority,
+            "mem_mib": parse_mem(self.mem) if self.mem is not None else None,
+            "on_node": self.node,
+            "time_limit_s": parse_duration(self.time) if self.time is not None else None,
+            "max_retries": self.retries,
+            "held": self.hold,
+            "after": parse_job_ids(deps, "--after" if self.after else "--after-any") if deps else None,
+            "after_any": bool(self.after_any),
+        }
+
+
+ADMIN_MAX_PRIORITY = 1000
+MAX_RETRIES = 100
+
+
+def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str | None,
+           sweeps: list[str]) -> list[JobSpec]:
+    """The jobs one submission makes: one, or an array (``--array``) and/or the cross product of
+    ``--sweep`` values, each task with its index in GPUQ_ARRAY_INDEX.
+
+    ``make(extra_args)`` builds one spec; a sweep passes ``--name value`` to a workload and, for a
+    command, sets GPUQ_SWEEP_NAME and replaces ``{name}`` in its arguments.
+    """
+    extra = sched.fields()
+    axes = [parse_sweep(s) for s in sweeps]
+    names = [n for n, _ in axes]
+    if len(set(names)) != len(names):
+        raise InvalidSpec("a --sweep name is given twice")
+    indices = parse_indices(array) if array is not None else None
+    combos = list(itertools.product(*[[(n, v) for v in vals] for n, vals in axes]))
+    if indices is None and not axes:
+        return [replace(make([]), **extra)]
+    tasks = list(itertools.product(indices if indices is not None else [None], combos))
+    if len(tasks) > MAX_ARRAY_TASKS:
+        raise InvalidSpec(f"this submission makes {len(tasks)} jobs; at most {MAX_ARRAY_TASKS}")
+    out = []
+    for position, (index, combo) in enumerate(tasks):
+        task = index if index is not None else position
+        spec = make([a for n, v in combo for a in (f"--{n}", v)])
+        env = {"GPUQ_ARRAY_INDEX": str(task)}
+        argv = spec.argv
+        if spec.kind == c.KIND_COMMAND:
+            if combo:
+                env.update({f"GPUQ_SWEEP_{n.upper().replace('-', '_')}": v for n, v in combo})
+                argv = [_fill(a, dict(combo)) for a in spec.argv]
+            elif indices is not None:
+                argv = [a.replace("{index}", str(task)) for a in spec.argv]
+        label = ",".join(f"{n}={v}" for n, v in combo) if combo else str(task)
+        out.append(replace(spec, **extra, env=env, array_index=task, argv=argv,
+                           name=check_name(f"{spec.name}[{label}]"[: c.MAX_NAME_LENGTH])))
+    return out
+
+
+def _fill(arg: str, values: dict[str, str]) -> str:
+    for name, value in values.items():
+        arg = arg.replace("{" + name + "}", value)
+    return arg
 
 
 def current_user() -> str:

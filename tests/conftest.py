@@ -7,6 +7,7 @@ CI (CI=true), so a green CI always means they ran.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -97,18 +98,9 @@ def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -
 def settings_env(settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment that gives a child process (gpuq CLI, worker, scheduler) these settings."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("GPUQ_")}
-    env.update({
-        "GPUQ_HOME": str(settings.home), "GPUQ_DATABASE_URL": settings.database_url,
-        "GPUQ_BROKER_URL": settings.broker_url, "GPUQ_KEY_PREFIX": settings.key_prefix,
-        "GPUQ_NODE": settings.node, "GPUQ_FAKE_GPUS": str(settings.fake_gpus),
-        "GPUQ_FAKE_GPU_MEMORY_MIB": str(settings.fake_gpu_memory_mib),
-        "GPUQ_HEARTBEAT_INTERVAL": str(settings.heartbeat_interval),
-        "GPUQ_WORKER_TIMEOUT": str(settings.worker_timeout),
-        "GPUQ_SCHEDULER_INTERVAL": str(settings.scheduler_interval),
-        "GPUQ_KILL_GRACE": str(settings.kill_grace), "GPUQ_WARM_START": str(settings.warm_start),
-        "GPUQ_REDIS_PORT": str(settings.redis_port), "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml",
-        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-    })
+    for f in dataclasses.fields(Settings):
+        env["GPUQ_" + f.name.upper()] = str(getattr(settings, f.name))
+    env.update({"GPUQ_CONFIG": "/nonexistent/gpuq-test.toml", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     return env
 
 

@@ -40,7 +40,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     while proc.poll() is None:
         if cancelled.wait(POLL_SECONDS):
             was_cancelled = True
-            sink.line(f"[gpuq: cancelled; SIGTERM to the job, SIGKILL after {kill_grace:g} s]")
+            sink.line(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
             stop_tree(proc.pid, kill_grace)
             break
     # The job is over when its main process is: anything it left behind is stopped too (SLURM

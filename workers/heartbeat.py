@@ -31,16 +31,24 @@ class Heartbeat(threading.Thread):
         # Beat at once, then every interval: a new worker shows its readings straight away.
         while True:
             try:
+                reading = self.reading()
                 with session_scope(self.settings) as session:
-                    inventory.beat(session, self.gpu_id, self.reading())
+                    inventory.beat(session, self.gpu_id, reading, self._own_pids())
             except Exception:  # noqa: BLE001 - keep beating; the reaper decides when we are lost
                 log.exception("heartbeat failed")
             if self.stopped.wait(self.settings.heartbeat_interval):
                 return
 
+    def _own_pids(self) -> set[int]:
+        try:
+            return {self._me.pid, *(p.pid for p in self._me.children(recursive=True))}
+        except psutil.Error:
+            return {self._me.pid}
+
     def reading(self) -> GpuReading:
         if self.devices.kind != "simulated":
             return self.devices.read(self.index)
+        foreign = self.devices.read(self.index).processes
         # A simulated GPU shows the load of the worker and its job's processes on the CPU.
         # Keep the Process objects between beats: cpu_percent measures since the previous call.
         current = {p.pid: p for p in [self._me, *self._me.children(recursive=True)]}
@@ -52,8 +60,8 @@ class Heartbeat(threading.Thread):
                 rss += p.memory_info().rss
             except psutil.Error:
                 continue
-        used = max(rss - self._baseline_rss, 0) / 2**20
-        return GpuReading(memory_used_mib=int(used), utilization=int(min(cpu, 100.0)))
+        used = max(rss - self._baseline_rss, 0) / 2**20 + sum(p.mib or 0 for p in foreign)
+        return GpuReading(memory_used_mib=int(used), utilization=int(min(cpu, 100.0)), processes=foreign)
 
     def stop(self) -> None:
         self.stopped.set()

@@ -9,6 +9,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class JobRun:
     cwd: str | None
     gpu_indices: tuple[int, ...]
     gpu_queues: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    # When the job must be stopped (its start plus its --time), epoch seconds; None: no limit.
+    deadline: float | None = None
+    time_limit_s: int | None = None
 
 
 def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
@@ -71,21 +76,29 @@ def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
         GPUQ_GPUS=str(len(job.gpu_indices)),
         GPUQ_NODE=node,
     )
+    env.update(job.env)  # GPUQ_ARRAY_INDEX, sweep values: set by gpuq at submit, not by the user
     return env
 
 
 class CancelWatcher(threading.Thread):
-    """Looks at SQL while the job runs and sets ``cancelled`` when someone asked for a cancel."""
+    """Sets ``cancelled`` when the running job must stop: someone cancelled it (seen in SQL), its
+    time limit passed (``timed_out`` set too), or the worker is being shut down for good."""
 
-    def __init__(self, settings: Settings, job_id: int, cancelled: threading.Event,
-                 interrupt: threading.Event) -> None:
+    def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
+                 deadline: float | None = None) -> None:
         super().__init__(name=f"cancel-watch-{job_id}", daemon=True)
-        self.settings, self.job_id, self.cancelled, self.interrupt = settings, job_id, cancelled, interrupt
+        self.settings, self.job_id, self.interrupt, self.deadline = settings, job_id, interrupt, deadline
+        self.cancelled = threading.Event()
+        self.timed_out = threading.Event()
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(c.CANCEL_POLL_SECONDS):
             if self.interrupt.is_set():
+                self.cancelled.set()
+                return
+            if self.deadline is not None and time.time() >= self.deadline:
+                self.timed_out.set()
                 self.cancelled.set()
                 return
             try:
@@ -101,9 +114,11 @@ def load(settings: Settings, job_id: int) -> JobRun:
     with session_scope(settings) as session:
         job = get_job(session, job_id)
         gpus = job_gpus(session, job_id)
+        deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
         return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                       argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
-                      gpu_queues=tuple(g.queue for g in gpus))
+                      gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
+                      time_limit_s=job.time_limit_s)
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -120,14 +135,13 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     job = load(settings, job_id)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or job.argv[0])
     sink = OutputSink(settings, job.id)
-    cancelled = threading.Event()
-    watcher = CancelWatcher(settings, job.id, cancelled, state.interrupt)
+    watcher = CancelWatcher(settings, job.id, state.interrupt, job.deadline)
     watcher.start()
     end: dict[str, Any]
     try:
-        end = _execute(state, job, sink, cancelled)
+        end = _execute(state, job, sink, watcher)
     except JobCancelled:
-        end = _cancelled_end(state)
+        end = _stopped_end(state, job, watcher)
     except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
         sink.write(traceback.format_exc())
         end = {"state": c.FAILED, "reason": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -142,20 +156,29 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     return end["state"]
 
 
-def _cancelled_end(state: WorkerState) -> dict[str, Any]:
+def _stopped_end(state: WorkerState, job: JobRun, watcher: CancelWatcher) -> dict[str, Any]:
+    """The end of a job that was stopped: timed out, interrupted by shutdown, or cancelled."""
+    if watcher.timed_out.is_set():
+        return {"state": c.TIMED_OUT, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
     if state.interrupt.is_set():
         return {"state": c.FAILED, "reason": "interrupted: the worker was shut down"}
     return {"state": c.CANCELLED, "reason": "cancelled by user"}
 
 
-def _execute(state: WorkerState, job: JobRun, sink: OutputSink, cancelled: threading.Event) -> dict[str, Any]:
+def _hms(seconds: int) -> str:
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelWatcher) -> dict[str, Any]:
     settings = state.settings
+    cancelled = watcher.cancelled
     if job.kind == c.KIND_COMMAND:
         assert job.argv is not None and job.cwd is not None
         outcome = run_command(job.argv, job.cwd, job_env(os.environ, job, state.node), sink, cancelled,
                               settings.kill_grace)
         if outcome.cancelled:
-            return _cancelled_end(state)
+            return _stopped_end(state, job, watcher)
         if outcome.exit_code == 0:
             return {"state": c.SUCCEEDED, "exit_code": 0}
         return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
@@ -172,7 +195,7 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, cancelled: threa
         rank0 = _start_ranks(state, job)
         result = run_workload(job.id, job.workload, job.params, gpus, sink.line, cancelled, on_metric, rank0)
     else:
-        return _execute_in_child(state, job, sink, cancelled)
+        return _execute_in_child(state, job, sink, watcher)
     return {"state": c.SUCCEEDED, "result": result}
 
 
@@ -206,12 +229,11 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
             return False
         workload, params, gpus, meet = job.workload, dict(job.params), job.gpus, job.rendezvous
     log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
-    cancelled = threading.Event()
-    watcher = CancelWatcher(state.settings, job_id, cancelled, state.interrupt)
+    watcher = CancelWatcher(state.settings, job_id, state.interrupt)
     watcher.start()
     try:
         run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),
-                     cancelled, None, Rank(rank, gpus, meet))
+                     watcher.cancelled, None, Rank(rank, gpus, meet))
     except JobCancelled:
         log.info("%s: job %s rank %s stopped: job cancelled or ended", state.name, job_id, rank)
     except Exception:  # noqa: BLE001 - rank 0 reports the job's failure
@@ -238,17 +260,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink,
-                      cancelled: threading.Event) -> dict[str, Any]:
+def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelWatcher) -> dict[str, Any]:
     """A workload on several GPUs runs in a child that sees all of them (this worker sees one)."""
     with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
         env.update(job_env({}, job, state.node))
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
-        outcome = run_command(argv, job.cwd or tmp, env, sink, cancelled, state.settings.kill_grace)
+        outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.cancelled, state.settings.kill_grace)
         if outcome.cancelled:
-            return _cancelled_end(state)
+            return _stopped_end(state, job, watcher)
         if outcome.exit_code != 0 or not os.path.exists(result_path):
             return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
         with open(result_path) as f:

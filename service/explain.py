@@ -1,0 +1,86 @@
+"""`gpuq why`: why a job waits, in a sentence with the figures, like SLURM's REASON but spelled out."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpuq.service import constants as c
+from gpuq.service import policy
+from gpuq.service.inventory import drained_nodes, live_cutoff
+from gpuq.service.jobs import get_job
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.settings import Settings
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB"
+
+
+def why(session: Session, settings: Settings, job_id: int) -> str:
+    """A sentence (or a few) saying why job ``job_id`` is where it is."""
+    job = get_job(session, job_id)
+    if job.state != c.PENDING:
+        tail = f": {job.reason}" if job.reason else ""
+        where = f" on {job.node}" if job.node else ""
+        return f"job {job.id} is {job.state}{where}{tail}"
+    reason = job.reason or "waiting for its first scheduling pass"
+    head = f"job {job.id} waits ({reason})"
+    if job.held:
+        return f"{head}: it is held; `gpuq release {job.id}` lets it start"
+    if reason == policy.DEPENDENCY and job.after:
+        states = dict(session.execute(select(Job.id, Job.state).where(Job.id.in_(job.after))).all())
+        pending = ", ".join(f"job {d} ({states.get(d, 'gone')})" for d in job.after)
+        need = "to end" if job.after_any else "to succeed"
+        return f"{head}: it waits for {pending} {need}"
+    if reason == policy.USER_LIMIT:
+        held = sum(session.scalars(select(Job.gpus).where(Job.user == job.user, Job.state.in_(
+            (c.DISPATCHED, c.RUNNING)))))
+        return (f"{head}: {job.user} holds {held} GPUs and the limit is {settings.user_gpu_limit} at once; "
+                f"this job needs {job.gpus} more")
+    if reason == policy.NODE_DRAINED:
+        why_drained = drained_nodes(session).get(job.on_node or "")
+        return f"{head}: it asked for node {job.on_node}, which is drained" + (f" ({why_drained})" if why_drained else "")
+    need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}"
+    if job.mem_mib:
+        need += f" with {_gib(job.mem_mib)} free"
+    need += f" on node {job.on_node}" if job.on_node else " on one node"
+    parts = [f"{head}: it {need}"]
+    if reason == policy.PRIORITY:
+        ahead = session.scalars(select(Job).where(Job.state == c.PENDING, Job.reason == policy.RESOURCES)
+                                .order_by(Job.priority.desc(), Job.id).limit(1)).first()
+        if ahead is not None:
+            parts.append(f"job {ahead.id} of {ahead.user} ({ahead.gpus} GPUs) is ahead of it and waits for GPUs")
+    parts.extend(_gpu_lines(session, settings, job))
+    return "; ".join(parts)
+
+
+def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
+    cutoff = live_cutoff(settings)
+    drained = drained_nodes(session)
+    rows = session.execute(select(Gpu, Job).outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
+                           .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)).all()
+    by_node: dict[str, list[str]] = {}
+    now = utcnow()
+    for gpu, holder in rows:
+        if job.on_node and gpu.node != job.on_node:
+            continue
+        if gpu.heartbeat_at is None or gpu.heartbeat_at < cutoff:
+            text = f"GPU {gpu.index} offline (no worker)"
+        elif holder is not None:
+            ends = ""
+            if holder.time_limit_s and holder.started_at:
+                left = holder.time_limit_s - (now - holder.started_at).total_seconds()
+                ends = f", ends within {max(left, 0) / 60:.0f} min"
+            text = f"GPU {gpu.index} runs job {holder.id} of {holder.user}{ends}"
+        else:
+            free = gpu.memory_total_mib - max(gpu.memory_used_mib or 0, gpu.foreign_mib or 0)
+            text = f"GPU {gpu.index} with {_gib(free)} free"
+        for p in gpu.foreign or []:
+            text += f", used by pid {p.get('pid')} of user {p.get('user')} ({_gib(p.get('mib') or 0)}), not started by gpuq"
+        by_node.setdefault(gpu.node, []).append(text)
+    lines = []
+    for node, texts in by_node.items():
+        prefix = f"node {node}" + (" (drained)" if node in drained else "")
+        lines.append(f"{prefix} has " + ", ".join(texts))
+    return lines or ["no GPU is known to gpuq"]

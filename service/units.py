@@ -1,0 +1,88 @@
+"""Parsing the lab's ways of writing sizes, durations and index ranges (`20G`, `2h`, `0-9:2`)."""
+
+from __future__ import annotations
+
+import re
+
+from gpuq.service.errors import InvalidSpec
+
+MAX_ARRAY_TASKS = 10_000  # one submission; a bigger sweep is a mistake more often than a plan
+
+_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_MEM_SCALE = {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024 * 1024}
+
+
+def parse_mem(text: str) -> int:
+    """``20G`` / ``512M`` / ``20GiB`` / ``2048`` (MiB) as MiB."""
+    m = _MEM.match(text)
+    if not m:
+        raise InvalidSpec(f"--mem takes a size like 20G or 512M; got {text!r}")
+    mib = int(float(m.group(1)) * _MEM_SCALE[m.group(2).lower()])
+    if mib < 1:
+        raise InvalidSpec(f"--mem must be at least 1M; got {text!r}")
+    return mib
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """``90s``, ``30m``, ``2h``, ``1d``, ``1:30:00`` or a number of minutes (as SLURM), in seconds."""
+    if ":" in text:
+        parts = text.strip().split(":")
+        if len(parts) <= 3 and all(p.isdigit() for p in parts):
+            seconds = 0
+            for p in parts:
+                seconds = seconds * 60 + int(p)
+            if len(parts) == 2:
+                seconds *= 60  # H:MM
+            if seconds >= 1:
+                return seconds
+        raise InvalidSpec(f"--time takes 2h, 30m, 90s, 1d or H:MM:SS; got {text!r}")
+    m = _DURATION.match(text)
+    if not m:
+        raise InvalidSpec(f"--time takes 2h, 30m, 90s, 1d or H:MM:SS; got {text!r}")
+    seconds = int(float(m.group(1)) * _SECONDS[m.group(2).lower()])
+    if seconds < 1:
+        raise InvalidSpec(f"--time must be at least 1s; got {text!r}")
+    return seconds
+
+
+def parse_indices(text: str) -> list[int]:
+    """``0-9``, ``0-9:2``, ``1,3,5`` or a mix, as sorted unique indices."""
+    out: set[int] = set()
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*(?::\s*(\d+)\s*)?)?", part)
+        if not m:
+            raise InvalidSpec(f"--array takes ranges like 0-9, 0-9:2 or 1,3,5; got {text!r}")
+        start = int(m.group(1))
+        stop = int(m.group(2)) if m.group(2) is not None else start
+        step = int(m.group(3)) if m.group(3) is not None else 1
+        if stop < start or step < 1:
+            raise InvalidSpec(f"--array range {part.strip()!r} is empty")
+        if (stop - start) // step + 1 + len(out) > MAX_ARRAY_TASKS:
+            raise InvalidSpec(f"--array {text} is more than {MAX_ARRAY_TASKS} tasks")
+        out.update(range(start, stop + 1, step))
+    return sorted(out)
+
+
+def parse_job_ids(text: str, option: str) -> list[int]:
+    """``12`` or ``12,13`` as job ids."""
+    try:
+        ids = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}") from None
+    if not ids or any(i < 1 for i in ids):
+        raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}")
+    return ids
+
+
+def parse_sweep(text: str) -> tuple[str, list[str]]:
+    """``lr=0.1,0.01`` as (``lr``, [``0.1``, ``0.01``])."""
+    name, eq, values = text.partition("=")
+    name = name.strip().lstrip("-")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", name) or not items:
+        raise InvalidSpec(f"--sweep takes name=value,value; got {text!r}")
+    return name, items

@@ -1,0 +1,125 @@
+"""Scheduling policy as a pure function: gang, order, fair share, user limits, memory, backfill."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuq.service.policy import (PRIORITY, RESOURCES, USER_LIMIT, GpuState, JobRequest, Snapshot, decide,
+                                 queue_order)
+
+NOW = 1_000_000.0
+
+
+def gpu(id, node="a", busy_until=None, total=16384, used=0, foreign=0):
+    return GpuState(id=id, node=node, index=id, queue=f"q{id}", memory_total_mib=total, memory_used_mib=used,
+                    foreign_mib=foreign, busy_until=busy_until)
+
+
+def job(id, gpus=1, user="u", priority=0, mem=None, node=None, limit=None, submitted=None):
+    return JobRequest(id=id, user=user, gpus=gpus, priority=priority, submitted=submitted if submitted is not None else id,
+                      mem_mib=mem, node=node, time_limit_s=limit)
+
+
+def placed(decision):
+    return {p.job_id: [g.id for g in p.gpus] for p in decision.placements}
+
+
+def test_priority_then_fair_share_then_age():
+    jobs = [job(1, user="heavy"), job(2, user="light"), job(3, user="heavy", priority=5), job(4, user="light")]
+    order = [j.id for j in queue_order(Snapshot(NOW, jobs, [], usage={"heavy": 10.0, "light": 1.0}))]
+    assert order == [3, 2, 4, 1]
+
+
+def test_a_user_over_the_gpu_limit_waits_without_holding_up_others():
+    d = decide(Snapshot(NOW, [job(1, gpus=2, user="ann"), job(2, user="bob")], [gpu(1), gpu(2), gpu(3)],
+                        held_gpus={"ann": 1}, user_gpu_limit=2))
+    assert placed(d) == {2: [1]} and d.waiting == {1: USER_LIMIT}
+
+
+def test_memory_request_counts_memory_foreign_processes_hold():
+    gpus = [gpu(1, foreign=10000), gpu(2, foreign=2000)]
+    d = decide(Snapshot(NOW, [job(1, mem=12000)], gpus))
+    assert placed(d) == {1: [2]}
+    # A job that did not say how much memory it needs is not put beside a foreign process.
+    d = decide(Snapshot(NOW, [job(2)], [gpu(1, foreign=500)]))
+    assert placed(d) == {} and d.waiting == {2: RESOURCES}
+
+
+def test_node_request_is_honoured():
+    d = decide(Snapshot(NOW, [job(1, node="b")], [gpu(1, "a"), gpu(2, "b")]))
+    assert placed(d) == {1: [2]}
+
+
+def test_no_backfill_past_a_waiting_gang_without_time_limits():
+    # Job 1 needs both GPUs of node a; GPU 2's job has no time limit, so when it ends is unknown.
+    gpus = [gpu(1), gpu(2, busy_until=math.inf)]
+    d = decide(Snapshot(NOW, [job(1, gpus=2), job(2, limit=60)], gpus))
+    assert placed(d) == {} and d.waiting == {1: RESOURCES, 2: PRIORITY}
+
+
+def test_a_short_job_backfills_when_it_ends_before_the_big_job_could_start():
+    gpus = [gpu(1), gpu(2, busy_until=NOW + 3600)]
+    d = decide(Snapshot(NOW, [job(1, gpus=2), job(2, limit=600), job(3, limit=7200), job(4)], gpus))
+    assert placed(d) == {2: [1]}
+    assert d.reservation.job_id == 1 and d.reservation.start == NOW + 3600
+    assert d.waiting == {1: RESOURCES, 3: PRIORITY, 4: PRIORITY}
+
+
+def test_jobs_may_use_gpus_the_waiting_gang_does_not_need():
+    gpus = [gpu(1), gpu(2), gpu(3, busy_until=NOW + 3600)]
+    d = decide(Snapshot(NOW, [job(1, gpus=3), job(2)], gpus))
+    assert placed(d) == {} and d.reservation.gpu_ids == {1, 2, 3}
+    gpus = [gpu(1), gpu(2), gpu(3, busy_until=NOW + 3600), gpu(4, "b")]
+    d = decide(Snapshot(NOW, [job(1, gpus=3), job(2)], gpus))
+    assert placed(d) == {2: [4]}  # another node cannot delay job 1
+
+
+gpu_lists = st.lists(
+    st.tuples(st.sampled_from("abc"), st.sampled_from([None, None, 100.0, 5000.0, math.inf]),
+              st.sampled_from([0, 0, 3000, 15000])),
+    max_size=10,
+).map(lambda specs: [gpu(i + 1, node=n, busy_until=None if b is None else NOW + b if not math.isinf(b) else b,
+                         foreign=f) for i, (n, b, f) in enumerate(specs)])
+job_lists = st.lists(
+    st.tuples(st.integers(1, 4), st.sampled_from("xyz"), st.integers(-1, 1), st.sampled_from([None, 2000, 14000]),
+              st.sampled_from([None, None, "a"]), st.sampled_from([None, 60, 4000])),
+    max_size=12,
+).map(lambda specs: [job(i + 1, gpus=g, user=u, priority=p, mem=m, node=n, limit=t)
+                     for i, (g, u, p, m, n, t) in enumerate(specs)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(gpus=gpu_lists, jobs=job_lists, limit=st.sampled_from([0, 0, 2, 3]),
+       held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)))
+def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_first_in_line(gpus, jobs, limit, held):
+    snap = Snapshot(NOW, jobs, gpus, usage={"x": 3.0, "y": 1.0}, held_gpus=held, user_gpu_limit=limit)
+    d = decide(snap)
+    by_id = {g.id: g for g in gpus}
+    jobs_by_id = {j.id: j for j in jobs}
+    used = [g.id for p in d.placements for g in p.gpus]
+    assert len(used) == len(set(used))
+    assert all(by_id[g].busy_until is None for g in used)
+    per_user = dict(held)
+    for p in d.placements:
+        j = jobs_by_id[p.job_id]
+        assert len(p.gpus) == j.gpus and len({g.node for g in p.gpus}) == 1
+        assert all(g.fits(j) for g in p.gpus) and (j.node is None or p.gpus[0].node == j.node)
+        per_user[j.user] = per_user.get(j.user, 0) + j.gpus
+    if limit:
+        assert all(per_user[j.user] <= limit for p in d.placements for j in [jobs_by_id[p.job_id]])
+    assert set(d.waiting) | {p.job_id for p in d.placements} == set(jobs_by_id)
+    # The first job in line that its user's limit allows is never delayed by a job behind it.
+    order = [j for j in queue_order(snap) if not (limit and held.get(j.user, 0) + j.gpus > limit)]
+    if order:
+        first = order[0]
+        fits_now = any(sum(1 for g in gpus if g.node == n and g.busy_until is None and g.fits(first)) >= first.gpus
+                       for n in {g.node for g in gpus} if first.node in (None, n))
+        assert fits_now == (first.id in placed(d))
+    if order and order[0].id not in placed(d):
+        r = d.reservation
+        if r is not None and r.job_id == order[0].id:
+            for p in d.placements:
+                j = jobs_by_id[p.job_id]
+                if p.gpus[0].node == r.node and {g.id for g in p.gpus} & r.gpu_ids:
+                    assert j.time_limit_s is not None and NOW + j.time_limit_s <= r.start
