@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from typing import Annotated, Optional
 
 import typer
@@ -50,6 +51,19 @@ def show(job_id: JobId, as_json: Annotated[bool, typer.Option("--json")] = False
         ("ended", timestamp(job.ended_at)),
         ("elapsed", duration(jobs.elapsed(job))),
     ]
+    asks = [f"{job.mem_mib} MiB free per GPU" if job.mem_mib else "",
+            f"node {job.on_node}" if job.on_node else "",
+            f"time limit {duration(timedelta(seconds=job.time_limit_s))}" if job.time_limit_s else "",
+            f"{job.max_retries} retries" if job.max_retries else "",
+            (f"after {'any end of' if job.after_any else ''} job {', '.join(map(str, job.after))}"
+             .replace("  ", " ") if job.after else ""),
+            f"priority {job.priority}" if job.priority else "", "held" if job.held else ""]
+    if any(asks):
+        lines.append(("asks", "; ".join(a for a in asks if a)))
+    if job.array_id is not None:
+        lines.append(("array", f"{job.array_id}, task {job.array_index}"))
+    for n, attempt in enumerate(job.attempts or [], 1):
+        lines.append((f"attempt {n}", f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}"))
     if job.exit_code is not None:
         lines.append(("exit code", str(job.exit_code)))
     for key, value in lines:

@@ -59,6 +59,9 @@ def job_dict(job: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "params": job.params, "argv": job.argv, "cwd": job.cwd, "gpus": job.gpus, "priority": job.priority,
         "state": job.state, "reason": job.reason, "node": job.node, "worker": job.worker,
         "gpu_indices": gpus, "exit_code": job.exit_code, "result": job.result,
+        "mem_mib": job.mem_mib, "on_node": job.on_node, "time_limit_s": job.time_limit_s,
+        "max_retries": job.max_retries, "attempts": job.attempts, "held": job.held, "after": job.after,
+        "after_any": job.after_any, "array_id": job.array_id, "array_index": job.array_index,
         "submitted_at": _iso(job.submitted_at), "dispatched_at": _iso(job.dispatched_at),
         "started_at": _iso(job.started_at), "ended_at": _iso(job.ended_at),
     }

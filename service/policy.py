@@ -112,13 +112,16 @@ def decide(snapshot: Snapshot) -> Decision:
             free[g.node].append(g)
     held = dict(snapshot.held_gpus)
     limit = snapshot.user_gpu_limit
+    free_count = sum(len(gs) for gs in free.values())
     decision = Decision([], {})
     blocked = False  # a job waits and no reservation can protect it: nothing else may start
     for job in queue_order(snapshot):
         if limit and held.get(job.user, 0) + job.gpus > limit:
             decision.waiting[job.id] = USER_LIMIT
             continue
-        if blocked:
+        if blocked or (decision.reservation is not None and free_count < job.gpus):
+            # Behind a waiting job, with too few GPUs free anywhere: no need to look (a full
+            # cluster with a long queue is the common case, and it must stay cheap).
             decision.waiting[job.id] = PRIORITY
             continue
         chosen = _choose(job, free, decision.reservation, now)
@@ -127,6 +130,7 @@ def decide(snapshot: Snapshot) -> Decision:
             taken = {g.id for g in chosen}
             free[chosen[0].node] = [g for g in free[chosen[0].node] if g.id not in taken]
             held[job.user] = held.get(job.user, 0) + job.gpus
+            free_count -= job.gpus
             continue
         if decision.reservation is not None:
             decision.waiting[job.id] = PRIORITY

@@ -306,8 +306,16 @@ TRAIN = Workload(
     rank_entry="gpuq.workers.workloads.ranks:run_rank",
 )
 
+SLEEP = Workload(
+    name="sleep",
+    summary="Hold the job's GPUs for --seconds doing nothing (0: a no-op): for testing and measuring the queue.",
+    entry="gpuq.workers.workloads.sleep:run",
+    params=(Param("seconds", float, 0.0, "how long", min=0, max=30 * 86400),),
+    max_gpus=None,
+)
+
 CATALOGUE: dict[str, Workload] = {
-    w.name: w for w in (MATMUL, DEVICE_INFO, NORM_LOG, MULTI_MATMUL, COPY, TRAIN)
+    w.name: w for w in (MATMUL, DEVICE_INFO, NORM_LOG, MULTI_MATMUL, COPY, TRAIN, SLEEP)
 }
 
 

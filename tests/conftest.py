@@ -156,10 +156,12 @@ class Stack:
     def env(self) -> dict[str, str]:
         return settings_env(self.settings)
 
-    def start_worker(self, index: int, node: str | None = None) -> subprocess.Popen:
+    def start_worker(self, index: int, node: str | None = None, fake_gpus: int | None = None) -> subprocess.Popen:
         env = self.env
         if node:
             env["GPUQ_NODE"] = node
+        if fake_gpus is not None:
+            env["GPUQ_FAKE_GPUS"] = str(fake_gpus)
         name = f"worker-{node or self.settings.node}-{index}"
         # Through the CLI, as a user starts one: `gpuq worker --gpu I` pins and execs the worker.
         proc = self._spawn(name, [sys.executable, "-m", "gpuq.cli", "worker", "--gpu", str(index)], env)

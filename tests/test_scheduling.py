@@ -1,0 +1,242 @@
+"""The scheduler against a real database and Redis: nodes, memory, limits, holds, dependencies,
+arrays, sweeps, retries, time limits, drain, and the reasons `gpuq status` and `gpuq why` give."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select, update
+
+from gpuq.service import constants as c
+from gpuq.service import inventory, jobs, spec
+from gpuq.service.celery_app import queue_name
+from gpuq.service.db import session_scope
+from gpuq.service.devices import open_devices
+from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
+from gpuq.service.explain import why
+from gpuq.service.models import Gpu, Job, utcnow
+from gpuq.service.scheduler import Scheduler
+from gpuq.workers.runner import WorkerState, run_job
+
+
+def register(settings, node: str, count: int, foreign: str = "") -> list[int]:
+    devices = open_devices(settings.with_overrides(fake_gpus=count, node=node, fake_gpu_foreign=foreign))
+    ids = []
+    with session_scope(settings) as session:
+        for info in devices.list():
+            gpu_id = inventory.register(session, node, info, queue_name(settings, node, info.index), f"gpu{info.index}@{node}", 1)
+            inventory.beat(session, gpu_id, devices.read(info.index))
+            ids.append(gpu_id)
+    return ids
+
+
+def submit(settings, argv=("true",), *, user="ann", gpus=1, **sched) -> int:
+    make = lambda extra: spec.command_spec(list(argv), gpus=gpus, user=user)  # noqa: E731
+    return jobs.submit_all(settings, spec.expand(make, spec.Scheduling(**sched), None, []))[0].id
+
+
+def state_of(settings, job_id):
+    with session_scope(settings) as session:
+        j = jobs.get_job(session, job_id)
+        return j.state, j.reason, j.node
+
+
+def gpus_of(settings, job_id):
+    with session_scope(settings) as session:
+        return [(g.node, g.index) for g in jobs.job_gpus(session, job_id)]
+
+
+def test_a_gang_goes_to_the_node_that_has_all_its_gpus_free(settings):
+    register(settings, "a", 1)
+    register(settings, "b", 3)
+    job = submit(settings, gpus=3)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == c.DISPATCHED
+    assert gpus_of(settings, job) == [("b", 0), ("b", 1), ("b", 2)]
+
+
+def test_memory_requests_avoid_gpus_that_foreign_processes_fill_and_why_names_them(settings):
+    register(settings, "a", 2, foreign="0:4096:4242:bob")  # of 8 GiB each
+    big = submit(settings, mem="6G")
+    blocked = submit(settings, mem="6G")
+    Scheduler(settings).schedule_once()
+    assert gpus_of(settings, big) == [("a", 1)]
+    assert state_of(settings, blocked)[:2] == (c.PENDING, "resources")
+    with session_scope(settings) as session:
+        text = why(session, settings, blocked)
+    assert f"job {blocked} waits (resources): it needs 1 GPU with 6.0 GiB free on one node" in text
+    assert "GPU 0 with 4.0 GiB free, used by pid 4242 of user bob (4.0 GiB), not started by gpuq" in text
+    assert f"GPU 1 runs job {big} of ann" in text
+
+
+def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
+    s = settings.with_overrides(user_gpu_limit=1)
+    register(s, "a", 3)
+    first, second, other = submit(s, user="ann"), submit(s, user="ann"), submit(s, user="bob")
+    Scheduler(s).schedule_once()
+    assert state_of(s, first)[0] == c.DISPATCHED and state_of(s, other)[0] == c.DISPATCHED
+    assert state_of(s, second)[:2] == (c.PENDING, "user limit")
+    with session_scope(s) as session:
+        assert "ann holds 1 GPUs and the limit is 1 at once" in why(session, s, second)
+
+
+def test_held_jobs_wait_until_released_and_only_their_owner_may_release(settings):
+    register(settings, "a", 1)
+    job = submit(settings, user="ann", hold=True)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[:2] == (c.PENDING, "held")
+    with pytest.raises(NotAllowed, match="belongs to ann"):
+        jobs.set_held(settings, job, False, user="mallory")
+    with pytest.raises(NotAllowed):
+        jobs.cancel(settings, job, user="mallory")
+    jobs.set_held(settings, job, False, user="ann")
+    with pytest.raises(StateConflict, match="not held"):
+        jobs.set_held(settings, job, False, user="ann")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == c.DISPATCHED
+
+
+def test_an_admin_may_act_on_anyones_job(settings):
+    s = settings.with_overrides(admins="root, boss")
+    register(s, "a", 1)
+    job = submit(s, user="ann", hold=True)
+    jobs.set_held(s, job, False, user="boss")
+    assert jobs.cancel(s, job, user="boss").state == c.CANCELLED
+
+
+def end(settings, job_id, state):
+    with session_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(state=state, ended_at=utcnow()))
+
+
+def test_after_waits_for_success_and_a_failed_dependency_cancels_with_the_reason(settings):
+    register(settings, "a", 2)
+    first = submit(settings, hold=True)
+    then = submit(settings, after=str(first))
+    regardless = submit(settings, after_any=str(first))
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, then)[:2] == (c.PENDING, "dependency")
+    with session_scope(settings) as session:
+        assert f"it waits for job {first} (pending) to succeed" in why(session, settings, then)
+    end(settings, first, c.FAILED)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, then)[:2] == (c.CANCELLED, f"dependency never satisfied: job {first} failed")
+    assert state_of(settings, regardless)[0] == c.DISPATCHED
+
+
+def test_after_a_job_that_does_not_exist_is_refused(settings):
+    register(settings, "a", 1)
+    with pytest.raises(InvalidSpec, match="--after: no job 999"):
+        submit(settings, after="999")
+
+
+def test_priority_is_bounded_for_users_and_not_for_admins(settings):
+    register(settings, "a", 1)
+    with pytest.raises(InvalidSpec, match="above the users' limit of 10"):
+        submit(settings, user="ann", priority=50)
+    s = settings.with_overrides(admins="boss")
+    assert submit(s, user="boss", priority=500)
+
+
+def test_fair_share_puts_the_user_with_fewer_recent_gpu_hours_first(settings):
+    register(settings, "a", 1)
+    old = submit(settings, user="heavy")
+    with session_scope(settings) as session:  # heavy used 4 GPUs for 10 hours yesterday
+        session.execute(update(Job).where(Job.id == old).values(
+            state=c.SUCCEEDED, gpus=1, started_at=utcnow() - timedelta(hours=30), ended_at=utcnow() - timedelta(hours=20)))
+    heavy, light = submit(settings, user="heavy"), submit(settings, user="light")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, light)[0] == c.DISPATCHED
+    assert state_of(settings, heavy)[:2] == (c.PENDING, "resources")
+
+
+def test_a_drained_node_starts_nothing_new_until_resumed(settings):
+    register(settings, "a", 1)
+    with session_scope(settings) as session:
+        inventory.set_drained(session, "a", True, "driver update")
+    job = submit(settings, node="a")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[:2] == (c.PENDING, "node drained")
+    with session_scope(settings) as session:
+        assert "node a, which is drained (driver update)" in why(session, settings, job)
+        inventory.set_drained(session, "a", False)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == c.DISPATCHED
+
+
+def test_an_array_makes_one_job_per_index_sharing_one_array_id(settings, tmp_path):
+    register(settings, "a", 1)
+    make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731
+    made = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-6:3", []))
+    assert [j.array_index for j in made] == [0, 3, 6]
+    assert {j.array_id for j in made} == {made[0].id}
+    assert [j.argv for j in made] == [["echo", "0"], ["echo", "3"], ["echo", "6"]]
+    assert [j.env["GPUQ_ARRAY_INDEX"] for j in made] == ["0", "3", "6"]
+    with session_scope(settings) as session:
+        assert jobs.array_jobs(session, made[0].id) == [j.id for j in made]
+
+
+def test_a_sweep_makes_the_cross_product_with_each_jobs_parameters(settings):
+    register(settings, "a", 1)
+    make = lambda extra: spec.workload_spec("train", ["--epochs", "1", *extra])  # noqa: E731
+    made = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), None, ["lr=0.1,0.01", "batch-size=64,128"]))
+    assert sorted((j.params["lr"], j.params["batch_size"]) for j in made) == [
+        (0.01, 64), (0.01, 128), (0.1, 64), (0.1, 128)]
+    with pytest.raises(InvalidSpec, match="train has no parameter --bs"):
+        spec.expand(make, spec.Scheduling(), None, ["bs=1,2"])
+
+
+def claim_and_run(settings, job_id) -> str:
+    Scheduler(settings).schedule_once()
+    with session_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job_id)[0]
+    return run_job(WorkerState(settings=settings, node=gpu.node, gpu_index=gpu.index, gpu_id=gpu.id,
+                               name=f"gpu{gpu.index}@{gpu.node}"), job_id)
+
+
+def test_a_failing_job_runs_again_up_to_its_retries_and_keeps_each_attempt(settings, tmp_path):
+    register(settings, "a", 1)
+    runs = tmp_path / "runs"
+    job = submit(settings, [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x'); raise SystemExit(2)"],
+                 retries=2)
+    results = [claim_and_run(settings, job) for _ in range(3)]
+    assert results == [c.FAILED] * 3 and runs.read_text() == "xxx"
+    with session_scope(settings) as session:
+        j = jobs.get_job(session, job)
+        assert j.state == c.FAILED and len(j.attempts) == 2
+        assert all(a["exit_code"] == 2 and a["reason"] == "exited with status 2" for a in j.attempts)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_past_its_time_limit_is_stopped_and_marked_timed_out(settings, tmp_path):
+    register(settings, "a", 1)
+    job = submit(settings, [sys.executable, "-c", "import time; time.sleep(60)"], time="2s")
+    assert claim_and_run(settings, job) == c.TIMED_OUT
+    state, reason, _ = state_of(settings, job)
+    assert reason == "time limit of 0:00:02 reached"
+    with session_scope(settings) as session:
+        j = jobs.get_job(session, job)
+        assert 2 <= (j.ended_at - j.started_at).total_seconds() < 15
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("mem", "lots", "--mem takes a size like 20G"),
+    ("time", "soon", "--time takes 2h, 30m, 90s"),
+    ("time", "0s", "--time must be at least 1s"),
+    ("after", "x", "--after takes job ids"),
+    ("retries", -1, "--retries must be between 0 and 100"),
+    ("priority", 5000, "--priority must be between -1000 and 1000"),
+])
+def test_malformed_scheduling_options_are_refused(option, value, message):
+    with pytest.raises(InvalidSpec, match=message):
+        spec.Scheduling(**{option: value}).fields()
+
+
+def test_a_node_request_for_an_unknown_node_or_too_many_gpus_there_is_refused(settings):
+    register(settings, "a", 2)
+    with pytest.raises(InvalidSpec, match="--node zz: no such node"):
+        submit(settings, node="zz")
+    with pytest.raises(InvalidSpec, match="more than node a has"):
+        submit(settings, node="a", gpus=3)
