@@ -22,10 +22,17 @@ JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
 
 
 @app.command()
-def show(job_id: JobId, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Everything about one job: its spec, state, GPUs, timing and result."""
+def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", min=1)] = None,
+         array: Annotated[Optional[int], typer.Option(help="A line for each job of this array.")] = None,
+         as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Everything about one job: its spec, state, GPUs, timing and result (or an array's jobs)."""
     settings = get_settings()
     require_schema(settings)
+    if array is not None:
+        _show_array(settings, array, as_json)
+        return
+    if job_id is None:
+        raise InvalidSpec("name a job id, or --array ID")
     with session_scope(settings) as session:
         job = jobs.get_job(session, job_id)
         gpus = [g.index for g in jobs.job_gpus(session, job_id)]
@@ -78,6 +85,16 @@ def show(job_id: JobId, as_json: Annotated[bool, typer.Option("--json")] = False
         for row in metrics:
             typer.echo("            " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in row.items()))
+
+
+def _show_array(settings, array: int, as_json: bool) -> None:
+    with session_scope(settings) as session:
+        rows = [jobs.get_job(session, j) for j in jobs.array_jobs(session, array)]
+    if as_json:
+        print_json([job_dict(j) for j in rows])
+        return
+    for j in rows:
+        typer.echo(f"{j.id:>6}  [{j.array_index}]  {j.state:<10} {duration(jobs.elapsed(j)):>8}  {result_summary(j)}")
 
 
 @app.command()

@@ -46,7 +46,7 @@ def result_summary(job: Job) -> str:
             return "exit 0"
         return "done"
     if job.state == c.PENDING:
-        return job.reason or "waiting for GPUs"
+        return "held" if job.held else (job.reason or "waiting for GPUs")
     if job.state == c.RUNNING and job.cancel_requested_at:
         return "cancelling"
     return job.reason or ""

@@ -115,3 +115,39 @@ def test_relative_paths_in_workload_parameters_are_stored_from_the_submit_direct
     monkeypatch.chdir(tmp_path)
     job = workload_spec("train", ["--checkpoint", "ckpt/run1.pt"])
     assert job.params["checkpoint"] == str(tmp_path / "ckpt" / "run1.pt")
+
+
+def test_an_array_is_cancelled_by_its_id_and_cancel_user_takes_all_of_mine(use_settings):
+    result = invoke(["submit", "--array", "0-2", "--hold", "--", "true"])
+    assert result.exit_code == 0 and result.output.strip() == "submitted array 1: jobs 1-3 (3)"
+    assert invoke(["submit", "--", "true"]).exit_code == 0
+    shown = invoke(["show", "--array", "1"]).output.splitlines()
+    assert len(shown) == 3 and all("pending" in ln and "held" in ln for ln in shown)
+    result = invoke(["cancel", "--array", "1"])
+    assert result.exit_code == 0 and result.output.splitlines() == [f"job {i} cancelled" for i in (1, 2, 3)]
+    assert invoke(["cancel", "--array", "9"]).output.strip() == "gpuq: no array 9"
+    result = invoke(["cancel", "--user"])
+    assert result.exit_code == 0 and result.output.strip() == "job 4 cancelled"
+    assert invoke(["cancel", "--user"]).output.strip() == "no active jobs to cancel"
+    assert invoke(["wait", "--array", "1"]).exit_code == c.EXIT_JOB_FAILED
+
+
+@pytest.mark.parametrize("args,message", [
+    (["submit", "--mem", "lots", "--", "true"], "--mem takes a size like 20G"),
+    (["submit", "--time", "forever", "--", "true"], "--time takes 2h, 30m, 90s, 1d or H:MM:SS"),
+    (["submit", "--array", "5-1", "--", "true"], "--array range '5-1' is empty"),
+    (["submit", "--array", "0-20000", "--", "true"], "more than 10000 tasks"),
+    (["submit", "--sweep", "lr", "--", "true"], "--sweep takes name=value,value"),
+    (["submit", "--after", "1", "--after-any", "2", "--", "true"], "give --after or --after-any, not both"),
+    (["submit", "--priority", "99", "--", "true"], "above the users' limit of 10"),
+    (["submit", "--mem", "64G", "--", "true"], "more than any GPU has (8192 MiB)"),
+    (["submit", "--node", "elsewhere", "--", "true"], "--node elsewhere: no such node"),
+    (["hold", "5"], "no job 5"),
+    (["drain", "elsewhere"], "no node elsewhere is known to gpuq"),
+])
+def test_bad_scheduling_requests_are_refused_in_one_line_and_write_nothing(use_settings, args, message):
+    result = invoke(args)
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert jobs_in(use_settings) == 0
