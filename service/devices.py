@@ -25,6 +25,16 @@ class GpuInfo:
 
 
 @dataclass(frozen=True)
+class GpuProcess:
+    """A process holding memory on a GPU; ``gpuq`` says whether it is the worker's or its job's."""
+
+    pid: int
+    memory_mib: int | None = None
+    name: str | None = None
+    gpuq: bool = False
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """One reading of a GPU's state; None where the device cannot tell."""
 
@@ -32,6 +42,12 @@ class GpuReading:
     utilization: int | None = None
     temperature_c: int | None = None
     power_w: float | None = None
+    memory_utilization: int | None = None
+    memory_total_mib: int | None = None
+    sm_clock_mhz: int | None = None
+    # The GPU's energy counter (mJ since the driver loaded); None on GPUs without one (pre-Volta).
+    energy_mj: int | None = None
+    processes: tuple[GpuProcess, ...] | None = None
 
 
 class Devices(Protocol):
@@ -120,18 +136,40 @@ class NvmlDevices:
             h = self._handle(index)
         except n.NVMLError:
             return GpuReading()
+        memory = _na(lambda: n.nvmlDeviceGetMemoryInfo(h), n)
+        rates = _na(lambda: n.nvmlDeviceGetUtilizationRates(h), n)
         return GpuReading(
-            memory_used_mib=_na(lambda: n.nvmlDeviceGetMemoryInfo(h).used // 2**20, n),
-            utilization=_na(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu, n),
+            memory_used_mib=None if memory is None else memory.used // 2**20,
+            memory_total_mib=None if memory is None else memory.total // 2**20,
+            utilization=None if rates is None else rates.gpu,
+            memory_utilization=None if rates is None else rates.memory,
             temperature_c=_na(lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU), n),
             power_w=_na(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0, n),
+            sm_clock_mhz=_na(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM), n),
+            energy_mj=_na(lambda: n.nvmlDeviceGetTotalEnergyConsumption(h), n),
+            processes=self._processes(h),
         )
+
+    def _processes(self, h) -> tuple[GpuProcess, ...] | None:
+        n = self._nvml
+        compute = _na(lambda: n.nvmlDeviceGetComputeRunningProcesses(h), n)
+        graphics = _na(lambda: n.nvmlDeviceGetGraphicsRunningProcesses(h), n)
+        if compute is None and graphics is None:
+            return None
+        seen: dict[int, GpuProcess] = {}
+        for p in [*(compute or []), *(graphics or [])]:
+            used = getattr(p, "usedGpuMemory", None)
+            # NVML reports "not available" memory as None or as a huge sentinel value.
+            mib = used // 2**20 if isinstance(used, int) and used < 2**60 else None
+            seen.setdefault(p.pid, GpuProcess(pid=p.pid, memory_mib=mib))
+        return tuple(seen.values())
 
 
 def _na(read, nvml):
     try:
         return read()
-    except nvml.NVMLError:
+    except (nvml.NVMLError, AttributeError):
+        # AttributeError: an older nvidia-ml-py without that call is "not available" too.
         return None
 
 
