@@ -89,7 +89,7 @@ def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -
     values = dict(home=home, database_url=database_url, broker_url=broker_url,
                   key_prefix=f"gpuqtest-{uuid.uuid4().hex[:8]}", node="testnode", fake_gpus=2,
                   fake_gpu_memory_mib=8192, heartbeat_interval=0.5, worker_timeout=6.0,
-                  scheduler_interval=0.5, kill_grace=1.0, warm_start=False)
+                  scheduler_interval=0.5, kill_grace=1.0, warm_start=False, sample_interval=0.5)
     values.update(overrides)
     return Settings(**values)
 
@@ -107,6 +107,9 @@ def settings_env(settings: Settings, base: dict[str, str] | None = None) -> dict
         "GPUQ_SCHEDULER_INTERVAL": str(settings.scheduler_interval),
         "GPUQ_KILL_GRACE": str(settings.kill_grace), "GPUQ_WARM_START": str(settings.warm_start),
         "GPUQ_REDIS_PORT": str(settings.redis_port), "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml",
+        "GPUQ_SAMPLE_INTERVAL": str(settings.sample_interval),
+        "GPUQ_SAMPLE_RETENTION_DAYS": str(settings.sample_retention_days),
+        "GPUQ_IDLE_WINDOW": str(settings.idle_window),
         "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
     })
     return env

@@ -1,0 +1,107 @@
+"""The worker's view of its own GPU: one reading, from NVML or, on a simulated GPU, from the work
+its job really does on the CPU.
+
+A simulated GPU's utilisation is the CPU use of the worker and its job's process tree (capped at
+100%), its memory the tree's resident memory above the worker's own at start, and power, clock and
+temperature follow the utilisation the way a real GPU's do, so every reading is plausible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import psutil
+
+from gpuq.service.devices import Devices, GpuProcess, GpuReading
+
+# A simulated GPU's power draw idle and at full load (watts), and its SM clock likewise (MHz):
+# roughly an A100 PCIe's, so summaries in joules look like a lab's.
+SIM_IDLE_W, SIM_FULL_W = 30.0, 250.0
+SIM_IDLE_MHZ, SIM_FULL_MHZ = 210, 1410
+# A simulated GPU's temperature idle and at full load (C), and the share of the way to its target
+# it moves per reading: a GPU heats and cools over seconds, not at once.
+SIM_IDLE_C, SIM_FULL_C, SIM_THERMAL_STEP = 32.0, 78.0, 0.3
+
+
+class GpuProbe:
+    """Reads GPU ``index`` for the worker whose pid is ``root`` (default: this process).
+
+    ``read(max_age)`` returns a reading no older than ``max_age`` seconds, so the heartbeat and the
+    sampler can share one without reading the device twice. Safe to call from several threads.
+    """
+
+    def __init__(self, devices: Devices, index: int, root: int | None = None) -> None:
+        self.devices, self.index = devices, index
+        self._root = psutil.Process(root or os.getpid())
+        self._baseline_rss = self._root.memory_info().rss
+        self._procs: dict[int, psutil.Process] = {}
+        self._temperature = SIM_IDLE_C
+        self._lock = threading.Lock()
+        self._last: tuple[float, GpuReading] | None = None
+
+    def read(self, max_age: float = 0.0) -> GpuReading:
+        """The GPU's state now (or at most ``max_age`` seconds ago); None where not available."""
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None and now - self._last[0] <= max_age:
+                return self._last[1]
+            reading = self._simulated() if self.devices.kind == "simulated" else self._device()
+            self._last = (now, reading)
+            return reading
+
+    def _tree(self) -> dict[int, psutil.Process]:
+        # Keep the Process objects between readings: cpu_percent measures since the previous call.
+        try:
+            current = {p.pid: p for p in [self._root, *self._root.children(recursive=True)]}
+        except psutil.Error:
+            current = {}
+        self._procs = {pid: self._procs.get(pid, p) for pid, p in current.items()}
+        return self._procs
+
+    def _device(self) -> GpuReading:
+        reading = self.devices.read(self.index)
+        if not reading.processes:
+            return reading
+        ours = set(self._tree())
+        named = tuple(GpuProcess(pid=p.pid, memory_mib=p.memory_mib, name=_name(p.pid), gpuq=p.pid in ours)
+                      for p in reading.processes)
+        return dataclasses.replace(reading, processes=named)
+
+    def _simulated(self) -> GpuReading:
+        cpu = rss = 0.0
+        procs = []
+        for p in self._tree().values():
+            try:
+                cpu += p.cpu_percent(None)
+                mem = p.memory_info().rss
+                name = p.name()
+            except psutil.Error:
+                continue
+            rss += mem
+            if p.pid != self._root.pid:
+                procs.append(GpuProcess(pid=p.pid, memory_mib=mem // 2**20, name=name, gpuq=True))
+        used = int(max(rss - self._baseline_rss, 0) / 2**20)
+        util = int(min(cpu, 100.0))
+        load = util / 100.0
+        target = SIM_IDLE_C + load * (SIM_FULL_C - SIM_IDLE_C)
+        self._temperature += (target - self._temperature) * SIM_THERMAL_STEP
+        info = next((g for g in self.devices.list() if g.index == self.index), None)
+        worker = GpuProcess(pid=self._root.pid, memory_mib=used, name=self._root.name(), gpuq=True)
+        return GpuReading(
+            memory_used_mib=used, utilization=util, memory_utilization=int(util * 0.6),
+            memory_total_mib=info.memory_total_mib if info else None,
+            temperature_c=int(round(self._temperature)),
+            power_w=round(SIM_IDLE_W + load * (SIM_FULL_W - SIM_IDLE_W), 1),
+            sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
+            energy_mj=None, processes=(worker, *procs),
+        )
+
+
+def _name(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return None  # gone, or another container's: not available
