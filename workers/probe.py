@@ -1,8 +1,8 @@
 """The worker's view of its own GPU: one reading, from NVML or, on a simulated GPU, from the work
 its job really does on the CPU.
 
-A simulated GPU's utilisation is the CPU use of the worker and its job's process tree (capped at
-100%), its memory the tree's resident memory above the worker's own at start, and power, clock and
+A simulated GPU's utilisation is the CPU use of the worker's main thread (where a built-in
+workload runs) and its job's processes (capped at 100%), its memory the tree's resident memory above the worker's own at start, and power, clock and
 temperature follow the utilisation the way a real GPU's do, so every reading is plausible.
 """
 
@@ -39,6 +39,7 @@ class GpuProbe:
         self._baseline_rss = self._root.memory_info().rss
         self._procs: dict[int, psutil.Process] = {}
         self._temperature = SIM_IDLE_C
+        self._main_last: tuple[float, float] | None = None
         self._lock = threading.Lock()
         self._last: tuple[float, GpuReading] | None = None
 
@@ -70,12 +71,33 @@ class GpuProbe:
                       for p in reading.processes)
         return dataclasses.replace(reading, processes=named)
 
+    def _main_thread_cpu(self) -> float:
+        """CPU percent of the worker's main thread since the last reading.
+
+        Its main thread is where a built-in workload runs; the worker's other threads (this
+        sampler, the heartbeat, the cancel watcher) are bookkeeping, not "GPU" work.
+        """
+        try:
+            main = next((t for t in self._root.threads() if t.id == self._root.pid), None)
+        except psutil.Error:
+            return 0.0
+        if main is None:
+            return 0.0
+        now, used = time.monotonic(), main.user_time + main.system_time
+        last, self._main_last = self._main_last, (now, used)
+        if last is None or now <= last[0]:
+            return 0.0
+        return 100.0 * (used - last[1]) / (now - last[0])
+
     def _simulated(self) -> GpuReading:
-        cpu = rss = 0.0
+        rss = 0.0
         procs = []
+        known = set(self._procs)
+        cpu = self._main_thread_cpu()
         for p in self._tree().values():
             try:
-                cpu += p.cpu_percent(None)
+                if p.pid != self._root.pid:
+                    cpu += p.cpu_percent(None) if p.pid in known else _cpu_since_start(p)
                 mem = p.memory_info().rss
                 name = p.name()
             except psutil.Error:
@@ -98,6 +120,14 @@ class GpuProbe:
             sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
             energy_mj=None, processes=(worker, *procs),
         )
+
+
+def _cpu_since_start(p: psutil.Process) -> float:
+    """A new process's CPU percent over its life so far (its first cpu_percent call says 0)."""
+    p.cpu_percent(None)  # sets the baseline for the next reading
+    times = p.cpu_times()
+    alive = max(time.time() - p.create_time(), 1e-3)
+    return 100.0 * (times.user + times.system) / alive
 
 
 def _name(pid: int) -> str | None:

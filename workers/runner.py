@@ -150,21 +150,22 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
         sink.close()
         state.job_ended(job.id)
     with session_scope(settings) as session:
-        ended = finish(session, job.id, **end)
-        if not ended:
+        if finish(session, job.id, **end):
+            _record_usage(state, session, job.id)
+        else:
             log.warning("%s: job %s had already ended elsewhere", state.name, job.id)
-    if ended:
-        _record_usage(state, job.id)
     broker.wake_scheduler(settings)
     log.info("%s: job %s %s", state.name, job.id, end["state"])
     return end["state"]
 
 
-def _record_usage(state: WorkerState, job_id: int) -> None:
+def _record_usage(state: WorkerState, session, job_id: int) -> None:
+    """Store the job's usage summary in the transaction that ends it, so nobody sees one without
+    the other; in a savepoint, so a failure here never undoes the end."""
     try:
-        with session_scope(state.settings) as session:
+        with session.begin_nested():
             usage.record_usage(session, job_id)
-    except Exception:  # noqa: BLE001 - the job has ended either way; its summary can be computed later
+    except Exception:  # noqa: BLE001 - `gpuq stats JOB` computes a missing summary from the samples
         log.exception("%s: job %s: could not store its usage summary", state.name, job_id)
 
 
