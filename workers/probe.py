@@ -40,6 +40,8 @@ class GpuProbe:
         self._procs: dict[int, psutil.Process] = {}
         self._temperature = SIM_IDLE_C
         self._main_last: tuple[float, float] | None = None
+        info = next((g for g in devices.list() if g.index == index), None)
+        self._memory_total_mib = info.memory_total_mib if info else None
         self._lock = threading.Lock()
         self._last: tuple[float, GpuReading] | None = None
 
@@ -55,12 +57,20 @@ class GpuProbe:
 
     def _tree(self) -> dict[int, psutil.Process]:
         # Keep the Process objects between readings: cpu_percent measures since the previous call.
-        try:
-            current = {p.pid: p for p in [self._root, *self._root.children(recursive=True)]}
-        except psutil.Error:
-            current = {}
-        self._procs = {pid: self._procs.get(pid, p) for pid, p in current.items()}
-        return self._procs
+        pids = _descendants(self._root.pid)
+        if pids is None:  # no /proc/PID/task/TID/children here: psutil's scan of every process
+            try:
+                pids = [p.pid for p in self._root.children(recursive=True)]
+            except psutil.Error:
+                pids = []
+        procs = {self._root.pid: self._root}
+        for pid in pids:
+            try:
+                procs[pid] = self._procs.get(pid) or psutil.Process(pid)
+            except psutil.Error:
+                continue
+        self._procs = procs
+        return procs
 
     def _device(self) -> GpuReading:
         reading = self.devices.read(self.index)
@@ -110,16 +120,38 @@ class GpuProbe:
         load = util / 100.0
         target = SIM_IDLE_C + load * (SIM_FULL_C - SIM_IDLE_C)
         self._temperature += (target - self._temperature) * SIM_THERMAL_STEP
-        info = next((g for g in self.devices.list() if g.index == self.index), None)
         worker = GpuProcess(pid=self._root.pid, memory_mib=used, name=self._root.name(), gpuq=True)
         return GpuReading(
             memory_used_mib=used, utilization=util, memory_utilization=int(util * 0.6),
-            memory_total_mib=info.memory_total_mib if info else None,
+            memory_total_mib=self._memory_total_mib,
             temperature_c=int(round(self._temperature)),
             power_w=round(SIM_IDLE_W + load * (SIM_FULL_W - SIM_IDLE_W), 1),
             sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
             energy_mj=None, processes=(worker, *procs),
         )
+
+
+def _descendants(root: int) -> list[int] | None:
+    """The pids below ``root``, from Linux's per-thread children lists: a few small reads instead
+    of psutil's scan of every process on the machine. None where the kernel does not offer them."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return None
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
 
 
 def _cpu_since_start(p: psutil.Process) -> float:
