@@ -7,7 +7,8 @@ from typing import Annotated
 import typer
 
 from gpuq.cli.render import duration, job_dict, mib, one_line, print_json, result_summary
-from gpuq.service import inventory, jobs
+from gpuq.service import constants as c
+from gpuq.service import inventory, jobs, usage
 from gpuq.service.db import require_schema, session_scope
 from gpuq.service.models import utcnow
 from gpuq.service.settings import get_settings
@@ -30,9 +31,11 @@ def status(
     with session_scope(settings) as session:
         rows = jobs.list_jobs(session, ended_limit=ended, user=current_user() if mine else None)
         gpus = inventory.view(session, settings)
+        idle = usage.idle_jobs(session, settings)
     now = utcnow()
     if as_json:
-        print_json({"jobs": [job_dict(j) | {"elapsed_s": _secs(jobs.elapsed(j, now))} for j in rows],
+        print_json({"jobs": [job_dict(j) | {"elapsed_s": _secs(jobs.elapsed(j, now)), "idle": j.id in idle}
+                             for j in rows],
                     "gpus": [g.__dict__ for g in gpus]})
         return
     from rich.console import Console
@@ -43,7 +46,8 @@ def status(
         queue.add_column(col, no_wrap=col != "RESULT / REASON", justify="right" if col in ("ID", "GPUS") else "left")
     for j in rows:
         queue.add_row(str(j.id), j.user, one_line(j.name, 30), _state(j.state), str(j.gpus), j.node or "-",
-                      duration(jobs.elapsed(j, now)), one_line(result_summary(j), 50))
+                      duration(jobs.elapsed(j, now)),
+                      _idle(settings) if j.id in idle else one_line(result_summary(j), 50))
     devices = Table(title="gpus", title_justify="left", box=None, header_style="bold")
     for col in ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"):
         devices.add_column(col, justify="right" if col in ("GPU", "UTIL") else "left")
@@ -75,6 +79,10 @@ def _state(state: str) -> str:
     colour = {"running": "green", "busy": "green", "succeeded": "bold green", "failed": "red",
               "offline": "red", "cancelled": "yellow", "timed_out": "red", "pending": "cyan"}.get(state)
     return f"[{colour}]{state}[/]" if colour else state
+
+
+def _idle(settings) -> str:
+    return f"[yellow]idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {settings.idle_window / 60:g} min[/]"
 
 
 def _secs(d) -> float | None:

@@ -47,3 +47,18 @@ CANCEL_POLL_SECONDS = 0.2
 CLIENT_POLL_SECONDS = 0.2
 # Timeout for reaching Redis from the CLI: an unreachable broker must fail fast, not hang.
 BROKER_CONNECT_TIMEOUT = 3.0
+
+# Device samples are written this many at a time (and when a job ends): never a transaction each.
+SAMPLE_BATCH = 5
+# A GPU below this utilisation (percent) counts as idle, in job summaries and the idle flag.
+IDLE_UTILIZATION = 10
+# `gpuq status` flags a running job whose GPUs were idle for at least this share of the idle window.
+IDLE_SHARE = 0.9
+# How often each worker rolls its own GPU's samples past retention into minute aggregates, seconds.
+ROLLUP_EVERY = 3600.0
+# Width of an aggregate row, seconds: raw samples past retention become one row per GPU, job and minute.
+AGGREGATE_SECONDS = 60
+# Raw samples are rolled up a day at a time, each day in its own transaction.
+ROLLUP_CHUNK_SECONDS = 86400
+# Refresh period of `gpuq devices --watch`, seconds, unless --interval says otherwise.
+DEVICES_WATCH_SECONDS = 1.0

@@ -27,12 +27,13 @@ class GpuInfo:
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """A process using a GPU, as NVML lists it."""
+    """A process holding memory on a GPU; ``gpuq`` says whether it is the worker's or its job's."""
 
     pid: int
-    mib: int | None
-    user: str | None = None
+    memory_mib: int | None = None
     name: str | None = None
+    gpuq: bool = False
+    user: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,12 @@ class GpuReading:
     utilization: int | None = None
     temperature_c: int | None = None
     power_w: float | None = None
-    processes: tuple[GpuProcess, ...] = ()
+    memory_utilization: int | None = None
+    memory_total_mib: int | None = None
+    sm_clock_mhz: int | None = None
+    # The GPU's energy counter (mJ since the driver loaded); None on GPUs without one (pre-Volta).
+    energy_mj: int | None = None
+    processes: tuple[GpuProcess, ...] | None = None
 
 
 class Devices(Protocol):
@@ -94,6 +100,7 @@ class SimulatedDevices:
         return list(self._gpus)
 
     def read(self, index: int) -> GpuReading:
+        """Only the foreign processes it was told to show; the worker's probe measures the rest."""
         return GpuReading(processes=tuple(self._foreign.get(index, ())))
 
 
@@ -103,8 +110,8 @@ def parse_foreign(text: str) -> dict[int, list[GpuProcess]]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         try:
             index, mib, pid, user = item.split(":")
-            out.setdefault(int(index), []).append(GpuProcess(pid=int(pid), mib=int(mib), user=user,
-                                                             name="simulated"))
+            out.setdefault(int(index), []).append(
+                GpuProcess(pid=int(pid), memory_mib=int(mib), name="simulated", user=user))
         except ValueError:
             raise ConfigError(f"fake_gpu_foreign takes GPU:MIB:PID:USER[,...]; got {item!r}") from None
     return out
@@ -146,39 +153,40 @@ class NvmlDevices:
             h = self._handle(index)
         except n.NVMLError:
             return GpuReading()
+        memory = _na(lambda: n.nvmlDeviceGetMemoryInfo(h), n)
+        rates = _na(lambda: n.nvmlDeviceGetUtilizationRates(h), n)
         return GpuReading(
-            memory_used_mib=_na(lambda: n.nvmlDeviceGetMemoryInfo(h).used // 2**20, n),
-            utilization=_na(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu, n),
+            memory_used_mib=None if memory is None else memory.used // 2**20,
+            memory_total_mib=None if memory is None else memory.total // 2**20,
+            utilization=None if rates is None else rates.gpu,
+            memory_utilization=None if rates is None else rates.memory,
             temperature_c=_na(lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU), n),
             power_w=_na(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0, n),
-            processes=tuple(_processes(n, h)),
+            sm_clock_mhz=_na(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM), n),
+            energy_mj=_na(lambda: n.nvmlDeviceGetTotalEnergyConsumption(h), n),
+            processes=self._processes(h),
         )
 
-
-def _processes(nvml, handle) -> list[GpuProcess]:
-    try:
-        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except nvml.NVMLError:
-        return []
-    out = []
-    for p in procs:
-        mib = p.usedGpuMemory // 2**20 if isinstance(p.usedGpuMemory, int) else None
-        user = name = None
-        try:
-            import psutil
-
-            proc = psutil.Process(p.pid)
-            user, name = proc.username(), proc.name()
-        except Exception:  # noqa: BLE001 - another container's or user's process: pid and memory only
-            pass
-        out.append(GpuProcess(pid=p.pid, mib=mib, user=user, name=name))
-    return out
+    def _processes(self, h) -> tuple[GpuProcess, ...] | None:
+        n = self._nvml
+        compute = _na(lambda: n.nvmlDeviceGetComputeRunningProcesses(h), n)
+        graphics = _na(lambda: n.nvmlDeviceGetGraphicsRunningProcesses(h), n)
+        if compute is None and graphics is None:
+            return None
+        seen: dict[int, GpuProcess] = {}
+        for p in [*(compute or []), *(graphics or [])]:
+            used = getattr(p, "usedGpuMemory", None)
+            # NVML reports "not available" memory as None or as a huge sentinel value.
+            mib = used // 2**20 if isinstance(used, int) and used < 2**60 else None
+            seen.setdefault(p.pid, GpuProcess(pid=p.pid, memory_mib=mib))
+        return tuple(seen.values())
 
 
 def _na(read, nvml):
     try:
         return read()
-    except nvml.NVMLError:
+    except (nvml.NVMLError, AttributeError):
+        # AttributeError: an older nvidia-ml-py without that call is "not available" too.
         return None
 
 

@@ -31,14 +31,14 @@ def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str
     return gpu.id
 
 
-def beat(session: Session, gpu_id: int, reading: GpuReading, own_pids: set[int] = frozenset()) -> None:
+def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
     """A heartbeat: the worker is alive, and this is how its GPU looks. Processes on the GPU that
-    are not the worker's or its jobs' (``own_pids``) are foreign: other programs' memory."""
-    foreign = [p for p in reading.processes if p.pid not in own_pids]
+    are not the worker's or its jobs' are foreign: other programs' memory."""
+    foreign = [p for p in reading.processes or () if not p.gpuq]
     session.execute(update(Gpu).where(Gpu.id == gpu_id).values(
         heartbeat_at=utcnow(), memory_used_mib=reading.memory_used_mib, utilization=reading.utilization,
-        foreign_mib=sum(p.mib or 0 for p in foreign),
-        foreign=[{"pid": p.pid, "mib": p.mib, "user": p.user, "name": p.name} for p in foreign] or None))
+        foreign_mib=sum(p.memory_mib or 0 for p in foreign),
+        foreign=[{"pid": p.pid, "mib": p.memory_mib, "user": p.user, "name": p.name} for p in foreign] or None))
 
 
 def sign_off(session: Session, gpu_id: int) -> None:

@@ -7,7 +7,9 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
+    Float,
     DateTime,
     ForeignKey,
     Index,
@@ -195,4 +197,84 @@ class JobMetric(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(Integer)
     values: Mapped[dict[str, Any]] = mapped_column(JSON)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+# 64-bit ids where a table grows by a row per GPU per second; SQLite's rowid is 64-bit already.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+
+
+class DeviceSample(Base):
+    """One reading of one GPU by its worker, tagged with the job that held it; None = not available.
+
+    ``interval_s`` is the time the reading stands for (since the previous one), so sums weighted by
+    it are exact whatever the sampling rate; ``energy_j`` is the energy used in that time (from the
+    GPU's energy counter where it has one, else power times interval).
+    """
+
+    __tablename__ = "device_samples"
+    __table_args__ = (Index("ix_device_samples_gpu_id_sampled_at", "gpu_id", "sampled_at"),
+                      Index("ix_device_samples_job_id_sampled_at", "job_id", "sampled_at"),
+                      Index("ix_device_samples_sampled_at", "sampled_at"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"))
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    sampled_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    interval_s: Mapped[float] = mapped_column(Float)
+    utilization: Mapped[int | None] = mapped_column(Integer)
+    memory_utilization: Mapped[int | None] = mapped_column(Integer)
+    memory_used_mib: Mapped[int | None] = mapped_column(Integer)
+    memory_total_mib: Mapped[int | None] = mapped_column(Integer)
+    temperature_c: Mapped[int | None] = mapped_column(Integer)
+    power_w: Mapped[float | None] = mapped_column(Float)
+    sm_clock_mhz: Mapped[int | None] = mapped_column(Integer)
+    energy_j: Mapped[float | None] = mapped_column(Float)
+    # [{"pid", "name", "memory_mib", "gpuq"}]: the processes on the GPU, gpuq's and foreign ones.
+    processes: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+
+
+class DeviceMinute(Base):
+    """One GPU's samples of one minute (and one job) rolled up: sums weighted by seconds, and maxima.
+
+    Means are ``*_sum / *_seconds``; what the raw samples summed to, these rows sum to.
+    """
+
+    __tablename__ = "device_minutes"
+    __table_args__ = (Index("ix_device_minutes_gpu_id_minute", "gpu_id", "minute"),
+                      Index("ix_device_minutes_job_id", "job_id"),
+                      Index("ix_device_minutes_minute", "minute"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"))
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    minute: Mapped[datetime] = mapped_column(UTCDateTime)
+    samples: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    utilization_seconds: Mapped[float] = mapped_column(Float)  # seconds with a known utilisation
+    utilization_sum: Mapped[float] = mapped_column(Float)  # utilisation (%) x seconds
+    utilization_max: Mapped[int | None] = mapped_column(Integer)
+    idle_seconds: Mapped[float] = mapped_column(Float)  # seconds below IDLE_UTILIZATION
+    memory_seconds: Mapped[float] = mapped_column(Float)  # seconds with a known memory use
+    memory_used_sum: Mapped[float] = mapped_column(Float)  # MiB x seconds
+    memory_used_max: Mapped[int | None] = mapped_column(Integer)
+    temperature_max: Mapped[int | None] = mapped_column(Integer)
+    power_max: Mapped[float | None] = mapped_column(Float)
+    energy_j: Mapped[float] = mapped_column(Float)
+
+
+class JobUsage(Base):
+    """A job's accounting summary, written when it ends."""
+
+    __tablename__ = "job_usage"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    wall_s: Mapped[float] = mapped_column(Float)
+    gpu_hours: Mapped[float] = mapped_column(Float)  # wall time x GPUs held
+    memory_peak_mib: Mapped[int | None] = mapped_column(Integer)
+    memory_mean_mib: Mapped[float | None] = mapped_column(Float)
+    utilization_mean: Mapped[float | None] = mapped_column(Float)
+    energy_j: Mapped[float | None] = mapped_column(Float)
+    idle_s: Mapped[float] = mapped_column(Float)  # GPU-seconds below IDLE_UTILIZATION
+    samples: Mapped[int] = mapped_column(Integer)
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

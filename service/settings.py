@@ -55,8 +55,14 @@ class Settings:
     fake_gpus: int = 0
     # Memory each simulated GPU reports, MiB.
     fake_gpu_memory_mib: int = 16384
-    # Seconds between worker heartbeats (and device readings).
+    # Seconds between worker heartbeats (liveness, and the GPU's state in `gpuq status`).
     heartbeat_interval: float = 2.0
+    # Seconds between device samples each worker keeps in SQL (utilisation, memory, power, ...); 0: none.
+    sample_interval: float = 1.0
+    # Days raw device samples are kept before they are rolled into 1-minute aggregates (kept forever).
+    sample_retention_days: float = 7.0
+    # Seconds a running job must have held its GPUs mostly idle before `gpuq status` flags it.
+    idle_window: float = 600.0
     # A worker silent this many seconds is lost: its GPU is not given out, its running job fails.
     worker_timeout: float = 20.0
     # Seconds the scheduler sleeps when nobody wakes it (it is woken on submit and on job end).

@@ -1,4 +1,5 @@
-"""`gpuq status` and `gpuq submit` stay instant: they never import torch or the worker machinery."""
+"""`gpuq status`, `submit`, `devices` and `stats` stay instant: they never import torch, matplotlib or
+the worker machinery."""
 
 import subprocess
 import sys
@@ -13,14 +14,14 @@ from typer.testing import CliRunner
 from gpuq.cli.app import app
 r = CliRunner().invoke(app, sys.argv[1:])
 assert r.exit_code == 0, r.output
-heavy = sorted(m for m in ("torch", "celery", "gpuq.workers", "kombu", "alembic") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "celery", "gpuq.workers", "kombu", "alembic", "matplotlib") if m in sys.modules)
 print("HEAVY", ",".join(heavy))
 """
 
 
 @pytest.mark.parametrize("args", [["status"], ["submit", "--", "true"], ["submit", "matmul", "--size", "64"],
-                                  ["workloads"]])
-def test_status_and_submit_do_not_import_torch_celery_or_the_workers(settings, args):
+                                  ["workloads"], ["devices"], ["stats"]])
+def test_status_submit_devices_and_stats_do_not_import_torch_celery_matplotlib_or_the_workers(settings, args):
     env = settings_env(settings)
     out = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

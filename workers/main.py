@@ -56,7 +56,9 @@ def serve(index: int, loglevel: str) -> int:
 
     from gpuq.workers import tasks
     from gpuq.workers.heartbeat import Heartbeat
+    from gpuq.workers.probe import GpuProbe
     from gpuq.workers.runner import WorkerState
+    from gpuq.workers.sampler import Sampler
 
     if settings.warm_start:
         from gpuq.workers.builtin import warm_up
@@ -66,8 +68,12 @@ def serve(index: int, loglevel: str) -> int:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, app=app)
-    heartbeat = Heartbeat(settings, gpu_id, devices, index)
+    probe = GpuProbe(devices, index)
+    heartbeat = Heartbeat(settings, gpu_id, probe)
     heartbeat.start()
+    if settings.sample_interval > 0:
+        state.sampler = Sampler(settings, gpu_id, probe, lambda: state.job_id)
+        state.sampler.start()
     tasks.register(app, state)
     _interrupt_on_second_shutdown(state)
     broker.wake_scheduler(settings)  # a new GPU may be what a waiting job needs
@@ -77,6 +83,9 @@ def serve(index: int, loglevel: str) -> int:
                          f"--loglevel={loglevel}"])
     finally:
         heartbeat.stop()
+        if state.sampler is not None:
+            state.sampler.stop()
+            state.sampler.join(5)
         with session_scope(settings) as session:
             inventory.sign_off(session, gpu_id)
         log.info("%s: stopped", name)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuq.service import broker
+from gpuq.service import broker, usage
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.errors import JobCancelled
@@ -43,6 +43,19 @@ class WorkerState:
     app: Any = None
     # Set on the second shutdown request: stop the running job now instead of letting it finish.
     interrupt: threading.Event = field(default_factory=threading.Event)
+    # The job (or rank of one) running here now, which the device sampler tags its readings with.
+    job_id: int | None = None
+    # The device sampler (workers/sampler.py), if sampling is on.
+    sampler: Any = None
+
+    def job_started(self, job_id: int) -> None:
+        self.job_id = job_id
+
+    def job_ended(self, job_id: int) -> None:
+        """The job's last device readings are written before anything reads them for its summary."""
+        if self.sampler is not None:
+            self.sampler.job_ended(job_id)
+        self.job_id = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,7 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
         if not claim(session, job_id, state.gpu_id, state.name):
             log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
             return None
+    state.job_started(job_id)
     job = load(settings, job_id)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or job.argv[0])
     sink = OutputSink(settings, job.id)
@@ -148,12 +162,25 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     finally:
         watcher.done.set()
         sink.close()
+        state.job_ended(job.id)
     with session_scope(settings) as session:
-        if not finish(session, job.id, **end):
+        if finish(session, job.id, **end):
+            _record_usage(state, session, job.id)
+        else:
             log.warning("%s: job %s had already ended elsewhere", state.name, job.id)
     broker.wake_scheduler(settings)
     log.info("%s: job %s %s", state.name, job.id, end["state"])
     return end["state"]
+
+
+def _record_usage(state: WorkerState, session, job_id: int) -> None:
+    """Store the job's usage summary in the transaction that ends it, so nobody sees one without
+    the other; in a savepoint, so a failure here never undoes the end."""
+    try:
+        with session.begin_nested():
+            usage.record_usage(session, job_id)
+    except Exception:  # noqa: BLE001 - `gpuq stats JOB` computes a missing summary from the samples
+        log.exception("%s: job %s: could not store its usage summary", state.name, job_id)
 
 
 def _stopped_end(state: WorkerState, job: JobRun, watcher: CancelWatcher) -> dict[str, Any]:
@@ -229,6 +256,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
             return False
         workload, params, gpus, meet = job.workload, dict(job.params), job.gpus, job.rendezvous
     log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
+    state.job_started(job_id)
     watcher = CancelWatcher(state.settings, job_id, state.interrupt)
     watcher.start()
     try:
@@ -240,6 +268,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
         log.exception("%s: job %s rank %s failed", state.name, job_id, rank)
     finally:
         watcher.done.set()
+        state.job_ended(job_id)
     log.info("%s: job %s rank %s done", state.name, job_id, rank)
     return True
 

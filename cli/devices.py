@@ -1,0 +1,112 @@
+"""`gpuq devices`: every GPU now, as nvitop and gpustat show it, once or refreshing with --watch."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from gpuq.cli.render import mib, print_json
+from gpuq.service import constants as c
+from gpuq.service.db import require_schema, session_scope
+from gpuq.service.device_status import DeviceStatus, device_status
+from gpuq.service.settings import get_settings
+
+app = typer.Typer()
+
+BAR_WIDTH = 10
+
+
+def bar(percent: float | None, width: int = BAR_WIDTH) -> str:
+    """``████░░░░░░ 40%``, or ``n/a`` when not available."""
+    if percent is None:
+        return "n/a"
+    filled = round(max(0.0, min(percent, 100.0)) / 100 * width)
+    colour = "green" if percent < 50 else "yellow" if percent < 80 else "red"
+    return f"[{colour}]{'█' * filled}[/][dim]{'░' * (width - filled)}[/] {percent:3.0f}%"
+
+
+def _processes(procs: list[dict]) -> str:
+    if not procs:
+        return "-"
+    return ", ".join(f"{p.get('name') or '?'}[{p['pid']}]" + (f" {mib(p['memory_mib'])}" if p.get("memory_mib") else "")
+                     for p in procs)
+
+
+def table(rows: list[DeviceStatus]):
+    """The Rich table of the GPUs."""
+    from rich.table import Table
+
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("NODE", "GPU", "NAME", "UTIL", "MEMORY", "TEMP", "POWER", "JOB", "USER", "FOREIGN PROCESSES"):
+        t.add_column(col, no_wrap=True, justify="right" if col in ("GPU", "TEMP", "POWER") else "left")
+    for d in rows:
+        mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
+        memory = f"{bar(mem_pct)} {mib(d.memory_used_mib)}/{mib(d.memory_total_mib)}" if mem_pct is not None else "n/a"
+        t.add_row(d.node + ("" if d.online else " [red](offline)[/]"), str(d.index), d.name, bar(d.utilization),
+                  memory, "n/a" if d.temperature_c is None else f"{d.temperature_c}C",
+                  "n/a" if d.power_w is None else f"{d.power_w:.0f}W",
+                  f"{d.job_id} {d.job_name}" if d.job_id else "-", d.user or "-", _processes(d.foreign))
+    return t
+
+
+def _read() -> list[DeviceStatus]:
+    settings = get_settings()
+    with session_scope(settings) as session:
+        return device_status(session, settings)
+
+
+@app.command()
+def devices(
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until interrupted.")] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = c.DEVICES_WATCH_SECONDS,
+    count: Annotated[Optional[int], typer.Option(min=1, help="With --watch: stop after this many.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON (with --watch: one document a line).")] = False,
+) -> None:
+    """Every GPU now: utilisation, memory, temperature, power, the job and user on it, foreign processes."""
+    require_schema(get_settings())
+    if not watch:
+        rows = _read()
+        if as_json:
+            print_json([d.as_dict() for d in rows])
+            return
+        _print(rows)
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    shown = 0
+    try:
+        if as_json or not sys.stdout.isatty():
+            while count is None or shown < count:
+                rows = _read()
+                if as_json:
+                    typer.echo(json.dumps([d.as_dict() for d in rows], default=str))
+                else:
+                    _print(rows)
+                shown += 1
+                if count is None or shown < count:
+                    time.sleep(interval)
+            return
+        with Live(table(_read()), console=Console(), auto_refresh=False) as live:
+            shown = 1
+            while count is None or shown < count:
+                time.sleep(interval)
+                live.update(table(_read()), refresh=True)
+                shown += 1
+    except KeyboardInterrupt:
+        pass
+
+
+def _print(rows: list[DeviceStatus]) -> None:
+    from rich.console import Console
+
+    # Piped output gets whole lines instead of columns squeezed into 80.
+    console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 220)
+    if rows:
+        console.print(table(rows))
+    else:
+        console.print("no GPUs registered: start the workers with `gpuq up`")

@@ -1,0 +1,127 @@
+"""Accounting over a period, as SLURM's sreport does it: GPU-hours, jobs, mean utilisation and
+energy per user and per node; and the time series that the plots draw.
+
+GPU-hours are allocated time (a job's wall time in the period times its GPUs); utilisation and
+energy come from the device samples. Per user they cover the samples of the user's jobs; per node,
+every sample of the node's GPUs, idle ones included.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import DeviceMinute, DeviceSample, Job, utcnow
+from gpuq.service.samples import epoch_seconds
+from gpuq.service.usage import Totals, by_node, by_user, totals
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_when(text: str, flag: str, now: datetime | None = None) -> datetime:
+    """An ISO date or time (local time unless it names a zone), ``now``, or an age such as
+    ``90m``, ``12h``, ``7d``; raises InvalidSpec naming ``flag`` otherwise."""
+    now = now or utcnow()
+    text = text.strip()
+    if text == "now":
+        return now
+    age = _AGE.match(text)
+    if age:
+        return now - timedelta(seconds=float(age.group(1)) * _UNIT[age.group(2)])
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidSpec(f"bad {flag} {text!r}: use a date or time (2026-01-31, 2026-01-31T14:00) "
+                          "or an age (90m, 12h, 7d)") from None
+    if when.tzinfo is None:
+        when = when.astimezone()  # the user's local time
+    return when.astimezone(timezone.utc)
+
+
+@dataclass
+class UsageRow:
+    """One line of the report: a user's or a node's use of the GPUs in the period."""
+
+    name: str
+    jobs: int
+    gpu_hours: float
+    utilization_mean: float | None
+    energy_j: float
+    idle_hours: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _overlap(job: Job, since: datetime, until: datetime, now: datetime) -> float:
+    start, end = max(job.started_at, since), min(job.ended_at or now, until)
+    return max((end - start).total_seconds(), 0.0)
+
+
+def report(session: Session, since: datetime, until: datetime, now: datetime | None = None
+           ) -> dict[str, list[UsageRow]]:
+    """Per user and per node over [since, until): ``{"users": [...], "nodes": [...]}``, busiest first."""
+    now = now or utcnow()
+    ran = session.scalars(select(Job).where(Job.started_at.is_not(None), Job.started_at < until,
+                                            or_(Job.ended_at.is_(None), Job.ended_at > since)))
+    alloc: dict[str, dict[str, list[float]]] = {"users": defaultdict(list), "nodes": defaultdict(list)}
+    for job in ran:
+        gpu_s = _overlap(job, since, until, now) * job.gpus
+        alloc["users"][job.user].append(gpu_s)
+        alloc["nodes"][job.node or "-"].append(gpu_s)
+    out = {}
+    for part, group in (("users", by_user), ("nodes", by_node)):
+        sampled = totals(session, group, since=since, until=until)
+        rows = []
+        for name in sorted(set(alloc[part]) | set(sampled)):
+            t = sampled.get(name, Totals())
+            rows.append(UsageRow(name=name, jobs=len(alloc[part].get(name, [])),
+                                 gpu_hours=sum(alloc[part].get(name, [])) / 3600.0,
+                                 utilization_mean=t.utilization_mean, energy_j=t.energy_j,
+                                 idle_hours=t.idle_seconds / 3600.0))
+        out[part] = sorted(rows, key=lambda r: (-r.gpu_hours, r.name))
+    return out
+
+
+def job_series(session: Session, job_id: int) -> list[dict[str, Any]]:
+    """A job's samples in time order, one dict per sample (minute means where rolled up):
+    ``at``, ``gpu_id``, ``utilization``, ``memory_used_mib``, ``power_w``."""
+    points = [dict(at=s.sampled_at, gpu_id=s.gpu_id, utilization=s.utilization, memory_used_mib=s.memory_used_mib,
+                   power_w=s.power_w)
+              for s in session.scalars(select(DeviceSample).where(DeviceSample.job_id == job_id))]
+    for m in session.scalars(select(DeviceMinute).where(DeviceMinute.job_id == job_id)):
+        points.append(dict(
+            at=m.minute, gpu_id=m.gpu_id,
+            utilization=m.utilization_sum / m.utilization_seconds if m.utilization_seconds else None,
+            memory_used_mib=m.memory_used_sum / m.memory_seconds if m.memory_seconds else None,
+            power_w=m.energy_j / m.seconds if m.seconds else None))
+    return sorted(points, key=lambda p: (p["at"], p["gpu_id"]))
+
+
+def utilization_by_user(session: Session, since: datetime, until: datetime, buckets: int = 120
+                        ) -> tuple[list[datetime], dict[str, list[float]]]:
+    """The cluster's use over [since, until) in ``buckets`` equal slices: the slices' starts, and
+    per user the GPUs their jobs kept busy on average in each slice (utilisation x GPUs / 100)."""
+    width = max((until - since).total_seconds() / buckets, 1.0)
+    start = int(since.timestamp())
+    dialect = session.bind.dialect.name
+    series: dict[str, list[float]] = defaultdict(lambda: [0.0] * buckets)
+    for t, time, used in ((DeviceSample, DeviceSample.sampled_at, DeviceSample.utilization * DeviceSample.interval_s),
+                          (DeviceMinute, DeviceMinute.minute, DeviceMinute.utilization_sum)):
+        bucket = func.floor((epoch_seconds(time, dialect) - start) / width).label("bucket")
+        rows = session.execute(select(Job.user, bucket, func.sum(used).label("used"))
+                               .join(Job, Job.id == t.job_id).where(time >= since, time < until)
+                               .group_by(Job.user, bucket))
+        for user, b, total in rows:
+            if total is not None and 0 <= int(b) < buckets:
+                series[user][int(b)] += float(total) / 100.0 / width
+    edges = [since + timedelta(seconds=i * width) for i in range(buckets)]
+    return edges, dict(series)

@@ -1,0 +1,152 @@
+"""How GPUs were used, from the device samples (raw ones, and the minute aggregates they were
+rolled into): totals per job, user, node or time bucket; a job's summary when it ends; and which
+running jobs hold their GPUs idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpuq.service import constants as c
+from gpuq.service.jobs import elapsed, get_job
+from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, utcnow
+from gpuq.service.samples import minute_sums, raw_sums
+from gpuq.service.settings import Settings
+
+_SUMMED = ("samples", "seconds", "utilization_seconds", "utilization_sum", "idle_seconds", "memory_seconds",
+           "memory_used_sum", "energy_j")
+_MAXED = ("utilization_max", "memory_used_max", "temperature_max", "power_max")
+
+
+@dataclass
+class Totals:
+    """Sums (weighted by the seconds each sample stands for) and maxima over some samples."""
+
+    samples: int = 0
+    seconds: float = 0.0
+    utilization_seconds: float = 0.0
+    utilization_sum: float = 0.0
+    idle_seconds: float = 0.0
+    memory_seconds: float = 0.0
+    memory_used_sum: float = 0.0
+    energy_j: float = 0.0
+    utilization_max: float | None = None
+    memory_used_max: float | None = None
+    temperature_max: float | None = None
+    power_max: float | None = None
+
+    def add(self, row: Any) -> "Totals":
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + (row[name] or 0))
+        for name in _MAXED:
+            mine, theirs = getattr(self, name), row[name]
+            if theirs is not None and (mine is None or theirs > mine):
+                setattr(self, name, theirs)
+        return self
+
+    @property
+    def utilization_mean(self) -> float | None:
+        return self.utilization_sum / self.utilization_seconds if self.utilization_seconds else None
+
+    @property
+    def memory_mean(self) -> float | None:
+        return self.memory_used_sum / self.memory_seconds if self.memory_seconds else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "utilization_mean": self.utilization_mean, "memory_mean": self.memory_mean}
+
+
+# A grouping: given the table (DeviceSample or DeviceMinute), the key columns and the joins it needs.
+Grouping = Callable[[Any], tuple[list, Callable[[Any], Any]]]
+
+
+def by_user(t) -> tuple[list, Callable]:
+    return [Job.user], lambda q: q.join(Job, Job.id == t.job_id)
+
+
+def by_node(t) -> tuple[list, Callable]:
+    return [Gpu.node], lambda q: q.join(Gpu, Gpu.id == t.gpu_id)
+
+
+def by_job(t) -> tuple[list, Callable]:
+    return [t.job_id], lambda q: q
+
+
+def totals(session: Session, group: Grouping | None = None, *, since: datetime | None = None,
+           until: datetime | None = None, where: Callable[[Any], list] | None = None) -> dict[Any, Totals]:
+    """Totals of raw samples and minute aggregates together, per key of ``group`` (one key, None,
+    without one), over samples taken in [since, until) and matching ``where(table)``."""
+    out: dict[Any, Totals] = {}
+    for t, sums, time in ((DeviceSample, raw_sums(), DeviceSample.sampled_at),
+                          (DeviceMinute, minute_sums(), DeviceMinute.minute)):
+        keys, join = group(t) if group else ([], lambda q: q)
+        q = join(select(*keys, *sums))
+        conds = list(where(t)) if where else []
+        if since is not None:
+            conds.append(time >= since)
+        if until is not None:
+            conds.append(time < until)
+        q = q.where(*conds)
+        if keys:
+            q = q.group_by(*keys)
+        for row in session.execute(q).mappings():
+            if not row["samples"]:
+                continue
+            key = tuple(row[k.key] for k in keys) if len(keys) > 1 else (row[keys[0].key] if keys else None)
+            out.setdefault(key, Totals()).add(row)
+    return out
+
+
+def job_totals(session: Session, job_id: int) -> Totals:
+    """Every sample of one job (on all its GPUs)."""
+    return totals(session, where=lambda t: [t.job_id == job_id]).get(None, Totals())
+
+
+def summarize(session: Session, job: Job, now: datetime | None = None) -> JobUsage:
+    """The job's usage summary (not saved): wall time, GPU-hours, memory, utilisation, energy, idle."""
+    t = job_totals(session, job.id)
+    wall = (elapsed(job, now) or timedelta()).total_seconds()
+    return JobUsage(job_id=job.id, wall_s=wall, gpu_hours=wall * job.gpus / 3600.0,
+                    memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
+                    memory_mean_mib=t.memory_mean, utilization_mean=t.utilization_mean,
+                    energy_j=t.energy_j if t.samples else None, idle_s=t.idle_seconds, samples=t.samples,
+                    recorded_at=utcnow())
+
+
+def record_usage(session: Session, job_id: int) -> JobUsage:
+    """Store (or replace) the summary of a job that ended; returns it."""
+    usage = summarize(session, get_job(session, job_id))
+    return session.merge(usage)
+
+
+def job_usage(session: Session, job_id: int) -> JobUsage:
+    """The stored summary of an ended job, else one computed now (a running job, or one whose
+    worker was lost before it could write it)."""
+    job = get_job(session, job_id)
+    stored = session.get(JobUsage, job_id)
+    if stored is not None and job.state in c.END_STATES:
+        return stored
+    return summarize(session, job)
+
+
+def idle_jobs(session: Session, settings: Settings, now: datetime | None = None) -> set[int]:
+    """Running jobs that held their GPUs mostly idle (IDLE_SHARE of the sampled time below
+    IDLE_UTILIZATION) through the whole last ``idle_window`` seconds."""
+    now = now or utcnow()
+    since = now - timedelta(seconds=settings.idle_window)
+    running = dict(session.execute(select(Job.id, Job.gpus).where(Job.state == c.RUNNING,
+                                                                  Job.started_at <= since)).all())
+    if not running:
+        return set()
+    per_job = totals(session, by_job, since=since, where=lambda t: [t.job_id.in_(running)])
+    # Half the window sampled at least, so a job is never judged on a handful of readings.
+    return {job_id for job_id, t in per_job.items()
+            if t.seconds >= 0.5 * settings.idle_window * running[job_id]
+            and t.idle_seconds >= c.IDLE_SHARE * t.seconds}

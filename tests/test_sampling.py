@@ -1,0 +1,98 @@
+"""A worker's device sampling: plausible simulated readings from real CPU work, "not available"
+as None, batches in SQL tagged with the running job, energy from the counter where there is one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from sqlalchemy import event, select
+
+from gpuq.service import constants as c
+from gpuq.service.db import get_engine, session_scope
+from gpuq.service.devices import GpuInfo, GpuReading, NoDevices, SimulatedDevices
+from gpuq.service.models import DeviceSample, utcnow
+from gpuq.workers.probe import SIM_IDLE_W, GpuProbe
+from gpuq.workers.sampler import Sampler
+from tests.test_usage import add_gpu, add_job
+
+
+def test_a_simulated_gpu_reads_busy_while_its_job_burns_cpu_and_idle_after():
+    probe = GpuProbe(SimulatedDevices(1, 4096, "n"), 0)
+    probe.read()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1.0)
+        busy = probe.read()
+    finally:
+        spin.kill()
+        spin.wait()
+    time.sleep(0.5)
+    probe.read()
+    time.sleep(0.5)
+    idle = probe.read()
+    assert busy.utilization >= 30, busy
+    assert busy.power_w > SIM_IDLE_W and busy.memory_total_mib == 4096
+    assert spin.pid in {p.pid for p in busy.processes} and all(p.gpuq for p in busy.processes)
+    assert idle.utilization < c.IDLE_UTILIZATION and idle.power_w < busy.power_w
+    assert spin.pid not in {p.pid for p in idle.processes}
+
+
+def test_a_gpu_that_cannot_tell_reads_none_not_an_exception():
+    reading = GpuProbe(NoDevices("no NVML"), 0).read()
+    assert reading == GpuReading()
+
+
+class CounterGpu:
+    """A GPU with an energy counter (as Volta and later have), for the sampler's energy rule."""
+
+    kind, why_none = "counter", ""
+
+    def __init__(self) -> None:
+        self.energy_mj = 1_000
+
+    def list(self):
+        return [GpuInfo(index=0, uuid="GPU-counter", name="Counter GPU", memory_total_mib=1024)]
+
+    def read(self, index: int) -> GpuReading:
+        self.energy_mj += 3_000
+        return GpuReading(utilization=50, power_w=999.0, energy_mj=self.energy_mj)
+
+
+def test_energy_comes_from_the_counter_when_the_gpu_has_one(settings):
+    with session_scope(settings) as s:
+        gpu = add_gpu(s, "n", 0)
+    sampler = Sampler(settings, gpu, GpuProbe(CounterGpu(), 0), lambda: None)
+    for _ in range(3):
+        sampler.sample()
+    sampler.flush()
+    with session_scope(settings) as s:
+        energy = list(s.scalars(select(DeviceSample.energy_j).order_by(DeviceSample.id)))
+    # The first sample has no previous counter value: power x interval; then the counter's deltas.
+    assert energy == [999.0 * settings.sample_interval, 3.0, 3.0]
+
+
+def test_sampler_writes_batches_tagged_with_the_running_job(settings):
+    settings = settings.with_overrides(sample_interval=0.05)
+    with session_scope(settings) as s:
+        gpu = add_gpu(s, "n", 0)
+        job = add_job(s, "ann", "n", utcnow(), None)
+    commits = []
+    event.listen(get_engine(settings), "commit", lambda conn: commits.append(1))
+    sampler = Sampler(settings, gpu, GpuProbe(SimulatedDevices(1, 1024, "n"), 0), lambda: job)
+    started = time.monotonic()
+    sampler.start()
+    time.sleep(1.0)
+    sampler.stop()
+    sampler.join(5)
+    took = time.monotonic() - started
+    with session_scope(settings) as s:
+        rows = list(s.scalars(select(DeviceSample).order_by(DeviceSample.sampled_at)))
+    assert len(rows) >= 10 and {r.job_id for r in rows} == {job}
+    # A transaction per batch, plus the last partial batch, the start-up roll-up and this test's
+    # read: never one per sample.
+    assert len(commits) <= len(rows) / c.SAMPLE_BATCH + 3
+    assert sum(r.interval_s for r in rows) <= took + settings.sample_interval
+    assert all(r.utilization is not None and r.power_w is not None and r.processes for r in rows)
+

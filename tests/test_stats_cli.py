@@ -1,0 +1,108 @@
+"""`gpuq stats` and `gpuq devices` on recorded samples: JSON, CSV, PNG plots of the right size,
+--watch, --rollup, and one-line errors with their exit codes for bad input."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import struct
+from datetime import timedelta
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuq.cli.app import app
+from gpuq.cli.plots import DPI, FIGSIZE
+from gpuq.service import constants as c
+from gpuq.service import samples
+from gpuq.service.db import session_scope
+from gpuq.service.devices import GpuProcess, GpuReading
+from gpuq.service.models import Allocation, Gpu, utcnow
+from tests.test_usage import add_gpu, add_job, add_samples
+
+
+@pytest.fixture
+def recorded(use_settings):
+    """Two GPUs on one node: a running job of ann's on GPU 0 (with a foreign process beside it),
+    an ended job of bob's; a few minutes of samples. Returns the job ids."""
+    now = utcnow()
+    with session_scope(use_settings) as s:
+        g0, g1 = add_gpu(s, "testnode", 0), add_gpu(s, "testnode", 1)
+        s.query(Gpu).update({Gpu.heartbeat_at: now})
+        ann = add_job(s, "ann", "testnode", now - timedelta(minutes=5), None)
+        bob = add_job(s, "bob", "testnode", now - timedelta(minutes=8), now - timedelta(minutes=6), gpus=1)
+        s.add(Allocation(job_id=ann, gpu_id=g0, rank=0))
+        add_samples(s, g1, bob, now - timedelta(minutes=8), [80, 90] * 60)
+        add_samples(s, g0, ann, now - timedelta(minutes=5), [30, 40] * 149, step=1.0)
+        reading = GpuReading(utilization=35, memory_used_mib=2048, memory_total_mib=8192, power_w=120.0,
+                             temperature_c=61, processes=(GpuProcess(7, 2000, "python", True),
+                                                          GpuProcess(99, 512, "xorg", False)))
+        samples.record(s, g0, [samples.sample_row(g0, ann, now, 1.0, reading, 120.0)])
+    return {"ann": ann, "bob": bob}
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_devices_shows_utilisation_memory_job_user_and_foreign_processes(recorded):
+    out = invoke("devices", "--json")
+    assert out.exit_code == 0, out.output
+    gpu0 = json.loads(out.output)[0]
+    assert (gpu0["job_id"], gpu0["user"], gpu0["utilization"], gpu0["temperature_c"]) == (recorded["ann"], "ann", 35, 61)
+    assert [p["pid"] for p in gpu0["processes"]] == [7] and [p["name"] for p in gpu0["foreign"]] == ["xorg"]
+    table = invoke("devices")
+    assert table.exit_code == 0 and "█" in table.output and "xorg[99]" in table.output and "ann" in table.output
+    watched = invoke("devices", "--watch", "--interval", "0.1", "--count", "2")
+    assert watched.exit_code == 0 and watched.output.count("xorg[99]") == 2
+
+
+def test_stats_reports_users_and_nodes_as_json_and_csv(recorded):
+    data = json.loads(invoke("stats", "--since", "1h", "--json").output)
+    users = {u["name"]: u for u in data["users"]}
+    assert users["bob"]["gpu_hours"] == pytest.approx(2 / 60, rel=0.01) and users["bob"]["jobs"] == 1
+    assert users["bob"]["utilization_mean"] == pytest.approx(85) and users["ann"]["jobs"] == 1
+    assert [n["name"] for n in data["nodes"]] == ["testnode"]
+    rows = list(csv.DictReader(io.StringIO(invoke("stats", "--since", "1h", "--csv").output)))
+    assert {(r["by"], r["name"]) for r in rows} == {("user", "ann"), ("user", "bob"), ("node", "testnode")}
+    assert "GPU-HOURS" in invoke("stats").output
+
+
+def test_stats_of_one_job_summarises_it(recorded):
+    out = invoke("stats", str(recorded["bob"]), "--json")
+    assert out.exit_code == 0, out.output
+    job = json.loads(out.output)
+    assert job["wall_s"] == pytest.approx(120) and job["utilization_mean"] == pytest.approx(85)
+    assert job["energy_j"] == pytest.approx(120 * 100.0) and job["idle_s"] == 0 and job["samples"] == 120
+    assert "GPU-hours" in invoke("stats", str(recorded["bob"])).output
+
+
+def test_plots_are_real_pngs_of_the_expected_size(recorded, tmp_path):
+    expected = (FIGSIZE[0] * DPI, FIGSIZE[1] * DPI)
+    for args, name in (([str(recorded["ann"])], "job.png"), ([], "cluster.png")):
+        out = invoke("stats", *args, "--plot", str(tmp_path / name))
+        assert out.exit_code == 0, out.output
+        assert png_size(tmp_path / name) == expected
+
+
+def test_rollup_command_leaves_recent_samples_alone(recorded):
+    out = invoke("stats", "--rollup")
+    assert out.exit_code == 0 and out.output.startswith("rolled 0 raw samples")
+
+
+@pytest.mark.parametrize("args,code,words", [
+    (["stats", "--since", "last tuesday"], c.EXIT_USAGE, "bad --since 'last tuesday'"),
+    (["stats", "--since", "1h", "--until", "2h"], c.EXIT_USAGE, "is not before --until"),
+    (["stats", "--json", "--csv"], c.EXIT_USAGE, "pick one"),
+    (["stats", "999"], c.EXIT_NOT_FOUND, "no job 999"),
+])
+def test_bad_input_is_one_line_and_a_named_exit_code(recorded, args, code, words):
+    out = invoke(*args)
+    assert out.exit_code == code and words in out.output and len(out.output.strip().splitlines()) == 1

@@ -1,0 +1,158 @@
+"""Device samples in SQL: job summaries, the idle flag, the per-user/per-node report, and the
+roll-up into minute aggregates, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from gpuq.service import accounting, samples, usage
+from gpuq.service import constants as c
+from gpuq.service.db import session_scope
+from gpuq.service.devices import GpuProcess, GpuReading
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage
+
+NOW = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def add_gpu(session, node: str, index: int) -> int:
+    gpu = Gpu(node=node, index=index, uuid=f"GPU-{node}-{index}", name="Simulated GPU", memory_total_mib=8192,
+              queue=f"q.{node}.{index}", simulated=True)
+    session.add(gpu)
+    session.flush()
+    return gpu.id
+
+
+def add_job(session, user: str, node: str, start: datetime, end: datetime | None, gpus: int = 1) -> int:
+    job = Job(name=f"{user}-job", user=user, kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=gpus,
+              state=c.SUCCEEDED if end else c.RUNNING, node=node, submitted_at=start, started_at=start,
+              ended_at=end)
+    session.add(job)
+    session.flush()
+    return job.id
+
+
+def add_samples(session, gpu_id, job_id, start, utils, mem=1000, power=100.0, step=1.0):
+    """One sample a ``step`` seconds from ``start`` for each utilisation in ``utils``."""
+    rows = [samples.sample_row(gpu_id, job_id, start + timedelta(seconds=i * step), step,
+                               GpuReading(utilization=u, memory_used_mib=mem + i, power_w=power, temperature_c=40 + i,
+                                          processes=(GpuProcess(pid=10, memory_mib=5, name="python", gpuq=True),)),
+                               power * step)
+            for i, u in enumerate(utils)]
+    samples.record(session, gpu_id, rows)
+
+
+def test_job_summary_has_gpu_hours_memory_utilisation_energy_and_idle_seconds(settings):
+    start = NOW - timedelta(seconds=100)
+    with session_scope(settings) as s:
+        g0, g1 = add_gpu(s, "n1", 0), add_gpu(s, "n1", 1)
+        job = add_job(s, "ann", "n1", start, NOW, gpus=2)
+        add_samples(s, g0, job, start, [0, 5, 50, 100], mem=1000, power=100.0)
+        add_samples(s, g1, job, start, [20, 20], mem=3000, power=50.0, step=2.0)
+    with session_scope(settings) as s:
+        stored = usage.record_usage(s, job)
+    with session_scope(settings) as s:
+        u = s.get(JobUsage, job)
+        assert u.wall_s == pytest.approx(100) and u.gpu_hours == pytest.approx(200 / 3600)
+        assert u.memory_peak_mib == 3001 and u.samples == 6
+        # Weighted by the seconds each sample stands for: 4 x 1 s on GPU 0, 2 x 2 s on GPU 1.
+        assert u.utilization_mean == pytest.approx((0 + 5 + 50 + 100 + 2 * 20 + 2 * 20) / 8)
+        assert u.memory_mean_mib == pytest.approx((1000 + 1001 + 1002 + 1003 + 2 * 3000 + 2 * 3001) / 8)
+        assert u.energy_j == pytest.approx(4 * 100.0 + 2 * 100.0)
+        assert u.idle_s == pytest.approx(2.0)  # the 0% and 5% seconds
+        assert stored.job_id == job
+
+
+def test_idle_flag_needs_a_mostly_idle_gpu_through_the_whole_window(settings):
+    window = timedelta(seconds=settings.idle_window)
+    with session_scope(settings) as s:
+        gpu = add_gpu(s, "n1", 0)
+        idle = add_job(s, "ann", "n1", NOW - 2 * window, None)
+        busy = add_job(s, "bob", "n1", NOW - 2 * window, None)
+        young = add_job(s, "cid", "n1", NOW - window / 2, None)
+        step = settings.idle_window / 20
+        t0 = NOW - window
+        add_samples(s, gpu, idle, t0, [0] * 19 + [90], step=step)  # one busy moment: still mostly idle
+        add_samples(s, gpu, busy, t0, [3, 80] * 10, step=step)
+        add_samples(s, gpu, young, NOW - window / 2, [0] * 10, step=step)
+    with session_scope(settings) as s:
+        assert usage.idle_jobs(s, settings, NOW) == {idle}
+
+
+def test_report_counts_gpu_hours_in_the_period_per_user_and_node(settings):
+    with session_scope(settings) as s:
+        a, b = add_gpu(s, "n1", 0), add_gpu(s, "n2", 0)
+        j1 = add_job(s, "ann", "n1", NOW - timedelta(hours=3), NOW - timedelta(hours=1))
+        j2 = add_job(s, "bob", "n2", NOW - timedelta(hours=1), None, gpus=2)
+        add_samples(s, a, j1, NOW - timedelta(hours=2), [60, 80])
+        add_samples(s, b, j2, NOW - timedelta(minutes=30), [10, 10, 10])
+        add_samples(s, b, None, NOW - timedelta(minutes=10), [0])  # an idle GPU counts for its node
+    with session_scope(settings) as s:
+        rep = accounting.report(s, NOW - timedelta(hours=2), NOW, NOW)
+    users = {r.name: r for r in rep["users"]}
+    assert users["ann"].gpu_hours == pytest.approx(1.0) and users["ann"].jobs == 1
+    assert users["ann"].utilization_mean == pytest.approx(70) and users["ann"].energy_j == pytest.approx(200)
+    assert users["bob"].gpu_hours == pytest.approx(2.0) and users["bob"].utilization_mean == pytest.approx(10)
+    nodes = {r.name: r for r in rep["nodes"]}
+    assert nodes["n2"].utilization_mean == pytest.approx(30 / 4) and nodes["n2"].energy_j == pytest.approx(400)
+    assert [r.name for r in rep["users"]] == ["bob", "ann"]  # most GPU-hours first
+
+
+def test_rollup_turns_old_samples_into_minutes_keeping_sums_and_maxima(settings):
+    old = NOW - timedelta(days=settings.sample_retention_days, minutes=10)
+    with session_scope(settings) as s:
+        g0, g1 = add_gpu(s, "n1", 0), add_gpu(s, "n2", 0)
+        j1 = add_job(s, "ann", "n1", old, NOW - timedelta(days=1))
+        j2 = add_job(s, "bob", "n2", old, None)
+        # 150 s at 1 Hz on each GPU across three minutes, plus samples still within retention.
+        add_samples(s, g0, j1, old + timedelta(seconds=30), [(i * 7) % 101 for i in range(150)], power=120.0)
+        add_samples(s, g1, j2, old, [(i * 13) % 101 for i in range(150)], mem=2000, power=80.0)
+        add_samples(s, g1, None, old + timedelta(seconds=150), [0] * 30)
+        add_samples(s, g1, j2, NOW - timedelta(hours=1), [50] * 20)
+
+    def snapshot():
+        with session_scope(settings) as s:
+            per = {g: usage.totals(s, g) for g in (usage.by_user, usage.by_node, usage.by_job)}
+            per["all"] = usage.totals(s)
+            per["report"] = accounting.report(s, old - timedelta(days=1), NOW, NOW)
+            per["summary"] = {j: usage.summarize(s, s.get(Job, j), NOW) for j in (j1, j2)}
+            return per
+
+    before = snapshot()
+    rolled = samples.rollup(settings, NOW)
+    after = snapshot()
+    assert rolled == 330
+    with session_scope(settings) as s:
+        assert s.query(DeviceSample).count() == 20  # only the recent ones are raw
+        minutes = s.query(DeviceMinute).all()
+        assert all(m.minute.second == 0 and m.minute.microsecond == 0 for m in minutes)
+        assert sum(m.samples for m in minutes) == 330
+    for key in ("all", usage.by_user, usage.by_node, usage.by_job):
+        assert before[key].keys() == after[key].keys()
+        for k in before[key]:
+            b, a = before[key][k].as_dict(), after[key][k].as_dict()
+            assert a == pytest.approx(b), (key, k)
+    for j in (j1, j2):
+        b, a = before["summary"][j], after["summary"][j]
+        assert (a.utilization_mean, a.memory_peak_mib, a.energy_j, a.idle_s, a.samples) == \
+            pytest.approx((b.utilization_mean, b.memory_peak_mib, b.energy_j, b.idle_s, b.samples))
+    for part in ("users", "nodes"):
+        for b, a in zip(before["report"][part], after["report"][part], strict=True):
+            assert a.name == b.name and a.jobs == b.jobs
+            assert (a.utilization_mean, a.energy_j, a.idle_hours) == pytest.approx(
+                (b.utilization_mean, b.energy_j, b.idle_hours))
+    assert samples.rollup(settings, NOW) == 0  # nothing left to do: running it again changes nothing
+
+
+@pytest.mark.parametrize("text", ["yesterday", "7x", "2026-13-01", ""])
+def test_a_bad_time_is_refused_naming_the_flag(text):
+    with pytest.raises(InvalidSpec, match="bad --since"):
+        accounting.parse_when(text, "--since", NOW)
+
+
+def test_times_are_dates_ages_or_now():
+    assert accounting.parse_when("now", "--until", NOW) == NOW
+    assert accounting.parse_when("90m", "--since", NOW) == NOW - timedelta(minutes=90)
+    assert accounting.parse_when("2026-03-01T10:00+00:00", "--since", NOW) == NOW - timedelta(days=1, hours=2)

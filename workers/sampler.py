@@ -1,0 +1,100 @@
+"""The worker's device sampler: reads its GPU every ``sample_interval`` seconds, tags each reading
+with the job running at the time, and writes them to SQL in batches (every SAMPLE_BATCH readings
+and when a job ends). Once an hour it also rolls its GPU's samples past retention into minute
+aggregates. Liveness is the heartbeat's business, not this.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuq.service import constants as c
+from gpuq.service import samples
+from gpuq.service.db import session_scope
+from gpuq.service.models import utcnow
+from gpuq.service.settings import Settings
+from gpuq.workers.probe import GpuProbe
+
+log = logging.getLogger("gpuq.worker")
+
+# Readings kept while the database cannot be reached, at most: an hour at 1 Hz, then the oldest go.
+MAX_PENDING = 3600
+
+
+class Sampler(threading.Thread):
+    """Samples until stopped; ``current_job()`` says which job the worker is running (or None)."""
+
+    def __init__(self, settings: Settings, gpu_id: int, probe: GpuProbe,
+                 current_job: Callable[[], int | None]) -> None:
+        super().__init__(name="sampler", daemon=True)
+        self.settings, self.gpu_id, self.probe, self.current_job = settings, gpu_id, probe, current_job
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+        self._last_at: float | None = None
+        self._last_energy_mj: int | None = None
+
+    def run(self) -> None:
+        interval = self.settings.sample_interval
+        next_sample = time.monotonic()
+        next_rollup = next_sample
+        while not self.stopped.wait(max(next_sample - time.monotonic(), 0.0)):
+            # Keep the beat on a fixed grid: a slow flush does not push every later sample back.
+            next_sample = max(next_sample + interval, time.monotonic())
+            try:
+                if self.sample() >= c.SAMPLE_BATCH:
+                    self.flush()
+                if time.monotonic() >= next_rollup:
+                    next_rollup = time.monotonic() + c.ROLLUP_EVERY
+                    samples.rollup(self.settings, utcnow(), self.gpu_id)
+            except Exception:  # noqa: BLE001 - a database blip must not end sampling
+                log.exception("device sampling failed; retrying")
+        self.flush()
+
+    def sample(self, job_id: int | None = None) -> int:
+        """Take one reading (tagged ``job_id``, else the current job); returns how many wait to be written."""
+        reading = self.probe.read()
+        with self._lock:
+            now = time.monotonic()
+            interval = self.settings.sample_interval if self._last_at is None else now - self._last_at
+            self._last_at = now
+            energy = None
+            if reading.energy_mj is not None and self._last_energy_mj is not None \
+                    and reading.energy_mj >= self._last_energy_mj:
+                energy = (reading.energy_mj - self._last_energy_mj) / 1000.0
+            elif reading.power_w is not None:
+                energy = reading.power_w * interval
+            self._last_energy_mj = reading.energy_mj
+            job = job_id if job_id is not None else self.current_job()
+            self._pending.append(samples.sample_row(self.gpu_id, job, utcnow(), interval, reading, energy))
+            del self._pending[:-MAX_PENDING]
+            return len(self._pending)
+
+    def flush(self) -> None:
+        """Write the readings taken so far in one transaction; kept for the next try if it fails."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            with session_scope(self.settings) as session:
+                samples.record(session, self.gpu_id, batch)
+        except Exception:
+            with self._lock:
+                self._pending[:0] = batch
+            raise
+
+    def job_ended(self, job_id: int) -> None:
+        """Close a job's record: one last reading of it, and everything written before its summary."""
+        try:
+            self.sample(job_id)
+            self.flush()
+        except Exception:  # noqa: BLE001 - the job's end matters more than its last readings
+            log.exception("job %s: could not write its last device samples", job_id)
+
+    def stop(self) -> None:
+        self.stopped.set()
