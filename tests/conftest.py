@@ -239,20 +239,28 @@ def start_stack(settings: Settings, log_dir: Path) -> Stack:
 def stack(request, tmp_path_factory, redis_url):
     """A running stack (scheduler + 2 workers on simulated GPUs), shared by one module's tests,
     on each database. Starting workers costs seconds; the tests do not depend on each other."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url)
+
+
+def stack_on_database(request, tmp_path_factory, redis_url, **overrides):
+    """Run a stack on the database ``request.param`` names ("sqlite" or "postgres") until the
+    generator is closed; for module-scoped stack fixtures."""
     home = tmp_path_factory.mktemp("stack")
     drop = None
     if request.param == "sqlite":
         url = f"sqlite:///{home / 'gpuq.db'}"
     else:
         url, drop = new_postgres_database(request.getfixturevalue("postgres_server"))
-    settings = make_settings(home / "home", url, redis_url)
+    settings = make_settings(home / "home", url, redis_url, **overrides)
     db.upgrade(settings)
     st = start_stack(settings, home / "logs")
-    yield st
-    st.stop()
-    db.dispose_engines()
-    if drop:
-        drop()
+    try:
+        yield st
+    finally:
+        st.stop()
+        db.dispose_engines()
+        if drop:
+            drop()
 
 
 def run_cli(args: list[str], settings: Settings, cwd: str | Path | None = None, timeout: float = 60,

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-from gpuq.service import db
 from gpuq.service.db import session_scope
 from gpuq.service.models import JobUsage
-from tests.conftest import make_settings, new_postgres_database, run_cli, start_stack
+from tests.conftest import run_cli, stack_on_database
 from tests.test_end_to_end import submit, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -24,20 +23,7 @@ IDLE_SECONDS = 14
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def sampled_stack(request, tmp_path_factory, redis_url):
     """A stack sampling at 5 Hz whose idle window is 2.5 s, so the idle flag shows within a test."""
-    home = tmp_path_factory.mktemp("stats-stack")
-    drop = None
-    if request.param == "sqlite":
-        url = f"sqlite:///{home / 'gpuq.db'}"
-    else:
-        url, drop = new_postgres_database(request.getfixturevalue("postgres_server"))
-    settings = make_settings(home / "home", url, redis_url, sample_interval=0.2, idle_window=2.5)
-    db.upgrade(settings)
-    st = start_stack(settings, home / "logs")
-    yield st
-    st.stop()
-    db.dispose_engines()
-    if drop:
-        drop()
+    yield from stack_on_database(request, tmp_path_factory, redis_url, sample_interval=0.2, idle_window=2.5)
 
 
 def cli_json(args, settings):
