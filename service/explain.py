@@ -23,7 +23,8 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if job.state != c.PENDING:
         tail = f": {job.reason}" if job.reason else ""
         where = f" on {job.node}" if job.node else ""
-        return f"job {job.id} is {job.state}{where}{tail}"
+        verb = "" if job.state in c.END_STATES else "is "
+        return f"job {job.id} {verb}{job.state}{where}{tail}"
     reason = job.reason or "waiting for its first scheduling pass"
     head = f"job {job.id} waits ({reason})"
     if job.held:
