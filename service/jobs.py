@@ -17,20 +17,19 @@ from sqlalchemy.orm import Session
 from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service.db import require_schema, session_scope
-from gpuq.service.devices import open_devices
+from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec, current_user
 
 
-def largest_node(session: Session, settings: Settings) -> tuple[str | None, int]:
-    """The node with the most GPUs known to gpuq (registered by workers, or on this node)."""
+def largest_node(session: Session, settings: Settings, local: list[GpuInfo]) -> tuple[str | None, int]:
+    """The node with the most GPUs known to gpuq (registered by workers, or ``local``: this node's)."""
     rows = session.execute(select(Gpu.node, func.count()).group_by(Gpu.node)).all()
     best = max(rows, key=lambda r: r[1], default=(None, 0))
-    local = len(open_devices(settings).list())
-    if local > best[1]:
-        return settings.node, local
+    if len(local) > best[1]:
+        return settings.node, len(local)
     return best[0], best[1]
 
 
@@ -67,14 +66,15 @@ def submit_all(settings: Settings, specs: list[JobSpec]) -> list[Job]:
 
 
 def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:
-    node, most = largest_node(session, settings)
+    local = open_devices(settings).list()  # once: on a GPU node this initialises NVML
+    node, most = largest_node(session, settings, local)
     if most == 0:
         raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
                           "`gpuq worker --gpu I` on each GPU node)")
     if spec.on_node is not None:
         n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node))
         if spec.on_node == settings.node:
-            n = max(n, len(open_devices(settings).list()))
+            n = max(n, len(local))
         if n == 0:
             raise InvalidSpec(f"--node {spec.on_node}: no such node is known to gpuq")
         if spec.gpus > n:
@@ -83,9 +83,9 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
         raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
     if spec.mem_mib is not None:
         biggest = session.scalar(select(func.max(Gpu.memory_total_mib))) or 0
-        local = max((g.memory_total_mib for g in open_devices(settings).list()), default=0)
-        if spec.mem_mib > max(biggest, local):
-            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({max(biggest, local)} MiB)")
+        here = max((g.memory_total_mib for g in local), default=0)
+        if spec.mem_mib > max(biggest, here):
+            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({max(biggest, here)} MiB)")
 
 
 def _check_priority(settings: Settings, spec: JobSpec) -> None:
