@@ -132,6 +132,19 @@ def _selected(settings, job_ids: list[int] | None, array: int | None, user: str 
     return list(dict.fromkeys(chosen))
 
 
+def _until_ended(settings, job_ids: list[int], timeout: float | None) -> dict[int, str]:
+    """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with session_scope(settings) as session:
+            states = jobs.wait_states(session, job_ids)
+        if all(s in c.END_STATES for s in states.values()):
+            return states
+        if deadline is not None and time.monotonic() >= deadline:
+            return states
+        time.sleep(c.CLIENT_POLL_SECONDS)
+
+
 @app.command()
 def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
          array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
@@ -141,17 +154,11 @@ def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.",
     settings = get_settings()
     require_schema(settings)
     job_ids = _selected(settings, job_ids, array)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        with session_scope(settings) as session:
-            states = jobs.wait_states(session, job_ids)
-        if all(s in c.END_STATES for s in states.values()):
-            break
-        if deadline is not None and time.monotonic() >= deadline:
-            waiting = ", ".join(f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES)
-            typer.echo(f"gpuq: still waiting after {timeout:g} s: job {waiting}", err=True)
-            raise typer.Exit(c.EXIT_TIMEOUT)
-        time.sleep(c.CLIENT_POLL_SECONDS)
+    states = _until_ended(settings, job_ids, timeout)
+    if not all(s in c.END_STATES for s in states.values()):
+        waiting = ", ".join(f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES)
+        typer.echo(f"gpuq: still waiting after {timeout:g} s: job {waiting}", err=True)
+        raise typer.Exit(c.EXIT_TIMEOUT)
     if not quiet:
         for job_id in job_ids:
             typer.echo(f"job {job_id} {states[job_id]}")
@@ -194,13 +201,7 @@ def cancel(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.
             typer.echo(f"job {job_id} cancelling")
         return
     # The worker sends SIGTERM, waits kill_grace, then SIGKILLs: wait a little longer than that.
-    deadline = time.monotonic() + settings.kill_grace + 15
-    while time.monotonic() < deadline:
-        with session_scope(settings) as session:
-            states = jobs.wait_states(session, stopping)
-        if all(s in c.END_STATES for s in states.values()):
-            break
-        time.sleep(c.CLIENT_POLL_SECONDS)
+    states = _until_ended(settings, stopping, settings.kill_grace + 15)
     for job_id in stopping:
         state = states.get(job_id)
         typer.echo(f"job {job_id} {state}" if state in c.END_STATES else
