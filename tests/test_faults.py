@@ -111,6 +111,7 @@ def test_a_sigkilled_workers_job_is_requeued_within_the_lease_and_runs_once_more
     back = wait_for(lambda: job(stack.settings, job_id).requeues == 1, stack.settings.lease_timeout + 5,
                     "the reaper to requeue the job")
     took = time.monotonic() - killed_at
+    print(f"job {job_id} requeued {took:.1f} s after its worker's SIGKILL (lease {stack.settings.lease_timeout:g} s)")
     assert back and first
     # The job's process died with its worker (parent-death signal): no second copy beside the next.
     wait_for(lambda: not psutil.pid_exists(first_pid(marker)), 5, "the first run's process to die")
