@@ -24,7 +24,9 @@ JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
 @app.command()
 def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", min=1)] = None,
          array: Annotated[Optional[int], typer.Option(help="A line for each job of this array.")] = None,
-         as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+         as_json: Annotated[bool, typer.Option("--json")] = False,
+         diff: Annotated[bool, typer.Option("--diff", help="Print the uncommitted changes recorded at submit.")]
+         = False) -> None:
     """Everything about one job: its spec, state, GPUs, timing and result (or an array's jobs)."""
     settings = get_settings()
     require_schema(settings)
@@ -39,6 +41,9 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         metrics = jobs.read_metrics(session, job_id)
     data = job_dict(job, gpus or None)
     data["metrics"] = metrics
+    if diff:
+        _print_diff(job, as_json)
+        return
     if as_json:
         print_json(data)
         return
@@ -69,6 +74,11 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         lines.append(("asks", "; ".join(a for a in asks if a)))
     if job.array_id is not None:
         lines.append(("array", f"{job.array_id}, task {job.array_index}"))
+    if job.git_commit or job.git_dirty:
+        lines.append(("commit", (job.git_commit or "none yet") + (" (dirty: `gpuq show --diff "
+                                                                 f"{job.id}`)" if job.git_dirty else "")))
+    if job.snapshot:
+        lines.append(("snapshot", job.snapshot))
     for n, attempt in enumerate(job.attempts or [], 1):
         lines.append((f"attempt {n}", f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}"))
     if job.exit_code is not None:
@@ -85,6 +95,33 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         for row in metrics:
             typer.echo("            " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in row.items()))
+
+
+def _print_diff(job, as_json: bool) -> None:
+    """The diff against the job's commit recorded at submit; nothing (exit 0) when there was none."""
+    if as_json:
+        print_json({"id": job.id, "git_commit": job.git_commit, "git_dirty": job.git_dirty,
+                    "git_diff": job.git_diff, "git_diff_cut": job.git_diff_cut})
+        return
+    if job.git_commit is None and job.git_dirty is None:
+        typer.echo(f"gpuq: job {job.id} recorded no git state (not submitted from a git work tree)", err=True)
+        return
+    sys.stdout.write(job.git_diff or "")
+    sys.stdout.flush()
+
+
+@app.command()
+def resubmit(job_id: JobId, as_json: Annotated[bool, typer.Option("--json", help="Print the new job as JSON.")]
+             = False) -> None:
+    """Run a job again as a new job of yours: same command or workload, parameters, options,
+    environment and snapshot."""
+    from gpuq.service.resubmit import resubmit as again
+
+    job = again(get_settings(), job_id)
+    if as_json:
+        print_json(job_dict(job))
+    else:
+        typer.echo(f"submitted job {job.id} (resubmit of {job_id})")
 
 
 def _show_array(settings, array: int, as_json: bool) -> None:

@@ -113,6 +113,14 @@ class Job(Base):
     # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);
     # written by rank 0's worker when it starts the job.
     rendezvous: Mapped[str | None] = mapped_column(String(255))
+    # The code as it was at submit (a command submitted in a git work tree): commit, uncommitted
+    # changes, the diff against the commit (cut at GPUQ_GIT_DIFF_MAX_BYTES, git_diff_cut then true),
+    # and with --snapshot the copy of the work tree the job runs from.
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+    git_dirty: Mapped[bool | None] = mapped_column()
+    git_diff: Mapped[str | None] = mapped_column(Text)
+    git_diff_cut: Mapped[bool | None] = mapped_column()
+    snapshot: Mapped[str | None] = mapped_column(Text)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"
