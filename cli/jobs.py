@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from datetime import timedelta
@@ -9,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpuq.cli.progress import bar, wanted
 from gpuq.cli.render import duration, job_dict, print_json, result_summary, timestamp
 from gpuq.service import constants as c
 from gpuq.service import jobs
@@ -137,18 +139,43 @@ def _show_array(settings, array: int, as_json: bool) -> None:
 @app.command()
 def logs(job_id: JobId,
          follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+         as_json: Annotated[bool, typer.Option("--json", help="The output as JSON (with -f: one chunk a line).")]
+         = False,
+         progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
+                                                          help="With -f, a training job's epoch bar (default: "
+                                                               "on a terminal).")] = None,
          ) -> None:
     """A job's output (stdout and stderr as written)."""
     settings = get_settings()
     require_schema(settings)
+    with session_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        epochs = job.params.get("epochs") if job.workload == "train" else None
+    if as_json and not follow:
+        with session_scope(settings) as session:
+            state = jobs.get_job(session, job_id).state
+            output = "".join(data for _, data in jobs.read_output(session, job_id))
+        print_json({"id": job_id, "state": state, "output": output})
+        return
+    show = follow and not as_json and bool(epochs) and wanted(progress, sys.stdout, sys.stderr)
+    with bar(epochs or 0, "epoch 0/" + str(epochs), show=show, stream=sys.stdout) as advance:
+        _print_output(settings, job_id, follow, as_json, advance, epochs)
+
+
+def _print_output(settings, job_id: int, follow: bool, as_json: bool, advance, epochs: int | None) -> None:
     seq = -1
     while True:
         with session_scope(settings) as session:
             state = jobs.get_job(session, job_id).state
             chunks = jobs.read_output(session, job_id, seq)
+            done = len(jobs.read_metrics(session, job_id)) if epochs else 0
         for seq, data in chunks:
-            sys.stdout.write(data)
+            if as_json:
+                sys.stdout.write(json.dumps({"id": job_id, "seq": seq, "data": data}, ensure_ascii=False) + "\n")
+            else:
+                sys.stdout.write(data)
         sys.stdout.flush()
+        advance(done, f"epoch {done}/{epochs}")
         if not follow or (state in c.END_STATES and not chunks):
             return
         time.sleep(c.CLIENT_POLL_SECONDS)
@@ -169,12 +196,17 @@ def _selected(settings, job_ids: list[int] | None, array: int | None, user: str 
     return list(dict.fromkeys(chosen))
 
 
-def _until_ended(settings, job_ids: list[int], timeout: float | None) -> dict[int, str]:
-    """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out."""
+def _until_ended(settings, job_ids: list[int], timeout: float | None,
+                 advance=None) -> dict[int, str]:
+    """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out;
+    ``advance(ended, text)`` is told how many have ended after each look."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         with session_scope(settings) as session:
             states = jobs.wait_states(session, job_ids)
+        if advance is not None:
+            ended = sum(s in c.END_STATES for s in states.values())
+            advance(ended, f"{ended} of {len(job_ids)} jobs ended")
         if all(s in c.END_STATES for s in states.values()):
             return states
         if deadline is not None and time.monotonic() >= deadline:
@@ -186,17 +218,25 @@ def _until_ended(settings, job_ids: list[int], timeout: float | None) -> dict[in
 def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
          array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
          timeout: Annotated[Optional[float], typer.Option(help="Give up after this many seconds.")] = None,
-         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False) -> None:
+         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+         progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
+                                                          help="A bar of jobs ended (default: on a terminal).")]
+         = None,
+         as_json: Annotated[bool, typer.Option("--json", help="The jobs' end states as JSON.")] = False) -> None:
     """Block until the jobs end; exit 0 only if all of them succeeded."""
     settings = get_settings()
     require_schema(settings)
     job_ids = _selected(settings, job_ids, array)
-    states = _until_ended(settings, job_ids, timeout)
+    show = not quiet and not as_json and wanted(progress, sys.stderr)
+    with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
+        states = _until_ended(settings, job_ids, timeout, advance)
+    if as_json:
+        print_json({str(j): states.get(j) for j in job_ids})
     if not all(s in c.END_STATES for s in states.values()):
         waiting = ", ".join(f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES)
         typer.echo(f"gpuq: still waiting after {timeout:g} s: job {waiting}", err=True)
         raise typer.Exit(c.EXIT_TIMEOUT)
-    if not quiet:
+    if not quiet and not as_json:
         for job_id in job_ids:
             typer.echo(f"job {job_id} {states[job_id]}")
     if any(s != c.SUCCEEDED for s in states.values()):
