@@ -188,3 +188,14 @@ def test_resubmit_of_another_users_job_is_refused_and_of_a_missing_snapshot_too(
     with pytest.raises(InvalidSpec, match="snapshot .* is gone"):
         resubmit(settings, snap.id, user="ann")
     assert job_count(settings) == 2
+
+
+def test_the_tasks_of_an_array_share_one_snapshot_named_after_the_first(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    make = lambda extra: spec.command_spec(["cat", "code.txt"], cwd=str(repo / "sub"))  # noqa: E731
+    tasks = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2", []), snapshot=True)
+    first = tasks[0]
+    assert first.snapshot == str(settings.snapshots / str(first.id))
+    assert {(t.snapshot, t.cwd) for t in tasks} == {(first.snapshot, os.path.join(first.snapshot, "sub"))}
+    assert snapshot_entries(settings) == [str(first.id)]
+    assert (Path(first.cwd) / "code.txt").read_text() == "version 1\n"
