@@ -162,13 +162,18 @@ def logs(job_id: JobId,
         _print_output(settings, job_id, follow, as_json, advance, epochs)
 
 
+def _epochs_done(metrics: list[dict]) -> int:
+    # The last row's epoch number, not the row count: a job resumed from a checkpoint starts past 0.
+    return int(metrics[-1].get("epoch", len(metrics))) if metrics else 0
+
+
 def _print_output(settings, job_id: int, follow: bool, as_json: bool, advance, epochs: int | None) -> None:
     seq = -1
     while True:
         with session_scope(settings) as session:
             state = jobs.get_job(session, job_id).state
             chunks = jobs.read_output(session, job_id, seq)
-            done = len(jobs.read_metrics(session, job_id)) if epochs else 0
+            done = _epochs_done(jobs.read_metrics(session, job_id)) if epochs else 0
         for seq, data in chunks:
             if as_json:
                 sys.stdout.write(json.dumps({"id": job_id, "seq": seq, "data": data}, ensure_ascii=False) + "\n")
