@@ -13,7 +13,7 @@ from gpuq.cli.render import duration, job_dict, print_json, result_summary, time
 from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.db import require_schema, session_scope
-from gpuq.service.errors import InvalidSpec, StateConflict
+from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.settings import get_settings
 
 app = typer.Typer()
@@ -104,6 +104,8 @@ def logs(job_id: JobId,
     """A job's output (stdout and stderr as written)."""
     settings = get_settings()
     require_schema(settings)
+    with session_scope(settings) as session:
+        _check_reader(settings, jobs.get_job(session, job_id))
     seq = -1
     while True:
         with session_scope(settings) as session:
@@ -115,6 +117,16 @@ def logs(job_id: JobId,
         if not follow or (state in c.END_STATES and not chunks):
             return
         time.sleep(c.CLIENT_POLL_SECONDS)
+
+
+def _check_reader(settings, job) -> None:
+    """A job's output is its owner's (and the admins'), unless GPUQ_SHARED_LOGS opens it to all."""
+    from gpuq.service.spec import current_user
+
+    me = current_user()
+    if settings.shared_logs or job.user == me or me in settings.admin_users:
+        return
+    raise NotAllowed(f"job {job.id} belongs to {job.user}; only they or an admin may read its output")
 
 
 def _selected(settings, job_ids: list[int] | None, array: int | None, user: str | None = None) -> list[int]:

@@ -86,6 +86,8 @@ class Settings:
     fake_gpu_foreign: str = ""
     # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
     warm_start: bool = True
+    # Whether anyone may read any job's output (`gpuq logs`); false: only its owner and the admins.
+    shared_logs: bool = False
 
     @property
     def database(self) -> str:

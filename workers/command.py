@@ -25,15 +25,17 @@ class CommandOutcome:
 
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
-                cancelled: threading.Event, kill_grace: float) -> CommandOutcome:
+                cancelled: threading.Event, kill_grace: float, run_as: dict | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
     group reaches every child it forked; processes that left the group are found through the
-    process tree.
+    process tree. ``run_as`` (``user``, ``group``, ``extra_groups``) switches the child to another
+    user before it execs; the pipe and the signals stay the worker's, which is root then.
     """
     proc = subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            **(run_as or {}))
     reader = threading.Thread(target=_pump, args=(proc, sink), name=f"pump-{proc.pid}", daemon=True)
     reader.start()
     was_cancelled = False

@@ -11,7 +11,6 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +21,10 @@ from gpuq.service.errors import JobCancelled
 from gpuq.service.celery_app import send_run_rank
 from gpuq.service.jobs import (cancel_requested, claim, finish, get_job, job_gpus, rank_to_run, record_metric,
                                set_rendezvous)
-from gpuq.service.settings import Settings, secret_env_names
+from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers.command import run_command
+from gpuq.workers.identity import Identity, run_as
 from gpuq.workers.output import OutputSink
 
 log = logging.getLogger("gpuq.worker")
@@ -75,11 +75,14 @@ class JobRun:
     # When the job must be stopped (its start plus its --time), epoch seconds; None: no limit.
     deadline: float | None = None
     time_limit_s: int | None = None
+    user: str = ""
 
 
-def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
-    """The environment a job runs with: the worker's, minus its secrets, plus gpuq's own variables."""
-    env = {k: v for k, v in base.items() if k not in secret_env_names()}
+def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[str, str]:
+    """The environment a job runs with: the variables recorded at submit (the submitter's chosen
+    ones, array and sweep values) and gpuq's own, nothing of the worker's (no database or broker
+    URL, no password); HOME, USER, LOGNAME and SHELL from ``identity``'s passwd entry if given."""
+    env = dict(job.env)
     env.update(
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
         # NVML numbers GPUs in PCI bus order; without this CUDA may number them differently.
@@ -89,7 +92,8 @@ def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
         GPUQ_GPUS=str(len(job.gpu_indices)),
         GPUQ_NODE=node,
     )
-    env.update(job.env)  # GPUQ_ARRAY_INDEX, sweep values: set by gpuq at submit, not by the user
+    if identity is not None:
+        env.update(identity.env())
     return env
 
 
@@ -131,7 +135,7 @@ def load(settings: Settings, job_id: int) -> JobRun:
         return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                       argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
                       gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
-                      time_limit_s=job.time_limit_s)
+                      time_limit_s=job.time_limit_s, user=job.user)
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -202,8 +206,9 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelW
     cancelled = watcher.cancelled
     if job.kind == c.KIND_COMMAND:
         assert job.argv is not None and job.cwd is not None
-        outcome = run_command(job.argv, job.cwd, job_env(os.environ, job, state.node), sink, cancelled,
-                              settings.kill_grace)
+        identity = run_as(job.user, state.node)  # UnknownUser fails the job with its reason
+        outcome = run_command(job.argv, job.cwd, job_env(job, state.node, identity), sink, cancelled,
+                              settings.kill_grace, identity.popen_kwargs() if identity else None)
         if outcome.cancelled:
             return _stopped_end(state, job, watcher)
         if outcome.exit_code == 0:
@@ -294,7 +299,7 @@ def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher
     with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
-        env.update(job_env({}, job, state.node))
+        env.update(job_env(job, state.node))
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
         outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.cancelled, state.settings.kill_grace)
         if outcome.cancelled:
