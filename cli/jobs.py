@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from gpuq.cli.render import duration, job_dict, print_json, result_summary, timestamp
+from gpuq.cli.render import duration, job_dict, print_json, printable, result_summary, timestamp
 from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.db import require_schema, session_scope
@@ -74,7 +74,7 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
     if job.exit_code is not None:
         lines.append(("exit code", str(job.exit_code)))
     for key, value in lines:
-        typer.echo(f"{key:>10}  {value}")
+        typer.echo(f"{key:>10}  {printable(value)}")
     if job.result:
         typer.echo("    result")
         for key, value in job.result.items():
