@@ -191,7 +191,9 @@ def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> di
     """The variables a command job is submitted with: the default set taken from ``environ`` (the
     submitter's environment) plus each ``--env NAME=VALUE`` or ``--env NAME`` (value from ``environ``)."""
     source = os.environ if environ is None else environ
-    env = {k: v for k, v in source.items() if k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES)}
+    # A default variable that is not UTF-8 text is left out; a named one is refused below.
+    env = {k: v for k, v in source.items()
+           if (k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES)) and not _has_surrogate(v)}
     for item in requests:
         name, eq, value = item.partition("=")
         check_env_name(name)
@@ -203,6 +205,8 @@ def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> di
     for name, value in env.items():
         if "\x00" in value:
             raise InvalidSpec(f"--env {name}: the value contains a NUL byte")
+        if _has_surrogate(value):
+            raise InvalidSpec(f"--env {name}: the value is not valid UTF-8 text")
         if len(value.encode("utf-8", "surrogateescape")) > MAX_ENV_VALUE_BYTES:
             raise InvalidSpec(f"--env {name}: the value is longer than {MAX_ENV_VALUE_BYTES // 1024} KiB")
     if sum(len(k) + len(v.encode("utf-8", "surrogateescape")) + 2 for k, v in env.items()) > MAX_ENV_BYTES:

@@ -141,9 +141,11 @@ def test_nul_bytes_and_undecodable_text_cannot_reach_a_job():
         spec.job_env(["X=a\x00b"])
     with pytest.raises(InvalidSpec, match="not valid UTF-8"):
         spec.command_spec(["echo", "bad\udcff"])
+    with pytest.raises(InvalidSpec, match="--env X: the value is not valid UTF-8"):
+        spec.job_env(["X"], {"X": "bad\udcff"})
     # The default set is never a door for the loader either: only named variables are taken.
     env = spec.job_env([], {"PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x",
-                            "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k"})
+                            "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k", "LANG": "bad\udcff"})
     assert env == {"PATH": "/bin", "LC_ALL": "C"}
 
 
