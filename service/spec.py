@@ -247,6 +247,10 @@ def workload_spec(workload: str, args: list[str], *, gpus: int = 1, name: str | 
                   cwd: str | None = None, user: str | None = None) -> JobSpec:
     """A spec for the built-in workload ``workload`` with its ``--param value`` arguments."""
     check_gpus(gpus)
+    if len(json.dumps(args, ensure_ascii=False).encode("utf-8", "surrogateescape")) > c.MAX_ARGV_BYTES:
+        raise InvalidSpec(f"the parameters are longer than {c.MAX_ARGV_BYTES // 1024} KiB")
+    if any("\x00" in a or _has_surrogate(a) for a in args):
+        raise InvalidSpec("the parameters must be UTF-8 text without NUL bytes")
     w = get_workload(workload)
     params = w.validate(parse_args(w, args), gpus)
     return JobSpec(kind=c.KIND_WORKLOAD, name=check_name(w.name if name is None else name), user=user or current_user(),

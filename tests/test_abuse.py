@@ -128,6 +128,8 @@ def test_a_hostile_command_submission_is_refused_in_one_line_and_writes_nothing(
     (["matmul", "--size", "1; rm -rf /"], "--size must be a whole number"),
     (['{"kind": "command", "argv": ["rm", "-rf", "/"]}'], "unknown workload"),
     (["train", "--model", "lenet$(id)"], "--model must be one of"),
+    (["train", "--data-dir", "x" * 200_000], "the parameters are longer than 128 KiB"),
+    (["train", "--data-dir", "no\nsuch\x1b[2J dir"], "no\\nsuch\\x1b[2J dir is not a directory"),
 ])
 def test_a_malformed_spec_or_oversized_command_is_refused_and_writes_nothing(pg, args, message):
     assert_refused(pg, ["submit", *args], c.EXIT_USAGE, message)
