@@ -5,7 +5,17 @@ from __future__ import annotations
 import typer
 from typer.core import TyperGroup
 
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - an older typer on plain click
+    from click.exceptions import UsageError
+
+from gpuq.cli.render import one_line
+from gpuq.service import constants as c
 from gpuq.service.errors import GpuqError
+
+
+MESSAGE_WIDTH = 2000
 
 
 class GpuqGroup(TyperGroup):
@@ -13,5 +23,12 @@ class GpuqGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except GpuqError as exc:
-            typer.echo(f"gpuq: {exc}", err=True)
+            # Messages quote the user's input: escaped and cut, they stay one readable line.
+            typer.echo(f"gpuq: {one_line(str(exc), MESSAGE_WIDTH)}", err=True)
             raise typer.Exit(exc.exit_code) from None
+        except UsageError as exc:
+            # A malformed option (`--priority 1e9`) is bad input too: one line, not a usage box.
+            where = f" (gpuq {exc.ctx.info_name} --help)" if exc.ctx is not None and exc.ctx.parent else ""
+            text = " ".join(exc.format_message().split())
+            typer.echo(f"gpuq: {text}{where}", err=True)
+            raise typer.Exit(c.EXIT_USAGE) from None

@@ -11,11 +11,11 @@ from typing import Annotated, Optional
 import typer
 
 from gpuq.cli.progress import bar, wanted
-from gpuq.cli.render import duration, job_dict, print_json, result_summary, timestamp
+from gpuq.cli.render import duration, job_dict, print_json, printable, result_summary, timestamp
 from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.db import require_schema, session_scope
-from gpuq.service.errors import InvalidSpec, StateConflict
+from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.settings import get_settings
 
 app = typer.Typer()
@@ -93,7 +93,7 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
     if job.exit_code is not None:
         lines.append(("exit code", str(job.exit_code)))
     for key, value in lines:
-        typer.echo(f"{key:>10}  {value}")
+        typer.echo(f"{key:>10}  {printable(value)}")
     if job.result:
         typer.echo("    result")
         for key, value in job.result.items():
@@ -161,6 +161,7 @@ def logs(job_id: JobId,
     require_schema(settings)
     with session_scope(settings) as session:
         job = jobs.get_job(session, job_id)
+        _check_reader(settings, job)
         epochs = job.params.get("epochs") if job.workload == "train" else None
     if as_json and not follow:
         with session_scope(settings) as session:
@@ -195,6 +196,16 @@ def _print_output(settings, job_id: int, follow: bool, as_json: bool, advance, e
         if not follow or (state in c.END_STATES and not chunks):
             return
         time.sleep(c.CLIENT_POLL_SECONDS)
+
+
+def _check_reader(settings, job) -> None:
+    """A job's output is its owner's (and the admins'), unless GPUQ_SHARED_LOGS opens it to all."""
+    from gpuq.service.spec import current_user
+
+    me = current_user()
+    if settings.shared_logs or job.user == me or me in settings.admin_users:
+        return
+    raise NotAllowed(f"job {job.id} belongs to {job.user}; only they or an admin may read its output")
 
 
 def _selected(settings, job_ids: list[int] | None, array: int | None, user: str | None = None) -> list[int]:

@@ -78,7 +78,13 @@ def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters (newlines, escape sequences) written as escapes, so a
+    job's name or command cannot move the cursor, recolour the terminal or forge a line."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def one_line(text: str, width: int = 60) -> str:
     """Text made safe for a table cell: control characters shown, long text cut."""
-    flat = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    flat = printable(text)
     return flat if len(flat) <= width else flat[: width - 1] + "…"

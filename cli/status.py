@@ -39,15 +39,17 @@ def status(
                     "gpus": [g.__dict__ for g in gpus]})
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     queue = Table(title="jobs", title_justify="left", box=None, header_style="bold")
     for col in ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"):
         queue.add_column(col, no_wrap=col != "RESULT / REASON", justify="right" if col in ("ID", "GPUS") else "left")
     for j in rows:
-        queue.add_row(str(j.id), j.user, one_line(j.name, 30), _state(j.state), str(j.gpus), j.node or "-",
-                      duration(jobs.elapsed(j, now)),
-                      _idle(settings) if j.id in idle else one_line(result_summary(j), 50))
+        # Users' text is escaped for rich: a name like "[/]" must print, not break the table.
+        queue.add_row(str(j.id), escape(j.user), escape(one_line(j.name, 30)), _state(j.state), str(j.gpus),
+                      escape(j.node or "-"), duration(jobs.elapsed(j, now)),
+                      _idle(settings) if j.id in idle else escape(one_line(result_summary(j), 50)))
     devices = Table(title="gpus", title_justify="left", box=None, header_style="bold")
     for col in ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"):
         devices.add_column(col, justify="right" if col in ("GPU", "UTIL") else "left")

@@ -52,6 +52,9 @@ def submit(
                                                             "cross product).")] = None,
     snapshot: Annotated[bool, typer.Option("--snapshot", help="Run a copy of this git work tree as it is now "
                                                               "(files .gitignore leaves out are not copied).")] = False,
+    env: Annotated[Optional[list[str]], typer.Option("--env", help="NAME=VALUE, or NAME to pass on its value "
+                                                                   "here: set for the command (repeatable).")] = None,
+    user: Annotated[Optional[str], typer.Option("--user", help="Submit as this user (root only).")] = None,
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
 
@@ -59,20 +62,24 @@ def submit(
     CUDA_VISIBLE_DEVICES set to the GPUs it was given.
     """
     command = ctx.meta.get(COMMAND_KEY)
+    owner = spec.submitting_user(user)
     if command is not None:
         if workload is not None or ctx.args:
             raise InvalidSpec("give either a workload or a command after --, not both")
+        variables = spec.job_env(env or [])
 
         def make(extra: list[str]) -> spec.JobSpec:
-            return spec.command_spec(command, gpus=gpus, name=name)
+            return spec.command_spec(command, gpus=gpus, name=name, user=owner, env=variables)
     elif snapshot:
         raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
     elif workload is None:
         raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
+    elif env:
+        raise InvalidSpec("--env is for a command (after --); a built-in workload runs in the worker")
     else:
 
         def make(extra: list[str]) -> spec.JobSpec:
-            return spec.workload_spec(workload, list(ctx.args) + extra, gpus=gpus, name=name)
+            return spec.workload_spec(workload, list(ctx.args) + extra, gpus=gpus, name=name, user=owner)
 
     sched = spec.Scheduling(priority=priority, mem=mem, node=node, time=time, retries=retries, hold=hold,
                             after=after, after_any=after_any, host_mem=host_mem)

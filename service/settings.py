@@ -110,6 +110,8 @@ class Settings:
     snapshot_max_bytes: int = 256 * 1024 * 1024
     # The uncommitted diff kept with a command job, bytes; past it the diff is cut, and marked so.
     git_diff_max_bytes: int = 1024 * 1024
+    # Whether anyone may read any job's output (`gpuq logs`); false: only its owner and the admins.
+    shared_logs: bool = False
 
     @property
     def database(self) -> str:

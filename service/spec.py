@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
+import pwd
+import re
 import shutil
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuq.service import constants as c
-from gpuq.service.errors import InvalidSpec
+from gpuq.service.errors import InvalidSpec, NotAllowed
+from gpuq.service.settings import secret_env_names
 from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_indices, parse_job_ids, parse_mem, parse_sweep
 from gpuq.service.workloads import get_workload, parse_args
 
@@ -116,7 +118,7 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
     for position, (index, combo) in enumerate(tasks):
         task = index if index is not None else position
         spec = make([a for n, v in combo for a in (f"--{n}", v)])
-        env = {"GPUQ_ARRAY_INDEX": str(task)}
+        env = {**(spec.env or {}), "GPUQ_ARRAY_INDEX": str(task)}
         argv = spec.argv
         if spec.kind == c.KIND_COMMAND:
             if combo:
@@ -137,10 +139,88 @@ def _fill(arg: str, values: dict[str, str]) -> str:
 
 
 def current_user() -> str:
+    """The OS user running this process, from its uid: never from $USER or $LOGNAME, which anyone
+    can set (``getpass.getuser`` reads those first)."""
     try:
-        return getpass.getuser()
-    except (KeyError, OSError):
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
         return f"uid{os.getuid()}"
+
+
+def submitting_user(requested: str | None) -> str:
+    """Who a submission belongs to: the caller, or ``requested`` if the caller is root.
+
+    Only root may submit as someone else: a job runs as its owner on a root worker, so submitting
+    as another user is running code as them.
+    """
+    me = current_user()
+    if requested is None or requested == me:
+        return me
+    if os.getuid() != 0:
+        raise NotAllowed(f"only root may submit as another user (--user {requested}); you are {me}")
+    if not _USER_NAME.fullmatch(requested):
+        raise InvalidSpec(f"--user {requested!r} is not a user name")
+    return requested
+
+
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_.-]{0,63}\$?", re.IGNORECASE)
+
+
+# The submitter's variables a command job gets without asking (SLURM-like: the login basics, the
+# locale, and the Python environment it was submitted from). Anything else needs --env.
+DEFAULT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+               "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "PYTHONPATH")
+DEFAULT_ENV_PREFIXES = ("LC_",)
+# Variables that make the loader, a shell or an interpreter run code the command did not name, and
+# those gpuq owns (the GPUs a job sees are the ones it was given). Refused in --env.
+_REFUSED_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT", "LD_PROFILE", "LD_DEBUG", "LD_DEBUG_OUTPUT",
+                          "LD_ORIGIN_PATH", "LD_SHOW_AUXV", "LD_DYNAMIC_WEAK", "LD_BIND_NOW", "LD_BIND_NOT",
+                          "LD_USE_LOAD_BIAS", "GLIBC_TUNABLES", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS",
+                          "PS4", "IFS", "PERL5OPT", "RUBYOPT", "NODE_OPTIONS", "PYTHONSTARTUP", "PYTHONINSPECT",
+                          "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES",
+                          "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"})
+_REFUSED_ENV_PREFIXES = ("GPUQ_", "LD_", "DYLD_", "BASH_FUNC_")
+_ENV_ALLOWED_LD = frozenset({"LD_LIBRARY_PATH"})  # a conda or CUDA install may need it; a plain path list
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_ENV_VALUE_BYTES = 64 * 1024
+MAX_ENV_BYTES = 256 * 1024
+
+
+def check_env_name(name: str) -> str:
+    if not _ENV_NAME.fullmatch(name):
+        raise InvalidSpec(f"--env {name[:60]!r}: not a variable name (letters, digits, _)")
+    if name not in _ENV_ALLOWED_LD and (name in _REFUSED_ENV or name.startswith(_REFUSED_ENV_PREFIXES)
+                                        or name in secret_env_names()):
+        raise InvalidSpec(f"--env {name}: this variable may not be set for a job (gpuq sets it, or it "
+                          f"could make the job run code it did not name)")
+    return name
+
+
+def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables a command job is submitted with: the default set taken from ``environ`` (the
+    submitter's environment) plus each ``--env NAME=VALUE`` or ``--env NAME`` (value from ``environ``)."""
+    source = os.environ if environ is None else environ
+    # A default variable that is not UTF-8 text is left out; a named one is refused below.
+    env = {k: v for k, v in source.items()
+           if (k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES)) and not _has_surrogate(v)}
+    for item in requests:
+        name, eq, value = item.partition("=")
+        check_env_name(name)
+        if not eq:
+            if name not in source:
+                raise InvalidSpec(f"--env {name}: not set here; give --env {name}=VALUE")
+            value = source[name]
+        env[name] = value
+    for name, value in env.items():
+        if "\x00" in value:
+            raise InvalidSpec(f"--env {name}: the value contains a NUL byte")
+        if _has_surrogate(value):
+            raise InvalidSpec(f"--env {name}: the value is not valid UTF-8 text")
+        if len(value.encode("utf-8", "surrogateescape")) > MAX_ENV_VALUE_BYTES:
+            raise InvalidSpec(f"--env {name}: the value is longer than {MAX_ENV_VALUE_BYTES // 1024} KiB")
+    if sum(len(k) + len(v.encode("utf-8", "surrogateescape")) + 2 for k, v in env.items()) > MAX_ENV_BYTES:
+        raise InvalidSpec(f"the job's environment is larger than {MAX_ENV_BYTES // 1024} KiB")
+    return env
 
 
 def check_gpus(gpus: int) -> int:
@@ -158,13 +238,28 @@ def check_name(name: str) -> str:
         raise InvalidSpec(f"--name is {len(name)} characters; at most {c.MAX_NAME_LENGTH}")
     if any(ch in name for ch in "\x00\n\r"):
         raise InvalidSpec("--name must be one line of text")
+    if any(_is_control(ch) for ch in name):
+        raise InvalidSpec("--name must not contain control characters (escape sequences, tabs)")
     return name
+
+
+def _is_control(ch: str) -> bool:
+    return ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters written as escapes, for a default job name."""
+    return "".join(repr(ch)[1:-1] if _is_control(ch) else ch for ch in text)
 
 
 def workload_spec(workload: str, args: list[str], *, gpus: int = 1, name: str | None = None,
                   cwd: str | None = None, user: str | None = None) -> JobSpec:
     """A spec for the built-in workload ``workload`` with its ``--param value`` arguments."""
     check_gpus(gpus)
+    if len(json.dumps(args, ensure_ascii=False).encode("utf-8", "surrogateescape")) > c.MAX_ARGV_BYTES:
+        raise InvalidSpec(f"the parameters are longer than {c.MAX_ARGV_BYTES // 1024} KiB")
+    if any("\x00" in a or _has_surrogate(a) for a in args):
+        raise InvalidSpec("the parameters must be UTF-8 text without NUL bytes")
     w = get_workload(workload)
     params = w.validate(parse_args(w, args), gpus)
     return JobSpec(kind=c.KIND_WORKLOAD, name=check_name(w.name if name is None else name), user=user or current_user(),
@@ -172,15 +267,17 @@ def workload_spec(workload: str, args: list[str], *, gpus: int = 1, name: str | 
 
 
 def command_spec(argv: list[str], *, gpus: int = 1, name: str | None = None, cwd: str | None = None,
-                 user: str | None = None, path: str | None = None) -> JobSpec:
-    """A spec for the user's own command, run without a shell in ``cwd`` (default: here)."""
+                 user: str | None = None, path: str | None = None, env: dict[str, str] | None = None) -> JobSpec:
+    """A spec for the user's own command, run without a shell in ``cwd`` (default: here), with the
+    environment ``env`` (default: ``job_env([])``, the default set from this process's)."""
     check_gpus(gpus)
     if not argv or not argv[0]:
         raise InvalidSpec("no command given after --")
     if any("\x00" in a for a in argv):
         raise InvalidSpec("the command contains a NUL byte")
-    if len(json.dumps(argv).encode()) > c.MAX_ARGV_BYTES:
+    if len(json.dumps(argv, ensure_ascii=False).encode("utf-8", "surrogateescape")) > c.MAX_ARGV_BYTES:
         raise InvalidSpec(f"the command line is longer than {c.MAX_ARGV_BYTES // 1024} KiB")
+    env = job_env([]) if env is None else env  # the job looks its program up on this PATH
     workdir = os.path.abspath(cwd or os.getcwd())
     if not os.path.isdir(workdir):
         raise InvalidSpec(f"working directory {workdir} does not exist")
@@ -189,8 +286,19 @@ def command_spec(argv: list[str], *, gpus: int = 1, name: str | None = None, cwd
         target = program if os.path.isabs(program) else os.path.join(workdir, program)
         if not (os.path.isfile(target) and os.access(target, os.X_OK)):
             raise InvalidSpec(f"{program} is not an executable file (from {workdir})")
-    elif shutil.which(program, path=path if path is not None else os.environ.get("PATH")) is None:
+    elif shutil.which(program, path=path if path is not None else env.get("PATH", os.defpath)) is None:
         raise InvalidSpec(f"command not found: {program} (not on PATH)")
-    default_name = " ".join([os.path.basename(program), *argv[1:]]).replace("\n", " ").replace("\r", " ")
+    if any(_has_surrogate(a) for a in argv):
+        raise InvalidSpec("the command is not valid UTF-8 text")
+    default_name = _printable(" ".join([os.path.basename(program), *argv[1:]]).replace("\n", " ").replace("\r", " "))
     return JobSpec(kind=c.KIND_COMMAND, name=check_name(default_name[: c.MAX_NAME_LENGTH] if name is None else name),
-                   user=user or current_user(), gpus=gpus, cwd=workdir, argv=list(argv))
+                   user=user or current_user(), gpus=gpus, cwd=workdir, argv=list(argv),
+                   env=env)
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

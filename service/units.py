@@ -7,6 +7,11 @@ import re
 from gpuq.service.errors import InvalidSpec
 
 MAX_ARRAY_TASKS = 10_000  # one submission; a bigger sweep is a mistake more often than a plan
+# Bounds that keep every number inside a 32-bit SQL integer and inside reason.
+MAX_TIME_S = 366 * 86400  # --time: a year
+MAX_MEM_MIB = 1 << 30  # --mem: 1 PiB per GPU, far above any GPU; the real bound is the largest GPU
+MAX_INDEX = 1_000_000_000  # --array indices
+MAX_JOB_ID = 2**31 - 1
 
 _MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _MEM_SCALE = {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024 * 1024}
@@ -17,7 +22,10 @@ def parse_mem(text: str, option: str = "--mem") -> int:
     m = _MEM.match(text)
     if not m:
         raise InvalidSpec(f"{option} takes a size like 20G or 512M; got {text!r}")
-    mib = int(float(m.group(1)) * _MEM_SCALE[m.group(2).lower()])
+    value = float(m.group(1)) * _MEM_SCALE[m.group(2).lower()]
+    if value > MAX_MEM_MIB:  # before int(): a 400-digit number is inf as a float
+        raise InvalidSpec(f"{option} {text.strip()[:40]} is more than any GPU has")
+    mib = int(value)
     if mib < 1:
         raise InvalidSpec(f"{option} must be at least 1M; got {text!r}")
     return mib
@@ -31,21 +39,30 @@ def parse_duration(text: str) -> int:
     """``90s``, ``30m``, ``2h``, ``1d``, ``1:30:00`` or a number of minutes (as SLURM), in seconds."""
     if ":" in text:
         parts = text.strip().split(":")
-        if len(parts) <= 3 and all(p.isdigit() for p in parts):
+        if len(parts) <= 3 and all(p.isascii() and p.isdigit() for p in parts):
             seconds = 0
             for p in parts:
                 seconds = seconds * 60 + int(p)
             if len(parts) == 2:
                 seconds *= 60  # H:MM
             if seconds >= 1:
-                return seconds
+                return _check_time(seconds, text)
         raise InvalidSpec(f"--time takes 2h, 30m, 90s, 1d or H:MM:SS; got {text!r}")
     m = _DURATION.match(text)
     if not m:
         raise InvalidSpec(f"--time takes 2h, 30m, 90s, 1d or H:MM:SS; got {text!r}")
-    seconds = int(float(m.group(1)) * _SECONDS[m.group(2).lower()])
+    value = float(m.group(1)) * _SECONDS[m.group(2).lower()]
+    if value > MAX_TIME_S:
+        raise InvalidSpec(f"--time {text.strip()[:40]} is more than {MAX_TIME_S // 86400} days")
+    seconds = int(value)
     if seconds < 1:
         raise InvalidSpec(f"--time must be at least 1s; got {text!r}")
+    return _check_time(seconds, text)
+
+
+def _check_time(seconds: int, text: str) -> int:
+    if seconds > MAX_TIME_S:
+        raise InvalidSpec(f"--time {text.strip()[:40]} is more than {MAX_TIME_S // 86400} days")
     return seconds
 
 
@@ -53,12 +70,14 @@ def parse_indices(text: str) -> list[int]:
     """``0-9``, ``0-9:2``, ``1,3,5`` or a mix, as sorted unique indices."""
     out: set[int] = set()
     for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*(?::\s*(\d+)\s*)?)?", part)
+        m = re.fullmatch(r"\s*(\d{1,10})\s*(?:-\s*(\d{1,10})\s*(?::\s*(\d{1,10})\s*)?)?", part)
         if not m:
             raise InvalidSpec(f"--array takes ranges like 0-9, 0-9:2 or 1,3,5; got {text!r}")
         start = int(m.group(1))
         stop = int(m.group(2)) if m.group(2) is not None else start
         step = int(m.group(3)) if m.group(3) is not None else 1
+        if stop > MAX_INDEX:
+            raise InvalidSpec(f"--array indices must be at most {MAX_INDEX}; got {text!r}")
         if stop < start or step < 1:
             raise InvalidSpec(f"--array range {part.strip()!r} is empty")
         if (stop - start) // step + 1 + len(out) > MAX_ARRAY_TASKS:
@@ -73,7 +92,7 @@ def parse_job_ids(text: str, option: str) -> list[int]:
         ids = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}") from None
-    if not ids or any(i < 1 for i in ids):
+    if not ids or any(not 1 <= i <= MAX_JOB_ID for i in ids):
         raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}")
     return ids
 

@@ -199,8 +199,9 @@ def claim_and_run(settings, job_id) -> str:
 def test_a_failing_job_runs_again_up_to_its_retries_and_keeps_each_attempt(settings, tmp_path):
     register(settings, "a", 1)
     runs = tmp_path / "runs"
+    # Run by this process's user: a root worker runs a job as its owner, and "ann" has no account here.
     job = submit(settings, [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x'); raise SystemExit(2)"],
-                 retries=2)
+                 retries=2, user=spec.current_user())
     results = [claim_and_run(settings, job) for _ in range(3)]
     assert results == [c.FAILED] * 3 and runs.read_text() == "xxx"
     with session_scope(settings) as session:
@@ -212,7 +213,7 @@ def test_a_failing_job_runs_again_up_to_its_retries_and_keeps_each_attempt(setti
 @pytest.mark.timeout(60)
 def test_a_job_past_its_time_limit_is_stopped_and_marked_timed_out(settings, tmp_path):
     register(settings, "a", 1)
-    job = submit(settings, [sys.executable, "-c", "import time; time.sleep(60)"], time="2s")
+    job = submit(settings, [sys.executable, "-c", "import time; time.sleep(60)"], time="2s", user=spec.current_user())
     assert claim_and_run(settings, job) == c.TIMED_OUT
     state, reason, _ = state_of(settings, job)
     assert reason == "time limit of 0:00:02 reached"

@@ -52,12 +52,28 @@ class JobCgroup:
             return None
         return group
 
-    def join(self) -> None:
+    def allow(self, uid: int) -> None:
+        """Let a child that already switched to user ``uid`` put itself in (cgroup v1 needs write
+        access to the file; moving oneself needs no more)."""
+        try:
+            os.chown(self._procs, uid, -1)
+        except OSError as exc:
+            log.info("cannot hand %s to uid %s (%s)", self._procs, uid, exc)
+
+    def join(self) -> bool:
         """Put the calling process in this cgroup: called in the job's child between fork and exec,
-        so nothing it starts can be outside. Raw system calls only (no locks after a fork)."""
-        fd = os.open(self._procs, os.O_WRONLY)
+        so nothing it starts can be outside. Raw system calls only (no locks after a fork). False if
+        the kernel refused (cgroup v2 wants write access to the worker's own cgroup as well): the job
+        then runs outside it, found by its process tree and GPUQ_RUN_ID instead."""
+        try:
+            fd = os.open(self._procs, os.O_WRONLY)
+        except OSError:
+            return False
         try:
             os.write(fd, str(os.getpid()).encode())
+            return True
+        except OSError:
+            return False
         finally:
             os.close(fd)
 

@@ -36,19 +36,23 @@ class CommandOutcome:
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
-                verify_within: float = c.STOP_VERIFY_SECONDS) -> CommandOutcome:
+                verify_within: float = c.STOP_VERIFY_SECONDS, run_as: dict | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
     group reaches every child it forked. Processes that left both are found through its memory
-    cgroup where there is one, else the process tree and the random ``GPUQ_RUN_ID`` each process
-    of the job inherits in its environment.
+    cgroup where there is one, and the process tree and the random ``GPUQ_RUN_ID`` each process
+    of the job inherits in its environment. ``run_as`` (``user``, ``group``, ``extra_groups``)
+    switches the child to another user before it execs; the pipe and the signals stay the
+    worker's, which is root then.
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
+    if cgroup is not None and run_as:
+        cgroup.allow(run_as["user"])  # the child joins it after switching user
     proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=functools.partial(_in_child, cgroup))
+                            preexec_fn=functools.partial(_in_child, cgroup), **(run_as or {}))
     found = _Finder(proc.pid, cgroup, run_id)
     reader = threading.Thread(target=_pump, args=(proc, sink), name=f"pump-{proc.pid}", daemon=True)
     reader.start()
@@ -106,10 +110,9 @@ class _Finder:
 
     def __call__(self) -> list[psutil.Process]:
         found = {p.pid: p for p in job_processes(self.pid)}
-        if self.cgroup is not None:
-            extra = self.cgroup.pids()
-        else:
-            extra = [p.pid for p in psutil.process_iter(["pid"]) if p.pid not in found and self._marked(p)]
+        extra = self.cgroup.pids() if self.cgroup is not None else []
+        # The environment mark too, even with a cgroup: a child may have failed to join it.
+        extra += [p.pid for p in psutil.process_iter(["pid"]) if p.pid not in found and self._marked(p)]
         for pid in extra:
             try:
                 found.setdefault(pid, psutil.Process(pid))
@@ -128,7 +131,9 @@ class _Finder:
 def _verify_gone(found: _Finder, within: float) -> list[int]:
     """Kill whatever of the job is still alive until nothing is, for at most ``within`` seconds."""
     if found.cgroup is not None:
-        return found.cgroup.kill_all(within)
+        left = found.cgroup.kill_all(within)
+        if left:
+            return left
     deadline = time.monotonic() + within
     while procs := [p for p in found() if _alive(p)]:
         if time.monotonic() >= deadline:

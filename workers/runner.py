@@ -24,10 +24,11 @@ from gpuq.service.inventory import drain_gpu
 from gpuq.service.celery_app import send_run_rank
 from gpuq.service.jobs import (cancel_requested, claim, finish, get_job, job_gpus, rank_to_run, record_metric,
                                set_rendezvous)
-from gpuq.service.settings import Settings, secret_env_names
+from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import run_command
+from gpuq.workers.identity import Identity, run_as
 from gpuq.workers.output import OutputSink
 
 log = logging.getLogger("gpuq.worker")
@@ -95,11 +96,14 @@ class JobRun:
     deadline: float | None = None
     time_limit_s: int | None = None
     host_mem_mib: int | None = None
+    user: str = ""
 
 
-def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
-    """The environment a job runs with: the worker's, minus its secrets, plus gpuq's own variables."""
-    env = {k: v for k, v in base.items() if k not in secret_env_names()}
+def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[str, str]:
+    """The environment a job runs with: the variables recorded at submit (the submitter's chosen
+    ones, array and sweep values) and gpuq's own, nothing of the worker's (no database or broker
+    URL, no password); HOME, USER, LOGNAME and SHELL from ``identity``'s passwd entry if given."""
+    env = dict(job.env)
     env.update(
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
         # NVML numbers GPUs in PCI bus order; without this CUDA may number them differently.
@@ -109,7 +113,8 @@ def job_env(base: Mapping[str, str], job: JobRun, node: str) -> dict[str, str]:
         GPUQ_GPUS=str(len(job.gpu_indices)),
         GPUQ_NODE=node,
     )
-    env.update(job.env)  # GPUQ_ARRAY_INDEX, sweep values: set by gpuq at submit, not by the user
+    if identity is not None:
+        env.update(identity.env())
     return env
 
 
@@ -162,7 +167,7 @@ def load(settings: Settings, job_id: int) -> JobRun:
         return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                       argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
                       gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
-                      time_limit_s=job.time_limit_s, host_mem_mib=job.host_mem_mib)
+                      time_limit_s=job.time_limit_s, host_mem_mib=job.host_mem_mib, user=job.user)
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -263,12 +268,14 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelW
     cancelled = watcher.cancelled
     if job.kind == c.KIND_COMMAND:
         assert job.argv is not None and job.cwd is not None
+        identity = run_as(job.user, state.node)  # UnknownUser fails the job with its reason
         cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
                                   job.host_mem_mib)
         try:
-            env = job_env(os.environ, job, state.node)
+            env = job_env(job, state.node, identity)
             env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
-            outcome = run_command(job.argv, job.cwd, env, sink, cancelled, settings.kill_grace, cgroup)
+            outcome = run_command(job.argv, job.cwd, env, sink, cancelled, settings.kill_grace, cgroup,
+                                  run_as=identity.popen_kwargs() if identity else None)
         finally:
             if cgroup is not None:
                 cgroup.remove()
@@ -365,7 +372,7 @@ def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher
     with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
-        env.update(job_env({}, job, state.node))
+        env.update(job_env(job, state.node))
         env["GPUQ_WORKER"] = worker_mark(state)
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
         outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.cancelled, state.settings.kill_grace)
