@@ -182,8 +182,8 @@ def usage_page(settings: Settings, period: str) -> str:
     body = [f"<h1>Usage, last {period}</h1><p>{links} <span class=\"muted\">({when(since)} to {when(now)})</span></p>"]
     total = sum(r.gpu_hours for r in rep["users"]) or 1.0
     for part, title in (("users", "per user"), ("nodes", "per node")):
-        rows = [[escape(r.name), str(r.jobs), f"{r.gpu_hours:.3f}", svg.bar(100 * r.gpu_hours / total,
-                                                                              f"{100 * r.gpu_hours / total:.0f}%", 120),
+        rows = [[escape(r.name), str(r.jobs), f"{r.gpu_hours:.3f}",
+                 svg.bar(100 * r.gpu_hours / total, f"{100 * r.gpu_hours / total:.0f}%", 120, "#8ab6e0"),
                  "n/a" if r.utilization_mean is None else f"{r.utilization_mean:.1f}%",
                  f"{r.energy_j / 3.6e6:.4f}", f"{r.idle_hours:.3f}"] for r in rep[part]]
         body.append(f"<h2>{title}</h2>" + (table([part[:-1], "jobs", "GPU-hours", "share", "mean utilisation",

@@ -9,12 +9,13 @@ from html import escape
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
-def bar(percent: float | None, label: str = "", width: int = 160) -> str:
-    """A horizontal bar filled to ``percent``, green/amber/red like `gpuq devices`; ``n/a`` when unknown."""
+def bar(percent: float | None, label: str = "", width: int = 160, colour: str | None = None) -> str:
+    """A horizontal bar filled to ``percent``, green/amber/red like `gpuq devices` unless ``colour``
+    is given; ``n/a`` when unknown."""
     if percent is None:
         return '<span class="na">n/a</span>'
     p = max(0.0, min(float(percent), 100.0))
-    colour = "#2ca02c" if p < 50 else "#e0a800" if p < 80 else "#d62728"
+    colour = colour or ("#2ca02c" if p < 50 else "#e0a800" if p < 80 else "#d62728")
     text = escape(label or f"{p:.0f}%")
     return (f'<svg class="bar" width="{width}" height="16" role="img" aria-label="{text}">'
             f'<rect width="{width}" height="16" fill="#e9ecef" rx="3"/>'
@@ -28,7 +29,7 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], *, x_la
     points = [p for pts in series.values() for p in pts if p[1] is not None]
     if not points:
         return f'<p class="na">{escape(title)}: no data</p>'
-    left, right, top, bottom = 56, 12, 26, 34
+    left, right, top, bottom = 70, 12, 26, 34
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
     if x1 == x0:
