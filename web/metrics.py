@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric  # noqa: F401
 from prometheus_client.registry import CollectorRegistry
 from sqlalchemy import func, select
 
@@ -76,10 +76,12 @@ def _gpu_metrics(devices, gpus, energy) -> Iterator[Metric]:
     temp = GaugeMetricFamily("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", labels=GPU_LABELS)
     power = GaugeMetricFamily("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", labels=GPU_LABELS)
     clock = GaugeMetricFamily("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", labels=GPU_LABELS)
-    # DCGM's counter is millijoules since the driver loaded; gpuq's is millijoules it has sampled,
+    # DCGM's counter is millijoules since the driver loaded; gpuq's is the millijoules it sampled,
     # which only grows too (samples rolled into minutes keep their energy), so rate() works alike.
-    total = Metric("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-                   "Total energy consumption since gpuq started sampling the GPU (in mJ).", "counter")
+    # Typed gauge: prometheus_client names a counter's TYPE line `..._total`, and DCGM's name has none.
+    total = GaugeMetricFamily("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+                              "Total energy consumption while gpuq sampled the GPU (in mJ); only grows.",
+                              labels=GPU_LABELS)
     up = GaugeMetricFamily("gpuq_gpu_up", "1 when the GPU's worker is alive (heart-beating), else 0.",
                            labels=GPU_LABELS)
     held = GaugeMetricFamily("gpuq_gpu_allocated", "1 while a job holds the GPU, labelled with the job and user.",
@@ -91,8 +93,7 @@ def _gpu_metrics(devices, gpus, energy) -> Iterator[Metric]:
         if d.job_id is not None:
             held.add_metric([*labels, str(d.job_id), d.user or ""], 1.0)
         if gpu is not None and gpu.id in energy:
-            total.add_sample("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", dict(zip(GPU_LABELS, labels)),
-                             energy[gpu.id] * 1000.0)
+            total.add_metric(labels, energy[gpu.id] * 1000.0)
         if not d.online:
             continue  # no reading is better than an old one shown as now
         for family, value in ((util, d.utilization), (used, d.memory_used_mib), (temp, d.temperature_c),
