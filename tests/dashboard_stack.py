@@ -15,6 +15,8 @@ from tests.conftest import free_port, run_cli, settings_env, stack_on_database
 from tests.test_end_to_end import submit, wait_for_state
 
 TRAIN_EPOCHS = 3
+# A job name a page must show as text, never run as markup.
+XSS_NAME = "oops <script>alert(1)</script>"
 
 
 @dataclass
@@ -36,7 +38,7 @@ def run_jobs(stack, tmp_path) -> RanJobs:
     train = submit(s, ["--name", "tiny-train", "train", "--epochs", str(TRAIN_EPOCHS), "--train-size", "256",
                        "--test-size", "64", "--batch-size", "64"])
     matmul = submit(s, ["--name", "bench", "matmul", "--size", "128", "--repeat", "20"])
-    failed = submit(s, ["--name", "oops", "--", sys.executable, "-c", "print('about to fail'); raise SystemExit(3)"],
+    failed = submit(s, ["--name", XSS_NAME, "--", sys.executable, "-c", "print('about to fail'); raise SystemExit(3)"],
                     cwd=tmp_path)
     for job in (train, matmul):
         wait_for_state(s, job, ("succeeded",), timeout=90)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from datetime import timedelta
+from html import escape
 
 import pytest
 
@@ -15,7 +16,7 @@ from gpuq.service import accounting, jobs
 from gpuq.service.db import session_scope
 from gpuq.service.models import utcnow
 from tests.conftest import run_cli
-from tests.dashboard_stack import TRAIN_EPOCHS, Dashboard, stack_with_jobs
+from tests.dashboard_stack import TRAIN_EPOCHS, XSS_NAME, Dashboard, stack_with_jobs
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -47,6 +48,7 @@ def test_queue_page_shows_each_job_with_its_state_and_why_pending_ones_wait(ran,
     assert "s-succeeded" in _row(html, j.train) and "test acc" in _row(html, j.train)
     assert "GFLOP/s" in _row(html, j.matmul)
     assert "failed" in _row(html, j.failed) and "exit" in _row(html, j.failed)
+    assert "<script>" not in html and "oops &lt;script&gt;alert(1)&lt;/script&gt;" in _row(html, j.failed)
     assert "running" in _row(html, j.running) and "long-nap" in _row(html, j.running)
     assert "pending" in _row(html, j.held) and "held" in _row(html, j.held)
     with session_scope(st.settings) as session:
@@ -97,6 +99,7 @@ def test_job_page_of_a_pending_job_says_why_it_waits_and_a_failed_one_shows_its_
     _, _, html = dash.get(f"/jobs/{j.dependent}")
     assert f"it waits for job {j.held} (pending) to succeed" in html
     _, _, html = dash.get(f"/jobs/{j.failed}")
+    assert "<script>" not in html and f"Job {j.failed}: {escape(XSS_NAME)}" in html
     assert "about to fail" in html.split("<h2>Output</h2>", 1)[1]
     assert "<th>exit code</th><td>3</td>" in html
 
@@ -130,6 +133,8 @@ def test_dashboard_is_read_only_it_refuses_writes_and_leaves_the_database_unchan
     st, j = ran
     for method in ("POST", "PUT", "DELETE"):
         assert dash.get(f"/jobs/{j.held}", method=method)[0] == 405
+    status, kind, body = dash.get(f"/jobs/{j.held}", method="HEAD")
+    assert status == 200 and kind.startswith("text/html") and body == ""
     with session_scope(st.settings) as session:
         assert jobs.get_job(session, j.held).state == "pending"
 
@@ -153,3 +158,27 @@ def test_the_cli_loads_no_web_server_or_prometheus_client_until_the_dashboard_ru
              "print(sorted(m for m in sys.modules if m.startswith(('prometheus_client', 'gpuq.web', 'wsgiref'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_dashboards_sessions_refuse_writes_and_leave_the_connection_writable_for_others(settings):
+    from sqlalchemy import func, select, update
+    from sqlalchemy.exc import DBAPIError
+
+    from gpuq.service.models import Node
+    from gpuq.web.read import read_session
+
+    from gpuq.service.errors import Unreachable
+
+    # SQLite's refusal is an OperationalError, which the session turns into Unreachable.
+    with pytest.raises((DBAPIError, Unreachable), match=r"(?i)read-?only"):
+        with read_session(settings) as session:
+            session.add(Node(name="n1", drained=True))
+            session.flush()
+    with read_session(settings) as session:
+        assert session.scalar(select(func.count()).select_from(Node)) == 0
+    # The same pooled connection serves the next, ordinary session: it can write again.
+    with session_scope(settings) as session:
+        session.add(Node(name="n1", drained=False))
+    with session_scope(settings) as session:
+        session.execute(update(Node).values(drained=True))
+        assert session.get(Node, "n1").drained

@@ -15,10 +15,10 @@ from prometheus_client.registry import CollectorRegistry
 from sqlalchemy import func, select
 
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
 from gpuq.service.device_status import device_status
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
 from gpuq.service.settings import Settings
+from gpuq.web.read import read_session
 
 # Seconds; the bounds of the queue-wait and job-duration histograms (from a no-op job to a week's training).
 WAIT_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
@@ -35,7 +35,7 @@ class GpuqCollector:
         self.settings = settings
 
     def collect(self) -> Iterator[Metric]:
-        with session_scope(self.settings) as session:
+        with read_session(self.settings) as session:
             devices = device_status(session, self.settings)
             gpus = {(g.node, g.index): g for g in session.scalars(select(Gpu))}
             energy = _energy_by_gpu(session)

@@ -11,11 +11,11 @@ from sqlalchemy import select
 
 from gpuq.service import accounting, explain, inventory, jobs, usage
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
 from gpuq.service.device_status import device_status
 from gpuq.service.models import Gpu, Job, utcnow
 from gpuq.service.settings import Settings
 from gpuq.web import svg
+from gpuq.web.read import read_session
 from gpuq.web.html import duration, facts, mib, page, state, table, value, when
 
 # The queue page reloads itself this often, seconds; `gpuq devices --watch` for a faster view.
@@ -50,7 +50,7 @@ def _job_link(job_id: int | None, text: str | None = None) -> str:
 def queue(settings: Settings) -> str:
     """The queue (active jobs, then the newest ended ones) and every GPU with its bars."""
     now = utcnow()
-    with session_scope(settings) as session:
+    with read_session(settings) as session:
         rows = jobs.list_jobs(session, ended_limit=ENDED_SHOWN)
         idle = usage.idle_jobs(session, settings)
         devices = device_status(session, settings)
@@ -89,7 +89,7 @@ def queue(settings: Settings) -> str:
 def job(settings: Settings, job_id: int) -> str:
     """One job: what it runs, where and when, why it waits, its result, per-epoch metrics, the
     device plots of its GPUs and its usage summary. Raises JobNotFound."""
-    with session_scope(settings) as session:
+    with read_session(settings) as session:
         j = jobs.get_job(session, job_id)
         gpus = jobs.job_gpus(session, job_id)
         metrics = jobs.read_metrics(session, job_id)
@@ -174,7 +174,7 @@ def usage_page(settings: Settings, period: str) -> str:
     span = PERIODS[period]
     now = utcnow()
     since = now - span
-    with session_scope(settings) as session:
+    with read_session(settings) as session:
         rep = accounting.report(session, since, now, now)
         edges, by_user = accounting.utilization_by_user(session, since, now, buckets=96)
     links = " | ".join(f"<b>last {p}</b>" if p == period else f'<a href="/usage?period={p}">last {p}</a>'

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from html import escape
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from urllib.parse import parse_qs
@@ -36,11 +37,12 @@ class App:
         try:
             status, kind, body = self._route(path, query)
         except JobNotFound as exc:
-            status, kind, body = "404 Not Found", HTML, page("not found", f"<p>{exc}</p>").encode()
+            status, kind, body = "404 Not Found", HTML, page("not found", f"<p>{escape(str(exc))}</p>").encode()
         except GpuqError as exc:  # the database is down or not upgraded: say so, as the CLI does
             log.warning("dashboard: %s", exc)
-            status, kind, body = "503 Service Unavailable", HTML, page("unavailable", f"<p>{exc}</p>").encode()
-        return self._send(start_response, status, kind, b"" if method == "HEAD" else body)
+            status, kind, body = ("503 Service Unavailable", HTML,
+                                  page("unavailable", f"<p>{escape(str(exc))}</p>").encode())
+        return self._send(start_response, status, kind, body, head=method == "HEAD")
 
     def _route(self, path: str, query: dict[str, list[str]]) -> tuple[str, str, bytes]:
         if path == "/":
@@ -60,10 +62,10 @@ class App:
 
     @staticmethod
     def _send(start_response: Callable, status: str, kind: str, body: bytes,
-              extra: list[tuple[str, str]] | None = None) -> list[bytes]:
+              extra: list[tuple[str, str]] | None = None, head: bool = False) -> list[bytes]:
         start_response(status, [("Content-Type", kind), ("Content-Length", str(len(body))),
                                 ("Cache-Control", "no-store"), *(extra or [])])
-        return [body]
+        return [b""] if head else [body]
 
 
 class ThreadingServer(ThreadingMixIn, WSGIServer):
