@@ -15,11 +15,15 @@ from gpuq.service.settings import get_settings
 
 app = typer.Typer()
 
+# The dashboard's default port: not Ray's dashboard (8265), Flower (5555), Prometheus (9090) or
+# Grafana (3000), which a lab's machines may run too.
+DEFAULT_PORT = 8642
+
 
 @app.command()
 def dashboard(
     host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 shows it to the network.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = 8265,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = DEFAULT_PORT,
 ) -> None:
     """Serve the dashboard (queue, GPUs, jobs, usage) and /metrics for Prometheus; read-only."""
     settings = get_settings()

@@ -135,7 +135,7 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
     broker = urlsplit(services["scheduler"]["environment"]["GPUQ_BROKER_URL"])
     assert (broker.password, broker.hostname) == (ADMIN_ENV["REDIS_PASSWORD"], "redis")
     # Published on the host's localhost only: a read-only page is still nobody else's business.
-    assert services["dashboard"]["ports"] == ["127.0.0.1:8265:8265"]
+    assert services["dashboard"]["ports"] == ["127.0.0.1:8642:8642"]
     assert services["flower"]["ports"] == ["127.0.0.1:5555:5555"]
 
 
@@ -192,6 +192,13 @@ def test_redis_command_line_runs_with_an_append_only_file_noeviction_and_a_passw
             redis.Redis(port=port, socket_connect_timeout=2).ping()
         client.set("k", "v")
         assert any(p.name.startswith("appendonly") for p in tmp_path.iterdir())
+        # Its healthcheck, as Docker runs it in the container (with the container's environment).
+        kind, script = load()["services"]["redis"]["healthcheck"]["test"]
+        assert kind == "CMD-SHELL"
+        env = {**os.environ, **load()["services"]["redis"]["environment"]}
+        check = subprocess.run(["sh", "-c", script.replace("redis-cli", f"redis-cli -p {port}", 1)], env=env,
+                               capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, check.stderr
     finally:
         proc.terminate()
         proc.wait(10)
@@ -289,6 +296,10 @@ def test_migrate_scheduler_worker_and_dashboard_command_lines_run_a_job_and_stop
         assert wait_for_state(settings, job, ("succeeded", "failed"), timeout=60) == "succeeded"
         metrics = _wait_http(f"http://127.0.0.1:{port}/metrics", procs["dashboard"], tmp_path / "dashboard.log")
         assert 'Hostname="composenode"' in metrics and "gpuq_jobs{" in metrics
+        kind, *check = services["dashboard"]["healthcheck"]["test"]
+        assert kind == "CMD" and check[0] == "python"
+        check = [sys.executable, *(a.replace(":8642/", f":{port}/") for a in check[1:])]
+        assert subprocess.run(check, capture_output=True, timeout=30).returncode == 0
         assert "succeeded" in run_cli(["status"], settings).stdout
         for name in ("dashboard", "scheduler", "worker-gpu0"):
             assert _stop(procs[name]) == 0, f"{name}:\n" + (tmp_path / f"{name}.log").read_text()[-3000:]

@@ -146,6 +146,14 @@ def test_dashboard_listens_on_localhost_by_default_and_stops_cleanly_on_sigterm(
     assert d.stop() == 0
 
 
+def test_a_database_not_yet_upgraded_is_a_one_line_error_before_anything_listens(tmp_path, redis_url):
+    from tests.conftest import make_settings
+
+    fresh = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'empty.db'}", redis_url)
+    out = run_cli(["dashboard", "--port", "0"], fresh, timeout=30)
+    assert out.returncode == 78 and "gpuq db upgrade" in out.stderr and "dashboard at" not in out.stdout
+
+
 def test_a_busy_port_is_a_one_line_error(ran, dash):
     st, _ = ran
     out = run_cli(["dashboard", "--port", str(dash.port)], st.settings)
