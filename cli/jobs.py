@@ -37,8 +37,11 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         job = jobs.get_job(session, job_id)
         gpus = [g.index for g in jobs.job_gpus(session, job_id)]
         metrics = jobs.read_metrics(session, job_id)
+        explains = job.failure not in (None, c.FAILURE_CANCELLED, c.FAILURE_TIMEOUT)
+        tail = jobs.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains else []
     data = job_dict(job, gpus or None)
     data["metrics"] = metrics
+    data["last_output"] = tail
     if as_json:
         print_json(data)
         return
@@ -64,13 +67,17 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
             f"{job.max_retries} retries" if job.max_retries else "",
             (f"after {'any end of' if job.after_any else ''} job {', '.join(map(str, job.after))}"
              .replace("  ", " ") if job.after else ""),
-            f"priority {job.priority}" if job.priority else "", "held" if job.held else ""]
+            f"priority {job.priority}" if job.priority else "", "held" if job.held else "",
+            f"host memory limit {job.host_mem_mib} MiB" if job.host_mem_mib else ""]
     if any(asks):
         lines.append(("asks", "; ".join(a for a in asks if a)))
     if job.array_id is not None:
         lines.append(("array", f"{job.array_id}, task {job.array_index}"))
     for n, attempt in enumerate(job.attempts or [], 1):
-        lines.append((f"attempt {n}", f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}"))
+        kind = f" [{attempt['failure']}]" if attempt.get("failure") else ""
+        lines.append((f"attempt {n}", f"{attempt.get('state')}{kind}: {attempt.get('reason')} on {attempt.get('worker')}"))
+    if job.failure:
+        lines.append(("failure", job.failure))
     if job.exit_code is not None:
         lines.append(("exit code", str(job.exit_code)))
     for key, value in lines:
@@ -80,6 +87,10 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         for key, value in job.result.items():
             shown = f"{value:.6g}" if isinstance(value, float) else value
             typer.echo(f"{key:>20}  {shown}")
+    if tail:
+        typer.echo(" last output")
+        for line in tail:
+            typer.echo("            " + line)
     if metrics:
         typer.echo("   metrics")
         for row in metrics:

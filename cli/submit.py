@@ -39,6 +39,8 @@ def submit(
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
     mem: Annotated[Optional[str], typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
     node: Annotated[Optional[str], typer.Option(help="Run on this node only.")] = None,
+    host_mem: Annotated[Optional[str], typer.Option(help="Host memory limit of a command's processes, e.g. "
+                                                         "8G (past it the OOM killer stops the job).")] = None,
     time: Annotated[Optional[str], typer.Option(help="Time limit (2h, 30m, 1:30:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.")] = 0,
     hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
@@ -69,7 +71,7 @@ def submit(
             return spec.workload_spec(workload, list(ctx.args) + extra, gpus=gpus, name=name)
 
     sched = spec.Scheduling(priority=priority, mem=mem, node=node, time=time, retries=retries, hold=hold,
-                            after=after, after_any=after_any)
+                            after=after, after_any=after_any, host_mem=host_mem)
     specs = spec.expand(make, sched, array, sweep or [])
     submitted = jobs.submit_all(get_settings(), specs)
     if as_json:

@@ -86,6 +86,20 @@ class Settings:
     fake_gpu_foreign: str = ""
     # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
     warm_start: bool = True
+    # Seconds a running job's lease lasts; its worker renews it every heartbeat. A job whose lease
+    # ran out (worker SIGKILLed, node gone) is reaped within this plus one scheduler interval.
+    lease_timeout: float = 30.0
+    # Times a job that asked for retries may be put back after an infrastructure failure (worker
+    # lost, worker shut down, GPU lost); these do not use up its own --retries, but are capped so a
+    # job that kills its worker cannot loop for hours.
+    max_requeues: int = 3
+    # A dispatched job not claimed after this many seconds is sent again (Redis may have lost it).
+    resend_after: float = 15.0
+    # Seconds a worker told to stop (first SIGTERM) lets its running job go on; 0: until it ends.
+    shutdown_grace: float = 0.0
+    # Redis redelivers an unacknowledged message after this many seconds; SQL makes a redelivery
+    # harmless, so this only bounds how long a lost worker's message waits.
+    visibility_timeout: float = 7 * 24 * 3600.0
 
     @property
     def database(self) -> str:

@@ -41,6 +41,7 @@ class JobSpec:
     after_any: bool = False
     env: dict[str, str] | None = None
     array_index: int | None = None
+    host_mem_mib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Scheduling:
     hold: bool = False
     after: str | None = None
     after_any: str | None = None
+    host_mem: str | None = None
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -76,6 +78,7 @@ class Scheduling:
             "held": self.hold,
             "after": parse_job_ids(deps, "--after" if self.after else "--after-any") if deps else None,
             "after_any": bool(self.after_any),
+            "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
         }
 
 
