@@ -65,6 +65,8 @@ def job_dict(job: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "failure": job.failure, "requeues": job.requeues, "host_mem_mib": job.host_mem_mib,
         "submitted_at": _iso(job.submitted_at), "dispatched_at": _iso(job.dispatched_at),
         "started_at": _iso(job.started_at), "ended_at": _iso(job.ended_at),
+        "git_commit": job.git_commit, "git_dirty": job.git_dirty, "git_diff_cut": job.git_diff_cut,
+        "snapshot": job.snapshot,
     }
 
 

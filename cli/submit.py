@@ -50,6 +50,8 @@ def submit(
                                                       "(GPUQ_ARRAY_INDEX; {index} in a command).")] = None,
     sweep: Annotated[Optional[list[str]], typer.Option(help="name=v1,v2: a job per value (repeat for the "
                                                             "cross product).")] = None,
+    snapshot: Annotated[bool, typer.Option("--snapshot", help="Run a copy of this git work tree as it is now "
+                                                              "(files .gitignore leaves out are not copied).")] = False,
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
 
@@ -63,6 +65,8 @@ def submit(
 
         def make(extra: list[str]) -> spec.JobSpec:
             return spec.command_spec(command, gpus=gpus, name=name)
+    elif snapshot:
+        raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
     elif workload is None:
         raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
     else:
@@ -73,7 +77,7 @@ def submit(
     sched = spec.Scheduling(priority=priority, mem=mem, node=node, time=time, retries=retries, hold=hold,
                             after=after, after_any=after_any, host_mem=host_mem)
     specs = spec.expand(make, sched, array, sweep or [])
-    submitted = jobs.submit_all(get_settings(), specs)
+    submitted = jobs.submit_all(get_settings(), specs, snapshot=snapshot)
     if as_json:
         data = [job_dict(j) for j in submitted]
         print_json(data[0] if len(data) == 1 and array is None and not sweep else data)

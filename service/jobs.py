@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -17,11 +17,13 @@ from sqlalchemy.orm import Session
 
 from gpuq.service import broker
 from gpuq.service import constants as c
+from gpuq.service import snapshot as code_state
 from gpuq.service.db import require_schema, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
 from gpuq.service.settings import Settings
+from gpuq.service.snapshot import Staged
 from gpuq.service.spec import JobSpec, current_user
 
 
@@ -39,33 +41,65 @@ def submit(settings: Settings, spec: JobSpec) -> Job:
     return submit_all(settings, [spec])[0]
 
 
-def submit_all(settings: Settings, specs: list[JobSpec]) -> list[Job]:
+def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = False,
+               record_code: bool = True) -> list[Job]:
     """Queue ``specs`` as pending jobs in one transaction (an array shares its first job's id as
-    ``array_id``) and wake the scheduler. Nothing is written on any error."""
+    ``array_id``) and wake the scheduler. Nothing is written on any error.
+
+    A command's git state is recorded (``record_code``; a resubmit copies it instead), and with
+    ``snapshot`` its work tree is copied and the jobs run from the copy (service/snapshot.py)."""
     require_schema(settings)
     broker.check(settings)
     first = specs[0]
-    with session_scope(settings) as session:
-        _check_resources(session, settings, first)
-        _check_priority(settings, first)
-        _check_dependencies(session, first.after)
-        if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
-            raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
-        now = utcnow()
-        rows = [Job(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
-                    cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
-                    mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
-                    attempts=[], held=s.held, after=s.after, after_any=s.after_any, env=s.env,
-                    array_index=s.array_index, host_mem_mib=s.host_mem_mib)
-                for s in specs]
-        session.add_all(rows)
-        session.flush()
-        if len(rows) > 1 or first.array_index is not None:
-            for row in rows:
-                row.array_id = rows[0].id
+    staged = None
+    try:
+        with session_scope(settings) as session:
+            _check_resources(session, settings, first)
+            _check_priority(settings, first)
+            _check_dependencies(session, first.after)
+            if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
+                raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+            specs, staged = _code_at_submit(settings, specs, snapshot, record_code)
+            now = utcnow()
+            rows = [Job(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
+                        cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
+                        mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s,
+                        max_retries=s.max_retries, attempts=[], held=s.held, after=s.after, after_any=s.after_any,
+                        env=s.env, array_index=s.array_index, git_commit=s.git_commit, git_dirty=s.git_dirty,
+                        git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
+                        host_mem_mib=s.host_mem_mib)
+                    for s in specs]
+            session.add_all(rows)
             session.flush()
+            if len(rows) > 1 or first.array_index is not None:
+                for row in rows:
+                    row.array_id = rows[0].id
+            if staged is not None:
+                staged.place(rows[0].id)
+                for row in rows:
+                    row.snapshot, row.cwd = str(staged.path), staged.workdir()
+            session.flush()
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
     broker.wake_scheduler(settings)
     return rows
+
+
+def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool,
+                    record_code: bool) -> tuple[list[JobSpec], Staged | None]:
+    """The specs with their git state recorded, and the staged snapshot if one was asked for.
+    The tasks of one submission share one directory, so git is asked once."""
+    first = specs[0]
+    if first.kind != c.KIND_COMMAND or not (record_code or snapshot):
+        return specs, None
+    git = code_state.capture(first.cwd, settings.git_diff_max_bytes)
+    staged = code_state.stage(settings, first.cwd, git) if snapshot else None
+    if git is not None and record_code:
+        specs = [replace(s, git_commit=git.commit, git_dirty=git.dirty, git_diff=git.diff or None,
+                         git_diff_cut=git.diff_cut) for s in specs]
+    return specs, staged
 
 
 def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:

@@ -123,6 +123,14 @@ class Job(Base):
     failure: Mapped[str | None] = mapped_column(String(16))
     # Host memory limit of a command job's processes (a memory cgroup), MiB; None: no limit.
     host_mem_mib: Mapped[int | None] = mapped_column(Integer)
+    # The code as it was at submit (a command submitted in a git work tree): commit, uncommitted
+    # changes, the diff against the commit (cut at GPUQ_GIT_DIFF_MAX_BYTES, git_diff_cut then true),
+    # and with --snapshot the copy of the work tree the job runs from.
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+    git_dirty: Mapped[bool | None] = mapped_column()
+    git_diff: Mapped[str | None] = mapped_column(Text)
+    git_diff_cut: Mapped[bool | None] = mapped_column()
+    snapshot: Mapped[str | None] = mapped_column(Text)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"

@@ -1,7 +1,7 @@
 """Leases, infrastructure requeues, failure classes, host memory limits, per-GPU drains.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 """
 from collections.abc import Sequence
 
@@ -10,8 +10,8 @@ from alembic import op
 
 import gpuq.service.models
 
-revision: str = "0005"
-down_revision: str | None = "0004"
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
