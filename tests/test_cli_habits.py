@@ -26,7 +26,8 @@ from tests.test_end_to_end import output_of, submit, wait_for_state
 pytestmark = pytest.mark.timeout(180)
 
 # Commands that change things or run services; every other command reads, and must take --json.
-NOT_READ = {"cancel", "hold", "release", "drain", "resume", "up", "down", "worker", "scheduler", "db"}
+NOT_READ = {"cancel", "hold", "release", "drain", "resume", "up", "down", "worker", "scheduler", "db",
+            "dashboard"}  # a server, like worker and scheduler: it prints no document
 
 
 def gpuq(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:

@@ -1,0 +1,51 @@
+"""`gpuq dashboard`: the read-only web dashboard and the Prometheus metrics, served until stopped."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from gpuq.service.db import require_schema
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.settings import get_settings
+
+app = typer.Typer()
+
+# The dashboard's default port: not Ray's dashboard (8265), Flower (5555), Prometheus (9090) or
+# Grafana (3000), which a lab's machines may run too.
+DEFAULT_PORT = 8642
+
+
+@app.command()
+def dashboard(
+    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 shows it to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = DEFAULT_PORT,
+) -> None:
+    """Serve the dashboard (queue, GPUs, jobs, usage) and /metrics for Prometheus; read-only."""
+    settings = get_settings()
+    require_schema(settings)
+    # Imported here: `gpuq status` and `submit` never load the web server or prometheus_client.
+    from gpuq.web.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = serve(settings, host, port)
+    except OSError as exc:
+        raise InvalidSpec(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound_host, bound_port = server.server_address[:2]
+    typer.echo(f"gpuq dashboard at http://{bound_host}:{bound_port}/ (metrics at /metrics); Ctrl-C stops it")
+
+    def stop(*_) -> None:
+        # shutdown() waits for serve_forever() to return, which runs in this (the main) thread.
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        server.server_close()

@@ -1,0 +1,196 @@
+"""The dashboard's pages, each read in one transaction through the same service functions the CLI
+uses (`gpuq status`, `devices`, `show`, `why`, `stats`), so page and command never disagree."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from html import escape
+
+from sqlalchemy import select
+
+from gpuq.service import accounting, explain, inventory, jobs, usage
+from gpuq.service import constants as c
+from gpuq.service.device_status import device_status
+from gpuq.service.models import Gpu, Job, utcnow
+from gpuq.service.settings import Settings
+from gpuq.web import svg
+from gpuq.web.read import read_session
+from gpuq.web.html import duration, facts, mib, page, state, table, value, when
+
+# The queue page reloads itself this often, seconds; `gpuq devices --watch` for a faster view.
+QUEUE_REFRESH_SECONDS = 5
+# Ended jobs the queue page lists below the active ones.
+ENDED_SHOWN = 25
+# Output lines a job's page shows (the end of it); `gpuq logs` has all of it.
+OUTPUT_TAIL_LINES = 200
+PERIODS = {"day": timedelta(days=1), "week": timedelta(days=7)}
+
+
+def result_summary(job: Job) -> str:
+    """One cell's worth of what a job produced, or why it waits or ended as it did."""
+    r = job.result or {}
+    if job.state == c.SUCCEEDED:
+        if "gflops" in r:
+            return f"{r['gflops']:.1f} GFLOP/s"
+        if "test_acc" in r:
+            return f"test acc {r['test_acc']:.3f}"
+        return "exit 0" if job.kind == c.KIND_COMMAND else "done"
+    if job.state == c.PENDING:
+        return "held" if job.held else (job.reason or "waiting for its first scheduling pass")
+    if job.state == c.RUNNING and job.cancel_requested_at:
+        return "cancelling"
+    return job.reason or ""
+
+
+def _job_link(job_id: int | None, text: str | None = None) -> str:
+    return "-" if job_id is None else f'<a href="/jobs/{job_id}">{escape(text or str(job_id))}</a>'
+
+
+def queue(settings: Settings) -> str:
+    """The queue (active jobs, then the newest ended ones) and every GPU with its bars."""
+    now = utcnow()
+    with read_session(settings) as session:
+        rows = jobs.list_jobs(session, ended_limit=ENDED_SHOWN)
+        idle = usage.idle_jobs(session, settings)
+        devices = device_status(session, settings)
+        drained = inventory.drained_nodes(session)
+    counts = Counter(j.state for j in rows if j.state in c.ACTIVE_STATES)
+    job_rows = [[_job_link(j.id), escape(j.user), escape(j.name), state(j.state), str(j.gpus), escape(j.node or "-"),
+                 when(j.submitted_at), duration(jobs.elapsed(j, now)),
+                 (f'<span class="s-cancelled">idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last '
+                  f'{settings.idle_window / 60:g} min</span>' if j.id in idle else escape(result_summary(j)))]
+                for j in rows]
+    gpu_rows = []
+    for d in devices:
+        label = "offline" if not d.online else ("busy" if d.job_id else "idle")
+        if d.node in drained:
+            label += " (drained)"
+        mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
+        gpu_rows.append([escape(d.node), str(d.index), escape(d.name), state(label), svg.bar(d.utilization),
+                         svg.bar(mem_pct, f"{mib(d.memory_used_mib)} / {mib(d.memory_total_mib)}", width=200),
+                         "n/a" if d.temperature_c is None else f"{d.temperature_c} C",
+                         "n/a" if d.power_w is None else f"{d.power_w:.0f} W",
+                         _job_link(d.job_id, f"{d.job_id} {d.job_name}" if d.job_id else None), escape(d.user or "-"),
+                         escape(", ".join(f"{p.get('name') or '?'}[{p.get('pid')}] of {p.get('user') or '?'}"
+                                          for p in d.foreign) or "-")])
+    summary = ", ".join(f"{counts[s]} {s}" for s in c.ACTIVE_STATES if counts[s]) or "nothing waiting or running"
+    body = (f"<h1>Queue</h1><p>{escape(summary)} <span class=\"muted\">(as of {when(now)}, refreshed every "
+            f"{QUEUE_REFRESH_SECONDS} s)</span></p>"
+            + (table(["ID", "user", "name", "state", "GPUs", "node", "submitted", "elapsed", "result / reason"],
+                     job_rows, numeric={0, 4}, cls="jobs") if rows else "<p>no jobs</p>")
+            + "<h2>GPUs</h2>"
+            + (table(["node", "GPU", "name", "state", "utilisation", "memory", "temp", "power", "job", "user",
+                      "foreign processes"], gpu_rows, numeric={1, 6, 7}, cls="gpus") if devices
+               else "<p>no GPUs registered: start the workers (<code>gpuq up</code>)</p>"))
+    return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
+
+
+def job(settings: Settings, job_id: int) -> str:
+    """One job: what it runs, where and when, why it waits, its result, per-epoch metrics, the
+    device plots of its GPUs and its usage summary. Raises JobNotFound."""
+    with read_session(settings) as session:
+        j = jobs.get_job(session, job_id)
+        gpus = jobs.job_gpus(session, job_id)
+        metrics = jobs.read_metrics(session, job_id)
+        output = "".join(data for _, data in jobs.read_output(session, job_id))
+        reason = explain.why(session, settings, job_id)
+        series = accounting.job_series(session, job_id)
+        used = usage.job_usage(session, job_id) if j.started_at else None
+        gpu_names = {g.id: f"GPU {g.node}:{g.index}" for g in inventory_gpus(session, {p["gpu_id"] for p in series})}
+    what = (j.workload or "") if j.kind == c.KIND_WORKLOAD else " ".join(j.argv or [])
+    pairs = [("job", escape(f"{j.id}  {j.name}")), ("user", escape(j.user)), ("state", state(j.state)),
+             ("why", escape(reason)), ("runs", f"<code>{escape(what)}</code>"), ("kind", escape(j.kind)),
+             ("directory", escape(j.cwd or "-")),
+             ("GPUs", escape(f"{j.gpus}" + (f" on {j.node}: " + ", ".join(str(g.index) for g in gpus) if gpus
+                                            else (f" on {j.node}" if j.node else "")))),
+             ("worker", escape(j.worker or "-")), ("priority", str(j.priority)),
+             ("submitted", when(j.submitted_at)), ("started", when(j.started_at)), ("ended", when(j.ended_at)),
+             ("elapsed", duration(jobs.elapsed(j)))]
+    if j.exit_code is not None:
+        pairs.append(("exit code", str(j.exit_code)))
+    for n, attempt in enumerate(j.attempts or [], 1):
+        pairs.append((f"attempt {n}", escape(f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}")))
+    body = [f"<h1>Job {j.id}: {escape(j.name)}</h1>", facts(pairs)]
+    if j.params:
+        body += ["<h2>Parameters</h2>", facts([(k, value(v)) for k, v in j.params.items()])]
+    if j.result:
+        body += ["<h2>Result</h2>", facts([(k, value(v)) for k, v in j.result.items()])]
+    if metrics:
+        body += ["<h2>Metrics per epoch</h2>", _metrics(metrics)]
+    body += ["<h2>Devices</h2>", _device_plots(series, gpu_names, j)]
+    if used is not None:
+        body += ["<h2>Usage</h2>", facts([
+            ("wall time", duration(timedelta(seconds=used.wall_s))), ("GPU-hours", f"{used.gpu_hours:.4f}"),
+            ("memory peak", mib(used.memory_peak_mib)), ("memory mean", mib(used.memory_mean_mib)),
+            ("utilisation mean", "n/a" if used.utilization_mean is None else f"{used.utilization_mean:.1f}%"),
+            ("energy", "n/a" if used.energy_j is None else f"{used.energy_j:.1f} J"),
+            ("idle GPU time", f"{used.idle_s:.1f} s"), ("samples", str(used.samples))])]
+    if output:
+        tail = "\n".join(output.splitlines()[-OUTPUT_TAIL_LINES:])
+        body += [f"<h2>Output</h2><p class=\"muted\">the last {OUTPUT_TAIL_LINES} lines at most; "
+                 f"<code>gpuq logs {j.id}</code> has all of it</p><pre>{escape(tail)}</pre>"]
+    return page(f"job {j.id}", "".join(body), refresh=QUEUE_REFRESH_SECONDS if j.state in c.ACTIVE_STATES else None)
+
+
+def inventory_gpus(session, ids: set[int]) -> list[Gpu]:
+    """The GPUs with these row ids."""
+    return session.scalars(select(Gpu).where(Gpu.id.in_(ids))).all() if ids else []
+
+
+def _metrics(rows: list[dict]) -> str:
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r)]
+    out = table(keys, [[value(r.get(k)) for k in keys] for r in rows], numeric=set(range(len(keys))), cls="metrics")
+    x = [r.get("epoch", n + 1) for n, r in enumerate(rows)]
+    numeric = [k for k in keys if k != "epoch" and all(isinstance(r.get(k), (int, float)) for r in rows)]
+    losses = {k: list(zip(x, [r[k] for r in rows])) for k in numeric if "loss" in k}
+    accs = {k: list(zip(x, [r[k] for r in rows])) for k in numeric if "acc" in k}
+    if losses:
+        out += svg.line_chart("loss", losses, x_label="epoch", y_label="loss")
+    if accs:
+        out += svg.line_chart("accuracy", accs, x_label="epoch", y_label="accuracy", y_max=1.0)
+    return out
+
+
+def _device_plots(series: list[dict], names: dict[int, str], j: Job) -> str:
+    if not series:
+        return "<p class=\"na\">no device samples for this job</p>"
+    start = j.started_at or series[0]["at"]
+    charts = []
+    for key, title, unit, top in (("utilization", "GPU utilisation", "%", 100.0),
+                                  ("memory_used_mib", "GPU memory used", "MiB", None),
+                                  ("power_w", "GPU power", "W", None)):
+        lines: dict[str, list] = {}
+        for p in series:
+            lines.setdefault(names.get(p["gpu_id"], f"GPU {p['gpu_id']}"), []).append(
+                ((p["at"] - start).total_seconds(), p[key]))
+        charts.append(svg.line_chart(title, lines, x_label="seconds since start", y_label=unit, y_max=top))
+    return "".join(charts) + f'<p class="muted">{len(series)} samples</p>'
+
+
+def usage_page(settings: Settings, period: str) -> str:
+    """GPU-hours, jobs, mean utilisation and energy per user and per node over the last day or week
+    (`gpuq stats --since 1d` / `7d`), with each user's busy GPUs over the period."""
+    span = PERIODS[period]
+    now = utcnow()
+    since = now - span
+    with read_session(settings) as session:
+        rep = accounting.report(session, since, now, now)
+        edges, by_user = accounting.utilization_by_user(session, since, now, buckets=96)
+    links = " | ".join(f"<b>last {p}</b>" if p == period else f'<a href="/usage?period={p}">last {p}</a>'
+                       for p in PERIODS)
+    body = [f"<h1>Usage, last {period}</h1><p>{links} <span class=\"muted\">({when(since)} to {when(now)})</span></p>"]
+    total = sum(r.gpu_hours for r in rep["users"]) or 1.0
+    for part, title in (("users", "per user"), ("nodes", "per node")):
+        rows = [[escape(r.name), str(r.jobs), f"{r.gpu_hours:.3f}",
+                 svg.bar(100 * r.gpu_hours / total, f"{100 * r.gpu_hours / total:.0f}%", 120, "#8ab6e0"),
+                 "n/a" if r.utilization_mean is None else f"{r.utilization_mean:.1f}%",
+                 f"{r.energy_j / 3.6e6:.4f}", f"{r.idle_hours:.3f}"] for r in rep[part]]
+        body.append(f"<h2>{title}</h2>" + (table([part[:-1], "jobs", "GPU-hours", "share", "mean utilisation",
+                                                  "energy (kWh)", "idle GPU-hours"], rows, numeric={1, 2, 4, 5, 6},
+                                                 cls=f"usage-{part}") if rows else "<p>no use in this period</p>"))
+    hours = [(e - now).total_seconds() / 3600 for e in edges]
+    body.append("<h2>busy GPUs by user</h2>" + svg.line_chart(
+        f"GPUs kept busy, last {period}", {u: list(zip(hours, v)) for u, v in sorted(by_user.items())},
+        x_label="hours from now", y_label="GPUs"))
+    return page(f"usage, last {period}", "".join(body))

@@ -1,0 +1,85 @@
+"""The dashboard's web server: a small WSGI app on the standard library's server, one thread per
+request. Read-only: it answers GET and HEAD, and nothing it runs writes to the database."""
+
+from __future__ import annotations
+
+import logging
+import re
+from html import escape
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from gpuq.service.errors import GpuqError, JobNotFound
+from gpuq.service.settings import Settings
+from gpuq.web import metrics, pages
+from gpuq.web.html import page
+
+log = logging.getLogger("gpuq.dashboard")
+
+_JOB = re.compile(r"^/jobs/(\d{1,18})/?$")
+HTML = "text/html; charset=utf-8"
+
+
+class App:
+    """The WSGI application for one gpuq installation's settings."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        method, path = environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", "/")
+        if method not in ("GET", "HEAD"):
+            return self._send(start_response, "405 Method Not Allowed", HTML,
+                              page("read-only", "<p>The dashboard is read-only.</p>").encode(), [("Allow", "GET, HEAD")])
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        try:
+            status, kind, body = self._route(path, query)
+        except JobNotFound as exc:
+            status, kind, body = "404 Not Found", HTML, page("not found", f"<p>{escape(str(exc))}</p>").encode()
+        except GpuqError as exc:  # the database is down or not upgraded: say so, as the CLI does
+            log.warning("dashboard: %s", exc)
+            status, kind, body = ("503 Service Unavailable", HTML,
+                                  page("unavailable", f"<p>{escape(str(exc))}</p>").encode())
+        return self._send(start_response, status, kind, body, head=method == "HEAD")
+
+    def _route(self, path: str, query: dict[str, list[str]]) -> tuple[str, str, bytes]:
+        if path == "/":
+            return "200 OK", HTML, pages.queue(self.settings).encode()
+        if path == "/metrics":
+            body, kind = metrics.exposition(self.settings)
+            return "200 OK", kind, body
+        if path in ("/usage", "/usage/"):
+            period = query.get("period", ["day"])[0]
+            if period not in pages.PERIODS:
+                return "400 Bad Request", HTML, page("bad period", "<p>period is day or week</p>").encode()
+            return "200 OK", HTML, pages.usage_page(self.settings, period).encode()
+        match = _JOB.match(path)
+        if match:
+            return "200 OK", HTML, pages.job(self.settings, int(match.group(1))).encode()
+        return "404 Not Found", HTML, page("not found", "<p>no such page</p>").encode()
+
+    @staticmethod
+    def _send(start_response: Callable, status: str, kind: str, body: bytes,
+              extra: list[tuple[str, str]] | None = None, head: bool = False) -> list[bytes]:
+        start_response(status, [("Content-Type", kind), ("Content-Length", str(len(body))),
+                                ("Cache-Control", "no-store"), *(extra or [])])
+        return [b""] if head else [body]
+
+
+class ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A page that queries SQL must not hold up a Prometheus scrape, nor the other way round."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002
+        log.info("%s %s", self.address_string(), format % args)
+
+
+def serve(settings: Settings, host: str, port: int) -> ThreadingServer:
+    """A server for the dashboard bound to host:port (port 0: any free one); call serve_forever()."""
+    return make_server(host, port, App(settings), server_class=ThreadingServer, handler_class=QuietHandler)
