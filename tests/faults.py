@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from tests.conftest import free_port
+from tests.conftest import free_port, system_redis_server
 
 # The marker job: appends "start PID" when it begins and "end PID" when it ends, and "overlap PID"
 # if another run of the same job holds the lock at the same time (two copies at once).
@@ -81,7 +81,7 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+        self.proc = subprocess.Popen([system_redis_server() or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self._answers, 10, "redis to start")
