@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpuq.cli.render import print_json
 from gpuq.service import broker, inventory, jobs
 from gpuq.service.db import require_schema, session_scope
 from gpuq.service.settings import get_settings
@@ -16,14 +17,20 @@ JobIds = Annotated[list[int], typer.Argument(help="Job ids.", min=1)]
 
 
 @app.command()
-def why(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)]) -> None:
+def why(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)],
+        as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Why a job waits (or how it ended), in a sentence with the figures."""
     from gpuq.service.explain import why as explain
 
     settings = get_settings()
     require_schema(settings)
     with session_scope(settings) as session:
-        typer.echo(explain(session, settings, job_id))
+        text = explain(session, settings, job_id)
+        state = jobs.get_job(session, job_id).state
+    if as_json:
+        print_json({"id": job_id, "state": state, "why": text})
+    else:
+        typer.echo(text)
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from datetime import timedelta
@@ -9,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpuq.cli.progress import bar, wanted
 from gpuq.cli.render import duration, job_dict, print_json, printable, result_summary, timestamp
 from gpuq.service import constants as c
 from gpuq.service import jobs
@@ -24,7 +26,9 @@ JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
 @app.command()
 def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", min=1)] = None,
          array: Annotated[Optional[int], typer.Option(help="A line for each job of this array.")] = None,
-         as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+         as_json: Annotated[bool, typer.Option("--json")] = False,
+         diff: Annotated[bool, typer.Option("--diff", help="Print the uncommitted changes recorded at submit.")]
+         = False) -> None:
     """Everything about one job: its spec, state, GPUs, timing and result (or an array's jobs)."""
     settings = get_settings()
     require_schema(settings)
@@ -37,8 +41,14 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         job = jobs.get_job(session, job_id)
         gpus = [g.index for g in jobs.job_gpus(session, job_id)]
         metrics = jobs.read_metrics(session, job_id)
+        explains = job.failure not in (None, c.FAILURE_CANCELLED, c.FAILURE_TIMEOUT)
+        tail = jobs.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains else []
     data = job_dict(job, gpus or None)
     data["metrics"] = metrics
+    data["last_output"] = tail
+    if diff:
+        _print_diff(job, as_json)
+        return
     if as_json:
         print_json(data)
         return
@@ -64,13 +74,22 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
             f"{job.max_retries} retries" if job.max_retries else "",
             (f"after {'any end of' if job.after_any else ''} job {', '.join(map(str, job.after))}"
              .replace("  ", " ") if job.after else ""),
-            f"priority {job.priority}" if job.priority else "", "held" if job.held else ""]
+            f"priority {job.priority}" if job.priority else "", "held" if job.held else "",
+            f"host memory limit {job.host_mem_mib} MiB" if job.host_mem_mib else ""]
     if any(asks):
         lines.append(("asks", "; ".join(a for a in asks if a)))
     if job.array_id is not None:
         lines.append(("array", f"{job.array_id}, task {job.array_index}"))
+    if job.git_commit or job.git_dirty:
+        lines.append(("commit", (job.git_commit or "none yet") + (" (dirty: `gpuq show --diff "
+                                                                 f"{job.id}`)" if job.git_dirty else "")))
+    if job.snapshot:
+        lines.append(("snapshot", job.snapshot))
     for n, attempt in enumerate(job.attempts or [], 1):
-        lines.append((f"attempt {n}", f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}"))
+        kind = f" [{attempt['failure']}]" if attempt.get("failure") else ""
+        lines.append((f"attempt {n}", f"{attempt.get('state')}{kind}: {attempt.get('reason')} on {attempt.get('worker')}"))
+    if job.failure:
+        lines.append(("failure", job.failure))
     if job.exit_code is not None:
         lines.append(("exit code", str(job.exit_code)))
     for key, value in lines:
@@ -80,11 +99,42 @@ def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", m
         for key, value in job.result.items():
             shown = f"{value:.6g}" if isinstance(value, float) else value
             typer.echo(f"{key:>20}  {shown}")
+    if tail:
+        typer.echo(" last output")
+        for line in tail:
+            typer.echo("            " + line)
     if metrics:
         typer.echo("   metrics")
         for row in metrics:
             typer.echo("            " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in row.items()))
+
+
+def _print_diff(job, as_json: bool) -> None:
+    """The diff against the job's commit recorded at submit; nothing (exit 0) when there was none."""
+    if as_json:
+        print_json({"id": job.id, "git_commit": job.git_commit, "git_dirty": job.git_dirty,
+                    "git_diff": job.git_diff, "git_diff_cut": job.git_diff_cut})
+        return
+    if job.git_commit is None and job.git_dirty is None:
+        typer.echo(f"gpuq: job {job.id} recorded no git state (not submitted from a git work tree)", err=True)
+        return
+    sys.stdout.write(job.git_diff or "")
+    sys.stdout.flush()
+
+
+@app.command()
+def resubmit(job_id: JobId, as_json: Annotated[bool, typer.Option("--json", help="Print the new job as JSON.")]
+             = False) -> None:
+    """Run a job again as a new job of yours: same command or workload, parameters, options,
+    environment and snapshot."""
+    from gpuq.service.resubmit import resubmit as again
+
+    job = again(get_settings(), job_id)
+    if as_json:
+        print_json(job_dict(job))
+    else:
+        typer.echo(f"submitted job {job.id} (resubmit of {job_id})")
 
 
 def _show_array(settings, array: int, as_json: bool) -> None:
@@ -100,20 +150,49 @@ def _show_array(settings, array: int, as_json: bool) -> None:
 @app.command()
 def logs(job_id: JobId,
          follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+         as_json: Annotated[bool, typer.Option("--json", help="The output as JSON (with -f: one chunk a line).")]
+         = False,
+         progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
+                                                          help="With -f, a training job's epoch bar (default: "
+                                                               "on a terminal).")] = None,
          ) -> None:
     """A job's output (stdout and stderr as written)."""
     settings = get_settings()
     require_schema(settings)
     with session_scope(settings) as session:
-        _check_reader(settings, jobs.get_job(session, job_id))
+        job = jobs.get_job(session, job_id)
+        _check_reader(settings, job)
+        epochs = job.params.get("epochs") if job.workload == "train" else None
+    if as_json and not follow:
+        with session_scope(settings) as session:
+            state = jobs.get_job(session, job_id).state
+            output = "".join(data for _, data in jobs.read_output(session, job_id))
+        print_json({"id": job_id, "state": state, "output": output})
+        return
+    show = follow and not as_json and bool(epochs) and wanted(progress, sys.stdout, sys.stderr)
+    with bar(epochs or 0, "epoch 0/" + str(epochs), show=show, stream=sys.stdout) as advance:
+        _print_output(settings, job_id, follow, as_json, advance, epochs)
+
+
+def _epochs_done(metrics: list[dict]) -> int:
+    # The last row's epoch number, not the row count: a job resumed from a checkpoint starts past 0.
+    return int(metrics[-1].get("epoch", len(metrics))) if metrics else 0
+
+
+def _print_output(settings, job_id: int, follow: bool, as_json: bool, advance, epochs: int | None) -> None:
     seq = -1
     while True:
         with session_scope(settings) as session:
             state = jobs.get_job(session, job_id).state
             chunks = jobs.read_output(session, job_id, seq)
+            done = _epochs_done(jobs.read_metrics(session, job_id)) if epochs else 0
         for seq, data in chunks:
-            sys.stdout.write(data)
+            if as_json:
+                sys.stdout.write(json.dumps({"id": job_id, "seq": seq, "data": data}, ensure_ascii=False) + "\n")
+            else:
+                sys.stdout.write(data)
         sys.stdout.flush()
+        advance(done, f"epoch {done}/{epochs}")
         if not follow or (state in c.END_STATES and not chunks):
             return
         time.sleep(c.CLIENT_POLL_SECONDS)
@@ -144,12 +223,17 @@ def _selected(settings, job_ids: list[int] | None, array: int | None, user: str 
     return list(dict.fromkeys(chosen))
 
 
-def _until_ended(settings, job_ids: list[int], timeout: float | None) -> dict[int, str]:
-    """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out."""
+def _until_ended(settings, job_ids: list[int], timeout: float | None,
+                 advance=None) -> dict[int, str]:
+    """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out;
+    ``advance(ended, text)`` is told how many have ended after each look."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         with session_scope(settings) as session:
             states = jobs.wait_states(session, job_ids)
+        if advance is not None:
+            ended = sum(s in c.END_STATES for s in states.values())
+            advance(ended, f"{ended} of {len(job_ids)} jobs ended")
         if all(s in c.END_STATES for s in states.values()):
             return states
         if deadline is not None and time.monotonic() >= deadline:
@@ -161,17 +245,25 @@ def _until_ended(settings, job_ids: list[int], timeout: float | None) -> dict[in
 def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
          array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
          timeout: Annotated[Optional[float], typer.Option(help="Give up after this many seconds.")] = None,
-         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False) -> None:
+         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+         progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
+                                                          help="A bar of jobs ended (default: on a terminal).")]
+         = None,
+         as_json: Annotated[bool, typer.Option("--json", help="The jobs' end states as JSON.")] = False) -> None:
     """Block until the jobs end; exit 0 only if all of them succeeded."""
     settings = get_settings()
     require_schema(settings)
     job_ids = _selected(settings, job_ids, array)
-    states = _until_ended(settings, job_ids, timeout)
+    show = not quiet and not as_json and wanted(progress, sys.stderr)
+    with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
+        states = _until_ended(settings, job_ids, timeout, advance)
+    if as_json:
+        print_json({str(j): states.get(j) for j in job_ids})
     if not all(s in c.END_STATES for s in states.values()):
         waiting = ", ".join(f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES)
         typer.echo(f"gpuq: still waiting after {timeout:g} s: job {waiting}", err=True)
         raise typer.Exit(c.EXIT_TIMEOUT)
-    if not quiet:
+    if not quiet and not as_json:
         for job_id in job_ids:
             typer.echo(f"job {job_id} {states[job_id]}")
     if any(s != c.SUCCEEDED for s in states.values()):

@@ -62,8 +62,11 @@ def job_dict(job: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "mem_mib": job.mem_mib, "on_node": job.on_node, "time_limit_s": job.time_limit_s,
         "max_retries": job.max_retries, "attempts": job.attempts, "held": job.held, "after": job.after,
         "after_any": job.after_any, "array_id": job.array_id, "array_index": job.array_index,
+        "failure": job.failure, "requeues": job.requeues, "host_mem_mib": job.host_mem_mib,
         "submitted_at": _iso(job.submitted_at), "dispatched_at": _iso(job.dispatched_at),
         "started_at": _iso(job.started_at), "ended_at": _iso(job.ended_at),
+        "git_commit": job.git_commit, "git_dirty": job.git_dirty, "git_diff_cut": job.git_diff_cut,
+        "snapshot": job.snapshot,
     }
 
 

@@ -39,6 +39,8 @@ def submit(
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
     mem: Annotated[Optional[str], typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
     node: Annotated[Optional[str], typer.Option(help="Run on this node only.")] = None,
+    host_mem: Annotated[Optional[str], typer.Option(help="Host memory limit of a command's processes, e.g. "
+                                                         "8G (past it the OOM killer stops the job).")] = None,
     time: Annotated[Optional[str], typer.Option(help="Time limit (2h, 30m, 1:30:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.")] = 0,
     hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
@@ -48,6 +50,8 @@ def submit(
                                                       "(GPUQ_ARRAY_INDEX; {index} in a command).")] = None,
     sweep: Annotated[Optional[list[str]], typer.Option(help="name=v1,v2: a job per value (repeat for the "
                                                             "cross product).")] = None,
+    snapshot: Annotated[bool, typer.Option("--snapshot", help="Run a copy of this git work tree as it is now "
+                                                              "(files .gitignore leaves out are not copied).")] = False,
     env: Annotated[Optional[list[str]], typer.Option("--env", help="NAME=VALUE, or NAME to pass on its value "
                                                                    "here: set for the command (repeatable).")] = None,
     user: Annotated[Optional[str], typer.Option("--user", help="Submit as this user (root only).")] = None,
@@ -66,6 +70,8 @@ def submit(
 
         def make(extra: list[str]) -> spec.JobSpec:
             return spec.command_spec(command, gpus=gpus, name=name, user=owner, env=variables)
+    elif snapshot:
+        raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
     elif workload is None:
         raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
     elif env:
@@ -76,9 +82,9 @@ def submit(
             return spec.workload_spec(workload, list(ctx.args) + extra, gpus=gpus, name=name, user=owner)
 
     sched = spec.Scheduling(priority=priority, mem=mem, node=node, time=time, retries=retries, hold=hold,
-                            after=after, after_any=after_any)
+                            after=after, after_any=after_any, host_mem=host_mem)
     specs = spec.expand(make, sched, array, sweep or [])
-    submitted = jobs.submit_all(get_settings(), specs)
+    submitted = jobs.submit_all(get_settings(), specs, snapshot=snapshot)
     if as_json:
         data = [job_dict(j) for j in submitted]
         print_json(data[0] if len(data) == 1 and array is None and not sweep else data)

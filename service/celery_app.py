@@ -32,7 +32,7 @@ def make_app(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=c.BROKER_CONNECT_TIMEOUT,
         # A GPU job may run for days; Redis must not hand its message to another consumer meanwhile.
-        broker_transport_options={"visibility_timeout": 7 * 24 * 3600},
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
         task_default_queue=f"{settings.key_prefix}.default",
         task_create_missing_queues=True,
     )

@@ -13,6 +13,22 @@ ACTIVE_STATES = (PENDING, DISPATCHED, RUNNING)
 END_STATES = (SUCCEEDED, FAILED, CANCELLED, TIMED_OUT)
 ALL_STATES = ACTIVE_STATES + END_STATES
 
+# Why a job failed or stopped, in one word: shown by `gpuq show` and kept on every attempt.
+FAILURE_EXIT = "exit"  # a command exited non-zero
+FAILURE_ERROR = "error"  # a built-in workload raised
+FAILURE_CUDA_OOM = "cuda_oom"  # CUDA out of memory (the exception, or its message in the output)
+FAILURE_HOST_OOM = "host_oom"  # killed by the kernel's OOM killer (the job's memory cgroup says so)
+FAILURE_TIMEOUT = "timeout"  # its --time ran out
+FAILURE_CANCELLED = "cancelled"  # someone cancelled it
+FAILURE_WORKER_LOST = "worker_lost"  # its lease ran out: the worker died or lost the database
+FAILURE_INTERRUPTED = "interrupted"  # its worker was shut down before it ended
+FAILURE_GPU_LOST = "gpu_lost"  # NVML said the GPU fell off the bus or needs a reset
+FAILURES = (FAILURE_EXIT, FAILURE_ERROR, FAILURE_CUDA_OOM, FAILURE_HOST_OOM, FAILURE_TIMEOUT, FAILURE_CANCELLED,
+            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
+# Failures of the machinery, not the job: a job that asked for retries is put back without using
+# one up (up to the max_requeues setting).
+INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
+
 # Job kinds.
 KIND_WORKLOAD = "workload"  # a built-in torch workload run inside the warm worker
 KIND_COMMAND = "command"  # the user's own argv, run as a child process
@@ -41,6 +57,16 @@ MAX_ARGV_BYTES = 128 * 1024
 # Output is kept in SQL in chunks of at most this many bytes, flushed at least this often.
 OUTPUT_CHUNK_BYTES = 64 * 1024
 OUTPUT_FLUSH_SECONDS = 0.5
+# Seconds a stopped job's processes get to disappear after SIGKILL before the GPU is drained
+# instead of freed (a process in uninterruptible sleep can outlive SIGKILL for a while).
+STOP_VERIFY_SECONDS = 30.0
+# Characters of a job's output the worker keeps in mind to tell why it failed.
+OUTPUT_TAIL_CHARS = 64 * 1024
+# Lines of a failed job's last output `gpuq show` prints under its failure.
+FAILURE_TAIL_LINES = 10
+# A worker stops its job itself once it could not renew the lease for this share of the lease
+# time, so the job is gone before the reaper can hand the GPU to a second copy.
+LEASE_SELF_FENCE = 0.8
 # How often a running job's worker looks at SQL for a cancel request.
 CANCEL_POLL_SECONDS = 0.2
 # How often `gpuq wait` and `gpuq logs -f` look at SQL.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +73,18 @@ def dispose_engines() -> None:
     _engines.clear()
     _sessionmakers.clear()
     _schema_ok.clear()
+
+
+def _forget_after_fork() -> None:
+    # A pooled connection is a socket; used from two processes it corrupts both sides' protocol
+    # state. A forked child starts with no engines and opens its own.
+    for engine in _engines.values():
+        engine.dispose(close=False)
+    _engines.clear()
+    _sessionmakers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _sessionmaker(url: str) -> sessionmaker[Session]:

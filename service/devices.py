@@ -7,6 +7,7 @@ the devices can fail, and "no NVIDIA library or driver here" means "no GPUs", no
 from __future__ import annotations
 
 import uuid as uuidlib
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +51,8 @@ class GpuReading:
     # The GPU's energy counter (mJ since the driver loaded); None on GPUs without one (pre-Volta).
     energy_mj: int | None = None
     processes: tuple[GpuProcess, ...] | None = None
+    # Why the GPU is gone (NVML's GPU_IS_LOST or RESET_REQUIRED); None while it works.
+    lost: str | None = None
 
 
 class Devices(Protocol):
@@ -88,8 +91,12 @@ class SimulatedDevices:
     kind = "simulated"
     why_none = ""
 
-    def __init__(self, count: int, memory_mib: int, node: str, foreign: str = "") -> None:
+    def __init__(self, count: int, memory_mib: int, node: str, foreign: str = "",
+                 faults: Path | None = None) -> None:
         self._foreign = parse_foreign(foreign)
+        # A file ``<faults>/<node>.<index>.lost`` makes that GPU read as lost, the way NVML reports
+        # one that fell off the bus: tests and drills inject the fault without a broken GPU.
+        self._node, self._faults = node, faults
         self._gpus = [
             GpuInfo(index=i, uuid=f"GPU-sim-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{node}/{i}')}",
                     name="Simulated GPU", memory_total_mib=memory_mib, simulated=True)
@@ -100,8 +107,12 @@ class SimulatedDevices:
         return list(self._gpus)
 
     def read(self, index: int) -> GpuReading:
-        """Only the foreign processes it was told to show; the worker's probe measures the rest."""
-        return GpuReading(processes=tuple(self._foreign.get(index, ())))
+        """Only the foreign processes it was told to show, and whether it was told it is lost; the
+        worker's probe measures the rest."""
+        lost = None
+        if self._faults is not None and (self._faults / f"{self._node}.{index}.lost").exists():
+            lost = "simulated GPU marked lost"
+        return GpuReading(processes=tuple(self._foreign.get(index, ())), lost=lost)
 
 
 def parse_foreign(text: str) -> dict[int, list[GpuProcess]]:
@@ -153,7 +164,12 @@ class NvmlDevices:
             h = self._handle(index)
         except n.NVMLError:
             return GpuReading()
-        memory = _na(lambda: n.nvmlDeviceGetMemoryInfo(h), n)
+        try:
+            memory = n.nvmlDeviceGetMemoryInfo(h)
+        except n.NVMLError as exc:
+            if exc.value in (n.NVML_ERROR_GPU_IS_LOST, n.NVML_ERROR_RESET_REQUIRED):
+                return GpuReading(lost=f"NVML: {exc}")
+            memory = None
         rates = _na(lambda: n.nvmlDeviceGetUtilizationRates(h), n)
         return GpuReading(
             memory_used_mib=None if memory is None else memory.used // 2**20,
@@ -194,7 +210,7 @@ def open_devices(settings: Settings) -> Devices:
     """This node's GPUs: simulated when ``fake_gpus`` is set, else NVML, else none (with why)."""
     if settings.fake_gpus:
         return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node,
-                                settings.fake_gpu_foreign)
+                                settings.fake_gpu_foreign, settings.home / "simulated-faults")
     try:
         import pynvml
     except ImportError:

@@ -41,6 +41,12 @@ def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
         foreign=[{"pid": p.pid, "mib": p.memory_mib, "user": p.user, "name": p.name} for p in foreign] or None))
 
 
+def drain_gpu(session: Session, gpu_id: int, reason: str) -> bool:
+    """Give this one GPU out no more until an admin resumes its node; True if newly drained."""
+    return session.execute(update(Gpu).where(Gpu.id == gpu_id, Gpu.drain_reason.is_(None))
+                           .values(drain_reason=reason)).rowcount == 1
+
+
 def sign_off(session: Session, gpu_id: int) -> None:
     """The worker stopped on purpose: its GPU is offline until a worker registers it again."""
     session.execute(update(Gpu).where(Gpu.id == gpu_id).values(
@@ -64,6 +70,7 @@ class GpuView:
     heartbeat_at: datetime | None
     drained: bool = False
     foreign_mib: int | None = None
+    drain_reason: str | None = None
 
 
 def view(session: Session, settings: Settings) -> list[GpuView]:
@@ -77,8 +84,9 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,
                 online=g.heartbeat_at is not None and g.heartbeat_at >= cutoff, worker=g.worker,
-                job_id=job_id, job_user=user, heartbeat_at=g.heartbeat_at, drained=g.node in drained,
-                foreign_mib=g.foreign_mib)
+                job_id=job_id, job_user=user, heartbeat_at=g.heartbeat_at,
+                drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
+                drain_reason=drained.get(g.node) or g.drain_reason)
         for g, job_id, user in rows
     ]
 
@@ -94,6 +102,12 @@ def set_drained(session: Session, node: str, drained: bool, reason: str | None =
     if row is None:
         row = Node(name=node, drained=False)
         session.add(row)
+    if not drained:
+        # Resuming a node also gives back its GPUs drained one by one (a lost GPU, once fixed).
+        freed = session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
+                                .values(drain_reason=None)).rowcount
+        if freed and not row.drained:
+            return
     if row.drained == drained:
         raise StateConflict(f"node {node} is {'already drained' if drained else 'not drained'}")
     row.drained, row.drain_reason = drained, reason if drained else None

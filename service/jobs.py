@@ -7,7 +7,8 @@ once even when its message is delivered twice, and a cancel never overwrites an 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -16,11 +17,13 @@ from sqlalchemy.orm import Session
 
 from gpuq.service import broker
 from gpuq.service import constants as c
+from gpuq.service import snapshot as code_state
 from gpuq.service.db import require_schema, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
 from gpuq.service.settings import Settings
+from gpuq.service.snapshot import Staged
 from gpuq.service.spec import JobSpec, current_user
 
 
@@ -38,31 +41,65 @@ def submit(settings: Settings, spec: JobSpec) -> Job:
     return submit_all(settings, [spec])[0]
 
 
-def submit_all(settings: Settings, specs: list[JobSpec]) -> list[Job]:
+def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = False,
+               record_code: bool = True) -> list[Job]:
     """Queue ``specs`` as pending jobs in one transaction (an array shares its first job's id as
-    ``array_id``) and wake the scheduler. Nothing is written on any error."""
+    ``array_id``) and wake the scheduler. Nothing is written on any error.
+
+    A command's git state is recorded (``record_code``; a resubmit copies it instead), and with
+    ``snapshot`` its work tree is copied and the jobs run from the copy (service/snapshot.py)."""
     require_schema(settings)
     broker.check(settings)
     first = specs[0]
-    with session_scope(settings) as session:
-        _check_resources(session, settings, first)
-        _check_priority(settings, first)
-        _check_dependencies(session, first.after)
-        now = utcnow()
-        rows = [Job(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
-                    cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
-                    mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
-                    attempts=[], held=s.held, after=s.after, after_any=s.after_any, env=s.env,
-                    array_index=s.array_index)
-                for s in specs]
-        session.add_all(rows)
-        session.flush()
-        if len(rows) > 1 or first.array_index is not None:
-            for row in rows:
-                row.array_id = rows[0].id
+    staged = None
+    try:
+        with session_scope(settings) as session:
+            _check_resources(session, settings, first)
+            _check_priority(settings, first)
+            _check_dependencies(session, first.after)
+            if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
+                raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+            specs, staged = _code_at_submit(settings, specs, snapshot, record_code)
+            now = utcnow()
+            rows = [Job(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
+                        cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
+                        mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s,
+                        max_retries=s.max_retries, attempts=[], held=s.held, after=s.after, after_any=s.after_any,
+                        env=s.env, array_index=s.array_index, git_commit=s.git_commit, git_dirty=s.git_dirty,
+                        git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
+                        host_mem_mib=s.host_mem_mib)
+                    for s in specs]
+            session.add_all(rows)
             session.flush()
+            if len(rows) > 1 or first.array_index is not None:
+                for row in rows:
+                    row.array_id = rows[0].id
+            if staged is not None:
+                staged.place(rows[0].id)
+                for row in rows:
+                    row.snapshot, row.cwd = str(staged.path), staged.workdir()
+            session.flush()
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
     broker.wake_scheduler(settings)
     return rows
+
+
+def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool,
+                    record_code: bool) -> tuple[list[JobSpec], Staged | None]:
+    """The specs with their git state recorded, and the staged snapshot if one was asked for.
+    The tasks of one submission share one directory, so git is asked once."""
+    first = specs[0]
+    if first.kind != c.KIND_COMMAND or not (record_code or snapshot):
+        return specs, None
+    git = code_state.capture(first.cwd, settings.git_diff_max_bytes)
+    staged = code_state.stage(settings, first.cwd, git) if snapshot else None
+    if git is not None and record_code:
+        specs = [replace(s, git_commit=git.commit, git_dirty=git.dirty, git_diff=git.diff or None,
+                         git_diff_cut=git.diff_cut) for s in specs]
+    return specs, staged
 
 
 def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:
@@ -198,12 +235,27 @@ def active_jobs_of(session: Session, user: str) -> list[int]:
 
 # ---- the worker's side ---------------------------------------------------------------------------
 
-def claim(session: Session, job_id: int, gpu_id: int, worker: str) -> bool:
-    """Mark the job running on this worker, if it is dispatched to this GPU as rank 0. Atomic."""
+def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: float) -> str | None:
+    """Mark the job running on this worker, if it is dispatched to this GPU as rank 0, and give it
+    a lease of ``lease_s`` seconds. Atomic. Returns the lease token, or None if it was not ours."""
+    token = uuid.uuid4().hex
+    now = utcnow()
     held = exists().where(Allocation.job_id == job_id, Allocation.gpu_id == gpu_id, Allocation.rank == 0)
-    return session.execute(
+    claimed = session.execute(
         update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED, held)
-        .values(state=c.RUNNING, started_at=utcnow(), worker=worker)
+        .values(state=c.RUNNING, started_at=now, worker=worker, lease_token=token,
+                lease_expires_at=now + timedelta(seconds=lease_s))
+        .execution_options(synchronize_session=False)
+    ).rowcount == 1
+    return token if claimed else None
+
+
+def renew_lease(session: Session, job_id: int, token: str, lease_s: float) -> bool:
+    """Extend the running job's lease; False if this token no longer holds it (the job ended, or
+    was reaped and given to someone else): its worker must stop it."""
+    return session.execute(
+        update(Job).where(Job.id == job_id, Job.state == c.RUNNING, Job.lease_token == token)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
         .execution_options(synchronize_session=False)
     ).rowcount == 1
 
@@ -229,29 +281,66 @@ def cancel_requested(session: Session, job_id: int) -> bool:
     return row is None or row.state != c.RUNNING or row.cancel_requested_at is not None
 
 
-def finish(session: Session, job_id: int, state: str, *, exit_code: int | None = None,
-           result: dict[str, Any] | None = None, reason: str | None = None, from_state: str = c.RUNNING) -> bool:
-    """End a running job and free its GPUs. A failed job with retries left goes back to pending
-    instead, its attempt kept. False if the job was not in ``from_state`` (already ended)."""
+def finish(session: Session, job_id: int, state: str, *, token: str | None = None, failure: str | None = None,
+           exit_code: int | None = None, result: dict[str, Any] | None = None, reason: str | None = None,
+           from_state: str = c.RUNNING, max_requeues: int = 0, expired_before: datetime | None = None) -> bool:
+    """End a job and free its GPUs, or put it back to pending when it may run again:
+
+    - an infrastructure failure (``c.INFRA_FAILURES``) of a job that asked for retries is requeued
+      without using one up, at most ``max_requeues`` times;
+    - any other failure is retried while the job has retries left.
+
+    Every attempt is kept. Only the holder of the lease ``token`` may end a running job; the
+    reaper passes ``expired_before`` instead (the lease must have run out before then). False if
+    the job was not in ``from_state`` under that lease: it had ended, or was taken back.
+    """
     assert state in c.END_STATES
     job = session.get(Job, job_id, populate_existing=True)
     if job is None or job.state != from_state:
         return False
+    guard = [Job.id == job_id, Job.state == from_state]
+    if token is not None:
+        guard.append(Job.lease_token == token)
+    if expired_before is not None:
+        guard.append(Job.lease_expires_at < expired_before)
     now = utcnow()
-    if state == c.FAILED and len(job.attempts or []) < job.max_retries:
+    ended: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
+                                 failure=failure if state != c.SUCCEEDED else None, lease_token=None,
+                                 lease_expires_at=None)
+    again = _runs_again(job, state, failure, max_requeues)
+    if again is not None:
         attempt = {"started_at": job.started_at.isoformat() if job.started_at else None, "ended_at": now.isoformat(),
-                   "state": state, "reason": reason, "exit_code": exit_code, "worker": job.worker}
-        tries = len(job.attempts or []) + 1
-        values: dict[str, Any] = dict(
-            state=c.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
-            node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
-            reason=f"retry {tries} of {job.max_retries} after: {reason}")
-    else:
-        values = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason)
-    done = session.execute(update(Job).where(Job.id == job_id, Job.state == from_state).values(**values)).rowcount == 1
+                   "state": state, "failure": failure, "reason": reason, "exit_code": exit_code, "worker": job.worker,
+                   "requeue": again == "requeue"}
+        requeues = job.requeues + (again == "requeue")
+        what = (f"requeue {requeues} of at most {max_requeues}" if again == "requeue"
+                else f"retry {_retries_used(job) + 1} of {job.max_retries}")
+        ended = dict(state=c.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
+                     node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
+                     lease_token=None, lease_expires_at=None, requeues=requeues, failure=None,
+                     reason=f"{what} after: {reason}")
+    elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
+        ended["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
+    done = session.execute(update(Job).where(*guard).values(**ended)
+                           .execution_options(synchronize_session=False)).rowcount == 1
     if done:
         session.execute(delete(Allocation).where(Allocation.job_id == job_id))
     return done
+
+
+def _retries_used(job: Job) -> int:
+    return sum(1 for a in job.attempts or [] if not a.get("requeue"))
+
+
+def _runs_again(job: Job, state: str, failure: str | None, max_requeues: int) -> str | None:
+    """"requeue" (an infrastructure failure), "retry" (the job's own), or None: it ends."""
+    if state == c.SUCCEEDED or state == c.CANCELLED or failure == c.FAILURE_CANCELLED:
+        return None
+    if failure in c.INFRA_FAILURES:
+        return "requeue" if job.max_retries > 0 and job.requeues < max_requeues else None
+    if state == c.FAILED and _retries_used(job) < job.max_retries:
+        return "retry"
+    return None
 
 
 def append_output(session: Session, job_id: int, seq: int, data: str) -> None:
@@ -263,6 +352,14 @@ def read_output(session: Session, job_id: int, after_seq: int = -1) -> list[tupl
                            .where(JobOutput.job_id == job_id, JobOutput.seq > after_seq)
                            .order_by(JobOutput.seq)).all()
     return [(r.seq, r.data) for r in rows]
+
+
+def output_tail(session: Session, job_id: int, lines: int) -> list[str]:
+    """The job's last ``lines`` lines of output (what usually explains a failure)."""
+    chunks = session.scalars(select(JobOutput.data).where(JobOutput.job_id == job_id)
+                             .order_by(JobOutput.seq.desc()).limit(4))
+    text = "".join(reversed(list(chunks)))
+    return text.rstrip("\n").splitlines()[-lines:] if text.strip() else []
 
 
 def record_metric(session: Session, job_id: int, values: dict[str, Any]) -> None:

@@ -113,6 +113,24 @@ class Job(Base):
     # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);
     # written by rank 0's worker when it starts the job.
     rendezvous: Mapped[str | None] = mapped_column(String(255))
+    # The running job's lease: only the worker holding this token may write the job's end, and it
+    # must renew the lease before it expires or the reaper takes the job back.
+    lease_token: Mapped[str | None] = mapped_column(String(32))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Times it was put back after an infrastructure failure (capped by the max_requeues setting).
+    requeues: Mapped[int] = mapped_column(Integer, default=0)
+    # Why it failed or stopped, one of constants.FAILURES; None while it runs or if it succeeded.
+    failure: Mapped[str | None] = mapped_column(String(16))
+    # Host memory limit of a command job's processes (a memory cgroup), MiB; None: no limit.
+    host_mem_mib: Mapped[int | None] = mapped_column(Integer)
+    # The code as it was at submit (a command submitted in a git work tree): commit, uncommitted
+    # changes, the diff against the commit (cut at GPUQ_GIT_DIFF_MAX_BYTES, git_diff_cut then true),
+    # and with --snapshot the copy of the work tree the job runs from.
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+    git_dirty: Mapped[bool | None] = mapped_column()
+    git_diff: Mapped[str | None] = mapped_column(Text)
+    git_diff_cut: Mapped[bool | None] = mapped_column()
+    snapshot: Mapped[str | None] = mapped_column(Text)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"
@@ -143,6 +161,9 @@ class Gpu(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
     worker_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Set when this one GPU must not be given out until an admin resumes it: "GPU lost", or a
+    # stopped job's processes that would not go away.
+    drain_reason: Mapped[str | None] = mapped_column(Text)
 
     allocation: Mapped[Allocation | None] = relationship(back_populates="gpu", uselist=False)
 

@@ -70,7 +70,8 @@ def read_snapshot(session: Session, settings: Settings) -> Snapshot:
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id))
-            for g in session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(settings)))
+            for g in session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(settings),
+                                                       Gpu.drain_reason.is_(None)))
             if g.node not in drained]
     pending = session.execute(
         select(Job.id, Job.user, Job.gpus, Job.priority, Job.submitted_at, Job.mem_mib, Job.on_node,
@@ -104,24 +105,45 @@ def read_snapshot(session: Session, settings: Settings) -> Snapshot:
 
 
 def reap_lost(session: Session, settings: Settings) -> list[int]:
-    """Jobs whose worker stopped heart-beating: a running one fails, a dispatched one waits again."""
+    """Take back what lost workers held.
+
+    A running job whose lease ran out (its worker was SIGKILLed, lost its node or the database)
+    is requeued if it asked for retries, else failed "worker lost". A dispatched job whose GPU's
+    worker stopped heart-beating waits again: it never started, so this costs it nothing.
+    """
+    now = utcnow()
+    expired = session.execute(
+        select(Job.id, Job.worker, Job.lease_expires_at)
+        .where(Job.state == c.RUNNING, Job.lease_expires_at < now)).all()
+    for job_id, worker, expires in expired:
+        late = (now - expires).total_seconds() + settings.lease_timeout
+        why = f"worker lost: {worker} did not renew the job's lease for {late:.0f} s"
+        if jobs.finish(session, job_id, c.FAILED, failure=c.FAILURE_WORKER_LOST, reason=why,
+                       max_requeues=settings.max_requeues, expired_before=now):
+            log.warning("job %s: %s", job_id, why)
     cutoff = live_cutoff(settings)
-    lost = session.execute(
-        select(Job.id, Job.state, Gpu.worker).join(Allocation, Allocation.job_id == Job.id)
+    stranded = session.execute(
+        select(Job.id, Gpu.worker).join(Allocation, Allocation.job_id == Job.id)
         .join(Gpu, Gpu.id == Allocation.gpu_id)
-        .where(Allocation.rank == 0, Job.state.in_((c.DISPATCHED, c.RUNNING)),
+        .where(Allocation.rank == 0, Job.state == c.DISPATCHED,
                (Gpu.heartbeat_at < cutoff) | Gpu.heartbeat_at.is_(None))
     ).all()
-    for job_id, state, worker in lost:
-        if state == c.RUNNING:
-            why = f"worker lost: {worker} sent no heartbeat for {settings.worker_timeout:g} s"
-            jobs.finish(session, job_id, c.FAILED, reason=why)  # retried if the job asked for it
-        else:
-            session.execute(update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED)
-                            .values(state=c.PENDING, dispatched_at=None, node=None))
-            session.execute(delete(Allocation).where(Allocation.job_id == job_id))
-        log.warning("job %s: worker %s lost while %s", job_id, worker, state)
-    return [j for j, _, _ in lost]
+    for job_id, worker in stranded:
+        session.execute(update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED)
+                        .values(state=c.PENDING, dispatched_at=None, node=None))
+        session.execute(delete(Allocation).where(Allocation.job_id == job_id))
+        log.warning("job %s: worker %s lost before it started the job; waiting again", job_id, worker)
+    return [j for j, _, _ in expired] + [j for j, _ in stranded]
+
+
+def unclaimed(session: Session, settings: Settings, everything: bool = False) -> list[tuple[int, str]]:
+    """Dispatched jobs whose message may be lost (Redis restarted empty, a send that vanished):
+    those dispatched over ``resend_after`` seconds ago, or all of them; (job id, queue) each."""
+    query = (select(Job.id, Gpu.queue).join(Allocation, Allocation.job_id == Job.id)
+             .join(Gpu, Gpu.id == Allocation.gpu_id).where(Allocation.rank == 0, Job.state == c.DISPATCHED))
+    if not everything:
+        query = query.where(Job.dispatched_at < utcnow() - timedelta(seconds=settings.resend_after))
+    return [(r.id, r.queue) for r in session.execute(query)]
 
 
 class Scheduler:
@@ -131,11 +153,14 @@ class Scheduler:
         self.settings = settings
         self.app = make_app(settings)
         self.redis = broker.client(settings)
+        # The Redis server's run id: a new one means Redis restarted, maybe empty of our messages.
+        self._redis_run_id: str | None = None
 
     def schedule_once(self) -> list[policy.Placement]:
         """One pass: reap lost workers, decide, allocate, record why the rest waits, send messages."""
         with session_scope(self.settings) as session:
             reap_lost(session, self.settings)
+        self._resend_unclaimed()
         try:
             with session_scope(self.settings) as session:
                 snap = read_snapshot(session, self.settings)
@@ -152,6 +177,24 @@ class Scheduler:
         for p in placements:
             self._send(p)
         return placements
+
+    def _resend_unclaimed(self) -> None:
+        """Send again the messages of dispatched jobs nobody claimed: all of them right after Redis
+        restarted, else those waiting past ``resend_after``. A duplicate is harmless: only one
+        claim of a job can succeed."""
+        run_id = self.redis.info("server").get("run_id")
+        restarted = self._redis_run_id is not None and run_id != self._redis_run_id
+        self._redis_run_id = run_id
+        with session_scope(self.settings) as session:
+            lost = unclaimed(session, self.settings, everything=restarted)
+            if lost:
+                session.execute(update(Job).where(Job.id.in_([j for j, _ in lost]), Job.state == c.DISPATCHED)
+                                .values(dispatched_at=utcnow()))
+        if restarted:
+            log.warning("Redis restarted (run id %s); sending %d dispatched jobs again", run_id, len(lost))
+        for job_id, queue in lost:
+            send_run_job(self.app, queue, job_id)
+            log.info("job %s: not claimed yet; sent to %s again", job_id, queue)
 
     @staticmethod
     def _record_reasons(session: Session, snap: Snapshot, decision: policy.Decision) -> None:

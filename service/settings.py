@@ -13,6 +13,7 @@ import os
 import socket
 import tomllib
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -27,11 +28,13 @@ def _data_home() -> Path:
     return Path(base) / "gpuq"
 
 
-def _config_file() -> Path:
-    explicit = os.environ.get("GPUQ_CONFIG")
+def config_file(environ: Mapping[str, str] | None = None) -> Path:
+    """The config file gpuq reads (it need not exist): ``GPUQ_CONFIG``, else the user's config directory."""
+    env = os.environ if environ is None else environ
+    explicit = env.get("GPUQ_CONFIG")
     if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(explicit).expanduser()
+    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "gpuq" / "config.toml"
 
 
@@ -86,6 +89,27 @@ class Settings:
     fake_gpu_foreign: str = ""
     # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
     warm_start: bool = True
+    # Seconds a running job's lease lasts; its worker renews it every heartbeat. A job whose lease
+    # ran out (worker SIGKILLed, node gone) is reaped within this plus one scheduler interval.
+    lease_timeout: float = 30.0
+    # Times a job that asked for retries may be put back after an infrastructure failure (worker
+    # lost, worker shut down, GPU lost); these do not use up its own --retries, but are capped so a
+    # job that kills its worker cannot loop for hours.
+    max_requeues: int = 3
+    # A dispatched job not claimed after this many seconds is sent again (Redis may have lost it).
+    resend_after: float = 15.0
+    # Seconds a worker told to stop (first SIGTERM) lets its running job go on; 0: until it ends.
+    shutdown_grace: float = 0.0
+    # Redis redelivers an unacknowledged message after this many seconds; SQL makes a redelivery
+    # harmless, so this only bounds how long a lost worker's message waits.
+    visibility_timeout: float = 7 * 24 * 3600.0
+    # Where `gpuq submit --snapshot` keeps each job's copy of the work tree; empty: ``home/snapshots``.
+    # With workers on several nodes it must be storage they all see at the same path (NFS and such).
+    snapshot_dir: str = ""
+    # A work tree bigger than this (the files git would list, bytes) is not snapshotted.
+    snapshot_max_bytes: int = 256 * 1024 * 1024
+    # The uncommitted diff kept with a command job, bytes; past it the diff is cut, and marked so.
+    git_diff_max_bytes: int = 1024 * 1024
     # Whether anyone may read any job's output (`gpuq logs`); false: only its owner and the admins.
     shared_logs: bool = False
 
@@ -111,6 +135,11 @@ class Settings:
     @property
     def log_dir(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def snapshots(self) -> Path:
+        """The directory job snapshots go to."""
+        return Path(self.snapshot_dir).expanduser() if self.snapshot_dir else self.home / "snapshots"
 
     @property
     def admin_users(self) -> frozenset[str]:
@@ -144,28 +173,40 @@ def _coerce(name: str, raw: Any, kind: type) -> Any:
 _TYPES = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
 
 
-def load_settings(environ: dict[str, str] | None = None) -> Settings:
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the settings from ``environ`` (default: the process environment) and the config file."""
+    return _load(environ)[0]
+
+
+def setting_sources(environ: Mapping[str, str] | None = None) -> tuple[Settings, Path, dict[str, str]]:
+    """The settings, the config file looked at, and where each field came from: "env", "file" or
+    "default" (for `gpuq config`)."""
+    return _load(environ)
+
+
+def _load(environ: Mapping[str, str] | None) -> tuple[Settings, Path, dict[str, str]]:
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    path = Path(env["GPUQ_CONFIG"]) if env.get("GPUQ_CONFIG") else _config_file()
+    path = config_file(env)
     if path.is_file():
         try:
             values.update(tomllib.loads(path.read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {' '.join(str(exc).split())}") from None
     known = {f.name: f for f in dataclasses.fields(Settings)}
     for key in list(values):
         if key not in known:
             raise ConfigError(f"unknown setting {key!r} in {path}")
+    sources = {name: "file" if name in values else "default" for name in known}
     for name in known:
         env_name = ENV_PREFIX + name.upper()
         if env_name in env:
             values[name] = env[env_name]
+            sources[name] = "env"
     typed = {name: _coerce(name, raw, _TYPES[str(known[name].type)]) for name, raw in values.items()}
     settings = Settings(**typed)
     _check_urls(settings)
-    return settings
+    return settings, path, sources
 
 
 def _check_urls(settings: Settings) -> None:
@@ -198,3 +239,15 @@ def get_settings() -> Settings:
 def secret_env_names() -> tuple[str, ...]:
     """Environment variables a job must never inherit from its worker."""
     return ("GPUQ_DATABASE_URL", "GPUQ_BROKER_URL", "GPUQ_CONFIG")
+
+
+_SECRET_WORDS = ("password", "secret", "token")
+
+
+def masked(name: str, value: Any) -> Any:
+    """A setting's value fit to print: URLs with their password masked, secret-named settings hidden."""
+    if any(word in name.lower() for word in _SECRET_WORDS):
+        return "***" if value not in ("", None) else value
+    if isinstance(value, str) and "://" in value:
+        return mask_url(value)
+    return value

@@ -43,6 +43,13 @@ class JobSpec:
     after_any: bool = False
     env: dict[str, str] | None = None
     array_index: int | None = None
+    host_mem_mib: int | None = None
+    # The code at submit (service/snapshot.py): recorded by jobs.submit_all, copied by a resubmit.
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+    git_diff: str | None = None
+    git_diff_cut: bool | None = None
+    snapshot: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Scheduling:
     hold: bool = False
     after: str | None = None
     after_any: str | None = None
+    host_mem: str | None = None
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -78,6 +86,7 @@ class Scheduling:
             "held": self.hold,
             "after": parse_job_ids(deps, "--after" if self.after else "--after-any") if deps else None,
             "after_any": bool(self.after_any),
+            "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
         }
 
 

@@ -17,17 +17,17 @@ _MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _MEM_SCALE = {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024 * 1024}
 
 
-def parse_mem(text: str) -> int:
+def parse_mem(text: str, option: str = "--mem") -> int:
     """``20G`` / ``512M`` / ``20GiB`` / ``2048`` (MiB) as MiB."""
     m = _MEM.match(text)
     if not m:
-        raise InvalidSpec(f"--mem takes a size like 20G or 512M; got {text!r}")
+        raise InvalidSpec(f"{option} takes a size like 20G or 512M; got {text!r}")
     value = float(m.group(1)) * _MEM_SCALE[m.group(2).lower()]
     if value > MAX_MEM_MIB:  # before int(): a 400-digit number is inf as a float
-        raise InvalidSpec(f"--mem {text.strip()[:40]} is more than any GPU has")
+        raise InvalidSpec(f"{option} {text.strip()[:40]} is more than any GPU has")
     mib = int(value)
     if mib < 1:
-        raise InvalidSpec(f"--mem must be at least 1M; got {text!r}")
+        raise InvalidSpec(f"{option} must be at least 1M; got {text!r}")
     return mib
 
 

@@ -4,6 +4,7 @@ at most once, only on the GPU it was dispatched to, and a GPU is never allocated
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import select, update
@@ -112,18 +113,70 @@ def test_the_scheduler_sends_one_message_with_only_the_job_id_to_the_gpus_own_qu
     assert body[0] == [job_id] and body[1] == {}
 
 
-def test_a_running_job_whose_worker_went_silent_fails_as_worker_lost(settings, tmp_path):
-    gpu_ids = register_gpus(settings)
+def expire_lease(settings, job_id):
+    with session_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow().replace(year=2000)))
+
+
+def test_a_running_job_whose_lease_ran_out_fails_as_worker_lost(settings, tmp_path):
+    register_gpus(settings)
     job_id = dispatched_command(settings, ["true"], tmp_path)
     with session_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
-        assert jobs.claim(session, job_id, gpu.id, "gpu@t")
-        session.execute(update(Gpu).where(Gpu.id == gpu.id).values(heartbeat_at=utcnow().replace(year=2000)))
+        assert jobs.claim(session, job_id, gpu.id, "gpu@t", 30)
+    Scheduler(settings).schedule_once()
+    with session_scope(settings) as session:
+        assert jobs.get_job(session, job_id).state == c.RUNNING  # its lease still holds
+    expire_lease(settings, job_id)
     Scheduler(settings).schedule_once()
     with session_scope(settings) as session:
         job = jobs.get_job(session, job_id)
         assert job.state == c.FAILED and job.reason.startswith("worker lost")
+        assert job.failure == c.FAILURE_WORKER_LOST
         assert jobs.job_gpus(session, job_id) == []
+
+
+def test_only_the_lease_holder_may_end_a_running_job(settings, tmp_path):
+    register_gpus(settings)
+    job_id = dispatched_command(settings, ["true"], tmp_path)
+    with session_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job_id)[0]
+        token = jobs.claim(session, job_id, gpu.id, "gpu@t", 30)
+        assert token and jobs.claim(session, job_id, gpu.id, "gpu@t", 30) is None  # a second claim fails
+    with session_scope(settings) as session:
+        assert not jobs.finish(session, job_id, c.SUCCEEDED, token="0" * 32)
+        assert not jobs.renew_lease(session, job_id, "0" * 32, 30)
+        assert jobs.renew_lease(session, job_id, token, 30)
+    with session_scope(settings) as session:
+        assert jobs.finish(session, job_id, c.SUCCEEDED, token=token)
+        assert not jobs.finish(session, job_id, c.SUCCEEDED, token=token)  # once
+        assert jobs.get_job(session, job_id).state == c.SUCCEEDED
+
+
+def test_worker_lost_requeues_without_using_a_retry_and_stops_at_the_cap(settings, tmp_path):
+    settings = settings.with_overrides(max_requeues=2)
+    register_gpus(settings)
+    job = jobs.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path)), max_retries=1))
+    scheduler = Scheduler(settings)
+    for round in range(3):
+        scheduler.schedule_once()
+        with session_scope(settings) as session:
+            gpu = jobs.job_gpus(session, job.id)[0]
+            assert jobs.claim(session, job.id, gpu.id, f"gpu@t{round}", 30)
+        expire_lease(settings, job.id)
+        with session_scope(settings) as session:
+            from gpuq.service.scheduler import reap_lost
+            reap_lost(session, settings)
+        with session_scope(settings) as session:
+            j = jobs.get_job(session, job.id)
+            if round < 2:
+                assert j.state == c.PENDING and j.requeues == round + 1
+                assert j.reason.startswith(f"requeue {round + 1} of at most 2 after: worker lost")
+            else:
+                assert j.state == c.FAILED and j.failure == c.FAILURE_WORKER_LOST
+                assert "requeued 2 times already: the cap" in j.reason
+            # Requeues are not the job's own retries: that one is still unused.
+            assert all(a["requeue"] for a in j.attempts)
 
 
 def test_celery_is_configured_for_one_late_acked_json_job_at_a_time(settings):
@@ -144,7 +197,7 @@ def test_a_rank_message_runs_only_for_a_running_job_holding_that_gpu_at_that_ran
     # Dispatched, not yet running: no rank may start.
     assert run_rank(worker(settings, g1.id, g1.index), job.id, 1) is False
     with session_scope(settings) as session:
-        assert jobs.claim(session, job.id, g0.id, "gpu@t")
+        assert jobs.claim(session, job.id, g0.id, "gpu@t", 30)
     # Running, but rank 0 has not set where the ranks meet yet.
     assert run_rank(worker(settings, g1.id, g1.index), job.id, 1) is False
     with session_scope(settings) as session:

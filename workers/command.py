@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import codecs
+import ctypes
+import functools
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping
+import time
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import psutil
 
+from gpuq.service import constants as c
+from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.identity import Identity
 from gpuq.workers.output import OutputSink
 
 # Seconds between looks at the child and at the cancel flag.
@@ -22,20 +29,29 @@ POLL_SECONDS = 0.05
 class CommandOutcome:
     exit_code: int | None
     cancelled: bool
+    # The kernel's OOM killer killed one of its processes (its memory cgroup counted it).
+    oom_killed: bool = False
+    # Processes of the job still alive after everything was done to stop them (their pids).
+    leftover: tuple[int, ...] = ()
 
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
-                cancelled: threading.Event, kill_grace: float, run_as: dict | None = None) -> CommandOutcome:
+                cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
+                verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
-    group reaches every child it forked; processes that left the group are found through the
-    process tree. ``run_as`` (``user``, ``group``, ``extra_groups``) switches the child to another
-    user before it execs; the pipe and the signals stay the worker's, which is root then.
+    group reaches every child it forked. Processes that left both are found through its memory
+    cgroup where there is one, else the process tree and the random ``GPUQ_RUN_ID`` each process
+    of the job inherits in its environment. ``run_as`` switches the child to that user (after it
+    joined the cgroup, which takes root); the pipe and the signals stay the worker's, root then.
     """
-    proc = subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
+    run_id = uuid.uuid4().hex
+    oom_before = cgroup.oom_kills() if cgroup else 0
+    proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            **(run_as or {}))
+                            preexec_fn=functools.partial(_in_child, cgroup, run_as))
+    found = _Finder(proc.pid, cgroup, run_id)
     reader = threading.Thread(target=_pump, args=(proc, sink), name=f"pump-{proc.pid}", daemon=True)
     reader.start()
     was_cancelled = False
@@ -43,14 +59,97 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         if cancelled.wait(POLL_SECONDS):
             was_cancelled = True
             sink.line(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
-            stop_tree(proc.pid, kill_grace)
+            stop_tree(proc.pid, kill_grace, found)
             break
     # The job is over when its main process is: anything it left behind is stopped too (SLURM
     # does the same), or it would hold the GPU while gpuq hands it to the next job.
-    stop_tree(proc.pid, 0 if not was_cancelled else kill_grace)
+    stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
     code = proc.wait()
     reader.join(timeout=5)
-    return CommandOutcome(exit_code=code, cancelled=was_cancelled)
+    leftover = _verify_gone(found, verify_within)
+    oom = cgroup is not None and cgroup.oom_kills() > oom_before
+    return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, leftover=tuple(leftover))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None) -> None:
+    """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
+    worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
+    become ``run_as``: its groups only, its gid, its uid, in that order (each needs root). Only raw
+    system calls here: another thread may have held a lock at the fork."""
+    if cgroup is not None:
+        cgroup.join()
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if run_as is not None:
+        os.setgroups(list(run_as.groups))
+        os.setgid(run_as.gid)
+        os.setuid(run_as.uid)
+
+
+def kill_leftovers(worker: str) -> list[int]:
+    """Kill what the jobs of an earlier run of worker ``worker`` left (it was SIGKILLed; its jobs'
+    main processes died with it, their children may not have). Called when a worker starts."""
+    killed = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get("GPUQ_WORKER") == worker:
+                p.kill()
+                killed.append(p.pid)
+        except (psutil.Error, OSError):
+            continue
+    return killed
+
+
+class _Finder:
+    """Finds every live process of one job run."""
+
+    def __init__(self, pid: int, cgroup: JobCgroup | None, run_id: str) -> None:
+        self.pid, self.cgroup, self.run_id = pid, cgroup, run_id
+
+    def __call__(self) -> list[psutil.Process]:
+        found = {p.pid: p for p in job_processes(self.pid)}
+        if self.cgroup is not None:
+            extra = self.cgroup.pids()
+        else:
+            extra = [p.pid for p in psutil.process_iter(["pid"]) if p.pid not in found and self._marked(p)]
+        for pid in extra:
+            try:
+                found.setdefault(pid, psutil.Process(pid))
+            except psutil.Error:
+                pass
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+    def _marked(self, p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("GPUQ_RUN_ID") == self.run_id
+        except (psutil.Error, OSError):
+            return False
+
+
+def _verify_gone(found: _Finder, within: float) -> list[int]:
+    """Kill whatever of the job is still alive until nothing is, for at most ``within`` seconds."""
+    if found.cgroup is not None:
+        return found.cgroup.kill_all(within)
+    deadline = time.monotonic() + within
+    while procs := [p for p in found() if _alive(p)]:
+        if time.monotonic() >= deadline:
+            return [p.pid for p in procs]
+        _signal(found.pid, procs, signal.SIGKILL)
+        psutil.wait_procs(procs, timeout=0.2)
+    return []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _pump(proc: subprocess.Popen, sink: OutputSink) -> None:
@@ -76,16 +175,16 @@ def job_processes(pid: int) -> list[psutil.Process]:
         pass
     for p in psutil.process_iter(["pid"]):
         try:
-            if p.pid != os.getpid() and os.getpgid(p.pid) == pid:
+            if p.pid != os.getpid() and (os.getpgid(p.pid) == pid or os.getsid(p.pid) == pid):
                 found.setdefault(p.pid, p)
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return list(found.values())
 
 
-def stop_tree(pid: int, grace: float) -> None:
+def stop_tree(pid: int, grace: float, found: Callable[[], list[psutil.Process]] | None = None) -> None:
     """SIGTERM every process of the job, wait up to ``grace`` seconds, then SIGKILL the rest."""
-    procs = job_processes(pid)
+    procs = found() if found is not None else job_processes(pid)
     if grace > 0:
         _signal(pid, procs, signal.SIGTERM)
         _, procs = psutil.wait_procs(procs, timeout=grace)

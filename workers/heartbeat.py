@@ -1,17 +1,27 @@
-"""The worker's heartbeat: every interval, tell SQL it is alive and how its GPU looks.
+"""The worker's heartbeat: every interval, tell SQL it is alive and how its GPU looks, and renew
+the running job's lease.
 
-Liveness only; the history of readings is the sampler's (workers/sampler.py).
+A worker that cannot renew the lease for most of its length stops the job itself, so the job is
+gone before the reaper can give it to another worker. A GPU that NVML says is lost is drained and
+its job stopped. The history of readings is the sampler's (workers/sampler.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from typing import TYPE_CHECKING
 
+from gpuq.service import constants as c
 from gpuq.service import inventory
+from gpuq.service.jobs import renew_lease
 from gpuq.service.db import session_scope
 from gpuq.service.settings import Settings
 from gpuq.workers.probe import GpuProbe
+
+if TYPE_CHECKING:
+    from gpuq.workers.runner import WorkerState
 
 log = logging.getLogger("gpuq.worker")
 
@@ -19,23 +29,43 @@ log = logging.getLogger("gpuq.worker")
 class Heartbeat(threading.Thread):
     """Beats until stopped. A failed beat (database down) is logged and retried next interval."""
 
-    def __init__(self, settings: Settings, gpu_id: int, probe: GpuProbe) -> None:
+    def __init__(self, settings: Settings, gpu_id: int, probe: GpuProbe, state: WorkerState | None = None) -> None:
         super().__init__(name="heartbeat", daemon=True)
-        self.settings, self.gpu_id, self.probe = settings, gpu_id, probe
+        self.settings, self.gpu_id, self.probe, self.state = settings, gpu_id, probe, state
         self.stopped = threading.Event()
 
     def run(self) -> None:
         # Beat at once, then every interval: a new worker shows its readings straight away.
         while True:
-            try:
-                # A reading the sampler took within the last sample interval serves as well.
-                reading = self.probe.read(max_age=self.settings.sample_interval)
-                with session_scope(self.settings) as session:
-                    inventory.beat(session, self.gpu_id, reading)
-            except Exception:  # noqa: BLE001 - keep beating; the reaper decides when we are lost
-                log.exception("heartbeat failed")
+            self.beat()
             if self.stopped.wait(self.settings.heartbeat_interval):
                 return
+
+    def beat(self) -> None:
+        lease = self.state.lease if self.state is not None else None
+        try:
+            # A reading the sampler took within the last sample interval serves as well.
+            reading = self.probe.read(max_age=self.settings.sample_interval)
+            renewed = None
+            with session_scope(self.settings) as session:
+                inventory.beat(session, self.gpu_id, reading)
+                if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):
+                    log.error("GPU %s lost (%s): drained until an admin resumes its node", self.gpu_id, reading.lost)
+                if lease is not None:
+                    renewed = renew_lease(session, lease.job_id, lease.token, self.settings.lease_timeout)
+            if reading.lost and self.state is not None:
+                self.state.gpu_lost.set()
+            if renewed:
+                lease.renewed = time.monotonic()
+            elif renewed is False and self.state.lease is lease:  # not merely ended meanwhile
+                log.warning("job %s: lease no longer ours (taken back); stopping it", lease.job_id)
+                lease.lost.set()
+        except Exception:  # noqa: BLE001 - keep beating; the reaper decides when we are lost
+            log.exception("heartbeat failed")
+            if lease is not None and time.monotonic() - lease.renewed > c.LEASE_SELF_FENCE * self.settings.lease_timeout:
+                log.error("job %s: lease not renewed for %.0f s; stopping the job before it is reaped",
+                          lease.job_id, time.monotonic() - lease.renewed)
+                lease.lost.set()
 
     def stop(self) -> None:
         self.stopped.set()

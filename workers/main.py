@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 
 from gpuq.service import broker, inventory
 from gpuq.service.celery_app import make_app, queue_name
@@ -64,12 +65,17 @@ def serve(index: int, loglevel: str) -> int:
         from gpuq.workers.builtin import warm_up
 
         log.info("%s: warm on %s", name, warm_up())
+    from gpuq.workers.command import kill_leftovers
+
+    left = kill_leftovers(f"{settings.key_prefix}/{name}")  # as runner.worker_mark
+    if left:
+        log.warning("%s: killed %d processes an earlier run of this worker left: %s", name, len(left), left)
     with session_scope(settings) as session:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, app=app)
     probe = GpuProbe(devices, index)
-    heartbeat = Heartbeat(settings, gpu_id, probe)
+    heartbeat = Heartbeat(settings, gpu_id, probe, state)
     heartbeat.start()
     if settings.sample_interval > 0:
         state.sampler = Sampler(settings, gpu_id, probe, lambda: state.job_id)
@@ -103,3 +109,8 @@ def _interrupt_on_second_shutdown(state) -> None:
         requests.append(how)
         if len(requests) >= 2 or how == "Cold":
             state.interrupt.set()
+        elif state.settings.shutdown_grace > 0:
+            # Warm, but not forever: past the grace period the job is stopped and requeued.
+            timer = threading.Timer(state.settings.shutdown_grace, state.interrupt.set)
+            timer.daemon = True
+            timer.start()

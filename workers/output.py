@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
@@ -29,6 +30,10 @@ class OutputSink:
         self._seq = 0
         self._truncated = False
         self._lock = threading.Lock()
+        # One flush at a time, so a chunk that failed to reach SQL is retried under its own number.
+        self._flushing = threading.Lock()
+        # The output's last characters, to tell why a job failed (a CUDA OOM message, say).
+        self.tail = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flush_loop, name=f"output-{job_id}", daemon=True)
         self._thread.start()
@@ -49,31 +54,48 @@ class OutputSink:
                 encoded = room
             self._buffer.append(text)
             self._buffered += encoded
+            self.tail = (self.tail + text)[-c.OUTPUT_TAIL_CHARS:]
         if self._buffered >= c.OUTPUT_CHUNK_BYTES:
             self.flush()
 
     def line(self, text: str) -> None:
         self.write(text if text.endswith("\n") else text + "\n")
 
-    def flush(self) -> None:
-        with self._lock:
-            if not self._buffer:
-                return
-            data, self._buffer = "".join(self._buffer), []
-            size, self._buffered = self._buffered, 0
-            seq, self._seq = self._seq, self._seq + 1
-        try:
-            with session_scope(self.settings) as session:
-                append_output(session, self.job_id, seq, data)
-            self._written += size
-        except Exception:  # noqa: BLE001 - losing a chunk of output must not kill the job
-            log.exception("job %s: could not store %d bytes of output", self.job_id, size)
+    def flush(self) -> bool:
+        """Write what is buffered; False if the database refused it (it stays, for the next try)."""
+        with self._flushing:
+            with self._lock:
+                if not self._buffer:
+                    return True
+                data, self._buffer = "".join(self._buffer), []
+                size, self._buffered = self._buffered, 0
+                seq, self._seq = self._seq, self._seq + 1
+            try:
+                with session_scope(self.settings) as session:
+                    append_output(session, self.job_id, seq, data)
+                self._written += size
+                return True
+            except Exception:  # noqa: BLE001 - a database outage must not kill the job or lose output
+                log.warning("job %s: could not store %d bytes of output yet; will retry", self.job_id, size)
+                with self._lock:
+                    self._buffer.insert(0, data)
+                    self._buffered += size
+                    self._seq = seq
+                return False
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(c.OUTPUT_FLUSH_SECONDS):
             self.flush()
 
-    def close(self) -> None:
+    def close(self, give_up: threading.Event | None = None) -> None:
+        """Stop the flusher and write the rest, retrying while the database is away (until
+        ``give_up`` is set)."""
         self._stop.set()
         self._thread.join()
-        self.flush()
+        delay = 0.2
+        while not self.flush():
+            if give_up is not None and give_up.wait(delay):
+                log.error("job %s: output not stored: the worker is stopping", self.job_id)
+                return
+            time.sleep(0 if give_up is not None else delay)
+            delay = min(delay * 2, 5.0)

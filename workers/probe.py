@@ -117,7 +117,8 @@ class GpuProbe:
             if p.pid != self._root.pid:
                 procs.append(GpuProcess(pid=p.pid, memory_mib=mem // 2**20, name=name, gpuq=True))
         # Processes gpuq did not start, when the simulated GPU was told to show some.
-        foreign = tuple(self.devices.read(self.index).processes or ())
+        device = self.devices.read(self.index)
+        foreign = tuple(device.processes or ())
         used = int(max(rss - self._baseline_rss, 0) / 2**20) + sum(p.memory_mib or 0 for p in foreign)
         util = int(min(cpu, 100.0))
         load = util / 100.0
@@ -130,7 +131,7 @@ class GpuProbe:
             temperature_c=int(round(self._temperature)),
             power_w=round(SIM_IDLE_W + load * (SIM_FULL_W - SIM_IDLE_W), 1),
             sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
-            energy_mj=None, processes=(worker, *procs, *foreign),
+            energy_mj=None, processes=(worker, *procs, *foreign), lost=device.lost,
         )
 
 

@@ -11,18 +11,21 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuq.service import broker, usage
+from gpuq.service import broker, failures, usage
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
-from gpuq.service.errors import JobCancelled
+from gpuq.service.errors import JobCancelled, Unreachable
+from gpuq.service.inventory import drain_gpu
 from gpuq.service.celery_app import send_run_rank
 from gpuq.service.jobs import (cancel_requested, claim, finish, get_job, job_gpus, rank_to_run, record_metric,
                                set_rendezvous)
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
+from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import run_command
 from gpuq.workers.identity import Identity, run_as
 from gpuq.workers.output import OutputSink
@@ -47,6 +50,10 @@ class WorkerState:
     job_id: int | None = None
     # The device sampler (workers/sampler.py), if sampling is on.
     sampler: Any = None
+    # The lease of the job running here; the heartbeat renews it.
+    lease: Lease | None = None
+    # Set by the heartbeat when NVML says this GPU is lost: the running job stops.
+    gpu_lost: threading.Event = field(default_factory=threading.Event)
 
     def job_started(self, job_id: int) -> None:
         self.job_id = job_id
@@ -56,6 +63,18 @@ class WorkerState:
         if self.sampler is not None:
             self.sampler.job_ended(job_id)
         self.job_id = None
+
+
+@dataclass
+class Lease:
+    """A running job's lease as its worker holds it."""
+
+    job_id: int
+    token: str
+    # When it was last renewed (time.monotonic()).
+    renewed: float = field(default_factory=time.monotonic)
+    # Set when it is no longer ours (the job was taken back) or could not be renewed in time.
+    lost: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ class JobRun:
     # When the job must be stopped (its start plus its --time), epoch seconds; None: no limit.
     deadline: float | None = None
     time_limit_s: int | None = None
+    host_mem_mib: int | None = None
     user: str = ""
 
 
@@ -98,33 +118,44 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[st
 
 
 class CancelWatcher(threading.Thread):
-    """Sets ``cancelled`` when the running job must stop: someone cancelled it (seen in SQL), its
-    time limit passed (``timed_out`` set too), or the worker is being shut down for good."""
+    """Sets ``cancelled`` when the running job must stop, and ``why``: someone cancelled it (seen in
+    SQL), its time limit passed, the worker is shutting down for good, its lease is lost, or its
+    GPU is."""
 
     def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, lease: Lease | None = None,
+                 gpu_lost: threading.Event | None = None) -> None:
         super().__init__(name=f"cancel-watch-{job_id}", daemon=True)
         self.settings, self.job_id, self.interrupt, self.deadline = settings, job_id, interrupt, deadline
+        self.lease, self.gpu_lost = lease, gpu_lost
         self.cancelled = threading.Event()
-        self.timed_out = threading.Event()
+        self.why = ""
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(c.CANCEL_POLL_SECONDS):
-            if self.interrupt.is_set():
+            why = self._why()
+            if why:
+                self.why = why
                 self.cancelled.set()
                 return
-            if self.deadline is not None and time.time() >= self.deadline:
-                self.timed_out.set()
-                self.cancelled.set()
-                return
-            try:
-                with session_scope(self.settings) as session:
-                    if cancel_requested(session, self.job_id):
-                        self.cancelled.set()
-                        return
-            except Exception:  # noqa: BLE001 - a database blip must not stop the job
-                log.warning("job %s: could not check for a cancel request", self.job_id)
+
+    def _why(self) -> str:
+        if self.interrupt.is_set():
+            return c.FAILURE_INTERRUPTED
+        if self.lease is not None and self.lease.lost.is_set():
+            return c.FAILURE_WORKER_LOST
+        if self.gpu_lost is not None and self.gpu_lost.is_set():
+            return c.FAILURE_GPU_LOST
+        if self.deadline is not None and time.time() >= self.deadline:
+            return c.FAILURE_TIMEOUT
+        try:
+            with session_scope(self.settings) as session:
+                if cancel_requested(session, self.job_id):
+                    return c.FAILURE_CANCELLED
+        except Exception:  # noqa: BLE001 - a database blip must not stop the job
+            log.warning("job %s: could not check for a cancel request", self.job_id)
+        return ""
 
 
 def load(settings: Settings, job_id: int) -> JobRun:
@@ -135,7 +166,7 @@ def load(settings: Settings, job_id: int) -> JobRun:
         return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                       argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
                       gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
-                      time_limit_s=job.time_limit_s, user=job.user)
+                      time_limit_s=job.time_limit_s, host_mem_mib=job.host_mem_mib, user=job.user)
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -146,14 +177,16 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     """
     settings = state.settings
     with session_scope(settings) as session:
-        if not claim(session, job_id, state.gpu_id, state.name):
-            log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
-            return None
+        token = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
+    if token is None:
+        log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
+        return None
+    lease = state.lease = Lease(job_id, token)
     state.job_started(job_id)
     job = load(settings, job_id)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or job.argv[0])
     sink = OutputSink(settings, job.id)
-    watcher = CancelWatcher(settings, job.id, state.interrupt, job.deadline)
+    watcher = CancelWatcher(settings, job.id, state.interrupt, job.deadline, lease, state.gpu_lost)
     watcher.start()
     end: dict[str, Any]
     try:
@@ -162,19 +195,41 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
         end = _stopped_end(state, job, watcher)
     except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
         sink.write(traceback.format_exc())
-        end = {"state": c.FAILED, "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+        end = {"state": c.FAILED, "failure": failures.from_exception(exc),
+               "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
         watcher.done.set()
-        sink.close()
+        sink.close(give_up=state.interrupt)
         state.job_ended(job.id)
-    with session_scope(settings) as session:
-        if finish(session, job.id, **end):
-            _record_usage(state, session, job.id)
-        else:
-            log.warning("%s: job %s had already ended elsewhere", state.name, job.id)
+    ended = _write_end(state, lease, end)
+    state.lease = None
     broker.wake_scheduler(settings)
-    log.info("%s: job %s %s", state.name, job.id, end["state"])
+    log.info("%s: job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
     return end["state"]
+
+
+def _write_end(state: WorkerState, lease: Lease, end: dict[str, Any]) -> bool:
+    """Write the job's end under its lease, retrying while the database is away: an end is never
+    dropped. False if the lease was no longer ours (the reaper took the job back meanwhile)."""
+    delay = 0.2
+    while True:
+        try:
+            with session_scope(state.settings) as session:
+                done = finish(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
+                              **end)
+                if done:
+                    _record_usage(state, session, lease.job_id)
+            if not done:
+                log.warning("%s: job %s was taken back (lease lost); its end here is not recorded",
+                            state.name, lease.job_id)
+            return done
+        except Unreachable as exc:
+            log.warning("%s: job %s: cannot record its end yet (%s); retrying", state.name, lease.job_id, exc)
+            if state.interrupt.wait(delay):
+                log.error("%s: job %s: end not recorded: the worker is stopping; the reaper will take "
+                          "it back when its lease runs out", state.name, lease.job_id)
+                return False
+            delay = min(delay * 2, 5.0)
 
 
 def _record_usage(state: WorkerState, session, job_id: int) -> None:
@@ -188,12 +243,18 @@ def _record_usage(state: WorkerState, session, job_id: int) -> None:
 
 
 def _stopped_end(state: WorkerState, job: JobRun, watcher: CancelWatcher) -> dict[str, Any]:
-    """The end of a job that was stopped: timed out, interrupted by shutdown, or cancelled."""
-    if watcher.timed_out.is_set():
-        return {"state": c.TIMED_OUT, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
-    if state.interrupt.is_set():
-        return {"state": c.FAILED, "reason": "interrupted: the worker was shut down"}
-    return {"state": c.CANCELLED, "reason": "cancelled by user"}
+    """The end of a job that was stopped: timed out, interrupted by shutdown, lease or GPU lost,
+    or cancelled."""
+    why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
+    if why == c.FAILURE_TIMEOUT:
+        return {"state": c.TIMED_OUT, "failure": why, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
+    if why == c.FAILURE_INTERRUPTED:
+        return {"state": c.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}
+    if why == c.FAILURE_WORKER_LOST:
+        return {"state": c.FAILED, "failure": why, "reason": "worker lost: it could not renew the job's lease"}
+    if why == c.FAILURE_GPU_LOST:
+        return {"state": c.FAILED, "failure": why, "reason": f"GPU lost: gpu {state.gpu_index} on {state.node}"}
+    return {"state": c.CANCELLED, "failure": why, "reason": "cancelled by user"}
 
 
 def _hms(seconds: int) -> str:
@@ -207,13 +268,24 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelW
     if job.kind == c.KIND_COMMAND:
         assert job.argv is not None and job.cwd is not None
         identity = run_as(job.user, state.node)  # UnknownUser fails the job with its reason
-        outcome = run_command(job.argv, job.cwd, job_env(job, state.node, identity), sink, cancelled,
-                              settings.kill_grace, identity.popen_kwargs() if identity else None)
+        cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
+                                  job.host_mem_mib)
+        try:
+            env = job_env(job, state.node, identity)
+            env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
+            outcome = run_command(job.argv, job.cwd, env, sink, cancelled, settings.kill_grace, cgroup,
+                                  run_as=identity)
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
+        _drain_if_left(state, job, outcome.leftover)
         if outcome.cancelled:
             return _stopped_end(state, job, watcher)
         if outcome.exit_code == 0:
             return {"state": c.SUCCEEDED, "exit_code": 0}
-        return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
+        failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
+        return {"state": c.FAILED, "failure": failure, "exit_code": outcome.exit_code,
+                "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib)}
     from gpuq.workers.builtin import run_workload  # torch: imported where it runs
 
     def on_metric(values: dict[str, Any]) -> None:
@@ -300,22 +372,37 @@ def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
         env.update(job_env(job, state.node))
+        env["GPUQ_WORKER"] = worker_mark(state)
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
         outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.cancelled, state.settings.kill_grace)
         if outcome.cancelled:
             return _stopped_end(state, job, watcher)
+        _drain_if_left(state, job, outcome.leftover)
         if outcome.exit_code != 0 or not os.path.exists(result_path):
-            return {"state": c.FAILED, "exit_code": outcome.exit_code, "reason": _exit_reason(outcome.exit_code)}
+            failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
+            if failure == c.FAILURE_EXIT and outcome.exit_code and outcome.exit_code > 0:
+                failure = c.FAILURE_ERROR  # the child printed the workload's traceback
+            return {"state": c.FAILED, "failure": failure, "exit_code": outcome.exit_code,
+                    "reason": failures.explain(failure, outcome.exit_code)}
         with open(result_path) as f:
             return {"state": c.SUCCEEDED, "result": json.load(f)}
 
 
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        import signal
+def worker_mark(state: WorkerState) -> str:
+    """What every process of this worker's jobs carries in GPUQ_WORKER: the installation (its key
+    prefix) and the worker, so a restarted worker finds its predecessor's leftovers and nobody else's."""
+    return f"{state.settings.key_prefix}/{state.name}"
 
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with status {code}"
+
+def _drain_if_left(state: WorkerState, job: JobRun, leftover: tuple[int, ...]) -> None:
+    """Processes of the job that outlived SIGKILL may still hold the GPU: it is not given out
+    again until an admin has looked (`gpuq resume NODE`)."""
+    if not leftover:
+        return
+    why = f"processes of job {job.id} did not exit: pids {', '.join(map(str, leftover[:8]))}"
+    log.error("%s: %s; GPU drained", state.name, why)
+    try:
+        with session_scope(state.settings) as session:
+            drain_gpu(session, state.gpu_id, why)
+    except Unreachable:
+        log.exception("%s: could not drain the GPU", state.name)

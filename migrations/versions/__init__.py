@@ -1,1 +1,1 @@
-HEAD = "0004"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0006"  # the newest revision; tests/test_migrations.py checks it against Alembic

@@ -1,0 +1,40 @@
+"""`gpuq resubmit`: the same job again, as a new job of the caller's."""
+
+from __future__ import annotations
+
+import os
+
+from gpuq.service import jobs
+from gpuq.service.db import require_schema, session_scope
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import Job
+from gpuq.service.settings import Settings
+from gpuq.service.spec import JobSpec, current_user
+
+
+def spec_of(job: Job, user: str) -> JobSpec:
+    """A spec for running ``job`` again: its command or workload and parameters, scheduling options,
+    environment, directory (its snapshot, if it had one) and recorded git state; owned by ``user``.
+    An array or sweep task comes back as a job of its own, with the same index in its environment."""
+    return JobSpec(kind=job.kind, name=job.name, user=user, gpus=job.gpus, cwd=job.cwd or "/", workload=job.workload,
+                   params=dict(job.params or {}), argv=list(job.argv) if job.argv is not None else None,
+                   priority=job.priority, mem_mib=job.mem_mib, on_node=job.on_node, time_limit_s=job.time_limit_s,
+                   max_retries=job.max_retries, held=job.held, after=job.after, after_any=job.after_any,
+                   env=dict(job.env) if job.env is not None else None, git_commit=job.git_commit,
+                   git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,
+                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib)
+
+
+def resubmit(settings: Settings, job_id: int, user: str | None = None) -> Job:
+    """Queue job ``job_id`` again (see ``spec_of``). Only its owner or an admin may, since the new
+    job inherits the old one's environment. JobNotFound, NotAllowed, or submit's errors."""
+    require_schema(settings)
+    caller = user or current_user()
+    with session_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        jobs.check_owner(settings, job, caller)
+        spec = spec_of(job, caller)
+    if spec.snapshot and not os.path.isdir(spec.cwd):
+        raise InvalidSpec(f"job {job_id}'s snapshot {spec.snapshot} is gone; it cannot run as it was")
+    # The code is the one recorded with the old job (and its snapshot, reused): not asked of git again.
+    return jobs.submit_all(settings, [spec], record_code=False)[0]

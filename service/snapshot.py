@@ -1,0 +1,130 @@
+"""The code as it was at submit time: a command job's git commit, dirty flag and diff, and with
+``--snapshot`` a copy of the work tree that the job runs from.
+
+Git is asked, never parsed from ``.git``: ``rev-parse`` for the top level and commit, ``status`` for
+dirtiness, ``diff HEAD`` for the changes, ``ls-files`` for what a snapshot copies (tracked files and
+untracked ones that .gitignore does not exclude). No git, or a directory outside a work tree, means
+nothing is recorded; only ``--snapshot`` makes that an error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.settings import Settings
+
+GIT_TIMEOUT_S = 30.0  # a git call on a huge or network-mounted tree; past it, nothing is recorded
+DIFF_CUT_NOTE = "\n[gpuq: diff cut at {limit} bytes]\n"
+
+
+@dataclass(frozen=True)
+class GitState:
+    """Where a work tree stood: its top level, commit (None before the first one), dirtiness, diff."""
+
+    top: str
+    commit: str | None
+    dirty: bool
+    diff: str
+    diff_cut: bool
+
+
+def _git(cwd: str, *args: str) -> subprocess.CompletedProcess[bytes] | None:
+    try:
+        return subprocess.run(["git", "-C", cwd, *args], capture_output=True, timeout=GIT_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def capture(cwd: str, max_diff_bytes: int) -> GitState | None:
+    """The git state of the work tree holding ``cwd``; None outside one or without git."""
+    top = _git(cwd, "rev-parse", "--show-toplevel")
+    if top is None or top.returncode != 0 or not top.stdout.strip():
+        return None
+    head = _git(cwd, "rev-parse", "--verify", "--quiet", "HEAD")
+    commit = head.stdout.decode().strip() or None if head is not None and head.returncode == 0 else None
+    status = _git(cwd, "status", "--porcelain", "--untracked-files=normal")
+    dirty = bool(status is not None and status.stdout.strip())
+    diff_bytes = b""
+    if commit:  # staged and unstaged changes to tracked files; untracked ones only count as dirty
+        out = _git(cwd, "diff", "HEAD", "--no-color", "--no-ext-diff")
+        diff_bytes = out.stdout if out is not None and out.returncode == 0 else b""
+    cut = len(diff_bytes) > max_diff_bytes
+    diff = diff_bytes[:max_diff_bytes].decode("utf-8", errors="replace").replace("\x00", "")
+    if cut:
+        diff += DIFF_CUT_NOTE.format(limit=max_diff_bytes)
+    return GitState(top=top.stdout.decode().strip(), commit=commit, dirty=dirty, diff=diff, diff_cut=cut)
+
+
+class Staged:
+    """A work tree copied into the snapshot directory under a temporary name, until ``place``
+    renames it after the job id; ``discard`` removes it wherever it is."""
+
+    def __init__(self, path: Path, rel: str) -> None:
+        self.path = path
+        self.rel = rel  # where the job was submitted from, relative to the work tree's top
+
+    def place(self, job_id: int) -> Path:
+        """Rename the copy to the job's own directory; returns it."""
+        final = self.path.parent / str(job_id)
+        os.rename(self.path, final)  # atomic on one filesystem: the job's directory is whole or absent
+        self.path = final
+        return final
+
+    def workdir(self) -> str:
+        """Where the job runs: the submit directory's place inside the snapshot."""
+        return str(self.path / self.rel) if self.rel != "." else str(self.path)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def stage(settings: Settings, cwd: str, git: GitState | None) -> Staged:
+    """Copy the files git lists for the work tree of ``cwd`` to a temporary directory under the
+    snapshot directory. InvalidSpec (nothing left behind) outside a work tree or over the size limit."""
+    if git is None:
+        raise InvalidSpec(f"--snapshot needs a git work tree, and {cwd} is not in one (or git is not installed)")
+    listed = _git(git.top, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    if listed is None or listed.returncode != 0:
+        raise InvalidSpec(f"--snapshot: git could not list the files of {git.top}")
+    files = []
+    total = 0
+    for name in dict.fromkeys(p for p in listed.stdout.decode("utf-8", "surrogateescape").split("\0") if p):
+        src = os.path.join(git.top, name)
+        try:
+            st = os.lstat(src)
+        except FileNotFoundError:
+            continue  # tracked but deleted in the work tree: the job sees it deleted
+        if os.path.isdir(src) and not os.path.islink(src):
+            continue  # a submodule's directory: its files are not the parent's to copy
+        files.append((name, src))
+        total += st.st_size
+    if total > settings.snapshot_max_bytes:
+        raise InvalidSpec(f"--snapshot: the work tree {git.top} holds {total / 2**20:.1f} MiB of files; the limit "
+                          f"is {settings.snapshot_max_bytes / 2**20:.1f} MiB (GPUQ_SNAPSHOT_MAX_BYTES)")
+    root = settings.snapshots
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidSpec(f"--snapshot: cannot create {root}: {exc.strerror}") from None
+    staged = Staged(root / f".incoming-{uuid.uuid4().hex}", os.path.relpath(os.path.realpath(cwd), git.top))
+    try:
+        staged.path.mkdir()
+        for name, src in files:
+            dst = staged.path / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst, follow_symlinks=False)
+        (staged.path / staged.rel).mkdir(parents=True, exist_ok=True)  # an untracked-only submit directory
+    except OSError as exc:
+        staged.discard()
+        raise InvalidSpec(f"--snapshot: copying {git.top} failed: {exc}") from None
+    except BaseException:
+        staged.discard()
+        raise
+    return staged

@@ -1,0 +1,184 @@
+"""CLI habits: shell completion, `gpuq config`, the config file, --json on every read command, and
+progress bars on a terminal only."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from gpuq.cli.app import app
+from gpuq.service import constants as c
+from gpuq.service import jobs, spec
+from gpuq.service.errors import ConfigError
+from gpuq.service.settings import load_settings, setting_sources
+from tests.conftest import run_cli, settings_env
+from tests.test_end_to_end import output_of, submit, wait_for_state
+
+pytestmark = pytest.mark.timeout(180)
+
+# Commands that change things or run services; every other command reads, and must take --json.
+NOT_READ = {"cancel", "hold", "release", "drain", "resume", "up", "down", "worker", "scheduler", "db"}
+
+
+def gpuq(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuq.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_show_completion_prints_a_bash_script_and_the_protocol_completes_commands_and_options():
+    env = {**os.environ, "GPUQ_CONFIG": "/nonexistent/gpuq.toml"}
+    script = gpuq(["--show-completion", "bash"], env)
+    assert script.returncode == 0 and "_GPUQ_COMPLETE=complete_bash" in script.stdout, script.stderr
+    words = gpuq([], {**env, "_GPUQ_COMPLETE": "complete_bash", "COMP_WORDS": "gpuq res", "COMP_CWORD": "1"})
+    assert words.stdout.split() == ["resubmit", "resume"]
+    options = gpuq([], {**env, "_GPUQ_COMPLETE": "complete_bash", "COMP_WORDS": "gpuq submit --snap",
+                        "COMP_CWORD": "2"})
+    assert options.stdout.split() == ["--snapshot"]
+
+
+def test_install_completion_writes_the_script_and_sources_it_from_bashrc(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash", "GPUQ_CONFIG": "/nonexistent/gpuq.toml"}
+    out = gpuq(["--install-completion", "bash"], env)
+    assert out.returncode == 0, out.stderr
+    script = tmp_path / ".bash_completions" / "gpuq.sh"
+    assert "_GPUQ_COMPLETE=complete_bash" in script.read_text()
+    assert str(script) in (tmp_path / ".bashrc").read_text()
+
+
+def test_the_config_file_lives_in_xdg_config_home_and_env_beats_file_beats_default(tmp_path):
+    cfg = tmp_path / "xdg" / "gpuq" / "config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('fake_gpus = 3\nkill_grace = 4\n')
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "GPUQ_KILL_GRACE": "7"}
+    settings, path, sources = setting_sources(env)
+    assert path == cfg
+    assert (settings.fake_gpus, sources["fake_gpus"]) == (3, "file")
+    assert (settings.kill_grace, sources["kill_grace"]) == (7.0, "env")
+    assert (settings.redis_port, sources["redis_port"]) == (6379, "default")
+    assert load_settings({**env, "GPUQ_CONFIG": str(tmp_path / "other.toml")}).fake_gpus == 0
+
+
+def test_gpuq_config_names_the_file_the_source_of_each_setting_and_masks_secrets(tmp_path):
+    cfg = tmp_path / "gpuq.toml"
+    cfg.write_text('broker_url = "redis://:hunter2@127.0.0.1:6379/13"\nfake_gpus = 2\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
+    env.update(GPUQ_CONFIG=str(cfg), GPUQ_DATABASE_URL="postgresql+psycopg://ann:s3cret@db.lab/gpuq",
+               GPUQ_HOME=str(tmp_path / "home"))
+    text = gpuq(["config"], env)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.splitlines()[0] == f"config file: {cfg}"
+    lines = {ln.split()[0]: ln.split()[1:] for ln in text.stdout.splitlines()[1:]}
+    assert lines["GPUQ_DATABASE_URL"] == ["env", "postgresql+psycopg://ann:***@db.lab/gpuq"]
+    assert lines["GPUQ_BROKER_URL"] == ["file", "redis://:***@127.0.0.1:6379/13"]
+    assert lines["GPUQ_FAKE_GPUS"] == ["file", "2"] and lines["GPUQ_REDIS_PORT"] == ["default", "6379"]
+    assert lines["GPUQ_SNAPSHOT_DIR"] == ["default", str(tmp_path / "home" / "snapshots")]
+    as_json = gpuq(["config", "--json"], env)
+    data = json.loads(as_json.stdout)
+    assert data["config_file"] == str(cfg) and data["config_file_exists"] is True
+    assert data["settings"]["home"] == {"value": str(tmp_path / "home"), "source": "env", "env": "GPUQ_HOME"}
+    for out in (text.stdout, as_json.stdout):
+        assert "hunter2" not in out and "s3cret" not in out
+
+
+@pytest.mark.parametrize("content,says", [('kill_grace = "x\n', "cannot read config file"),
+                                          ("colour = 1\n", "unknown setting 'colour'"),
+                                          ("fake_gpus = -2\n", "must not be negative")])
+def test_a_bad_config_file_is_one_line_and_exit_78_for_any_command(tmp_path, content, says):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(content)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}, "GPUQ_CONFIG": str(cfg)}
+    for command in (["config"], ["status"]):
+        out = gpuq(command, env)
+        assert out.returncode == c.EXIT_CONFIG == 78
+        assert out.stderr.count("\n") == 1 and says in out.stderr and out.stdout == ""
+    with pytest.raises(ConfigError):
+        load_settings({"GPUQ_CONFIG": str(cfg)})
+
+
+def test_every_read_command_takes_json_and_prints_parseable_json(use_settings, tmp_path):
+    settings = use_settings
+    job = jobs.submit(settings, spec.command_spec(["echo", "hi"], cwd=str(tmp_path)))
+    jobs.cancel(settings, job.id, user=job.user)
+    group = get_command(app)
+    read_commands = sorted(name for name in group.commands if name not in NOT_READ)
+    assert {"status", "show", "logs", "why", "devices", "stats", "workloads", "config", "wait"} <= set(read_commands)
+    args = {"show": [str(job.id)], "logs": [str(job.id)], "why": [str(job.id)], "wait": [str(job.id)],
+            "resubmit": [str(job.id)], "submit": ["--", "true"]}
+    runner = CliRunner()
+    for name in read_commands:
+        params = {opt for p in group.commands[name].params for opt in getattr(p, "opts", [])}
+        assert "--json" in params, f"gpuq {name} has no --json"
+        result = runner.invoke(app, [name, "--json", *args.get(name, [])])
+        assert result.exit_code in (0, c.EXIT_JOB_FAILED), (name, result.output)
+        json.loads(result.stdout)  # raises on anything but one JSON document
+
+
+# ---- progress bars, against a stack running a real training job ------------------------------------
+
+def in_pty(args: list[str], settings, timeout: float = 120) -> tuple[int, str]:
+    """Run `gpuq ARGS` with its stdin, stdout and stderr on a pseudo-terminal; its exit code and all
+    it wrote there."""
+    master, slave = os.openpty()
+    env = {**settings_env(settings), "COLUMNS": "120", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", *args], stdin=slave, stdout=slave, stderr=slave,
+                            env=env)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(10), b"".join(chunks).decode(errors="replace")
+
+
+TRAIN = ["train", "--model", "lenet", "--epochs", "3", "--batch-size", "64", "--train-size", "256",
+         "--test-size", "64", "--lr", "0.5"]
+
+
+def test_logs_follow_of_a_training_job_shows_an_epoch_bar_on_a_terminal_only(stack):
+    s = stack.settings
+    job_id = submit(s, TRAIN)
+    code, screen = in_pty(["logs", "-f", str(job_id)], s)
+    assert code == 0, screen
+    assert wait_for_state(s, job_id, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    assert "epoch 3/3" in screen and "3/3" in screen.split("epoch 3/3")[-1]  # the bar: text, then M/N
+    assert "━" in screen and "\x1b[" in screen
+    assert "epoch 1/3: loss" in screen  # the job's own output, above the bar
+    piped = run_cli(["logs", "-f", str(job_id)], s)
+    assert piped.stdout == output_of(s, job_id) and "━" not in piped.stderr + piped.stdout
+    forced = run_cli(["logs", "-f", "--progress", str(job_id)], s)
+    assert "epoch 3/3" in forced.stdout.replace(output_of(s, job_id), "")
+
+
+def test_wait_shows_a_bar_of_jobs_ended_on_a_terminal_and_plain_lines_in_a_pipe(stack):
+    s = stack.settings
+    ids = [submit(s, ["--", sys.executable, "-c", f"import time; time.sleep({t})"]) for t in (0.5, 1.5)]
+    code, screen = in_pty(["wait", *map(str, ids)], s)
+    assert code == 0, screen
+    assert "2 of 2 jobs ended" in screen and "━" in screen
+    assert f"job {ids[0]} succeeded" in screen
+    piped = run_cli(["wait", *map(str, ids)], s)
+    assert piped.returncode == 0
+    assert piped.stdout == "".join(f"job {i} succeeded\n" for i in ids) and piped.stderr == ""
+    forced = run_cli(["wait", "--progress", *map(str, ids)], s)
+    assert "2 of 2 jobs ended" in forced.stderr

@@ -1,0 +1,409 @@
+"""The fault suite: real processes, real Redis and databases, faults injected for real.
+
+Every job here is a marker job (tests/faults.py) that records each run of itself, so each test can
+assert how many times the job really ran and that no two copies ever ran at once. `pytest -m
+faults` runs the suite alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+from sqlalchemy import select
+
+from gpuq.service import constants as c
+from gpuq.service import db, jobs, spec
+from gpuq.service.celery_app import make_app, send_run_job
+from gpuq.service.db import session_scope
+from gpuq.service.models import Allocation, Gpu, Job
+from tests.conftest import make_settings, new_postgres_database, run_cli, start_stack
+from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, wait_for
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+# Short leases and intervals, so the reaper's bound is seconds, not the default half minute.
+FAST = dict(lease_timeout=4.0, heartbeat_interval=0.5, worker_timeout=4.0, scheduler_interval=0.3,
+            resend_after=3.0, kill_grace=1.0)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'gpuq.db'}"
+        db.dispose_engines()
+        return
+    url, drop = new_postgres_database(request.getfixturevalue("postgres_server"))
+    yield url
+    drop()
+
+
+def make_stack(tmp_path, db_url, broker_url, **overrides):
+    settings = make_settings(tmp_path / "home", db_url, broker_url, **{**FAST, **overrides})
+    db.upgrade(settings)
+    return start_stack(settings, tmp_path / "logs")
+
+
+@pytest.fixture
+def stack(tmp_path, db_url, redis_url):
+    st = make_stack(tmp_path, db_url, redis_url)
+    yield st
+    st.stop()
+
+
+def submit(settings, argv, cwd, **fields):
+    return jobs.submit(settings, replace(spec.command_spec(argv, cwd=str(cwd)), **fields)).id
+
+
+def job(settings, job_id) -> Job:
+    with session_scope(settings) as session:
+        return jobs.get_job(session, job_id)
+
+
+def wait_state(settings, job_id, states, timeout=60.0) -> Job:
+    states = (states,) if isinstance(states, str) else states
+    return wait_for(lambda: (j := job(settings, job_id)).state in states and j, timeout,
+                    f"job {job_id} to be {'/'.join(states)}")
+
+
+def wait_runs(marker, starts, timeout=60.0):
+    wait_for(lambda: runs(marker).starts >= starts, timeout, f"{starts} starts in {marker.name}")
+
+
+def worker_of(stack, job_id):
+    """The worker process running the job (its name in the stack, and the process)."""
+    j = job(stack.settings, job_id)
+    index = int(j.worker.split("@")[0][3:])
+    name = f"worker-{stack.settings.node}-{index}"
+    return name, index, stack.procs[name]
+
+
+def assert_settled(settings):
+    """Nothing half-done: every job ended or visibly pending, and only running jobs hold GPUs."""
+    with session_scope(settings) as session:
+        for j in session.scalars(select(Job)):
+            assert j.state in (*c.END_STATES, c.PENDING), f"job {j.id} left {j.state}"
+        holders = session.scalars(select(Job.state).join(Allocation, Allocation.job_id == Job.id)).all()
+        assert all(s in (c.DISPATCHED, c.RUNNING) for s in holders)
+
+
+def first_pid(marker):
+    return int(marker.read_text().split()[1])
+
+
+# ---- workers killed and stopped ------------------------------------------------------------------
+
+def test_a_sigkilled_workers_job_is_requeued_within_the_lease_and_runs_once_more(stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "kill", 3)
+    job_id = submit(stack.settings, argv, tmp_path, max_retries=1)
+    wait_runs(marker, 1)
+    _, _, proc = worker_of(stack, job_id)
+    killed_at = time.monotonic()
+    proc.kill()
+    first = wait_state(stack.settings, job_id, (c.PENDING, c.DISPATCHED, c.RUNNING, c.SUCCEEDED), 5)
+    back = wait_for(lambda: job(stack.settings, job_id).requeues == 1, stack.settings.lease_timeout + 5,
+                    "the reaper to requeue the job")
+    took = time.monotonic() - killed_at
+    print(f"job {job_id} requeued {took:.1f} s after its worker's SIGKILL (lease {stack.settings.lease_timeout:g} s)")
+    assert back and first
+    # The job's process died with its worker (parent-death signal): no second copy beside the next.
+    wait_for(lambda: not psutil.pid_exists(first_pid(marker)), 5, "the first run's process to die")
+    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)
+    r = runs(marker)
+    assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
+    assert j.requeues == 1 and j.attempts[0]["failure"] == c.FAILURE_WORKER_LOST and j.attempts[0]["requeue"]
+    assert took <= stack.settings.lease_timeout + 3 * stack.settings.scheduler_interval + 2
+    assert_settled(stack.settings)
+
+
+def test_a_sigkilled_workers_job_without_retries_fails_as_worker_lost(stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "lost", 30)
+    job_id = submit(stack.settings, argv, tmp_path)
+    wait_runs(marker, 1)
+    worker_of(stack, job_id)[2].kill()
+    j = wait_state(stack.settings, job_id, c.FAILED, stack.settings.lease_timeout + 5)
+    assert j.failure == c.FAILURE_WORKER_LOST and j.reason.startswith("worker lost")
+    assert runs(marker).starts == 1 and runs(marker).overlaps == 0
+    assert_settled(stack.settings)
+
+
+def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_path):
+    child = tmp_path / "child.pid"
+    script = tmp_path / "spawn.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+                      f"open({str(child)!r}, 'w').write(str(p.pid))\n"
+                      "time.sleep(300)\n")
+    job_id = submit(stack.settings, [sys.executable, str(script)], tmp_path)
+    wait_for(lambda: child.exists() and child.read_text(), 30, "the job's child")
+    name, index, proc = worker_of(stack, job_id)
+    proc.kill()
+    proc.wait(10)
+    orphan = int(child.read_text())
+    assert psutil.pid_exists(orphan)  # the grandchild outlived the worker and the job's main process
+    stack.procs.pop(name)
+    stack.start_worker(index)
+    wait_for(lambda: not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE,
+             30, "the restarted worker to kill the orphan")
+
+
+def test_sigterm_lets_the_running_job_finish_then_the_worker_exits(stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "warm", 3)
+    job_id = submit(stack.settings, argv, tmp_path)
+    wait_runs(marker, 1)
+    _, _, proc = worker_of(stack, job_id)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    j = job(stack.settings, job_id)
+    assert j.state == c.SUCCEEDED
+    assert (runs(marker).starts, runs(marker).ends) == (1, 1)
+
+
+def test_a_second_sigterm_interrupts_the_job_which_is_requeued_without_using_a_retry(stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "cold", 4)
+    job_id = submit(stack.settings, argv, tmp_path, max_retries=1)
+    wait_runs(marker, 1)
+    _, _, proc = worker_of(stack, job_id)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)  # on the other GPU's worker
+    assert j.attempts[0]["failure"] == c.FAILURE_INTERRUPTED and j.attempts[0]["requeue"]
+    r = runs(marker)
+    assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
+
+
+def test_the_shutdown_grace_period_stops_a_long_job_and_marks_it_interrupted(tmp_path, redis_url):
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url, shutdown_grace=1.0)
+    try:
+        argv, marker = marker_job(tmp_path, "grace", 60)
+        job_id = submit(st.settings, argv, tmp_path)
+        wait_runs(marker, 1)
+        _, _, proc = worker_of(st, job_id)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        j = job(st.settings, job_id)
+        assert j.state == c.FAILED and j.failure == c.FAILURE_INTERRUPTED
+        assert runs(marker).ends == 0
+    finally:
+        st.stop()
+
+
+# ---- messages: redelivered, duplicated, lost -----------------------------------------------------
+
+def test_a_job_longer_than_the_visibility_timeout_runs_once(tmp_path, redis_url):
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url, visibility_timeout=1.0)
+    try:
+        argv, marker = marker_job(tmp_path, "vis", 5)
+        job_id = submit(st.settings, argv, tmp_path)
+        assert wait_state(st.settings, job_id, c.SUCCEEDED, 60)
+        time.sleep(2)  # a redelivery, if any, has been seen and dropped by now
+        r = runs(marker)
+        assert (r.starts, r.ends, r.overlaps) == (1, 1, 0)
+    finally:
+        st.stop()
+
+
+def test_the_same_message_delivered_three_times_runs_the_job_once(stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "dup", 1)
+    job_id = submit(stack.settings, argv, tmp_path, held=True)
+    with session_scope(stack.settings) as session:
+        queue = session.scalars(select(Gpu.queue)).first()
+    jobs.set_held(stack.settings, job_id, False)
+    wait_runs(marker, 1)
+    app = make_app(stack.settings)
+    with session_scope(stack.settings) as session:
+        queue = session.scalar(select(Gpu.queue).join(Allocation).where(Allocation.job_id == job_id)) or queue
+    for _ in range(2):
+        send_run_job(app, queue, job_id)
+    wait_state(stack.settings, job_id, c.SUCCEEDED)
+    time.sleep(1.5)
+    assert runs(marker).starts == 1 and runs(marker).overlaps == 0
+
+
+def test_redis_restarted_empty_loses_no_job_and_runs_none_twice(tmp_path):
+    broker = PrivateRedis(tmp_path)
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", broker.url)
+    try:
+        markers = []
+        ids = []
+        for i in range(6):
+            argv, marker = marker_job(tmp_path, f"r{i}", 2)
+            ids.append(submit(st.settings, argv, tmp_path))
+            markers.append(marker)
+        wait_for(lambda: sum(runs(m).starts for m in markers) >= 2, 30, "two jobs running")
+        broker.restart_empty()
+        for job_id in ids:
+            assert wait_state(st.settings, job_id, c.SUCCEEDED, 90)
+        for m in markers:
+            r = runs(m)
+            assert (r.starts, r.ends, r.overlaps) == (1, 1, 0), m.name
+        assert_settled(st.settings)
+    finally:
+        st.stop()
+        broker.stop()
+
+
+# ---- the database restarted ---------------------------------------------------------------------
+
+def test_postgresql_restarted_while_jobs_run_loses_nothing_and_nobody_restarts(tmp_path, redis_url):
+    try:
+        pg = PrivatePostgres(tmp_path)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no private PostgreSQL here: {exc}")
+    st = make_stack(tmp_path, pg.url, redis_url, lease_timeout=30.0)
+    try:
+        pids = {n: p.pid for n, p in st.procs.items()}
+        markers, ids = [], []
+        for i in range(3):
+            argv, marker = marker_job(tmp_path, f"pg{i}", 4)
+            ids.append(submit(st.settings, argv, tmp_path))
+            markers.append(marker)
+        wait_for(lambda: sum(runs(m).starts for m in markers) >= 2, 30, "two jobs running")
+        pg.stop()
+        time.sleep(3)
+        pg.start()
+        db.dispose_engines()  # this test process's own pool: the servers' processes keep theirs
+        for job_id in ids:
+            assert wait_state(st.settings, job_id, c.SUCCEEDED, 90)
+        for m in markers:
+            r = runs(m)
+            assert (r.starts, r.ends, r.overlaps) == (1, 1, 0), m.name
+        late = submit(st.settings, marker_job(tmp_path, "after", 0.1)[0], tmp_path)
+        assert wait_state(st.settings, late, c.SUCCEEDED, 60)
+        # Reconnected, not restarted: the same processes all along.
+        assert all(p.poll() is None and p.pid == pids[n] for n, p in st.procs.items())
+        # Output written across the outage is all there.
+        with session_scope(st.settings) as session:
+            assert all(jobs.read_output(session, j) is not None for j in ids)
+    finally:
+        st.stop()
+        db.dispose_engines()
+        pg.remove()
+
+
+def test_eight_processes_submitting_at_once_on_sqlite_lose_nothing(tmp_path, redis_url):
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url)
+    try:
+        from tests.conftest import settings_env
+
+        env = settings_env(st.settings)
+        code = ("import subprocess, sys\n"
+                "for i in range(5):\n"
+                "    subprocess.run([sys.executable, '-m', 'gpuq.cli', 'submit', '--json', '--', 'true'], check=True)\n")
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(8)]
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+        ids = [json.loads(doc)["id"] for out in outputs for doc in out.replace("}\n{", "}\x00{").split("\x00")]
+        assert len(ids) == 40 and len(set(ids)) == 40
+        for job_id in ids:
+            assert wait_state(st.settings, job_id, c.SUCCEEDED, 120)
+    finally:
+        st.stop()
+
+
+# ---- failures classified -------------------------------------------------------------------------
+
+def test_a_cuda_out_of_memory_message_is_classified_and_shown(stack, tmp_path):
+    code = ("import sys; print('step 1 ok'); print('torch.OutOfMemoryError: CUDA out of memory. "
+            "Tried to allocate 20.00 GiB', file=sys.stderr); sys.exit(1)")
+    job_id = submit(stack.settings, [sys.executable, "-c", code], tmp_path)
+    j = wait_state(stack.settings, job_id, c.FAILED)
+    assert j.failure == c.FAILURE_CUDA_OOM and j.reason.startswith("CUDA out of memory")
+    shown = run_cli(["show", str(job_id)], stack.settings)
+    assert "failure  cuda_oom" in shown.stdout and "Tried to allocate 20.00 GiB" in shown.stdout
+
+
+def test_a_command_past_its_host_memory_limit_is_oom_killed_and_classified(stack, tmp_path):
+    from gpuq.workers.cgroup import JobCgroup
+
+    probe = JobCgroup.create(f"gpuq-probe-{os.getpid()}", None)
+    if probe is None:
+        pytest.skip("no writable memory cgroup here")
+    probe.remove()
+    code = "x = bytearray(512 * 2**20); print(len(x))"
+    job_id = submit(stack.settings, [sys.executable, "-c", code], tmp_path, host_mem_mib=64)
+    j = wait_state(stack.settings, job_id, c.FAILED)
+    assert j.failure == c.FAILURE_HOST_OOM and "OOM killer" in j.reason and "64 MiB" in j.reason
+
+
+def test_cancel_frees_the_gpu_only_once_every_process_of_the_job_is_gone(stack, tmp_path):
+    pids = tmp_path / "pids"
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import os, signal, sys, time\n"
+                       "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                       f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                       "time.sleep(300)\n")
+    escaper = tmp_path / "escaper.py"
+    # A grandchild in a session of its own, whose parent exits: out of the job's group and tree.
+    escaper.write_text("import subprocess, sys\n"
+                       f"subprocess.Popen([sys.executable, {str(sleeper)!r}], start_new_session=True)\n")
+    script = tmp_path / "stubborn.py"
+    script.write_text("import signal, subprocess, sys, time\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      f"subprocess.Popen([sys.executable, {str(sleeper)!r}])\n"
+                      f"subprocess.run([sys.executable, {str(escaper)!r}])\n"
+                      f"exec(open({str(sleeper)!r}).read())\n")
+    job_id = submit(stack.settings, [sys.executable, str(script)], tmp_path)
+    wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 3, 30, "the job's processes")
+    procs = [int(p) for p in pids.read_text().split()]
+    jobs.cancel(stack.settings, job_id)
+    j = wait_state(stack.settings, job_id, c.CANCELLED, 30)
+    alive = [p for p in procs if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"processes of job {job_id} outlived its cancel: {alive}"
+    assert j.failure == c.FAILURE_CANCELLED
+    with session_scope(stack.settings) as session:
+        assert jobs.job_gpus(session, job_id) == []
+
+
+# ---- GPUs: foreign use, lost ---------------------------------------------------------------------
+
+def test_a_gpu_with_a_foreign_process_is_not_given_to_a_job_without_mem(tmp_path, redis_url):
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url, fake_gpu_foreign="0:4000:4242:bob")
+    try:
+        argv, marker = marker_job(tmp_path, "f1", 3)
+        first = submit(st.settings, argv, tmp_path)
+        second = submit(st.settings, marker_job(tmp_path, "f2", 0.1)[0], tmp_path)
+        assert wait_state(st.settings, first, c.RUNNING, 30)
+        assert job(st.settings, first).worker.startswith("gpu1@")
+        time.sleep(1)
+        assert job(st.settings, second).state == c.PENDING  # GPU 0 is free of gpuq jobs, not of bob's
+        assert wait_state(st.settings, second, c.SUCCEEDED, 30).worker.startswith("gpu1@")
+    finally:
+        st.stop()
+
+
+def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "gpulost", 4)
+    job_id = submit(stack.settings, argv, tmp_path, max_retries=1)
+    wait_runs(marker, 1)
+    _, index, _ = worker_of(stack, job_id)
+    faults = stack.settings.home / "simulated-faults"
+    faults.mkdir(parents=True, exist_ok=True)
+    (faults / f"{stack.settings.node}.{index}.lost").touch()
+    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)
+    assert j.attempts[0]["failure"] == c.FAILURE_GPU_LOST and j.attempts[0]["requeue"]
+    assert not j.worker.startswith(f"gpu{index}@")
+    r = runs(marker)
+    assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
+    with session_scope(stack.settings) as session:
+        gpu = session.scalar(select(Gpu).where(Gpu.index == index))
+        assert gpu.drain_reason.startswith("GPU lost")
+    status = run_cli(["status"], stack.settings)
+    assert "drained" in status.stdout
+    # Fixed and resumed by an admin: the GPU serves again.
+    (faults / f"{stack.settings.node}.{index}.lost").unlink()
+    assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0
+    with session_scope(stack.settings) as session:
+        assert session.scalar(select(Gpu.drain_reason).where(Gpu.index == index)) is None

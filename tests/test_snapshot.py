@@ -1,0 +1,201 @@
+"""The code as it was at submit: git commit, dirtiness and diff recorded; --snapshot runs a copy of
+the work tree; `gpuq resubmit` runs the same job again."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from gpuq.service import constants as c
+from gpuq.service import jobs, spec
+from gpuq.service.db import session_scope
+from gpuq.service.errors import InvalidSpec, NotAllowed
+from gpuq.service.models import Job
+from gpuq.service.resubmit import resubmit
+from tests.conftest import run_cli
+from tests.test_end_to_end import output_of, wait_for_state
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(shutil.which("git") is None, reason="needs git")]
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.org", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, **GIT_ENV}).stdout.strip()
+
+
+def make_repo(root: Path) -> Path:
+    """A work tree: sub/code.txt committed, secret.log and build/ ignored."""
+    repo = root / "repo"
+    (repo / "sub").mkdir(parents=True)
+    (repo / "sub" / "code.txt").write_text("version 1\n")
+    (repo / ".gitignore").write_text("*.log\nbuild/\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "first")
+    (repo / "secret.log").write_text("ignored\n")
+    (repo / "build").mkdir()
+    (repo / "build" / "big.bin").write_bytes(b"x" * 1000)
+    return repo
+
+
+def job_count(settings) -> int:
+    with session_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+def snapshot_entries(settings) -> list[str]:
+    return sorted(os.listdir(settings.snapshots)) if settings.snapshots.exists() else []
+
+
+def get(settings, job_id: int) -> Job:
+    with session_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        session.expunge(job)
+        return job
+
+
+def test_a_command_in_a_git_tree_records_commit_dirtiness_and_diff(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    clean = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo / "sub")))
+    assert (clean.git_commit, clean.git_dirty, clean.git_diff) == (git(repo, "rev-parse", "HEAD"), False, None)
+    (repo / "sub" / "code.txt").write_text("version 2\n")
+    git(repo, "add", "sub/code.txt")
+    (repo / "sub" / "code.txt").write_text("version 3\n")  # staged and unstaged: the diff is against HEAD
+    dirty = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
+    assert dirty.git_dirty is True and dirty.git_diff_cut is False
+    assert "-version 1" in dirty.git_diff and "+version 3" in dirty.git_diff
+    git(repo, "checkout", "-q", "HEAD", "--", ".")
+    (repo / "new.py").write_text("print(1)\n")  # untracked and not ignored: dirty, though no diff
+    untracked = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
+    assert untracked.git_dirty is True and untracked.git_diff is None
+    workload = jobs.submit(settings, spec.workload_spec("matmul", [], cwd=str(repo)))
+    assert workload.git_commit is None and workload.git_dirty is None
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    plain = jobs.submit(settings, spec.command_spec(["true"], cwd=str(outside)))
+    assert (plain.git_commit, plain.git_dirty, plain.git_diff, plain.snapshot) == (None, None, None, None)
+
+
+def test_a_diff_over_the_limit_is_cut_and_says_so(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    (repo / "sub" / "code.txt").write_text("changed line\n" * 500)
+    small = settings.with_overrides(git_diff_max_bytes=1000)
+    job = jobs.submit(small, spec.command_spec(["true"], cwd=str(repo)))
+    assert job.git_diff_cut is True
+    assert job.git_diff.endswith("[gpuq: diff cut at 1000 bytes]\n") and len(job.git_diff) < 1100
+
+
+def test_snapshot_outside_a_work_tree_is_refused_in_one_line_and_writes_nothing(settings, tmp_path):
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    out = run_cli(["submit", "--snapshot", "--", "true"], settings, cwd=outside)
+    assert out.returncode == c.EXIT_USAGE
+    assert out.stderr.count("\n") == 1 and "--snapshot needs a git work tree" in out.stderr
+    assert job_count(settings) == 0 and snapshot_entries(settings) == []
+
+
+def test_snapshot_over_the_size_limit_is_refused_and_leaves_no_directory(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    (repo / "data.bin").write_bytes(b"y" * 5000)  # untracked, not ignored: it counts
+    out = run_cli(["submit", "--snapshot", "--", "true"], settings, cwd=repo,
+                  extra_env={"GPUQ_SNAPSHOT_MAX_BYTES": "4096"})
+    assert out.returncode == c.EXIT_USAGE and out.stderr.count("\n") == 1, out.stderr
+    assert "GPUQ_SNAPSHOT_MAX_BYTES" in out.stderr
+    assert job_count(settings) == 0 and snapshot_entries(settings) == []
+
+
+def test_a_failed_insert_removes_the_copied_snapshot(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    good = spec.command_spec(["true"], cwd=str(repo))
+    broken = spec.JobSpec(**{**good.__dict__, "gpus": 0})  # the database's check refuses it at insert
+    with pytest.raises(Exception):
+        jobs.submit_all(settings, [broken], snapshot=True)
+    assert job_count(settings) == 0 and snapshot_entries(settings) == []
+
+
+def test_a_snapshot_job_runs_the_code_as_it_was_without_ignored_files(stack, tmp_path):
+    s = stack.settings
+    repo = make_repo(tmp_path)
+    (repo / "notes.md").write_text("untracked, not ignored\n")
+    program = ("import os; print(open('code.txt').read().strip()); "
+               "print(sorted(os.listdir('..'))); print(os.getcwd())")
+    out = run_cli(["submit", "--snapshot", "--json", "--", sys.executable, "-c", program], s, cwd=repo / "sub")
+    assert out.returncode == 0, out.stderr
+    job_id = json.loads(out.stdout)["id"]
+    (repo / "sub" / "code.txt").write_text("version 2, edited after submit\n")
+    assert wait_for_state(s, job_id, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    content, listing, cwd = output_of(s, job_id).strip().splitlines()
+    job = get(s, job_id)
+    assert content == "version 1"
+    assert listing == str(sorted([".gitignore", "notes.md", "sub"]))  # no secret.log, no build/, no .git
+    assert job.snapshot == str(s.snapshots / str(job_id)) and cwd == os.path.join(job.snapshot, "sub")
+    assert job.git_commit == git(repo, "rev-parse", "HEAD") and job.git_dirty is True
+    shown = run_cli(["show", str(job_id)], s)
+    assert f"commit  {job.git_commit} (dirty" in shown.stdout and f"snapshot  {job.snapshot}" in shown.stdout
+    assert run_cli(["show", "--diff", str(job_id)], s).stdout == ""  # untracked files only: no diff
+    assert [e for e in snapshot_entries(s) if e.startswith(".incoming")] == []
+
+
+def test_resubmit_runs_the_same_snapshot_as_a_new_job_and_show_diff_prints_the_diff(stack, tmp_path):
+    s = stack.settings
+    repo = make_repo(tmp_path)
+    (repo / "sub" / "code.txt").write_text("version 2, uncommitted\n")
+    out = run_cli(["submit", "--snapshot", "--json", "--name", "again", "--retries", "1", "--",
+                   "cat", "code.txt"], s, cwd=repo / "sub")
+    assert out.returncode == 0, out.stderr
+    first = json.loads(out.stdout)["id"]
+    assert wait_for_state(s, first, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    diff = run_cli(["show", "--diff", str(first)], s).stdout
+    assert "-version 1" in diff and "+version 2, uncommitted" in diff
+    (repo / "sub" / "code.txt").write_text("version 3\n")
+    again = run_cli(["resubmit", str(first)], s)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("submitted job ") and again.stdout.strip().endswith(f"(resubmit of {first})")
+    second = int(again.stdout.split()[2])
+    assert wait_for_state(s, second, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    assert output_of(s, second) == output_of(s, first) == "version 2, uncommitted\n"
+    a, b = get(s, first), get(s, second)
+    for field in ("name", "argv", "cwd", "snapshot", "max_retries", "git_commit", "git_dirty", "git_diff"):
+        assert getattr(a, field) == getattr(b, field), field
+
+
+def test_resubmit_of_an_array_task_makes_one_job_with_that_tasks_index(settings, tmp_path):
+    make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731
+    tasks = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(priority=3), "0-2", []))
+    job = resubmit(settings, tasks[2].id, user=tasks[2].user)
+    assert job.id == tasks[-1].id + 1 and job.array_id is None
+    assert (job.argv, job.env["GPUQ_ARRAY_INDEX"], job.priority) == (["echo", "2"], "2", 3)
+    assert job_count(settings) == 4
+
+
+def test_resubmit_of_another_users_job_is_refused_and_of_a_missing_snapshot_too(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    mine = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo), user="ann"))
+    with pytest.raises(NotAllowed):
+        resubmit(settings, mine.id, user="bob")
+    snap = jobs.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo), user="ann")], snapshot=True)[0]
+    shutil.rmtree(snap.snapshot)
+    with pytest.raises(InvalidSpec, match="snapshot .* is gone"):
+        resubmit(settings, snap.id, user="ann")
+    assert job_count(settings) == 2
+
+
+def test_the_tasks_of_an_array_share_one_snapshot_named_after_the_first(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    make = lambda extra: spec.command_spec(["cat", "code.txt"], cwd=str(repo / "sub"))  # noqa: E731
+    tasks = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2", []), snapshot=True)
+    first = tasks[0]
+    assert first.snapshot == str(settings.snapshots / str(first.id))
+    assert {(t.snapshot, t.cwd) for t in tasks} == {(first.snapshot, os.path.join(first.snapshot, "sub"))}
+    assert snapshot_entries(settings) == [str(first.id)]
+    assert (Path(first.cwd) / "code.txt").read_text() == "version 1\n"
