@@ -23,7 +23,7 @@ from sqlalchemy import create_engine, inspect, text
 from gpuq.service import constants as c
 from gpuq.service import db, jobs
 from gpuq.service.db import session_scope
-from tests.conftest import (free_port, system_redis_server, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
+from tests.conftest import (free_port, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
                             start_stack)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -110,7 +110,7 @@ def test_a_command_gets_the_submitters_chosen_variables_and_gpuqs_and_none_of_th
     # Nothing but the default set, what --env named, and gpuq's own.
     assert set(env) - env_default_names(env) - {"FROM_HERE", "SET"} == {
         "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUQ_JOB_ID", "GPUQ_JOB_NAME", "GPUQ_GPUS", "GPUQ_NODE",
-        "GPUQ_WORKER", "GPUQ_RUN_ID"}  # the marks by which gpuq finds every process of the job
+        "GPUQ_WORKER", "GPUQ_RUN_ID"}
     assert not any(s.broker_url in v or s.database_url in v for v in env.values())
     with session_scope(s) as session:
         stored = jobs.get_job(session, job_id).env
@@ -242,12 +242,11 @@ def test_a_100_kb_argument_is_passed_whole(stack, tmp_path):
 @contextmanager
 def own_redis(workdir: Path, *args: str):
     """A redis-server of this test's own, on a free port, with ``args`` (password, TLS)."""
-    server = system_redis_server()
-    if server is None:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
     plain = [] if "--tls-port" in args else ["--port", str(port)]
-    argv = [server, *plain, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir),
+    argv = ["redis-server", *plain, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir),
             *[a.replace("{port}", str(port)) for a in args]]
     log = open(workdir / "redis.log", "wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -52,14 +52,6 @@ class JobCgroup:
             return None
         return group
 
-    def allow(self, uid: int) -> None:
-        """Let a child that already switched to user ``uid`` put itself in (cgroup v1 needs write
-        access to the file; moving oneself needs no more)."""
-        try:
-            os.chown(self._procs, uid, -1)
-        except OSError as exc:
-            log.info("cannot hand %s to uid %s (%s)", self._procs, uid, exc)
-
     def join(self) -> bool:
         """Put the calling process in this cgroup: called in the job's child between fork and exec,
         so nothing it starts can be outside. Raw system calls only (no locks after a fork). False if

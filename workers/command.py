@@ -18,6 +18,7 @@ import psutil
 
 from gpuq.service import constants as c
 from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.identity import Identity
 from gpuq.workers.output import OutputSink
 
 # Seconds between looks at the child and at the cancel flag.
@@ -36,23 +37,20 @@ class CommandOutcome:
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
-                verify_within: float = c.STOP_VERIFY_SECONDS, run_as: dict | None = None) -> CommandOutcome:
+                verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
     group reaches every child it forked. Processes that left both are found through its memory
-    cgroup where there is one, and the process tree and the random ``GPUQ_RUN_ID`` each process
-    of the job inherits in its environment. ``run_as`` (``user``, ``group``, ``extra_groups``)
-    switches the child to another user before it execs; the pipe and the signals stay the
-    worker's, which is root then.
+    cgroup where there is one, else the process tree and the random ``GPUQ_RUN_ID`` each process
+    of the job inherits in its environment. ``run_as`` switches the child to that user (after it
+    joined the cgroup, which takes root); the pipe and the signals stay the worker's, root then.
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
-    if cgroup is not None and run_as:
-        cgroup.allow(run_as["user"])  # the child joins it after switching user
     proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=functools.partial(_in_child, cgroup), **(run_as or {}))
+                            preexec_fn=functools.partial(_in_child, cgroup, run_as))
     found = _Finder(proc.pid, cgroup, run_id)
     reader = threading.Thread(target=_pump, args=(proc, sink), name=f"pump-{proc.pid}", daemon=True)
     reader.start()
@@ -77,12 +75,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
-def _in_child(cgroup: JobCgroup | None) -> None:
+def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None) -> None:
     """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
-    worker's thread that started it ends), so a SIGKILLed worker leaves no job running. Only raw
+    worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
+    become ``run_as``: its groups only, its gid, its uid, in that order (each needs root). Only raw
     system calls here: another thread may have held a lock at the fork."""
     if cgroup is not None:
         cgroup.join()
+    if run_as is not None:
+        os.setgroups(list(run_as.groups))
+        os.setgid(run_as.gid)
+        os.setuid(run_as.uid)
+    # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 

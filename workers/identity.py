@@ -13,7 +13,7 @@ class UnknownUser(Exception):
 
 @dataclass(frozen=True)
 class Identity:
-    """A user to run a child as: ``subprocess.Popen(user=, group=, extra_groups=)`` and the
+    """A user to run a child as (workers/command.py switches to it between fork and exec) and the
     passwd entry's HOME/USER/LOGNAME/SHELL."""
 
     name: str
@@ -22,10 +22,6 @@ class Identity:
     groups: tuple[int, ...]
     home: str
     shell: str
-
-    def popen_kwargs(self) -> dict:
-        # extra_groups makes Popen call setgroups() with exactly these: none of root's remain.
-        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
 
     def env(self) -> dict[str, str]:
         return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "SHELL": self.shell}

@@ -12,7 +12,6 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,7 +274,7 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelW
             env = job_env(job, state.node, identity)
             env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
             outcome = run_command(job.argv, job.cwd, env, sink, cancelled, settings.kill_grace, cgroup,
-                                  run_as=identity.popen_kwargs() if identity else None)
+                                  run_as=identity)
         finally:
             if cgroup is not None:
                 cgroup.remove()
