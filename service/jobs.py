@@ -343,6 +343,12 @@ def _runs_again(job: Job, state: str, failure: str | None, max_requeues: int) ->
     return None
 
 
+def next_output_seq(session: Session, job_id: int) -> int:
+    """The number the job's next output chunk gets: a retried job's attempts share one log."""
+    last = session.scalar(select(func.max(JobOutput.seq)).where(JobOutput.job_id == job_id))
+    return 0 if last is None else last + 1
+
+
 def append_output(session: Session, job_id: int, seq: int, data: str) -> None:
     session.add(JobOutput(job_id=job_id, seq=seq, data=data, written_at=utcnow()))
 

@@ -407,3 +407,15 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
     assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0
     with session_scope(stack.settings) as session:
         assert session.scalar(select(Gpu.drain_reason).where(Gpu.index == index)) is None
+
+
+def test_a_retried_job_keeps_the_output_of_every_attempt(stack, tmp_path):
+    counter = tmp_path / "attempt"
+    code = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) + 1 if p.exists() else 1; "
+            "p.write_text(str(n)); print(f'attempt {n} says hello'); sys.exit(0 if n == 2 else 3)")
+    job_id = submit(stack.settings, [sys.executable, "-c", code, str(counter)], tmp_path, max_retries=1)
+    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)
+    assert j.attempts[0]["failure"] == c.FAILURE_EXIT and not j.attempts[0]["requeue"]
+    with session_scope(stack.settings) as session:
+        text = "".join(data for _, data in jobs.read_output(session, job_id))
+    assert text.index("attempt 1 says hello") < text.index("attempt 2 says hello")

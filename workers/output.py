@@ -8,7 +8,8 @@ import time
 
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
-from gpuq.service.jobs import append_output
+from gpuq.service.errors import Unreachable
+from gpuq.service.jobs import append_output, next_output_seq
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.worker")
@@ -27,7 +28,9 @@ class OutputSink:
         self._buffer: list[str] = []
         self._buffered = 0
         self._written = 0
-        self._seq = 0
+        # After the output of the job's earlier attempts, if it is being retried.
+        with session_scope(settings) as session:
+            self._seq = next_output_seq(session, job_id)
         self._truncated = False
         self._lock = threading.Lock()
         # One flush at a time, so a chunk that failed to reach SQL is retried under its own number.
@@ -75,13 +78,16 @@ class OutputSink:
                     append_output(session, self.job_id, seq, data)
                 self._written += size
                 return True
-            except Exception:  # noqa: BLE001 - a database outage must not kill the job or lose output
+            except Unreachable:  # a database outage must not kill the job or lose its output
                 log.warning("job %s: could not store %d bytes of output yet; will retry", self.job_id, size)
                 with self._lock:
                     self._buffer.insert(0, data)
                     self._buffered += size
                     self._seq = seq
                 return False
+            except Exception:  # noqa: BLE001 - not a passing outage: retrying would never end
+                log.exception("job %s: could not store %d bytes of output", self.job_id, size)
+                return True
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(c.OUTPUT_FLUSH_SECONDS):
