@@ -23,7 +23,7 @@ from sqlalchemy import create_engine, inspect, text
 from gpuq.service import constants as c
 from gpuq.service import db, jobs
 from gpuq.service.db import session_scope
-from tests.conftest import (free_port, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
+from tests.conftest import (free_port, system_redis_server, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
                             start_stack)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -242,11 +242,12 @@ def test_a_100_kb_argument_is_passed_whole(stack, tmp_path):
 @contextmanager
 def own_redis(workdir: Path, *args: str):
     """A redis-server of this test's own, on a free port, with ``args`` (password, TLS)."""
-    if shutil.which("redis-server") is None:
+    server = system_redis_server()
+    if server is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
     plain = [] if "--tls-port" in args else ["--port", str(port)]
-    argv = ["redis-server", *plain, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir),
+    argv = [server, *plain, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir),
             *[a.replace("{port}", str(port)) for a in args]]
     log = open(workdir / "redis.log", "wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
