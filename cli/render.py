@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import typer
 
-from gpuq.service import constants as c
+from gpuq.service.display import duration, result_summary  # noqa: F401 - the CLI's names for them
 from gpuq.service.models import Job
-
-
-def duration(d: timedelta | None) -> str:
-    if d is None:
-        return "-"
-    s = max(d.total_seconds(), 0.0)
-    if s < 60:
-        return f"{s:.1f}s"
-    m, sec = divmod(int(s), 60)
-    h, m = divmod(m, 60)
-    days, h = divmod(h, 24)
-    return (f"{days}-" if days else "") + (f"{h}:{m:02d}:{sec:02d}" if h or days else f"{m}:{sec:02d}")
 
 
 def mib(v: int | None) -> str:
@@ -32,24 +20,6 @@ def mib(v: int | None) -> str:
 
 def timestamp(t: datetime | None) -> str:
     return t.astimezone().strftime("%Y-%m-%d %H:%M:%S") if t else "-"
-
-
-def result_summary(job: Job) -> str:
-    """One cell's worth of what a job produced, or why it waits or failed."""
-    r = job.result or {}
-    if job.state == c.SUCCEEDED:
-        if "gflops" in r:
-            return f"{r['gflops']:.1f} GFLOP/s"
-        if "test_acc" in r:
-            return f"test acc {r['test_acc']:.3f}"
-        if job.kind == c.KIND_COMMAND:
-            return "exit 0"
-        return "done"
-    if job.state == c.PENDING:
-        return "held" if job.held else (job.reason or "waiting for GPUs")
-    if job.state == c.RUNNING and job.cancel_requested_at:
-        return "cancelling"
-    return job.reason or ""
 
 
 def job_dict(job: Job, gpus: list[int] | None = None) -> dict[str, Any]:

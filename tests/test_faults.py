@@ -24,7 +24,7 @@ from gpuq.service import db, jobs, spec
 from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.db import session_scope
 from gpuq.service.models import Allocation, Gpu, Job
-from tests.conftest import make_settings, new_postgres_database, run_cli, start_stack
+from tests.conftest import make_settings, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -34,17 +34,6 @@ FAST = dict(lease_timeout=4.0, heartbeat_interval=0.5, worker_timeout=4.0, sched
             resend_after=3.0, kill_grace=1.0)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'gpuq.db'}"
-        db.dispose_engines()
-        return
-    url, drop = new_postgres_database(request.getfixturevalue("postgres_server"))
-    yield url
-    drop()
-
-
 def make_stack(tmp_path, db_url, broker_url, **overrides):
     settings = make_settings(tmp_path / "home", db_url, broker_url, **{**FAST, **overrides})
     db.upgrade(settings)
@@ -52,8 +41,8 @@ def make_stack(tmp_path, db_url, broker_url, **overrides):
 
 
 @pytest.fixture
-def stack(tmp_path, db_url, redis_url):
-    st = make_stack(tmp_path, db_url, redis_url)
+def stack(tmp_path, database_url, redis_url):
+    st = make_stack(tmp_path, database_url, redis_url)
     yield st
     st.stop()
 

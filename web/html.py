@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
+from datetime import datetime
 from html import escape
 from typing import Any
 
@@ -66,17 +66,6 @@ def value(v: Any) -> str:
 
 def when(t: datetime | None) -> str:
     return escape(t.astimezone().strftime("%Y-%m-%d %H:%M:%S")) if t else "-"
-
-
-def duration(d: timedelta | None) -> str:
-    if d is None:
-        return "-"
-    s = max(d.total_seconds(), 0.0)
-    if s < 60:
-        return f"{s:.1f}s"
-    m, sec = divmod(int(s), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def mib(v: float | None) -> str:

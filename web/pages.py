@@ -16,7 +16,8 @@ from gpuq.service.models import Gpu, Job, utcnow
 from gpuq.service.settings import Settings
 from gpuq.web import svg
 from gpuq.web.read import read_session
-from gpuq.web.html import duration, facts, mib, page, state, table, value, when
+from gpuq.service.display import duration, result_summary
+from gpuq.web.html import facts, mib, page, state, table, value, when
 
 # The queue page reloads itself this often, seconds; `gpuq devices --watch` for a faster view.
 QUEUE_REFRESH_SECONDS = 5
@@ -25,22 +26,6 @@ ENDED_SHOWN = 25
 # Output lines a job's page shows (the end of it); `gpuq logs` has all of it.
 OUTPUT_TAIL_LINES = 200
 PERIODS = {"day": timedelta(days=1), "week": timedelta(days=7)}
-
-
-def result_summary(job: Job) -> str:
-    """One cell's worth of what a job produced, or why it waits or ended as it did."""
-    r = job.result or {}
-    if job.state == c.SUCCEEDED:
-        if "gflops" in r:
-            return f"{r['gflops']:.1f} GFLOP/s"
-        if "test_acc" in r:
-            return f"test acc {r['test_acc']:.3f}"
-        return "exit 0" if job.kind == c.KIND_COMMAND else "done"
-    if job.state == c.PENDING:
-        return "held" if job.held else (job.reason or "waiting for its first scheduling pass")
-    if job.state == c.RUNNING and job.cancel_requested_at:
-        return "cancelling"
-    return job.reason or ""
 
 
 def _job_link(job_id: int | None, text: str | None = None) -> str:
