@@ -102,11 +102,20 @@ class JobCgroup:
                     pass
             time.sleep(0.05)
 
-    def remove(self) -> None:
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
+    def remove(self, within: float = 2.0) -> None:
+        """Remove it; a process that was just killed may take a moment to leave (EBUSY till then)."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("could not remove %s: %s", self.path, exc)
+                    return
+                time.sleep(0.05)
 
 
 def _own_memory_cgroup() -> tuple[Path, bool] | None:
