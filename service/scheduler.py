@@ -158,9 +158,13 @@ class Scheduler:
 
     def schedule_once(self) -> list[policy.Placement]:
         """One pass: reap lost workers, decide, allocate, record why the rest waits, send messages."""
+        restarted = self._redis_restarted()
         with session_scope(self.settings) as session:
             reap_lost(session, self.settings)
-        self._resend_unclaimed()
+            lost = self._take_unclaimed(session, restarted)
+        for job_id, queue in lost:
+            send_run_job(self.app, queue, job_id)
+            log.info("job %s: not claimed yet; sent to %s again", job_id, queue)
         try:
             with session_scope(self.settings) as session:
                 snap = read_snapshot(session, self.settings)
@@ -178,23 +182,24 @@ class Scheduler:
             self._send(p)
         return placements
 
-    def _resend_unclaimed(self) -> None:
-        """Send again the messages of dispatched jobs nobody claimed: all of them right after Redis
-        restarted, else those waiting past ``resend_after``. A duplicate is harmless: only one
-        claim of a job can succeed."""
+    def _redis_restarted(self) -> bool:
+        """Whether Redis restarted since the last pass (a new run id), maybe empty of our messages."""
         run_id = self.redis.info("server").get("run_id")
         restarted = self._redis_run_id is not None and run_id != self._redis_run_id
         self._redis_run_id = run_id
-        with session_scope(self.settings) as session:
-            lost = unclaimed(session, self.settings, everything=restarted)
-            if lost:
-                session.execute(update(Job).where(Job.id.in_([j for j, _ in lost]), Job.state == c.DISPATCHED)
-                                .values(dispatched_at=utcnow()))
         if restarted:
-            log.warning("Redis restarted (run id %s); sending %d dispatched jobs again", run_id, len(lost))
-        for job_id, queue in lost:
-            send_run_job(self.app, queue, job_id)
-            log.info("job %s: not claimed yet; sent to %s again", job_id, queue)
+            log.warning("Redis restarted (run id %s); sending every dispatched job again", run_id)
+        return restarted
+
+    def _take_unclaimed(self, session: Session, everything: bool) -> list[tuple[int, str]]:
+        """Dispatched jobs nobody claimed, to send again: all of them right after Redis restarted,
+        else those waiting past ``resend_after``. A duplicate is harmless: only one claim of a job
+        can succeed."""
+        lost = unclaimed(session, self.settings, everything=everything)
+        if lost:
+            session.execute(update(Job).where(Job.id.in_([j for j, _ in lost]), Job.state == c.DISPATCHED)
+                            .values(dispatched_at=utcnow()))
+        return lost
 
     @staticmethod
     def _record_reasons(session: Session, snap: Snapshot, decision: policy.Decision) -> None:

@@ -107,28 +107,35 @@ def kill_leftovers(worker: str) -> list[int]:
 
 
 class _Finder:
-    """Finds every live process of one job run."""
+    """Finds every live process of one job run, in one pass over the process table: its tree, its
+    process group and session (children that left the tree), its cgroup, and whatever carries its
+    GPUQ_RUN_ID (children that left all of those, or failed to join the cgroup)."""
 
     def __init__(self, pid: int, cgroup: JobCgroup | None, run_id: str) -> None:
         self.pid, self.cgroup, self.run_id = pid, cgroup, run_id
 
     def __call__(self) -> list[psutil.Process]:
-        found = {p.pid: p for p in job_processes(self.pid)}
-        extra = self.cgroup.pids() if self.cgroup is not None else []
-        # The environment mark too, even with a cgroup: a child may have failed to join it.
-        extra += [p.pid for p in psutil.process_iter(["pid"]) if p.pid not in found and self._marked(p)]
-        for pid in extra:
-            try:
-                found.setdefault(pid, psutil.Process(pid))
-            except psutil.Error:
-                pass
-        found.pop(os.getpid(), None)
+        found: dict[int, psutil.Process] = {}
+        try:
+            root = psutil.Process(self.pid)
+            found[self.pid] = root
+            for child in root.children(recursive=True):
+                found[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+        in_cgroup = set(self.cgroup.pids()) if self.cgroup is not None else set()
+        me = os.getpid()
+        for p in psutil.process_iter(["pid"]):
+            if p.pid != me and p.pid not in found and (p.pid in in_cgroup or self._ours(p)):
+                found[p.pid] = p
         return list(found.values())
 
-    def _marked(self, p: psutil.Process) -> bool:
+    def _ours(self, p: psutil.Process) -> bool:
         try:
+            if os.getpgid(p.pid) == self.pid or os.getsid(p.pid) == self.pid:
+                return True
             return p.environ().get("GPUQ_RUN_ID") == self.run_id
-        except (psutil.Error, OSError):
+        except (ProcessLookupError, PermissionError, psutil.Error, OSError):
             return False
 
 
@@ -165,28 +172,10 @@ def _pump(proc: subprocess.Popen, sink: OutputSink) -> None:
     proc.stdout.close()
 
 
-def job_processes(pid: int) -> list[psutil.Process]:
-    """The job's processes: its process group (children that escaped the tree too) and its tree."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        root = psutil.Process(pid)
-        found[pid] = root
-        for child in root.children(recursive=True):
-            found[child.pid] = child
-    except psutil.NoSuchProcess:
-        pass
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.pid != os.getpid() and (os.getpgid(p.pid) == pid or os.getsid(p.pid) == pid):
-                found.setdefault(p.pid, p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return list(found.values())
-
-
-def stop_tree(pid: int, grace: float, found: Callable[[], list[psutil.Process]] | None = None) -> None:
-    """SIGTERM every process of the job, wait up to ``grace`` seconds, then SIGKILL the rest."""
-    procs = found() if found is not None else job_processes(pid)
+def stop_tree(pid: int, grace: float, found: Callable[[], list[psutil.Process]]) -> None:
+    """SIGTERM every process of the job (``found()``), wait up to ``grace`` seconds, then SIGKILL
+    the rest."""
+    procs = found()
     if grace > 0:
         _signal(pid, procs, signal.SIGTERM)
         _, procs = psutil.wait_procs(procs, timeout=grace)

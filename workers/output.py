@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
@@ -98,10 +97,10 @@ class OutputSink:
         ``give_up`` is set)."""
         self._stop.set()
         self._thread.join()
+        stopping = give_up or threading.Event()
         delay = 0.2
         while not self.flush():
-            if give_up is not None and give_up.wait(delay):
+            if stopping.wait(delay):
                 log.error("job %s: output not stored: the worker is stopping", self.job_id)
                 return
-            time.sleep(0 if give_up is not None else delay)
             delay = min(delay * 2, 5.0)
