@@ -24,7 +24,8 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from gpuq.service import db
+from gpuq.service import db, jobs
+from gpuq.service.db import session_scope
 from gpuq.service.settings import Settings
 
 REDIS_URL = os.environ.get("GPUQ_TEST_REDIS", "redis://127.0.0.1:6379/13")
@@ -272,6 +273,35 @@ def stack_on_database(request, tmp_path_factory, redis_url, **overrides):
         db.dispose_engines()
         if drop:
             drop()
+
+
+@pytest.fixture(scope="module")
+def dash(ran, tmp_path_factory):
+    """A `gpuq dashboard` serving the stack of the module's ``ran`` fixture (tests/dashboard_stack.py;
+    each module picks its databases)."""
+    from tests.dashboard_stack import Dashboard
+
+    d = Dashboard(ran[0].settings, tmp_path_factory.mktemp("dash") / "dashboard.log")
+    yield d
+    d.stop()
+
+
+def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
+    """Poll SQL until the job is in one of ``states``; its state then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with session_scope(settings) as session:
+            state = jobs.get_job(session, job_id).state
+        if state in states:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+
+
+def output_of(settings, job_id: int) -> str:
+    """All the job's output so far, as stored in SQL."""
+    with session_scope(settings) as session:
+        return "".join(d for _, d in jobs.read_output(session, job_id))
 
 
 def run_cli(args: list[str], settings: Settings, cwd: str | Path | None = None, timeout: float = 60,

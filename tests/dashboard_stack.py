@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from tests.conftest import free_port, run_cli, settings_env, stack_on_database
-from tests.test_end_to_end import submit, wait_for_state
+from tests.conftest import free_port, run_cli, settings_env, stack_on_database, wait_for_state
+from tests.test_end_to_end import submit
 
 TRAIN_EPOCHS = 3
 # A job name a page must show as text, never run as markup.

@@ -26,14 +26,6 @@ def ran(request, tmp_path_factory, redis_url):
     yield from stack_with_jobs(request, tmp_path_factory, redis_url)
 
 
-@pytest.fixture(scope="module")
-def dash(ran, tmp_path_factory):
-    st, _ = ran
-    d = Dashboard(st.settings, tmp_path_factory.mktemp("dash") / "dashboard.log")
-    yield d
-    d.stop()
-
-
 def _row(html: str, job_id: int) -> str:
     """The queue table's row of one job."""
     match = re.search(rf'<tr><td class="num"><a href="/jobs/{job_id}">{job_id}</a></td>.*?</tr>', html)

@@ -12,7 +12,7 @@ import pytest
 from gpuq.service import jobs
 from gpuq.service.db import session_scope
 from tests.conftest import IN_CI
-from tests.dashboard_stack import TRAIN_EPOCHS, Dashboard, stack_with_jobs
+from tests.dashboard_stack import TRAIN_EPOCHS, stack_with_jobs
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -50,13 +50,6 @@ def browser(tmp_path_factory):
 @pytest.fixture(scope="module", params=["postgres"])
 def ran(request, tmp_path_factory, redis_url):
     yield from stack_with_jobs(request, tmp_path_factory, redis_url)
-
-
-@pytest.fixture(scope="module")
-def dash(ran, tmp_path_factory):
-    d = Dashboard(ran[0].settings, tmp_path_factory.mktemp("dash") / "dashboard.log")
-    yield d
-    d.stop()
 
 
 def shoot(page, tmp_path, name: str) -> None:

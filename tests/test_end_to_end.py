@@ -14,25 +14,9 @@ import pytest
 from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.db import session_scope
-from tests.conftest import run_cli
+from tests.conftest import output_of, run_cli, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
-
-
-def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with session_scope(settings) as session:
-            state = jobs.get_job(session, job_id).state
-        if state in states:
-            return state
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
-
-
-def output_of(settings, job_id: int) -> str:
-    with session_scope(settings) as session:
-        return "".join(d for _, d in jobs.read_output(session, job_id))
 
 
 def submit(settings, args, cwd=None) -> int:

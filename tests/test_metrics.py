@@ -13,7 +13,7 @@ from gpuq.service.db import session_scope
 from gpuq.service.device_status import device_status
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
 from gpuq.web.metrics import WAIT_BUCKETS
-from tests.dashboard_stack import Dashboard, stack_with_jobs
+from tests.dashboard_stack import stack_with_jobs
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def ran(request, tmp_path_factory, redis_url):
     yield from stack_with_jobs(request, tmp_path_factory, redis_url)
-
-
-@pytest.fixture(scope="module")
-def dash(ran, tmp_path_factory):
-    d = Dashboard(ran[0].settings, tmp_path_factory.mktemp("dash") / "dashboard.log")
-    yield d
-    d.stop()
 
 
 def scrape(dash) -> dict:

@@ -23,7 +23,7 @@ from sqlalchemy import create_engine, inspect, text
 from gpuq.service import constants as c
 from gpuq.service import db, jobs
 from gpuq.service.db import session_scope
-from tests.conftest import (free_port, system_redis_server, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
+from tests.conftest import (free_port, output_of, system_redis_server, wait_for_state, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
                             start_stack)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -44,22 +44,6 @@ def _system_python_matches() -> bool:
 
 needs_root = pytest.mark.skipif(not (IS_ROOT and _system_python_matches()),
                                 reason="needs a root worker and a system Python of this version for user nobody")
-
-
-def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with session_scope(settings) as session:
-            state = jobs.get_job(session, job_id).state
-        if state in states:
-            return state
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
-
-
-def output_of(settings, job_id: int) -> str:
-    with session_scope(settings) as session:
-        return "".join(d for _, d in jobs.read_output(session, job_id))
 
 
 def submit(settings, args, cwd=None, extra_env=None) -> int:
