@@ -81,8 +81,15 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
     t1 = time.perf_counter()
     sched.schedule_once()
     t2 = time.perf_counter()
-    print(f"scheduler pass over SQLite with {n_jobs} pending: first {1000 * (t1 - t0):.0f} ms ({len(first)} placed, "
-          f"every reason written), next {1000 * (t2 - t1):.0f} ms")
+    quick = []
+    for _ in range(5):
+        t = time.perf_counter()
+        sched.schedule_once(quick=True)
+        quick.append(time.perf_counter() - t)
+    print(f"scheduler pass over SQLite with {n_jobs} pending: whole pass first {1000 * (t1 - t0):.0f} ms "
+          f"({len(first)} placed, every reason written), next {1000 * (t2 - t1):.0f} ms; quick pass (each user's "
+          f"queue head, what a submit or a job's end runs) {1000 * statistics.median(quick):.0f} ms "
+          f"(goal 100 ms: {10 * statistics.median(quick):.2f}x of it)")
     import redis
 
     r = redis.Redis.from_url(s.broker)

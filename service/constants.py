@@ -88,3 +88,12 @@ AGGREGATE_SECONDS = 60
 ROLLUP_CHUNK_SECONDS = 86400
 # Refresh period of `gpuq devices --watch`, seconds, unless --interval says otherwise.
 DEVICES_WATCH_SECONDS = 1.0
+
+# Next-up lists (policy.next_up): jobs listed per busy GPU, and how far down the queue the
+# scheduler looks for them each pass.
+NEXT_UP_PER_GPU = 4
+NEXT_UP_SCAN = 2000
+# A quick scheduler pass reads each user's first this many pending jobs.
+HEAD_PER_USER = 32
+# A whole scheduler pass runs no more often than this many times its own duration.
+FULL_PASS_SHARE = 10.0

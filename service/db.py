@@ -33,8 +33,15 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 def _sqlite_begin(conn) -> None:
     # BEGIN IMMEDIATE takes the write lock up front, so a read-then-write transaction (a claim)
-    # waits for the lock instead of failing with "database is locked" when it upgrades.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    # waits for the lock instead of failing with "database is locked" when it upgrades. A
+    # read-only scope (``read_scope``) takes no lock: in WAL mode it reads beside the writers.
+    if conn.get_execution_options().get(_READ_ONLY):
+        conn.exec_driver_sql("BEGIN")
+    else:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+_READ_ONLY = "gpuq_read_only"
 
 
 _engines: dict[str, Engine] = {}
@@ -103,6 +110,28 @@ def session_scope(settings: Settings) -> Iterator[Session]:
     try:
         yield session
         session.commit()
+    except OperationalError as exc:
+        session.rollback()
+        raise Unreachable(_unreachable_message(settings, exc)) from None
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+@contextmanager
+def read_scope(settings: Settings) -> Iterator[Session]:
+    """A session for reading only, in one transaction that sees one state of the database.
+
+    On SQLite it takes no write lock, so a long read (the scheduler's snapshot, a watcher's poll)
+    never makes the workers' claims and ends wait; writing in it is an error there.
+    """
+    session = _sessionmaker(settings.database)()
+    try:
+        session.connection(execution_options={_READ_ONLY: True})
+        yield session
+        session.rollback()
     except OperationalError as exc:
         session.rollback()
         raise Unreachable(_unreachable_message(settings, exc)) from None

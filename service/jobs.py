@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, exists, func, select, update
+from sqlalchemy import bindparam, delete, exists, func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker
@@ -21,10 +22,14 @@ from gpuq.service import snapshot as code_state
 from gpuq.service.db import require_schema, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
-from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, NextUp, Node, utcnow
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import Staged
 from gpuq.service.spec import JobSpec, current_user
+
+# The worker's per-job statements are built once, in Core: a worker ends a job and starts the
+# next every few milliseconds on a queue of short jobs, and building them is most of that cost.
+_JOBS = Job.__table__
 
 
 def largest_node(session: Session, settings: Settings, local: list[GpuInfo]) -> tuple[str | None, int]:
@@ -250,6 +255,58 @@ def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: floa
     return token if claimed else None
 
 
+def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
+              user_gpu_limit: int = 0) -> tuple[int, str, int] | None:
+    """Start the first job of this GPU's next-up list that may still start here, as a claim would:
+    running on this GPU with a lease. Returns (job id, lease token, how many listed jobs are left
+    after it), or None: nothing listed still pending, or the GPU or its node was drained. Call it
+    in the transaction that freed the GPU.
+
+    The list is only a hint: the job must still be pending and not held, and its user under their
+    GPU limit; a job another GPU's worker took first is passed over. If the scheduler allocated
+    this GPU meanwhile (it saw it free), the unique allocation key refuses the take."""
+    conn = session.connection()
+    gpu = conn.execute(_GPU_OPEN, {"gpu_id": gpu_id}).one_or_none()
+    if gpu is None or gpu.drain_reason is not None or gpu.drained:
+        return None
+    listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
+    for n, (job_id, user) in enumerate(listed):
+        if user_gpu_limit and _gpus_held(session, user) + 1 > user_gpu_limit:
+            continue
+        token, now = uuid.uuid4().hex, utcnow()
+        try:
+            with session.begin_nested():
+                if conn.execute(_TAKE, {"job_id": job_id, "now": now, "node": node, "worker": worker, "token": token,
+                                        "expires": now + timedelta(seconds=lease_s)}).rowcount != 1:
+                    continue
+                conn.execute(_ALLOCATE_HERE, {"job_id": job_id, "gpu_id": gpu_id})
+                conn.execute(_UNLIST, {"job_id": job_id})
+        except IntegrityError:
+            return None  # the scheduler gave this GPU out meanwhile
+        return job_id, token, len(listed) - n - 1
+    return None
+
+
+_NEXT = NextUp.__table__
+_GPU_OPEN = (select(Gpu.__table__.c.drain_reason, Node.__table__.c.drained)
+             .select_from(Gpu.__table__.outerjoin(Node.__table__, Node.__table__.c.name == Gpu.__table__.c.node))
+             .where(Gpu.__table__.c.id == bindparam("gpu_id")))
+_LISTED = (select(_NEXT.c.job_id, _JOBS.c.user).join_from(_NEXT, _JOBS, _JOBS.c.id == _NEXT.c.job_id)
+           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
+           .order_by(_NEXT.c.rank))
+_TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
+         .values(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"), node=bindparam("node"),
+                 worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
+                 lease_expires_at=bindparam("expires")))
+_ALLOCATE_HERE = Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"), rank=0)
+_UNLIST = _NEXT.delete().where(_NEXT.c.job_id == bindparam("job_id"))
+
+
+def _gpus_held(session: Session, user: str) -> int:
+    return session.scalar(select(func.count()).select_from(Allocation).join(Job, Job.id == Allocation.job_id)
+                          .where(Job.user == user)) or 0
+
+
 def renew_lease(session: Session, job_id: int, token: str, lease_s: float) -> bool:
     """Extend the running job's lease; False if this token no longer holds it (the job ended, or
     was reaped and given to someone else): its worker must stop it."""
@@ -295,14 +352,15 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
     the job was not in ``from_state`` under that lease: it had ended, or was taken back.
     """
     assert state in c.END_STATES
-    job = session.get(Job, job_id, populate_existing=True)
+    conn = session.connection()
+    job = conn.execute(_FINISH_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != from_state:
         return False
-    guard = [Job.id == job_id, Job.state == from_state]
+    guard = [_JOBS.c.id == job_id, _JOBS.c.state == from_state]
     if token is not None:
-        guard.append(Job.lease_token == token)
+        guard.append(_JOBS.c.lease_token == token)
     if expired_before is not None:
-        guard.append(Job.lease_expires_at < expired_before)
+        guard.append(_JOBS.c.lease_expires_at < expired_before)
     now = utcnow()
     ended: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
                                  failure=failure if state != c.SUCCEEDED else None, lease_token=None,
@@ -321,11 +379,15 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
                      reason=f"{what} after: {reason}")
     elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
         ended["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
-    done = session.execute(update(Job).where(*guard).values(**ended)
-                           .execution_options(synchronize_session=False)).rowcount == 1
+    done = conn.execute(_JOBS.update().where(*guard).values(**ended)).rowcount == 1
     if done:
-        session.execute(delete(Allocation).where(Allocation.job_id == job_id))
+        conn.execute(_FREE_GPUS, {"job_id": job_id})
     return done
+
+
+_FINISH_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
+                      _JOBS.c.max_retries).where(_JOBS.c.id == bindparam("job_id"))
+_FREE_GPUS = Allocation.__table__.delete().where(Allocation.__table__.c.job_id == bindparam("job_id"))
 
 
 def _retries_used(job: Job) -> int:

@@ -70,6 +70,8 @@ class Job(Base):
         CheckConstraint(f"kind IN ('{c.KIND_WORKLOAD}', '{c.KIND_COMMAND}')", name="kind"),
         CheckConstraint("gpus >= 1", name="gpus_positive"),
         Index("ix_jobs_state_priority", "state", "priority", "id"),
+        # Fair share reads the jobs that ended since its last pass.
+        Index("ix_jobs_ended_at", "ended_at"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -193,6 +195,19 @@ class Allocation(Base):
 
     job: Mapped[Job] = relationship(back_populates="allocations")
     gpu: Mapped[Gpu] = relationship(back_populates="allocation")
+
+
+class NextUp(Base):
+    """The scheduler's word on what a busy GPU runs next if it frees before the next pass: pending
+    one-GPU jobs in queue order (``rank``). The worker that ends a job takes the first of its list
+    that is still pending in the same transaction, so a deep queue keeps its GPUs busy without a
+    round trip through the scheduler. Only a hint: the take re-checks the job and the GPU."""
+
+    __tablename__ = "next_up"
+
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True, index=True)
+    rank: Mapped[int] = mapped_column(Integer)
 
 
 class JobOutput(Base):

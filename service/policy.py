@@ -94,11 +94,18 @@ class Decision:
     placements: list[Placement]
     waiting: dict[int, str]  # job id -> reason
     reservation: Reservation | None = None
+    # The eligible jobs in queue order, as decide walked them.
+    order: list[JobRequest] = field(default_factory=list)
+
+
+def order_key(job: JobRequest, usage: dict[str, float]) -> tuple[int, float, float, int]:
+    """Where ``job`` stands in the queue: priority, then its user's fair share, then submission."""
+    return -job.priority, usage.get(job.user, 0.0), job.submitted, job.id
 
 
 def queue_order(snapshot: Snapshot) -> list[JobRequest]:
     usage = snapshot.usage
-    return sorted(snapshot.jobs, key=lambda j: (-j.priority, usage.get(j.user, 0.0), j.submitted, j.id))
+    return sorted(snapshot.jobs, key=lambda j: order_key(j, usage))
 
 
 def decide(snapshot: Snapshot) -> Decision:
@@ -113,9 +120,9 @@ def decide(snapshot: Snapshot) -> Decision:
     held = dict(snapshot.held_gpus)
     limit = snapshot.user_gpu_limit
     free_count = sum(len(gs) for gs in free.values())
-    decision = Decision([], {})
+    decision = Decision([], {}, order=queue_order(snapshot))
     blocked = False  # a job waits and no reservation can protect it: nothing else may start
-    for job in queue_order(snapshot):
+    for job in decision.order:
         if limit and held.get(job.user, 0) + job.gpus > limit:
             decision.waiting[job.id] = USER_LIMIT
             continue
@@ -187,3 +194,48 @@ def _reserve(job: JobRequest, by_node: dict[str, list[GpuState]], now: float) ->
         if best is None or start < best.start:
             best = Reservation(job.id, node, start, frozenset(g.id for _, _, g in needed))
     return best
+
+
+def next_up(snapshot: Snapshot, decision: Decision, per_gpu: int, scan: int) -> dict[int, list[int]]:
+    """For each busy GPU, the pending one-GPU jobs it should start, best first, if its job ends
+    before the scheduler looks again (their order in the queue ranks them across GPUs).
+
+    The queue is walked past the jobs just placed. A job is listed for every busy GPU it fits, so
+    whichever of them frees first takes it, and never ahead of a job that could use that GPU:
+    a gang that could use a GPU, on a node where it could ever run, closes that GPU's list (when
+    it frees, the scheduler decides, as the gang may need it), and a job over its user's limit is passed over as ``decide`` does.
+    The GPUs of a node share their jobs, so each lists ``per_gpu`` times its node's busy GPUs
+    (enough for all of them to take several before the scheduler's next pass); the walk looks at
+    most ``scan`` jobs.
+    """
+    placed = {p.job_id for p in decision.placements}
+    taken = {g.id for p in decision.placements for g in p.gpus}
+    open_gpus = [g for g in snapshot.gpus if g.busy_until is not None or g.id in taken]
+    busy_on: dict[str, int] = defaultdict(int)
+    for g in open_gpus:
+        busy_on[g.node] += 1
+    lists: dict[int, list[int]] = {g.id: [] for g in open_gpus}
+    held = dict(snapshot.held_gpus)
+    limit = snapshot.user_gpu_limit
+    if limit:
+        user_of = {j.id: j.user for j in snapshot.jobs}
+        for p in decision.placements:
+            held[user_of[p.job_id]] = held.get(user_of[p.job_id], 0) + len(p.gpus)
+    order = decision.order or queue_order(snapshot)
+    for looked, job in enumerate(j for j in order if j.id not in placed):
+        if not open_gpus or looked >= scan:
+            break
+        if limit and held.get(job.user, 0) + job.gpus > limit:
+            continue
+        usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and g.fits(job)]
+        if job.gpus > 1:
+            # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
+            could = {g.node for g in usable if sum(h.node == g.node and h.fits(job) for h in snapshot.gpus) >= job.gpus}
+            open_gpus = [g for g in open_gpus if g.node not in could or g not in usable]
+            continue
+        for g in usable:
+            lists[g.id].append(job.id)
+        if usable and limit:
+            held[job.user] = held.get(job.user, 0) + 1
+        open_gpus = [g for g in open_gpus if len(lists[g.id]) < per_gpu * busy_on[g.node]]
+    return {gpu: jobs for gpu, jobs in lists.items() if jobs}

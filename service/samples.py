@@ -38,6 +38,9 @@ def record(session: Session, gpu_id: int, rows: Sequence[dict[str, Any]]) -> Non
     """
     if not rows:
         return
+    if all(r["job_id"] is not None for r in rows):
+        session.execute(insert(DeviceSample), list(rows))
+        return
     holder = session.execute(
         select(Job.id, Job.started_at).join(Allocation, Allocation.job_id == Job.id)
         .where(Allocation.gpu_id == gpu_id, Job.state == c.RUNNING)

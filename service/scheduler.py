@@ -6,43 +6,84 @@ and notices workers that went silent. ``run`` loops, woken by Redis on submit an
 from __future__ import annotations
 
 import logging
-import threading
 import math
+import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, jobs, policy
 from gpuq.service import constants as c
 from gpuq.service.celery_app import make_app, send_run_job
-from gpuq.service.db import session_scope
+from gpuq.service.db import read_scope, session_scope
 from gpuq.service.inventory import live_cutoff
-from gpuq.service.models import Allocation, Gpu, Job, Node, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, utcnow
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
 
 
-def fair_share_usage(session: Session, settings: Settings, now: datetime) -> dict[str, float]:
-    """Each user's recent GPU-hours, a GPU-hour ``h`` half-lives ago counting 2**-h.
+class FairShare:
+    """Each user's recent GPU-hours, a GPU-hour ``h`` half-lives ago counting 2**-h, kept pass
+    after pass without reading the whole job history each time.
 
-    The integral of the decay over each job's run, in closed form: no per-interval bookkeeping.
+    A job that ran from ``start`` to ``end`` adds ``gpus * (e**(r*end) - e**(r*start)) / r`` to its
+    user's sum, measured from an anchor; scaled by ``e**(-r*now)`` that is the integral of the decay
+    over its run, in closed form. Jobs that ended are folded into the sums once; each pass reads
+    only the running jobs and those that ended in the last few seconds (their end may still be
+    committing: SETTLE seconds).
     """
-    half = settings.fairshare_half_life_h * 3600.0
-    horizon = now - timedelta(seconds=10 * half)
-    rows = session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
-                            .where(Job.started_at.is_not(None),
-                                   (Job.ended_at.is_(None)) | (Job.ended_at >= horizon)))
-    usage: dict[str, float] = defaultdict(float)
-    rate = math.log(2) / half
-    for user, gpus, started, ended in rows:
-        age_end = (now - (ended or now)).total_seconds()
-        age_start = (now - started).total_seconds()
-        usage[user] += gpus * (math.exp(-rate * age_end) - math.exp(-rate * age_start)) / rate / 3600.0
-    return dict(usage)
+
+    SETTLE = timedelta(seconds=2)
+
+    def __init__(self, settings: Settings) -> None:
+        self.rate = math.log(2) / (settings.fairshare_half_life_h * 3600.0)
+        self.horizon = timedelta(seconds=10 * settings.fairshare_half_life_h * 3600.0)
+        self.anchor: datetime | None = None
+        self.folded: dict[str, float] = defaultdict(float)
+        # Jobs that ended before this are in ``folded``; later ones are read each pass.
+        self.until: datetime | None = None
+
+    def _weight(self, start: datetime, end: datetime) -> float:
+        assert self.anchor is not None
+        return (math.exp(self.rate * (end - self.anchor).total_seconds())
+                - math.exp(self.rate * (start - self.anchor).total_seconds()))
+
+    @staticmethod
+    def _ended(session: Session, since: datetime, before: datetime | None = None):
+        query = select(Job.user, Job.gpus, Job.started_at, Job.ended_at).where(
+            Job.ended_at >= since, Job.started_at.is_not(None))
+        return session.execute(query.where(Job.ended_at < before) if before is not None else query)
+
+    def usage(self, session: Session, now: datetime) -> dict[str, float]:
+        settled = now - self.SETTLE
+        if self.anchor is None:
+            self.anchor, since = now, now - self.horizon
+        else:
+            assert self.until is not None
+            since = self.until
+        if settled - since >= self.SETTLE:
+            for user, gpus, started, ended in self._ended(session, since, settled):
+                self.folded[user] += gpus * self._weight(started, ended)
+            self.until = settled
+        decay = math.exp(-self.rate * (now - self.anchor).total_seconds()) / self.rate / 3600.0
+        usage = {user: total * decay for user, total in self.folded.items()}
+        fresh = list(session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
+                                     .where(Job.state == c.RUNNING, Job.started_at.is_not(None))))
+        if self.until is not None:
+            fresh += self._ended(session, self.until)
+        for user, gpus, started, ended in fresh:
+            usage[user] = usage.get(user, 0.0) + gpus * self._weight(started, ended or now) * decay
+        return usage
+
+
+def fair_share_usage(session: Session, settings: Settings, now: datetime) -> dict[str, float]:
+    """Each user's recent GPU-hours, read from scratch (FairShare keeps the same figures pass after pass)."""
+    return FairShare(settings).usage(session, now)
 
 
 @dataclass
@@ -56,9 +97,15 @@ class Snapshot:
     doomed: dict[int, str]
     # The reason each pending job shows now, to write only those that change.
     shown: dict[int, str | None]
+    # False for a head-of-queue snapshot that left out some users' later jobs: only what it
+    # decides for jobs up to ``policy.jobs``' end is what a whole pass would decide.
+    complete: bool = True
 
 
-def read_snapshot(session: Session, settings: Settings) -> Snapshot:
+def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | None = None,
+                  head: int | None = None) -> Snapshot:
+    """What one pass needs from SQL. With ``head``, only each user's first ``head`` pending jobs
+    that are not held (a quick pass; see ``_head_of_queue``), else every pending job."""
     now = utcnow()
     drained = set(session.scalars(select(Node.name).where(Node.drained)))
     busy: dict[int, float] = {}
@@ -73,10 +120,8 @@ def read_snapshot(session: Session, settings: Settings) -> Snapshot:
             for g in session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(settings),
                                                        Gpu.drain_reason.is_(None)))
             if g.node not in drained]
-    pending = session.execute(
-        select(Job.id, Job.user, Job.gpus, Job.priority, Job.submitted_at, Job.mem_mib, Job.on_node,
-               Job.time_limit_s, Job.held, Job.after, Job.after_any, Job.reason)
-        .where(Job.state == c.PENDING)).all()
+    usage = (fair_share or FairShare(settings)).usage(session, now)
+    pending, cut = _pending(session, head, usage)
     deps = {d for row in pending for d in (row.after or [])}
     dep_state = dict(session.execute(select(Job.id, Job.state).where(Job.id.in_(deps))).all()) if deps else {}
     jobs, not_eligible, doomed = [], {}, {}
@@ -96,12 +141,39 @@ def read_snapshot(session: Session, settings: Settings) -> Snapshot:
         if row.on_node in drained:
             not_eligible[row.id] = policy.NODE_DRAINED
             continue
-        jobs.append(policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
-                                      submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib,
-                                      node=row.on_node, time_limit_s=row.time_limit_s))
-    snap = policy.Snapshot(now=now.timestamp(), jobs=jobs, gpus=gpus, usage=fair_share_usage(session, settings, now),
+        job = policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
+                                submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib,
+                                node=row.on_node, time_limit_s=row.time_limit_s)
+        if cut is None or policy.order_key(job, usage) <= cut:
+            jobs.append(job)
+    snap = policy.Snapshot(now=now.timestamp(), jobs=jobs, gpus=gpus, usage=usage,
                            held_gpus=dict(held), user_gpu_limit=settings.user_gpu_limit)
-    return Snapshot(snap, not_eligible, doomed, {row.id: row.reason for row in pending})
+    return Snapshot(snap, not_eligible, doomed, {row.id: row.reason for row in pending}, complete=cut is None)
+
+
+def _pending(session: Session, head: int | None, usage: dict[str, float]):
+    """The pending jobs a pass looks at, and None; or, with ``head``, each user's first ``head``
+    jobs that are not held (in their queue order) and the cut: the queue-order key up to which
+    no job was left out.
+
+    A user's queue order is their own jobs' (priority, then submission): every job of theirs
+    left out comes after their ``head``-th one. So up to the earliest such last-read job of any
+    user whose jobs were cut short, the head holds every eligible job, and ``policy.decide`` over
+    those decides as over the whole queue. Reading it costs one sort in SQL, not 10,000 rows."""
+    t = Job.__table__.c  # Core rows: the ORM's per-row bookkeeping is most of the cost at 10,000 jobs
+    cols = (t.id, t.user, t.gpus, t.priority, t.submitted_at, t.mem_mib, t.on_node, t.time_limit_s, t.held,
+            t.after, t.after_any, t.reason)
+    if head is None:
+        return session.connection().execute(select(*cols).where(t.state == c.PENDING)).all(), None
+    nth = func.row_number().over(partition_by=t.user, order_by=(t.priority.desc(), t.submitted_at, t.id))
+    ranked = select(*cols, nth.label("nth")).where(t.state == c.PENDING, t.held.is_(False)).subquery()
+    rows = session.connection().execute(
+        select(*(ranked.c[col.key] for col in cols), ranked.c.nth).where(ranked.c.nth <= head)).all()
+    last = [r for r in rows if r.nth == head]
+    cut = min((policy.order_key(policy.JobRequest(id=r.id, user=r.user, gpus=r.gpus, priority=r.priority,
+                                                  submitted=r.submitted_at.timestamp()), usage)
+               for r in last), default=None)
+    return rows, cut
 
 
 def reap_lost(session: Session, settings: Settings) -> list[int]:
@@ -155,9 +227,26 @@ class Scheduler:
         self.redis = broker.client(settings)
         # The Redis server's run id: a new one means Redis restarted, maybe empty of our messages.
         self._redis_run_id: str | None = None
+        self.fair_share = FairShare(settings)
+        # The next-up rows this scheduler wrote last, {(gpu id, job id): rank}; None: not known.
+        self._listed: dict[tuple[int, int], int] | None = None
+        self._pending_listed: dict[tuple[int, int], int] | None = None
+        # When the last whole pass ended (time.monotonic()) and how long it took.
+        self.last_full, self.full_took = -math.inf, 0.0
 
-    def schedule_once(self) -> list[policy.Placement]:
-        """One pass: reap lost workers, decide, allocate, record why the rest waits, send messages."""
+    def schedule_once(self, quick: bool = False) -> list[policy.Placement]:
+        """One pass: reap lost workers, read a snapshot, decide, then in one short write allocate,
+        record why the rest waits and what each busy GPU runs next, and send the messages.
+
+        The snapshot is read without the write lock (SQLite), so workers claim and end jobs while
+        the policy thinks; every write re-checks what it changes, and the allocation's unique key
+        keeps a GPU from going to two jobs whatever happened in between.
+
+        A ``quick`` pass reads only the head of each user's queue (what a job's end or a submit
+        usually needs: it decides for those jobs what a whole pass would) and writes no waiting
+        reasons. A job past the head that would fit a GPU left free waits for the next whole pass,
+        as SLURM's backfill pass picks up what its quick main pass did not look at."""
+        started = time.monotonic()
         restarted = self._redis_restarted()
         with session_scope(self.settings) as session:
             reap_lost(session, self.settings)
@@ -165,22 +254,53 @@ class Scheduler:
         for job_id, queue in lost:
             send_run_job(self.app, queue, job_id)
             log.info("job %s: not claimed yet; sent to %s again", job_id, queue)
+        head = c.HEAD_PER_USER if quick else None
+        with read_scope(self.settings) as session:
+            snap = read_snapshot(session, self.settings, self.fair_share, head)
+        decision = policy.decide(snap.policy)
+        lists = policy.next_up(snap.policy, decision, c.NEXT_UP_PER_GPU, c.NEXT_UP_SCAN)
         try:
             with session_scope(self.settings) as session:
-                snap = read_snapshot(session, self.settings)
                 for job_id, why in snap.doomed.items():
                     session.execute(update(Job).where(Job.id == job_id, Job.state == c.PENDING)
                                     .values(state=c.CANCELLED, ended_at=utcnow(), reason=why))
-                decision = policy.decide(snap.policy)
                 placements = [p for p in decision.placements if self._allocate(session, p)]
-                self._record_reasons(session, snap, decision)
+                if not quick:
+                    self._record_reasons(session, snap, decision)
+                self._write_next_up(session, lists, decision.order)
         except IntegrityError:
             # Another scheduler took one of these GPUs first; the next pass sees the new state.
             log.info("allocation raced with another scheduler; retrying next pass")
+            self._listed = None
             return []
+        except BaseException:
+            self._listed = None  # not written: rewrite the lists whole next time
+            raise
+        self._listed = self._pending_listed
         for p in placements:
             self._send(p)
+        if not quick:
+            self.last_full, self.full_took = time.monotonic(), time.monotonic() - started
         return placements
+
+    def _write_next_up(self, session: Session, lists: dict[int, list[int]], order: list[policy.JobRequest]) -> None:
+        """Write the next-up lists as changes to what this scheduler wrote last: a pass usually
+        moves a few jobs, not the hundreds of rows of 64 GPUs' lists. A row a worker deleted when
+        it took its job is never listed again (the job is no longer pending)."""
+        rank = {j.id: r for r, j in enumerate(order)}
+        wanted = {(gpu, job): rank[job] for gpu, jobs in lists.items() for job in jobs}
+        if self._listed is None:
+            session.execute(delete(NextUp))
+            self._listed = {}
+        gone = [key for key in self._listed if key not in wanted]
+        new = [{"gpu_id": g, "job_id": j, "rank": r} for (g, j), r in wanted.items() if self._listed.get((g, j)) != r]
+        for g, j in gone:
+            session.execute(delete(NextUp).where(NextUp.gpu_id == g, NextUp.job_id == j))
+        if new:
+            session.execute(delete(NextUp).where(tuple_(NextUp.gpu_id, NextUp.job_id).in_(
+                [(row["gpu_id"], row["job_id"]) for row in new])))
+            session.execute(insert(NextUp), new)
+        self._pending_listed = wanted
 
     def _redis_restarted(self) -> bool:
         """Whether Redis restarted since the last pass (a new run id), maybe empty of our messages."""
@@ -212,15 +332,22 @@ class Scheduler:
             session.execute(update(Job).where(Job.id.in_(ids), Job.state == c.PENDING).values(reason=why))
 
     def _allocate(self, session: Session, p: policy.Placement) -> bool:
-        moved = session.execute(
-            update(Job).where(Job.id == p.job_id, Job.state == c.PENDING)
-            .values(state=c.DISPATCHED, dispatched_at=utcnow(), node=p.gpus[0].node, reason=None)
-        ).rowcount
-        if not moved:
-            return False  # cancelled meanwhile
-        session.add_all(Allocation(job_id=p.job_id, gpu_id=g.id, rank=r) for r, g in enumerate(p.gpus))
-        session.flush()
-        return True
+        """Dispatch the placed job, unless it changed since the snapshot (cancelled, held, or taken
+        by a worker from its next-up list) or one of its GPUs was taken meanwhile."""
+        try:
+            with session.begin_nested():
+                moved = session.execute(
+                    update(Job).where(Job.id == p.job_id, Job.state == c.PENDING, Job.held.is_(False))
+                    .values(state=c.DISPATCHED, dispatched_at=utcnow(), node=p.gpus[0].node, reason=None)
+                ).rowcount
+                if not moved:
+                    return False
+                session.execute(insert(Allocation), [{"job_id": p.job_id, "gpu_id": g.id, "rank": r}
+                                                     for r, g in enumerate(p.gpus)])
+            return True
+        except IntegrityError:
+            log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
+            return False
 
     def _send(self, p: policy.Placement) -> None:
         try:
@@ -234,13 +361,18 @@ class Scheduler:
                 session.execute(delete(Allocation).where(Allocation.job_id == p.job_id))
 
     def run(self, stop: threading.Event) -> None:
-        """Schedule until ``stop`` is set; a pass after every wake-up and at least every interval."""
+        """Schedule until ``stop`` is set: a quick pass after every wake-up (a submit, a job's end,
+        a new worker), and a whole pass at least every interval, which also writes why each job
+        waits. A whole pass over a long queue is spaced to at most a tenth of the time."""
         log.info("scheduler started (node %s)", self.settings.node)
+        woken = False
         while not stop.is_set():
             try:
-                self.schedule_once()
-                broker.wait_for_wake(self.redis, self.settings, self.settings.scheduler_interval)
+                due = max(self.settings.scheduler_interval, c.FULL_PASS_SHARE * self.full_took)
+                self.schedule_once(quick=woken and time.monotonic() - self.last_full < due)
+                woken = broker.wait_for_wake(self.redis, self.settings, self.settings.scheduler_interval)
             except Exception:  # noqa: BLE001 - a scheduler must outlive a database or Redis blip
                 log.exception("scheduler pass failed; retrying")
+                woken = False
                 stop.wait(self.settings.scheduler_interval)
         log.info("scheduler stopped")

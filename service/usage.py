@@ -10,10 +10,11 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
+from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import elapsed, get_job
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, utcnow
 from gpuq.service.samples import minute_sums, raw_sums
@@ -105,12 +106,25 @@ def totals(session: Session, group: Grouping | None = None, *, since: datetime |
 
 
 def job_totals(session: Session, job_id: int) -> Totals:
-    """Every sample of one job (on all its GPUs)."""
-    return totals(session, where=lambda t: [t.job_id == job_id]).get(None, Totals())
+    """Every sample of one job (on all its GPUs). Built once: a worker asks this at every job's end."""
+    global _JOB_TOTALS
+    if _JOB_TOTALS is None:
+        _JOB_TOTALS = [select(*sums).where(t.job_id == bindparam("job_id"))
+                       for t, sums in ((DeviceSample, raw_sums()), (DeviceMinute, minute_sums()))]
+    out = Totals()
+    for query in _JOB_TOTALS:
+        row = session.execute(query, {"job_id": job_id}).mappings().one()
+        if row["samples"]:
+            out.add(row)
+    return out
 
 
-def summarize(session: Session, job: Job, now: datetime | None = None) -> JobUsage:
-    """The job's usage summary (not saved): wall time, GPU-hours, memory, utilisation, energy, idle."""
+_JOB_TOTALS: list | None = None
+
+
+def summarize(session: Session, job: Any, now: datetime | None = None) -> JobUsage:
+    """The job's usage summary (not saved): wall time, GPU-hours, memory, utilisation, energy, idle.
+    ``job``: a Job, or any row with its id, gpus, started_at and ended_at."""
     t = job_totals(session, job.id)
     wall = (elapsed(job, now) or timedelta()).total_seconds()
     return JobUsage(job_id=job.id, wall_s=wall, gpu_hours=wall * job.gpus / 3600.0,
@@ -122,8 +136,24 @@ def summarize(session: Session, job: Job, now: datetime | None = None) -> JobUsa
 
 def record_usage(session: Session, job_id: int) -> JobUsage:
     """Store (or replace) the summary of a job that ended; returns it."""
-    usage = summarize(session, get_job(session, job_id))
-    return session.merge(usage)
+    # The row as the database has it now (its end was just written by an UPDATE), in Core: a
+    # worker does this at every job's end.
+    job = session.connection().execute(_JOB_TIMES, {"job_id": job_id}).one_or_none()
+    if job is None:
+        raise JobNotFound(f"no job {job_id}")
+    summary = summarize(session, job)
+    session.connection().execute(_FORGET_USAGE, {"job_id": job_id})
+    session.connection().execute(insert(JobUsage.__table__), [_columns(summary)])
+    return summary
+
+
+def _columns(usage: JobUsage) -> dict[str, Any]:
+    return {col.key: getattr(usage, col.key) for col in JobUsage.__table__.columns}
+
+
+_JOB_TIMES = select(Job.__table__.c.id, Job.__table__.c.gpus, Job.__table__.c.started_at,
+                    Job.__table__.c.ended_at).where(Job.__table__.c.id == bindparam("job_id"))
+_FORGET_USAGE = JobUsage.__table__.delete().where(JobUsage.__table__.c.job_id == bindparam("job_id"))
 
 
 def job_usage(session: Session, job_id: int) -> JobUsage:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuq.service.policy import (PRIORITY, RESOURCES, USER_LIMIT, GpuState, JobRequest, Snapshot, decide,
-                                 queue_order)
+                                 next_up, queue_order)
 
 NOW = 1_000_000.0
 
@@ -123,3 +123,48 @@ def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_f
                 j = jobs_by_id[p.job_id]
                 if p.gpus[0].node == r.node and {g.id for g in p.gpus} & r.gpu_ids:
                     assert j.time_limit_s is not None and NOW + j.time_limit_s <= r.start
+
+
+@settings(max_examples=300, deadline=None)
+@given(gpus=gpu_lists, jobs=job_lists, limit=st.sampled_from([0, 0, 2, 3]),
+       held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)))
+def test_next_up_lists_only_fitting_one_gpu_jobs_in_queue_order_and_never_ahead_of_one_that_could_use_the_gpu(
+        gpus, jobs, limit, held):
+    snap = Snapshot(NOW, jobs, gpus, usage={"x": 3.0, "y": 1.0}, held_gpus=held, user_gpu_limit=limit)
+    d = decide(snap)
+    lists = next_up(snap, d, per_gpu=2, scan=1000)
+    by_id = {g.id: g for g in gpus}
+    placed_now = {p.job_id for p in d.placements}
+    busy = {g.id for g in gpus if g.busy_until is not None} | {g.id for p in d.placements for g in p.gpus}
+    position = {j.id: n for n, j in enumerate(queue_order(snap))}
+    jobs_by_id = {j.id: j for j in jobs}
+    for gpu_id, listed in lists.items():
+        g = by_id[gpu_id]
+        assert gpu_id in busy and listed == sorted(listed, key=position.get)
+        assert len(listed) <= 2 * sum(1 for b in busy if by_id[b].node == g.node)
+        for job_id in listed:
+            j = jobs_by_id[job_id]
+            assert job_id not in placed_now and j.gpus == 1 and g.fits(j) and j.node in (None, g.node)
+            if limit:
+                assert held.get(j.user, 0) + 1 <= limit
+        if limit:
+            continue  # (which jobs a limit lets through depends on who takes what first)
+        # Every job ahead of the last one listed that could use this GPU is listed before it
+        # (a one-GPU job) or ended the list (a gang that could run on this node): taking the
+        # list's head delays nobody.
+        last = position[listed[-1]]
+        for ahead in queue_order(snap)[:last]:
+            if ahead.id in placed_now:
+                continue
+            if g.fits(ahead) and ahead.node in (None, g.node):
+                fitting_here = sum(1 for h in gpus if h.node == g.node and h.fits(ahead))
+                assert (ahead.gpus == 1 and ahead.id in listed) or (ahead.gpus > 1 and fitting_here < ahead.gpus)
+
+
+def test_next_up_lists_the_queue_for_busy_gpus_and_stops_at_a_gang_that_could_use_them():
+    gpus = [gpu(1, busy_until=math.inf), gpu(2, busy_until=math.inf), gpu(3, node="b", busy_until=math.inf)]
+    jobs = [job(1), job(2, node="b"), job(3, gpus=2), job(4), job(5, node="b")]
+    snap = Snapshot(NOW, jobs, gpus)
+    lists = next_up(snap, decide(snap), per_gpu=4, scan=1000)
+    # Job 3 needs two GPUs: it closes node a's lists; node b (one GPU) goes on past it.
+    assert lists == {1: [1], 2: [1], 3: [1, 2, 4, 5]}

@@ -7,7 +7,7 @@ import sys
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from gpuq.service import constants as c
 from gpuq.service import inventory, jobs, spec
@@ -16,7 +16,7 @@ from gpuq.service.db import session_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.explain import why
-from gpuq.service.models import Gpu, Job, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.scheduler import Scheduler
 from gpuq.workers.runner import WorkerState, run_job
 
@@ -241,3 +241,71 @@ def test_a_node_request_for_an_unknown_node_or_too_many_gpus_there_is_refused(se
         submit(settings, node="zz")
     with pytest.raises(InvalidSpec, match="more than node a has"):
         submit(settings, node="a", gpus=3)
+
+
+def worker_on(settings, job_id) -> WorkerState:
+    with session_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job_id)[0]
+    return WorkerState(settings=settings, node=gpu.node, gpu_index=gpu.index, gpu_id=gpu.id,
+                       name=f"gpu{gpu.index}@{gpu.node}")
+
+
+def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(settings):
+    register(settings, "a", 1)
+    # Run by this process's user: a root worker runs a job as its owner.
+    first, second, third = (submit(settings, user=spec.current_user()) for _ in range(3))
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, first)[0] == c.DISPATCHED and state_of(settings, second)[0] == c.PENDING
+    # One message, three jobs: each end takes the next one listed for this GPU, no scheduler between.
+    assert run_job(worker_on(settings, first), first) == c.SUCCEEDED
+    with session_scope(settings) as session:
+        done = [session.get(Job, j) for j in (first, second, third)]
+        assert [j.state for j in done] == [c.SUCCEEDED] * 3
+        assert done[0].started_at < done[1].started_at < done[2].started_at
+        assert all(j.worker == "gpu0@a" and j.dispatched_at == j.started_at for j in done[1:])
+        assert session.scalar(select(func.count()).select_from(Allocation)) == 0
+
+
+def test_a_next_up_job_that_was_held_or_cancelled_meanwhile_is_not_started(settings):
+    register(settings, "a", 1)
+    me = spec.current_user()
+    first, held, cancelled, last = (submit(settings, user=me) for _ in range(4))
+    Scheduler(settings).schedule_once()
+    jobs.set_held(settings, held, True, user=me)
+    jobs.cancel(settings, cancelled, user=me)
+    run_job(worker_on(settings, first), first)
+    assert state_of(settings, held)[0] == c.PENDING
+    assert state_of(settings, cancelled)[0] == c.CANCELLED
+    assert state_of(settings, last)[0] == c.SUCCEEDED
+
+
+def test_a_worker_told_to_stop_or_on_a_drained_node_takes_no_next_job(settings):
+    register(settings, "a", 1)
+    first, second = submit(settings), submit(settings)
+    Scheduler(settings).schedule_once()
+    worker = worker_on(settings, first)
+    worker.stopping.set()  # the first SIGTERM: finish this job, start nothing more
+    run_job(worker, first)
+    assert state_of(settings, second)[0] == c.PENDING
+    third = submit(settings)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, second)[0] == c.DISPATCHED
+    with session_scope(settings) as session:
+        inventory.set_drained(session, "a", True, "maintenance")
+    run_job(worker_on(settings, second), second)
+    assert state_of(settings, third)[0] == c.PENDING
+
+
+def test_a_quick_pass_over_each_users_queue_head_places_what_a_whole_pass_would(settings):
+    register(settings, "a", 2)
+    register(settings, "b", 2)
+    for user, n, gpus in (("ann", c.HEAD_PER_USER + 5, 2), ("bob", 3, 1), ("cy", c.HEAD_PER_USER + 2, 1)):
+        for _ in range(n):
+            submit(settings, user=user, gpus=gpus)
+    from gpuq.service.policy import decide
+    from gpuq.service.scheduler import read_snapshot
+    with session_scope(settings) as session:
+        whole = read_snapshot(session, settings)
+    expected = sorted((p.job_id, tuple(g.id for g in p.gpus)) for p in decide(whole.policy).placements)
+    placed = Scheduler(settings).schedule_once(quick=True)
+    assert sorted((p.job_id, tuple(g.id for g in p.gpus)) for p in placed) == expected and expected

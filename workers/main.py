@@ -99,7 +99,8 @@ def serve(index: int, loglevel: str) -> int:
 
 
 def _interrupt_on_second_shutdown(state) -> None:
-    """First SIGTERM: warm shutdown, the running job finishes. Second: the running job is stopped."""
+    """First SIGTERM: warm shutdown, the running job finishes (and no next one starts here).
+    Second: the running job is stopped."""
     from celery.signals import worker_shutting_down
 
     requests = []
@@ -107,6 +108,7 @@ def _interrupt_on_second_shutdown(state) -> None:
     @worker_shutting_down.connect(weak=False)
     def _on_shutdown(sig=None, how=None, **_):
         requests.append(how)
+        state.stopping.set()
         if len(requests) >= 2 or how == "Cold":
             state.interrupt.set()
         elif state.settings.shutdown_grace > 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from sqlalchemy.orm import Session
+
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.errors import Unreachable
@@ -21,15 +23,18 @@ class OutputSink:
     hammering the database. Past ``max_output_bytes`` the rest is dropped with one note.
     """
 
-    def __init__(self, settings: Settings, job_id: int) -> None:
+    def __init__(self, settings: Settings, job_id: int, seq: int | None = None) -> None:
         self.settings = settings
         self.job_id = job_id
         self._buffer: list[str] = []
         self._buffered = 0
         self._written = 0
-        # After the output of the job's earlier attempts, if it is being retried.
-        with session_scope(settings) as session:
-            self._seq = next_output_seq(session, job_id)
+        # After the output of the job's earlier attempts, if it is being retried (``seq``, when
+        # the caller read it in the transaction that started the job).
+        if seq is None:
+            with session_scope(settings) as session:
+                seq = next_output_seq(session, job_id)
+        self._seq = seq
         self._truncated = False
         self._lock = threading.Lock()
         # One flush at a time, so a chunk that failed to reach SQL is retried under its own number.
@@ -37,13 +42,16 @@ class OutputSink:
         # The output's last characters, to tell why a job failed (a CUDA OOM message, say).
         self.tail = ""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._flush_loop, name=f"output-{job_id}", daemon=True)
-        self._thread.start()
+        # Started by the first write: a job that prints nothing costs no thread.
+        self._thread: threading.Thread | None = None
 
     def write(self, text: str) -> None:
         if not text:
             return
         with self._lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._flush_loop, name=f"output-{self.job_id}", daemon=True)
+                self._thread.start()
             room = self.settings.max_output_bytes - self._written - self._buffered
             if room <= 0:
                 if not self._truncated:
@@ -92,11 +100,33 @@ class OutputSink:
         while not self._stop.wait(c.OUTPUT_FLUSH_SECONDS):
             self.flush()
 
+    def stop(self) -> None:
+        """Stop the flusher; what is left is written by ``store_rest`` in the job's end transaction."""
+        with self._lock:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def store_rest(self, session: Session) -> None:
+        """Add what is buffered to ``session`` (the transaction that ends the job). Nothing here
+        changes until ``rest_stored`` is called after it commits, so a failed end can be retried."""
+        with self._lock:
+            if self._buffer:
+                append_output(session, self.job_id, self._seq, "".join(self._buffer))
+
+    def rest_stored(self) -> None:
+        with self._lock:
+            if self._buffer:
+                self._written += self._buffered
+                self._buffer, self._buffered, self._seq = [], 0, self._seq + 1
+
     def close(self, give_up: threading.Event | None = None) -> None:
         """Stop the flusher and write the rest, retrying while the database is away (until
         ``give_up`` is set)."""
-        self._stop.set()
-        self._thread.join()
+        with self._lock:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
         stopping = give_up or threading.Event()
         delay = 0.2
         while not self.flush():

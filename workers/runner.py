@@ -15,14 +15,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuq.service import broker, failures, usage
+from sqlalchemy import bindparam, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from gpuq.service import broker, failures, samples, usage
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
-from gpuq.service.errors import JobCancelled, Unreachable
+from gpuq.service.db import read_scope, session_scope
+from gpuq.service.errors import JobCancelled, JobNotFound, Unreachable
 from gpuq.service.inventory import drain_gpu
 from gpuq.service.celery_app import send_run_rank
-from gpuq.service.jobs import (cancel_requested, claim, finish, get_job, job_gpus, rank_to_run, record_metric,
-                               set_rendezvous)
+from gpuq.service.jobs import (cancel_requested, claim, finish, next_output_seq, rank_to_run, record_metric,
+                               set_rendezvous, take_next)
+from gpuq.service.models import Allocation, Gpu, Job
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers.cgroup import JobCgroup
@@ -54,6 +58,18 @@ class WorkerState:
     lease: Lease | None = None
     # Set by the heartbeat when NVML says this GPU is lost: the running job stops.
     gpu_lost: threading.Event = field(default_factory=threading.Event)
+    # Set on the first shutdown request: the running job finishes, and no next one is taken.
+    stopping: threading.Event = field(default_factory=threading.Event)
+    # One Redis connection for the wake-ups, kept: a new one per job is a TCP handshake each.
+    _redis: Any = None
+
+    def redis(self) -> Any:
+        if self._redis is None:
+            self._redis = broker.client(self.settings)
+        return self._redis
+
+    def may_take_next(self) -> bool:
+        return not (self.stopping.is_set() or self.interrupt.is_set() or self.gpu_lost.is_set())
 
     def job_started(self, job_id: int) -> None:
         self.job_id = job_id
@@ -150,7 +166,7 @@ class CancelWatcher(threading.Thread):
         if self.deadline is not None and time.time() >= self.deadline:
             return c.FAILURE_TIMEOUT
         try:
-            with session_scope(self.settings) as session:
+            with read_scope(self.settings) as session:
                 if cancel_requested(session, self.job_id):
                     return c.FAILURE_CANCELLED
         except Exception:  # noqa: BLE001 - a database blip must not stop the job
@@ -158,19 +174,47 @@ class CancelWatcher(threading.Thread):
         return ""
 
 
-def load(settings: Settings, job_id: int) -> JobRun:
-    with session_scope(settings) as session:
-        job = get_job(session, job_id)
-        gpus = job_gpus(session, job_id)
-        deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
-        return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
-                      argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
-                      gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
-                      time_limit_s=job.time_limit_s, host_mem_mib=job.host_mem_mib, user=job.user)
+def load(session, job_id: int) -> tuple[JobRun, bool]:
+    """The job as its run needs it, and whether it ran before (a retry, a requeue)."""
+    job = session.connection().execute(_JOB_TO_RUN, {"job_id": job_id}).one_or_none()
+    if job is None:
+        raise JobNotFound(f"no job {job_id}")
+    gpus = session.connection().execute(_JOB_GPUS, {"job_id": job_id}).all()
+    deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
+    run = JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
+                 argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
+                 gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
+                 time_limit_s=job.time_limit_s, host_mem_mib=job.host_mem_mib, user=job.user)
+    return run, bool(job.attempts)
+
+
+_J = Job.__table__.c
+_JOB_TO_RUN = select(_J.id, _J.name, _J.kind, _J.workload, _J.params, _J.argv, _J.cwd, _J.env, _J.started_at,
+                     _J.time_limit_s, _J.host_mem_mib, _J.user, _J.attempts).where(_J.id == bindparam("job_id"))
+_JOB_GPUS = (select(Gpu.__table__.c.index, Gpu.__table__.c.queue)
+             .join_from(Allocation.__table__, Gpu.__table__, Gpu.__table__.c.id == Allocation.__table__.c.gpu_id)
+             .where(Allocation.__table__.c.job_id == bindparam("job_id")).order_by(Allocation.__table__.c.rank))
+
+
+@dataclass(frozen=True)
+class Started:
+    """A job this worker started (claimed, or took from its next-up list), as read in that transaction."""
+
+    job: JobRun
+    lease: Lease
+    # The number its first output chunk gets (after earlier attempts' output).
+    output_seq: int
+
+
+def _started(session, job_id: int, token: str) -> Started:
+    job, ran_before = load(session, job_id)
+    # A retried job's output goes on after its earlier attempts'.
+    return Started(job, Lease(job_id, token), next_output_seq(session, job_id) if ran_before else 0)
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
-    """Claim and run job ``job_id``; returns its end state, or None if it was not ours to run.
+    """Claim and run job ``job_id``, then each job this GPU takes from its next-up list as the
+    previous one ends; returns the last one's end state, or None if ``job_id`` was not ours to run.
 
     A message for a job that is not dispatched to this GPU (a duplicate, a cancelled job, a
     forged id) changes nothing.
@@ -178,14 +222,23 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     settings = state.settings
     with session_scope(settings) as session:
         token = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
-    if token is None:
+        started = _started(session, job_id, token) if token is not None else None
+    if started is None:
         log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
         return None
-    lease = state.lease = Lease(job_id, token)
-    state.job_started(job_id)
-    job = load(settings, job_id)
+    end_state = None
+    while started is not None:
+        end_state, started = _run(state, started)
+    return end_state
+
+
+def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
+    """Run one started job to its end; returns its end state and the next job started here."""
+    settings, job = state.settings, started.job
+    lease = state.lease = started.lease
+    state.job_started(job.id)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or job.argv[0])
-    sink = OutputSink(settings, job.id)
+    sink = OutputSink(settings, job.id, started.output_seq)
     watcher = CancelWatcher(settings, job.id, state.interrupt, job.deadline, lease, state.gpu_lost)
     watcher.start()
     end: dict[str, Any]
@@ -199,37 +252,65 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
                "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
         watcher.done.set()
-        sink.close(give_up=state.interrupt)
-        state.job_ended(job.id)
-    ended = _write_end(state, lease, end)
+        sink.stop()
+    ended, following, wake = _write_end(state, lease, end, sink)
+    state.job_id = None
     state.lease = None
-    broker.wake_scheduler(settings)
+    if wake:
+        broker.wake_scheduler(settings, state.redis())
     log.info("%s: job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
-    return end["state"]
+    return end["state"], following
 
 
-def _write_end(state: WorkerState, lease: Lease, end: dict[str, Any]) -> bool:
-    """Write the job's end under its lease, retrying while the database is away: an end is never
-    dropped. False if the lease was no longer ours (the reaper took the job back meanwhile)."""
+def _write_end(state: WorkerState, lease: Lease, end: dict[str, Any],
+               sink: OutputSink) -> tuple[bool, Started | None, bool]:
+    """Write the job's end under its lease, with the rest of its output, its last device readings
+    and its usage summary, and take the GPU's next job, all in one transaction; retried while the
+    database is away: an end is never dropped. Returns whether the end was ours to write (False:
+    the reaper took the job back meanwhile), the next job started here, and whether the scheduler
+    should look (the GPU is free, or its next-up list runs short)."""
+    readings = state.sampler.end_rows(lease.job_id) if state.sampler is not None else []
+    last_words = True
     delay = 0.2
     while True:
         try:
+            following, left = None, 0
             with session_scope(state.settings) as session:
+                if last_words:
+                    sink.store_rest(session)
+                    samples.record(session, state.gpu_id, readings)
                 done = finish(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
                               **end)
                 if done:
                     _record_usage(state, session, lease.job_id)
+                    if state.may_take_next():
+                        taken = take_next(session, state.gpu_id, state.name, state.node,
+                                          state.settings.lease_timeout, state.settings.user_gpu_limit)
+                        if taken is not None:
+                            following, left = _started(session, taken[0], taken[1]), taken[2]
+            if last_words:
+                sink.rest_stored()
             if not done:
                 log.warning("%s: job %s was taken back (lease lost); its end here is not recorded",
                             state.name, lease.job_id)
-            return done
+            return done, following, following is None or left < 2 * c.NEXT_UP_PER_GPU
         except Unreachable as exc:
             log.warning("%s: job %s: cannot record its end yet (%s); retrying", state.name, lease.job_id, exc)
             if state.interrupt.wait(delay):
                 log.error("%s: job %s: end not recorded: the worker is stopping; the reaper will take "
                           "it back when its lease runs out", state.name, lease.job_id)
-                return False
+                if state.sampler is not None:
+                    state.sampler.put_back(readings)
+                return False, None, True
             delay = min(delay * 2, 5.0)
+        except SQLAlchemyError:
+            if not last_words:
+                raise
+            # Not an outage: a row of its output or readings the database refuses. The end
+            # matters more; it is written again without them.
+            log.exception("%s: job %s: could not store the rest of its output or its last device readings",
+                          state.name, lease.job_id)
+            last_words = False
 
 
 def _record_usage(state: WorkerState, session, job_id: int) -> None:

@@ -88,6 +88,22 @@ class Sampler(threading.Thread):
                 self._pending[:0] = batch
             raise
 
+    def end_rows(self, job_id: int) -> list[dict[str, Any]]:
+        """One last reading of a job that ended, and every reading not written yet, handed over to
+        be written in the transaction that ends the job (``put_back`` if that fails)."""
+        try:
+            self.sample(job_id)
+        except Exception:  # noqa: BLE001 - the job's end matters more than its last reading
+            log.exception("job %s: could not take its last device reading", job_id)
+        with self._lock:
+            rows, self._pending = self._pending, []
+        return rows
+
+    def put_back(self, rows: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._pending[:0] = rows
+            del self._pending[:-MAX_PENDING]
+
     def job_ended(self, job_id: int) -> None:
         """Close a job's record: one last reading of it, and everything written before its summary."""
         try:

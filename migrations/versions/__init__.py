@@ -1,1 +1,1 @@
-HEAD = "0006"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0007"  # the newest revision; tests/test_migrations.py checks it against Alembic
