@@ -106,18 +106,8 @@ def session_scope(settings: Settings) -> Iterator[Session]:
 
     A database that cannot be reached raises Unreachable naming the URL (password masked).
     """
-    session = _sessionmaker(settings.database)()
-    try:
+    with _scope(settings, read_only=False) as session:
         yield session
-        session.commit()
-    except OperationalError as exc:
-        session.rollback()
-        raise Unreachable(_unreachable_message(settings, exc)) from None
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 @contextmanager
@@ -127,11 +117,21 @@ def read_scope(settings: Settings) -> Iterator[Session]:
     On SQLite it takes no write lock, so a long read (the scheduler's snapshot, a watcher's poll)
     never makes the workers' claims and ends wait; writing in it is an error there.
     """
+    with _scope(settings, read_only=True) as session:
+        yield session
+
+
+@contextmanager
+def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
     session = _sessionmaker(settings.database)()
     try:
-        session.connection(execution_options={_READ_ONLY: True})
+        if read_only:
+            session.connection(execution_options={_READ_ONLY: True})
         yield session
-        session.rollback()
+        if read_only:
+            session.rollback()
+        else:
+            session.commit()
     except OperationalError as exc:
         session.rollback()
         raise Unreachable(_unreachable_message(settings, exc)) from None
