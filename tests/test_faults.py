@@ -325,9 +325,10 @@ def test_a_command_past_its_host_memory_limit_is_oom_killed_and_classified(stack
     job_id = submit(stack.settings, [sys.executable, "-c", code], tmp_path, host_mem_mib=64)
     j = wait_state(stack.settings, job_id, c.FAILED)
     assert j.failure == c.FAILURE_HOST_OOM and "OOM killer" in j.reason and "64 MiB" in j.reason
-    # The job's cgroup went with it.
+    # The job's cgroup went with it (named after its worker: other tests' job ids start at 1 too).
     parent = probe.path.parent
-    assert not [d for d in parent.iterdir() if d.name.startswith("gpuq-") and f"-job{job_id}-" in d.name
+    mine = f"gpuq-{j.worker.replace('@', '-')}-job{job_id}-"
+    assert not [d for d in parent.iterdir() if d.name.startswith(mine)
                 and d.stat().st_mtime >= j.started_at.timestamp() - 1]
 
 
