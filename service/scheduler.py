@@ -61,29 +61,20 @@ class FairShare:
 
     def usage(self, session: Session, now: datetime) -> dict[str, float]:
         settled = now - self.SETTLE
-        if self.anchor is None:
-            self.anchor, since = now, now - self.horizon
-        else:
-            assert self.until is not None
-            since = self.until
-        if settled - since >= self.SETTLE:
-            for user, gpus, started, ended in self._ended(session, since, settled):
+        if self.anchor is None or self.until is None:
+            self.anchor, self.until = now, now - self.horizon
+        if settled - self.until >= self.SETTLE:
+            for user, gpus, started, ended in self._ended(session, self.until, settled):
                 self.folded[user] += gpus * self._weight(started, ended)
             self.until = settled
         decay = math.exp(-self.rate * (now - self.anchor).total_seconds()) / self.rate / 3600.0
         usage = {user: total * decay for user, total in self.folded.items()}
         fresh = list(session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
                                      .where(Job.state == c.RUNNING, Job.started_at.is_not(None))))
-        if self.until is not None:
-            fresh += self._ended(session, self.until)
+        fresh += self._ended(session, self.until)
         for user, gpus, started, ended in fresh:
             usage[user] = usage.get(user, 0.0) + gpus * self._weight(started, ended or now) * decay
         return usage
-
-
-def fair_share_usage(session: Session, settings: Settings, now: datetime) -> dict[str, float]:
-    """Each user's recent GPU-hours, read from scratch (FairShare keeps the same figures pass after pass)."""
-    return FairShare(settings).usage(session, now)
 
 
 @dataclass
@@ -97,15 +88,12 @@ class Snapshot:
     doomed: dict[int, str]
     # The reason each pending job shows now, to write only those that change.
     shown: dict[int, str | None]
-    # False for a head-of-queue snapshot that left out some users' later jobs: only what it
-    # decides for jobs up to ``policy.jobs``' end is what a whole pass would decide.
-    complete: bool = True
 
 
 def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | None = None,
                   head: int | None = None) -> Snapshot:
     """What one pass needs from SQL. With ``head``, only each user's first ``head`` pending jobs
-    that are not held (a quick pass; see ``_head_of_queue``), else every pending job."""
+    that are not held (a quick pass; see ``_pending``), else every pending job."""
     now = utcnow()
     drained = set(session.scalars(select(Node.name).where(Node.drained)))
     busy: dict[int, float] = {}
@@ -148,7 +136,7 @@ def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | 
             jobs.append(job)
     snap = policy.Snapshot(now=now.timestamp(), jobs=jobs, gpus=gpus, usage=usage,
                            held_gpus=dict(held), user_gpu_limit=settings.user_gpu_limit)
-    return Snapshot(snap, not_eligible, doomed, {row.id: row.reason for row in pending}, complete=cut is None)
+    return Snapshot(snap, not_eligible, doomed, {row.id: row.reason for row in pending})
 
 
 def _pending(session: Session, head: int | None, usage: dict[str, float]):
@@ -230,7 +218,6 @@ class Scheduler:
         self.fair_share = FairShare(settings)
         # The next-up rows this scheduler wrote last, {(gpu id, job id): rank}; None: not known.
         self._listed: dict[tuple[int, int], int] | None = None
-        self._pending_listed: dict[tuple[int, int], int] | None = None
         # When the last whole pass ended (time.monotonic()) and how long it took.
         self.last_full, self.full_took = -math.inf, 0.0
 
@@ -267,7 +254,7 @@ class Scheduler:
                 placements = [p for p in decision.placements if self._allocate(session, p)]
                 if not quick:
                     self._record_reasons(session, snap, decision)
-                self._write_next_up(session, lists, decision.order)
+                listed = self._write_next_up(session, lists, decision.order)
         except IntegrityError:
             # Another scheduler took one of these GPUs first; the next pass sees the new state.
             log.info("allocation raced with another scheduler; retrying next pass")
@@ -276,31 +263,32 @@ class Scheduler:
         except BaseException:
             self._listed = None  # not written: rewrite the lists whole next time
             raise
-        self._listed = self._pending_listed
+        self._listed = listed
         for p in placements:
             self._send(p)
         if not quick:
             self.last_full, self.full_took = time.monotonic(), time.monotonic() - started
         return placements
 
-    def _write_next_up(self, session: Session, lists: dict[int, list[int]], order: list[policy.JobRequest]) -> None:
-        """Write the next-up lists as changes to what this scheduler wrote last: a pass usually
-        moves a few jobs, not the hundreds of rows of 64 GPUs' lists. A row a worker deleted when
-        it took its job is never listed again (the job is no longer pending)."""
+    def _write_next_up(self, session: Session, lists: dict[int, list[int]],
+                       order: list[policy.JobRequest]) -> dict[tuple[int, int], int]:
+        """Write the next-up lists as changes to what this scheduler wrote last (``self._listed``):
+        a pass usually moves a few jobs, not the hundreds of rows of 64 GPUs' lists. Returns the
+        rows now wanted, {(gpu id, job id): rank}. A row a worker deleted when it took its job is
+        never listed again (the job is no longer pending)."""
         rank = {j.id: r for r, j in enumerate(order)}
         wanted = {(gpu, job): rank[job] for gpu, jobs in lists.items() for job in jobs}
-        if self._listed is None:
+        listed = self._listed
+        if listed is None:
             session.execute(delete(NextUp))
-            self._listed = {}
-        gone = [key for key in self._listed if key not in wanted]
-        new = [{"gpu_id": g, "job_id": j, "rank": r} for (g, j), r in wanted.items() if self._listed.get((g, j)) != r]
-        for g, j in gone:
-            session.execute(delete(NextUp).where(NextUp.gpu_id == g, NextUp.job_id == j))
-        if new:
-            session.execute(delete(NextUp).where(tuple_(NextUp.gpu_id, NextUp.job_id).in_(
-                [(row["gpu_id"], row["job_id"]) for row in new])))
-            session.execute(insert(NextUp), new)
-        self._pending_listed = wanted
+            listed = {}
+        changed = [key for key, r in wanted.items() if listed.get(key) != r]
+        stale = [key for key in listed if key not in wanted] + changed
+        if stale:
+            session.execute(delete(NextUp).where(tuple_(NextUp.gpu_id, NextUp.job_id).in_(stale)))
+        if changed:
+            session.execute(insert(NextUp), [{"gpu_id": g, "job_id": j, "rank": wanted[g, j]} for g, j in changed])
+        return wanted
 
     def _redis_restarted(self) -> bool:
         """Whether Redis restarted since the last pass (a new run id), maybe empty of our messages."""

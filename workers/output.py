@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.errors import Unreachable
-from gpuq.service.jobs import append_output, next_output_seq
+from gpuq.service.jobs import append_output
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.worker")
@@ -23,17 +23,14 @@ class OutputSink:
     hammering the database. Past ``max_output_bytes`` the rest is dropped with one note.
     """
 
-    def __init__(self, settings: Settings, job_id: int, seq: int | None = None) -> None:
+    def __init__(self, settings: Settings, job_id: int, seq: int) -> None:
         self.settings = settings
         self.job_id = job_id
         self._buffer: list[str] = []
         self._buffered = 0
         self._written = 0
-        # After the output of the job's earlier attempts, if it is being retried (``seq``, when
-        # the caller read it in the transaction that started the job).
-        if seq is None:
-            with session_scope(settings) as session:
-                seq = next_output_seq(session, job_id)
+        # The first chunk's number: after the output of the job's earlier attempts, if it is being
+        # retried (``jobs.next_output_seq``, read in the transaction that started the job).
         self._seq = seq
         self._truncated = False
         self._lock = threading.Lock()
@@ -119,18 +116,3 @@ class OutputSink:
             if self._buffer:
                 self._written += self._buffered
                 self._buffer, self._buffered, self._seq = [], 0, self._seq + 1
-
-    def close(self, give_up: threading.Event | None = None) -> None:
-        """Stop the flusher and write the rest, retrying while the database is away (until
-        ``give_up`` is set)."""
-        with self._lock:
-            self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        stopping = give_up or threading.Event()
-        delay = 0.2
-        while not self.flush():
-            if stopping.wait(delay):
-                log.error("job %s: output not stored: the worker is stopping", self.job_id)
-                return
-            delay = min(delay * 2, 5.0)
