@@ -19,6 +19,17 @@ def client(settings: Settings, timeout: float = c.BROKER_CONNECT_TIMEOUT) -> red
     return redis.Redis.from_url(settings.broker, socket_connect_timeout=timeout, socket_timeout=timeout + 30)
 
 
+_shared: dict[str, redis.Redis] = {}
+
+
+def shared(settings: Settings) -> redis.Redis:
+    """This process's one client of the broker for gpuq's own keys (its pool survives a fork:
+    redis-py opens new connections in the child)."""
+    if settings.broker not in _shared:
+        _shared[settings.broker] = client(settings)
+    return _shared[settings.broker]
+
+
 def wake_key(settings: Settings) -> str:
     return f"{settings.key_prefix}:wake"
 
@@ -37,7 +48,7 @@ def check(settings: Settings) -> None:
     import redis
 
     try:
-        client(settings).ping()
+        shared(settings).ping()
     except redis.RedisError as exc:
         raise Unreachable(f"cannot reach the broker at {mask_url(settings.broker)}: {_first_line(exc)}") from None
 
@@ -50,18 +61,59 @@ def wake_scheduler(settings: Settings, conn: redis.Redis | None = None) -> None:
     import redis
 
     try:
-        r = conn or client(settings)
-        pipe = r.pipeline()
-        pipe.lpush(wake_key(settings), 1)
-        pipe.ltrim(wake_key(settings), 0, 0)  # one pending wake-up is as good as many
+        pipe = (conn or shared(settings)).pipeline()
+        _push_wake(pipe, settings)
         pipe.execute()
     except redis.RedisError:
         pass
 
 
-def wait_for_wake(conn: redis.Redis, settings: Settings, timeout: float) -> bool:
-    """Block until woken or ``timeout`` seconds pass; True if woken."""
-    return conn.blpop([wake_key(settings)], timeout=max(timeout, 0.01)) is not None
+def _push_wake(pipe, settings: Settings) -> None:
+    pipe.lpush(wake_key(settings), 1)
+    pipe.ltrim(wake_key(settings), 0, 0)  # one pending wake-up is as good as many
+
+
+def dispatch_key(settings: Settings) -> str:
+    return f"{settings.key_prefix}:dispatch"
+
+
+def hand_over(settings: Settings, placed: list[tuple[int, str]], wake: bool = False) -> None:
+    """Hand the scheduler jobs placed at submit, (job id, queue) each, to send; with ``wake``,
+    wake it for a pass too (some jobs of the submission still wait).
+
+    Best effort: a job whose message is never sent is sent again once it has waited
+    ``resend_after`` seconds unclaimed, as any dispatched job."""
+    import redis
+
+    try:
+        pipe = shared(settings).pipeline()
+        pipe.rpush(dispatch_key(settings), *(f"{job_id} {queue}" for job_id, queue in placed))
+        if wake:
+            _push_wake(pipe, settings)
+        pipe.execute()
+    except redis.RedisError:
+        pass
+
+
+# What ended the scheduler's wait: a wake-up (a pass is due), jobs handed over to send (no pass
+# needed), or the timeout.
+WOKEN, HANDED, TIMEOUT = "woken", "handed", "timeout"
+
+
+def wait_for_wake(conn: redis.Redis, settings: Settings, timeout: float) -> tuple[str, list[str]]:
+    """Block until woken, handed jobs, or ``timeout`` seconds pass. Returns which (WOKEN, HANDED,
+    TIMEOUT), and the jobs handed over to send ("JOB_ID QUEUE" each, see ``hand_over``), taken
+    off the list."""
+    got = conn.blpop([dispatch_key(settings), wake_key(settings)], timeout=max(timeout, 0.01))
+    if got is None:
+        return TIMEOUT, []
+    if got[0].decode() != dispatch_key(settings):
+        return WOKEN, []
+    pipe = conn.pipeline()  # the rest handed over meanwhile, in one round trip (MULTI/EXEC)
+    pipe.lrange(dispatch_key(settings), 0, -1)
+    pipe.delete(dispatch_key(settings))
+    rest, _ = pipe.execute()
+    return HANDED, [e.decode(errors="replace") for e in (got[1], *rest)]
 
 
 def _first_line(exc: Exception) -> str:

@@ -91,8 +91,14 @@ DEVICES_WATCH_SECONDS = 1.0
 
 # Next-up lists (policy.next_up): jobs listed per busy GPU, and how far down the queue the
 # scheduler looks for them each pass.
-NEXT_UP_PER_GPU = 4
+NEXT_UP_PER_GPU = 16
 NEXT_UP_SCAN = 2000
+# A worker whose next-up list runs short wakes the scheduler at most this often, seconds: one
+# pass refills every list, so a wake-up per job would only keep the scheduler busy.
+NEXT_UP_WAKE_SPACING = 0.05
+# Quick scheduler passes begin at least this far apart, seconds: wake-ups that come meanwhile
+# are answered by one pass. 0.02 gave about a sixth more throughput than none; 0.1 let lists run dry.
+QUICK_PASS_SPACING = 0.02
 # A quick scheduler pass reads each user's first this many pending jobs.
 HEAD_PER_USER = 32
 # A whole scheduler pass runs no more often than this many times its own duration.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
@@ -44,6 +46,62 @@ def _sqlite_begin(conn) -> None:
 _READ_ONLY = "gpuq_read_only"
 
 
+class WriterLock:
+    """One SQLite database's writers queue here, in the kernel, before they BEGIN IMMEDIATE.
+
+    SQLite's own busy handler polls: a writer that finds the lock taken sleeps 1, 2, 5, 10 ms
+    and more before it looks again, so under a few busy workers the lock often sits free while
+    everyone sleeps. A blocking flock() on a file beside the database wakes the next writer the
+    moment the last one lets go. Every gpuq process takes it around its write transactions;
+    anything else writing to the file still gets SQLite's busy handler, as before.
+    """
+
+    def __init__(self, database_path: str) -> None:
+        self.path = database_path + "-writer"
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        # flock() is per open file, so this process's threads queue on a lock of their own first.
+        self._threads = threading.Lock()
+        self._owner: int | None = None
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def acquire(self) -> None:
+        self._threads.acquire()
+        try:
+            if self._fd is None or self._pid != os.getpid():
+                self._fd, self._pid = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600), os.getpid()
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+        self._owner = threading.get_ident()
+
+    def release(self) -> None:
+        self._owner = None
+        try:
+            if self._fd is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._threads.release()
+
+
+_writer_locks: dict[str, WriterLock] = {}
+
+
+def _writer_lock(url: str) -> WriterLock | None:
+    """The writers' queue of a SQLite database file; None for another database (its server queues)."""
+    if not url.startswith("sqlite"):
+        return None
+    path = _sqlite_path(url)
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    if url not in _writer_locks:
+        _writer_locks[url] = WriterLock(path)
+    return _writer_locks[url]
+
+
 _engines: dict[str, Engine] = {}
 _sessionmakers: dict[str, sessionmaker[Session]] = {}
 # Databases this process has seen at the head revision: checked once, not on every command.
@@ -56,9 +114,14 @@ def _engine(url: str) -> Engine:
     return _engines[url]
 
 
+def _sqlite_path(url: str) -> str:
+    """The file of a sqlite:/// URL (empty, or ":memory:", for none)."""
+    return url.split("///", 1)[-1]
+
+
 def _create_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
+        path = _sqlite_path(url)
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 30})
@@ -89,6 +152,7 @@ def _forget_after_fork() -> None:
         engine.dispose(close=False)
     _engines.clear()
     _sessionmakers.clear()
+    _writer_locks.clear()  # its thread lock may have been held by a thread the child lacks
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -123,6 +187,11 @@ def read_scope(settings: Settings) -> Iterator[Session]:
 
 @contextmanager
 def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
+    lock = None if read_only else _writer_lock(settings.database)
+    if lock is not None and lock.held_here():
+        lock = None  # a scope inside another one on this thread: SQLite's own lock decides, as before
+    if lock is not None:
+        lock.acquire()
     session = _sessionmaker(settings.database)()
     try:
         if read_only:
@@ -140,6 +209,19 @@ def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
         raise
     finally:
         session.close()
+        if lock is not None:
+            lock.release()
+
+
+def savepoint(session: Session):
+    """A savepoint where a failed statement would abort the whole transaction (PostgreSQL); on
+    SQLite, where only the failed statement is undone, none (two statements fewer). So only for
+    a block whose earlier statements may stand when a later one fails, or whose later ones cannot
+    fail on SQLite: nothing before the failed statement is undone there (``allocate`` needs a
+    real savepoint, ``take_next`` does not)."""
+    if session.connection().dialect.name == "sqlite":
+        return nullcontext()
+    return session.begin_nested()
 
 
 def _unreachable_message(settings: Settings, exc: SQLAlchemyError) -> str:

@@ -6,8 +6,8 @@ once even when its message is delivered twice, and a cancel never overwrites an 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -15,11 +15,12 @@ from typing import Any
 from sqlalchemy import bindparam, delete, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
-from gpuq.service.db import require_schema, session_scope
+from gpuq.service.db import require_schema, savepoint, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, NextUp, Node, utcnow
@@ -84,11 +85,25 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
                 for row in rows:
                     row.snapshot, row.cwd = str(staged.path), staged.workdir()
             session.flush()
+            from gpuq.service.scheduler import place_at_submit  # it imports this module
+
+            placed = place_at_submit(session, settings, [row.id for row in rows])
+            where = {job_id: (node, at) for job_id, _, node, at in placed}
+            for row in rows:
+                if row.id in where:  # as placed (loaded state: no UPDATE of its own at commit)
+                    for key, value in zip(("state", "node", "dispatched_at", "reason"),
+                                          (c.DISPATCHED, *where[row.id], None)):
+                        set_committed_value(row, key, value)
     except BaseException:
         if staged is not None:
             staged.discard()
         raise
-    broker.wake_scheduler(settings)
+    if placed:
+        # Jobs of the submission left waiting need a pass; those placed need only their messages.
+        broker.hand_over(settings, [(job_id, queue) for job_id, queue, _, _ in placed],
+                         wake=len(placed) < len(rows))
+    else:
+        broker.wake_scheduler(settings)
     return rows
 
 
@@ -256,50 +271,71 @@ def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: floa
 
 
 def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
-              user_gpu_limit: int = 0) -> tuple[int, str, int] | None:
+              user_gpu_limit: int = 0) -> tuple[Any, str, int] | None:
     """Start the first job of this GPU's next-up list that may still start here, as a claim would:
-    running on this GPU with a lease. Returns (job id, lease token, how many listed jobs are left
-    after it), or None: nothing listed still pending, or the GPU or its node was drained. Call it
-    in the transaction that freed the GPU.
+    running on this GPU with a lease. Returns (the job's row as ``TAKEN_COLUMNS``, its lease token,
+    how many listed jobs are left after it), or None: nothing listed still pending, or the GPU or
+    its node was drained. Call it in the transaction that freed the GPU.
 
     The list is only a hint: the job must still be pending and not held, and its user under their
     GPU limit; a job another GPU's worker took first is passed over. If the scheduler allocated
-    this GPU meanwhile (it saw it free), the unique allocation key refuses the take."""
+    this GPU meanwhile (it saw it free), the unique allocation key refuses the take. The taken
+    job's row stays listed on other GPUs until the scheduler's next pass drops it: every take reads
+    only pending jobs, so that costs nothing but a row."""
     conn = session.connection()
-    gpu = conn.execute(_GPU_OPEN, {"gpu_id": gpu_id}).one_or_none()
-    if gpu is None or gpu.drain_reason is not None or gpu.drained:
-        return None
     listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
+    now = utcnow()
     for n, (job_id, user) in enumerate(listed):
         if user_gpu_limit and _gpus_held(session, user) + 1 > user_gpu_limit:
             continue
-        token, now = uuid.uuid4().hex, utcnow()
+        token = uuid.uuid4().hex
         try:
-            with session.begin_nested():
-                if conn.execute(_TAKE, {"job_id": job_id, "now": now, "node": node, "worker": worker, "token": token,
-                                        "expires": now + timedelta(seconds=lease_s)}).rowcount != 1:
+            # SQLite: this transaction holds the database's write lock, so no allocation can
+            # appear between the read above and the insert below; PostgreSQL: one may, and the
+            # unique key refuses ours, which the savepoint keeps from aborting the job's end.
+            with savepoint(session):
+                row = conn.execute(_TAKE, {"job_id": job_id, "now": now, "node": node, "worker": worker,
+                                           "token": token, "expires": now + timedelta(seconds=lease_s)}).one_or_none()
+                if row is None:
                     continue
                 conn.execute(_ALLOCATE_HERE, {"job_id": job_id, "gpu_id": gpu_id})
-                conn.execute(_UNLIST, {"job_id": job_id})
         except IntegrityError:
             return None  # the scheduler gave this GPU out meanwhile
-        return job_id, token, len(listed) - n - 1
+        return row, token, len(listed) - n - 1
     return None
 
 
 _NEXT = NextUp.__table__
-_GPU_OPEN = (select(Gpu.__table__.c.drain_reason, Node.__table__.c.drained)
-             .select_from(Gpu.__table__.outerjoin(Node.__table__, Node.__table__.c.name == Gpu.__table__.c.node))
-             .where(Gpu.__table__.c.id == bindparam("gpu_id")))
+_GPUS = Gpu.__table__
+# What a take returns of the job: what its run needs (workers/runner.py's JobRun).
+TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
+                 _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
+                 _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts)
+# This GPU's listed jobs that are still pending and not held, none if the GPU or its node was
+# drained or the GPU is held already: one read.
 _LISTED = (select(_NEXT.c.job_id, _JOBS.c.user).join_from(_NEXT, _JOBS, _JOBS.c.id == _NEXT.c.job_id)
-           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
+           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False),
+                  ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
+                  ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
+                                  Node.__table__.c.drained.is_(True)),
+                  ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
            .order_by(_NEXT.c.rank))
 _TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
          .values(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"), node=bindparam("node"),
                  worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
-                 lease_expires_at=bindparam("expires")))
+                 lease_expires_at=bindparam("expires"))
+         .returning(*TAKEN_COLUMNS))
 _ALLOCATE_HERE = Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"), rank=0)
-_UNLIST = _NEXT.delete().where(_NEXT.c.job_id == bindparam("job_id"))
+
+
+def anything_waits(session: Session, besides: Sequence[int] = ()) -> bool:
+    """Whether any job but ``besides`` is pending and not held: what a GPU that fell free wakes the
+    scheduler for, and what keeps a submit from placing its own jobs."""
+    return session.connection().execute(_WAITING, {"besides": list(besides)}).first() is not None
+
+
+_WAITING = select(_JOBS.c.id).where(_JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False),
+                                    _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
 
 
 def _gpus_held(session: Session, user: str) -> int:
@@ -340,7 +376,8 @@ def cancel_requested(session: Session, job_id: int) -> bool:
 
 def finish(session: Session, job_id: int, state: str, *, token: str | None = None, failure: str | None = None,
            exit_code: int | None = None, result: dict[str, Any] | None = None, reason: str | None = None,
-           from_state: str = c.RUNNING, max_requeues: int = 0, expired_before: datetime | None = None) -> bool:
+           from_state: str = c.RUNNING, max_requeues: int = 0, expired_before: datetime | None = None,
+           now: datetime | None = None) -> bool:
     """End a job and free its GPUs, or put it back to pending when it may run again:
 
     - an infrastructure failure (``c.INFRA_FAILURES``) of a job that asked for retries is requeued
@@ -353,6 +390,14 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
     """
     assert state in c.END_STATES
     conn = session.connection()
+    now = now or utcnow()
+    if state == c.SUCCEEDED and token is not None and from_state == c.RUNNING:
+        # The common end needs nothing of the row: a success is never retried. One statement.
+        if conn.execute(_SUCCEED, {"job_id": job_id, "token": token, "now": now, "result": result,
+                                   "exit_code": exit_code, "reason": reason}).rowcount != 1:
+            return False
+        conn.execute(_FREE_GPUS, {"job_id": job_id})
+        return True
     job = conn.execute(_FINISH_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != from_state:
         return False
@@ -361,7 +406,6 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
         guard.append(_JOBS.c.lease_token == token)
     if expired_before is not None:
         guard.append(_JOBS.c.lease_expires_at < expired_before)
-    now = utcnow()
     ended: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
                                  failure=failure if state != c.SUCCEEDED else None, lease_token=None,
                                  lease_expires_at=None)
@@ -387,6 +431,11 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
 
 _FINISH_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
                       _JOBS.c.max_retries).where(_JOBS.c.id == bindparam("job_id"))
+_SUCCEED = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == c.RUNNING,
+                                  _JOBS.c.lease_token == bindparam("token"))
+            .values(state=c.SUCCEEDED, ended_at=bindparam("now"), exit_code=bindparam("exit_code"),
+                    result=bindparam("result"), reason=bindparam("reason"), failure=None, lease_token=None,
+                    lease_expires_at=None))
 _FREE_GPUS = Allocation.__table__.delete().where(Allocation.__table__.c.job_id == bindparam("job_id"))
 
 

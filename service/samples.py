@@ -38,17 +38,19 @@ def record(session: Session, gpu_id: int, rows: Sequence[dict[str, Any]]) -> Non
     """
     if not rows:
         return
-    if all(r["job_id"] is not None for r in rows):
-        session.execute(insert(DeviceSample), list(rows))
-        return
-    holder = session.execute(
-        select(Job.id, Job.started_at).join(Allocation, Allocation.job_id == Job.id)
-        .where(Allocation.gpu_id == gpu_id, Job.state == c.RUNNING)
-    ).first()
-    if holder is not None and holder.started_at is not None:
-        rows = [r if r["job_id"] is not None or r["sampled_at"] < holder.started_at else {**r, "job_id": holder.id}
-                for r in rows]
-    session.execute(insert(DeviceSample), list(rows))
+    if any(r["job_id"] is None for r in rows):
+        holder = session.execute(
+            select(Job.id, Job.started_at).join(Allocation, Allocation.job_id == Job.id)
+            .where(Allocation.gpu_id == gpu_id, Job.state == c.RUNNING)
+        ).first()
+        if holder is not None and holder.started_at is not None:
+            rows = [r if r["job_id"] is not None or r["sampled_at"] < holder.started_at
+                    else {**r, "job_id": holder.id} for r in rows]
+    # Core, not the ORM's bulk insert: a worker writes its job's last readings at every end.
+    session.connection().execute(_INSERT, list(rows))
+
+
+_INSERT = DeviceSample.__table__.insert()
 
 
 def latest(session: Session, gpu_ids: Sequence[int], newer_than: datetime) -> dict[int, DeviceSample]:

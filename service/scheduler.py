@@ -12,13 +12,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from sqlalchemy import delete, func, insert, select, tuple_, update
+from sqlalchemy import bindparam, delete, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, jobs, policy
 from gpuq.service import constants as c
-from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.db import read_scope, session_scope
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, utcnow
@@ -105,11 +104,16 @@ def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | 
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id))
-            for g in session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(settings),
-                                                       Gpu.drain_reason.is_(None)))
+            for g in session.connection().execute(
+                select(Gpu.id, Gpu.node, Gpu.index, Gpu.queue, Gpu.memory_total_mib, Gpu.memory_used_mib,
+                       Gpu.foreign_mib).where(Gpu.heartbeat_at >= live_cutoff(settings), Gpu.drain_reason.is_(None)))
             if g.node not in drained]
-    usage = (fair_share or FairShare(settings)).usage(session, now)
-    pending, cut = _pending(session, head, usage)
+    pending, last = _pending(session, head)
+    # Fair share orders users against each other: a quick pass over one user's queue needs none
+    # (the whole pass, which also explains every wait, always reads it).
+    users = {row.user for row in pending}
+    usage = (fair_share or FairShare(settings)).usage(session, now) if head is None or len(users) > 1 else {}
+    cut = min((policy.order_key(_request(r), usage) for r in last), default=None) if head is not None else None
     deps = {d for row in pending for d in (row.after or [])}
     dep_state = dict(session.execute(select(Job.id, Job.state).where(Job.id.in_(deps))).all()) if deps else {}
     jobs, not_eligible, doomed = [], {}, {}
@@ -129,9 +133,7 @@ def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | 
         if row.on_node in drained:
             not_eligible[row.id] = policy.NODE_DRAINED
             continue
-        job = policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
-                                submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib,
-                                node=row.on_node, time_limit_s=row.time_limit_s)
+        job = _request(row)
         if cut is None or policy.order_key(job, usage) <= cut:
             jobs.append(job)
     snap = policy.Snapshot(now=now.timestamp(), jobs=jobs, gpus=gpus, usage=usage,
@@ -139,29 +141,87 @@ def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | 
     return Snapshot(snap, not_eligible, doomed, {row.id: row.reason for row in pending})
 
 
-def _pending(session: Session, head: int | None, usage: dict[str, float]):
-    """The pending jobs a pass looks at, and None; or, with ``head``, each user's first ``head``
-    jobs that are not held (in their queue order) and the cut: the queue-order key up to which
-    no job was left out.
+def _request(row) -> policy.JobRequest:
+    """The policy's view of a pending job row (``_PENDING_COLUMNS``)."""
+    return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
+                             submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
+                             time_limit_s=row.time_limit_s)
+
+
+def _pending(session: Session, head: int | None):
+    """The pending jobs a pass looks at, and []; or, with ``head``, each user's first ``head``
+    jobs that are not held (in their queue order) and each user's ``head``-th job (the last one
+    read of a user whose jobs were cut short).
 
     A user's queue order is their own jobs' (priority, then submission): every job of theirs
     left out comes after their ``head``-th one. So up to the earliest such last-read job of any
-    user whose jobs were cut short, the head holds every eligible job, and ``policy.decide`` over
+    user (``read_snapshot``'s cut), the head holds every eligible job, and ``policy.decide`` over
     those decides as over the whole queue. Reading it costs one sort in SQL, not 10,000 rows."""
-    t = Job.__table__.c  # Core rows: the ORM's per-row bookkeeping is most of the cost at 10,000 jobs
-    cols = (t.id, t.user, t.gpus, t.priority, t.submitted_at, t.mem_mib, t.on_node, t.time_limit_s, t.held,
-            t.after, t.after_any, t.reason)
     if head is None:
-        return session.connection().execute(select(*cols).where(t.state == c.PENDING)).all(), None
-    nth = func.row_number().over(partition_by=t.user, order_by=(t.priority.desc(), t.submitted_at, t.id))
-    ranked = select(*cols, nth.label("nth")).where(t.state == c.PENDING, t.held.is_(False)).subquery()
-    rows = session.connection().execute(
-        select(*(ranked.c[col.key] for col in cols), ranked.c.nth).where(ranked.c.nth <= head)).all()
-    last = [r for r in rows if r.nth == head]
-    cut = min((policy.order_key(policy.JobRequest(id=r.id, user=r.user, gpus=r.gpus, priority=r.priority,
-                                                  submitted=r.submitted_at.timestamp()), usage)
-               for r in last), default=None)
-    return rows, cut
+        return session.connection().execute(_ALL_PENDING).all(), []
+    rows = session.connection().execute(_HEADS, {"head": head}).all()
+    return rows, [r for r in rows if r.nth == head]
+
+
+# Core rows, and statements built once: the ORM's per-row bookkeeping is most of the cost at
+# 10,000 jobs, and building the statement most of it for a submit's few.
+_t = Job.__table__.c
+_PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
+                    _t.held, _t.after, _t.after_any, _t.reason)
+_ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == c.PENDING)
+_ranked = select(*_PENDING_COLUMNS, func.row_number().over(
+    partition_by=_t.user, order_by=(_t.priority.desc(), _t.submitted_at, _t.id)).label("nth")
+).where(_t.state == c.PENDING, _t.held.is_(False)).subquery()
+_HEADS = select(*(_ranked.c[col.key] for col in _PENDING_COLUMNS), _ranked.c.nth).where(
+    _ranked.c.nth <= bindparam("head"))
+
+
+def allocate(session: Session, p: policy.Placement, now: datetime | None = None) -> bool:
+    """Dispatch the placed job, unless it changed since the snapshot (cancelled, held, or taken
+    by a worker from its next-up list) or one of its GPUs was taken meanwhile."""
+    conn = session.connection()  # Core: a submit places its job in its own transaction
+    try:
+        with session.begin_nested():
+            if conn.execute(_DISPATCH, {"job_id": p.job_id, "now": now or utcnow(),
+                                        "node": p.gpus[0].node}).rowcount != 1:
+                return False
+            conn.execute(_ALLOCATE, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r} for r, g in enumerate(p.gpus)])
+        return True
+    except IntegrityError:
+        log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
+        return False
+
+
+_DISPATCH = (Job.__table__.update()
+             .where(_t.id == bindparam("job_id"), _t.state == c.PENDING, _t.held.is_(False))
+             .values(state=c.DISPATCHED, dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
+_ALLOCATE = Allocation.__table__.insert()
+
+
+# A submission of more jobs than this is left to the scheduler whole (see ``place_at_submit``).
+PLACE_AT_SUBMIT_MAX = 64
+
+
+def place_at_submit(session: Session, settings: Settings,
+                    job_ids: list[int]) -> list[tuple[int, str, str, datetime]]:
+    """Place jobs just submitted (in the submit's transaction), as SLURM tries each job once at
+    submit: (job id, queue of its first GPU, node, when) for each placed, whose message the
+    scheduler sends.
+
+    Only when no other job waits (pending and not held): then the new jobs, one user's, are the
+    whole queue, and ``policy.decide`` over them places what the scheduler's next pass would, a
+    whole scheduler pass and its wake-up sooner. Otherwise, or for a submission of more than
+    PLACE_AT_SUBMIT_MAX jobs, the scheduler decides, with every waiting job in view."""
+    if not settings.place_at_submit or not job_ids or len(job_ids) > PLACE_AT_SUBMIT_MAX:
+        return []
+    if jobs.anything_waits(session, besides=job_ids):
+        return []
+    snap = read_snapshot(session, settings, head=c.HEAD_PER_USER)
+    if not snap.policy.jobs:
+        return []
+    now = utcnow()
+    placed = [p for p in policy.decide(snap.policy).placements if allocate(session, p, now)]
+    return [(p.job_id, p.gpus[0].queue, p.gpus[0].node, now) for p in placed]
 
 
 def reap_lost(session: Session, settings: Settings) -> list[int]:
@@ -189,11 +249,16 @@ def reap_lost(session: Session, settings: Settings) -> list[int]:
                (Gpu.heartbeat_at < cutoff) | Gpu.heartbeat_at.is_(None))
     ).all()
     for job_id, worker in stranded:
-        session.execute(update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED)
-                        .values(state=c.PENDING, dispatched_at=None, node=None))
-        session.execute(delete(Allocation).where(Allocation.job_id == job_id))
+        _undispatch(session, job_id)
         log.warning("job %s: worker %s lost before it started the job; waiting again", job_id, worker)
     return [j for j, _, _ in expired] + [j for j, _ in stranded]
+
+
+def _undispatch(session: Session, job_id: int) -> None:
+    """A dispatched job that never started waits again, its GPUs freed."""
+    session.execute(update(Job).where(Job.id == job_id, Job.state == c.DISPATCHED)
+                    .values(state=c.PENDING, dispatched_at=None, node=None))
+    session.execute(delete(Allocation).where(Allocation.job_id == job_id))
 
 
 def unclaimed(session: Session, settings: Settings, everything: bool = False) -> list[tuple[int, str]]:
@@ -210,6 +275,8 @@ class Scheduler:
     """One scheduler process's state: its settings, Celery app and Redis connection."""
 
     def __init__(self, settings: Settings) -> None:
+        from gpuq.service.celery_app import make_app  # Celery only where messages are sent
+
         self.settings = settings
         self.app = make_app(settings)
         self.redis = broker.client(settings)
@@ -222,8 +289,9 @@ class Scheduler:
         self.last_full, self.full_took = -math.inf, 0.0
 
     def schedule_once(self, quick: bool = False) -> list[policy.Placement]:
-        """One pass: reap lost workers, read a snapshot, decide, then in one short write allocate,
-        record why the rest waits and what each busy GPU runs next, and send the messages.
+        """One pass: reap lost workers (a whole pass), read a snapshot, decide, then in one short
+        write allocate, record why the rest waits and what each busy GPU runs next, and send the
+        messages; a quick pass with nothing to change writes nothing.
 
         The snapshot is read without the write lock (SQLite), so workers claim and end jobs while
         the policy thinks; every write re-checks what it changes, and the allocation's unique key
@@ -234,27 +302,33 @@ class Scheduler:
         reasons. A job past the head that would fit a GPU left free waits for the next whole pass,
         as SLURM's backfill pass picks up what its quick main pass did not look at."""
         started = time.monotonic()
-        restarted = self._redis_restarted()
-        with session_scope(self.settings) as session:
-            reap_lost(session, self.settings)
-            lost = self._take_unclaimed(session, restarted)
-        for job_id, queue in lost:
-            send_run_job(self.app, queue, job_id)
-            log.info("job %s: not claimed yet; sent to %s again", job_id, queue)
+        if not quick:
+            # Lost workers and lost messages are found in seconds anyway (leases, resend_after):
+            # whole passes, at least one an interval, look for them, and the quick ones, many a
+            # second under a flood of short jobs, spare a write transaction and a Redis round trip.
+            restarted = self._redis_restarted()
+            with session_scope(self.settings) as session:
+                reap_lost(session, self.settings)
+                lost = self._take_unclaimed(session, restarted)
+            for job_id, queue in lost:
+                self._send(job_id, queue, again=True)
         head = c.HEAD_PER_USER if quick else None
         with read_scope(self.settings) as session:
             snap = read_snapshot(session, self.settings, self.fair_share, head)
         decision = policy.decide(snap.policy)
         lists = policy.next_up(snap.policy, decision, c.NEXT_UP_PER_GPU, c.NEXT_UP_SCAN)
+        wanted, stale, changed = self._list_changes(lists, decision.order)
+        if quick and self._listed is not None and not (snap.doomed or decision.placements or stale or changed):
+            return []  # the lists are as they should be: no write lock taken for nothing
         try:
             with session_scope(self.settings) as session:
                 for job_id, why in snap.doomed.items():
                     session.execute(update(Job).where(Job.id == job_id, Job.state == c.PENDING)
                                     .values(state=c.CANCELLED, ended_at=utcnow(), reason=why))
-                placements = [p for p in decision.placements if self._allocate(session, p)]
+                placements = [p for p in decision.placements if allocate(session, p)]
                 if not quick:
                     self._record_reasons(session, snap, decision)
-                listed = self._write_next_up(session, lists, decision.order)
+                self._write_next_up(session, wanted, stale, changed)
         except IntegrityError:
             # Another scheduler took one of these GPUs first; the next pass sees the new state.
             log.info("allocation raced with another scheduler; retrying next pass")
@@ -263,32 +337,40 @@ class Scheduler:
         except BaseException:
             self._listed = None  # not written: rewrite the lists whole next time
             raise
-        self._listed = listed
+        self._listed = wanted
         for p in placements:
-            self._send(p)
+            self._send(p.job_id, p.gpus[0].queue)
         if not quick:
             self.last_full, self.full_took = time.monotonic(), time.monotonic() - started
         return placements
 
-    def _write_next_up(self, session: Session, lists: dict[int, list[int]],
-                       order: list[policy.JobRequest]) -> dict[tuple[int, int], int]:
-        """Write the next-up lists as changes to what this scheduler wrote last (``self._listed``):
-        a pass usually moves a few jobs, not the hundreds of rows of 64 GPUs' lists. Returns the
-        rows now wanted, {(gpu id, job id): rank}. A row a worker deleted when it took its job is
-        never listed again (the job is no longer pending)."""
+    def _list_changes(self, lists: dict[int, list[int]], order: list[policy.JobRequest]):
+        """The next-up rows wanted now, {(gpu id, job id): rank}, and as changes to what this
+        scheduler wrote last (``self._listed``): the rows to delete and those to insert. A pass
+        usually moves a few jobs, not the hundreds of rows of 64 GPUs' lists. A worker that takes
+        a job leaves its rows on the other GPUs' lists; they go here, as the job is no longer
+        pending."""
         rank = {j.id: r for r, j in enumerate(order)}
-        wanted = {(gpu, job): rank[job] for gpu, jobs in lists.items() for job in jobs}
-        listed = self._listed
-        if listed is None:
-            session.execute(delete(NextUp))
-            listed = {}
+        listed = self._listed or {}
+        # Ranks only order the lists. Under a flood the jobs ahead leave and new ones join at the
+        # tail, which moves every rank by the same amount: the rows written stay, shifted, and
+        # only the jobs taken and the jobs new to the lists are written.
+        written = {job: r for (_, job), r in listed.items()}
+        shifts = {written[job] - rank[job] for jobs in lists.values() for job in jobs if job in written}
+        shift = shifts.pop() if len(shifts) == 1 else 0
+        wanted = {(gpu, job): rank[job] + shift for gpu, jobs in lists.items() for job in jobs}
         changed = [key for key, r in wanted.items() if listed.get(key) != r]
         stale = [key for key in listed if key not in wanted] + changed
-        if stale:
+        return wanted, stale, changed
+
+    def _write_next_up(self, session: Session, wanted: dict[tuple[int, int], int],
+                       stale: list[tuple[int, int]], changed: list[tuple[int, int]]) -> None:
+        if self._listed is None:
+            session.execute(delete(NextUp))  # not known what is there: rewrite the lists whole
+        elif stale:
             session.execute(delete(NextUp).where(tuple_(NextUp.gpu_id, NextUp.job_id).in_(stale)))
         if changed:
             session.execute(insert(NextUp), [{"gpu_id": g, "job_id": j, "rank": wanted[g, j]} for g, j in changed])
-        return wanted
 
     def _redis_restarted(self) -> bool:
         """Whether Redis restarted since the last pass (a new run id), maybe empty of our messages."""
@@ -319,48 +401,51 @@ class Scheduler:
         for why, ids in changed.items():
             session.execute(update(Job).where(Job.id.in_(ids), Job.state == c.PENDING).values(reason=why))
 
-    def _allocate(self, session: Session, p: policy.Placement) -> bool:
-        """Dispatch the placed job, unless it changed since the snapshot (cancelled, held, or taken
-        by a worker from its next-up list) or one of its GPUs was taken meanwhile."""
-        try:
-            with session.begin_nested():
-                moved = session.execute(
-                    update(Job).where(Job.id == p.job_id, Job.state == c.PENDING, Job.held.is_(False))
-                    .values(state=c.DISPATCHED, dispatched_at=utcnow(), node=p.gpus[0].node, reason=None)
-                ).rowcount
-                if not moved:
-                    return False
-                session.execute(insert(Allocation), [{"job_id": p.job_id, "gpu_id": g.id, "rank": r}
-                                                     for r, g in enumerate(p.gpus)])
-            return True
-        except IntegrityError:
-            log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
-            return False
+    def _send(self, job_id: int, queue: str, again: bool = False) -> None:
+        from gpuq.service.celery_app import send_run_job
 
-    def _send(self, p: policy.Placement) -> None:
         try:
-            send_run_job(self.app, p.gpus[0].queue, p.job_id)
-            log.info("job %s: sent to %s", p.job_id, p.gpus[0].queue)
+            send_run_job(self.app, queue, job_id)
+            log.info("job %s: %s %s", job_id, "not claimed yet; sent again to" if again else "sent to", queue)
         except Exception as exc:  # noqa: BLE001 - any broker failure means: not sent, try again later
-            log.warning("job %s: could not send to %s (%s); back to pending", p.job_id, p.gpus[0].queue, exc)
+            log.warning("job %s: could not send to %s (%s); back to pending", job_id, queue, exc)
             with session_scope(self.settings) as session:
-                session.execute(update(Job).where(Job.id == p.job_id, Job.state == c.DISPATCHED)
-                                .values(state=c.PENDING, dispatched_at=None, node=None))
-                session.execute(delete(Allocation).where(Allocation.job_id == p.job_id))
+                _undispatch(session, job_id)
+
+    def send_dispatched(self, entries: list[str]) -> None:
+        """Send the messages of jobs placed at submit (``place_at_submit``), as the submitter
+        handed them over: "JOB_ID QUEUE" each. A malformed entry is dropped; a message for a job
+        that is not dispatched to that queue's GPU changes nothing (the worker's claim checks)."""
+        for entry in entries:
+            try:
+                job_id, queue = entry.split(" ", 1)
+                self._send(int(job_id), queue)
+            except ValueError:
+                log.warning("dropped a malformed dispatch entry: %r", entry[:100])
 
     def run(self, stop: threading.Event) -> None:
         """Schedule until ``stop`` is set: a quick pass after every wake-up (a submit, a job's end,
         a new worker), and a whole pass at least every interval, which also writes why each job
-        waits. A whole pass over a long queue is spaced to at most a tenth of the time."""
+        waits. A whole pass over a long queue is spaced to at most a tenth of the time. Jobs
+        placed at submit are sent as soon as they are handed over, with no pass before or after."""
         log.info("scheduler started (node %s)", self.settings.node)
-        woken = False
+        why, last_pass = broker.TIMEOUT, -math.inf
         while not stop.is_set():
             try:
-                due = max(self.settings.scheduler_interval, c.FULL_PASS_SHARE * self.full_took)
-                self.schedule_once(quick=woken and time.monotonic() - self.last_full < due)
-                woken = broker.wait_for_wake(self.redis, self.settings, self.settings.scheduler_interval)
+                interval = self.settings.scheduler_interval
+                if why != broker.HANDED or time.monotonic() - last_pass >= interval:
+                    # Wake-ups that come while a pass runs are answered together, after a short
+                    # pause: under a flood of short jobs a pass per wake-up kept the scheduler
+                    # busy (and in the write lock) for lists that one pass refills.
+                    if why == broker.WOKEN and stop.wait(c.QUICK_PASS_SPACING - (time.monotonic() - last_pass)):
+                        break
+                    due = max(interval, c.FULL_PASS_SHARE * self.full_took)
+                    self.schedule_once(quick=why == broker.WOKEN and time.monotonic() - self.last_full < due)
+                    last_pass = time.monotonic()
+                why, handed = broker.wait_for_wake(self.redis, self.settings, interval)
+                self.send_dispatched(handed)
             except Exception:  # noqa: BLE001 - a scheduler must outlive a database or Redis blip
                 log.exception("scheduler pass failed; retrying")
-                woken = False
+                why = broker.TIMEOUT
                 stop.wait(self.settings.scheduler_interval)
         log.info("scheduler stopped")

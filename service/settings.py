@@ -70,6 +70,9 @@ class Settings:
     worker_timeout: float = 20.0
     # Seconds the scheduler sleeps when nobody wakes it (it is woken on submit and on job end).
     scheduler_interval: float = 1.0
+    # Place a submission at once, in its own transaction, when no other job waits (as SLURM tries
+    # each job at submit unless told to `defer`); false: only the scheduler's passes place jobs.
+    place_at_submit: bool = True
     # Seconds between SIGTERM and SIGKILL when a running job is cancelled.
     kill_grace: float = 10.0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.

@@ -105,14 +105,16 @@ def totals(session: Session, group: Grouping | None = None, *, since: datetime |
     return out
 
 
-def job_totals(session: Session, job_id: int) -> Totals:
-    """Every sample of one job (on all its GPUs). Built once: a worker asks this at every job's end."""
+def job_totals(session: Session, job_id: int, rolled: bool = True) -> Totals:
+    """Every sample of one job (on all its GPUs); without ``rolled``, only its raw samples (a job
+    younger than the sample retention has no minute aggregates yet). Built once: a worker asks
+    this at every job's end."""
     global _JOB_TOTALS
     if _JOB_TOTALS is None:
         _JOB_TOTALS = [select(*sums).where(t.job_id == bindparam("job_id"))
                        for t, sums in ((DeviceSample, raw_sums()), (DeviceMinute, minute_sums()))]
     out = Totals()
-    for query in _JOB_TOTALS:
+    for query in _JOB_TOTALS if rolled else _JOB_TOTALS[:1]:
         row = session.execute(query, {"job_id": job_id}).mappings().one()
         if row["samples"]:
             out.add(row)
@@ -122,10 +124,11 @@ def job_totals(session: Session, job_id: int) -> Totals:
 _JOB_TOTALS: list | None = None
 
 
-def summarize(session: Session, job: Any, now: datetime | None = None) -> JobUsage:
+def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled: bool = True) -> JobUsage:
     """The job's usage summary (not saved): wall time, GPU-hours, memory, utilisation, energy, idle.
-    ``job``: a Job, or any row with its id, gpus, started_at and ended_at."""
-    t = job_totals(session, job.id)
+    ``job``: a Job, or any row with its id, gpus, started_at and ended_at; ``rolled``: as for
+    ``job_totals``."""
+    t = job_totals(session, job.id, rolled)
     wall = (elapsed(job, now) or timedelta()).total_seconds()
     return JobUsage(job_id=job.id, wall_s=wall, gpu_hours=wall * job.gpus / 3600.0,
                     memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
@@ -134,15 +137,34 @@ def summarize(session: Session, job: Any, now: datetime | None = None) -> JobUsa
                     recorded_at=utcnow())
 
 
-def record_usage(session: Session, job_id: int) -> JobUsage:
-    """Store (or replace) the summary of a job that ended; returns it."""
-    # The row as the database has it now (its end was just written by an UPDATE), in Core: a
-    # worker does this at every job's end.
-    job = session.connection().execute(_JOB_TIMES, {"job_id": job_id}).one_or_none()
+@dataclass(frozen=True)
+class Ended:
+    """What the worker that ended a job knows of it, so storing its summary reads no job row."""
+
+    id: int
+    gpus: int
+    started_at: datetime | None
+    ended_at: datetime
+    # Whether it ran before (a retry, a requeue): an earlier attempt's summary is replaced.
+    ran_before: bool = True
+
+
+def record_usage(session: Session, job_id: int, ended: Ended | None = None,
+                 retention_days: float | None = None) -> JobUsage:
+    """Store (or replace) the summary of a job that ended; returns it. With ``ended`` (the worker
+    that ended it) no job row is read; with ``retention_days`` too, the minute aggregates of a
+    job younger than that are not read (none of its samples has been rolled up yet)."""
+    job = ended
     if job is None:
-        raise JobNotFound(f"no job {job_id}")
-    summary = summarize(session, job)
-    session.connection().execute(_FORGET_USAGE, {"job_id": job_id})
+        # The row as the database has it now (its end was just written by an UPDATE), in Core.
+        job = session.connection().execute(_JOB_TIMES, {"job_id": job_id}).one_or_none()
+        if job is None:
+            raise JobNotFound(f"no job {job_id}")
+    young = (retention_days is not None and job.started_at is not None
+             and job.ended_at - job.started_at < timedelta(days=retention_days) - timedelta(minutes=2))
+    summary = summarize(session, job, rolled=not young)
+    if ended is None or ended.ran_before:
+        session.connection().execute(_FORGET_USAGE, {"job_id": job_id})
     session.connection().execute(insert(JobUsage.__table__), [_columns(summary)])
     return summary
 

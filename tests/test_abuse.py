@@ -33,9 +33,10 @@ pytestmark = [pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def pg(tmp_path_factory, postgres_server, redis_url):
-    """Settings on one PostgreSQL database at head for the module: nothing is meant to be written."""
+    """Settings on one PostgreSQL database at head for the module: nothing is meant to be written.
+    No scheduler runs here, and a submit places nothing itself: the tests forge every message."""
     url, drop = new_postgres_database(postgres_server)
-    settings = make_settings(tmp_path_factory.mktemp("abuse") / "home", url, redis_url)
+    settings = make_settings(tmp_path_factory.mktemp("abuse") / "home", url, redis_url, place_at_submit=False)
     db.upgrade(settings)
     yield settings
     db.dispose_engines()

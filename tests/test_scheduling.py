@@ -10,15 +10,22 @@ import pytest
 from sqlalchemy import func, select, update
 
 from gpuq.service import constants as c
-from gpuq.service import inventory, jobs, spec
+from gpuq.service import inventory, jobs, spec, usage
 from gpuq.service.celery_app import queue_name
 from gpuq.service.db import session_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.explain import why
-from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, JobUsage, utcnow
 from gpuq.service.scheduler import Scheduler
 from gpuq.workers.runner import WorkerState, run_job
+
+
+@pytest.fixture
+def settings(settings):
+    """These tests watch the scheduler's passes decide, so nothing is placed at submit; placing at
+    submit has its own tests (``test_a_submission_*``)."""
+    return settings.with_overrides(place_at_submit=False)
 
 
 def register(settings, node: str, count: int, foreign: str = "") -> list[int]:
@@ -264,6 +271,11 @@ def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(
         assert done[0].started_at < done[1].started_at < done[2].started_at
         assert all(j.worker == "gpu0@a" and j.dispatched_at == j.started_at for j in done[1:])
         assert session.scalar(select(func.count()).select_from(Allocation)) == 0
+        # Each end stored the job's usage summary, as a summary computed now from its samples says.
+        for j in done:
+            stored = session.get(JobUsage, j.id)
+            assert stored is not None and stored.wall_s == pytest.approx((j.ended_at - j.started_at).total_seconds())
+            assert stored.samples == usage.summarize(session, j).samples
 
 
 def test_a_next_up_job_that_was_held_or_cancelled_meanwhile_is_not_started(settings):
@@ -309,3 +321,67 @@ def test_a_quick_pass_over_each_users_queue_head_places_what_a_whole_pass_would(
     expected = sorted((p.job_id, tuple(g.id for g in p.gpus)) for p in decide(whole.policy).placements)
     placed = Scheduler(settings).schedule_once(quick=True)
     assert sorted((p.job_id, tuple(g.id for g in p.gpus)) for p in placed) == expected and expected
+
+
+def test_a_submission_with_nothing_else_waiting_is_placed_at_submit_and_handed_to_the_scheduler(settings):
+    from gpuq.service import broker
+
+    s = settings.with_overrides(place_at_submit=True)
+    register(s, "a", 2)
+    r = broker.client(s)
+    r.delete(broker.dispatch_key(s))
+    job = submit(s, gpus=2)
+    assert state_of(s, job)[:3:2] == (c.DISPATCHED, "a")
+    assert sorted(gpus_of(s, job)) == [("a", 0), ("a", 1)]
+    # The scheduler sends its message on waking: no pass of its own stands in between.
+    assert broker.wait_for_wake(r, s, 1.0) == (broker.HANDED, [f"{job} {queue_name(s, 'a', 0)}"])
+    # All it submitted was placed: no pass is due (a pass would only hold up the worker's claim).
+    assert broker.wait_for_wake(r, s, 0.05) == (broker.TIMEOUT, [])
+
+
+def test_a_submission_is_left_to_the_scheduler_when_another_job_waits_held_or_on_a_dependency(settings):
+    s = settings.with_overrides(place_at_submit=True)
+    register(s, "a", 2)
+    first = submit(s)
+    assert state_of(s, first)[0] == c.DISPATCHED
+    # A gang that does not fit now waits; a small job submitted after it must not jump it at
+    # submit (without time limits, no backfill past a waiting gang): the scheduler decides.
+    gang = submit(s, gpus=2)
+    small = submit(s)
+    assert state_of(s, gang)[0] == c.PENDING and state_of(s, small)[0] == c.PENDING
+    Scheduler(s).schedule_once()
+    assert state_of(s, small)[:2] == (c.PENDING, "priority")
+    # Held or waiting for a dependency: never placed at submit either.
+    with session_scope(s) as session:
+        session.execute(update(Job).where(Job.id.in_([gang, small])).values(state=c.CANCELLED))
+        session.execute(update(Job).where(Job.id == first).values(state=c.SUCCEEDED, ended_at=utcnow()))
+        session.execute(Allocation.__table__.delete())
+    held = submit(s, hold=True)
+    after = submit(s, after=str(held))
+    assert state_of(s, held)[0] == c.PENDING and state_of(s, after)[0] == c.PENDING
+
+
+def test_a_quick_pass_with_nothing_to_change_writes_nothing_and_a_whole_pass_still_writes(settings):
+    from sqlalchemy import event
+
+    from gpuq.service.db import _engine
+
+    register(settings, "a", 1)
+    for _ in range(3):
+        submit(settings)
+    scheduler = Scheduler(settings)
+    assert len(scheduler.schedule_once(quick=True)) == 1  # places one, lists the other two
+    commits: list[int] = []
+
+    def count(conn) -> None:
+        commits.append(1)
+
+    engine = _engine(settings.database)
+    event.listen(engine, "commit", count)
+    try:
+        assert scheduler.schedule_once(quick=True) == []
+        assert commits == []  # the lists are as they were: no write lock taken
+        scheduler.schedule_once()
+        assert commits  # a whole pass reaps lost workers and writes why jobs wait
+    finally:
+        event.remove(engine, "commit", count)

@@ -20,6 +20,12 @@ from gpuq.service.scheduler import Scheduler
 from gpuq.workers.runner import WorkerState, run_job
 
 
+@pytest.fixture
+def settings(settings):
+    """Jobs here are placed by the scheduler's passes, which the tests run themselves."""
+    return settings.with_overrides(place_at_submit=False)
+
+
 def register_gpus(settings) -> list[int]:
     ids = []
     with session_scope(settings) as session:

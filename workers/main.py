@@ -73,7 +73,8 @@ def serve(index: int, loglevel: str) -> int:
     with session_scope(settings) as session:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
     app = make_app(settings)
-    state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, app=app)
+    state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, queue=queue,
+                        app=app)
     probe = GpuProbe(devices, index)
     heartbeat = Heartbeat(settings, gpu_id, probe, state)
     heartbeat.start()

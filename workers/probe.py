@@ -44,6 +44,11 @@ class GpuProbe:
         self._memory_total_mib = info.memory_total_mib if info else None
         self._lock = threading.Lock()
         self._last: tuple[float, GpuReading] | None = None
+        self._name = self._root.name()
+        # The CPU clock of this process's main thread, where the probe watches its own process.
+        self._main_clock = None
+        if self._root.pid == os.getpid() and hasattr(time, "pthread_getcpuclockid"):
+            self._main_clock = time.pthread_getcpuclockid(threading.main_thread().ident)
 
     def read(self, max_age: float = 0.0) -> GpuReading:
         """The GPU's state now (or at most ``max_age`` seconds ago); None where not available."""
@@ -88,13 +93,17 @@ class GpuProbe:
         Its main thread is where a built-in workload runs; the worker's other threads (this
         sampler, the heartbeat, the cancel watcher) are bookkeeping, not "GPU" work.
         """
-        try:
-            main = next((t for t in self._root.threads() if t.id == self._root.pid), None)
-        except psutil.Error:
-            return 0.0
-        if main is None:
-            return 0.0
-        now, used = time.monotonic(), main.user_time + main.system_time
+        if self._main_clock is not None:
+            used = time.clock_gettime(self._main_clock)  # one system call, not a read of every thread
+        else:
+            try:
+                main = next((t for t in self._root.threads() if t.id == self._root.pid), None)
+            except psutil.Error:
+                return 0.0
+            if main is None:
+                return 0.0
+            used = main.user_time + main.system_time
+        now = time.monotonic()
         last, self._main_last = self._main_last, (now, used)
         if last is None or now <= last[0]:
             return 0.0
@@ -110,7 +119,7 @@ class GpuProbe:
                 if p.pid != self._root.pid:
                     cpu += p.cpu_percent(None) if p.pid in known else _cpu_since_start(p)
                 mem = p.memory_info().rss
-                name = p.name()
+                name = self._name if p.pid == self._root.pid else p.name()
             except psutil.Error:
                 continue
             rss += mem
@@ -124,7 +133,7 @@ class GpuProbe:
         load = util / 100.0
         target = SIM_IDLE_C + load * (SIM_FULL_C - SIM_IDLE_C)
         self._temperature += (target - self._temperature) * SIM_THERMAL_STEP
-        worker = GpuProcess(pid=self._root.pid, memory_mib=used, name=self._root.name(), gpuq=True)
+        worker = GpuProcess(pid=self._root.pid, memory_mib=used, name=self._name, gpuq=True)
         return GpuReading(
             memory_used_mib=used, utilization=util, memory_utilization=int(util * 0.6),
             memory_total_mib=self._memory_total_mib,

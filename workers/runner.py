@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -13,6 +14,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import bindparam, select
@@ -20,13 +22,13 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gpuq.service import broker, failures, samples, usage
 from gpuq.service import constants as c
-from gpuq.service.db import read_scope, session_scope
+from gpuq.service.db import read_scope, savepoint, session_scope
 from gpuq.service.errors import JobCancelled, JobNotFound, Unreachable
 from gpuq.service.inventory import drain_gpu
 from gpuq.service.celery_app import send_run_rank
-from gpuq.service.jobs import (cancel_requested, claim, finish, next_output_seq, rank_to_run, record_metric,
-                               set_rendezvous, take_next)
-from gpuq.service.models import Allocation, Gpu, Job
+from gpuq.service.jobs import (TAKEN_COLUMNS, anything_waits, cancel_requested, claim, finish, next_output_seq,
+                               rank_to_run, record_metric, set_rendezvous, take_next)
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers.cgroup import JobCgroup
@@ -46,6 +48,8 @@ class WorkerState:
     gpu_index: int
     gpu_id: int
     name: str
+    # Its GPU's Celery queue (what a job taken from the next-up list records as its first GPU's).
+    queue: str = ""
     # The Celery app, to ask the job's other GPUs' workers to run their ranks.
     app: Any = None
     # Set on the second shutdown request: stop the running job now instead of letting it finish.
@@ -60,13 +64,17 @@ class WorkerState:
     gpu_lost: threading.Event = field(default_factory=threading.Event)
     # Set on the first shutdown request: the running job finishes, and no next one is taken.
     stopping: threading.Event = field(default_factory=threading.Event)
-    # One Redis connection for the wake-ups, kept: a new one per job is a TCP handshake each.
-    _redis: Any = None
+    # When it last woke the scheduler for a list that runs short (time.monotonic()).
+    _woke: float = -math.inf
 
-    def redis(self) -> Any:
-        if self._redis is None:
-            self._redis = broker.client(self.settings)
-        return self._redis
+    def wake_due(self) -> bool:
+        """Whether to wake the scheduler for a next-up list that runs short: once per
+        NEXT_UP_WAKE_SPACING at most, as the scheduler needs one wake-up, not one per job."""
+        now = time.monotonic()
+        if now - self._woke < c.NEXT_UP_WAKE_SPACING:
+            return False
+        self._woke = now
+        return True
 
     def may_take_next(self) -> bool:
         return not (self.stopping.is_set() or self.interrupt.is_set() or self.gpu_lost.is_set())
@@ -112,6 +120,9 @@ class JobRun:
     time_limit_s: int | None = None
     host_mem_mib: int | None = None
     user: str = ""
+    started_at: datetime | None = None
+    # Whether it ran before (a retry, a requeue): its output and usage go on from the earlier attempts'.
+    ran_before: bool = False
 
 
 def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[str, str]:
@@ -174,23 +185,26 @@ class CancelWatcher(threading.Thread):
         return ""
 
 
-def load(session, job_id: int) -> tuple[JobRun, bool]:
-    """The job as its run needs it, and whether it ran before (a retry, a requeue)."""
+def load(session, job_id: int) -> JobRun:
+    """The job as its run needs it."""
     job = session.connection().execute(_JOB_TO_RUN, {"job_id": job_id}).one_or_none()
     if job is None:
         raise JobNotFound(f"no job {job_id}")
     gpus = session.connection().execute(_JOB_GPUS, {"job_id": job_id}).all()
+    return job_run(job, tuple(g.index for g in gpus), tuple(g.queue for g in gpus))
+
+
+def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...]) -> JobRun:
+    """A JobRun from a job row with ``TAKEN_COLUMNS`` (a claim's read, or a take's RETURNING)."""
     deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
-    run = JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
-                 argv=job.argv, cwd=job.cwd, gpu_indices=tuple(g.index for g in gpus),
-                 gpu_queues=tuple(g.queue for g in gpus), env=dict(job.env or {}), deadline=deadline,
-                 time_limit_s=job.time_limit_s, host_mem_mib=job.host_mem_mib, user=job.user)
-    return run, bool(job.attempts)
+    return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
+                  argv=job.argv, cwd=job.cwd, gpu_indices=gpu_indices, gpu_queues=gpu_queues,
+                  env=dict(job.env or {}), deadline=deadline, time_limit_s=job.time_limit_s,
+                  host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
+                  ran_before=bool(job.attempts))
 
 
-_J = Job.__table__.c
-_JOB_TO_RUN = select(_J.id, _J.name, _J.kind, _J.workload, _J.params, _J.argv, _J.cwd, _J.env, _J.started_at,
-                     _J.time_limit_s, _J.host_mem_mib, _J.user, _J.attempts).where(_J.id == bindparam("job_id"))
+_JOB_TO_RUN = select(*TAKEN_COLUMNS).where(Job.__table__.c.id == bindparam("job_id"))
 _JOB_GPUS = (select(Gpu.__table__.c.index, Gpu.__table__.c.queue)
              .join_from(Allocation.__table__, Gpu.__table__, Gpu.__table__.c.id == Allocation.__table__.c.gpu_id)
              .where(Allocation.__table__.c.job_id == bindparam("job_id")).order_by(Allocation.__table__.c.rank))
@@ -206,10 +220,9 @@ class Started:
     output_seq: int
 
 
-def _started(session, job_id: int, token: str) -> Started:
-    job, ran_before = load(session, job_id)
+def _started(session, job: JobRun, token: str) -> Started:
     # A retried job's output goes on after its earlier attempts'.
-    return Started(job, Lease(job_id, token), next_output_seq(session, job_id) if ran_before else 0)
+    return Started(job, Lease(job.id, token), next_output_seq(session, job.id) if job.ran_before else 0)
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -222,7 +235,7 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     settings = state.settings
     with session_scope(settings) as session:
         token = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
-        started = _started(session, job_id, token) if token is not None else None
+        started = _started(session, load(session, job_id), token) if token is not None else None
     if started is None:
         log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
         return None
@@ -253,22 +266,22 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     finally:
         watcher.done.set()
         sink.stop()
-    ended, following, wake = _write_end(state, lease, end, sink)
+    ended, following, wake = _write_end(state, job, lease, end, sink)
     state.job_id = None
     state.lease = None
     if wake:
-        broker.wake_scheduler(settings, state.redis())
+        broker.wake_scheduler(settings)  # on the process's one broker client: no handshake per job
     log.info("%s: job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
     return end["state"], following
 
 
-def _write_end(state: WorkerState, lease: Lease, end: dict[str, Any],
+def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any],
                sink: OutputSink) -> tuple[bool, Started | None, bool]:
     """Write the job's end under its lease, with the rest of its output, its last device readings
     and its usage summary, and take the GPU's next job, all in one transaction; retried while the
     database is away: an end is never dropped. Returns whether the end was ours to write (False:
-    the reaper took the job back meanwhile), the next job started here, and whether the scheduler
-    should look (the GPU is free, or its next-up list runs short)."""
+    the reaper took the job back meanwhile), the next job started here (None: the GPU is free),
+    and whether to wake the scheduler."""
     readings = state.sampler.end_rows(lease.job_id) if state.sampler is not None else []
     last_words = True
     delay = 0.2
@@ -279,21 +292,30 @@ def _write_end(state: WorkerState, lease: Lease, end: dict[str, Any],
                 if last_words:
                     sink.store_rest(session)
                     samples.record(session, state.gpu_id, readings)
+                now = utcnow()
                 done = finish(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
-                              **end)
+                              now=now, **end)
+                wake = True
                 if done:
-                    _record_usage(state, session, lease.job_id)
+                    _record_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
+                                                              job.ran_before))
                     if state.may_take_next():
                         taken = take_next(session, state.gpu_id, state.name, state.node,
                                           state.settings.lease_timeout, state.settings.user_gpu_limit)
                         if taken is not None:
-                            following, left = _started(session, taken[0], taken[1]), taken[2]
+                            row, token, left = taken
+                            following = _started(session, job_run(row, (state.gpu_index,), (state.queue,)), token)
+                    # A GPU that fell free wakes the scheduler only if some job waits: a pass over
+                    # an empty queue would just hold up the next submit's message. A GPU that runs
+                    # on wakes it, now and then, when its next-up list runs short.
+                    wake = (anything_waits(session) if following is None
+                            else left < 2 * c.NEXT_UP_PER_GPU and state.wake_due())
             if last_words:
                 sink.rest_stored()
             if not done:
                 log.warning("%s: job %s was taken back (lease lost); its end here is not recorded",
                             state.name, lease.job_id)
-            return done, following, following is None or left < 2 * c.NEXT_UP_PER_GPU
+            return done, following, wake
         except Unreachable as exc:
             log.warning("%s: job %s: cannot record its end yet (%s); retrying", state.name, lease.job_id, exc)
             if state.interrupt.wait(delay):
@@ -313,14 +335,15 @@ def _write_end(state: WorkerState, lease: Lease, end: dict[str, Any],
             last_words = False
 
 
-def _record_usage(state: WorkerState, session, job_id: int) -> None:
+def _record_usage(state: WorkerState, session, ended: usage.Ended) -> None:
     """Store the job's usage summary in the transaction that ends it, so nobody sees one without
-    the other; in a savepoint, so a failure here never undoes the end."""
+    the other; a failure here never undoes the end (PostgreSQL: in a savepoint; SQLite undoes
+    just the failed statement)."""
     try:
-        with session.begin_nested():
-            usage.record_usage(session, job_id)
+        with savepoint(session):
+            usage.record_usage(session, ended.id, ended, state.settings.sample_retention_days)
     except Exception:  # noqa: BLE001 - `gpuq stats JOB` computes a missing summary from the samples
-        log.exception("%s: job %s: could not store its usage summary", state.name, job_id)
+        log.exception("%s: job %s: could not store its usage summary", state.name, ended.id)
 
 
 def _stopped_end(state: WorkerState, job: JobRun, watcher: CancelWatcher) -> dict[str, Any]:

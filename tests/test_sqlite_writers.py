@@ -1,0 +1,64 @@
+"""SQLite's writers queue on a kernel lock beside the database file (service/db.WriterLock), held
+for the whole write transaction, so a waiting writer wakes the moment the last one commits instead
+of polling in SQLite's busy handler; readers never take it."""
+
+import fcntl
+import os
+import subprocess
+import sys
+
+from gpuq.service.db import read_scope, session_scope
+from gpuq.service.models import Node
+
+from tests.conftest import make_settings, settings_env
+
+HOLD = """
+import sys, time
+from gpuq.service.db import session_scope
+from gpuq.service.models import Node
+from gpuq.service.settings import get_settings
+with session_scope(get_settings()) as session:
+    session.add(Node(name="from-child", drained=False))
+    session.flush()
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _taken(path: str) -> bool:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_sqlite_write_transaction_holds_the_writers_lock_until_it_commits_and_readers_take_none(tmp_path, redis_url):
+    from gpuq.service import db
+
+    s = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url)
+    db.upgrade(s)
+    lock = str(tmp_path / "gpuq.db") + "-writer"
+    with read_scope(s) as session:
+        session.execute(Node.__table__.select()).all()
+    child = subprocess.Popen([sys.executable, "-c", HOLD], env=settings_env(s), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        assert _taken(lock)
+        with read_scope(s) as session:  # WAL: reading goes on beside the writer, and sees none of it yet
+            assert session.get(Node, "from-child") is None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        # This writer waits its turn on the lock, then sees what the one before it committed.
+        with session_scope(s) as session:
+            assert session.get(Node, "from-child") is not None
+            assert _taken(lock)
+        assert not _taken(lock)
+    finally:
+        child.kill()
+        child.wait(10)
