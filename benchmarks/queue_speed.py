@@ -114,12 +114,14 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int) -> tuple[list[flo
         for _ in range(samples):
             job = jobs.submit(s, noop())
             while True:
-                with session_scope(s) as session:
+                # A read, not a write transaction: polling must not queue for the lock the claim needs.
+                with read_scope(s) as session:
                     j = session.get(Job, job.id)
-                    if j.state in ("succeeded", "failed"):
-                        break
+                    state, took = j.state, j.started_at and (j.started_at - j.submitted_at).total_seconds()
+                if state in ("succeeded", "failed"):
+                    break
                 time.sleep(0.005)
-            latency.append((j.started_at - j.submitted_at).total_seconds())
+            latency.append(took)
         t0 = time.perf_counter()
         made = jobs.submit_all(s, [noop() for _ in range(n_jobs)])
         ids = [j.id for j in made]

@@ -99,6 +99,10 @@ NEXT_UP_WAKE_SPACING = 0.05
 # Quick scheduler passes begin at least this far apart, seconds: wake-ups that come meanwhile
 # are answered by one pass. 0.02 gave about a sixth more throughput than none; 0.1 let lists run dry.
 QUICK_PASS_SPACING = 0.02
+# SQLite's write-ahead log: the scheduler copies it back into the database at least this often,
+# seconds, and a writer's commit does only once it has grown to this many pages (about 40 MiB).
+CHECKPOINT_EVERY = 0.5
+WAL_BACKSTOP_PAGES = 10_000
 # A quick scheduler pass reads each user's first this many pending jobs.
 HEAD_PER_USER = 32
 # A whole scheduler pass runs no more often than this many times its own duration.

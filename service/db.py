@@ -13,6 +13,7 @@ from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from gpuq.service import constants as c
 from gpuq.service.errors import SchemaOutOfDate, Unreachable
 from gpuq.service.settings import Settings, mask_url
 
@@ -30,6 +31,10 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
+    # SQLite's default, 1,000 pages, had every fiftieth job end copy the WAL back into the
+    # database file (and sync it) after its commit, inside the write lock; the scheduler does it
+    # in the background (``checkpoint``), and this is the backstop for when none runs.
+    cursor.execute(f"PRAGMA wal_autocheckpoint={c.WAL_BACKSTOP_PAGES}")
     cursor.close()
 
 
@@ -211,6 +216,19 @@ def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
         session.close()
         if lock is not None:
             lock.release()
+
+
+def checkpoint(settings: Settings) -> None:
+    """Copy what the SQLite WAL holds back into the database file (PASSIVE: it waits for no reader
+    or writer, and leaves what they still use for next time); nothing for another database."""
+    if _writer_lock(settings.database) is None:
+        return
+    raw = _engine(settings.database).raw_connection()
+    try:
+        # On the driver's connection: outside a transaction (the engine would BEGIN IMMEDIATE).
+        raw.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+    finally:
+        raw.close()
 
 
 def savepoint(session: Session):

@@ -312,9 +312,12 @@ TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS
                  _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
                  _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts)
 # This GPU's listed jobs that are still pending and not held, none if the GPU or its node was
-# drained or the GPU is held already: one read.
-_LISTED = (select(_NEXT.c.job_id, _JOBS.c.user).join_from(_NEXT, _JOBS, _JOBS.c.id == _NEXT.c.job_id)
-           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False),
+# drained or the GPU is held already: one read. It reads from the list, each job by its key:
+# joined, SQLite chose to walk every pending job and look each up in the list (as many steps as
+# the queue is long, in the write lock of every job's end).
+_listed_job = (_JOBS.c.id == _NEXT.c.job_id, _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
+_LISTED = (select(_NEXT.c.job_id, select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id).scalar_subquery())
+           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(*_listed_job),
                   ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
                   ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
                                   Node.__table__.c.drained.is_(True)),

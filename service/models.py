@@ -69,7 +69,6 @@ class Job(Base):
         CheckConstraint(f"state IN ({_STATES})", name="state"),
         CheckConstraint(f"kind IN ('{c.KIND_WORKLOAD}', '{c.KIND_COMMAND}')", name="kind"),
         CheckConstraint("gpus >= 1", name="gpus_positive"),
-        Index("ix_jobs_state_priority", "state", "priority", "id"),
         # Fair share reads the jobs that ended since its last pass.
         Index("ix_jobs_ended_at", "ended_at"),
     )
@@ -139,6 +138,14 @@ class Job(Base):
     )
 
 
+# Each user's waiting jobs in their queue order (priority, then submission): a quick scheduler
+# pass reads every user's first few through it, seeks, not a sort of the whole queue, and finds
+# the users with waiting jobs by skipping from one to the next. It leads with the state, so it
+# serves every read of the jobs in some state too (one index fewer to write at each job's start
+# and end than the (state, priority, id) one it replaced).
+Index("ix_jobs_queue_order", Job.state, Job.held, Job.user, Job.priority.desc(), Job.submitted_at, Job.id)
+
+
 class Gpu(Base):
     """One GPU of one node, as its worker last reported it."""
 
@@ -188,7 +195,9 @@ class Allocation(Base):
     __table_args__ = (UniqueConstraint("gpu_id"), UniqueConstraint("job_id", "rank"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    # No index of its own: the unique (job_id, rank) key serves a job's lookups, and one index
+    # fewer is a page fewer to write at every job's start and end.
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"))
     # 0 for the GPU whose worker runs the job; the order CUDA_VISIBLE_DEVICES lists them in.
     rank: Mapped[int] = mapped_column(Integer)

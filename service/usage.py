@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
@@ -114,8 +114,9 @@ def job_totals(session: Session, job_id: int, rolled: bool = True) -> Totals:
         _JOB_TOTALS = [select(*sums).where(t.job_id == bindparam("job_id"))
                        for t, sums in ((DeviceSample, raw_sums()), (DeviceMinute, minute_sums()))]
     out = Totals()
+    conn = session.connection()  # Core: the ORM's result handling was most of this call's cost
     for query in _JOB_TOTALS if rolled else _JOB_TOTALS[:1]:
-        row = session.execute(query, {"job_id": job_id}).mappings().one()
+        row = conn.execute(query, {"job_id": job_id}).mappings().one()
         if row["samples"]:
             out.add(row)
     return out
@@ -165,7 +166,7 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     summary = summarize(session, job, rolled=not young)
     if ended is None or ended.ran_before:
         session.connection().execute(_FORGET_USAGE, {"job_id": job_id})
-    session.connection().execute(insert(JobUsage.__table__), [_columns(summary)])
+    session.connection().execute(_INSERT_USAGE, _columns(summary))
     return summary
 
 
@@ -175,6 +176,7 @@ def _columns(usage: JobUsage) -> dict[str, Any]:
 
 _JOB_TIMES = select(Job.__table__.c.id, Job.__table__.c.gpus, Job.__table__.c.started_at,
                     Job.__table__.c.ended_at).where(Job.__table__.c.id == bindparam("job_id"))
+_INSERT_USAGE = JobUsage.__table__.insert()
 _FORGET_USAGE = JobUsage.__table__.delete().where(JobUsage.__table__.c.job_id == bindparam("job_id"))
 
 

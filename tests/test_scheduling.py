@@ -385,3 +385,99 @@ def test_a_quick_pass_with_nothing_to_change_writes_nothing_and_a_whole_pass_sti
         assert commits  # a whole pass reaps lost workers and writes why jobs wait
     finally:
         event.remove(engine, "commit", count)
+
+
+def _plan(session, statement, **params) -> str:
+    """SQLite's plan for a statement, one line per step."""
+    conn = session.connection()
+    compiled = statement.compile(dialect=conn.dialect)
+    values = {**compiled.params, **params}
+    rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), tuple(values[k] for k in compiled.positiontup))
+    return "\n".join(r[3] for r in rows)
+
+
+def test_a_quick_pass_reads_each_users_first_jobs_in_queue_order_by_index_seeks(settings):
+    from gpuq.service.scheduler import _USER_HEAD, _WAITING_USERS, _pending
+
+    head = 4
+    made = []
+    for user, priorities in (("ann", [0, 5, 0, 5, 0, 0]), ("bob", [1, 0]), ("cy", [0] * 7)):
+        made += [(submit(settings, user=user, priority=p), user, p) for p in priorities]
+    held = submit(settings, user="dee", hold=True)  # held: not waiting, so not read
+    with session_scope(settings) as session:
+        rows, last = _pending(session, head)
+        # Each user's first `head` jobs: priority first, then submission order.
+        expected = [j for u in ("ann", "bob", "cy")
+                    for j, _, _ in sorted((m for m in made if m[1] == u), key=lambda m: (-m[2], m[0]))[:head]]
+        assert sorted(r.id for r in rows) == sorted(expected) and held not in {r.id for r in rows}
+        # The last read of each user cut short (ann, cy), which bounds what a quick pass may decide.
+        assert sorted(r.user for r in last) == ["ann", "cy"]
+        if session.connection().dialect.name == "sqlite":
+            # Seeks through the queue-order index, however long the queue: no scan, no sort.
+            for plan in (_plan(session, _WAITING_USERS), _plan(session, _USER_HEAD, user="ann", head=head)):
+                assert "ix_jobs_queue_order" in plan and "SCAN jobs" not in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_a_take_reads_its_gpus_list_not_every_waiting_job(settings):
+    from gpuq.service.jobs import _LISTED
+
+    with session_scope(settings) as session:
+        if session.connection().dialect.name != "sqlite":
+            pytest.skip("SQLite's planner; PostgreSQL plans from its statistics")
+        plan = _plan(session, _LISTED, gpu_id=1).splitlines()
+        # It starts from the GPU's list and looks each listed job up by its key: a walk over the
+        # pending jobs (the plan SQLite chose for a join) cost a step per job in the queue.
+        assert plan[0].startswith("SEARCH next_up"), plan
+        assert not any("ix_jobs_queue_order" in step or "SCAN jobs" in step for step in plan), plan
+
+
+def _wal_frames(database: str) -> tuple[int, int]:
+    """The SQLite log's frames, and how many of them were copied back into the database file: the
+    WAL-index header's mxFrame (byte 16) and its checkpoint record's nBackfill (byte 96)."""
+    import struct
+
+    head = open(database + "-shm", "rb").read(100)
+    return struct.unpack_from("=I", head, 16)[0], struct.unpack_from("=I", head, 96)[0]
+
+
+def test_a_checkpoint_copies_the_sqlite_log_back_so_no_job_end_has_to(settings):
+    from gpuq.service import db
+
+    with session_scope(settings) as session:
+        if session.connection().dialect.name != "sqlite":
+            pytest.skip("PostgreSQL has no write-ahead log to copy back")
+        # A writer's commit copies the log back only past the backstop, not SQLite's 1,000 pages.
+        assert session.connection().exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == c.WAL_BACKSTOP_PAGES
+    path = settings.database.split("///", 1)[1]
+    for _ in range(5):
+        submit(settings)
+    frames, copied = _wal_frames(path)
+    assert frames > copied  # the submits are in the log only: no commit copied them back
+    db.checkpoint(settings)
+    assert _wal_frames(path) == (frames, frames)
+
+
+def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cancelled_one(settings):
+    import threading
+
+    from tests.conftest import wait_for_state
+
+    register(settings, "a", 1)
+    me = spec.current_user()
+    first, second, third = (submit(settings, user=me) for _ in range(3))
+    Scheduler(settings).schedule_once()
+    state = worker_on(settings, first)
+    assert run_job(state, first) == c.SUCCEEDED
+    assert state_of(settings, third)[0] == c.SUCCEEDED
+    assert [t for t in threading.enumerate() if t.name == "cancel-watch" and t is state.watch] == [state.watch]
+    assert state.watch.watching.job_id == third and state.watch.watching.done.is_set()
+    # The same thread, still running, sees a cancel of the next job while it runs.
+    slow = submit(settings, argv=("sleep", "30"), user=me)
+    Scheduler(settings).schedule_once()
+    ended: list[str | None] = []
+    runner = threading.Thread(target=lambda: ended.append(run_job(state, slow)))
+    runner.start()
+    wait_for_state(settings, slow, {c.RUNNING})
+    jobs.cancel(settings, slow, user=me)
+    runner.join(30)
+    assert ended == [c.CANCELLED] and state.watch.is_alive()
