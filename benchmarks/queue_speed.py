@@ -4,7 +4,9 @@
   and a whole pass over SQL);
 - submit -> running latency on an idle stack (p50, p95) beside a bare Celery task's round trip;
 - throughput of N no-op jobs over 4 simulated GPUs beside N bare Celery no-op tasks over 4 workers;
-- the idle gap on one GPU between one job's end and the next queued job's start.
+- the idle gap on one GPU between one job's end and the next queued job's start;
+- how much of the machine's CPU stayed idle during each flood (more than none: the flood waits on
+  a lock, not the CPU).
 
     python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50]
 
@@ -30,6 +32,25 @@ ROOT = Path(__file__).resolve().parent
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(math.ceil(p / 100 * len(values))) - 1)]
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(all, idle) CPU ticks of the machine so far, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks[:8]), ticks[3] + ticks[4]  # idle and iowait
+
+
+def idle_share(before: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time left idle since ``before``: above zero during a flood, the
+    work waits on something else than the CPU (for gpuq on SQLite, the one write lock)."""
+    after = cpu_ticks()
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
 
 
 def decision_pass(n_jobs: int = 10_000) -> None:
@@ -97,7 +118,8 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
         r.delete(key)
 
 
-def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int) -> tuple[list[float], float, list[float]]:
+def gpuq_stack(env: dict[str, str], n_jobs: int,
+               samples: int) -> tuple[list[float], float, list[float], float | None]:
     from gpuq.service import jobs, spec
     from gpuq.service.db import read_scope, session_scope
     from gpuq.service.models import Job
@@ -122,7 +144,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int) -> tuple[list[flo
                     break
                 time.sleep(0.005)
             latency.append(took)
-        t0 = time.perf_counter()
+        t0, ticks = time.perf_counter(), cpu_ticks()
         made = jobs.submit_all(s, [noop() for _ in range(n_jobs)])
         ids = [j.id for j in made]
         while True:
@@ -133,18 +155,18 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int) -> tuple[list[flo
             if left is None:
                 break
             time.sleep(0.05)
-        elapsed = time.perf_counter() - t0
+        elapsed, idle = time.perf_counter() - t0, idle_share(ticks)
         with session_scope(s) as session:
             rows = session.execute(select(Job.worker, Job.started_at, Job.ended_at)
                                    .where(Job.id.between(ids[0], ids[-1]))
                                    .order_by(Job.worker, Job.started_at)).all()
         gaps = [(b.started_at - a.ended_at).total_seconds() for a, b in zip(rows, rows[1:]) if a.worker == b.worker]
-        return latency, n_jobs / elapsed, gaps
+        return latency, n_jobs / elapsed, gaps, idle
     finally:
         subprocess.run([sys.executable, "-m", "gpuq.cli", "down", "--grace", "5"], env=env)
 
 
-def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], float]:
+def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], float, float | None]:
     import redis
 
     env = dict(os.environ, BENCH_BROKER_URL=broker, PYTHONPATH=str(ROOT))
@@ -172,12 +194,12 @@ def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], f
             sent, ran = map(float, item.split())
             latency.append(ran - sent)
         r.delete("bench:done")
-        t0 = time.perf_counter()
+        t0, ticks = time.perf_counter(), cpu_ticks()
         for _ in range(n_tasks):
             noop.delay(time.time())
         while r.llen("bench:done") < n_tasks:
             time.sleep(0.02)
-        return latency, n_tasks / (time.perf_counter() - t0)
+        return latency, n_tasks / (time.perf_counter() - t0), idle_share(ticks)
     finally:
         for w in workers:
             w.terminate()
@@ -198,8 +220,8 @@ def main() -> int:
                GPUQ_KEY_PREFIX="bench", GPUQ_WARM_START="true")
     decision_pass()
     sql_pass(env)
-    bare_lat, bare_tput = bare_celery(broker, args.jobs, args.latency_samples)
-    lat, tput, gaps = gpuq_stack(env, args.jobs, args.latency_samples)
+    bare_lat, bare_tput, bare_idle = bare_celery(broker, args.jobs, args.latency_samples)
+    lat, tput, gaps, idle = gpuq_stack(env, args.jobs, args.latency_samples)
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
     print(f"submit->running latency, idle stack: p50 {ms(pct(lat, 50))}, p95 {ms(pct(lat, 95))}")
     print(f"bare Celery round trip:               p50 {ms(pct(bare_lat, 50))}, p95 {ms(pct(bare_lat, 95))}")
@@ -207,6 +229,8 @@ def main() -> int:
     print(f"throughput, {args.jobs} no-op jobs over 4 simulated GPUs: {tput:.0f} jobs/s")
     print(f"bare Celery, {args.jobs} no-op tasks over 4 workers:       {bare_tput:.0f} tasks/s")
     print(f"  ratio gpuq/bare: {tput / bare_tput:.2f} (goal: at least 0.5)")
+    share = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    print(f"  CPU left idle during the flood: gpuq {share(idle)}, bare Celery {share(bare_idle)}")
     print(f"idle gap on one GPU between a job's end and the next one's start: p50 {ms(pct(gaps, 50))}, "
           f"p95 {ms(pct(gaps, 95))} (goal p95 under 50 ms)")
     return 0
