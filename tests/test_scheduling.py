@@ -457,8 +457,9 @@ def test_a_checkpoint_copies_the_sqlite_log_back_so_no_job_end_has_to(settings):
     assert _wal_frames(path) == (frames, frames)
 
 
-def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cancelled_one(settings):
+def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cancelled_one(settings, monkeypatch):
     import threading
+    import time
 
     from tests.conftest import wait_for_state
 
@@ -469,7 +470,8 @@ def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cance
     state = worker_on(settings, first)
     assert run_job(state, first) == c.SUCCEEDED
     assert state_of(settings, third)[0] == c.SUCCEEDED
-    assert [t for t in threading.enumerate() if t.name == "cancel-watch" and t is state.watch] == [state.watch]
+    watching = state.watch.thread
+    assert watching is not None and watching.is_alive() and watching.name == "cancel-watch"
     assert state.watch.watching.job_id == third and state.watch.watching.done.is_set()
     # The same thread, still running, sees a cancel of the next job while it runs.
     slow = submit(settings, argv=("sleep", "30"), user=me)
@@ -480,4 +482,13 @@ def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cance
     wait_for_state(settings, slow, {c.RUNNING})
     jobs.cancel(settings, slow, user=me)
     runner.join(30)
-    assert ended == [c.CANCELLED] and state.watch.is_alive()
+    assert ended == [c.CANCELLED] and state.watch.thread is watching  # the one thread saw it
+    # With no job left to watch it ends in time, and the next job gets a new one.
+    monkeypatch.setattr(c, "WATCH_IDLE_SECONDS", 0.5)
+    deadline = time.monotonic() + 10
+    while watching.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not watching.is_alive() and state.watch.thread is None
+    last = submit(settings, user=me)
+    Scheduler(settings).schedule_once()
+    assert run_job(state, last) == c.SUCCEEDED and state.watch.thread.is_alive()
