@@ -53,7 +53,7 @@ def check(settings: Settings) -> None:
         raise Unreachable(f"cannot reach the broker at {mask_url(settings.broker)}: {_first_line(exc)}") from None
 
 
-def wake_scheduler(settings: Settings, conn: redis.Redis | None = None) -> None:
+def wake_scheduler(settings: Settings) -> None:
     """Tell the scheduler there is something to place (a job submitted, a GPU freed).
 
     Best effort: a scheduler that misses it still finds the job on its next timed pass.
@@ -61,7 +61,7 @@ def wake_scheduler(settings: Settings, conn: redis.Redis | None = None) -> None:
     import redis
 
     try:
-        pipe = (conn or shared(settings)).pipeline()
+        pipe = shared(settings).pipeline()
         _push_wake(pipe, settings)
         pipe.execute()
     except redis.RedisError:

@@ -305,6 +305,12 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
     return None
 
 
+def waiting(table=_JOBS) -> tuple:
+    """What makes a job one that waits to run: pending and not held (``table``: jobs, or an alias).
+    "= false", not "IS false": PostgreSQL seeks a boolean index column only on equality."""
+    return table.c.state == c.PENDING, table.c.held == False  # noqa: E712
+
+
 _NEXT = NextUp.__table__
 _GPUS = Gpu.__table__
 # What a take returns of the job: what its run needs (workers/runner.py's JobRun).
@@ -315,15 +321,14 @@ TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS
 # drained or the GPU is held already: one read. It reads from the list, each job by its key:
 # joined, SQLite chose to walk every pending job and look each up in the list (as many steps as
 # the queue is long, in the write lock of every job's end).
-_listed_job = (_JOBS.c.id == _NEXT.c.job_id, _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
 _LISTED = (select(_NEXT.c.job_id, select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id).scalar_subquery())
-           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(*_listed_job),
+           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(_JOBS.c.id == _NEXT.c.job_id, *waiting()),
                   ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
                   ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
                                   Node.__table__.c.drained.is_(True)),
                   ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
            .order_by(_NEXT.c.rank))
-_TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False))
+_TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), *waiting())
          .values(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"), node=bindparam("node"),
                  worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
                  lease_expires_at=bindparam("expires"))
@@ -337,8 +342,7 @@ def anything_waits(session: Session, besides: Sequence[int] = ()) -> bool:
     return session.connection().execute(_WAITING, {"besides": list(besides)}).first() is not None
 
 
-_WAITING = select(_JOBS.c.id).where(_JOBS.c.state == c.PENDING, _JOBS.c.held.is_(False),
-                                    _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
+_WAITING = select(_JOBS.c.id).where(*waiting(), _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
 
 
 def _gpus_held(session: Session, user: str) -> int:

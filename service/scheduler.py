@@ -184,24 +184,19 @@ _LIVE_GPUS = select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.
 _STATES_OF = select(_t.id, _t.state).where(_t.id.in_(bindparam("ids", expanding=True)))
 
 
-def _waiting(table) -> tuple:
-    # "= false", not "IS false": PostgreSQL seeks a boolean index column only on equality.
-    return table.c.state == c.PENDING, table.c.held == False  # noqa: E712
-
-
 def _users_waiting():
     """The users with a waiting job that is not held, in name order: a skip from each user to the
     next through the index (a recursive query), where DISTINCT would read every waiting job."""
     j = Job.__table__.alias("j")
-    first = select(func.min(_t.user).label("user")).where(*_waiting(Job.__table__)).cte("waiting_users", recursive=True)
+    first = select(func.min(_t.user).label("user")).where(*jobs.waiting()).cte("waiting_users", recursive=True)
     after = first.alias("previous")
-    following = select(func.min(j.c.user)).where(*_waiting(j), j.c.user > after.c.user).scalar_subquery()
+    following = select(func.min(j.c.user)).where(*jobs.waiting(j), j.c.user > after.c.user).scalar_subquery()
     users = first.union_all(select(following).where(after.c.user.is_not(None)))
     return select(users.c.user).where(users.c.user.is_not(None))
 
 
 _WAITING_USERS = _users_waiting()
-_USER_HEAD = (select(*_PENDING_COLUMNS).where(*_waiting(Job.__table__), _t.user == bindparam("user"))
+_USER_HEAD = (select(*_PENDING_COLUMNS).where(*jobs.waiting(), _t.user == bindparam("user"))
               .order_by(_t.priority.desc(), _t.submitted_at, _t.id).limit(bindparam("head")))
 
 
@@ -222,7 +217,7 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None)
 
 
 _DISPATCH = (Job.__table__.update()
-             .where(_t.id == bindparam("job_id"), _t.state == c.PENDING, _t.held.is_(False))
+             .where(_t.id == bindparam("job_id"), *jobs.waiting())
              .values(state=c.DISPATCHED, dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
 _ALLOCATE = Allocation.__table__.insert()
 
