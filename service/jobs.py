@@ -15,12 +15,11 @@ from typing import Any
 from sqlalchemy import bindparam, delete, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
 
 from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
-from gpuq.service.db import require_schema, savepoint, session_scope
+from gpuq.service.db import read_scope, require_schema, savepoint, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, NextUp, Node, utcnow
@@ -53,58 +52,77 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     ``array_id``) and wake the scheduler. Nothing is written on any error.
 
     A command's git state is recorded (``record_code``; a resubmit copies it instead), and with
-    ``snapshot`` its work tree is copied and the jobs run from the copy (service/snapshot.py)."""
+    ``snapshot`` its work tree is copied and the jobs run from the copy (service/snapshot.py).
+
+    Everything that can be done before the write is: the checks read in their own read-only
+    transaction, git runs, the rows are built; the write transaction (on SQLite, the one write
+    lock every worker's job end waits for) holds just the inserts and the placement."""
     require_schema(settings)
     broker.check(settings)
     first = specs[0]
+    with read_scope(settings) as session:
+        _check_resources(session, settings, first)
+        _check_dependencies(session, first.after)
+    _check_priority(settings, first)
+    if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
+        raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
     staged = None
     try:
+        specs, staged = _code_at_submit(settings, specs, snapshot, record_code)
+        now = utcnow()
+        values = [_row(s, now) for s in specs]
+        array = len(values) > 1 or first.array_index is not None
         with session_scope(settings) as session:
-            _check_resources(session, settings, first)
-            _check_priority(settings, first)
-            _check_dependencies(session, first.after)
-            if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
-                raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
-            specs, staged = _code_at_submit(settings, specs, snapshot, record_code)
-            now = utcnow()
-            rows = [Job(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
-                        cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
-                        mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s,
-                        max_retries=s.max_retries, attempts=[], held=s.held, after=s.after, after_any=s.after_any,
-                        env=s.env, array_index=s.array_index, git_commit=s.git_commit, git_dirty=s.git_dirty,
-                        git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
-                        host_mem_mib=s.host_mem_mib)
-                    for s in specs]
-            session.add_all(rows)
-            session.flush()
-            if len(rows) > 1 or first.array_index is not None:
-                for row in rows:
-                    row.array_id = rows[0].id
+            conn = session.connection()
+            ids = [conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[:1]).scalar_one()]
             if staged is not None:
-                staged.place(rows[0].id)
-                for row in rows:
-                    row.snapshot, row.cwd = str(staged.path), staged.workdir()
-            session.flush()
+                staged.place(ids[0])
+            for row in values:
+                row.update(array_id=ids[0] if array else None, **_staged_at(staged))
+            if array or staged is not None:
+                conn.execute(_JOBS.update().where(_JOBS.c.id == ids[0]).values(
+                    array_id=values[0]["array_id"], snapshot=values[0]["snapshot"], cwd=values[0]["cwd"]))
+            if len(values) > 1:
+                # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
+                ids += sorted(conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[1:]).scalars())
             from gpuq.service.scheduler import place_at_submit  # it imports this module
 
-            placed = place_at_submit(session, settings, [row.id for row in rows])
-            where = {job_id: (node, at) for job_id, _, node, at in placed}
-            for row in rows:
-                if row.id in where:  # as placed (loaded state: no UPDATE of its own at commit)
-                    for key, value in zip(("state", "node", "dispatched_at", "reason"),
-                                          (c.DISPATCHED, *where[row.id], None)):
-                        set_committed_value(row, key, value)
+            placed = place_at_submit(session, settings, ids)
     except BaseException:
         if staged is not None:
             staged.discard()
         raise
+    where = {job_id: (node, at) for job_id, _, node, at in placed}
+    for job_id, row in zip(ids, values):
+        row["id"] = job_id
+        if job_id in where:
+            row.update(state=c.DISPATCHED, node=where[job_id][0], dispatched_at=where[job_id][1])
     if placed:
         # Jobs of the submission left waiting need a pass; those placed need only their messages.
         broker.hand_over(settings, [(job_id, queue) for job_id, queue, _, _ in placed],
-                         wake=len(placed) < len(rows))
+                         wake=len(placed) < len(ids))
     else:
         broker.wake_scheduler(settings)
-    return rows
+    return [Job(**row) for row in values]
+
+
+_INSERT_JOB = _JOBS.insert()
+
+
+def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
+    """The ``jobs`` row of a spec just submitted, every column given (it is also the Job returned)."""
+    return dict(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
+                cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=c.PENDING, submitted_at=now,
+                mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
+                attempts=[], held=s.held, after=s.after, after_any=s.after_any, env=s.env,
+                array_index=s.array_index, array_id=None, git_commit=s.git_commit, git_dirty=s.git_dirty,
+                git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
+                host_mem_mib=s.host_mem_mib, requeues=0)
+
+
+def _staged_at(staged: Staged | None) -> dict[str, Any]:
+    """Where the jobs of a submission with a snapshot run (nothing to change without one)."""
+    return {} if staged is None else {"snapshot": str(staged.path), "cwd": staged.workdir()}
 
 
 def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool,
@@ -271,11 +289,11 @@ def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: floa
 
 
 def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
-              user_gpu_limit: int = 0) -> tuple[Any, str, int] | None:
+              user_gpu_limit: int = 0) -> tuple[Any, str] | None:
     """Start the first job of this GPU's next-up list that may still start here, as a claim would:
-    running on this GPU with a lease. Returns (the job's row as ``TAKEN_COLUMNS``, its lease token,
-    how many listed jobs are left after it), or None: nothing listed still pending, or the GPU or
-    its node was drained. Call it in the transaction that freed the GPU.
+    running on this GPU with a lease. Returns (the job's row as ``TAKEN_COLUMNS``, its lease
+    token), or None: nothing listed still pending, or the GPU or its node was drained. Call it in
+    the transaction that freed the GPU.
 
     The list is only a hint: the job must still be pending and not held, and its user under their
     GPU limit; a job another GPU's worker took first is passed over. If the scheduler allocated
@@ -283,26 +301,48 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
     job's row stays listed on other GPUs until the scheduler's next pass drops it: every take reads
     only pending jobs, so that costs nothing but a row."""
     conn = session.connection()
-    listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
     now = utcnow()
-    for n, (job_id, user) in enumerate(listed):
+    token = uuid.uuid4().hex
+    take = {"gpu_id": gpu_id, "now": now, "node": node, "worker": worker, "token": token,
+            "expires": now + timedelta(seconds=lease_s)}
+    if not user_gpu_limit:
+        # The usual take: the list's first waiting job, in one statement. None from it is final on
+        # SQLite (this transaction holds the write lock: nothing moved); on PostgreSQL another
+        # worker may have taken that job first, so the list is read below.
+        taken = _take(session, _TAKE_FIRST, take)
+        if taken is not None or conn.dialect.name == "sqlite":
+            return taken
+    listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
+    for job_id, user in listed:
         if user_gpu_limit and _gpus_held(session, user) + 1 > user_gpu_limit:
             continue
-        token = uuid.uuid4().hex
-        try:
-            # SQLite: this transaction holds the database's write lock, so no allocation can
-            # appear between the read above and the insert below; PostgreSQL: one may, and the
-            # unique key refuses ours, which the savepoint keeps from aborting the job's end.
-            with savepoint(session):
-                row = conn.execute(_TAKE, {"job_id": job_id, "now": now, "node": node, "worker": worker,
-                                           "token": token, "expires": now + timedelta(seconds=lease_s)}).one_or_none()
-                if row is None:
-                    continue
-                conn.execute(_ALLOCATE_HERE, {"job_id": job_id, "gpu_id": gpu_id})
-        except IntegrityError:
-            return None  # the scheduler gave this GPU out meanwhile
-        return row, token, len(listed) - n - 1
+        taken = _take(session, _TAKE, {**take, "job_id": job_id})
+        if taken is not None:
+            return taken
     return None
+
+
+def listed_left(session: Session, gpu_id: int) -> int:
+    """How many jobs of this GPU's next-up list still wait (a worker wakes the scheduler to refill
+    a list that runs short)."""
+    return session.connection().execute(_LEFT, {"gpu_id": gpu_id}).scalar_one()
+
+
+def _take(session: Session, statement, values: dict[str, Any]) -> tuple[Any, str] | None:
+    """Run a take (``_TAKE`` or ``_TAKE_FIRST``) and allocate the GPU to the job it started."""
+    conn = session.connection()
+    try:
+        # SQLite: this transaction holds the database's write lock, so no allocation can appear
+        # between the take and the insert below; PostgreSQL: one may, and the unique key refuses
+        # ours, which the savepoint keeps from aborting the job's end.
+        with savepoint(session):
+            row = conn.execute(statement, values).one_or_none()
+            if row is None:
+                return None
+            conn.execute(_ALLOCATE_HERE, {"job_id": row.id, "gpu_id": values["gpu_id"]})
+    except IntegrityError:
+        return None  # the scheduler gave this GPU out meanwhile
+    return row, values["token"]
 
 
 def waiting(table=_JOBS) -> tuple:
@@ -328,11 +368,17 @@ _LISTED = (select(_NEXT.c.job_id, select(_JOBS.c.user).where(_JOBS.c.id == _NEXT
                                   Node.__table__.c.drained.is_(True)),
                   ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
            .order_by(_NEXT.c.rank))
-_TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), *waiting())
-         .values(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"), node=bindparam("node"),
-                 worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
-                 lease_expires_at=bindparam("expires"))
+_STARTED_HERE = dict(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"),
+                     node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
+                     lease_expires_at=bindparam("expires"))
+_TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), *waiting()).values(**_STARTED_HERE)
          .returning(*TAKEN_COLUMNS))
+# The first listed job that waits, started.
+_TAKE_FIRST = (_JOBS.update()
+               .where(_JOBS.c.id == _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery(), *waiting())
+               .values(**_STARTED_HERE).returning(*TAKEN_COLUMNS))
+_LEFT = (select(func.count()).select_from(_NEXT)
+         .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(_JOBS.c.id == _NEXT.c.job_id, *waiting())))
 _ALLOCATE_HERE = Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"), rank=0)
 
 

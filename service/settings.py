@@ -116,7 +116,7 @@ class Settings:
     # Whether anyone may read any job's output (`gpuq logs`); false: only its owner and the admins.
     shared_logs: bool = False
 
-    @property
+    @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:
         """The effective database URL."""
         return self.database_url or f"sqlite:///{self.home / 'gpuq.db'}"

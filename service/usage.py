@@ -23,6 +23,8 @@ from gpuq.service.settings import Settings
 _SUMMED = ("samples", "seconds", "utilization_seconds", "utilization_sum", "idle_seconds", "memory_seconds",
            "memory_used_sum", "energy_j")
 _MAXED = ("utilization_max", "memory_used_max", "temperature_max", "power_max")
+# Each maximum and the sample column it is taken over.
+_MAXED_COLUMNS = tuple(zip(_MAXED, ("utilization", "memory_used_mib", "temperature_c", "power_w")))
 
 
 @dataclass
@@ -41,6 +43,30 @@ class Totals:
     memory_used_max: float | None = None
     temperature_max: float | None = None
     power_max: float | None = None
+
+    @classmethod
+    def of_samples(cls, rows: list[dict[str, Any]]) -> "Totals":
+        """The totals of raw sample rows in hand (``samples.sample_row`` dicts), as the database
+        sums them (``samples.raw_sums``): a worker that holds every reading of a job that ended
+        needs no read for its summary."""
+        out = cls()
+        for r in rows:
+            seconds, util, mem = r["interval_s"], r["utilization"], r["memory_used_mib"]
+            out.samples += 1
+            out.seconds += seconds
+            if util is not None:
+                out.utilization_seconds += seconds
+                out.utilization_sum += util * seconds
+                out.idle_seconds += seconds if util < c.IDLE_UTILIZATION else 0.0
+            if mem is not None:
+                out.memory_seconds += seconds
+                out.memory_used_sum += mem * seconds
+            out.energy_j += r["energy_j"] or 0.0
+            for name, column in _MAXED_COLUMNS:
+                mine, theirs = getattr(out, name), r[column]
+                if theirs is not None and (mine is None or theirs > mine):
+                    setattr(out, name, theirs)
+        return out
 
     def add(self, row: Any) -> "Totals":
         for name in _SUMMED:
@@ -125,17 +151,21 @@ def job_totals(session: Session, job_id: int, rolled: bool = True) -> Totals:
 _JOB_TOTALS: list | None = None
 
 
-def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled: bool = True) -> JobUsage:
+def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled: bool = True,
+              totals: Totals | None = None) -> JobUsage:
     """The job's usage summary (not saved): wall time, GPU-hours, memory, utilisation, energy, idle.
     ``job``: a Job, or any row with its id, gpus, started_at and ended_at; ``rolled``: as for
-    ``job_totals``."""
-    t = job_totals(session, job.id, rolled)
+    ``job_totals``; ``totals``: the job's samples summed already (none read)."""
+    return JobUsage(**_summary(job, totals if totals is not None else job_totals(session, job.id, rolled), now))
+
+
+def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]:
     wall = (elapsed(job, now) or timedelta()).total_seconds()
-    return JobUsage(job_id=job.id, wall_s=wall, gpu_hours=wall * job.gpus / 3600.0,
-                    memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
-                    memory_mean_mib=t.memory_mean, utilization_mean=t.utilization_mean,
-                    energy_j=t.energy_j if t.samples else None, idle_s=t.idle_seconds, samples=t.samples,
-                    recorded_at=utcnow())
+    return dict(job_id=job.id, wall_s=wall, gpu_hours=wall * job.gpus / 3600.0,
+                memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
+                memory_mean_mib=t.memory_mean, utilization_mean=t.utilization_mean,
+                energy_j=t.energy_j if t.samples else None, idle_s=t.idle_seconds, samples=t.samples,
+                recorded_at=utcnow())
 
 
 @dataclass(frozen=True)
@@ -151,27 +181,25 @@ class Ended:
 
 
 def record_usage(session: Session, job_id: int, ended: Ended | None = None,
-                 retention_days: float | None = None) -> JobUsage:
-    """Store (or replace) the summary of a job that ended; returns it. With ``ended`` (the worker
-    that ended it) no job row is read; with ``retention_days`` too, the minute aggregates of a
-    job younger than that are not read (none of its samples has been rolled up yet)."""
+                 retention_days: float | None = None, totals: Totals | None = None) -> None:
+    """Store (or replace) the summary of a job that ended. With ``ended`` (the worker that ended
+    it) no job row is read; with ``retention_days`` too, the minute aggregates of a job younger
+    than that are not read (none of its samples has been rolled up yet); with ``totals`` (its
+    samples summed from the readings in hand, ``Totals.of_samples``), no sample is read."""
     job = ended
     if job is None:
         # The row as the database has it now (its end was just written by an UPDATE), in Core.
         job = session.connection().execute(_JOB_TIMES, {"job_id": job_id}).one_or_none()
         if job is None:
             raise JobNotFound(f"no job {job_id}")
-    young = (retention_days is not None and job.started_at is not None
-             and job.ended_at - job.started_at < timedelta(days=retention_days) - timedelta(minutes=2))
-    summary = summarize(session, job, rolled=not young)
+    if totals is None:
+        young = (retention_days is not None and job.started_at is not None
+                 and job.ended_at - job.started_at < timedelta(days=retention_days) - timedelta(minutes=2))
+        totals = job_totals(session, job.id, rolled=not young)
+    conn = session.connection()
     if ended is None or ended.ran_before:
-        session.connection().execute(_FORGET_USAGE, {"job_id": job_id})
-    session.connection().execute(_INSERT_USAGE, _columns(summary))
-    return summary
-
-
-def _columns(usage: JobUsage) -> dict[str, Any]:
-    return {col.key: getattr(usage, col.key) for col in JobUsage.__table__.columns}
+        conn.execute(_FORGET_USAGE, {"job_id": job_id})
+    conn.execute(_INSERT_USAGE, _summary(job, totals))
 
 
 _JOB_TIMES = select(Job.__table__.c.id, Job.__table__.c.gpus, Job.__table__.c.started_at,

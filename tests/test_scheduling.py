@@ -18,7 +18,9 @@ from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.explain import why
 from gpuq.service.models import Allocation, Gpu, Job, JobUsage, utcnow
 from gpuq.service.scheduler import Scheduler
+from gpuq.workers.probe import GpuProbe
 from gpuq.workers.runner import WorkerState, run_job
+from gpuq.workers.sampler import Sampler
 
 
 @pytest.fixture
@@ -278,6 +280,36 @@ def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(
             assert stored.samples == usage.summarize(session, j).samples
 
 
+def test_usage_summed_from_the_readings_a_worker_holds_is_what_sql_sums_from_the_stored_samples(settings):
+    # Jobs of a few milliseconds and of 0.3 s under a sampler at 50 Hz that writes every fifth
+    # reading: the short ones end with every reading of theirs in hand (summed in Python), the
+    # others after a batch was written (summed in SQL). Either way the stored summary is what the
+    # samples in SQL say, and no reading is written for a job after its end.
+    settings = settings.with_overrides(sample_interval=0.02)
+    register(settings, "a", 1)
+    me = spec.current_user()
+    nap = [sys.executable, "-c", "import time; time.sleep(0.3)"]
+    ids = [submit(settings, argv, user=me) for argv in (["true"], nap, ["true"], nap, ["true"])]
+    Scheduler(settings).schedule_once()
+    state = worker_on(settings, ids[0])
+    state.sampler = Sampler(settings, state.gpu_id, GpuProbe(open_devices(settings), 0), lambda: state.job_id)
+    state.sampler.start()
+    try:
+        assert run_job(state, ids[0]) == c.SUCCEEDED
+    finally:
+        state.sampler.stop()
+        state.sampler.join(5)
+    with session_scope(settings) as session:
+        for job_id in ids:
+            j = session.get(Job, job_id)
+            stored, now = session.get(JobUsage, job_id), usage.summarize(session, j)
+            assert j.state == c.SUCCEEDED and stored.samples >= 1
+            for field in ("samples", "memory_peak_mib", "wall_s", "gpu_hours"):
+                assert getattr(stored, field) == getattr(now, field), (job_id, field)
+            for field in ("utilization_mean", "memory_mean_mib", "energy_j", "idle_s"):
+                assert getattr(stored, field) == pytest.approx(getattr(now, field)), (job_id, field)
+
+
 def test_a_next_up_job_that_was_held_or_cancelled_meanwhile_is_not_started(settings):
     register(settings, "a", 1)
     me = spec.current_user()
@@ -391,7 +423,7 @@ def _plan(session, statement, **params) -> str:
     """SQLite's plan for a statement, one line per step."""
     conn = session.connection()
     compiled = statement.compile(dialect=conn.dialect)
-    values = {**compiled.params, **params}
+    values = compiled.construct_params(params)
     rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), tuple(values[k] for k in compiled.positiontup))
     return "\n".join(r[3] for r in rows)
 
@@ -419,16 +451,21 @@ def test_a_quick_pass_reads_each_users_first_jobs_in_queue_order_by_index_seeks(
 
 
 def test_a_take_reads_its_gpus_list_not_every_waiting_job(settings):
-    from gpuq.service.jobs import _LISTED
+    from gpuq.service.jobs import _LISTED, _TAKE_FIRST
 
+    now = utcnow()
     with session_scope(settings) as session:
         if session.connection().dialect.name != "sqlite":
             pytest.skip("SQLite's planner; PostgreSQL plans from its statistics")
-        plan = _plan(session, _LISTED, gpu_id=1).splitlines()
-        # It starts from the GPU's list and looks each listed job up by its key: a walk over the
+        listed = _plan(session, _LISTED, gpu_id=1).splitlines()
+        first = _plan(session, _TAKE_FIRST, gpu_id=1, now=now, node="a", worker="w", token="t",
+                      expires=now).splitlines()
+        # Each starts from the GPU's list and looks each listed job up by its key: a walk over the
         # pending jobs (the plan SQLite chose for a join) cost a step per job in the queue.
-        assert plan[0].startswith("SEARCH next_up"), plan
-        assert not any("ix_jobs_queue_order" in step or "SCAN jobs" in step for step in plan), plan
+        assert listed[0].startswith("SEARCH next_up"), listed
+        assert first[0].startswith("SEARCH jobs USING INTEGER PRIMARY KEY") and "SEARCH next_up" in first[2], first
+        for plan in (listed, first):
+            assert not any("ix_jobs_queue_order" in step or "SCAN" in step for step in plan), plan
 
 
 def _wal_frames(database: str) -> tuple[int, int]:

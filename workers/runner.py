@@ -26,8 +26,8 @@ from gpuq.service.db import read_scope, savepoint, session_scope
 from gpuq.service.errors import JobCancelled, JobNotFound, Unreachable
 from gpuq.service.inventory import drain_gpu
 from gpuq.service.celery_app import send_run_rank
-from gpuq.service.jobs import (TAKEN_COLUMNS, anything_waits, cancel_requested, claim, finish, next_output_seq,
-                               rank_to_run, record_metric, set_rendezvous, take_next)
+from gpuq.service.jobs import (TAKEN_COLUMNS, anything_waits, cancel_requested, claim, finish, listed_left,
+                               next_output_seq, rank_to_run, record_metric, set_rendezvous, take_next)
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
@@ -70,7 +70,7 @@ class WorkerState:
     watch: Watch = field(default_factory=lambda: Watch())
 
     def wake_due(self) -> bool:
-        """Whether to wake the scheduler for a next-up list that runs short: once per
+        """Whether to look if the next-up list runs short (and wake the scheduler if so): once per
         NEXT_UP_WAKE_SPACING at most, as the scheduler needs one wake-up, not one per job."""
         now = time.monotonic()
         if now - self._woke < c.NEXT_UP_WAKE_SPACING:
@@ -259,11 +259,19 @@ class Started:
     lease: Lease
     # The number its first output chunk gets (after earlier attempts' output).
     output_seq: int
+    # The device sampler's count of batches taken to write (``Sampler.flushes``) before the job
+    # started; None without a sampler.
+    flush_mark: int | None = None
 
 
-def _started(session, job: JobRun, token: str) -> Started:
+def _started(session, job: JobRun, token: str, flush_mark: int | None) -> Started:
     # A retried job's output goes on after its earlier attempts'.
-    return Started(job, Lease(job.id, token), next_output_seq(session, job.id) if job.ran_before else 0)
+    return Started(job, Lease(job.id, token), next_output_seq(session, job.id) if job.ran_before else 0,
+                   flush_mark)
+
+
+def _flush_mark(state: WorkerState) -> int | None:
+    return state.sampler.flushes if state.sampler is not None else None
 
 
 def run_job(state: WorkerState, job_id: int) -> str | None:
@@ -274,9 +282,10 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     forged id) changes nothing.
     """
     settings = state.settings
+    mark = _flush_mark(state)
     with session_scope(settings) as session:
         token = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
-        started = _started(session, load(session, job_id), token) if token is not None else None
+        started = _started(session, load(session, job_id), token, mark) if token is not None else None
     if started is None:
         log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
         return None
@@ -307,8 +316,9 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     finally:
         watcher.done.set()
         sink.stop()
-    ended, following, wake = _write_end(state, job, lease, end, sink)
-    state.job_id = None
+        # Readings from here on are not the job's: its last one is taken as its end is written.
+        state.job_id = None
+    ended, following, wake = _write_end(state, job, lease, end, sink, started.flush_mark)
     state.lease = None
     if wake:
         broker.wake_scheduler(settings)  # on the process's one broker client: no handshake per job
@@ -317,18 +327,20 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
 
 
 def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any],
-               sink: OutputSink) -> tuple[bool, Started | None, bool]:
+               sink: OutputSink, flush_mark: int | None = None) -> tuple[bool, Started | None, bool]:
     """Write the job's end under its lease, with the rest of its output, its last device readings
     and its usage summary, and take the GPU's next job, all in one transaction; retried while the
     database is away: an end is never dropped. Returns whether the end was ours to write (False:
     the reaper took the job back meanwhile), the next job started here (None: the GPU is free),
     and whether to wake the scheduler."""
     readings = state.sampler.end_rows(lease.job_id) if state.sampler is not None else []
+    in_hand = _totals_in_hand(state, job, readings, flush_mark)
+    mark = _flush_mark(state)  # before the next job is taken
     last_words = True
     delay = 0.2
     while True:
         try:
-            following, left = None, 0
+            following = None
             with session_scope(state.settings) as session:
                 if last_words:
                     sink.store_rest(session)
@@ -339,18 +351,19 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
                 wake = True
                 if done:
                     _record_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
-                                                              job.ran_before))
+                                                              job.ran_before), in_hand if last_words else None)
                     if state.may_take_next():
                         taken = take_next(session, state.gpu_id, state.name, state.node,
                                           state.settings.lease_timeout, state.settings.user_gpu_limit)
                         if taken is not None:
-                            row, token, left = taken
-                            following = _started(session, job_run(row, (state.gpu_index,), (state.queue,)), token)
+                            row, token = taken
+                            following = _started(session, job_run(row, (state.gpu_index,), (state.queue,)), token,
+                                                 mark)
                     # A GPU that fell free wakes the scheduler only if some job waits: a pass over
                     # an empty queue would just hold up the next submit's message. A GPU that runs
                     # on wakes it, now and then, when its next-up list runs short.
                     wake = (anything_waits(session) if following is None
-                            else left <= c.NEXT_UP_PER_GPU // 2 and state.wake_due())
+                            else state.wake_due() and listed_left(session, state.gpu_id) <= c.NEXT_UP_PER_GPU // 2)
             if last_words:
                 sink.rest_stored()
             if not done:
@@ -376,13 +389,29 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
             last_words = False
 
 
-def _record_usage(state: WorkerState, session, ended: usage.Ended) -> None:
+def _totals_in_hand(state: WorkerState, job: JobRun, readings: list[dict[str, Any]],
+                    flush_mark: int | None) -> usage.Totals | None:
+    """The job's device totals from the readings in hand, if they are all its readings: a first
+    attempt on this one GPU, started when the sampler had taken as many batches to write as now
+    (so none of its readings was written before); else None, and its summary reads SQL.
+
+    Its readings are those ``samples.record`` gives it: tagged with it, or untagged and taken
+    after it started (the sampler had not seen it start yet)."""
+    if len(job.gpu_indices) != 1 or job.ran_before or job.started_at is None:
+        return None
+    if state.sampler is not None and state.sampler.flushes != flush_mark:
+        return None
+    return usage.Totals.of_samples([r for r in readings if r["job_id"] == job.id
+                                    or (r["job_id"] is None and r["sampled_at"] >= job.started_at)])
+
+
+def _record_usage(state: WorkerState, session, ended: usage.Ended, totals: usage.Totals | None) -> None:
     """Store the job's usage summary in the transaction that ends it, so nobody sees one without
     the other; a failure here never undoes the end (PostgreSQL: in a savepoint; SQLite undoes
     just the failed statement)."""
     try:
         with savepoint(session):
-            usage.record_usage(session, ended.id, ended, state.settings.sample_retention_days)
+            usage.record_usage(session, ended.id, ended, state.settings.sample_retention_days, totals)
     except Exception:  # noqa: BLE001 - `gpuq stats JOB` computes a missing summary from the samples
         log.exception("%s: job %s: could not store its usage summary", state.name, ended.id)
 

@@ -37,6 +37,9 @@ class Sampler(threading.Thread):
         self._pending: list[dict[str, Any]] = []
         self._last_at: float | None = None
         self._last_energy_mj: int | None = None
+        # How many batches it has taken to write: a job that started when this stood where it
+        # stands at its end has every reading of its own in the sampler's hands (``end_rows``).
+        self.flushes = 0
 
     def run(self) -> None:
         interval = self.settings.sample_interval
@@ -78,8 +81,9 @@ class Sampler(threading.Thread):
         """Write the readings taken so far in one transaction; kept for the next try if it fails."""
         with self._lock:
             batch, self._pending = self._pending, []
-        if not batch:
-            return
+            if not batch:
+                return
+            self.flushes += 1  # counted as the batch is taken: a job's end compares after ``end_rows``
         try:
             with session_scope(self.settings) as session:
                 samples.record(session, self.gpu_id, batch)
