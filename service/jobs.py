@@ -23,6 +23,7 @@ from gpuq.service.db import read_scope, require_schema, savepoint, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, NextUp, Node, utcnow
+from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import Staged
 from gpuq.service.spec import JobSpec, current_user
@@ -325,7 +326,7 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
 def listed_left(session: Session, gpu_id: int) -> int:
     """How many jobs of this GPU's next-up list still wait (a worker wakes the scheduler to refill
     a list that runs short)."""
-    return session.connection().execute(_LEFT, {"gpu_id": gpu_id}).scalar_one()
+    return _LEFT.run(session.connection(), {"gpu_id": gpu_id})[0][0]
 
 
 def _take(session: Session, statement, values: dict[str, Any]) -> tuple[Any, str] | None:
@@ -336,10 +337,11 @@ def _take(session: Session, statement, values: dict[str, Any]) -> tuple[Any, str
         # between the take and the insert below; PostgreSQL: one may, and the unique key refuses
         # ours, which the savepoint keeps from aborting the job's end.
         with savepoint(session):
-            row = conn.execute(statement, values).one_or_none()
-            if row is None:
+            rows = statement.run(conn, values)
+            if not rows:
                 return None
-            conn.execute(_ALLOCATE_HERE, {"job_id": row.id, "gpu_id": values["gpu_id"]})
+            row = rows[0]
+            _ALLOCATE_HERE.run(conn, {"job_id": row.id, "gpu_id": values["gpu_id"]})
     except IntegrityError:
         return None  # the scheduler gave this GPU out meanwhile
     return row, values["token"]
@@ -371,15 +373,16 @@ _LISTED = (select(_NEXT.c.job_id, select(_JOBS.c.user).where(_JOBS.c.id == _NEXT
 _STARTED_HERE = dict(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"),
                      node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
                      lease_expires_at=bindparam("expires"))
-_TAKE = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), *waiting()).values(**_STARTED_HERE)
-         .returning(*TAKEN_COLUMNS))
+_TAKE = Prepared(_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), *waiting()).values(**_STARTED_HERE)
+                 .returning(*TAKEN_COLUMNS))
 # The first listed job that waits, started.
-_TAKE_FIRST = (_JOBS.update()
-               .where(_JOBS.c.id == _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery(), *waiting())
-               .values(**_STARTED_HERE).returning(*TAKEN_COLUMNS))
-_LEFT = (select(func.count()).select_from(_NEXT)
-         .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(_JOBS.c.id == _NEXT.c.job_id, *waiting())))
-_ALLOCATE_HERE = Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"), rank=0)
+_FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
+_TAKE_FIRST = Prepared(_JOBS.update().where(_JOBS.c.id == _FIRST_LISTED, *waiting()).values(**_STARTED_HERE)
+                       .returning(*TAKEN_COLUMNS))
+_LEFT = Prepared(select(func.count()).select_from(_NEXT)
+                 .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(_JOBS.c.id == _NEXT.c.job_id, *waiting())))
+_ALLOCATE_HERE = Prepared(Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
+                                                               rank=0))
 
 
 def anything_waits(session: Session, besides: Sequence[int] = ()) -> bool:
@@ -446,10 +449,10 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
     now = now or utcnow()
     if state == c.SUCCEEDED and token is not None and from_state == c.RUNNING:
         # The common end needs nothing of the row: a success is never retried. One statement.
-        if conn.execute(_SUCCEED, {"job_id": job_id, "token": token, "now": now, "result": result,
-                                   "exit_code": exit_code, "reason": reason}).rowcount != 1:
+        if _SUCCEED.run(conn, {"job_id": job_id, "token": token, "now": now, "result": result,
+                               "exit_code": exit_code, "reason": reason}) != 1:
             return False
-        conn.execute(_FREE_GPUS, {"job_id": job_id})
+        _FREE_GPUS.run(conn, {"job_id": job_id})
         return True
     job = conn.execute(_FINISH_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != from_state:
@@ -478,18 +481,18 @@ def finish(session: Session, job_id: int, state: str, *, token: str | None = Non
         ended["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
     done = conn.execute(_JOBS.update().where(*guard).values(**ended)).rowcount == 1
     if done:
-        conn.execute(_FREE_GPUS, {"job_id": job_id})
+        _FREE_GPUS.run(conn, {"job_id": job_id})
     return done
 
 
 _FINISH_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
                       _JOBS.c.max_retries).where(_JOBS.c.id == bindparam("job_id"))
-_SUCCEED = (_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == c.RUNNING,
-                                  _JOBS.c.lease_token == bindparam("token"))
-            .values(state=c.SUCCEEDED, ended_at=bindparam("now"), exit_code=bindparam("exit_code"),
-                    result=bindparam("result"), reason=bindparam("reason"), failure=None, lease_token=None,
-                    lease_expires_at=None))
-_FREE_GPUS = Allocation.__table__.delete().where(Allocation.__table__.c.job_id == bindparam("job_id"))
+_SUCCEED = Prepared(_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == c.RUNNING,
+                                          _JOBS.c.lease_token == bindparam("token"))
+                    .values(state=c.SUCCEEDED, ended_at=bindparam("now"), exit_code=bindparam("exit_code"),
+                            result=bindparam("result"), reason=bindparam("reason"), failure=None, lease_token=None,
+                            lease_expires_at=None))
+_FREE_GPUS = Prepared(Allocation.__table__.delete().where(Allocation.__table__.c.job_id == bindparam("job_id")))
 
 
 def _retries_used(job: Job) -> int:

@@ -16,6 +16,7 @@ from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.devices import GpuReading
 from gpuq.service.models import Allocation, DeviceMinute, DeviceSample, Job
+from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
 
@@ -46,11 +47,11 @@ def record(session: Session, gpu_id: int, rows: Sequence[dict[str, Any]]) -> Non
         if holder is not None and holder.started_at is not None:
             rows = [r if r["job_id"] is not None or r["sampled_at"] < holder.started_at
                     else {**r, "job_id": holder.id} for r in rows]
-    # Core, not the ORM's bulk insert: a worker writes its job's last readings at every end.
-    session.connection().execute(_INSERT, list(rows))
+    # Prepared, not the ORM's bulk insert: a worker writes its job's last readings at every end.
+    _INSERT.run(session.connection(), list(rows))
 
 
-_INSERT = DeviceSample.__table__.insert()
+_INSERT = Prepared(DeviceSample.__table__.insert())
 
 
 def latest(session: Session, gpu_ids: Sequence[int], newer_than: datetime) -> dict[int, DeviceSample]:

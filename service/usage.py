@@ -17,6 +17,7 @@ from gpuq.service import constants as c
 from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import elapsed, get_job
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, utcnow
+from gpuq.service.prepared import Prepared
 from gpuq.service.samples import minute_sums, raw_sums
 from gpuq.service.settings import Settings
 
@@ -199,12 +200,12 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     conn = session.connection()
     if ended is None or ended.ran_before:
         conn.execute(_FORGET_USAGE, {"job_id": job_id})
-    conn.execute(_INSERT_USAGE, _summary(job, totals))
+    _INSERT_USAGE.run(conn, _summary(job, totals))
 
 
 _JOB_TIMES = select(Job.__table__.c.id, Job.__table__.c.gpus, Job.__table__.c.started_at,
                     Job.__table__.c.ended_at).where(Job.__table__.c.id == bindparam("job_id"))
-_INSERT_USAGE = JobUsage.__table__.insert()
+_INSERT_USAGE = Prepared(JobUsage.__table__.insert())
 _FORGET_USAGE = JobUsage.__table__.delete().where(JobUsage.__table__.c.job_id == bindparam("job_id"))
 
 

@@ -458,7 +458,7 @@ def test_a_take_reads_its_gpus_list_not_every_waiting_job(settings):
         if session.connection().dialect.name != "sqlite":
             pytest.skip("SQLite's planner; PostgreSQL plans from its statistics")
         listed = _plan(session, _LISTED, gpu_id=1).splitlines()
-        first = _plan(session, _TAKE_FIRST, gpu_id=1, now=now, node="a", worker="w", token="t",
+        first = _plan(session, _TAKE_FIRST.statement, gpu_id=1, now=now, node="a", worker="w", token="t",
                       expires=now).splitlines()
         # Each starts from the GPU's list and looks each listed job up by its key: a walk over the
         # pending jobs (the plan SQLite chose for a join) cost a step per job in the queue.
