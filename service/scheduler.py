@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from sqlalchemy import bindparam, delete, func, insert, select, tuple_, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -21,6 +21,7 @@ from gpuq.service import constants as c
 from gpuq.service.db import read_scope, session_scope
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, utcnow
+from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
@@ -94,17 +95,17 @@ def read_snapshot(session: Session, settings: Settings, fair_share: FairShare | 
     """What one pass needs from SQL. With ``head``, only each user's first ``head`` pending jobs
     that are not held (a quick pass; see ``_pending``), else every pending job."""
     now = utcnow()
-    conn = session.connection()  # Core, statements built once: a submit reads this to place its job
-    drained = set(conn.execute(_DRAINED).scalars())
+    conn = session.connection()  # Prepared statements: a submit reads this to place its job
+    drained = {name for name, in _DRAINED.run(conn, {})}
     busy: dict[int, float] = {}
     held: dict[str, int] = defaultdict(int)
-    for gpu_id, user, started, limit in conn.execute(_ALLOCATED):
+    for gpu_id, user, started, limit in _ALLOCATED.run(conn, {}):
         held[user] += 1
         busy[gpu_id] = (started or now).timestamp() + limit if limit else math.inf
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id))
-            for g in conn.execute(_LIVE_GPUS, {"cutoff": live_cutoff(settings)})
+            for g in _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
             if g.node not in drained]
     pending, last = _pending(session, head)
     # Fair share orders users against each other: a quick pass over one user's queue needs none
@@ -161,8 +162,8 @@ def _pending(session: Session, head: int | None):
     if head is None:
         return conn.execute(_ALL_PENDING).all(), []
     rows, last = [], []
-    for user in conn.execute(_WAITING_USERS).scalars():
-        got = conn.execute(_USER_HEAD, {"user": user, "head": head}).all()
+    for user, in _WAITING_USERS.run(conn, {}):
+        got = _USER_HEAD.run(conn, {"user": user, "head": head})
         rows += got
         if len(got) == head:
             last.append(got[-1])
@@ -170,17 +171,19 @@ def _pending(session: Session, head: int | None):
 
 
 # Core rows, and statements built once: the ORM's per-row bookkeeping is most of the cost at
-# 10,000 jobs, and building the statement most of it for a submit's few.
+# 10,000 jobs, and building the statement most of it for a submit's few. What a quick pass (many a
+# second under a flood) and a submit read is Prepared; a whole pass's read of every pending job is
+# not (SQLAlchemy makes its rows in C).
 _t = Job.__table__.c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_any, _t.reason)
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == c.PENDING)
-_DRAINED = select(Node.__table__.c.name).where(Node.__table__.c.drained.is_(True))
-_ALLOCATED = select(Allocation.__table__.c.gpu_id, _t.user, _t.started_at, _t.time_limit_s).join_from(
-    Allocation.__table__, Job.__table__, Allocation.__table__.c.job_id == _t.id)
+_DRAINED = Prepared(select(Node.__table__.c.name).where(Node.__table__.c.drained.is_(True)))
+_ALLOCATED = Prepared(select(Allocation.__table__.c.gpu_id, _t.user, _t.started_at, _t.time_limit_s).join_from(
+    Allocation.__table__, Job.__table__, Allocation.__table__.c.job_id == _t.id))
 _g = Gpu.__table__.c
-_LIVE_GPUS = select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib, _g.foreign_mib).where(
-    _g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None))
+_LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
+                             _g.foreign_mib).where(_g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None)))
 _STATES_OF = select(_t.id, _t.state).where(_t.id.in_(bindparam("ids", expanding=True)))
 
 
@@ -195,9 +198,9 @@ def _users_waiting():
     return select(users.c.user).where(users.c.user.is_not(None))
 
 
-_WAITING_USERS = _users_waiting()
-_USER_HEAD = (select(*_PENDING_COLUMNS).where(*jobs.waiting(), _t.user == bindparam("user"))
-              .order_by(_t.priority.desc(), _t.submitted_at, _t.id).limit(bindparam("head")))
+_WAITING_USERS = Prepared(_users_waiting())
+_USER_HEAD = Prepared(select(*_PENDING_COLUMNS).where(*jobs.waiting(), _t.user == bindparam("user"))
+                      .order_by(_t.priority.desc(), _t.submitted_at, _t.id).limit(bindparam("head")))
 
 
 def allocate(session: Session, p: policy.Placement, now: datetime | None = None) -> bool:
@@ -206,20 +209,22 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None)
     conn = session.connection()  # Core: a submit places its job in its own transaction
     try:
         with session.begin_nested():
-            if conn.execute(_DISPATCH, {"job_id": p.job_id, "now": now or utcnow(),
-                                        "node": p.gpus[0].node}).rowcount != 1:
+            if _DISPATCH.run(conn, {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node}) != 1:
                 return False
-            conn.execute(_ALLOCATE, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r} for r, g in enumerate(p.gpus)])
+            _ALLOCATE.run(conn, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r} for r, g in enumerate(p.gpus)])
         return True
     except IntegrityError:
         log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
         return False
 
 
-_DISPATCH = (Job.__table__.update()
-             .where(_t.id == bindparam("job_id"), *jobs.waiting())
-             .values(state=c.DISPATCHED, dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
-_ALLOCATE = Allocation.__table__.insert()
+_n = NextUp.__table__.c
+_UNLIST = Prepared(NextUp.__table__.delete().where(_n.gpu_id == bindparam("gpu_id"), _n.job_id == bindparam("job_id")))
+_LIST = Prepared(NextUp.__table__.insert())
+_DISPATCH = Prepared(Job.__table__.update()
+                     .where(_t.id == bindparam("job_id"), *jobs.waiting())
+                     .values(state=c.DISPATCHED, dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
+_ALLOCATE = Prepared(Allocation.__table__.insert())
 
 
 # A submission of more jobs than this is left to the scheduler whole (see ``place_at_submit``).
@@ -389,12 +394,15 @@ class Scheduler:
 
     def _write_next_up(self, session: Session, wanted: dict[tuple[int, int], int],
                        stale: list[tuple[int, int]], changed: list[tuple[int, int]]) -> None:
+        # Prepared, row by row: a quick pass under a flood writes a few rows every 20 ms inside
+        # the write lock, where the ORM's bulk statements cost a millisecond a pass.
+        conn = session.connection()
         if self._listed is None:
-            session.execute(delete(NextUp))  # not known what is there: rewrite the lists whole
+            conn.execute(delete(NextUp))  # not known what is there: rewrite the lists whole
         elif stale:
-            session.execute(delete(NextUp).where(tuple_(NextUp.gpu_id, NextUp.job_id).in_(stale)))
+            _UNLIST.run(conn, [{"gpu_id": g, "job_id": j} for g, j in stale])
         if changed:
-            session.execute(insert(NextUp), [{"gpu_id": g, "job_id": j, "rank": wanted[g, j]} for g, j in changed])
+            _LIST.run(conn, [{"gpu_id": g, "job_id": j, "rank": wanted[g, j]} for g, j in changed])
 
     def _redis_restarted(self) -> bool:
         """Whether Redis restarted since the last pass (a new run id), maybe empty of our messages."""

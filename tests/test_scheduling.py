@@ -446,7 +446,8 @@ def test_a_quick_pass_reads_each_users_first_jobs_in_queue_order_by_index_seeks(
         assert sorted(r.user for r in last) == ["ann", "cy"]
         if session.connection().dialect.name == "sqlite":
             # Seeks through the queue-order index, however long the queue: no scan, no sort.
-            for plan in (_plan(session, _WAITING_USERS), _plan(session, _USER_HEAD, user="ann", head=head)):
+            for plan in (_plan(session, _WAITING_USERS.statement),
+                         _plan(session, _USER_HEAD.statement, user="ann", head=head)):
                 assert "ix_jobs_queue_order" in plan and "SCAN jobs" not in plan and "TEMP B-TREE" not in plan, plan
 
 
