@@ -185,6 +185,22 @@ def test_an_array_makes_one_job_per_index_sharing_one_array_id(settings, tmp_pat
     assert [j.env["GPUQ_ARRAY_INDEX"] for j in made] == ["0", "3", "6"]
     with session_scope(settings) as session:
         assert jobs.array_jobs(session, made[0].id) == [j.id for j in made]
+        # Each job returned is the row stored under its id.
+        for j in made:
+            stored = session.get(Job, j.id)
+            assert (stored.array_index, stored.argv, stored.env, stored.array_id) == (
+                j.array_index, j.argv, j.env, j.array_id)
+
+
+def test_a_large_array_is_inserted_in_batches_and_each_job_returned_under_its_own_id(settings, tmp_path):
+    # Inserted as several multi-row statements; the ids come back unordered and are matched to
+    # the rows by their order, which must hold on either database.
+    register(settings, "a", 1)
+    make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731
+    made = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2499", []))
+    with session_scope(settings) as session:
+        stored = dict(session.execute(select(Job.id, Job.array_index).where(Job.array_id == made[0].id)).all())
+    assert len(stored) == 2500 and {j.id: j.array_index for j in made} == stored
 
 
 def test_a_sweep_makes_the_cross_product_with_each_jobs_parameters(settings):
