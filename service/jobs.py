@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, exists, func, select, update
+from sqlalchemy import bindparam, delete, exists, func, select, true, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -307,12 +307,11 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
     take = {"gpu_id": gpu_id, "now": now, "node": node, "worker": worker, "token": token,
             "expires": now + timedelta(seconds=lease_s)}
     if not user_gpu_limit:
-        # The usual take: the list's first waiting job, in one statement. None from it is final on
-        # SQLite (this transaction holds the write lock: nothing moved); on PostgreSQL another
-        # worker may have taken that job first, so the list is read below.
-        taken = _take(session, _TAKE_FIRST, take)
-        if taken is not None or conn.dialect.name == "sqlite":
-            return taken
+        # The usual take: the list's first waiting job, in one statement. On SQLite this
+        # transaction holds the write lock, so nothing moves meanwhile. On PostgreSQL the workers
+        # of a node's GPUs, whose lists hold the same jobs, take at once: each passes over the jobs
+        # another one is taking (SKIP LOCKED) instead of queueing behind its transaction.
+        return _take(session, _TAKE_FIRST if conn.dialect.name == "sqlite" else _TAKE_FIRST_UNLOCKED, take)
     listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
     for job_id, user in listed:
         if user_gpu_limit and _gpus_held(session, user) + 1 > user_gpu_limit:
@@ -359,16 +358,20 @@ _GPUS = Gpu.__table__
 TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
                  _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
                  _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts)
-# This GPU's listed jobs that are still pending and not held, none if the GPU or its node was
-# drained or the GPU is held already: one read. It reads from the list, each job by its key:
-# joined, SQLite chose to walk every pending job and look each up in the list (as many steps as
-# the queue is long, in the write lock of every job's end).
-_LISTED = (select(_NEXT.c.job_id, select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id).scalar_subquery())
-           .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(_JOBS.c.id == _NEXT.c.job_id, *waiting()),
-                  ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
-                  ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
-                                  Node.__table__.c.drained.is_(True)),
-                  ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
+# A listed job's user if it still waits, else null. It reads from the list, each job by its key, as
+# a scalar subquery: joined, SQLite chose to walk every pending job and look each up in the list,
+# and PostgreSQL turned an EXISTS into the same join whenever its statistics showed few pending
+# jobs (a step per job in the queue, in the write lock of every job's end; 1,900 index scans a
+# job under a flood of 2,000).
+_LISTED_USER = select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id, *waiting()).scalar_subquery()
+# This GPU's list, unless the GPU or its node was drained or the GPU is held already.
+_GPU_TAKES = (_NEXT.c.gpu_id == bindparam("gpu_id"),
+              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
+              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
+                              Node.__table__.c.drained.is_(True)),
+              ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
+# This GPU's listed jobs that are still pending and not held: one read.
+_LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user")).where(*_GPU_TAKES, _LISTED_USER.is_not(None))
            .order_by(_NEXT.c.rank))
 _STARTED_HERE = dict(state=c.RUNNING, dispatched_at=bindparam("now"), started_at=bindparam("now"),
                      node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
@@ -379,8 +382,20 @@ _TAKE = Prepared(_JOBS.update().where(_JOBS.c.id == bindparam("job_id"), *waitin
 _FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
 _TAKE_FIRST = Prepared(_JOBS.update().where(_JOBS.c.id == _FIRST_LISTED, *waiting()).values(**_STARTED_HERE)
                        .returning(*TAKEN_COLUMNS))
+# PostgreSQL's: the first listed job that waits and that no other transaction has locked (one
+# another worker is taking). The list is read in rank order first (OFFSET 0 keeps it a step of
+# its own), then each listed job is looked up by its key and locked (LATERAL ... FOR UPDATE SKIP
+# LOCKED) until one is found: sorted after the lookups, every waiting job of the list was locked.
+_RANKED = (select(_NEXT.c.job_id, _NEXT.c.rank).where(*_GPU_TAKES).order_by(_NEXT.c.rank).offset(0)
+           .subquery("ranked"))
+_UNLOCKED = (select(_JOBS.c.id).where(_JOBS.c.id == _RANKED.c.job_id, *waiting())
+             .with_for_update(skip_locked=True).lateral("unlocked"))
+_FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, true())
+                   .order_by(_RANKED.c.rank).limit(1).scalar_subquery())
+_TAKE_FIRST_UNLOCKED = Prepared(_JOBS.update().where(_JOBS.c.id == _FIRST_UNLOCKED, *waiting())
+                                .values(**_STARTED_HERE).returning(*TAKEN_COLUMNS))
 _LEFT = Prepared(select(func.count()).select_from(_NEXT)
-                 .where(_NEXT.c.gpu_id == bindparam("gpu_id"), exists().where(_JOBS.c.id == _NEXT.c.job_id, *waiting())))
+                 .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _LISTED_USER.is_not(None)))
 _ALLOCATE_HERE = Prepared(Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
                                                                rank=0))
 

@@ -275,6 +275,38 @@ def worker_on(settings, job_id) -> WorkerState:
                        name=f"gpu{gpu.index}@{gpu.node}")
 
 
+def test_workers_taking_from_lists_that_share_jobs_at_once_pass_over_each_others_job(settings):
+    # PostgreSQL: a node's GPUs list the same jobs, and their workers take at once. The second
+    # takes the next job instead of waiting for the first one's transaction (and then finding
+    # its job gone). On SQLite the write lock makes takes one at a time anyway.
+    import threading
+
+    from gpuq.service.models import NextUp
+
+    with session_scope(settings) as session:
+        if session.connection().dialect.name == "sqlite":
+            pytest.skip("SQLite's takes run one at a time under its write lock")
+    gpus = register(settings, "a", 2)
+    listed = [submit(settings) for _ in range(3)]
+    with session_scope(settings) as session:
+        session.add_all(NextUp(gpu_id=g, job_id=j, rank=r) for g in gpus for r, j in enumerate(listed))
+    got = {}
+    with session_scope(settings) as first:
+        got[gpus[0]] = jobs.take_next(first, gpus[0], "w0", "a", 60)[0].id  # its transaction stays open
+
+        def second() -> None:
+            with session_scope(settings) as session:
+                got[gpus[1]] = jobs.take_next(session, gpus[1], "w1", "a", 60)[0].id
+
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "the second take waited for the first one's transaction"
+    assert got == {gpus[0]: listed[0], gpus[1]: listed[1]}
+    with session_scope(settings) as session:
+        assert [session.get(Job, j).state for j in listed] == [c.RUNNING, c.RUNNING, c.PENDING]
+
+
 def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(settings):
     register(settings, "a", 1)
     # Run by this process's user: a root worker runs a job as its owner.
