@@ -1,4 +1,5 @@
-"""Statements a worker runs at every job's end, compiled once and run on SQLite's own cursor.
+"""Statements run many times a second (a job's end and the next one's start, a scheduler's quick
+pass, a submit's placement), compiled once and run on SQLite's own cursor.
 
 On SQLite every job's end and the next job's start hold the database's one write lock, and under a
 flood of short jobs the lock, not the CPU, sets the pace. SQLAlchemy's execution machinery costs
