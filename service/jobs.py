@@ -314,7 +314,7 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
         return _take(session, _TAKE_FIRST if conn.dialect.name == "sqlite" else _TAKE_FIRST_UNLOCKED, take)
     listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
     for job_id, user in listed:
-        if user_gpu_limit and _gpus_held(session, user) + 1 > user_gpu_limit:
+        if _gpus_held(session, user) + 1 > user_gpu_limit:
             continue
         taken = _take(session, _TAKE, {**take, "job_id": job_id})
         if taken is not None:
@@ -329,7 +329,8 @@ def listed_left(session: Session, gpu_id: int) -> int:
 
 
 def _take(session: Session, statement, values: dict[str, Any]) -> tuple[Any, str] | None:
-    """Run a take (``_TAKE`` or ``_TAKE_FIRST``) and allocate the GPU to the job it started."""
+    """Run a take (``_TAKE``, ``_TAKE_FIRST`` or ``_TAKE_FIRST_UNLOCKED``) and allocate the GPU to
+    the job it started."""
     conn = session.connection()
     try:
         # SQLite: this transaction holds the database's write lock, so no allocation can appear

@@ -5,7 +5,7 @@ On SQLite every job's end and the next job's start hold the database's one write
 flood of short jobs the lock, not the CPU, sets the pace. SQLAlchemy's execution machinery costs
 about 30 microseconds a statement on top of SQLite's own 5 to 20 (measured on this project's end
 of a job: 53 against 21 for its UPDATE), a third of the time the lock is held. A ``Prepared``
-statement is compiled by SQLAlchemy, once per dialect and set of inserted columns, and its values
+statement is compiled by SQLAlchemy, once per set of inserted columns, and its values
 go through the same type processors SQLAlchemy would apply; only the per-call bookkeeping is left
 out. Elsewhere (PostgreSQL, whose writers do not queue on one lock) it runs through SQLAlchemy as
 any statement does.
@@ -30,8 +30,8 @@ class Prepared:
     def __init__(self, statement) -> None:
         self.statement = statement
         self.returns = bool(statement.is_select or (statement.is_dml and statement.returning_column_descriptions))
-        # {(dialect name, inserted columns): compiled form}
-        self._compiled: dict[tuple[str, tuple[str, ...]], _Compiled] = {}
+        # {inserted columns (none for anything but an INSERT): compiled form}, for SQLite
+        self._compiled: dict[tuple[str, ...], _Compiled] = {}
 
     def run(self, conn: Connection, params: dict[str, Any] | list[dict[str, Any]]) -> Any:
         if conn.dialect.name != "sqlite":
@@ -40,7 +40,7 @@ class Prepared:
         many = isinstance(params, list)
         first = params[0] if many else params
         # An INSERT names the columns it is given (as SQLAlchemy compiles it), anything else its binds.
-        key = (conn.dialect.name, tuple(first) if self.statement.is_insert else ())
+        key = tuple(first) if self.statement.is_insert else ()
         compiled = self._compiled.get(key) or self._compile(conn, key)
         cursor = conn.connection.driver_connection.cursor()
         try:
@@ -56,9 +56,9 @@ class Prepared:
         finally:
             cursor.close()
 
-    def _compile(self, conn: Connection, key: tuple[str, tuple[str, ...]]) -> _Compiled:
+    def _compile(self, conn: Connection, key: tuple[str, ...]) -> _Compiled:
         dialect = conn.dialect
-        compiled = self.statement.compile(dialect=dialect, column_keys=list(key[1]) or None)
+        compiled = self.statement.compile(dialect=dialect, column_keys=list(key) or None)
         if not compiled.positional:
             raise TypeError(f"{dialect.name}: a prepared statement needs a positional driver")
         names = list(compiled.positiontup or ())
