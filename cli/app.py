@@ -1,18 +1,57 @@
-"""The `gpuq` command: one Typer app composed from one sub-app per file."""
+"""The `gpuq` command: one Typer sub-app per file, composed here and loaded on demand.
+
+A command's module is imported, and its Typer app turned into click commands, only when that
+command runs (or when help lists them all): `gpuq status` pays for status.py and the client, not
+for the admin commands' imports or the building of thirty commands it will not run.
+"""
 
 from __future__ import annotations
 
+import importlib
+
+import click
 import typer
 
-from gpuq.cli import config, control, dashboard, devices, jobs, stack, stats, status, submit
 from gpuq.cli.errors import GpuqGroup
 
-app = typer.Typer(cls=GpuqGroup, help="gpuq: the job queue in front of your lab's GPUs.",
+# command → the module (in gpuq.cli) whose Typer app holds it, and that app's name there.
+COMMANDS = {
+    "submit": ("submit", "app"), "status": ("status", "app"), "workloads": ("status", "app"),
+    "show": ("jobs", "app"), "logs": ("jobs", "app"), "wait": ("jobs", "app"), "cancel": ("jobs", "app"),
+    "resubmit": ("jobs", "app"), "why": ("control", "app"), "hold": ("control", "app"),
+    "release": ("control", "app"), "drain": ("control", "app"), "resume": ("control", "app"),
+    "devices": ("devices", "app"), "stats": ("stats", "app"), "up": ("stack", "app"), "down": ("stack", "app"),
+    "server": ("stack", "app"), "worker": ("stack", "app"), "scheduler": ("stack", "app"),
+    "config": ("config", "app"), "dashboard": ("dashboard", "app"), "db": ("stack", "db_app"),
+}
+
+
+class LazyGroup(GpuqGroup):
+    """The root group: its commands come from their modules the first time they are asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        sub = typer.main.get_command(getattr(importlib.import_module(f"gpuq.cli.{module}"), attr))
+        if name == "db":
+            sub.name = "db"
+            return sub
+        if isinstance(sub, click.Group):
+            return sub.get_command(ctx, name)
+        return sub
+
+
+app = typer.Typer(cls=LazyGroup, help="gpuq: the job queue in front of your lab's GPUs.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=True)
-for sub in (submit.app, status.app, jobs.app, control.app, devices.app, stats.app, stack.app, config.app,
-            dashboard.app):
-    app.add_typer(sub)
-app.add_typer(stack.db_app, name="db")
+
+
+@app.callback()
+def gpuq() -> None:
+    """gpuq: the job queue in front of your lab's GPUs."""
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Steering the queue: `gpuq why`, `gpuq hold`, `gpuq release`, `gpuq drain`, `gpuq resume`."""
+"""Steering the queue: `gpuq why`, `gpuq hold` and `gpuq release` (through the server), `gpuq drain`
+and `gpuq resume` (admin commands on the database, like the services they steer)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpuq.cli.client import Client
 from gpuq.cli.render import print_json
-from gpuq.service import broker, inventory, jobs
-from gpuq.service.db import require_schema, session_scope
-from gpuq.service.settings import get_settings
 
 app = typer.Typer()
 
@@ -20,34 +19,28 @@ JobIds = Annotated[list[int], typer.Argument(help="Job ids.", min=1)]
 def why(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)],
         as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Why a job waits (or how it ended), in a sentence with the figures."""
-    from gpuq.service.explain import why as explain
-
-    settings = get_settings()
-    require_schema(settings)
-    with session_scope(settings) as session:
-        text = explain(session, settings, job_id)
-        state = jobs.get_job(session, job_id).state
+    answer = Client().get(f"/jobs/{job_id}/why")
     if as_json:
-        print_json({"id": job_id, "state": state, "why": text})
+        print_json(answer)
     else:
-        typer.echo(text)
+        typer.echo(answer["why"])
 
 
 @app.command()
 def hold(job_ids: JobIds) -> None:
     """Keep pending jobs from starting until `gpuq release`."""
-    settings = get_settings()
+    client = Client()
     for job_id in job_ids:
-        jobs.set_held(settings, job_id, True)
+        client.post(f"/jobs/{job_id}/hold")
         typer.echo(f"job {job_id} held")
 
 
 @app.command()
 def release(job_ids: JobIds) -> None:
     """Let held jobs start again."""
-    settings = get_settings()
+    client = Client()
     for job_id in job_ids:
-        jobs.set_held(settings, job_id, False)
+        client.post(f"/jobs/{job_id}/release")
         typer.echo(f"job {job_id} released")
 
 
@@ -55,19 +48,23 @@ def release(job_ids: JobIds) -> None:
 def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
           reason: Annotated[Optional[str], typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
           ) -> None:
-    """Let a node's running jobs finish and start nothing new there."""
+    """Let a node's running jobs finish and start nothing new there (an admin command: it uses the database)."""
     _set_drained(node, True, reason)
     typer.echo(f"node {node} drained: running jobs finish, nothing new starts there")
 
 
 @app.command()
 def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> None:
-    """Undo `gpuq drain`."""
+    """Undo `gpuq drain` (an admin command: it uses the database)."""
     _set_drained(node, False, None)
     typer.echo(f"node {node} resumed")
 
 
 def _set_drained(node: str, drained: bool, reason: str | None) -> None:
+    from gpuq.service import broker, inventory
+    from gpuq.service.db import require_schema, session_scope
+    from gpuq.service.settings import get_settings
+
     settings = get_settings()
     require_schema(settings)
     with session_scope(settings) as session:

@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 
-from gpuq.service.db import require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.settings import get_settings
 
@@ -26,6 +25,8 @@ def dashboard(
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = DEFAULT_PORT,
 ) -> None:
     """Serve the dashboard (queue, GPUs, jobs, usage) and /metrics for Prometheus; read-only."""
+    from gpuq.service.db import require_schema
+
     settings = get_settings()
     require_schema(settings)
     # Imported here: `gpuq status` and `submit` never load the web server or prometheus_client.

@@ -9,11 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from gpuq.cli.render import mib, print_json
+from gpuq.cli.client import Client
+from gpuq.cli.render import job, mib, print_json
 from gpuq.service import constants as c
-from gpuq.service.db import require_schema, session_scope
-from gpuq.service.device_status import DeviceStatus, device_status
-from gpuq.service.settings import get_settings
 
 app = typer.Typer()
 
@@ -36,27 +34,29 @@ def _processes(procs: list[dict]) -> str:
                      for p in procs)
 
 
-def table(rows: list[DeviceStatus]):
+def table(devices: list[dict]):
     """The Rich table of the GPUs."""
+    from rich.markup import escape
     from rich.table import Table
 
+    rows = [job(d) for d in devices]
     t = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("NODE", "GPU", "NAME", "UTIL", "MEMORY", "TEMP", "POWER", "JOB", "USER", "FOREIGN PROCESSES"):
         t.add_column(col, no_wrap=True, justify="right" if col in ("GPU", "TEMP", "POWER") else "left")
     for d in rows:
         mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
         memory = f"{bar(mem_pct)} {mib(d.memory_used_mib)}/{mib(d.memory_total_mib)}" if mem_pct is not None else "n/a"
-        t.add_row(d.node + ("" if d.online else " [red](offline)[/]"), str(d.index), d.name, bar(d.utilization),
+        t.add_row(escape(d.node) + ("" if d.online else " [red](offline)[/]"), str(d.index), escape(d.name),
+                  bar(d.utilization),
                   memory, "n/a" if d.temperature_c is None else f"{d.temperature_c}C",
                   "n/a" if d.power_w is None else f"{d.power_w:.0f}W",
-                  f"{d.job_id} {d.job_name}" if d.job_id else "-", d.user or "-", _processes(d.foreign))
+                  escape(f"{d.job_id} {d.job_name}") if d.job_id else "-", escape(d.user or "-"),
+                  escape(_processes(d.foreign)))
     return t
 
 
-def _read() -> list[DeviceStatus]:
-    settings = get_settings()
-    with session_scope(settings) as session:
-        return device_status(session, settings)
+def _read(client: Client) -> list[dict]:
+    return client.get("/devices")["devices"]
 
 
 @app.command()
@@ -67,11 +67,11 @@ def devices(
     as_json: Annotated[bool, typer.Option("--json", help="JSON (with --watch: one document a line).")] = False,
 ) -> None:
     """Every GPU now: utilisation, memory, temperature, power, the job and user on it, foreign processes."""
-    require_schema(get_settings())
+    client = Client()
     if not watch:
-        rows = _read()
+        rows = _read(client)
         if as_json:
-            print_json([d.as_dict() for d in rows])
+            print_json(rows)
             return
         _print(rows)
         return
@@ -82,26 +82,26 @@ def devices(
     try:
         if as_json or not sys.stdout.isatty():
             while count is None or shown < count:
-                rows = _read()
+                rows = _read(client)
                 if as_json:
-                    typer.echo(json.dumps([d.as_dict() for d in rows], default=str))
+                    typer.echo(json.dumps(rows, default=str))
                 else:
                     _print(rows)
                 shown += 1
                 if count is None or shown < count:
                     time.sleep(interval)
             return
-        with Live(table(_read()), console=Console(), auto_refresh=False) as live:
+        with Live(table(_read(client)), console=Console(), auto_refresh=False) as live:
             shown = 1
             while count is None or shown < count:
                 time.sleep(interval)
-                live.update(table(_read()), refresh=True)
+                live.update(table(_read(client)), refresh=True)
                 shown += 1
     except KeyboardInterrupt:
         pass
 
 
-def _print(rows: list[DeviceStatus]) -> None:
+def _print(rows: list[dict]) -> None:
     from rich.console import Console
 
     # Piped output gets whole lines instead of columns squeezed into 80.

@@ -1,47 +1,42 @@
-"""How the CLI shows things: durations, sizes, job summaries, JSON. Printing only, no queries."""
+"""How the CLI shows things: durations, sizes, job summaries, JSON. Printing only: the data is the
+server's JSON."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import typer
 
 from gpuq.service.display import duration, result_summary  # noqa: F401 - the CLI's names for them
-from gpuq.service.models import Job
 
 
-def mib(v: int | None) -> str:
+def mib(v: int | float | None) -> str:
     if v is None:
         return "n/a"
-    return f"{v / 1024:.1f}G" if v >= 1024 else f"{v}M"
+    return f"{v / 1024:.1f}G" if v >= 1024 else f"{v:.0f}M"
 
 
-def timestamp(t: datetime | None) -> str:
+def when(text: str | None) -> datetime | None:
+    """An ISO time from the server, or None."""
+    return datetime.fromisoformat(text) if text else None
+
+
+def timestamp(t: datetime | str | None) -> str:
+    if isinstance(t, str):
+        t = when(t)
     return t.astimezone().strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
 
-def job_dict(job: Job, gpus: list[int] | None = None) -> dict[str, Any]:
-    """The job as JSON-ready data (the --json output)."""
-    return {
-        "id": job.id, "name": job.name, "user": job.user, "kind": job.kind, "workload": job.workload,
-        "params": job.params, "argv": job.argv, "cwd": job.cwd, "gpus": job.gpus, "priority": job.priority,
-        "state": job.state, "reason": job.reason, "node": job.node, "worker": job.worker,
-        "gpu_indices": gpus, "exit_code": job.exit_code, "result": job.result,
-        "mem_mib": job.mem_mib, "on_node": job.on_node, "time_limit_s": job.time_limit_s,
-        "max_retries": job.max_retries, "attempts": job.attempts, "held": job.held, "after": job.after,
-        "after_any": job.after_any, "array_id": job.array_id, "array_index": job.array_index,
-        "failure": job.failure, "requeues": job.requeues, "host_mem_mib": job.host_mem_mib,
-        "submitted_at": _iso(job.submitted_at), "dispatched_at": _iso(job.dispatched_at),
-        "started_at": _iso(job.started_at), "ended_at": _iso(job.ended_at),
-        "git_commit": job.git_commit, "git_dirty": job.git_dirty, "git_diff_cut": job.git_diff_cut,
-        "snapshot": job.snapshot,
-    }
+def seconds(s: float | None) -> timedelta | None:
+    return None if s is None else timedelta(seconds=s)
 
 
-def _iso(t: datetime | None) -> str | None:
-    return t.isoformat() if t else None
+def job(data: dict[str, Any]) -> SimpleNamespace:
+    """A job from the server's JSON, with attributes as the shared display functions read them."""
+    return SimpleNamespace(**data)
 
 
 def print_json(data: Any) -> None:

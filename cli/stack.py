@@ -1,4 +1,7 @@
-"""Running gpuq itself: `gpuq up`, `gpuq down`, `gpuq worker`, `gpuq scheduler`, `gpuq db`."""
+"""Running gpuq itself: `gpuq up`, `gpuq down`, `gpuq server`, `gpuq worker`, `gpuq scheduler`, `gpuq db`.
+
+These are the admin commands that use the database and the broker directly; each imports what it
+runs inside its own body, so the users' commands never load it."""
 
 from __future__ import annotations
 
@@ -11,27 +14,31 @@ from typing import Annotated
 
 import typer
 
-from gpuq.service import db, stack
 from gpuq.service.settings import get_settings, mask_url
 
 app = typer.Typer()
-db_app = typer.Typer(help="The database schema.", no_args_is_help=True)
+db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=True, add_completion=False)
 
 
 @app.command()
 def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers.")] = 120.0) -> None:
-    """Start the local stack in the background: Redis if needed, the scheduler, one worker per GPU."""
+    """Start the local stack in the background: Redis if needed, the server, the scheduler, one
+    worker per GPU. Run as root, it serves every user of the machine."""
+    from gpuq.service import stack
+
     settings = get_settings()
     st = stack.up(settings, timeout=timeout)
     redis = "a Redis of its own" if st.managed_redis else "its Redis"
-    typer.echo(f"gpuq is up: {st.workers} worker(s), the scheduler and {redis} at {mask_url(settings.broker)} "
-               f"(supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
+    typer.echo(f"gpuq is up: {st.workers} worker(s), the scheduler, {redis} at {mask_url(settings.broker)} and "
+               f"the server on {settings.server_socket} (supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
 
 
 @app.command()
 def down(grace: Annotated[float, typer.Option(help="Seconds running jobs get to finish before they are "
                                                     "interrupted.")] = 30.0) -> None:
     """Stop the local stack; no process of it is left behind."""
+    from gpuq.service import stack
+
     if stack.down(get_settings(), grace=grace):
         typer.echo("gpuq is down")
     else:
@@ -51,6 +58,16 @@ def worker(gpu: Annotated[int, typer.Option("--gpu", min=0, help="The GPU to ser
 
 
 @app.command()
+def server() -> None:
+    """Run the server in the foreground: the API every user's `gpuq` talks to, on its Unix socket
+    (and on GPUQ_LISTEN with MUNGE)."""
+    from gpuq.server.app import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(get_settings())
+
+
+@app.command()
 def scheduler() -> None:
     """Run the scheduler in the foreground."""
     from gpuq.service.scheduler import Scheduler
@@ -65,6 +82,8 @@ def scheduler() -> None:
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply the migrations: bring the database to this gpuq's schema."""
+    from gpuq.service import db
+
     settings = get_settings()
     db.upgrade(settings)
     typer.echo(f"database at {mask_url(settings.database)} is at revision {db.current_revision(settings)}")
@@ -73,5 +92,7 @@ def db_upgrade() -> None:
 @db_app.command("current")
 def db_current() -> None:
     """The database's schema revision."""
+    from gpuq.service import db
+
     settings = get_settings()
     typer.echo(db.current_revision(settings) or "none (run `gpuq db upgrade`)")

@@ -10,14 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from gpuq.cli.render import duration, print_json, timestamp
-from gpuq.service import accounting, samples, usage
+from gpuq.cli.client import Client
+from gpuq.cli.render import duration, job, print_json, timestamp, when
 from gpuq.service import constants as c
-from gpuq.service.db import require_schema, session_scope
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.jobs import get_job
-from gpuq.service.models import utcnow
-from gpuq.service.settings import get_settings
 
 app = typer.Typer()
 
@@ -40,32 +36,29 @@ def stats(
                                                           "1-minute aggregates, and do nothing else.")] = False,
 ) -> None:
     """GPU-hours, jobs, mean utilisation and energy per user and node; or one job's summary."""
-    settings = get_settings()
     if as_json and as_csv:
         raise InvalidSpec("--json and --csv cannot be used together: pick one")
-    now = utcnow()
-    start, end = accounting.parse_when(since, "--since", now), accounting.parse_when(until, "--until", now)
-    if start >= end:
-        raise InvalidSpec(f"--since {since} is not before --until {until}")
-    require_schema(settings)
+    client = Client()
     if rollup:
-        n = samples.rollup(settings, now)
-        typer.echo(f"rolled {n} raw samples older than {settings.sample_retention_days:g} days into "
+        done = client.post("/stats/rollup")
+        typer.echo(f"rolled {done['rolled']} raw samples older than {done['retention_days']:g} days into "
                    "1-minute aggregates")
         return
     if job_id is not None:
-        _job(job_id, as_json, as_csv, plot)
+        _job(client, job_id, as_json, as_csv, plot)
         return
-    with session_scope(settings) as session:
-        rep = accounting.report(session, start, end, now)
-        series = accounting.utilization_by_user(session, start, end) if plot else None
+    answer = client.get("/stats", since=since, until=until, plot=1 if plot else None)
+    start, end = when(answer["since"]), when(answer["until"])
+    rep = {part: [job(r) for r in answer[part]] for part in ("users", "nodes")}
     if plot:
         from gpuq.cli.plots import cluster_plot
 
-        cluster_plot(*series, plot, f"GPU use by user, {timestamp(start)} to {timestamp(end)}")
+        series = answer["series"]
+        cluster_plot([when(e) for e in series["edges"]], series["by_user"], plot,
+                     f"GPU use by user, {timestamp(start)} to {timestamp(end)}")
     if as_json:
-        print_json({"since": start.isoformat(), "until": end.isoformat(),
-                    "users": [r.as_dict() for r in rep["users"]], "nodes": [r.as_dict() for r in rep["nodes"]]})
+        print_json({"since": answer["since"], "until": answer["until"], "users": answer["users"],
+                    "nodes": answer["nodes"]})
     elif as_csv:
         out = csv.writer(sys.stdout, lineterminator="\n")
         out.writerow(("by", "name", *_COLUMNS))
@@ -95,20 +88,13 @@ def _report_tables(rep, start, end) -> None:
         console.print(t if rep[part] else f"no {part} with GPU use in this period")
 
 
-def _job(job_id: int, as_json: bool, as_csv: bool, plot: Path | None) -> None:
-    settings = get_settings()
-    with session_scope(settings) as session:
-        job = get_job(session, job_id)
-        u = usage.job_usage(session, job_id)
-        series = accounting.job_series(session, job_id) if plot else None
-        info = dict(job_id=job.id, name=job.name, user=job.user, state=job.state, node=job.node, gpus=job.gpus)
-    data = info | dict(wall_s=u.wall_s, gpu_hours=u.gpu_hours, memory_peak_mib=u.memory_peak_mib,
-                       memory_mean_mib=u.memory_mean_mib, utilization_mean=u.utilization_mean,
-                       energy_j=u.energy_j, idle_s=u.idle_s, samples=u.samples)
+def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | None) -> None:
+    data = client.get(f"/jobs/{job_id}/stats", plot=1 if plot else None)
+    series = data.pop("series", None)
     if plot:
         from gpuq.cli.plots import job_plot
 
-        job_plot(series, plot, f"job {job_id} ({info['name']}, {info['user']})")
+        job_plot([p | {"at": when(p["at"])} for p in series], plot, f"job {job_id} ({data['name']}, {data['user']})")
     if as_json:
         print_json(data)
     elif as_csv:
@@ -118,9 +104,10 @@ def _job(job_id: int, as_json: bool, as_csv: bool, plot: Path | None) -> None:
     else:
         from datetime import timedelta
 
-        lines = [("job", f"{job_id}  {info['name']}  ({info['user']}, {info['state']})"),
+        u = job(data)
+        lines = [("job", f"{job_id}  {u.name}  ({u.user}, {u.state})"),
                  ("wall time", duration(timedelta(seconds=u.wall_s))),
-                 ("GPU-hours", f"{u.gpu_hours:.4f}  ({info['gpus']} GPU{'s' if info['gpus'] > 1 else ''})"),
+                 ("GPU-hours", f"{u.gpu_hours:.4f}  ({u.gpus} GPU{'s' if u.gpus > 1 else ''})"),
                  ("mean util", _num(u.utilization_mean, ".1f") + "%"),
                  ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB, mean {_num(u.memory_mean_mib, '.0f')} MiB"),
                  ("energy", "n/a" if u.energy_j is None else f"{u.energy_j:.0f} J ({u.energy_j / 3.6e6:.4f} kWh)"),

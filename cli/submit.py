@@ -1,16 +1,23 @@
-"""`gpuq submit`: queue a built-in workload or the user's own command."""
+"""`gpuq submit`: queue a built-in workload or the user's own command, through the server.
+
+What only the submitter's own process can know travels with the request: the working directory,
+the variables the job inherits (the default set, and those named by --env), and the work tree's
+git state, which git reports here, as the user. The server checks all of it and decides whose job
+it is from the socket's credentials, not from anything sent."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import os
+import uuid
+from typing import Annotated, Any, Optional
 
 import typer
 from typer.core import TyperCommand
 
-from gpuq.cli.render import job_dict, print_json
-from gpuq.service import jobs, spec
+from gpuq.cli.client import Client
+from gpuq.cli.render import print_json
+from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.settings import get_settings
 
 app = typer.Typer()
 
@@ -62,34 +69,49 @@ def submit(
     CUDA_VISIBLE_DEVICES set to the GPUs it was given.
     """
     command = ctx.meta.get(COMMAND_KEY)
-    owner = spec.submitting_user(user)
+    extra = list(ctx.args)
+    stray = [a for a in ([workload] if workload is not None else []) + extra if a.startswith("-")]
+    if stray and (command is not None or workload is None or workload.startswith("-")):
+        # Before `--` only gpuq's own options go (a workload's come after its name): a mistyped one.
+        raise InvalidSpec(f"no such option: {stray[0]} (gpuq submit --help)")
+    body: dict[str, Any] = {
+        "workload": workload, "args": extra, "command": command, "gpus": gpus, "name": name,
+        "priority": priority, "mem": mem, "node": node, "host_mem": host_mem, "time": time, "retries": retries,
+        "hold": hold, "after": after, "after_any": after_any, "array": array, "sweep": sweep or [],
+        "snapshot": snapshot, "env": env or [], "cwd": _cwd(), "user": user,
+        # The same key on every try: a server that restarted mid-submit makes the jobs once.
+        "key": uuid.uuid4().hex,
+    }
     if command is not None:
-        if workload is not None or ctx.args:
-            raise InvalidSpec("give either a workload or a command after --, not both")
-        variables = spec.job_env(env or [])
-
-        def make(extra: list[str]) -> spec.JobSpec:
-            return spec.command_spec(command, gpus=gpus, name=name, user=owner, env=variables)
-    elif snapshot:
-        raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
-    elif workload is None:
-        raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
-    elif env:
-        raise InvalidSpec("--env is for a command (after --); a built-in workload runs in the worker")
-    else:
-
-        def make(extra: list[str]) -> spec.JobSpec:
-            return spec.workload_spec(workload, list(ctx.args) + extra, gpus=gpus, name=name, user=owner)
-
-    sched = spec.Scheduling(priority=priority, mem=mem, node=node, time=time, retries=retries, hold=hold,
-                            after=after, after_any=after_any, host_mem=host_mem)
-    specs = spec.expand(make, sched, array, sweep or [])
-    submitted = jobs.submit_all(get_settings(), specs, snapshot=snapshot)
+        body["environ"] = _environ(env or [])
+        body["git"] = _git_state(body["cwd"])
+    made = Client().post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"]
     if as_json:
-        data = [job_dict(j) for j in submitted]
-        print_json(data[0] if len(data) == 1 and array is None and not sweep else data)
-    elif len(submitted) == 1 and submitted[0].array_id is None:
-        typer.echo(f"submitted job {submitted[0].id}")
+        print_json(made[0] if len(made) == 1 and array is None and not sweep else made)
+    elif len(made) == 1 and made[0]["array_id"] is None:
+        typer.echo(f"submitted job {made[0]['id']}")
     else:
-        typer.echo(f"submitted array {submitted[0].array_id}: jobs {submitted[0].id}-{submitted[-1].id} "
-                   f"({len(submitted)})")
+        typer.echo(f"submitted array {made[0]['array_id']}: jobs {made[0]['id']}-{made[-1]['id']} ({len(made)})")
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise InvalidSpec("the current directory no longer exists") from None
+
+
+def _environ(requests: list[str]) -> dict[str, str]:
+    """The variables of this process a command job may inherit: the default set and the ones
+    --env names without a value. Nothing else of the environment leaves this process."""
+    named = {item for item in requests if "=" not in item}
+    return {k: v for k, v in os.environ.items()
+            if k in c.DEFAULT_ENV or k.startswith(c.DEFAULT_ENV_PREFIXES) or k in named}
+
+
+def _git_state(cwd: str) -> dict[str, Any] | None:
+    from gpuq.service.snapshot import capture
+
+    # The server cuts the diff to its own limit (GPUQ_GIT_DIFF_MAX_BYTES); this bounds the request.
+    git = capture(cwd, c.MAX_REQUEST_BYTES // 2)
+    return None if git is None else git.__dict__

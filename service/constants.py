@@ -46,6 +46,7 @@ EXIT_NOT_FOUND = 3  # no such job
 EXIT_CONFLICT = 4  # the job is not in a state that allows this
 EXIT_TIMEOUT = 5  # `gpuq wait --timeout` ran out first
 EXIT_NOT_ALLOWED = 77  # another user's job
+EXIT_OVER_LIMIT = 75  # a per-user limit (pending jobs) refuses it for now: try again later
 EXIT_UNAVAILABLE = 69  # the database or the broker cannot be reached
 EXIT_SOFTWARE = 70  # a bug in gpuq: please report it
 EXIT_CONFIG = 78  # the settings are wrong
@@ -109,3 +110,24 @@ WAL_BACKSTOP_PAGES = 10_000
 HEAD_PER_USER = 32
 # A whole scheduler pass runs no more often than this many times its own duration.
 FULL_PASS_SHARE = 10.0
+
+# The submitter's variables a command job gets without asking (SLURM-like: the login basics, the
+# locale, and the Python environment it was submitted from). Anything else needs --env. The client
+# sends these; the server checks them like any --env.
+DEFAULT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+               "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "PYTHONPATH")
+DEFAULT_ENV_PREFIXES = ("LC_",)
+
+# The server's API: its version prefix, the largest request body it reads (a 128 KiB command,
+# 256 KiB of environment and a 1 MiB diff fit), and what a client waits for an answer.
+API_PREFIX = "/v1"
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+CLIENT_TIMEOUT_SECONDS = 60.0
+# A submit's answer lost to a server restart is asked again this many times, this far apart, with
+# the same idempotency key: the server returns the jobs it already made, or makes them once.
+SUBMIT_RETRIES = 5
+SUBMIT_RETRY_SECONDS = 0.5
+# The header a MUNGE credential travels in over TCP, and its scheme word.
+MUNGE_SCHEME = "MUNGE"
+# Seconds a `munge`/`unmunge` call may take before the request fails.
+MUNGE_TIMEOUT_SECONDS = 10.0

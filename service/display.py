@@ -4,9 +4,12 @@ say it the same way."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from gpuq.service import constants as c
-from gpuq.service.models import Job
+
+if TYPE_CHECKING:  # the client renders the server's JSON with these too, and imports no SQLAlchemy
+    from gpuq.service.models import Job
 
 
 def duration(d: timedelta | None) -> str:
@@ -21,7 +24,7 @@ def duration(d: timedelta | None) -> str:
     return (f"{days}-" if days else "") + (f"{h}:{m:02d}:{sec:02d}" if h or days else f"{m}:{sec:02d}")
 
 
-def result_summary(job: Job) -> str:
+def result_summary(job: "Job | Any") -> str:
     """One cell's worth of what a job produced, or why it waits or failed."""
     r = job.result or {}
     if job.state == c.SUCCEEDED:

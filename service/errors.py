@@ -39,6 +39,18 @@ class NotAllowed(GpuqError):
     exit_code = c.EXIT_NOT_ALLOWED
 
 
+class DuplicateSubmission(GpuqError):
+    """A submit's idempotency key was used already: its jobs exist, and nothing new was written."""
+
+    exit_code = c.EXIT_CONFLICT
+
+
+class OverLimit(GpuqError):
+    """A per-user limit (pending jobs) refuses the request for now; nothing was written."""
+
+    exit_code = c.EXIT_OVER_LIMIT
+
+
 class Unreachable(GpuqError):
     """The database or the broker did not answer; the message names which URL (password masked)."""
 

@@ -21,12 +21,16 @@ from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
 from gpuq.service.db import read_scope, require_schema, savepoint, session_scope
 from gpuq.service.devices import GpuInfo, open_devices
-from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
-from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, NextUp, Node, utcnow
+from gpuq.service.errors import DuplicateSubmission, InvalidSpec, JobNotFound, NotAllowed, OverLimit, StateConflict
+from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, NextUp, Node, Submission, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
-from gpuq.service.snapshot import Staged
-from gpuq.service.spec import JobSpec, current_user
+from gpuq.service.rights import Caller, check_change
+from gpuq.service.snapshot import GitState, Staged, Stager
+from gpuq.service.spec import JobSpec
+
+# ``submit_all``'s default for ``git``: ask git here, in the submitting process.
+CAPTURE = object()
 
 # The worker's per-job statements are built once, in Core: a worker ends a job and starts the
 # next every few milliseconds on a queue of short jobs, and building them is most of that cost.
@@ -48,12 +52,18 @@ def submit(settings: Settings, spec: JobSpec) -> Job:
 
 
 def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = False,
-               record_code: bool = True) -> list[Job]:
+               record_code: bool = True, git: GitState | None | object = CAPTURE,
+               stage: Stager | None = None, key: str | None = None) -> list[Job]:
     """Queue ``specs`` as pending jobs in one transaction (an array shares its first job's id as
     ``array_id``) and wake the scheduler. Nothing is written on any error.
 
     A command's git state is recorded (``record_code``; a resubmit copies it instead), and with
     ``snapshot`` its work tree is copied and the jobs run from the copy (service/snapshot.py).
+    ``git`` is the work tree's state as the submitter's own process found it (the server is given
+    it by the client, which runs git as the user); by default it is asked of git here. ``stage``
+    copies the work tree (by default in this process; the server copies as the submitting user).
+    ``key``, an idempotency key, is stored with the jobs in their transaction: a second submit
+    with the same key fails with ``DuplicateSubmission`` and writes nothing (``submitted_with``).
 
     Everything that can be done before the write is: the checks read in their own read-only
     transaction, git runs, the rows are built; the write transaction (on SQLite, the one write
@@ -64,12 +74,13 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     with read_scope(settings) as session:
         _check_resources(session, settings, first)
         _check_dependencies(session, first.after)
+        _check_pending_limit(session, settings, first.user, len(specs))
     _check_priority(settings, first)
     if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
         raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
     staged = None
     try:
-        specs, staged = _code_at_submit(settings, specs, snapshot, record_code)
+        specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
         now = utcnow()
         values = [_row(s, now) for s in specs]
         array = len(values) > 1 or first.array_index is not None
@@ -86,6 +97,13 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
             if len(values) > 1:
                 # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
                 ids += sorted(conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[1:]).scalars())
+            if key is not None:
+                try:
+                    with savepoint(session):
+                        conn.execute(_INSERT_SUBMISSION, {"key": key, "user": first.user, "job_ids": ids,
+                                                          "submitted_at": now})
+                except IntegrityError:
+                    raise DuplicateSubmission(key) from None
             from gpuq.service.scheduler import place_at_submit  # it imports this module
 
             placed = place_at_submit(session, settings, ids)
@@ -108,6 +126,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
 
 
 _INSERT_JOB = _JOBS.insert()
+_INSERT_SUBMISSION = Submission.__table__.insert()
 
 
 def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
@@ -126,15 +145,17 @@ def _staged_at(staged: Staged | None) -> dict[str, Any]:
     return {} if staged is None else {"snapshot": str(staged.path), "cwd": staged.workdir()}
 
 
-def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool,
-                    record_code: bool) -> tuple[list[JobSpec], Staged | None]:
+def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, record_code: bool,
+                    git: GitState | None | object, stage: Stager | None) -> tuple[list[JobSpec], Staged | None]:
     """The specs with their git state recorded, and the staged snapshot if one was asked for.
     The tasks of one submission share one directory, so git is asked once."""
     first = specs[0]
     if first.kind != c.KIND_COMMAND or not (record_code or snapshot):
         return specs, None
-    git = code_state.capture(first.cwd, settings.git_diff_max_bytes)
-    staged = code_state.stage(settings, first.cwd, git) if snapshot else None
+    if git is CAPTURE:
+        git = code_state.capture(first.cwd, settings.git_diff_max_bytes)
+    assert git is None or isinstance(git, GitState)
+    staged = (stage or code_state.stage)(settings, first.cwd, git) if snapshot else None
     if git is not None and record_code:
         specs = [replace(s, git_commit=git.commit, git_dirty=git.dirty, git_diff=git.diff or None,
                          git_diff_cut=git.diff_cut) for s in specs]
@@ -162,6 +183,27 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
         here = max((g.memory_total_mib for g in local), default=0)
         if spec.mem_mib > max(biggest, here):
             raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({max(biggest, here)} MiB)")
+
+
+def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> None:
+    limit = settings.max_pending_per_user
+    if not limit:
+        return
+    pending = session.scalar(select(func.count()).select_from(Job).where(Job.user == user, Job.state == c.PENDING))
+    if pending + adding > limit:
+        raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
+                        f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")
+
+
+def submitted_with(session: Session, key: str, user: str) -> list[int] | None:
+    """The ids of the jobs ``user`` submitted with idempotency key ``key``, or None. Another
+    user's key is theirs: it is refused, not answered."""
+    row = session.execute(select(Submission.user, Submission.job_ids).where(Submission.key == key)).first()
+    if row is None:
+        return None
+    if row.user != user:
+        raise NotAllowed("that submission key belongs to another user")
+    return list(row.job_ids)
 
 
 def _check_priority(settings: Settings, spec: JobSpec) -> None:
@@ -210,19 +252,13 @@ class CancelOutcome:
     state: str  # "cancelled" at once, or "cancelling" (a running job being stopped by its worker)
 
 
-def check_owner(settings: Settings, job: Job, user: str) -> None:
-    """Only a job's owner, or an admin, may change it."""
-    if job.user != user and user not in settings.admin_users:
-        raise NotAllowed(f"job {job.id} belongs to {job.user}; only they or an admin may change it")
-
-
-def cancel(settings: Settings, job_id: int, user: str | None = None) -> CancelOutcome:
+def cancel(settings: Settings, job_id: int, user: Caller | str | None = None) -> CancelOutcome:
     """Cancel a job: a pending or dispatched one at once, a running one by asking its worker."""
     require_schema(settings)
     now = utcnow()
     with session_scope(settings) as session:
         job = get_job(session, job_id)
-        check_owner(settings, job, user or current_user())
+        check_change(settings, job_id, job.user, Caller.of(user))
         if job.state in c.END_STATES:
             raise StateConflict(f"job {job_id} already ended ({job.state})")
         ended = session.execute(
@@ -242,12 +278,12 @@ def cancel(settings: Settings, job_id: int, user: str | None = None) -> CancelOu
     return outcome
 
 
-def set_held(settings: Settings, job_id: int, held: bool, user: str | None = None) -> None:
+def set_held(settings: Settings, job_id: int, held: bool, user: Caller | str | None = None) -> None:
     """Hold a pending job (it will not start) or release it."""
     require_schema(settings)
     with session_scope(settings) as session:
         job = get_job(session, job_id)
-        check_owner(settings, job, user or current_user())
+        check_change(settings, job_id, job.user, Caller.of(user))
         if job.state != c.PENDING:
             raise StateConflict(f"job {job_id} is {job.state}; only a pending job can be "
                                 f"{'held' if held else 'released'}")

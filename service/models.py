@@ -323,3 +323,15 @@ class JobUsage(Base):
     idle_s: Mapped[float] = mapped_column(Float)  # GPU-seconds below IDLE_UTILIZATION
     samples: Mapped[int] = mapped_column(Integer)
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Submission(Base):
+    """A submit's idempotency key and the jobs it made: a client that lost the answer (the server
+    restarted mid-submit) asks again with the same key and gets these jobs, never a second copy."""
+
+    __tablename__ = "submissions"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user: Mapped[str] = mapped_column(String(64))
+    job_ids: Mapped[list[int]] = mapped_column(JSON)
+    submitted_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 
 from gpuq.service import jobs
-from gpuq.service.db import require_schema, session_scope
+from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job
 from gpuq.service.settings import Settings
-from gpuq.service.spec import JobSpec, current_user
+from gpuq.service.rights import Caller, check_change
+from gpuq.service.spec import JobSpec
 
 
 def spec_of(job: Job, user: str) -> JobSpec:
@@ -25,15 +26,15 @@ def spec_of(job: Job, user: str) -> JobSpec:
                    snapshot=job.snapshot, host_mem_mib=job.host_mem_mib)
 
 
-def resubmit(settings: Settings, job_id: int, user: str | None = None) -> Job:
+def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) -> Job:
     """Queue job ``job_id`` again (see ``spec_of``). Only its owner or an admin may, since the new
     job inherits the old one's environment. JobNotFound, NotAllowed, or submit's errors."""
     require_schema(settings)
-    caller = user or current_user()
-    with session_scope(settings) as session:
+    caller = Caller.of(user)
+    with read_scope(settings) as session:
         job = jobs.get_job(session, job_id)
-        jobs.check_owner(settings, job, caller)
-        spec = spec_of(job, caller)
+        check_change(settings, job_id, job.user, caller)
+        spec = spec_of(job, caller.user)
     if spec.snapshot and not os.path.isdir(spec.cwd):
         raise InvalidSpec(f"job {job_id}'s snapshot {spec.snapshot} is gone; it cannot run as it was")
     # The code is the one recorded with the old job (and its snapshot, reused): not asked of git again.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from gpuq.service.errors import ConfigError
 
@@ -24,8 +24,16 @@ ENV_PREFIX = "GPUQ_"
 
 
 def _data_home() -> Path:
+    # Root's gpuq is the machine's: its state is a system service's (`sudo gpuq up` serves everyone).
+    if os.geteuid() == 0 and not os.environ.get("XDG_DATA_HOME"):
+        return Path(SYSTEM_HOME)
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "gpuq"
+
+
+# Where root's gpuq keeps its state, and where its server's socket is: every user's client looks there.
+SYSTEM_HOME = "/var/lib/gpuq"
+SYSTEM_SOCKET = "/run/gpuq/gpuq.sock"
 
 
 def config_file(environ: Mapping[str, str] | None = None) -> Path:
@@ -115,16 +123,48 @@ class Settings:
     git_diff_max_bytes: int = 1024 * 1024
     # Whether anyone may read any job's output (`gpuq logs`); false: only its owner and the admins.
     shared_logs: bool = False
+    # The server's Unix socket (`gpuq server`); empty: /run/gpuq/gpuq.sock for root, else home/gpuq.sock.
+    socket: str = ""
+    # Where the client finds the server: a socket path, unix:PATH, or http://host:port (MUNGE over
+    # TCP); empty: the socket setting if given, else /run/gpuq/gpuq.sock if it exists, else home/gpuq.sock.
+    server: str = ""
+    # host:port the server also listens on for other nodes, each request carrying a MUNGE
+    # credential; empty: no TCP.
+    listen: str = ""
+    # munged's socket, for the client's credentials and the server's decoding (Debian's default).
+    munge_socket: str = "/run/munge/munge.socket.2"
+    # Jobs one user may have pending at once; past it a submit is refused whole.
+    max_pending_per_user: int = 10_000
 
     @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:
         """The effective database URL."""
         return self.database_url or f"sqlite:///{self.home / 'gpuq.db'}"
 
-    @property
+    @functools.cached_property
     def broker(self) -> str:
-        """The effective broker URL."""
-        return self.broker_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        """The effective broker URL: the configured one, else the local Redis that `gpuq up` runs,
+        with the password it generated for it when there is one (root's stack always has one)."""
+        if self.broker_url:
+            return self.broker_url
+        try:
+            password = self.redis_secret.read_text().strip()
+        except OSError:
+            password = ""
+        auth = f":{quote(password, safe='')}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def redis_secret(self) -> Path:
+        """The password of the Redis that `gpuq up` runs as root (mode 0600: gpuq's own processes only)."""
+        return self.home / "redis.secret"
+
+    @property
+    def server_socket(self) -> Path:
+        """The Unix socket `gpuq server` listens on."""
+        if self.socket:
+            return Path(self.socket).expanduser()
+        return Path(SYSTEM_SOCKET) if os.geteuid() == 0 else self.home / "gpuq.sock"
 
     @property
     def broker_is_managed(self) -> bool:

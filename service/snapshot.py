@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +86,31 @@ class Staged:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+# What copies a work tree for a submit: ``stage`` here, or the server's copy made as the submitter.
+Stager = Callable[[Settings, str, "GitState | None"], "Staged"]
+
+
 def stage(settings: Settings, cwd: str, git: GitState | None) -> Staged:
     """Copy the files git lists for the work tree of ``cwd`` to a temporary directory under the
     snapshot directory. InvalidSpec (nothing left behind) outside a work tree or over the size limit."""
+    root = settings.snapshots
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidSpec(f"--snapshot: cannot create {root}: {exc.strerror}") from None
+    path = root / f".incoming-{uuid.uuid4().hex}"
+    path.mkdir()
+    try:
+        return Staged(path, copy_tree(cwd, git, path, settings.snapshot_max_bytes))
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def copy_tree(cwd: str, git: GitState | None, target: Path, max_bytes: int) -> str:
+    """Copy the files git lists for the work tree of ``cwd`` into the empty directory ``target``;
+    returns where ``cwd`` is relative to the work tree's top. InvalidSpec outside a work tree or
+    over ``max_bytes``; the caller removes ``target`` on any error."""
     if git is None:
         raise InvalidSpec(f"--snapshot needs a git work tree, and {cwd} is not in one (or git is not installed)")
     listed = _git(git.top, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
@@ -105,26 +128,37 @@ def stage(settings: Settings, cwd: str, git: GitState | None) -> Staged:
             continue  # a submodule's directory: its files are not the parent's to copy
         files.append((name, src))
         total += st.st_size
-    if total > settings.snapshot_max_bytes:
+    if total > max_bytes:
         raise InvalidSpec(f"--snapshot: the work tree {git.top} holds {total / 2**20:.1f} MiB of files; the limit "
-                          f"is {settings.snapshot_max_bytes / 2**20:.1f} MiB (GPUQ_SNAPSHOT_MAX_BYTES)")
-    root = settings.snapshots
+                          f"is {max_bytes / 2**20:.1f} MiB (GPUQ_SNAPSHOT_MAX_BYTES)")
+    rel = os.path.relpath(os.path.realpath(cwd), git.top)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InvalidSpec(f"--snapshot: cannot create {root}: {exc.strerror}") from None
-    staged = Staged(root / f".incoming-{uuid.uuid4().hex}", os.path.relpath(os.path.realpath(cwd), git.top))
-    try:
-        staged.path.mkdir()
         for name, src in files:
-            dst = staged.path / name
+            dst = target / name
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst, follow_symlinks=False)
-        (staged.path / staged.rel).mkdir(parents=True, exist_ok=True)  # an untracked-only submit directory
+        (target / rel).mkdir(parents=True, exist_ok=True)  # an untracked-only submit directory
     except OSError as exc:
-        staged.discard()
         raise InvalidSpec(f"--snapshot: copying {git.top} failed: {exc}") from None
-    except BaseException:
-        staged.discard()
-        raise
-    return staged
+    return rel
+
+
+def main(argv: list[str]) -> int:
+    """``python -m gpuq.service.snapshot TARGET CWD MAX_BYTES``: the server's copy of a work tree,
+    run as the submitting user (so it reads only what they may); prints {"rel": ...} or {"error": ...}."""
+    import json
+
+    target, cwd, max_bytes = Path(argv[0]), argv[1], int(argv[2])
+    try:
+        rel = copy_tree(cwd, capture(cwd, 0), target, max_bytes)
+    except InvalidSpec as exc:
+        print(json.dumps({"error": str(exc)}))
+        return 2
+    print(json.dumps({"rel": rel}))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -166,11 +166,8 @@ def submitting_user(requested: str | None) -> str:
 _USER_NAME = re.compile(r"[a-z_][a-z0-9_.-]{0,63}\$?", re.IGNORECASE)
 
 
-# The submitter's variables a command job gets without asking (SLURM-like: the login basics, the
-# locale, and the Python environment it was submitted from). Anything else needs --env.
-DEFAULT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
-               "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "PYTHONPATH")
-DEFAULT_ENV_PREFIXES = ("LC_",)
+DEFAULT_ENV = c.DEFAULT_ENV
+DEFAULT_ENV_PREFIXES = c.DEFAULT_ENV_PREFIXES
 # Variables that make the loader, a shell or an interpreter run code the command did not name, and
 # those gpuq owns (the GPUs a job sees are the ones it was given). Refused in --env.
 _REFUSED_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT", "LD_PROFILE", "LD_DEBUG", "LD_DEBUG_OUTPUT",

@@ -1,1 +1,1 @@
-HEAD = "0008"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0009"  # the newest revision; tests/test_migrations.py checks it against Alembic

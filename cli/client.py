@@ -1,0 +1,147 @@
+"""The client's one way to the server: JSON over HTTP on the server's Unix socket (the kernel tells
+the server who we are), or over TCP with a MUNGE credential bound to each request.
+
+Only the standard library and gpuq's light modules (settings, errors, constants) are imported:
+every `gpuq` command that a user runs pays for this module and nothing heavier.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import time
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from gpuq.service import constants as c
+from gpuq.service.errors import GpuqError, Unreachable
+from gpuq.service.settings import SYSTEM_SOCKET, load_settings
+
+
+class Refused(GpuqError):
+    """The server answered with an error: its line, and the exit code it gave."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def server_address() -> str:
+    """Where the server is: GPUQ_SERVER, else GPUQ_SOCKET, else the machine's socket
+    (/run/gpuq/gpuq.sock) when it exists, else this user's own stack's (home/gpuq.sock)."""
+    settings = load_settings()
+    if settings.server:
+        return settings.server
+    if settings.socket:
+        return settings.socket
+    if os.path.exists(SYSTEM_SOCKET):
+        return SYSTEM_SOCKET
+    return str(settings.server_socket)
+
+
+class Client:
+    """Requests to one server; each opens its own connection (a command makes a few at most)."""
+
+    def __init__(self, address: str | None = None, timeout: float = c.CLIENT_TIMEOUT_SECONDS) -> None:
+        self.address = address or server_address()
+        self.timeout = timeout
+        if self.address.startswith(("http://", "https://")):
+            parts = urlsplit(self.address)
+            if parts.scheme != "http" or not parts.hostname:
+                raise Unreachable(f"GPUQ_SERVER {self.address}: use http://host:port (MUNGE), a socket path or unix:PATH")
+            self.tcp: tuple[str, int] | None = (parts.hostname, parts.port or 80)
+            self.socket_path = ""
+        else:
+            self.tcp = None
+            self.socket_path = self.address.removeprefix("unix:")
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.tcp is not None:
+            return http.client.HTTPConnection(*self.tcp, timeout=self.timeout)
+        return _UnixConnection(self.socket_path, self.timeout)
+
+    def get(self, path: str, **query: Any) -> Any:
+        return self.request("GET", path, query=query)
+
+    def post(self, path: str, body: dict[str, Any] | None = None, *, retries: int = 0) -> Any:
+        return self.request("POST", path, body=body, retries=retries)
+
+    def request(self, method: str, path: str, *, body: dict[str, Any] | None = None,
+                query: dict[str, Any] | None = None, retries: int = 0) -> Any:
+        """The answer's JSON; Refused for an error answer, Unreachable when no server answers
+        (after ``retries`` more tries, for a request that is safe to send again)."""
+        target = c.API_PREFIX + path
+        q = {k: v for k, v in (query or {}).items() if v is not None}
+        if q:
+            target += "?" + urlencode(q)
+        # ASCII JSON: text that is not UTF-8 (a lone surrogate from the OS) reaches the server as
+        # the escape it is, and the server names it, rather than an undecodable body.
+        data = b"" if body is None else json.dumps(body).encode("ascii")
+        attempt = 0
+        while True:
+            try:
+                return self._once(method, target, data)
+            except (OSError, http.client.HTTPException) as exc:
+                # No server there at the first try: say so at once. A connection lost mid-request
+                # (a server restarting) is tried again, for a request that is safe to repeat.
+                never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
+                if attempt == retries or never_there:
+                    raise Unreachable(f"no gpuq server answers at {self.address}: {_reason(exc)} (start one with "
+                                      "`gpuq up`, or set GPUQ_SERVER)") from None
+                attempt += 1
+                time.sleep(c.SUBMIT_RETRY_SECONDS)
+
+    def _once(self, method: str, target: str, data: bytes) -> Any:
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+        if self.tcp is not None:
+            from gpuq.service import munge
+
+            settings = load_settings()
+            headers["Authorization"] = f"{c.MUNGE_SCHEME} " + munge.encode(
+                munge.payload(method, target, data), settings.munge_socket)
+        conn = self._connection()
+        try:
+            conn.request(method, target, body=data or None, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        finally:
+            conn.close()
+        try:
+            answer = json.loads(raw or b"null")
+        except ValueError:
+            raise Refused(f"the server gave a non-JSON answer ({response.status})", c.EXIT_SOFTWARE) from None
+        if response.status >= 400:
+            if isinstance(answer, dict) and "error" in answer:
+                raise Refused(str(answer["error"]), int(answer.get("exit_code", c.EXIT_SOFTWARE)))
+            raise Refused(f"the server answered {response.status}", c.EXIT_SOFTWARE)
+        return answer
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "no socket there"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    if isinstance(exc, socket.timeout):
+        return "timed out"
+    return " ".join(str(exc).split()) or type(exc).__name__

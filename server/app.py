@@ -1,0 +1,127 @@
+"""`gpuq server`: the aiohttp application, its error and identity middlewares, and where it listens.
+
+Every answer is JSON. An error is ``{"error": one line, "exit_code": N}`` with the HTTP status
+that fits, so the client prints the line and exits with gpuq's code for it. Service calls are
+blocking (SQLAlchemy), so they run in the default thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from gpuq.server import cluster_api, identity, jobs_api
+from gpuq.server.request import SETTINGS
+from gpuq.service import constants as c
+from gpuq.service.db import require_schema
+from gpuq.service.errors import ConfigError, GpuqError, StackError
+from gpuq.service.settings import Settings
+
+log = logging.getLogger("gpuq.server")
+
+
+# gpuq's exit code → the HTTP status an answer carries (for curl users and proxies).
+_STATUS = {c.EXIT_USAGE: 400, c.EXIT_NOT_FOUND: 404, c.EXIT_CONFLICT: 409, c.EXIT_OVER_LIMIT: 429,
+           c.EXIT_NOT_ALLOWED: 403, c.EXIT_UNAVAILABLE: 503, c.EXIT_CONFIG: 500, c.EXIT_SOFTWARE: 500}
+
+
+def error(message: str, exit_code: int) -> web.Response:
+    return web.json_response({"error": message, "exit_code": exit_code}, status=_STATUS.get(exit_code, 500))
+
+
+@web.middleware
+async def _answers(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+    """gpuq's errors (and aiohttp's own: no such path, wrong method, body too large) as JSON."""
+    try:
+        request["caller"] = await identity.caller_of(request, request.app[SETTINGS])
+        return await handler(request)
+    except GpuqError as exc:
+        return error(str(exc), exc.exit_code)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error(f"{request.method} {request.path}: {exc.reason}", c.EXIT_USAGE)
+        raise
+    except Exception:  # noqa: BLE001 - a bug: logged in full, one line to the client
+        log.exception("%s %s failed", request.method, request.path_qs)
+        return error(f"the server failed on {request.method} {request.path}; see its log", c.EXIT_SOFTWARE)
+
+
+def make_app(settings: Settings) -> web.Application:
+    app = web.Application(middlewares=[_answers], client_max_size=c.MAX_REQUEST_BYTES)
+    app[SETTINGS] = settings
+    app.add_routes(jobs_api.routes)
+    app.add_routes(cluster_api.routes)
+    return app
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    """The server's socket at ``path``, connectable by every local user (who they are is the
+    kernel's to say). A socket left by a dead server is replaced; a live one is refused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent == Path("/run/gpuq"):
+        os.chmod(path.parent, 0o755)
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+        else:
+            raise StackError(f"a gpuq server already answers on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o666)
+    return sock
+
+
+def _listen_address(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"GPUQ_LISTEN must be host:port, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], None] | None = None) -> None:
+    """Serve until ``stop`` is set: on the Unix socket, and on TCP with MUNGE if GPUQ_LISTEN says so."""
+    runner = web.AppRunner(make_app(settings), access_log=None, handle_signals=False)
+    await runner.setup()
+    path = settings.server_socket
+    sock = _bind_unix(path)
+    try:
+        await web.SockSite(runner, sock).start()
+        where = [str(path)]
+        if settings.listen:
+            host, port = _listen_address(settings.listen)
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
+            where.append(f"{host}:{port} (MUNGE)")
+        log.info("gpuq server listening on %s", ", ".join(where))
+        if ready is not None:
+            ready()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        path.unlink(missing_ok=True)
+
+
+def run(settings: Settings) -> None:
+    """`gpuq server`: serve in the foreground until SIGTERM or SIGINT."""
+    require_schema(settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(settings, stop)
+
+    asyncio.run(main())

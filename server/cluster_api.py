@@ -1,0 +1,112 @@
+"""The API's other routes: who am I, the GPUs, the built-in workloads, accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gpuq.server import views
+from gpuq.server.request import call, context
+from gpuq.service import accounting, rights, samples, usage
+from gpuq.service import constants as c
+from gpuq.service.db import read_scope, require_schema
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.jobs import get_job
+from gpuq.service.models import utcnow
+from gpuq.service.settings import Settings
+from gpuq.service.workloads import CATALOGUE
+
+routes = web.RouteTableDef()
+P = c.API_PREFIX
+
+
+@routes.get(P + "/whoami")
+async def whoami(request: web.Request) -> web.Response:
+    """Who the server takes the caller for, and whether they are an admin."""
+    settings, caller = context(request)
+    return web.json_response({"user": caller.user, "uid": caller.uid, "admin": rights.is_admin(settings, caller)})
+
+
+@routes.get(P + "/devices")
+async def devices(request: web.Request) -> web.Response:
+    """Every GPU now (`gpuq devices`)."""
+    settings, _ = context(request)
+    return web.json_response({"devices": await call(_devices, settings)})
+
+
+def _devices(settings: Settings) -> list[dict[str, Any]]:
+    from gpuq.service.device_status import device_status
+
+    require_schema(settings)
+    with read_scope(settings) as session:
+        return [d.as_dict() for d in device_status(session, settings)]
+
+
+@routes.get(P + "/workloads")
+async def workloads(request: web.Request) -> web.Response:
+    """The built-in workloads, their parameters and defaults (`gpuq workloads`)."""
+    return web.json_response({w.name: {"summary": w.summary, "min_gpus": w.min_gpus, "max_gpus": w.max_gpus,
+                                       "params": {p.name: {"type": p.type.__name__, "default": p.default,
+                                                           "help": p.help, "choices": p.choices, "min": p.min,
+                                                           "max": p.max, "flag": p.flag}
+                                                  for p in w.params}}
+                              for w in CATALOGUE.values()})
+
+
+@routes.get(P + "/stats")
+async def report(request: web.Request) -> web.Response:
+    """Per user and per node over a period (`gpuq stats`); ``plot=1`` adds the busy-GPU series."""
+    settings, _ = context(request)
+    q = request.query
+    return web.json_response(await call(_report, settings, q.get("since", "7d"), q.get("until", "now"),
+                                        q.get("plot") in ("1", "true")))
+
+
+def _report(settings: Settings, since: str, until: str, plot: bool) -> dict[str, Any]:
+    now = utcnow()
+    start, end = accounting.parse_when(since, "--since", now), accounting.parse_when(until, "--until", now)
+    if start >= end:
+        raise InvalidSpec(f"--since {since} is not before --until {until}")
+    require_schema(settings)
+    with read_scope(settings) as session:
+        rep = accounting.report(session, start, end, now)
+        series = accounting.utilization_by_user(session, start, end) if plot else None
+    out: dict[str, Any] = {"since": start.isoformat(), "until": end.isoformat(),
+                           "users": [r.as_dict() for r in rep["users"]], "nodes": [r.as_dict() for r in rep["nodes"]]}
+    if series is not None:
+        out["series"] = {"edges": views.plain(series[0]), "by_user": series[1]}
+    return out
+
+
+@routes.get(P + r"/jobs/{id:\d+}/stats")
+async def job_stats(request: web.Request) -> web.Response:
+    """One job's usage summary (`gpuq stats ID`); ``plot=1`` adds its samples."""
+    settings, _ = context(request)
+    return web.json_response(await call(_job_stats, settings, int(request.match_info["id"]),
+                                        request.query.get("plot") in ("1", "true")))
+
+
+def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
+    require_schema(settings)
+    with read_scope(settings) as session:
+        job = get_job(session, job_id)
+        u = usage.job_usage(session, job_id)
+        series = accounting.job_series(session, job_id) if plot else None
+        out: dict[str, Any] = dict(job_id=job.id, name=job.name, user=job.user, state=job.state, node=job.node,
+                                   gpus=job.gpus, wall_s=u.wall_s, gpu_hours=u.gpu_hours,
+                                   memory_peak_mib=u.memory_peak_mib, memory_mean_mib=u.memory_mean_mib,
+                                   utilization_mean=u.utilization_mean, energy_j=u.energy_j, idle_s=u.idle_s,
+                                   samples=u.samples)
+    if series is not None:
+        out["series"] = views.plain(series)
+    return out
+
+
+@routes.post(P + "/stats/rollup")
+async def rollup(request: web.Request) -> web.Response:
+    """Roll raw samples past retention into minute aggregates now (root and admins)."""
+    settings, caller = context(request)
+    rights.check_admin(settings, caller, "roll up samples")
+    n = await call(samples.rollup, settings, utcnow())
+    return web.json_response({"rolled": n, "retention_days": settings.sample_retention_days})

@@ -1,0 +1,232 @@
+"""The API's job routes: submit, the queue, one job, its output, and the moves users make.
+
+Rights are checked here, with service/rights.py, before anything private leaves the server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gpuq.server import submission, views
+from gpuq.server.request import body_of, call, context
+from gpuq.service import constants as c
+from gpuq.service import inventory, jobs, rights, usage
+from gpuq.service.db import read_scope, require_schema
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import utcnow
+from gpuq.service.rights import Caller
+from gpuq.service.settings import Settings
+
+routes = web.RouteTableDef()
+P = c.API_PREFIX
+JOB = P + r"/jobs/{id:\d+}"
+
+
+def _job_id(request: web.Request) -> int:
+    return int(request.match_info["id"])
+
+
+def _int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidSpec(f"{name} must be a whole number, got {raw[:40]!r}") from None
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidSpec(f"ids must be job ids separated by commas, got {text[:60]!r}") from None
+    if not ids or len(ids) > 100_000:
+        raise InvalidSpec("name between 1 and 100,000 job ids")
+    return ids
+
+
+@routes.post(P + "/jobs")
+async def submit(request: web.Request) -> web.Response:
+    settings, caller = context(request)
+    made = await call(submission.submit, settings, caller, await body_of(request))
+    return web.json_response({"jobs": [views.job(j) for j in made]})
+
+
+@routes.get(P + "/jobs")
+async def queue(request: web.Request) -> web.Response:
+    """The queue as `gpuq status` shows it: active jobs, the newest ended ones, the GPUs."""
+    settings, caller = context(request)
+    ended = _int(request, "ended", 10)
+    mine = request.query.get("mine") in ("1", "true")
+    return web.json_response(await call(_queue, settings, caller.user if mine else None, max(ended, 0)))
+
+
+def _queue(settings: Settings, user: str | None, ended: int) -> dict[str, Any]:
+    require_schema(settings)
+    now = utcnow()
+    with read_scope(settings) as session:
+        rows = jobs.list_jobs(session, ended_limit=ended, user=user)
+        gpus = inventory.view(session, settings)
+        idle = usage.idle_jobs(session, settings)
+        listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j, now)), "idle": j.id in idle} for j in rows]
+    return {"jobs": listed, "gpus": [views.plain(g.__dict__) for g in gpus], "idle_window_s": settings.idle_window}
+
+
+def _secs(d: Any) -> float | None:
+    return None if d is None else round(d.total_seconds(), 3)
+
+
+@routes.get(P + "/jobs/states")
+async def states(request: web.Request) -> web.Response:
+    """Each job's state (for `gpuq wait`); a missing job is an error, as `gpuq wait 99` is."""
+    settings, _ = context(request)
+    ids = _ids(request.query.get("ids", ""))
+    found = await call(_states, settings, ids)
+    return web.json_response({"states": {str(k): v for k, v in found.items()}})
+
+
+def _states(settings: Settings, ids: list[int]) -> dict[int, str]:
+    require_schema(settings)
+    with read_scope(settings) as session:
+        found = jobs.wait_states(session, ids)
+    for job_id in ids:
+        if job_id not in found:
+            raise jobs.JobNotFound(f"no job {job_id}")
+    return found
+
+
+@routes.get(P + "/jobs/active")
+async def active(request: web.Request) -> web.Response:
+    """The caller's waiting and running jobs (`gpuq cancel --user`)."""
+    settings, caller = context(request)
+    return web.json_response({"ids": await call(_active, settings, caller.user)})
+
+
+def _active(settings: Settings, user: str) -> list[int]:
+    with read_scope(settings) as session:
+        return jobs.active_jobs_of(session, user)
+
+
+@routes.get(P + r"/arrays/{id:\d+}")
+async def array(request: web.Request) -> web.Response:
+    settings, _ = context(request)
+    return web.json_response({"jobs": await call(_array, settings, _job_id(request))})
+
+
+def _array(settings: Settings, array_id: int) -> list[dict[str, Any]]:
+    require_schema(settings)
+    now = utcnow()
+    with read_scope(settings) as session:
+        return [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j, now))}
+                for j in (jobs.get_job(session, i) for i in jobs.array_jobs(session, array_id))]
+
+
+@routes.get(JOB)
+async def show(request: web.Request) -> web.Response:
+    """One job (`gpuq show`): what everyone may see, and its last output lines if it failed and
+    the caller may read its output."""
+    settings, caller = context(request)
+    return web.json_response(await call(_show, settings, caller, _job_id(request)))
+
+
+def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
+    require_schema(settings)
+    with read_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        gpus = [g.index for g in jobs.job_gpus(session, job_id)]
+        metrics = jobs.read_metrics(session, job_id)
+        explains = job.failure not in (None, c.FAILURE_CANCELLED, c.FAILURE_TIMEOUT)
+        readable = rights.may_read_output(settings, job.user, caller)
+        tail = jobs.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains and readable else []
+        data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
+    return data | {"metrics": views.plain(metrics), "last_output": tail, "output_readable": readable}
+
+
+@routes.get(JOB + "/diff")
+async def diff(request: web.Request) -> web.Response:
+    """The uncommitted changes recorded at submit (`gpuq show --diff`): the owner's and admins' only."""
+    settings, caller = context(request)
+    return web.json_response(await call(_diff, settings, caller, _job_id(request)))
+
+
+def _diff(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
+    require_schema(settings)
+    with read_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        rights.check_read_private(settings, job_id, job.user, caller)
+        return {"id": job.id, "git_commit": job.git_commit, "git_dirty": job.git_dirty,
+                "git_diff": job.git_diff, "git_diff_cut": job.git_diff_cut}
+
+
+@routes.get(JOB + "/output")
+async def output(request: web.Request) -> web.Response:
+    """Output chunks after sequence number ``after`` (-1: from the start), the job's state, and
+    for a training job the epochs done (`gpuq logs [-f]`)."""
+    settings, caller = context(request)
+    after = _int(request, "after", -1)
+    return web.json_response(await call(_output, settings, caller, _job_id(request), after))
+
+
+def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict[str, Any]:
+    require_schema(settings)
+    with read_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        rights.check_read_output(settings, job_id, job.user, caller)
+        chunks = jobs.read_output(session, job_id, after)
+        epochs = job.params.get("epochs") if job.workload == "train" else None
+        done = _epochs_done(jobs.read_metrics(session, job_id)) if epochs else 0
+        return {"id": job_id, "state": job.state, "chunks": [list(ch) for ch in chunks], "epochs": epochs,
+                "epochs_done": done}
+
+
+def _epochs_done(metrics: list[dict[str, Any]]) -> int:
+    # The last row's epoch number, not the row count: a job resumed from a checkpoint starts past 0.
+    return int(metrics[-1].get("epoch", len(metrics))) if metrics else 0
+
+
+@routes.get(JOB + "/why")
+async def why(request: web.Request) -> web.Response:
+    settings, _ = context(request)
+    return web.json_response(await call(_why, settings, _job_id(request)))
+
+
+def _why(settings: Settings, job_id: int) -> dict[str, Any]:
+    from gpuq.service.explain import why as explain
+
+    require_schema(settings)
+    with read_scope(settings) as session:
+        text = explain(session, settings, job_id)
+        state = jobs.get_job(session, job_id).state
+    return {"id": job_id, "state": state, "why": text}
+
+
+@routes.post(JOB + "/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    settings, caller = context(request)
+    outcome = await call(jobs.cancel, settings, _job_id(request), caller)
+    return web.json_response({"id": outcome.job_id, "state": outcome.state, "kill_grace_s": settings.kill_grace})
+
+
+@routes.post(JOB + "/hold")
+async def hold(request: web.Request) -> web.Response:
+    settings, caller = context(request)
+    await call(jobs.set_held, settings, _job_id(request), True, caller)
+    return web.json_response({"id": _job_id(request), "held": True})
+
+
+@routes.post(JOB + "/release")
+async def release(request: web.Request) -> web.Response:
+    settings, caller = context(request)
+    await call(jobs.set_held, settings, _job_id(request), False, caller)
+    return web.json_response({"id": _job_id(request), "held": False})
+
+
+@routes.post(JOB + "/resubmit")
+async def resubmit(request: web.Request) -> web.Response:
+    from gpuq.service.resubmit import resubmit as again
+
+    settings, caller = context(request)
+    job = await call(again, settings, _job_id(request), caller)
+    return web.json_response({"job": views.job(job)})

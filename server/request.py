@@ -1,0 +1,39 @@
+"""What every route does with its request: the server's settings, the caller, the JSON body, and
+blocking service calls run off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.rights import Caller
+from gpuq.service.settings import Settings
+
+SETTINGS = web.AppKey("settings", Settings)
+T = TypeVar("T")
+
+
+def context(request: web.Request) -> tuple[Settings, Caller]:
+    """The server's settings and who is asking (set by the identity middleware)."""
+    return request.app[SETTINGS], request["caller"]
+
+
+async def call(fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking service call (SQLAlchemy, Redis) in the thread pool, off the event loop."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def body_of(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object; InvalidSpec for anything else."""
+    try:
+        data = json.loads(await request.read() or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidSpec("the request body is not JSON") from None
+    if not isinstance(data, dict):
+        raise InvalidSpec("the request body must be a JSON object")
+    return data

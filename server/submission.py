@@ -1,0 +1,179 @@
+"""A submit as the server takes it: the client's request checked field by field, made into job
+specs owned by the caller, queued once per idempotency key.
+
+What the client measured in its own process travels in the request and is checked here like any
+input: its working directory, the environment variables it passes on, and its work tree's git
+state (git runs as the user, in the user's process). A snapshot is copied by a child process
+running as the submitter, so a user can only copy files they can read themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gpuq.service import jobs, spec
+from gpuq.service.db import read_scope, require_schema
+from gpuq.service.errors import DuplicateSubmission, InvalidSpec
+from gpuq.service.models import Job
+from gpuq.service.rights import Caller, submitter
+from gpuq.service.settings import Settings
+from gpuq.service.snapshot import DIFF_CUT_NOTE, GitState, Staged, Stager
+from gpuq.service.snapshot import stage as stage_here
+
+_KEY = re.compile(r"[A-Za-z0-9_-]{8,64}")
+_OPTIONS = {"workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, 1),
+            "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None),
+            "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
+            "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
+            "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
+            "git": (dict, None), "user": (str, None), "key": (str, None)}
+
+
+def _fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's fields, each of its type (or its default when absent); InvalidSpec for an
+    unknown field or a wrong type, so a client's mistake is named rather than ignored."""
+    unknown = sorted(set(body) - set(_OPTIONS))
+    if unknown:
+        raise InvalidSpec(f"unknown submit field {unknown[0]!r}")
+    out = {}
+    for name, (kind, default) in _OPTIONS.items():
+        value = body.get(name, default)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise InvalidSpec(f"submit field {name!r} must be {kind.__name__}")
+        out[name] = value
+    for name in ("args", "command", "sweep", "env"):
+        if out[name] is not None and not all(isinstance(v, str) for v in out[name]):
+            raise InvalidSpec(f"submit field {name!r} must be a list of strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in out["environ"].items()):
+        raise InvalidSpec("submit field 'environ' must map names to strings")
+    if out["key"] is not None and not _KEY.fullmatch(out["key"]):
+        raise InvalidSpec("submit field 'key' must be 8 to 64 letters, digits, - or _")
+    return out
+
+
+def specs_of(settings: Settings, caller: Caller, f: dict[str, Any]) -> list[spec.JobSpec]:
+    """The jobs the request asks for, owned by the caller (or, for root, the user it names)."""
+    owner = submitter(caller, f["user"])
+    command, workload = f["command"], f["workload"]
+    cwd = f["cwd"]
+    if cwd is None or not os.path.isabs(cwd):
+        raise InvalidSpec("submit field 'cwd' must be an absolute path")
+    if command is not None:
+        if workload is not None or f["args"]:
+            raise InvalidSpec("give either a workload or a command after --, not both")
+        variables = spec.job_env(f["env"], f["environ"])
+
+        def make(extra: list[str]) -> spec.JobSpec:
+            return spec.command_spec(command, gpus=f["gpus"], name=f["name"], user=owner, env=variables, cwd=cwd)
+    elif f["snapshot"]:
+        raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
+    elif workload is None:
+        raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
+    elif f["env"]:
+        raise InvalidSpec("--env is for a command (after --); a built-in workload runs in the worker")
+    else:
+
+        def make(extra: list[str]) -> spec.JobSpec:
+            return spec.workload_spec(workload, list(f["args"]) + extra, gpus=f["gpus"], name=f["name"],
+                                      user=owner, cwd=cwd)
+
+    sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
+                            retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
+                            host_mem=f["host_mem"])
+    return spec.expand(make, sched, f["array"], f["sweep"])
+
+
+def git_state(settings: Settings, data: dict[str, Any] | None) -> GitState | None:
+    """The work tree's state as the client found it, its diff cut to this server's limit."""
+    if data is None:
+        return None
+    try:
+        top, commit, dirty = data["top"], data.get("commit"), bool(data.get("dirty"))
+        diff, cut = str(data.get("diff") or ""), bool(data.get("diff_cut"))
+    except (KeyError, TypeError):
+        raise InvalidSpec("submit field 'git' must hold top, commit, dirty, diff and diff_cut") from None
+    if not isinstance(top, str) or (commit is not None and not isinstance(commit, str)):
+        raise InvalidSpec("submit field 'git' must hold top, commit, dirty, diff and diff_cut")
+    limit = settings.git_diff_max_bytes
+    raw = diff.encode("utf-8", "replace")
+    if len(raw) > limit:
+        diff, cut = raw[:limit].decode("utf-8", "replace") + DIFF_CUT_NOTE.format(limit=limit), True
+    return GitState(top=top, commit=(commit or None) and commit[:64], dirty=dirty, diff=diff.replace("\x00", ""),
+                    diff_cut=cut)
+
+
+def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job]:
+    """Queue what ``body`` asks for as the caller's jobs; with a key already used, the jobs that
+    key made (a client asking again after a lost answer)."""
+    require_schema(settings)
+    f = _fields(body)
+    key = f["key"]
+    if key is not None and (done := _already(settings, key, caller.user)) is not None:
+        return done
+    specs = specs_of(settings, caller, f)
+    git = git_state(settings, f["git"]) if specs[0].kind == "command" else None
+    try:
+        return jobs.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=key)
+    except DuplicateSubmission:
+        # The same key, sent twice at once: the other request made the jobs.
+        done = _already(settings, key, caller.user) if key else None
+        if done is None:
+            raise
+        return done
+
+
+def _already(settings: Settings, key: str, user: str) -> list[Job] | None:
+    with read_scope(settings) as session:
+        ids = jobs.submitted_with(session, key, user)
+        if ids is None:
+            return None
+        rows = [jobs.get_job(session, i) for i in ids]
+        session.expunge_all()
+        return rows
+
+
+def stager(caller: Caller) -> Stager | None:
+    """How a snapshot is copied for ``caller``: in this process when the server runs as the caller
+    (or the caller is root), else by a child running as the caller."""
+    if os.geteuid() != 0 or caller.is_root or os.geteuid() == caller.uid:
+        return None
+    return lambda settings, cwd, git: _stage_as(settings, cwd, git, caller)
+
+
+def _stage_as(settings: Settings, cwd: str, git: GitState | None, caller: Caller) -> Staged:
+    try:
+        entry = pwd.getpwuid(caller.uid)
+    except KeyError:
+        raise InvalidSpec(f"--snapshot: user {caller.user} has no account on this node") from None
+    root = settings.snapshots
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o711)  # users reach their own job's copy by name, and list nobody's
+    except OSError as exc:
+        raise InvalidSpec(f"--snapshot: cannot create {root}: {exc.strerror}") from None
+    target = root / f".incoming-{uuid.uuid4().hex}"
+    target.mkdir(mode=0o700)
+    os.chown(target, entry.pw_uid, entry.pw_gid)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuq.service.snapshot", str(target), cwd, str(settings.snapshot_max_bytes)],
+            user=entry.pw_uid, group=entry.pw_gid, extra_groups=os.getgrouplist(entry.pw_name, entry.pw_gid),
+            env={"PATH": os.environ.get("PATH", os.defpath), "HOME": entry.pw_dir, "LANG": "C.UTF-8"},
+            capture_output=True, timeout=600, stdin=subprocess.DEVNULL, cwd="/")
+        answer = json.loads(done.stdout or b"{}")
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        shutil.rmtree(target, ignore_errors=True)
+        raise InvalidSpec(f"--snapshot: the copy as {caller.user} failed: {exc}") from None
+    if "error" in answer or "rel" not in answer:
+        shutil.rmtree(target, ignore_errors=True)
+        raise InvalidSpec(answer.get("error") or f"--snapshot: the copy as {caller.user} failed")
+    return Staged(Path(target), answer["rel"])
