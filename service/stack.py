@@ -1,5 +1,6 @@
 """The local stack behind `gpuq up` / `gpuq down`: a supervisor process that runs a Redis (when
-none is configured or reachable), the scheduler, and one worker per GPU, and restarts any that die.
+none is configured or reachable), the server, the scheduler, and one worker per GPU, and restarts
+any that die.
 
 ``gpuq up`` starts the supervisor detached and waits until every worker has registered; ``gpuq down``
 asks it to stop. The supervisor starts its children by module name (``python -m ...``), so nothing
@@ -101,7 +102,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise StackError(f"the stack did not start: {_tail(settings.log_dir / 'supervisor.log')}")
-        if _registered(settings, [g.index for g in gpus], started) == len(gpus):
+        if _registered(settings, [g.index for g in gpus], started) == len(gpus) and _answers(settings):
             return StackStatus(proc.pid, len(gpus), settings.log_dir, starts_redis)
         time.sleep(0.2)
     raise StackError(f"workers did not register within {timeout:g} s; see {settings.log_dir}")
@@ -118,6 +119,20 @@ def _registered(settings: Settings, indices: list[int], since: float) -> int:
             return sum(1 for _ in rows)
     except Exception:  # noqa: BLE001 - the database may still be starting
         return 0
+
+
+def _answers(settings: Settings) -> bool:
+    """Whether the stack's server accepts connections on its socket."""
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(settings.server_socket))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _tail(path: Path, lines: int = 1) -> str:
@@ -200,7 +215,8 @@ class Supervisor:
             self.redis = self._redis_child(env)
         py = sys.executable
         self.services = [Child("scheduler", [py, "-m", "gpuq.cli", "scheduler"], env,
-                               settings.log_dir / "scheduler.log")]
+                               settings.log_dir / "scheduler.log"),
+                         Child("server", [py, "-m", "gpuq.cli", "server"], env, settings.log_dir / "server.log")]
         for gpu in open_devices(settings).list():
             # Pinned from its first instruction: CUDA reads these once, when it initialises.
             pinned = env | {"CUDA_VISIBLE_DEVICES": str(gpu.index), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

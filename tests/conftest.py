@@ -89,7 +89,9 @@ def database_url(request, tmp_path) -> str:
 
 
 def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -> Settings:
+    # A socket path must fit in 108 bytes, which a test's tmp_path may not leave room for.
     values = dict(home=home, database_url=database_url, broker_url=broker_url,
+                  socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock",
                   key_prefix=f"gpuqtest-{uuid.uuid4().hex[:8]}", node="testnode", fake_gpus=2,
                   fake_gpu_memory_mib=8192, heartbeat_interval=0.5, worker_timeout=6.0,
                   scheduler_interval=0.5, kill_grace=1.0, warm_start=False, sample_interval=0.5,
@@ -117,7 +119,8 @@ def settings(tmp_path, database_url, redis_url) -> Settings:
 
 @pytest.fixture
 def use_settings(settings, monkeypatch) -> Settings:
-    """Make ``settings`` the process's settings, for CLI tests that run in this process."""
+    """Make ``settings`` the process's settings, for CLI tests that run in this process, with a
+    server on its socket for the CLI to talk to."""
     from gpuq.service import settings as settings_module
 
     for key, value in settings_env(settings).items():
@@ -126,7 +129,9 @@ def use_settings(settings, monkeypatch) -> Settings:
         if key.startswith("GPUQ_") and key not in settings_env(settings):
             monkeypatch.delenv(key)
     settings_module.get_settings.cache_clear()
+    server = ThreadServer(settings)
     yield settings
+    server.stop()
     settings_module.get_settings.cache_clear()
 
 
@@ -181,6 +186,12 @@ class Stack:
 
     def start_scheduler(self) -> subprocess.Popen:
         return self._spawn("scheduler", [sys.executable, "-m", "gpuq.cli", "scheduler"], self.env)
+
+    def start_server(self) -> subprocess.Popen:
+        """`gpuq server` on the settings' socket; returns once it accepts connections."""
+        proc = self._spawn("server", [sys.executable, "-m", "gpuq.cli", "server"], self.env)
+        wait_for_socket(self.settings.server_socket, proc, lambda: self.log("server"))
+        return proc
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -238,8 +249,55 @@ def kill_tree(pid: int) -> None:
         pass
 
 
+def wait_for_socket(path: Path, proc: subprocess.Popen | None = None, log=lambda: "", timeout: float = 30.0) -> None:
+    """Return once a server accepts connections on the Unix socket ``path``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+            return
+        except OSError:
+            pass
+        finally:
+            probe.close()
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited early:\n{log()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no server on {path} after {timeout} s:\n{log()}")
+
+
+class ThreadServer:
+    """The real `gpuq server` application on its real socket, served by a thread of the test
+    process: the in-process CLI tests (CliRunner) talk to it as the `gpuq` command would."""
+
+    def __init__(self, settings: Settings) -> None:
+        import asyncio
+        import threading
+
+        from gpuq.server.app import serve
+
+        self.loop = asyncio.new_event_loop()
+        self.stop_event: asyncio.Event | None = None
+        ready = threading.Event()
+
+        async def main() -> None:
+            self.stop_event = asyncio.Event()
+            await serve(settings, self.stop_event, ready.set)
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
+        self.thread.start()
+        if not ready.wait(30):
+            raise AssertionError("the in-process server did not start")
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(10)
+
+
 def start_stack(settings: Settings, log_dir: Path) -> Stack:
     st = Stack(settings, log_dir)
+    st.start_server()
     st.start_scheduler()
     for i in range(settings.fake_gpus):
         st.start_worker(i)

@@ -1,10 +1,12 @@
 """Bad input gets one line that says what to change, a non-zero exit, and nothing written."""
 
+import uuid
 import pytest
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
+from tests.conftest import ThreadServer
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.models import Job
@@ -52,11 +54,15 @@ def test_bad_submissions_are_refused_in_one_line_and_write_nothing(use_settings,
 
 
 def test_an_unreachable_broker_is_named_and_nothing_is_written(use_settings, monkeypatch):
-    from gpuq.service import settings as settings_module
-
-    monkeypatch.setenv("GPUQ_BROKER_URL", "redis://:hunter2@127.0.0.1:1/0")
-    settings_module.get_settings.cache_clear()
-    result = invoke(["submit", "--", "true"])
+    # The server is what reaches the broker: one whose broker is down says so, through the client.
+    bad = use_settings.with_overrides(broker_url="redis://:hunter2@127.0.0.1:1/0",
+                                      socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock")
+    server = ThreadServer(bad)
+    monkeypatch.setenv("GPUQ_SOCKET", bad.socket)
+    try:
+        result = invoke(["submit", "--", "true"])
+    finally:
+        server.stop()
     assert result.exit_code == c.EXIT_UNAVAILABLE
     assert "cannot reach the broker at redis://:***@127.0.0.1:1/0" in result.output
     assert "hunter2" not in result.output
@@ -64,14 +70,35 @@ def test_an_unreachable_broker_is_named_and_nothing_is_written(use_settings, mon
 
 
 def test_an_unreachable_database_is_named(use_settings, monkeypatch):
-    from gpuq.service import settings as settings_module
-
-    monkeypatch.setenv("GPUQ_DATABASE_URL", "postgresql+psycopg://gpuq:pw@127.0.0.1:1/gpuq")
-    settings_module.get_settings.cache_clear()
-    result = invoke(["status"])
+    bad = use_settings.with_overrides(database_url="postgresql+psycopg://gpuq:pw@127.0.0.1:1/gpuq",
+                                      socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock")
+    server = ThreadServer(bad)
+    monkeypatch.setenv("GPUQ_SOCKET", bad.socket)
+    try:
+        result = invoke(["status"])
+    finally:
+        server.stop()
     assert result.exit_code == c.EXIT_UNAVAILABLE
     assert result.output.startswith("gpuq: cannot use the database at postgresql+psycopg://gpuq:***@127.0.0.1:1/gpuq")
     assert "pw@" not in result.output
+
+
+def test_no_server_is_one_line_naming_where_the_client_looked(use_settings, monkeypatch):
+    monkeypatch.setenv("GPUQ_SOCKET", "/tmp/gpuqt-nobody-here.sock")
+    for args in (["status"], ["submit", "--", "true"]):
+        result = invoke(args)
+        assert result.exit_code == c.EXIT_UNAVAILABLE == 69
+        assert result.output.startswith("gpuq: no gpuq server answers at /tmp/gpuqt-nobody-here.sock: no socket there")
+        assert result.output.count("\n") == 1
+    assert jobs_in(use_settings) == 0
+
+
+def test_a_mistyped_option_is_named_as_an_unknown_option(use_settings):
+    for args in (["submit", "--shaerd", "--", "true"], ["submit", "--shaerd", "matmul"]):
+        result = invoke(args)
+        assert result.exit_code == c.EXIT_USAGE
+        assert result.output == "gpuq: no such option: --shaerd (gpuq submit --help)\n"
+    assert jobs_in(use_settings) == 0
 
 
 def test_a_good_submission_prints_the_job_id_and_stores_the_spec(use_settings, tmp_path, monkeypatch):
