@@ -2,6 +2,8 @@
 # (torch's CPU build, much smaller, for simulated GPUs: set GPUQ_FAKE_GPUS).
 #   docker build -t gpuq .              docker build --target cpu -t gpuq:cpu .
 # The NVIDIA driver comes from the host (NVIDIA Container Toolkit); the image needs no CUDA toolkit.
+# Its services run as the user `gpuq`, except `gpuq server`, which docker-compose.yml runs as root
+# (it reads its callers' uids from its socket, SO_PEERCRED).
 FROM python:3.11-slim AS source
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/gpuq
@@ -10,6 +12,7 @@ COPY gpuq ./gpuq
 COPY service ./service
 COPY workers ./workers
 COPY cli ./cli
+COPY server ./server
 COPY web ./web
 COPY migrations ./migrations
 

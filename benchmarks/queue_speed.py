@@ -8,10 +8,21 @@
 - how much of the machine's CPU stayed idle during each flood (more than none: the flood waits on
   a lock, not the CPU).
 
-    python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50] [--database URL]
+    python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50] [--keep-alive] [--database URL]
 
-``--database`` runs the scheduler pass and the stack on that database (an empty one: the pass
-writes 10,000 jobs into it) instead of a new SQLite file.
+gpuq's jobs are submitted as users submit them: `gpuq up` starts the server (on a Unix socket in
+/tmp), the scheduler and the workers, and this process POSTs each job to /v1/jobs over the socket,
+with the body `gpuq submit sleep` sends, one request per job (the flood too: N requests one after
+the other, as Celery's side makes N ``delay`` calls). By default each request opens its own
+connection, as the CLI's client does (it is the CLI's client); with ``--keep-alive`` all of them
+go over one persistent connection. The latency is given twice: from the server's ``submitted_at``
+(what the earlier in-process submit measured) and from the moment this process sent the request
+(what Celery's figure measures: from ``delay`` to the task's start).
+
+``--database`` runs the scheduler pass and the stack on that database server instead of a new
+SQLite file: given a PostgreSQL URL, the script creates a database of its own on that server
+(``gpuq_bench_<random>``, through the URL's database, e.g. ``…/postgres``) and drops it at the end;
+a SQLite URL is used as it is (an empty one: the pass writes 10,000 jobs into it).
 
 Figures and ratios are printed; nothing is asserted.
 """
@@ -22,12 +33,16 @@ import argparse
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from datetime import timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 
@@ -81,7 +96,7 @@ def decision_pass(n_jobs: int = 10_000) -> None:
 def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
     from gpuq.service import inventory
     from gpuq.service.celery_app import queue_name
-    from gpuq.service.db import session_scope, upgrade
+    from gpuq.service.db import dispose_engines, session_scope, upgrade
     from gpuq.service.devices import GpuInfo
     from gpuq.service.models import Allocation, Gpu, Job, NextUp, utcnow
     from gpuq.service.scheduler import Scheduler
@@ -122,13 +137,63 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
     import redis
 
     r = redis.Redis.from_url(s.broker)
-    for key in r.scan_iter("bench-sched*"):
+    for key in [*r.scan_iter("bench-sched*"), *r.scan_iter("_kombu.binding*.bench-sched.*")]:
         r.delete(key)
+    dispose_engines()
+    shutil.rmtree(home, ignore_errors=True)
 
 
-def gpuq_stack(env: dict[str, str], n_jobs: int,
-               samples: int) -> tuple[list[float], float, list[float], float | None]:
-    from gpuq.service import jobs, spec
+class Submitter:
+    """POST /v1/jobs over the server's Unix socket: through the CLI's own client (a connection per
+    request, as `gpuq submit` makes), or over one persistent connection (``keep_alive``)."""
+
+    def __init__(self, socket_path: str, keep_alive: bool) -> None:
+        from gpuq.cli.client import Client, _UnixConnection
+        from gpuq.service import constants as c
+
+        self.keep_alive = keep_alive
+        self.client = Client(socket_path)
+        self.conn = _UnixConnection(socket_path, c.CLIENT_TIMEOUT_SECONDS) if keep_alive else None
+        self.target = c.API_PREFIX + "/jobs"
+        self.retries = c.SUBMIT_RETRIES
+        self.cwd = os.getcwd()
+
+    def body(self) -> dict[str, Any]:
+        """What `gpuq submit sleep` sends (cli/submit.py), a new idempotency key each time."""
+        return {"workload": "sleep", "args": [], "command": None, "gpus": 1, "name": None, "priority": 0,
+                "mem": None, "node": None, "host_mem": None, "time": None, "retries": 0, "hold": False,
+                "after": None, "after_any": None, "array": None, "sweep": [], "snapshot": False, "env": [],
+                "cwd": self.cwd, "user": None, "key": uuid.uuid4().hex}
+
+    def submit(self) -> int:
+        """Queue one no-op job; its id."""
+        if self.conn is None:
+            return self.client.post("/jobs", self.body(), retries=self.retries)["jobs"][0]["id"]
+        import json
+
+        data = json.dumps(self.body()).encode("ascii")
+        self.conn.request("POST", self.target, body=data,
+                          headers={"Content-Type": "application/json", "Content-Length": str(len(data))})
+        response = self.conn.getresponse()
+        answer = json.loads(response.read())
+        if response.status >= 400:
+            raise RuntimeError(f"the server refused a submit ({response.status}): {answer}")
+        return answer["jobs"][0]["id"]
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    @property
+    def how(self) -> str:
+        return ("one persistent HTTP connection over the server's Unix socket" if self.keep_alive else
+                "a new connection per submit over the server's Unix socket, through the CLI's client")
+
+
+def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
+               ) -> tuple[list[float], list[float], list[float], float, float, list[float], float | None, str]:
+    """Latency on the server's clock and from the client's request, the submit requests' round
+    trips, throughput, the flood's submit rate, the idle gaps, the CPU left idle, and how it submitted."""
     from gpuq.service.db import read_scope, session_scope
     from gpuq.service.models import Job
     from gpuq.service.settings import load_settings
@@ -136,25 +201,30 @@ def gpuq_stack(env: dict[str, str], n_jobs: int,
 
     s = load_settings(env)
     subprocess.run([sys.executable, "-m", "gpuq.cli", "up"], env=env, check=True)
+    api = None
     try:
-        noop = lambda: spec.workload_spec("sleep", [])  # noqa: E731
-        jobs.submit(s, noop())  # warm the path once
+        api = Submitter(str(s.server_socket), keep_alive)
+        api.submit()  # warm the path once
         time.sleep(2)
-        latency = []
+        latency, from_client, round_trip = [], [], []
         for _ in range(samples):
-            job = jobs.submit(s, noop())
+            sent, t0 = time.time(), time.perf_counter()
+            job_id = api.submit()
+            round_trip.append(time.perf_counter() - t0)
             while True:
                 # A read, not a write transaction: polling must not queue for the lock the claim needs.
                 with read_scope(s) as session:
-                    j = session.get(Job, job.id)
-                    state, took = j.state, j.started_at and (j.started_at - j.submitted_at).total_seconds()
+                    j = session.get(Job, job_id)
+                    state, submitted, started = j.state, j.submitted_at, j.started_at
                 if state in ("succeeded", "failed"):
                     break
                 time.sleep(0.005)
-            latency.append(took)
+            latency.append((started - submitted).total_seconds())
+            started = started if started.tzinfo else started.replace(tzinfo=timezone.utc)
+            from_client.append(started.timestamp() - sent)
         t0, ticks = time.perf_counter(), cpu_ticks()
-        made = jobs.submit_all(s, [noop() for _ in range(n_jobs)])
-        ids = [j.id for j in made]
+        ids = [api.submit() for _ in range(n_jobs)]
+        submit_rate = n_jobs / (time.perf_counter() - t0)
         while True:
             # A range, not 2,000 bound ids: the poll must not take the CPU it is measuring.
             with read_scope(s) as session:
@@ -169,9 +239,16 @@ def gpuq_stack(env: dict[str, str], n_jobs: int,
                                    .where(Job.id.between(ids[0], ids[-1]))
                                    .order_by(Job.worker, Job.started_at)).all()
         gaps = [(b.started_at - a.ended_at).total_seconds() for a, b in zip(rows, rows[1:]) if a.worker == b.worker]
-        return latency, n_jobs / elapsed, gaps, idle
+        return latency, from_client, round_trip, n_jobs / elapsed, submit_rate, gaps, idle, api.how
     finally:
+        if api is not None:
+            api.close()
         subprocess.run([sys.executable, "-m", "gpuq.cli", "down", "--grace", "5"], env=env)
+        import redis
+
+        r = redis.Redis.from_url(s.broker)  # the stack's queues and keys: nothing for the next run to find
+        for key in [*r.scan_iter(f"{s.key_prefix}[.:/]*"), *r.scan_iter(f"_kombu.binding*.{s.key_prefix}.*")]:
+            r.delete(key)
 
 
 def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], float, float | None]:
@@ -216,28 +293,74 @@ def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], f
         r.delete("bench:done")
 
 
+def own_database(url: str) -> tuple[str, Any]:
+    """For a PostgreSQL URL, a new database of this run's on that server, and a function that drops
+    it; a SQLite URL as it is (and a function that does nothing)."""
+    if url.startswith("sqlite"):
+        return url, lambda: None
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"gpuq_bench_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        from gpuq.service.db import dispose_engines
+
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return make_url(url).set(database=name).render_as_string(hide_password=False), drop
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2000)
     ap.add_argument("--latency-samples", type=int, default=50)
-    ap.add_argument("--database", help="a database URL (default: a new SQLite file)")
+    ap.add_argument("--keep-alive", action="store_true",
+                    help="submit over one persistent connection (default: a new one per submit, as the CLI)")
+    ap.add_argument("--database", help="a PostgreSQL server's URL (the script makes and drops a database of its own "
+                                       "there), or an empty SQLite database's (default: a new SQLite file)")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="gpuq-speed-"))
     broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
+    # The server's socket: a short path of its own (as root, the default is the machine's /run/gpuq).
+    sock = f"/tmp/gpuqs-{uuid.uuid4().hex[:8]}.sock"
     env.update(GPUQ_HOME=str(home), GPUQ_CONFIG=str(home / "none.toml"), GPUQ_FAKE_GPUS="4", GPUQ_BROKER_URL=broker,
-               GPUQ_KEY_PREFIX="bench", GPUQ_WARM_START="true")
-    if args.database:
-        env["GPUQ_DATABASE_URL"] = args.database
-    decision_pass()
-    sql_pass(env)
-    bare_lat, bare_tput, bare_idle = bare_celery(broker, args.jobs, args.latency_samples)
-    lat, tput, gaps, idle = gpuq_stack(env, args.jobs, args.latency_samples)
+               GPUQ_KEY_PREFIX="bench", GPUQ_WARM_START="true", GPUQ_SOCKET=sock)
+    drop = lambda: None  # noqa: E731
+    try:
+        if args.database:
+            env["GPUQ_DATABASE_URL"], drop = own_database(args.database)
+        decision_pass()
+        sql_pass(env)
+        bare_lat, bare_tput, bare_idle = bare_celery(broker, args.jobs, args.latency_samples)
+        lat, lat_client, trip, tput, submit_rate, gaps, idle, how = gpuq_stack(env, args.jobs, args.latency_samples,
+                                                                              args.keep_alive)
+    finally:
+        drop()
+        shutil.rmtree(home, ignore_errors=True)
+        Path(sock).unlink(missing_ok=True)
+    where = "SQLite" if not args.database or args.database.startswith("sqlite") else "PostgreSQL"
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
-    print(f"submit->running latency, idle stack: p50 {ms(pct(lat, 50))}, p95 {ms(pct(lat, 95))}")
-    print(f"bare Celery round trip:               p50 {ms(pct(bare_lat, 50))}, p95 {ms(pct(bare_lat, 95))}")
-    print(f"  p50 difference: {ms(pct(lat, 50) - pct(bare_lat, 50))} (goal: within 5 ms)")
-    print(f"throughput, {args.jobs} no-op jobs over 4 simulated GPUs: {tput:.0f} jobs/s")
+    print(f"gpuq on {where}, submitting through the server: {how}")
+    print(f"submit->running latency, idle stack (server's submitted_at -> started_at): "
+          f"p50 {ms(pct(lat, 50))}, p95 {ms(pct(lat, 95))}")
+    print(f"submit->running latency, idle stack (client's request sent -> started_at): "
+          f"p50 {ms(pct(lat_client, 50))}, p95 {ms(pct(lat_client, 95))}")
+    print(f"  the submit request's round trip (POST /v1/jobs -> its answer): p50 {ms(pct(trip, 50))}, "
+          f"p95 {ms(pct(trip, 95))}")
+    print(f"bare Celery round trip (delay -> task start):                         "
+          f"p50 {ms(pct(bare_lat, 50))}, p95 {ms(pct(bare_lat, 95))}")
+    print(f"  p50 difference: {ms(pct(lat, 50) - pct(bare_lat, 50))} on the server's clock, "
+          f"{ms(pct(lat_client, 50) - pct(bare_lat, 50))} from the client's request (goal: within 5 ms)")
+    print(f"throughput, {args.jobs} no-op jobs over 4 simulated GPUs: {tput:.0f} jobs/s "
+          f"(their {args.jobs} submits alone: {submit_rate:.0f}/s)")
     print(f"bare Celery, {args.jobs} no-op tasks over 4 workers:       {bare_tput:.0f} tasks/s")
     print(f"  ratio gpuq/bare: {tput / bare_tput:.2f} (goal: at least 0.5)")
     share = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731

@@ -59,11 +59,11 @@ def decode(credential: str, socket: str) -> Decoded:
         name, _, value = line.partition(":")
         fields[name.strip()] = value.strip()
     status = fields.get("STATUS", "")
+    if done.returncode in _DAEMON_FAULTS:
+        # munged is down or failed: the server cannot tell who asks, which is not the caller's fault.
+        raise Unreachable(f"munged at {socket} cannot be asked: {status or _last_line(done.stderr)}")
     if done.returncode != 0 or not status.startswith("Success"):
-        why = status or _last_line(done.stderr)
-        if "socket" in why.lower() and "connect" in why.lower():
-            raise Unreachable(f"munged at {socket} cannot be reached: {why}")
-        raise NotAllowed(f"the MUNGE credential was refused: {why}")
+        raise NotAllowed(f"the MUNGE credential was refused: {status or _last_line(done.stderr)}")
     try:
         uid = int(fields["UID"].rsplit("(", 1)[1].rstrip(")"))
         gid = int(fields["GID"].rsplit("(", 1)[1].rstrip(")"))
@@ -72,6 +72,15 @@ def decode(credential: str, socket: str) -> Decoded:
     return Decoded(uid, gid, body.decode("utf-8", errors="replace"))
 
 
+# unmunge's exit codes (munge.h's munge_err_t) that say munged could not be asked, rather than
+# that the credential is bad: EMUNGE_SNAFU, EMUNGE_NO_MEMORY, EMUNGE_SOCKET, EMUNGE_TIMEOUT. A
+# bad credential is 8 (EMUNGE_BAD_CRED) to 18 (EMUNGE_CRED_UNAUTHORIZED), 15 expired, 17 replayed.
+_DAEMON_FAULTS = frozenset({1, 5, 6, 7})
+
+
 def _last_line(data: bytes) -> str:
+    """The last line a munge program wrote to stderr, without its ``munge: Error:`` prefix."""
     lines = [ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]
-    return lines[-1] if lines else "no message"
+    if not lines:
+        return "no message"
+    return lines[-1].split("Error:", 1)[-1].strip() if lines[-1].startswith(("munge:", "unmunge:")) else lines[-1]

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,6 +295,19 @@ class ThreadServer:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.stop_event.set)
         self.thread.join(10)
+
+
+@contextmanager
+def serving(settings: Settings, **overrides) -> Iterator[Settings]:
+    """A server of its own (a thread of this process) with ``settings`` changed by ``overrides``, on
+    a socket of its own: what its settings change (a broker, the admins, shared logs) is the
+    server's business now, not the client's. Yields the settings to give the client."""
+    own = settings.with_overrides(socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock", **overrides)
+    server = ThreadServer(own)
+    try:
+        yield own
+    finally:
+        server.stop()
 
 
 def start_stack(settings: Settings, log_dir: Path) -> Stack:

@@ -25,7 +25,7 @@ from gpuq.service.celery_app import make_app
 from gpuq.service.db import session_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Allocation, Gpu, Job, JobOutput, utcnow
-from tests.conftest import Stack, make_settings, new_postgres_database, run_cli, settings_env
+from tests.conftest import ThreadServer, Stack, make_settings, new_postgres_database, run_cli, settings_env
 from tests.test_security import needs_root, run_as_nobody, shared_dir  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -38,7 +38,9 @@ def pg(tmp_path_factory, postgres_server, redis_url):
     url, drop = new_postgres_database(postgres_server)
     settings = make_settings(tmp_path_factory.mktemp("abuse") / "home", url, redis_url, place_at_submit=False)
     db.upgrade(settings)
+    server = ThreadServer(settings)  # the users' commands go through it, as on a real node
     yield settings
+    server.stop()
     db.dispose_engines()
     drop()
 

@@ -25,7 +25,7 @@ from gpuq.migrations.versions import HEAD
 from gpuq.service import db
 from gpuq.service.db import session_scope
 from gpuq.service.models import Gpu
-from tests.conftest import free_port, make_settings, new_postgres_database, run_cli, settings_env
+from tests.conftest import free_port, make_settings, new_postgres_database, run_cli, settings_env, wait_for_socket
 from tests.test_end_to_end import submit, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 # What a lab admin puts in .env; the passwords have no default on purpose.
 ADMIN_ENV = {"POSTGRES_PASSWORD": "pg-secret-1", "REDIS_PASSWORD": "redis-secret-1", "GPUQ_NODE": "composenode"}
-GPUQ_SERVICES = ("migrate", "scheduler", "worker-gpu0", "worker-gpu1", "dashboard", "flower")
+GPUQ_SERVICES = ("migrate", "server", "scheduler", "worker-gpu0", "worker-gpu1", "dashboard", "flower")
+# Where the server listens in its container: the host's /run/gpuq, bind-mounted.
+SERVER_SOCKET = "/run/gpuq/gpuq.sock"
 BIN = Path(sys.executable).parent
 
 
@@ -111,13 +113,14 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
         env = s["environment"]
         assert env["GPUQ_DATABASE_URL"].startswith("postgresql+psycopg://") and env["GPUQ_BROKER_URL"].startswith("redis://")
         assert env["GPUQ_NODE"] == "composenode"
-    for name in ("scheduler", "worker-gpu0", "worker-gpu1", "dashboard", "flower"):
+    for name in ("server", "scheduler", "worker-gpu0", "worker-gpu1", "dashboard", "flower"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["migrate"]["restart"] == "no" and services["migrate"]["command"] == ["gpuq", "db", "upgrade"]
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
-    for name in ("redis", "postgres", "dashboard"):
+    for name in ("redis", "postgres", "server", "dashboard"):
         assert services[name]["healthcheck"]["test"], name
-    used = {v.split(":", 1)[0] for s in services.values() for v in s.get("volumes", [])}
+    # Named volumes; the server's bind mounts of host paths are checked below.
+    used = {v.split(":", 1)[0] for s in services.values() for v in s.get("volumes", []) if not v.startswith("/")}
     assert used == set(doc["volumes"]) == {"redis-data", "postgres-data"}
     assert services["postgres"]["volumes"] == ["postgres-data:/var/lib/postgresql/data"]
     assert services["redis"]["volumes"] == ["redis-data:/data"]
@@ -126,7 +129,8 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
     for name in ("worker-gpu0", "worker-gpu1"):
         grace = seconds(services[name]["stop_grace_period"])
         assert grace >= 300 and 0 < float(services[name]["environment"]["GPUQ_SHUTDOWN_GRACE"]) <= grace - 30
-    assert all(seconds(services[n]["stop_grace_period"]) >= 10 for n in ("scheduler", "dashboard", "redis", "postgres"))
+    assert all(seconds(services[n]["stop_grace_period"]) >= 10
+               for n in ("server", "scheduler", "dashboard", "redis", "postgres"))
     assert services["flower"]["profiles"] == ["flower"]
     assert all("profiles" not in s for n, s in services.items() if n != "flower")
     # The database URL the gpuq services use is the one the postgres service creates.
@@ -139,6 +143,27 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
     # Published on the host's localhost only: a read-only page is still nobody else's business.
     assert services["dashboard"]["ports"] == ["127.0.0.1:8642:8642"]
     assert services["flower"]["ports"] == ["127.0.0.1:5555:5555"]
+
+
+def test_the_server_runs_as_root_on_the_hosts_run_gpuq_socket_and_names_uids_as_the_host_does():
+    services = load()["services"]
+    server = services["server"]
+    assert server["command"] == ["gpuq", "server"]
+    # Root: the caller is the socket peer's uid (SO_PEERCRED), the host's uid without a user namespace.
+    assert server["user"] == "root"
+    assert all("user" not in s for n, s in services.items() if n != "server")
+    assert server["environment"]["GPUQ_SOCKET"] == SERVER_SOCKET
+    assert "GPUQ_LISTEN" not in server["environment"]  # TCP with MUNGE is the admin's choice (commented out)
+    assert "ports" not in server
+    assert "/run/gpuq:/run/gpuq" in server["volumes"]
+    assert {"/etc/passwd:/etc/passwd:ro", "/etc/group:/etc/group:ro"} <= set(server["volumes"])
+    # The other services use the database directly; only the server takes users' requests.
+    assert all(not any(str(v).startswith("/run/gpuq") for v in s.get("volumes", []))
+               for n, s in services.items() if n != "server")
+    kind, *check = server["healthcheck"]["test"]
+    assert kind == "CMD" and check[:2] == ["python", "-c"] and SERVER_SOCKET in check[2]
+    text = COMPOSE.read_text()
+    assert "# GPUQ_LISTEN:" in text and "/run/munge:/run/munge" in text
 
 
 def test_without_passwords_the_file_refuses_to_resolve():
@@ -208,9 +233,12 @@ def test_redis_command_line_runs_with_an_append_only_file_noeviction_and_a_passw
 
 def _service_env(service: dict, settings) -> dict[str, str]:
     """The service's environment from the file, with the test's database and Redis for the hosts
-    `postgres` and `redis` (as another node overrides them), over the test settings."""
+    `postgres` and `redis` (as another node overrides them), over the test settings; the server's
+    socket is the test's (/run/gpuq is root's, and not this test's to take)."""
     env = settings_env(settings)
     env.update({k: str(v) for k, v in service["environment"].items()})
+    if env.get("GPUQ_SOCKET") == SERVER_SOCKET:
+        env["GPUQ_SOCKET"] = str(settings.server_socket)
     return env
 
 
@@ -264,7 +292,8 @@ def compose_db(tmp_path, redis_url, postgres_server):
 
 
 @pytest.mark.slow
-def test_migrate_scheduler_worker_and_dashboard_command_lines_run_a_job_and_stop_on_sigterm(compose_db, tmp_path):
+def test_migrate_server_scheduler_worker_and_dashboard_command_lines_run_a_job_and_stop_on_sigterm(compose_db,
+                                                                                                     tmp_path):
     settings, values = compose_db
     services = load(values)["services"]
     assert db.current_revision(settings) is None
@@ -275,7 +304,8 @@ def test_migrate_scheduler_worker_and_dashboard_command_lines_run_a_job_and_stop
 
     procs: dict[str, subprocess.Popen] = {}
     port = free_port()
-    plan = {"scheduler": _argv(services["scheduler"]), "worker-gpu0": _argv(services["worker-gpu0"]),
+    plan = {"server": _argv(services["server"]),
+            "scheduler": _argv(services["scheduler"]), "worker-gpu0": _argv(services["worker-gpu0"]),
             "dashboard": _argv(services["dashboard"], **{"--host": "127.0.0.1", "--port": str(port)})}
     try:
         for name, argv in plan.items():
@@ -285,6 +315,14 @@ def test_migrate_scheduler_worker_and_dashboard_command_lines_run_a_job_and_stop
             with open(tmp_path / f"{name}.log", "wb") as out:
                 procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL)
+        # The server, as the file starts it, on its socket (the test's path for /run/gpuq/gpuq.sock).
+        sock = settings.server_socket
+        wait_for_socket(sock, procs["server"], lambda: (tmp_path / "server.log").read_text()[-3000:], timeout=60)
+        kind, *check = services["server"]["healthcheck"]["test"]
+        assert kind == "CMD" and check[0] == "python"
+        check = [sys.executable, *(a.replace(SERVER_SOCKET, str(sock)) for a in check[1:])]
+        health = subprocess.run(check, capture_output=True, text=True, timeout=30)
+        assert health.returncode == 0, health.stderr + (tmp_path / "server.log").read_text()[-3000:]
         deadline = time.monotonic() + 60
         while True:
             with session_scope(settings) as session:
@@ -302,10 +340,16 @@ def test_migrate_scheduler_worker_and_dashboard_command_lines_run_a_job_and_stop
         assert kind == "CMD" and check[0] == "python"
         check = [sys.executable, *(a.replace(":8642/", f":{port}/") for a in check[1:])]
         assert subprocess.run(check, capture_output=True, timeout=30).returncode == 0
-        assert "succeeded" in run_cli(["status"], settings).stdout
-        for name in ("dashboard", "scheduler", "worker-gpu0"):
+        # `gpuq status` through the server's socket (a user's client finds it by GPUQ_SOCKET).
+        status = run_cli(["status"], settings, extra_env={"GPUQ_SOCKET": str(sock)})
+        assert status.returncode == 0, status.stderr
+        assert "succeeded" in status.stdout and "composenode" in status.stdout
+        for name in ("dashboard", "server", "scheduler", "worker-gpu0"):
             assert _stop(procs[name]) == 0, f"{name}:\n" + (tmp_path / f"{name}.log").read_text()[-3000:]
         assert "scheduler stopped" in (tmp_path / "scheduler.log").read_text()
+        assert not sock.exists()  # the server removes its socket when it stops
+        failed = run_cli(["status"], settings, extra_env={"GPUQ_SOCKET": str(sock)})
+        assert failed.returncode != 0 and "no gpuq server answers" in failed.stderr
         with session_scope(settings) as session:
             assert session.scalar(select(Gpu).where(Gpu.node == "composenode", Gpu.index == 0)).heartbeat_at is None
     finally:

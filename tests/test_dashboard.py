@@ -4,6 +4,7 @@ on localhost by default, stopped cleanly by SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -24,6 +25,15 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def ran(request, tmp_path_factory, redis_url):
     yield from stack_with_jobs(request, tmp_path_factory, redis_url)
+
+
+@pytest.fixture(scope="module")
+def shared_dash(ran, tmp_path_factory):
+    """A second `gpuq dashboard` on the same stack, with GPUQ_SHARED_LOGS=true."""
+    d = Dashboard(dataclasses.replace(ran[0].settings, shared_logs=True),
+                  tmp_path_factory.mktemp("shared-dash") / "dashboard.log")
+    yield d
+    d.stop()
 
 
 def _row(html: str, job_id: int) -> str:
@@ -86,14 +96,71 @@ def test_job_page_shows_parameters_result_metrics_per_epoch_and_device_plots(ran
     assert "<h2>Usage</h2>" in html and "GPU-hours" in html
 
 
-def test_job_page_of_a_pending_job_says_why_it_waits_and_a_failed_one_shows_its_output(ran, dash):
+def test_job_page_of_a_pending_job_says_why_it_waits_and_a_failed_one_shows_its_output(ran, dash, shared_dash):
     st, j = ran
     _, _, html = dash.get(f"/jobs/{j.dependent}")
     assert f"it waits for job {j.held} (pending) to succeed" in html
-    _, _, html = dash.get(f"/jobs/{j.failed}")
+    # Output is shown to the dashboard's visitors only with GPUQ_SHARED_LOGS.
+    _, _, html = shared_dash.get(f"/jobs/{j.failed}")
     assert "<script>" not in html and f"Job {j.failed}: {escape(XSS_NAME)}" in html
     assert "about to fail" in html.split("<h2>Output</h2>", 1)[1]
     assert "<th>exit code</th><td>3</td>" in html
+
+
+def test_job_page_shows_no_output_by_default_only_whose_it_is_and_how_they_read_it(ran, dash):
+    st, j = ran
+    for job_id in (j.failed, j.train, j.running):
+        with session_scope(st.settings) as session:
+            job = jobs.get_job(session, job_id)
+            output = jobs.read_output(session, job_id)
+        status, _, html = dash.get(f"/jobs/{job_id}")
+        assert status == 200
+        section = html.split("<h2>Output</h2>", 1)[1]
+        assert f"the output is {escape(job.user)}'s" in section and f"<code>gpuq logs {job_id}</code>" in section
+        assert "<pre>" not in html
+        # (The command line, which everyone may see, may quote what it prints: look past it.)
+        for _, data in output:
+            for line in data.splitlines():
+                if len(line.strip()) > 10:
+                    assert escape(line.strip()) not in section, line
+    _, _, html = dash.get(f"/jobs/{j.failed}")
+    assert "about to fail" not in html.split("<h2>Output</h2>", 1)[1]
+    assert "<th>exit code</th><td>3</td>" in html  # the result is everyone's
+
+
+def test_no_page_shows_a_recorded_diff_or_environment_values_even_with_shared_logs(ran, dash, shared_dash):
+    st, j = ran
+    from sqlalchemy import update
+
+    from gpuq.service.models import Job
+
+    diff, env = "+SECRET_DIFF_LINE = 'uncommitted'", {"SECRET_TOKEN": "hunter2-env-value"}
+    with session_scope(st.settings) as session:
+        before = session.get(Job, j.held)
+        saved = (before.git_diff, before.git_dirty, before.env)
+        session.execute(update(Job).where(Job.id == j.held).values(git_diff=diff, git_dirty=True, env=env))
+    try:
+        for d in (dash, shared_dash):
+            for path in (f"/jobs/{j.held}", "/", "/usage", "/metrics"):
+                status, _, body = d.get(path)
+                assert status == 200, path
+                assert "SECRET_DIFF_LINE" not in body and "hunter2-env-value" not in body, path
+    finally:
+        with session_scope(st.settings) as session:
+            session.execute(update(Job).where(Job.id == j.held)
+                            .values(git_diff=saved[0], git_dirty=saved[1], env=saved[2]))
+
+
+def test_metrics_carry_no_output_even_with_shared_logs(ran, dash, shared_dash):
+    st, j = ran
+    with session_scope(st.settings) as session:
+        lines = {ln.strip() for job_id in (j.failed, j.train, j.matmul, j.running)
+                 for _, data in jobs.read_output(session, job_id) for ln in data.splitlines() if len(ln.strip()) > 10}
+    assert "about to fail" in lines
+    for d in (dash, shared_dash):
+        status, _, text = d.get("/metrics")
+        assert status == 200 and "gpuq_jobs{" in text
+        assert not [ln for ln in lines if ln in text]
 
 
 def test_usage_page_shows_each_users_gpu_hours_over_the_last_day_and_week(ran, dash):

@@ -19,7 +19,7 @@ from gpuq.service.db import session_scope
 from gpuq.service.errors import InvalidSpec, NotAllowed
 from gpuq.service.models import Job
 from gpuq.service.resubmit import resubmit
-from tests.conftest import run_cli
+from tests.conftest import ThreadServer, run_cli, serving
 from tests.test_end_to_end import output_of, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(shutil.which("git") is None, reason="needs git")]
@@ -95,7 +95,16 @@ def test_a_diff_over_the_limit_is_cut_and_says_so(settings, tmp_path):
     assert job.git_diff.endswith("[gpuq: diff cut at 1000 bytes]\n") and len(job.git_diff) < 1100
 
 
-def test_snapshot_outside_a_work_tree_is_refused_in_one_line_and_writes_nothing(settings, tmp_path):
+@pytest.fixture
+def served(settings):
+    """A server on the settings' socket, for the `gpuq` commands these tests run."""
+    server = ThreadServer(settings)
+    yield settings
+    server.stop()
+
+
+def test_snapshot_outside_a_work_tree_is_refused_in_one_line_and_writes_nothing(served, tmp_path):
+    settings = served
     outside = tmp_path / "plain"
     outside.mkdir()
     out = run_cli(["submit", "--snapshot", "--", "true"], settings, cwd=outside)
@@ -107,8 +116,8 @@ def test_snapshot_outside_a_work_tree_is_refused_in_one_line_and_writes_nothing(
 def test_snapshot_over_the_size_limit_is_refused_and_leaves_no_directory(settings, tmp_path):
     repo = make_repo(tmp_path)
     (repo / "data.bin").write_bytes(b"y" * 5000)  # untracked, not ignored: it counts
-    out = run_cli(["submit", "--snapshot", "--", "true"], settings, cwd=repo,
-                  extra_env={"GPUQ_SNAPSHOT_MAX_BYTES": "4096"})
+    with serving(settings, snapshot_max_bytes=4096) as limited:  # the server's limit, not the client's
+        out = run_cli(["submit", "--snapshot", "--", "true"], limited, cwd=repo)
     assert out.returncode == c.EXIT_USAGE and out.stderr.count("\n") == 1, out.stderr
     assert "GPUQ_SNAPSHOT_MAX_BYTES" in out.stderr
     assert job_count(settings) == 0 and snapshot_entries(settings) == []

@@ -1,6 +1,10 @@
 """Prometheus metrics, read from SQL on each scrape: the GPUs under DCGM exporter's names and labels
 (so the usual Grafana dashboards work unchanged) and gpuq's own job metrics.
 
+What every user may see, as the dashboard's pages (its scrapers are nobody in particular,
+``rights.ANYONE``): states, users, reasons, resources and times; never a job's output, recorded
+diff or environment values.
+
 A custom collector on a registry of its own: nothing is kept in process globals, so two dashboards
 (or two tests) in one process never mix their numbers, and a scrape always shows SQL as it is now.
 """

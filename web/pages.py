@@ -1,5 +1,9 @@
 """The dashboard's pages, each read in one transaction through the same service functions the CLI
-uses (`gpuq status`, `devices`, `show`, `why`, `stats`), so page and command never disagree."""
+uses (`gpuq status`, `devices`, `show`, `why`, `stats`), so page and command never disagree.
+
+Every visitor is nobody in particular (``rights.ANYONE``): a page shows what every user may see
+(states, names, users, resources, results), a job's output only where service/rights.py opens it
+to anyone (``GPUQ_SHARED_LOGS``), and never a recorded diff or environment values."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from html import escape
 
 from sqlalchemy import select
 
-from gpuq.service import accounting, explain, inventory, jobs, usage
+from gpuq.service import accounting, explain, inventory, jobs, rights, usage
 from gpuq.service import constants as c
 from gpuq.service.device_status import device_status
 from gpuq.service.models import Gpu, Job, utcnow
@@ -78,7 +82,9 @@ def job(settings: Settings, job_id: int) -> str:
         j = jobs.get_job(session, job_id)
         gpus = jobs.job_gpus(session, job_id)
         metrics = jobs.read_metrics(session, job_id)
-        output = "".join(data for _, data in jobs.read_output(session, job_id))
+        # Output is its owner's unless shared: not even read for a visitor who may not see it.
+        readable = rights.may_read_output(settings, j.user, rights.ANYONE)
+        output = "".join(data for _, data in jobs.read_output(session, job_id)) if readable else ""
         reason = explain.why(session, settings, job_id)
         series = accounting.job_series(session, job_id)
         used = usage.job_usage(session, job_id) if j.started_at else None
@@ -111,7 +117,10 @@ def job(settings: Settings, job_id: int) -> str:
             ("utilisation mean", "n/a" if used.utilization_mean is None else f"{used.utilization_mean:.1f}%"),
             ("energy", "n/a" if used.energy_j is None else f"{used.energy_j:.1f} J"),
             ("idle GPU time", f"{used.idle_s:.1f} s"), ("samples", str(used.samples))])]
-    if output:
+    if not readable:
+        body += [f"<h2>Output</h2><p class=\"muted\">the output is {escape(j.user)}'s: <code>gpuq logs {j.id}</code> "
+                 f"as them (or an admin) shows it</p>"]
+    elif output:
         tail = "\n".join(output.splitlines()[-OUTPUT_TAIL_LINES:])
         body += [f"<h2>Output</h2><p class=\"muted\">the last {OUTPUT_TAIL_LINES} lines at most; "
                  f"<code>gpuq logs {j.id}</code> has all of it</p><pre>{escape(tail)}</pre>"]

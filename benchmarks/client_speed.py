@@ -1,0 +1,205 @@
+"""How long a user's `gpuq` command takes, as a whole process, now that it is a thin client of
+`gpuq server`; beside a bare `python -c pass` of the same venv, measured in one run.
+
+    python benchmarks/client_speed.py [--runs 20] [--loop 12] [--cwd DIR]
+
+It starts its own stack (a server on a Unix socket in /tmp, a scheduler, 2 workers on simulated
+GPUs, warm start off) in a temporary home with its own SQLite file, on the local Redis
+(BENCH_REDIS, default redis://127.0.0.1:6379/12) under its own key prefix. Each command runs as a
+user runs it: the venv's `gpuq` script in a new process whose environment holds PATH, HOME and
+GPUQ_SOCKET only. For each: p50 and p90 wall time over --runs runs, and its ratio to
+`python -c pass`; then --loop `gpuq submit -- true` one after the other (a script's loop), in all;
+then which heavy modules a `gpuq status` process imported (`python -X importtime`).
+
+Goals: `gpuq status` and `gpuq submit` p50 at most 150 ms; twelve submits at most 12 x 150 ms; no
+sqlalchemy, celery, kombu, redis, torch or aiohttp in a user's command.
+
+Between groups the script waits (up to 2 minutes) for the stack's queue to empty, so the jobs a
+group submitted do not run on the CPU the next group is timed on. The matmul submits go last.
+Everything it started is stopped, its Redis keys deleted and its temporary directory removed.
+Figures are printed; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GOAL_MS = 150.0
+HEAVY = ("sqlalchemy", "celery", "kombu", "redis", "torch", "aiohttp")
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(math.ceil(p / 100 * len(values))) - 1)]
+
+
+def venv_bin() -> Path:
+    """The bin directory holding the `gpuq` script: this python's, else the repository's .venv."""
+    here = Path(sys.executable).parent
+    return here if (here / "gpuq").exists() else ROOT / ".venv" / "bin"
+
+
+def timed(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    out = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         timeout=120)
+    took = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {out.returncode}: {out.stderr.strip() or out.stdout.strip()}")
+    return took, out.stdout
+
+
+def wait_idle(settings, timeout: float = 120.0) -> float:
+    """Wait until no job of the stack is pending or running; the seconds it took."""
+    from sqlalchemy import select
+
+    from gpuq.service.db import read_scope
+    from gpuq.service.models import Job
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        with read_scope(settings) as session:
+            left = session.scalar(select(Job.id).where(Job.state.not_in(("succeeded", "failed", "cancelled")))
+                                  .limit(1))
+        if left is None:
+            break
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def imported_by_status(py: str, env: dict[str, str], cwd: str) -> tuple[list[str], float, list[tuple[float, str]]]:
+    """The heavy packages a `gpuq status` process imported, its total import time (s), and its five
+    costliest top-level imports (s, name), from ``python -X importtime``."""
+    out = subprocess.run([py, "-X", "importtime", "-m", "gpuq.cli", "status"], env=env, cwd=cwd,
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"gpuq status under -X importtime exited {out.returncode}: {out.stderr[-2000:]}")
+    names, top = set(), []
+    for line in out.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+        if not m:
+            continue
+        name = m.group(4)
+        names.add(name.split(".")[0])
+        if len(m.group(3)) == 1:  # a top-level import (its children are indented further)
+            top.append((int(m.group(2)) / 1e6, name))
+    heavy = sorted(h for h in HEAVY if h in names)
+    return heavy, sum(s for s, _ in top), sorted(top, reverse=True)[:5]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=20, help="runs of each command")
+    ap.add_argument("--loop", type=int, default=12, help="`gpuq submit -- true` one after the other")
+    ap.add_argument("--cwd", help="where the commands run (default: the temporary directory, outside any git "
+                                  "work tree; a command submit inside one also runs git there)")
+    args = ap.parse_args()
+
+    import redis
+
+    from gpuq.service import db
+    from gpuq.service.settings import Settings
+    from tests.conftest import start_stack
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpuq-client-"))
+    tag = uuid.uuid4().hex[:8]
+    broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
+    # A socket path must fit in 108 bytes: a short one in /tmp, whatever TMPDIR is.
+    sock = f"/tmp/gpuqc-{tag}.sock"
+    settings = Settings(home=tmp / "home", database_url=f"sqlite:///{tmp / 'gpuq.db'}", broker_url=broker,
+                        socket=sock, key_prefix=f"bench-client-{tag}", node="benchnode", fake_gpus=2,
+                        warm_start=False)
+    stack = None
+    try:
+        db.upgrade(settings)
+        t0 = time.perf_counter()
+        stack = start_stack(settings, tmp / "logs")
+        print(f"stack up in {time.perf_counter() - t0:.1f} s: server on {sock}, scheduler, 2 workers on "
+              f"simulated GPUs (warm start off), SQLite, {broker} prefix {settings.key_prefix}")
+
+        bindir = venv_bin()
+        py, gpuq = str(bindir / "python"), str(bindir / "gpuq")
+        user_env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", str(tmp)),
+                    "GPUQ_SOCKET": sock}
+        cwd = args.cwd or str(tmp)
+        print(f"commands: {gpuq}, environment PATH, HOME, GPUQ_SOCKET only, in {cwd}; {args.runs} runs each")
+
+        def runs(argv: list[str]) -> tuple[list[float], list[str]]:
+            timed(argv, user_env, cwd)  # once untimed: the page cache, not the first run's disk reads
+            took, outs = [], []
+            for _ in range(args.runs):
+                t, out = timed(argv, user_env, cwd)
+                took.append(t)
+                outs.append(out)
+            return took, outs
+
+        results: dict[str, list[float]] = {}
+        results["python -c pass"], _ = runs([py, "-c", "pass"])
+        results["gpuq --help"], _ = runs([gpuq, "--help"])
+        results["gpuq status"], _ = runs([gpuq, "status"])
+        results["gpuq submit -- true"], outs = runs([gpuq, "submit", "--", "true"])
+        job_id = re.search(r"submitted job (\d+)", outs[-1]).group(1)
+        waited = wait_idle(settings)
+        results[f"gpuq show {job_id}"], _ = runs([gpuq, "show", job_id])
+
+        waited += wait_idle(settings)
+        t0 = time.perf_counter()
+        for _ in range(args.loop):
+            timed([gpuq, "submit", "--", "true"], user_env, cwd)
+        loop = time.perf_counter() - t0
+        waited += wait_idle(settings)
+
+        # Last: each of these jobs starts a fresh process that imports torch (warm start is off).
+        results["gpuq submit matmul --size 64"], _ = runs([gpuq, "submit", "matmul", "--size", "64"])
+
+        heavy, import_s, costliest = imported_by_status(py, user_env, cwd)
+
+        base = statistics.median(results["python -c pass"])
+        ms = lambda v: f"{v * 1000:6.0f} ms"  # noqa: E731
+        print(f"\n{'command':34} {'p50':>9} {'p90':>9}  {'p50 / python -c pass':>20}  goal")
+        for name, took in results.items():
+            p50 = statistics.median(took)
+            goal = ""
+            if name == "gpuq status" or name.startswith("gpuq submit"):
+                goal = f"p50 <= {GOAL_MS:.0f} ms: {'met' if p50 * 1000 <= GOAL_MS else 'not met'}"
+            print(f"{name:34} {ms(p50)} {ms(pct(took, 90))}  {p50 / base:19.1f}x  {goal}")
+        print(f"\n{args.loop} x `gpuq submit -- true` in a loop: {loop * 1000:.0f} ms in all, "
+              f"{loop * 1000 / args.loop:.0f} ms each, {loop / base:.1f}x one `python -c pass` "
+              f"(goal <= {args.loop} x {GOAL_MS:.0f} ms = {args.loop * GOAL_MS:.0f} ms: "
+              f"{'met' if loop * 1000 <= args.loop * GOAL_MS else 'not met'})")
+        print(f"\n`gpuq status` under -X importtime: {import_s * 1000:.0f} ms importing; heavy modules imported: "
+              f"{', '.join(heavy) or 'none'} (of {', '.join(HEAVY)}; goal: none)")
+        print("  costliest top-level imports: " + ", ".join(f"{n} {s * 1000:.0f} ms" for s, n in costliest))
+        print(f"(waited {waited:.1f} s in all for the queue to empty between groups)")
+        return 0
+    finally:
+        if stack is not None:
+            stack.stop()
+        db.dispose_engines()
+        try:
+            r = redis.Redis.from_url(broker)
+            for pattern in (f"{settings.key_prefix}*", f"_kombu.binding*.{settings.key_prefix}.*"):
+                for key in r.scan_iter(pattern):
+                    r.delete(key)
+        except redis.RedisError as exc:
+            print(f"could not delete the Redis keys under {settings.key_prefix}: {exc}", file=sys.stderr)
+        Path(sock).unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
