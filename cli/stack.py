@@ -23,13 +23,16 @@ db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=Tru
 @app.command()
 def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers.")] = 120.0) -> None:
     """Start the local stack in the background: Redis if needed, the server, the scheduler, one
-    worker per GPU. Run as root, it serves every user of the machine."""
+    worker per GPU. Run as root, it serves every user of the machine: its state is root's alone
+    (the home 0711, the database 0600) and the Redis it starts needs a password it generates."""
     from gpuq.service import stack
 
     settings = get_settings()
     st = stack.up(settings, timeout=timeout)
     redis = "a Redis of its own" if st.managed_redis else "its Redis"
-    typer.echo(f"gpuq is up: {st.workers} worker(s), the scheduler, {redis} at {mask_url(settings.broker)} and "
+    # st.broker, not settings.broker: a root stack's broker has the password `up` just generated.
+    url = mask_url(st.broker or settings.broker)
+    typer.echo(f"gpuq is up: {st.workers} worker(s), the scheduler, {redis} at {url} and "
                f"the server on {settings.server_socket} (supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
 
 

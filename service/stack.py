@@ -5,20 +5,30 @@ any that die.
 ``gpuq up`` starts the supervisor detached and waits until every worker has registered; ``gpuq down``
 asks it to stop. The supervisor starts its children by module name (``python -m ...``), so nothing
 here imports the workers or the CLI.
+
+Run as root, the stack is the machine's and serves every user: its home is traversable but not
+listable (0711: a user reaches their job's snapshot by name), its logs, pid files and Redis data are
+root's alone (0700), the SQLite database is 0600, and the Redis it starts requires a password that
+`gpuq up` generates once into ``home/redis.secret`` (0600), so no user can reach the broker. The
+password is given to Redis in a 0600 config file, never on its command line (which every user can
+read in /proc). Run as anyone else, the stack is that user's own, in their home, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import psutil
 from sqlalchemy import select
@@ -28,7 +38,7 @@ from gpuq.service.db import session_scope, upgrade
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import StackError
 from gpuq.service.models import Gpu
-from gpuq.service.settings import Settings, get_settings
+from gpuq.service.settings import SYSTEM_SOCKET, Settings, get_settings
 
 log = logging.getLogger("gpuq.stack")
 
@@ -37,6 +47,12 @@ RESTART_DELAY = 1.0
 RESTART_DELAY_MAX = 30.0
 # How often the supervisor looks at its children.
 SUPERVISE_POLL = 0.2
+# Modes of a root stack's state: the home traversable only, its private folders and files root's.
+SYSTEM_HOME_MODE = 0o711
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+# The folder of the machine's server socket: everyone reaches the socket (0666) through it.
+SOCKET_DIR_MODE = 0o755
 
 
 def pid_file(settings: Settings) -> Path:
@@ -77,10 +93,15 @@ class StackStatus:
     workers: int
     log_dir: Path
     managed_redis: bool
+    # The broker the stack uses (with the password a root stack generated; mask it to print).
+    broker: str = ""
 
 
 def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
-    """Start the local stack in the background and wait until every worker has registered."""
+    """Start the local stack in the background and wait until every worker has registered.
+
+    As root, the home and its files get the modes that let every user of the machine use the
+    stack and none read its state (see the module's docstring), before anything starts."""
     if (sup := running_supervisor(settings)) is not None:
         raise StackError(f"gpuq is already up (supervisor pid {sup.pid}); `gpuq down` stops it")
     devices = open_devices(settings)
@@ -89,8 +110,17 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         raise StackError(f"no GPU on this node ({devices.why_none}); set GPUQ_FAKE_GPUS=N to run on N simulated GPUs")
     if not settings.broker_is_managed:
         broker.check(settings)
+    system = os.geteuid() == 0
+    if system:
+        settings = prepare_system_home(settings)
     starts_redis = settings.broker_is_managed and not broker.reachable(settings)
+    if system and starts_redis and _port_taken(settings):
+        raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "
+                         f"take the password in {settings.redis_secret}): stop it, or set GPUQ_REDIS_PORT to a "
+                         "free port, or GPUQ_BROKER_URL to a Redis to use")
     upgrade(settings)
+    if system:
+        _private_database(settings)
     for d in (settings.run_dir, settings.log_dir):
         d.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -103,9 +133,88 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         if proc.poll() is not None:
             raise StackError(f"the stack did not start: {_tail(settings.log_dir / 'supervisor.log')}")
         if _registered(settings, [g.index for g in gpus], started) == len(gpus) and _answers(settings):
-            return StackStatus(proc.pid, len(gpus), settings.log_dir, starts_redis)
+            return StackStatus(proc.pid, len(gpus), settings.log_dir, starts_redis, settings.broker)
         time.sleep(0.2)
     raise StackError(f"workers did not register within {timeout:g} s; see {settings.log_dir}")
+
+
+def prepare_system_home(settings: Settings) -> Settings:
+    """A root stack's home made safe to share, and the settings to run it with.
+
+    The home is 0711, its logs/, run/ and redis/ 0700; with no broker configured, a Redis password
+    is generated once into ``redis.secret`` (0600). The settings returned are read afresh, so
+    their broker URL carries that password (``Settings.broker`` is computed once per object);
+    the supervisor and its children read the same file when they load their settings."""
+    home = settings.home
+    home.mkdir(parents=True, exist_ok=True)
+    os.chmod(home, SYSTEM_HOME_MODE)
+    for d in (settings.log_dir, settings.run_dir, home / "redis"):
+        d.mkdir(exist_ok=True)
+        os.chmod(d, PRIVATE_DIR_MODE)
+    socket_dir = settings.server_socket.parent
+    if str(settings.server_socket) == SYSTEM_SOCKET:
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(socket_dir, SOCKET_DIR_MODE)
+    db_file = _sqlite_file(settings)
+    if db_file is not None and not db_file.exists():
+        # Created 0600 before SQLite opens it: its -wal and -shm files then get that mode too.
+        db_file.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(db_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
+    if settings.broker_is_managed:
+        _ensure_secret(settings.redis_secret)
+    return dataclasses.replace(settings)
+
+
+def _ensure_secret(path: Path) -> None:
+    """The Redis password at ``path``, made once (mode 0600 from its creation, never wider)."""
+    try:
+        if path.read_text().strip():
+            os.chmod(path, PRIVATE_FILE_MODE)
+            return
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    try:
+        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _sqlite_file(settings: Settings) -> Path | None:
+    """The SQLite database's file, if the database is one."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database)
+    if not url.drivername.startswith("sqlite") or not url.database or url.database == ":memory:":
+        return None
+    return Path(url.database)
+
+
+def _private_database(settings: Settings) -> None:
+    """The SQLite database and its -wal/-shm files root's alone (SQLite gives the files it creates
+    later the database file's mode)."""
+    path = _sqlite_file(settings)
+    if path is None:
+        return
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"),
+              path.with_name(path.name + "-journal")):
+        try:
+            os.chmod(f, PRIVATE_FILE_MODE)
+        except FileNotFoundError:
+            pass
+
+
+def _port_taken(settings: Settings) -> bool:
+    """Whether something accepts connections on the managed Redis's port."""
+    try:
+        with socket.create_connection(("127.0.0.1", settings.redis_port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _registered(settings: Settings, indices: list[int], since: float) -> int:
@@ -227,8 +336,19 @@ class Supervisor:
         url = urlsplit(self.settings.broker)
         data = self.settings.home / "redis"
         data.mkdir(parents=True, exist_ok=True)
-        argv = [redis_binary(), "--bind", url.hostname or "127.0.0.1", "--port", str(url.port or 6379),
-                "--dir", str(data), "--save", "", "--appendonly", "yes", "--daemonize", "no"]
+        argv = [redis_binary()]
+        if url.password:
+            # The password the broker URL carries (root's stack: redis.secret), in a 0600 file:
+            # on the command line every user would read it in /proc/PID/cmdline.
+            os.chmod(data, PRIVATE_DIR_MODE)
+            conf = data / "redis.conf"
+            conf.unlink(missing_ok=True)
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+            with os.fdopen(fd, "w") as out:
+                out.write(f'requirepass "{unquote(url.password)}"\n')
+            argv.append(str(conf))
+        argv += ["--bind", url.hostname or "127.0.0.1", "--port", str(url.port or 6379),
+                 "--dir", str(data), "--save", "", "--appendonly", "yes", "--daemonize", "no"]
         return Child("redis", argv, env, self.settings.log_dir / "redis.log")
 
     def _on_term(self, *_: object) -> None:

@@ -40,7 +40,11 @@ def test_up_starts_redis_scheduler_and_a_worker_per_gpu_and_down_leaves_no_proce
         assert sum("gpuq.workers" in c for c in cmdlines) == 2
         assert sum("scheduler" in c for c in cmdlines) == 1
         assert sum("redis-server" in c for c in cmdlines) == 1
-        assert redis.Redis(port=port).ping()
+        assert sum(c.endswith("gpuq.cli server") for c in cmdlines) == 1
+        # Root's stack serves every user: its Redis answers only with the password it generated.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        assert redis.Redis(port=port, password=settings.redis_secret.read_text().strip()).ping()
 
         again = run_cli(["up"], settings)
         assert again.returncode != 0 and "already up" in again.stderr

@@ -22,6 +22,7 @@ def two_nodes(tmp_path_factory, redis_url):
     settings = make_settings(home / "home", f"sqlite:///{home / 'gpuq.db'}", redis_url, node="alpha", fake_gpus=1)
     db.upgrade(settings)
     st = Stack(settings, home / "logs")
+    st.start_server()
     st.start_scheduler()
     st.start_worker(0, node="alpha")
     for i in (0, 1):

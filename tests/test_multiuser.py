@@ -1,0 +1,384 @@
+"""One box, many people: root's `gpuq up` serves every user of the machine, and keeps them apart.
+
+A real stack started by root with `gpuq up` (its own home, socket, password-protected Redis and
+two simulated GPUs), and two real OS users made for the module, who run the real `gpuq` command
+through `runuser` with nothing of gpuq in their environment but the socket's path. What they can
+do is what the kernel says they are (SO_PEERCRED): nothing they send changes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlalchemy import func, select
+
+from gpuq.service import constants as c
+from gpuq.service.db import dispose_engines, session_scope
+from gpuq.service.models import Job, Submission
+from gpuq.service.settings import Settings, load_settings
+from tests.conftest import free_port, wait_for_state
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"),
+                                reason="needs root, useradd and runuser: the stack serves real OS users")
+
+GPUQ = str(Path(sys.executable).with_name("gpuq"))
+RUNUSER = shutil.which("runuser") or "runuser"
+PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+MAX_PENDING = 3
+
+
+@dataclass
+class Box:
+    """The machine's stack and its users."""
+
+    settings: Settings
+    env: dict[str, str]  # root's: what `gpuq up` / `gpuq down` ran with
+    socket: str
+    redis_port: int
+    a: str
+    b: str
+
+    def home_of(self, user: str) -> str:
+        return f"/home/{user}"
+
+    def user_env(self, user: str) -> dict[str, str]:
+        """A user's environment: a login's basics and the socket; no database, no broker, no config."""
+        return {"PATH": PATH, "HOME": self.home_of(user), "LANG": "C.UTF-8", "GPUQ_SOCKET": self.socket}
+
+    def as_user(self, user: str, *argv: str, cwd: str | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        """``argv`` run as ``user`` (runuser: their uid, gid and groups), in their home by default."""
+        return subprocess.run([RUNUSER, "-u", user, "--", *argv], env=self.user_env(user),
+                              cwd=cwd or self.home_of(user), capture_output=True, text=True, timeout=timeout)
+
+    def gpuq(self, user: str, *args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+        return self.as_user(user, GPUQ, *args, cwd=cwd)
+
+
+def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=kw.pop("timeout", 60), **kw)
+
+
+@pytest.fixture(scope="module")
+def box():
+    tag = uuid.uuid4().hex[:6]
+    base = Path(tempfile.mkdtemp(prefix="gpuqmu-", dir="/tmp"))
+    os.chmod(base, 0o711)  # users traverse to the home (0711 itself): never list it
+    sock = f"/tmp/gpuqmu-{tag}.sock"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_") and k != "XDG_DATA_HOME"}
+    env.update({"GPUQ_HOME": str(base / "home"), "GPUQ_SOCKET": sock, "GPUQ_REDIS_PORT": str(port),
+                "GPUQ_FAKE_GPUS": "2", "GPUQ_WARM_START": "false", "GPUQ_MAX_PENDING_PER_USER": str(MAX_PENDING),
+                "GPUQ_HEARTBEAT_INTERVAL": "0.5", "GPUQ_SCHEDULER_INTERVAL": "0.5", "GPUQ_KILL_GRACE": "1",
+                "GPUQ_SAMPLE_INTERVAL": "0", "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml", "PYTHONUNBUFFERED": "1"})
+    users = [f"gpuqa_{tag}", f"gpuqb_{tag}"]
+    made: list[str] = []
+    try:
+        for name in users:
+            done = _run(["useradd", "-m", "-s", "/bin/sh", name])
+            assert done.returncode == 0, done.stderr
+            made.append(name)
+        up = _run([GPUQ, "up", "--timeout", "150"], env=env, cwd=str(base), timeout=200)
+        assert up.returncode == 0, f"gpuq up failed: {up.stdout}{up.stderr}\n{_logs(base / 'home' / 'logs')}"
+        settings = load_settings(env)
+        yield Box(settings, env, sock, port, *users)
+    finally:
+        down = _run([GPUQ, "down", "--grace", "5"], env=env, cwd=str(base), timeout=120)
+        for name in made:
+            _run(["userdel", "-r", "-f", name])
+        dispose_engines()
+        shutil.rmtree(base, ignore_errors=True)
+        Path(sock).unlink(missing_ok=True)
+        assert down.returncode == 0, down.stderr
+
+
+def _logs(log_dir: Path) -> str:
+    out = []
+    for p in sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []:
+        out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}")
+    return "\n".join(out)
+
+
+def _submitted(done: subprocess.CompletedProcess) -> int:
+    assert done.returncode == 0, f"submit failed ({done.returncode}): {done.stderr}"
+    m = re.search(r"submitted job (\d+)", done.stdout)
+    assert m, done.stdout
+    return int(m.group(1))
+
+
+def _refused(done: subprocess.CompletedProcess, code: int = c.EXIT_NOT_ALLOWED) -> str:
+    """The refusal's one line on stderr (and nothing on stdout), with gpuq's exit code."""
+    assert done.returncode == code, f"exit {done.returncode}, not {code}: {done.stdout!r} {done.stderr!r}"
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuq: "), done.stderr
+    assert done.stdout == ""
+    return lines[0]
+
+
+def _sql_state(settings: Settings) -> tuple:
+    """Every job's row as the moves would change it, and the submissions: to prove nothing changed."""
+    with session_scope(settings) as session:
+        rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.reason, Job.priority,
+                                      Job.cancel_requested_at, Job.ended_at).order_by(Job.id)).all()
+        subs = session.scalar(select(func.count()).select_from(Submission))
+    return tuple(tuple(r) for r in rows), subs
+
+
+def _user_of(settings: Settings, job_id: int) -> str:
+    with session_scope(settings) as session:
+        return session.get(Job, job_id).user
+
+
+def _pending_of(settings: Settings, user: str) -> int:
+    with session_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job).where(Job.user == user, Job.state == c.PENDING))
+
+
+def _output(box: Box, user: str, job_id: int) -> str:
+    done = box.gpuq(user, "logs", str(job_id))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_each_users_command_runs_as_that_user_and_status_shows_both(box):
+    ids = {user: _submitted(box.gpuq(user, "submit", "--", "id", "-un")) for user in (box.a, box.b)}
+    for user, job_id in ids.items():
+        assert wait_for_state(box.settings, job_id, c.END_STATES) == c.SUCCEEDED
+        assert _user_of(box.settings, job_id) == user
+        assert _output(box, user, job_id).strip() == user  # the worker (root) ran it as its owner
+    for viewer in (box.a, box.b):
+        status = box.gpuq(viewer, "status")
+        assert status.returncode == 0, status.stderr
+        for user, job_id in ids.items():
+            assert re.search(rf"^\s*{job_id}\s+{user}\s", status.stdout, re.M), status.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_user_cannot_change_or_read_another_users_job(box):
+    a, b = box.a, box.b
+    secret, code_secret = f"TOPSECRET_{uuid.uuid4().hex}", f"DIFFSECRET_{uuid.uuid4().hex}"
+    # A's work tree, a git repository with an uncommitted change (the diff the job records).
+    work = f"{box.home_of(a)}/work"
+    assert box.as_user(a, "mkdir", "-p", work).returncode == 0
+    for argv in (["git", "init", "-q"], ["sh", "-c", "echo committed > train.py"], ["git", "add", "train.py"],
+                 ["git", "-c", "user.name=a", "-c", "user.email=a@example.org", "commit", "-qm", "init"],
+                 ["sh", "-c", f"echo {code_secret} >> train.py"],
+                 ["sh", "-c", f"umask 077; echo {secret} > secret.txt"]):
+        done = box.as_user(a, *argv, cwd=work)
+        assert done.returncode == 0, done.stderr
+    # The secret is in the job's output only (its command line, like squeue's, is everyone's).
+    failed = _submitted(box.gpuq(a, "submit", "--", "sh", "-c", "cat secret.txt; exit 3", cwd=work))
+    held = _submitted(box.gpuq(a, "submit", "--hold", "--", "true", cwd=work))
+    waiting = _submitted(box.gpuq(a, "submit", "--after", str(held), "--", "true", cwd=work))  # pending, not held
+    assert wait_for_state(box.settings, failed, c.END_STATES) == c.FAILED
+    # What B would be refused, A (the owner) is given: the checks below can fail.
+    assert secret in _output(box, a, failed)
+    assert secret in box.gpuq(a, "show", str(failed)).stdout
+    assert code_secret in box.gpuq(a, "show", "--diff", str(failed)).stdout
+
+    before = _sql_state(box.settings)
+    for args in (["cancel", str(held)], ["cancel", str(waiting)], ["hold", str(waiting)],
+                 ["release", str(held)], ["resubmit", str(failed)], ["resubmit", str(held)],
+                 ["logs", str(failed)], ["show", "--diff", str(failed)], ["show", "--diff", "--json", str(failed)]):
+        line = _refused(box.gpuq(b, *args))
+        assert f"belongs to {a}" in line, line
+        assert secret not in line and code_secret not in line
+    # `show` is squeue's view, everyone's: B sees the job, never its output nor its code.
+    shown = box.gpuq(b, "show", str(failed))
+    assert shown.returncode == 0, shown.stderr
+    assert "last output" not in shown.stdout and secret not in shown.stdout and code_secret not in shown.stdout
+    as_json = box.gpuq(b, "show", "--json", str(failed))
+    assert as_json.returncode == 0, as_json.stderr
+    data = json.loads(as_json.stdout)
+    assert data["user"] == a and data["last_output"] == []
+    assert secret not in as_json.stdout and code_secret not in as_json.stdout
+    assert _sql_state(box.settings) == before
+
+    for job_id in (waiting, held):
+        assert box.gpuq(a, "cancel", str(job_id)).returncode == 0
+
+
+_FORGE = r"""
+import http.client, json, socket, sys
+
+class Conn(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("localhost", timeout=30)
+        self.path = path
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+path, cwd, other, victim = sys.argv[1:5]
+forged = {"X-User": "root", "X-Remote-User": "root", "X-Forwarded-User": other, "Remote-User": "root",
+          "Authorization": "Basic cm9vdDpyb290", "Content-Type": "application/json"}
+results = []
+for method, target, body in [("POST", "/v1/jobs", {"command": ["true"], "cwd": cwd}),
+                             ("POST", "/v1/jobs", {"command": ["true"], "cwd": cwd, "user": "root"}),
+                             ("POST", "/v1/jobs", {"command": ["true"], "cwd": cwd, "user": other}),
+                             ("POST", "/v1/jobs/" + victim + "/cancel", {"user": other}),
+                             ("GET", "/v1/jobs/" + victim + "/output", None)]:
+    conn = Conn(path)
+    data = None if body is None else json.dumps(body).encode()
+    conn.request(method, target, body=data, headers=forged)
+    r = conn.getresponse()
+    results.append([r.status, json.loads(r.read())])
+    conn.close()
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_forged_identity_in_fields_or_headers_changes_nothing(box):
+    a, b = box.a, box.b
+    victim = _submitted(box.gpuq(a, "submit", "--hold", "--", "true"))
+    before = _sql_state(box.settings)
+
+    # Python's http.client on the socket, as B, with every field and header that could claim a name.
+    done = box.as_user(b, sys.executable, "-c", _FORGE, box.socket, box.home_of(b), a, str(victim))
+    assert done.returncode == 0, done.stderr
+    (ok_status, ok), (root_status, as_root), (other_status, as_other), (cancel_status, cancel), \
+        (logs_status, logs) = json.loads(done.stdout)
+    assert ok_status == 200 and [j["user"] for j in ok["jobs"]] == [b]
+    assert _user_of(box.settings, ok["jobs"][0]["id"]) == b
+    for status, answer in ((root_status, as_root), (other_status, as_other), (cancel_status, cancel),
+                           (logs_status, logs)):
+        assert status == 403 and answer["exit_code"] == c.EXIT_NOT_ALLOWED, answer
+
+    # curl on the socket, as B: the same.
+    def curl(method: str, target: str, body: dict | None) -> tuple[int, dict]:
+        argv = ["curl", "-sS", "--unix-socket", box.socket, "-X", method, "-w", "\n%{http_code}",
+                "-H", "X-User: root", "-H", f"X-Remote-User: {a}", "-H", "Authorization: Bearer root",
+                "-H", "Content-Type: application/json"]
+        if body is not None:
+            argv += ["--data-binary", json.dumps(body)]
+        out = box.as_user(b, *argv, f"http://localhost{target}")
+        assert out.returncode == 0, out.stderr
+        text, _, code = out.stdout.rpartition("\n")
+        return int(code), json.loads(text)
+
+    status, answer = curl("POST", "/v1/jobs", {"command": ["id", "-un"], "cwd": box.home_of(b)})
+    assert status == 200 and answer["jobs"][0]["user"] == b
+    made = answer["jobs"][0]["id"]
+    status, answer = curl("POST", "/v1/jobs", {"command": ["id", "-un"], "cwd": box.home_of(b), "user": "root"})
+    assert (status, answer["exit_code"]) == (403, c.EXIT_NOT_ALLOWED)
+    status, answer = curl("POST", f"/v1/jobs/{victim}/hold", None)
+    assert (status, answer["exit_code"]) == (403, c.EXIT_NOT_ALLOWED)
+
+    assert wait_for_state(box.settings, made, c.END_STATES) == c.SUCCEEDED
+    assert _output(box, b, made).strip() == b  # it ran as B, whatever the headers said
+    # Nothing else changed: the two jobs B made are B's, A's job is as it was, nothing is root's.
+    after = _sql_state(box.settings)
+    new = [r for r in after[0] if r[0] not in {row[0] for row in before[0]}]
+    assert sorted(r[0] for r in new) == sorted([ok["jobs"][0]["id"], made]) and {r[1] for r in new} == {b}
+    assert [r for r in after[0] if r[0] in {row[0] for row in before[0]} and r[2] in c.ACTIVE_STATES] == \
+        [r for r in before[0] if r[2] in c.ACTIVE_STATES]
+    assert after[1] == before[1]  # no key sent, so no submission recorded
+    assert box.gpuq(a, "cancel", str(victim)).returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_submit_as_another_user_is_refused_to_non_root(box):
+    before = _sql_state(box.settings)
+    for user, other in ((box.a, box.b), (box.b, box.a), (box.b, "root")):
+        line = _refused(box.gpuq(user, "submit", "--user", other, "--", "id", "-un"))
+        assert "only root may submit as another user" in line
+    assert _sql_state(box.settings) == before
+
+
+@pytest.mark.timeout(300)
+def test_users_cannot_read_the_stacks_state_nor_reach_its_redis(box):
+    s = box.settings
+    home = s.home
+    db_file = home / "gpuq.db"
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(home) == 0o711
+    for d in (s.log_dir, s.run_dir, home / "redis"):
+        assert mode(d) == 0o700, d
+    for f in (db_file, s.redis_secret, home / "redis" / "redis.conf"):
+        assert mode(f) == 0o600, f
+    for suffix in ("-wal", "-shm"):
+        f = db_file.with_name(db_file.name + suffix)
+        if f.exists():
+            assert mode(f) == 0o600, f
+    assert stat.S_IMODE(os.stat(box.socket).st_mode) == 0o666
+
+    password = s.redis_secret.read_text().strip()
+    assert len(password) >= 32
+    for user in (box.a, box.b):
+        for f in (db_file, s.redis_secret, home / "redis" / "redis.conf", s.log_dir / "server.log",
+                  s.run_dir / "supervisor.pid"):
+            done = box.as_user(user, "cat", str(f))
+            assert done.returncode != 0 and password not in done.stdout, f
+            assert "Permission denied" in done.stderr, done.stderr
+        listing = box.as_user(user, "ls", str(home))
+        assert listing.returncode != 0 and "Permission denied" in listing.stderr
+        # No password, no broker: Redis asks for one (NOAUTH), and knows no user's guess.
+        ping = box.as_user(user, "redis-cli", "-p", str(box.redis_port), "ping")
+        assert "PONG" not in ping.stdout and ("NOAUTH" in ping.stdout + ping.stderr or ping.returncode != 0), ping
+        guess = box.as_user(user, "redis-cli", "--no-auth-warning", "-p", str(box.redis_port), "-a", "gpuq", "ping")
+        assert "PONG" not in guess.stdout
+    # The password works (so the refusals above are for want of it), and no process shows it:
+    # every user can read every /proc/PID/cmdline.
+    ok = _run(["redis-cli", "--no-auth-warning", "-p", str(box.redis_port), "-a", password, "ping"])
+    assert ok.stdout.strip() == "PONG"
+    for proc in psutil.process_iter(["cmdline"]):
+        assert password not in " ".join(proc.info["cmdline"] or []), proc
+
+
+@pytest.mark.timeout(300)
+def test_a_users_pending_jobs_are_capped_and_the_one_past_the_cap_writes_nothing(box):
+    user = box.b
+    for _ in range(MAX_PENDING - _pending_of(box.settings, user)):
+        _submitted(box.gpuq(user, "submit", "--hold", "--", "true"))
+    assert _pending_of(box.settings, user) == MAX_PENDING
+    before = _sql_state(box.settings)
+    line = _refused(box.gpuq(user, "submit", "--hold", "--", "true"), c.EXIT_OVER_LIMIT)
+    assert f"{user} has {MAX_PENDING} jobs pending" in line, line
+    _refused(box.gpuq(user, "submit", "--hold", "--array", "0-1", "--", "true"), c.EXIT_OVER_LIMIT)
+    assert _sql_state(box.settings) == before
+    # The cap is per user: the other user still submits.
+    other = _submitted(box.gpuq(box.a, "submit", "--hold", "--", "true"))
+    assert box.gpuq(box.a, "cancel", str(other)).returncode == 0
+    cancelled = box.gpuq(user, "cancel", "--user")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert _pending_of(box.settings, user) == 0
+    # Below the cap again: a submit is taken (the limit counts pending jobs, not jobs ever made).
+    again = _submitted(box.gpuq(user, "submit", "--hold", "--", "true"))
+    assert box.gpuq(user, "cancel", str(again)).returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_snapshot_runs_as_its_owner_from_roots_home_and_only_they_read_the_copy(box):
+    a, b = box.a, box.b
+    secret = f"SNAPSECRET_{uuid.uuid4().hex}"
+    work = f"{box.home_of(a)}/snapwork"
+    for argv in (["mkdir", "-p", work], ["git", "init", "-q", work],
+                 ["sh", "-c", f"cd {work} && umask 077 && echo {secret} > data.txt"]):
+        done = box.as_user(a, *argv)
+        assert done.returncode == 0, done.stderr
+    job_id = _submitted(box.gpuq(a, "submit", "--snapshot", "--", "sh", "-c", "id -un; cat data.txt; pwd", cwd=work))
+    assert wait_for_state(box.settings, job_id, c.END_STATES) == c.SUCCEEDED, _output(box, a, job_id)
+    user, text, where = _output(box, a, job_id).split()
+    copy = box.settings.snapshots / str(job_id)
+    assert (user, text, where) == (a, secret, str(copy))  # run as A, in the copy under root's home
+    assert os.stat(copy).st_uid == pwd.getpwnam(a).pw_uid  # made by a child running as A
+    assert stat.S_IMODE(os.stat(box.settings.snapshots).st_mode) == 0o711
+    # B can neither list the snapshots nor read A's copy, even knowing its path.
+    for argv in (["ls", str(box.settings.snapshots)], ["cat", str(copy / "data.txt")], ["ls", str(copy)]):
+        done = box.as_user(b, *argv)
+        assert done.returncode != 0 and secret not in done.stdout, argv
