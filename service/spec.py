@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuq.service import constants as c
-from gpuq.service.errors import InvalidSpec, NotAllowed
+from gpuq.service.errors import InvalidSpec
 from gpuq.service.settings import secret_env_names
 from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_indices, parse_job_ids, parse_mem, parse_sweep
 from gpuq.service.workloads import get_workload, parse_args
@@ -145,25 +145,6 @@ def current_user() -> str:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return f"uid{os.getuid()}"
-
-
-def submitting_user(requested: str | None) -> str:
-    """Who a submission belongs to: the caller, or ``requested`` if the caller is root.
-
-    Only root may submit as someone else: a job runs as its owner on a root worker, so submitting
-    as another user is running code as them.
-    """
-    me = current_user()
-    if requested is None or requested == me:
-        return me
-    if os.getuid() != 0:
-        raise NotAllowed(f"only root may submit as another user (--user {requested}); you are {me}")
-    if not _USER_NAME.fullmatch(requested):
-        raise InvalidSpec(f"--user {requested!r} is not a user name")
-    return requested
-
-
-_USER_NAME = re.compile(r"[a-z_][a-z0-9_.-]{0,63}\$?", re.IGNORECASE)
 
 
 DEFAULT_ENV = c.DEFAULT_ENV

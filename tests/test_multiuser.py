@@ -129,9 +129,11 @@ def _refused(done: subprocess.CompletedProcess, code: int = c.EXIT_NOT_ALLOWED) 
 
 
 def _sql_state(settings: Settings) -> tuple:
-    """Every job's row as the moves would change it, and the submissions: to prove nothing changed."""
+    """Every job's row as the moves would change it, and the submissions: to prove nothing changed.
+    Not the reason a pending job waits: the scheduler writes that on its own time (a new held job's
+    "held" may land after the snapshot)."""
     with session_scope(settings) as session:
-        rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.reason, Job.priority,
+        rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.priority,
                                       Job.cancel_requested_at, Job.ended_at).order_by(Job.id)).all()
         subs = session.scalar(select(func.count()).select_from(Submission))
     return tuple(tuple(r) for r in rows), subs
