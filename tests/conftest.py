@@ -157,6 +157,18 @@ def system_redis_server() -> str | None:
     return shutil.which("redis-server", path=path) or shutil.which("redis-server")
 
 
+def venv_reachable_by_everyone() -> Path:
+    """This venv's `gpuq`, made reachable by other users: every folder above it gets the execute
+    (traverse) bit for others, as a shared install needs; a checkout under a private folder has
+    none. Root only (the tests that run as other users are). Returns the path of `gpuq`."""
+    gpuq = Path(sys.executable).with_name("gpuq")
+    for folder in [*Path(sys.prefix).resolve().parents, Path(sys.prefix).resolve()]:
+        mode = folder.stat().st_mode
+        if not mode & 0o001:
+            folder.chmod(mode | 0o001)
+    return gpuq
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

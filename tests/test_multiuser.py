@@ -29,12 +29,12 @@ from gpuq.service import constants as c
 from gpuq.service.db import dispose_engines, session_scope
 from gpuq.service.models import Job, Submission
 from gpuq.service.settings import Settings, load_settings
-from tests.conftest import free_port, wait_for_state
+from tests.conftest import free_port, venv_reachable_by_everyone, wait_for_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"),
                                 reason="needs root, useradd and runuser: the stack serves real OS users")
 
-GPUQ = str(Path(sys.executable).with_name("gpuq"))
+GPUQ = str(Path(sys.executable).with_name("gpuq"))  # made reachable by the box fixture
 RUNUSER = shutil.which("runuser") or "runuser"
 PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 MAX_PENDING = 3
@@ -74,6 +74,7 @@ def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def box():
+    venv_reachable_by_everyone()
     tag = uuid.uuid4().hex[:6]
     base = Path(tempfile.mkdtemp(prefix="gpuqmu-", dir="/tmp"))
     os.chmod(base, 0o711)  # users traverse to the home (0711 itself): never list it

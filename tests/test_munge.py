@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,13 @@ from gpuq.service import constants as c
 from gpuq.service import db, munge
 from gpuq.service.db import session_scope
 from gpuq.service.models import Job
-from tests.conftest import IN_CI, Stack, free_port, make_settings, run_cli, settings_env
+from tests.conftest import venv_reachable_by_everyone, IN_CI, Stack, free_port, make_settings, run_cli, settings_env
 
 pytestmark = pytest.mark.timeout(120)
 
 IS_ROOT = os.geteuid() == 0
 USER = "gpuqmunge"  # an ordinary user, made if absent (root only)
-GPUQ = "/work/main/.venv/bin/gpuq"
+GPUQ = str(Path(sys.executable).with_name("gpuq"))
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,7 @@ def ordinary_user() -> str:
         pwd.getpwnam(USER)
     except KeyError:
         subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", USER], check=True, timeout=30)
+    venv_reachable_by_everyone()
     return USER
 
 
@@ -177,7 +179,7 @@ def test_ordinary_user_submits_and_is_known_over_tcp_as_themself(server, ordinar
     assert who.returncode == 0, who.stderr
     script = "import json; from gpuq.cli.client import Client; print(json.dumps(Client().get('/whoami')))"
     settings, address = server
-    whoami = subprocess.run(["runuser", "-u", ordinary_user, "--", "/work/main/.venv/bin/python", "-c", script],
+    whoami = subprocess.run(["runuser", "-u", ordinary_user, "--", sys.executable, "-c", script],
                             env={**settings_env(settings), "GPUQ_SERVER": address}, cwd="/tmp",
                             capture_output=True, text=True, timeout=60)
     assert whoami.returncode == 0, whoami.stderr
