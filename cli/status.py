@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any
 
 import typer
 
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, mib, one_line, print_json, result_summary, seconds
+from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
 
 app = typer.Typer()
@@ -26,32 +26,21 @@ def status(
     if as_json:
         print_json({"jobs": rows, "gpus": gpus})
         return
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    queue = Table(title="jobs", title_justify="left", box=None, header_style="bold")
-    for col in ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"):
-        queue.add_column(col, no_wrap=col != "RESULT / REASON", justify="right" if col in ("ID", "GPUS") else "left")
-    idle_note = _idle(answer["idle_window_s"])
-    for j in rows:
-        # Users' text is escaped for rich: a name like "[/]" must print, not break the table.
-        queue.add_row(str(j["id"]), escape(j["user"]), escape(one_line(j["name"], 30)), _state(j["state"]),
-                      str(j["gpus"]), escape(j["node"] or "-"), duration(seconds(j["elapsed_s"])),
-                      idle_note if j["idle"] else escape(one_line(result_summary(job(j)), 50)))
-    devices = Table(title="gpus", title_justify="left", box=None, header_style="bold")
-    for col in ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"):
-        devices.add_column(col, justify="right" if col in ("GPU", "UTIL") else "left")
-    for g in gpus:
-        devices.add_row(escape(g["node"]), str(g["index"]), escape(g["name"]),
-                        f"{mib(g['memory_used_mib'])} / {mib(g['memory_total_mib'])}",
-                        "n/a" if g["utilization"] is None else f"{g['utilization']}%", _state(_gpu_state(g)),
-                        f"{g['job_id']} ({escape(g['job_user'] or '')})" if g["job_id"] else "-")
-    # Piped output (grep, watch, a test) gets whole lines instead of columns squeezed into 80.
-    console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-    console.print(queue if rows else "no jobs")
-    console.print()
-    console.print(devices if gpus else "no GPUs registered: start the workers with `gpuq up`")
+    colour = colours_wanted()
+    idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
+                 "yellow")
+    queue = [[str(j["id"]), j["user"], one_line(j["name"], 30), _state(j["state"]), str(j["gpus"]), j["node"] or "-",
+              duration(seconds(j["elapsed_s"])), idle_note if j["idle"] else one_line(result_summary(job(j)), 50)]
+             for j in rows]
+    devices = [[g["node"], str(g["index"]), g["name"], f"{mib(g['memory_used_mib'])} / {mib(g['memory_total_mib'])}",
+                "n/a" if g["utilization"] is None else f"{g['utilization']}%", _state(_gpu_state(g)),
+                f"{g['job_id']} ({g['job_user'] or ''})" if g["job_id"] else "-"] for g in gpus]
+    typer.echo(render("jobs", ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"), queue,
+                      frozenset({"ID", "GPUS"}), colour) if rows else "no jobs")
+    typer.echo()
+    typer.echo(render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
+                      frozenset({"GPU", "UTIL"}), colour) if gpus else
+               "no GPUs registered: start the workers with `gpuq up`")
 
 
 def _gpu_state(g: dict[str, Any]) -> str:
@@ -63,14 +52,10 @@ def _gpu_state(g: dict[str, Any]) -> str:
     return state
 
 
-def _state(state: str) -> str:
-    colour = {"running": "green", "busy": "green", "succeeded": "bold green", "failed": "red",
-              "offline": "red", "cancelled": "yellow", "timed_out": "red", "pending": "cyan"}.get(state)
-    return f"[{colour}]{state}[/]" if colour else state
-
-
-def _idle(window_s: float) -> str:
-    return f"[yellow]idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {window_s / 60:g} min[/]"
+def _state(state: str) -> tuple[str, str | None]:
+    return state, {"running": "green", "busy": "green", "succeeded": "bold green", "failed": "red",
+                   "offline": "red", "cancelled": "yellow", "timed_out": "red",
+                   "pending": "cyan"}.get(state.split(" ")[0])
 
 
 @app.command()

@@ -27,7 +27,6 @@ from gpuq.service.models import Job
 from gpuq.service.rights import Caller, submitter
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import DIFF_CUT_NOTE, GitState, Staged, Stager
-from gpuq.service.snapshot import stage as stage_here
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,64}")
 _OPTIONS = {"workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, 1),
@@ -116,28 +115,18 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job
     key made (a client asking again after a lost answer)."""
     require_schema(settings)
     f = _fields(body)
-    key = f["key"]
-    if key is not None and (done := _already(settings, key, caller.user)) is not None:
-        return done
     specs = specs_of(settings, caller, f)
     git = git_state(settings, f["git"]) if specs[0].kind == "command" else None
     try:
-        return jobs.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=key)
-    except DuplicateSubmission:
-        # The same key, sent twice at once: the other request made the jobs.
-        done = _already(settings, key, caller.user) if key else None
-        if done is None:
+        return jobs.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=f["key"])
+    except DuplicateSubmission as again:
+        # Asked again (its answer was lost), or twice at once: the jobs the key made, once.
+        with read_scope(settings) as session:
+            ids = again.job_ids or jobs.submitted_with(session, f["key"], caller.user) or []
+            rows = [jobs.get_job(session, i) for i in ids]
+            session.expunge_all()
+        if not rows:
             raise
-        return done
-
-
-def _already(settings: Settings, key: str, user: str) -> list[Job] | None:
-    with read_scope(settings) as session:
-        ids = jobs.submitted_with(session, key, user)
-        if ids is None:
-            return None
-        rows = [jobs.get_job(session, i) for i in ids]
-        session.expunge_all()
         return rows
 
 

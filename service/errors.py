@@ -44,6 +44,10 @@ class DuplicateSubmission(GpuqError):
 
     exit_code = c.EXIT_CONFLICT
 
+    def __init__(self, key: str, job_ids: list[int] | None) -> None:
+        super().__init__(f"submission {key} was made already")
+        self.job_ids = job_ids
+
 
 class OverLimit(GpuqError):
     """A per-user limit (pending jobs) refuses the request for now; nothing was written."""

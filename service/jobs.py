@@ -63,7 +63,8 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     it by the client, which runs git as the user); by default it is asked of git here. ``stage``
     copies the work tree (by default in this process; the server copies as the submitting user).
     ``key``, an idempotency key, is stored with the jobs in their transaction: a second submit
-    with the same key fails with ``DuplicateSubmission`` and writes nothing (``submitted_with``).
+    with the same key writes nothing and raises ``DuplicateSubmission`` with the first one's job
+    ids (None when both ran at once and the other one's ids are not known yet).
 
     Everything that can be done before the write is: the checks read in their own read-only
     transaction, git runs, the rows are built; the write transaction (on SQLite, the one write
@@ -72,6 +73,8 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     broker.check(settings)
     first = specs[0]
     with read_scope(settings) as session:
+        if key is not None and (made := submitted_with(session, key, first.user)) is not None:
+            raise DuplicateSubmission(key, made)  # asked again: the jobs exist, whatever the checks say now
         _check_resources(session, settings, first)
         _check_dependencies(session, first.after)
         _check_pending_limit(session, settings, first.user, len(specs))
@@ -103,7 +106,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
                         conn.execute(_INSERT_SUBMISSION, {"key": key, "user": first.user, "job_ids": ids,
                                                           "submitted_at": now})
                 except IntegrityError:
-                    raise DuplicateSubmission(key) from None
+                    raise DuplicateSubmission(key, None) from None  # the same key, sent twice at once
             from gpuq.service.scheduler import place_at_submit  # it imports this module
 
             placed = place_at_submit(session, settings, ids)

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import os
 import socket
-import tomllib
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
@@ -232,6 +231,8 @@ def _load(environ: Mapping[str, str] | None) -> tuple[Settings, Path, dict[str, 
     values: dict[str, Any] = {}
     path = config_file(env)
     if path.is_file():
+        import tomllib  # only with a file: every `gpuq` command reads the settings
+
         try:
             values.update(tomllib.loads(path.read_text()))
         except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
