@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gpuq.server import dispatch
 from gpuq.service import jobs, spec
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
@@ -118,7 +119,8 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job
     specs = specs_of(settings, caller, f)
     git = git_state(settings, f["git"]) if specs[0].kind == "command" else None
     try:
-        return jobs.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=f["key"])
+        return jobs.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=f["key"],
+                               send=dispatch.sender(settings))
     except DuplicateSubmission as again:
         # Asked again (its answer was lost), or twice at once: the jobs the key made, once.
         with read_scope(settings) as session:

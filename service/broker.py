@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import TYPE_CHECKING
 
 from gpuq.service import constants as c
@@ -43,14 +45,23 @@ def reachable(settings: Settings, timeout: float = 1.0) -> bool:
         return False
 
 
+# When this process last heard from each broker (time.monotonic()): a long-lived process (the
+# server) that did within BROKER_TRUSTED_SECONDS skips the ping, one Redis round trip a submit.
+_heard: dict[str, float] = {}
+
+
 def check(settings: Settings) -> None:
-    """Raise Unreachable naming the broker URL (password masked) unless Redis answers."""
+    """Raise Unreachable naming the broker URL (password masked) unless Redis answers (or answered
+    this process a moment ago)."""
     import redis
 
+    if time.monotonic() - _heard.get(settings.broker, -math.inf) < c.BROKER_TRUSTED_SECONDS:
+        return
     try:
         shared(settings).ping()
     except redis.RedisError as exc:
         raise Unreachable(f"cannot reach the broker at {mask_url(settings.broker)}: {_first_line(exc)}") from None
+    _heard[settings.broker] = time.monotonic()
 
 
 def wake_scheduler(settings: Settings) -> None:
@@ -64,8 +75,9 @@ def wake_scheduler(settings: Settings) -> None:
         pipe = shared(settings).pipeline()
         _push_wake(pipe, settings)
         pipe.execute()
+        _heard[settings.broker] = time.monotonic()
     except redis.RedisError:
-        pass
+        _heard.pop(settings.broker, None)
 
 
 def _push_wake(pipe, settings: Settings) -> None:
@@ -91,8 +103,9 @@ def hand_over(settings: Settings, placed: list[tuple[int, str]], wake: bool = Fa
         if wake:
             _push_wake(pipe, settings)
         pipe.execute()
+        _heard[settings.broker] = time.monotonic()
     except redis.RedisError:
-        pass
+        _heard.pop(settings.broker, None)
 
 
 # What ended the scheduler's wait: a wake-up (a pass is due), jobs handed over to send (no pass

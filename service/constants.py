@@ -76,6 +76,9 @@ WATCH_IDLE_SECONDS = 10.0
 CLIENT_POLL_SECONDS = 0.2
 # Timeout for reaching Redis from the CLI: an unreachable broker must fail fast, not hang.
 BROKER_CONNECT_TIMEOUT = 3.0
+# A process that heard from the broker this recently takes it as reachable without a ping: a
+# submit to a broker that went down since is written, and its message sent once it is back.
+BROKER_TRUSTED_SECONDS = 1.0
 
 # Device samples are written this many at a time (and when a job ends): never a transaction each.
 SAMPLE_BATCH = 5

@@ -7,7 +7,7 @@ once even when its message is delivered twice, and a cancel never overwrites an 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -31,6 +31,8 @@ from gpuq.service.spec import JobSpec
 
 # ``submit_all``'s default for ``git``: ask git here, in the submitting process.
 CAPTURE = object()
+# Sends placed jobs' messages, (job id, queue) each; returns those it could not send.
+Sender = Callable[[list[tuple[int, str]]], list[tuple[int, str]]]
 
 # The worker's per-job statements are built once, in Core: a worker ends a job and starts the
 # next every few milliseconds on a queue of short jobs, and building them is most of that cost.
@@ -53,7 +55,7 @@ def submit(settings: Settings, spec: JobSpec) -> Job:
 
 def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = False,
                record_code: bool = True, git: GitState | None | object = CAPTURE,
-               stage: Stager | None = None, key: str | None = None) -> list[Job]:
+               stage: Stager | None = None, key: str | None = None, send: Sender | None = None) -> list[Job]:
     """Queue ``specs`` as pending jobs in one transaction (an array shares its first job's id as
     ``array_id``) and wake the scheduler. Nothing is written on any error.
 
@@ -62,6 +64,9 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     ``git`` is the work tree's state as the submitter's own process found it (the server is given
     it by the client, which runs git as the user); by default it is asked of git here. ``stage``
     copies the work tree (by default in this process; the server copies as the submitting user).
+    Jobs placed at submit get their messages from the scheduler, handed over through Redis;
+    ``send``, given by a process that keeps a Celery app (the server), sends them itself, one hop
+    sooner, and returns those it could not send, which go to the scheduler.
     ``key``, an idempotency key, is stored with the jobs in their transaction: a second submit
     with the same key writes nothing and raises ``DuplicateSubmission`` with the first one's job
     ids (None when both ran at once and the other one's ids are not known yet).
@@ -119,11 +124,13 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
         row["id"] = job_id
         if job_id in where:
             row.update(state=c.DISPATCHED, node=where[job_id][0], dispatched_at=where[job_id][1])
-    if placed:
+    messages = [(job_id, queue) for job_id, queue, _, _ in placed]
+    if messages and send is not None:
+        messages = send(messages)  # those it could not send go to the scheduler, as below
+    if messages:
         # Jobs of the submission left waiting need a pass; those placed need only their messages.
-        broker.hand_over(settings, [(job_id, queue) for job_id, queue, _, _ in placed],
-                         wake=len(placed) < len(ids))
-    else:
+        broker.hand_over(settings, messages, wake=len(placed) < len(ids))
+    elif len(placed) < len(ids):
         broker.wake_scheduler(settings)
     return [Job(**row) for row in values]
 
@@ -192,7 +199,10 @@ def _check_pending_limit(session: Session, settings: Settings, user: str, adding
     limit = settings.max_pending_per_user
     if not limit:
         return
-    pending = session.scalar(select(func.count()).select_from(Job).where(Job.user == user, Job.state == c.PENDING))
+    # held IN (both): the queue-order index (state, held, user, ...) then seeks this user's jobs
+    # instead of counting through every pending job of everyone.
+    pending = session.scalar(select(func.count()).select_from(Job).where(
+        Job.state == c.PENDING, Job.held.in_((False, True)), Job.user == user))
     if pending + adding > limit:
         raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
                         f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")
