@@ -150,12 +150,12 @@ class Submitter:
     request, as `gpuq submit` makes), or over one persistent connection (``keep_alive``)."""
 
     def __init__(self, socket_path: str, keep_alive: bool) -> None:
-        from gpuq.cli.client import Client, _UnixConnection
+        from gpuq.cli.client import Client, unix_connection
         from gpuq.service import constants as c
 
         self.keep_alive = keep_alive
         self.client = Client(socket_path)
-        self.conn = _UnixConnection(socket_path, c.CLIENT_TIMEOUT_SECONDS) if keep_alive else None
+        self.conn = unix_connection(socket_path, c.CLIENT_TIMEOUT_SECONDS) if keep_alive else None
         self.target = c.API_PREFIX + "/jobs"
         self.retries = c.SUBMIT_RETRIES
         self.cwd = os.getcwd()

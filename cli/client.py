@@ -7,10 +7,11 @@ every `gpuq` command that a user runs pays for this module and nothing heavier.
 
 from __future__ import annotations
 
-import http.client
+import functools
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -28,20 +29,52 @@ class Refused(GpuqError):
         self.exit_code = exit_code
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
+# Set by the `gpuq` command itself (cli/app.main): its one process may do without ssl.
+LEAN = False
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+
+@functools.lru_cache(maxsize=1)
+def _http():
+    """http.client; in the `gpuq` command's own process, without the ssl module it imports to offer
+    HTTPS, which the client never speaks (a sixth of the client's imports). Elsewhere (tests, a
+    benchmark) it is imported as usual."""
+    if not LEAN or "ssl" in sys.modules or "http.client" in sys.modules:
+        import http.client
+
+        return http.client
+    sys.modules["ssl"] = None  # type: ignore[assignment]  # `import ssl` fails inside http.client
+    try:
+        import http.client
+    finally:
+        del sys.modules["ssl"]
+    return http.client
+
+
+def unix_connection(path: str, timeout: float):
+    """An HTTP connection over the Unix socket ``path``."""
+    return _unix_connection_class()(path, timeout)
+
+
+@functools.lru_cache(maxsize=1)
+def _unix_connection_class():
+    http_client = _http()
+
+    class UnixConnection(http_client.HTTPConnection):
+        def __init__(self, path: str, timeout: float) -> None:
+            super().__init__("localhost", timeout=timeout)
+            self.path = path
+
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.path)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+
+    return UnixConnection
 
 
 def server_address() -> str:
@@ -73,10 +106,10 @@ class Client:
             self.tcp = None
             self.socket_path = self.address.removeprefix("unix:")
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self):
         if self.tcp is not None:
-            return http.client.HTTPConnection(*self.tcp, timeout=self.timeout)
-        return _UnixConnection(self.socket_path, self.timeout)
+            return _http().HTTPConnection(*self.tcp, timeout=self.timeout)
+        return unix_connection(self.socket_path, self.timeout)
 
     def get(self, path: str, **query: Any) -> Any:
         return self.request("GET", path, query=query)
@@ -99,7 +132,7 @@ class Client:
         while True:
             try:
                 return self._once(method, target, data)
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, _http().HTTPException) as exc:
                 # No server there at the first try: say so at once. A connection lost mid-request
                 # (a server restarting) is tried again, for a request that is safe to repeat.
                 never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from sqlalchemy import func, select
 
-from gpuq.cli.client import _UnixConnection
+from gpuq.cli.client import unix_connection
 from gpuq.service import constants as c
 from gpuq.service.db import session_scope
 from gpuq.service.models import Job, Submission
@@ -34,7 +34,7 @@ ARRAY = 500
 
 def _post(settings: Settings, target: str, body: dict[str, Any]) -> tuple[int, Any]:
     """POST ``body`` to the server's socket, as the client does; the status and the JSON answer."""
-    conn = _UnixConnection(str(settings.server_socket), 60.0)
+    conn = unix_connection(str(settings.server_socket), 60.0)
     try:
         data = json.dumps(body).encode()
         conn.request("POST", c.API_PREFIX + target, body=data,
