@@ -93,9 +93,11 @@ def server_address() -> str:
 class Client:
     """Requests to one server; each opens its own connection (a command makes a few at most)."""
 
-    def __init__(self, address: str | None = None, timeout: float = c.CLIENT_TIMEOUT_SECONDS) -> None:
+    def __init__(self, address: str | None = None, timeout: float = c.CLIENT_TIMEOUT_SECONDS,
+                 headers: dict[str, str] | None = None) -> None:
         self.address = address or server_address()
         self.timeout = timeout
+        self.headers = dict(headers or {})  # sent with every request (the dashboard's public view)
         if self.address.startswith(("http://", "https://")):
             parts = urlsplit(self.address)
             if parts.scheme != "http" or not parts.hostname:
@@ -143,7 +145,7 @@ class Client:
                 time.sleep(c.SUBMIT_RETRY_SECONDS)
 
     def _once(self, method: str, target: str, data: bytes) -> Any:
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+        headers = {**self.headers, "Content-Type": "application/json", "Content-Length": str(len(data))}
         if self.tcp is not None:
             from gpuq.service import munge
 

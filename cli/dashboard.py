@@ -1,4 +1,7 @@
-"""`gpuq dashboard`: the read-only web dashboard and the Prometheus metrics, served until stopped."""
+"""`gpuq dashboard`: the read-only web dashboard and the Prometheus metrics, served until stopped.
+
+A client of the server's API, as the CLI is: it needs no database or broker credentials, only the
+server's socket (GPUQ_SOCKET, GPUQ_SERVER, or where the CLI looks)."""
 
 from __future__ import annotations
 
@@ -10,31 +13,35 @@ from typing import Annotated
 import typer
 
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.settings import get_settings
 
 app = typer.Typer()
 
 # The dashboard's default port: not Ray's dashboard (8265), Flower (5555), Prometheus (9090) or
 # Grafana (3000), which a lab's machines may run too.
 DEFAULT_PORT = 8642
+# Seconds to wait at start for a server not answering yet: one started beside the dashboard (docker
+# compose starts both at once) takes a few to listen.
+DEFAULT_WAIT = 20.0
 
 
 @app.command()
 def dashboard(
     host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 shows it to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = DEFAULT_PORT,
+    wait: Annotated[float, typer.Option(min=0, help="Seconds to wait at start for the gpuq server to answer.")
+                    ] = DEFAULT_WAIT,
 ) -> None:
     """Serve the dashboard (queue, GPUs, jobs, usage) and /metrics for Prometheus; read-only."""
-    from gpuq.service.db import require_schema
-
-    settings = get_settings()
-    require_schema(settings)
     # Imported here: `gpuq status` and `submit` never load the web server or prometheus_client.
+    from gpuq.web.read import client, wait_for_server
     from gpuq.web.server import serve
+
+    api = client()
+    wait_for_server(api, wait)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        server = serve(settings, host, port)
+        server = serve(api, host, port)
     except OSError as exc:
         raise InvalidSpec(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     bound_host, bound_port = server.server_address[:2]

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gpuq.server import cluster_api, identity, jobs_api
+from gpuq.server import cluster_api, identity, jobs_api, metrics_api
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
 from gpuq.service.db import require_schema
-from gpuq.service.errors import ConfigError, GpuqError, StackError
+from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.server")
@@ -42,6 +42,9 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
     """gpuq's errors (and aiohttp's own: no such path, wrong method, body too large) as JSON."""
     try:
         request["caller"] = await identity.caller_of(request, request.app[SETTINGS])
+        if request.headers.get(c.VIEW_HEADER, "").strip().lower() == c.PUBLIC_VIEW:
+            request["caller"] = None
+            _check_public(request)
         return await handler(request)
     except GpuqError as exc:
         return error(str(exc), exc.exit_code)
@@ -54,11 +57,22 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
         return error(f"the server failed on {request.method} {request.path}; see its log", c.EXIT_SOFTWARE)
 
 
+def _check_public(request: web.Request) -> None:
+    """NotAllowed for what a public view cannot ask: any change (it is nobody, so owns nothing and
+    may submit nothing), and the reads that are about the caller in person."""
+    personal = (request.path == c.API_PREFIX + "/jobs/active"
+                or (request.path == c.API_PREFIX + "/jobs" and request.query.get("mine") in ("1", "true")))
+    if request.method not in ("GET", "HEAD") or personal:
+        raise NotAllowed(f"{request.method} {request.path} acts as a user, and this request asked for the "
+                         f"public view ({c.VIEW_HEADER}: {c.PUBLIC_VIEW})")
+
+
 def make_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[_answers], client_max_size=c.MAX_REQUEST_BYTES)
     app[SETTINGS] = settings
     app.add_routes(jobs_api.routes)
     app.add_routes(cluster_api.routes)
+    app.add_routes(metrics_api.routes)
     return app
 
 

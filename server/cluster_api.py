@@ -13,34 +13,42 @@ from gpuq.service import constants as c
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.jobs import get_job
-from gpuq.service.models import utcnow
+from gpuq.service.models import Gpu, utcnow
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import CATALOGUE
 
 routes = web.RouteTableDef()
 P = c.API_PREFIX
+# Slices of a report's busy-GPU series: `gpuq stats --plot`'s by default, and at most (one query's
+# GROUP BY, and one JSON list per user, of this length).
+SERIES_BUCKETS, MAX_SERIES_BUCKETS = 120, 2000
 
 
 @routes.get(P + "/whoami")
 async def whoami(request: web.Request) -> web.Response:
-    """Who the server takes the caller for, and whether they are an admin."""
+    """Who the server takes the caller for, and whether they are an admin; nobody (user null) for
+    a request that asked for the public view."""
     settings, caller = context(request)
+    if caller is None:
+        return web.json_response({"user": None, "uid": None, "admin": False})
     return web.json_response({"user": caller.user, "uid": caller.uid, "admin": rights.is_admin(settings, caller)})
 
 
 @routes.get(P + "/devices")
 async def devices(request: web.Request) -> web.Response:
-    """Every GPU now (`gpuq devices`)."""
+    """Every GPU now (`gpuq devices`), and the drained nodes with their reasons."""
     settings, _ = context(request)
-    return web.json_response({"devices": await call(_devices, settings)})
+    return web.json_response(await call(_devices, settings))
 
 
-def _devices(settings: Settings) -> list[dict[str, Any]]:
+def _devices(settings: Settings) -> dict[str, Any]:
     from gpuq.service.device_status import device_status
+    from gpuq.service.inventory import drained_nodes
 
     require_schema(settings)
     with read_scope(settings) as session:
-        return [d.as_dict() for d in device_status(session, settings)]
+        return {"devices": [d.as_dict() for d in device_status(session, settings)],
+                "drained": drained_nodes(session)}
 
 
 @routes.get(P + "/workloads")
@@ -56,14 +64,23 @@ async def workloads(request: web.Request) -> web.Response:
 
 @routes.get(P + "/stats")
 async def report(request: web.Request) -> web.Response:
-    """Per user and per node over a period (`gpuq stats`); ``plot=1`` adds the busy-GPU series."""
+    """Per user and per node over a period (`gpuq stats`); ``plot=1`` adds the busy-GPU series, in
+    ``buckets`` equal slices of the period (120 unless given)."""
     settings, _ = context(request)
     q = request.query
     return web.json_response(await call(_report, settings, q.get("since", "7d"), q.get("until", "now"),
-                                        q.get("plot") in ("1", "true")))
+                                        q.get("plot") in ("1", "true"), _buckets(q.get("buckets"))))
 
 
-def _report(settings: Settings, since: str, until: str, plot: bool) -> dict[str, Any]:
+def _buckets(raw: str | None) -> int:
+    if raw is None:
+        return SERIES_BUCKETS
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_SERIES_BUCKETS:
+        raise InvalidSpec(f"buckets must be a whole number from 1 to {MAX_SERIES_BUCKETS}, got {raw[:40]!r}")
+    return int(raw)
+
+
+def _report(settings: Settings, since: str, until: str, plot: bool, buckets: int = SERIES_BUCKETS) -> dict[str, Any]:
     now = utcnow()
     start, end = accounting.parse_when(since, "--since", now), accounting.parse_when(until, "--until", now)
     if start >= end:
@@ -71,7 +88,7 @@ def _report(settings: Settings, since: str, until: str, plot: bool) -> dict[str,
     require_schema(settings)
     with read_scope(settings) as session:
         rep = accounting.report(session, start, end, now)
-        series = accounting.utilization_by_user(session, start, end) if plot else None
+        series = accounting.utilization_by_user(session, start, end, buckets) if plot else None
     out: dict[str, Any] = {"since": start.isoformat(), "until": end.isoformat(),
                            "users": [r.as_dict() for r in rep["users"]], "nodes": [r.as_dict() for r in rep["nodes"]]}
     if series is not None:
@@ -81,7 +98,8 @@ def _report(settings: Settings, since: str, until: str, plot: bool) -> dict[str,
 
 @routes.get(P + r"/jobs/{id:\d+}/stats")
 async def job_stats(request: web.Request) -> web.Response:
-    """One job's usage summary (`gpuq stats ID`); ``plot=1`` adds its samples."""
+    """One job's usage summary (`gpuq stats ID`); ``plot=1`` adds its samples, and the node and
+    index of each GPU they name (``gpus``, by the samples' ``gpu_id``)."""
     settings, _ = context(request)
     return web.json_response(await call(_job_stats, settings, int(request.match_info["id"]),
                                         request.query.get("plot") in ("1", "true")))
@@ -98,8 +116,11 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
                                    memory_peak_mib=u.memory_peak_mib, memory_mean_mib=u.memory_mean_mib,
                                    utilization_mean=u.utilization_mean, energy_j=u.energy_j, idle_s=u.idle_s,
                                    samples=u.samples)
-    if series is not None:
-        out["series"] = views.plain(series)
+        if series is not None:
+            out["series"] = views.plain(series)
+            out["gpus"] = {str(g.id): {"node": g.node, "index": g.index, "name": g.name}
+                           for g in (session.get(Gpu, i) for i in sorted({p["gpu_id"] for p in series}))
+                           if g is not None}
     return out
 
 

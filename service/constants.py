@@ -130,6 +130,10 @@ CLIENT_TIMEOUT_SECONDS = 60.0
 # the same idempotency key: the server returns the jobs it already made, or makes them once.
 SUBMIT_RETRIES = 5
 SUBMIT_RETRY_SECONDS = 0.5
+# A request may lower its own rights with this header and value: answered as for nobody in
+# particular (rights.ANYONE), as the dashboard asks for its visitors. Nothing a request says raises them.
+VIEW_HEADER = "X-Gpuq-View"
+PUBLIC_VIEW = "public"
 # The header a MUNGE credential travels in over TCP, and its scheme word.
 MUNGE_SCHEME = "MUNGE"
 # Seconds a `munge`/`unmunge` call may take before the request fails.

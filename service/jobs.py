@@ -41,7 +41,7 @@ _JOBS = Job.__table__
 
 def largest_node(session: Session, settings: Settings, local: list[GpuInfo]) -> tuple[str | None, int]:
     """The node with the most GPUs known to gpuq (registered by workers, or ``local``: this node's)."""
-    rows = session.execute(select(Gpu.node, func.count()).group_by(Gpu.node)).all()
+    rows = _GPUS_PER_NODE.run(session.connection(), {})
     best = max(rows, key=lambda r: r[1], default=(None, 0))
     if len(local) > best[1]:
         return settings.node, len(local)
@@ -106,10 +106,8 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
                 # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
                 ids += sorted(conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[1:]).scalars())
             if key is not None:
-                try:
-                    with savepoint(session):
-                        conn.execute(_INSERT_SUBMISSION, {"key": key, "user": first.user, "job_ids": ids,
-                                                          "submitted_at": now})
+                try:  # no savepoint: a refused key rolls the whole submission back, as it should
+                    _INSERT_SUBMISSION.run(conn, {"key": key, "user": first.user, "job_ids": ids, "submitted_at": now})
                 except IntegrityError:
                     raise DuplicateSubmission(key, None) from None  # the same key, sent twice at once
             from gpuq.service.scheduler import place_at_submit  # it imports this module
@@ -136,7 +134,15 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
 
 
 _INSERT_JOB = _JOBS.insert()
-_INSERT_SUBMISSION = Submission.__table__.insert()
+# A submit's checks and its key, run on every submit the server takes.
+_INSERT_SUBMISSION = Prepared(Submission.__table__.insert())
+_SUBMITTED = Submission.__table__
+_SUBMITTED_WITH = Prepared(select(_SUBMITTED.c.user, _SUBMITTED.c.job_ids).where(_SUBMITTED.c.key == bindparam("key")))
+_GPUS_PER_NODE = Prepared(select(Gpu.__table__.c.node, func.count()).group_by(Gpu.__table__.c.node))
+# Held and not held apart: each count then seeks this user's jobs in the queue-order index (state,
+# held, user, ...) instead of counting through every pending job of everyone.
+_PENDING_OF = Prepared(select(func.count()).select_from(_JOBS).where(
+    _JOBS.c.state == c.PENDING, _JOBS.c.held == bindparam("held"), _JOBS.c.user == bindparam("user")))
 
 
 def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
@@ -199,10 +205,8 @@ def _check_pending_limit(session: Session, settings: Settings, user: str, adding
     limit = settings.max_pending_per_user
     if not limit:
         return
-    # held IN (both): the queue-order index (state, held, user, ...) then seeks this user's jobs
-    # instead of counting through every pending job of everyone.
-    pending = session.scalar(select(func.count()).select_from(Job).where(
-        Job.state == c.PENDING, Job.held.in_((False, True)), Job.user == user))
+    conn = session.connection()
+    pending = sum(_PENDING_OF.run(conn, {"user": user, "held": held})[0][0] for held in (False, True))
     if pending + adding > limit:
         raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
                         f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")
@@ -211,9 +215,10 @@ def _check_pending_limit(session: Session, settings: Settings, user: str, adding
 def submitted_with(session: Session, key: str, user: str) -> list[int] | None:
     """The ids of the jobs ``user`` submitted with idempotency key ``key``, or None. Another
     user's key is theirs: it is refused, not answered."""
-    row = session.execute(select(Submission.user, Submission.job_ids).where(Submission.key == key)).first()
-    if row is None:
+    rows = _SUBMITTED_WITH.run(session.connection(), {"key": key})
+    if not rows:
         return None
+    row = rows[0]
     if row.user != user:
         raise NotAllowed("that submission key belongs to another user")
     return list(row.job_ids)

@@ -1,6 +1,7 @@
 """`gpuq dashboard` over HTTP, against a stack that ran real jobs: the queue with states and
 reasons, the GPUs with bars and the job and user on each, a job's page, per-user usage; read-only,
-on localhost by default, stopped cleanly by SIGTERM."""
+on localhost by default, stopped cleanly by SIGTERM; a client of the server's API in its public
+view, with no database of its own."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from gpuq.service import accounting, jobs
 from gpuq.service.db import session_scope
 from gpuq.service.models import utcnow
-from tests.conftest import run_cli
+from tests.conftest import run_cli, serving
 from tests.dashboard_stack import TRAIN_EPOCHS, XSS_NAME, Dashboard, stack_with_jobs
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -29,11 +30,12 @@ def ran(request, tmp_path_factory, redis_url):
 
 @pytest.fixture(scope="module")
 def shared_dash(ran, tmp_path_factory):
-    """A second `gpuq dashboard` on the same stack, with GPUQ_SHARED_LOGS=true."""
-    d = Dashboard(dataclasses.replace(ran[0].settings, shared_logs=True),
-                  tmp_path_factory.mktemp("shared-dash") / "dashboard.log")
-    yield d
-    d.stop()
+    """A second `gpuq dashboard` on the same database, through a server of its own with
+    GPUQ_SHARED_LOGS=true (rights are the server's to decide, not the dashboard's)."""
+    with serving(ran[0].settings, shared_logs=True) as shared:
+        d = Dashboard(shared, tmp_path_factory.mktemp("shared-dash") / "dashboard.log")
+        yield d
+        d.stop()
 
 
 def _row(html: str, job_id: int) -> str:
@@ -209,8 +211,93 @@ def test_a_database_not_yet_upgraded_is_a_one_line_error_before_anything_listens
     from tests.conftest import make_settings
 
     fresh = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'empty.db'}", redis_url)
-    out = run_cli(["dashboard", "--port", "0"], fresh, timeout=30)
+    with serving(fresh) as served:  # the server answers; its database is not upgraded
+        out = run_cli(["dashboard", "--port", "0"], served, timeout=30)
     assert out.returncode == 78 and "gpuq db upgrade" in out.stderr and "dashboard at" not in out.stdout
+
+
+def test_no_server_is_a_one_line_error_naming_where_it_looked(tmp_path, redis_url):
+    from tests.conftest import make_settings
+
+    alone = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'x.db'}", redis_url)
+    out = run_cli(["dashboard", "--port", "0", "--wait", "0.5"], alone, timeout=30)
+    assert out.returncode == 69 and "dashboard at" not in out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1 and alone.socket in out.stderr, out.stderr
+
+
+def test_the_dashboard_needs_no_database_it_serves_every_page_with_a_bogus_database_url(ran, tmp_path):
+    st, j = ran
+    blind = dataclasses.replace(st.settings, database_url="sqlite:////nonexistent/x.db",
+                                broker_url="redis://127.0.0.1:1/0")
+    d = Dashboard(blind, tmp_path / "dashboard.log")
+    try:
+        for path in ("/", f"/jobs/{j.train}", f"/jobs/{j.held}", "/usage", "/usage?period=week", "/metrics"):
+            status, _, body = d.get(path)
+            assert status == 200, (path, body[-500:])
+        assert "tiny-train" in d.get("/")[2] and "gpuq_jobs{" in d.get("/metrics")[2]
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_dashboards_modules_load_no_sqlalchemy_nor_gpuqs_database_modules():
+    probe = ("import sys; import gpuq.cli.dashboard, gpuq.web.server, gpuq.web.pages, gpuq.web.metrics; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sqlalchemy' "
+             "or m in ('gpuq.service.db', 'gpuq.service.models')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+class _Api:
+    """Raw requests to the stack's server on its socket, with or without the public view."""
+
+    def __init__(self, settings):
+        self.path = str(settings.server_socket)
+
+    def __call__(self, method: str, target: str, public: bool, body: bytes = b"") -> tuple[int, dict]:
+        import json
+
+        from gpuq.cli.client import unix_connection
+
+        conn = unix_connection(self.path, 30)
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        if public:
+            headers["X-Gpuq-View"] = "public"
+        try:
+            conn.request(method, "/v1" + target, body=body or None, headers=headers)
+            response = conn.getresponse()
+            return response.status, json.loads(response.read() or b"null")
+        finally:
+            conn.close()
+
+
+def test_a_public_view_request_cannot_read_output_that_the_same_caller_can_without_it(ran):
+    st, j = ran
+    api = _Api(st.settings)
+    status, answer = api("GET", f"/jobs/{j.failed}/output", public=False)
+    assert status == 200 and "about to fail" in "".join(d for _, d in answer["chunks"])
+    status, answer = api("GET", f"/jobs/{j.failed}/output", public=True)
+    assert status == 403 and answer["exit_code"] == 77 and "about to fail" not in str(answer)
+    status, answer = api("GET", f"/jobs/{j.failed}", public=True)
+    assert status == 200 and answer["output_readable"] is False and answer["last_output"] == []
+    assert api("GET", f"/jobs/{j.failed}/diff", public=True)[0] == 403
+    assert api("GET", "/whoami", public=True) == (200, {"user": None, "uid": None, "admin": False})
+    assert api("GET", "/whoami", public=False)[1]["user"] is not None
+
+
+def test_a_public_view_request_may_change_nothing_nor_ask_about_itself(ran):
+    st, j = ran
+    api = _Api(st.settings)
+    status, answer = api("POST", "/jobs", public=True, body=b'{"command": ["true"], "cwd": "/tmp"}')
+    assert status == 403 and answer["exit_code"] == 77
+    for target in (f"/jobs/{j.held}/release", f"/jobs/{j.held}/cancel"):
+        assert api("POST", target, public=True)[0] == 403
+    assert api("GET", "/jobs?mine=1", public=True)[0] == 403
+    assert api("GET", "/jobs/active", public=True)[0] == 403
+    with session_scope(st.settings) as session:
+        assert jobs.get_job(session, j.held).state == "pending" and jobs.get_job(session, j.held).held
+    # What every user may see, the public view sees.
+    status, answer = api("GET", "/jobs?ended=25", public=True)
+    assert status == 200 and {j.train, j.held} <= {row["id"] for row in answer["jobs"]}
 
 
 def test_a_busy_port_is_a_one_line_error(ran, dash):
@@ -225,27 +312,3 @@ def test_the_cli_loads_no_web_server_or_prometheus_client_until_the_dashboard_ru
              "print(sorted(m for m in sys.modules if m.startswith(('prometheus_client', 'gpuq.web', 'wsgiref'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
-
-
-def test_the_dashboards_sessions_refuse_writes_and_leave_the_connection_writable_for_others(settings):
-    from sqlalchemy import func, select, update
-    from sqlalchemy.exc import DBAPIError
-
-    from gpuq.service.models import Node
-    from gpuq.web.read import read_session
-
-    from gpuq.service.errors import Unreachable
-
-    # SQLite's refusal is an OperationalError, which the session turns into Unreachable.
-    with pytest.raises((DBAPIError, Unreachable), match=r"(?i)read-?only"):
-        with read_session(settings) as session:
-            session.add(Node(name="n1", drained=True))
-            session.flush()
-    with read_session(settings) as session:
-        assert session.scalar(select(func.count()).select_from(Node)) == 0
-    # The same pooled connection serves the next, ordinary session: it can write again.
-    with session_scope(settings) as session:
-        session.add(Node(name="n1", drained=False))
-    with session_scope(settings) as session:
-        session.execute(update(Node).values(drained=True))
-        assert session.get(Node, "n1").drained

@@ -1,28 +1,24 @@
-"""Prometheus metrics, read from SQL on each scrape: the GPUs under DCGM exporter's names and labels
-(so the usual Grafana dashboards work unchanged) and gpuq's own job metrics.
+"""Prometheus metrics, read from the server's API (GET /v1/metrics) on each scrape: the GPUs under
+DCGM exporter's names and labels (so the usual Grafana dashboards work unchanged) and gpuq's own
+job metrics.
 
-What every user may see, as the dashboard's pages (its scrapers are nobody in particular,
-``rights.ANYONE``): states, users, reasons, resources and times; never a job's output, recorded
-diff or environment values.
+What every user may see, as the dashboard's pages (asked in the public view, web/read.py): states,
+users, reasons, resources and times; never a job's output, recorded diff or environment values.
 
 A custom collector on a registry of its own: nothing is kept in process globals, so two dashboards
-(or two tests) in one process never mix their numbers, and a scrape always shows SQL as it is now.
+(or two tests) in one process never mix their numbers, and a scrape always shows the queue as the server reads it now.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
-from sqlalchemy import func, select
 
-from gpuq.service import constants as c
-from gpuq.service.device_status import device_status
-from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
-from gpuq.service.settings import Settings
-from gpuq.web.read import read_session
+from gpuq.cli.client import Client
+from gpuq.web.read import obj
 
 # Seconds; the bounds of the queue-wait and job-duration histograms (from a no-op job to a week's training).
 WAIT_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
@@ -33,47 +29,33 @@ GPU_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname", "node")
 
 
 class GpuqCollector:
-    """Collects every metric from the database of ``settings`` when asked (each scrape)."""
+    """Collects every metric from the server ``api`` reads when asked (each scrape)."""
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, api: Client):
+        self.api = api
 
     def collect(self) -> Iterator[Metric]:
-        with read_session(self.settings) as session:
-            devices = device_status(session, self.settings)
-            gpus = {(g.node, g.index): g for g in session.scalars(select(Gpu))}
-            energy = _energy_by_gpu(session)
-            by_state_user = session.execute(select(Job.state, Job.user, func.count()).group_by(Job.state, Job.user)).all()
-            pending = session.execute(select(Job.reason, func.count()).where(Job.state == c.PENDING)
-                                      .group_by(Job.reason)).all()
-            times = session.execute(select(Job.state, Job.submitted_at, Job.started_at, Job.ended_at)
-                                    .where(Job.started_at.is_not(None))).all()
-        yield from _gpu_metrics(devices, gpus, energy)
+        m = self.api.get("/metrics", wait_le=_bounds(WAIT_BUCKETS), duration_le=_bounds(DURATION_BUCKETS))
+        yield from _gpu_metrics([obj(d) for d in m["gpus"]])
         jobs = GaugeMetricFamily("gpuq_jobs", "Jobs in gpuq's database, by state and user.", labels=["state", "user"])
-        for state, user, n in by_state_user:
-            jobs.add_metric([state, user], n)
+        for row in m["jobs"]:
+            jobs.add_metric([row["state"], row["user"]], row["count"])
         yield jobs
         waiting = GaugeMetricFamily("gpuq_pending_jobs", "Pending jobs, by the reason they wait.", labels=["reason"])
-        for reason, n in pending:
-            waiting.add_metric([reason or "not yet scheduled"], n)
+        for row in m["pending"]:
+            waiting.add_metric([row["reason"] or "not yet scheduled"], row["count"])
         yield waiting
         yield _histogram("gpuq_job_queue_wait_seconds", "Time from submission to start, of every job that started.",
-                         [(start - sub).total_seconds() for _, sub, start, _ in times], WAIT_BUCKETS)
+                         m["wait"])
         yield _histogram("gpuq_job_duration_seconds", "Run time (start to end) of every job that ended after starting.",
-                         [(end - start).total_seconds() for state, _, start, end in times
-                          if end is not None and state in c.END_STATES], DURATION_BUCKETS)
+                         m["duration"])
 
 
-def _energy_by_gpu(session) -> dict[int, float]:
-    """Joules each GPU used while gpuq sampled it: raw samples plus the minute aggregates."""
-    out: Counter[int] = Counter()
-    for t in (DeviceSample, DeviceMinute):
-        for gpu_id, joules in session.execute(select(t.gpu_id, func.sum(t.energy_j)).group_by(t.gpu_id)):
-            out[gpu_id] += float(joules or 0.0)
-    return dict(out)
+def _bounds(bounds: tuple[float, ...]) -> str:
+    return ",".join(str(float(b)) for b in bounds)
 
 
-def _gpu_metrics(devices, gpus, energy) -> Iterator[Metric]:
+def _gpu_metrics(devices: list) -> Iterator[Metric]:
     util = GaugeMetricFamily("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", labels=GPU_LABELS)
     used = GaugeMetricFamily("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", labels=GPU_LABELS)
     free = GaugeMetricFamily("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", labels=GPU_LABELS)
@@ -91,13 +73,12 @@ def _gpu_metrics(devices, gpus, energy) -> Iterator[Metric]:
     held = GaugeMetricFamily("gpuq_gpu_allocated", "1 while a job holds the GPU, labelled with the job and user.",
                              labels=[*GPU_LABELS, "job", "user"])
     for d in devices:
-        gpu = gpus.get((d.node, d.index))
-        labels = [str(d.index), gpu.uuid if gpu else "", f"nvidia{d.index}", d.name, d.node, d.node]
+        labels = [str(d.index), d.uuid or "", f"nvidia{d.index}", d.name, d.node, d.node]
         up.add_metric(labels, 1.0 if d.online else 0.0)
         if d.job_id is not None:
             held.add_metric([*labels, str(d.job_id), d.user or ""], 1.0)
-        if gpu is not None and gpu.id in energy:
-            total.add_metric(labels, energy[gpu.id] * 1000.0)
+        if d.energy_j is not None:
+            total.add_metric(labels, d.energy_j * 1000.0)
         if not d.online:
             continue  # no reading is better than an old one shown as now
         for family, value in ((util, d.utilization), (used, d.memory_used_mib), (temp, d.temperature_c),
@@ -108,25 +89,21 @@ def _gpu_metrics(devices, gpus, energy) -> Iterator[Metric]:
     yield from (util, used, free, temp, power, clock, total, up, held)
 
 
-def _histogram(name: str, doc: str, values: list[float], bounds: tuple[float, ...]) -> HistogramMetricFamily:
-    counts = [sum(1 for v in values if v <= b) for b in bounds]
-    buckets = [(_bound(b), n) for b, n in zip(bounds, counts)] + [("+Inf", len(values))]
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum(values))
+def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:
+    """The family of the server's cumulative counts at each bound, its count and its sum."""
+    buckets = [(str(float(b)), n) for b, n in zip(h["le"], h["counts"])] + [("+Inf", h["count"])]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
 
 
-def _bound(b: float) -> str:
-    return str(float(b))
-
-
-def registry(settings: Settings) -> CollectorRegistry:
-    """A registry holding only gpuq's collector for these settings."""
+def registry(api: Client) -> CollectorRegistry:
+    """A registry holding only gpuq's collector, reading through ``api``."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(GpuqCollector(settings))
+    reg.register(GpuqCollector(api))
     return reg
 
 
-def exposition(settings: Settings) -> tuple[bytes, str]:
+def exposition(api: Client) -> tuple[bytes, str]:
     """The metrics in Prometheus's text format, and its content type."""
     from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-    return generate_latest(registry(settings)), CONTENT_TYPE_LATEST
+    return generate_latest(registry(api)), CONTENT_TYPE_LATEST

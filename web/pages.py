@@ -1,27 +1,24 @@
-"""The dashboard's pages, each read in one transaction through the same service functions the CLI
-uses (`gpuq status`, `devices`, `show`, `why`, `stats`), so page and command never disagree.
+"""The dashboard's pages, each read from the server's API, the same routes and answers the CLI
+renders (`gpuq status`, `devices`, `show`, `why`, `stats`), so page and command never disagree.
 
-Every visitor is nobody in particular (``rights.ANYONE``): a page shows what every user may see
-(states, names, users, resources, results), a job's output only where service/rights.py opens it
-to anyone (``GPUQ_SHARED_LOGS``), and never a recorded diff or environment values."""
+Every request asks for the public view (web/read.py): the server answers as for nobody in
+particular (``rights.ANYONE``), so a page shows what every user may see (states, names, users,
+resources, results), a job's output only where the server opens it to anyone
+(``GPUQ_SHARED_LOGS``), and never a recorded diff or environment values."""
 
 from __future__ import annotations
 
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from html import escape
 
-from sqlalchemy import select
-
-from gpuq.service import accounting, explain, inventory, jobs, rights, usage
+from gpuq.cli.client import Client
 from gpuq.service import constants as c
-from gpuq.service.device_status import device_status
-from gpuq.service.models import Gpu, Job, utcnow
-from gpuq.service.settings import Settings
-from gpuq.web import svg
-from gpuq.web.read import read_session
 from gpuq.service.display import duration, result_summary
+from gpuq.web import svg
 from gpuq.web.html import facts, mib, page, state, table, value, when
+from gpuq.web.read import obj, seconds
+from gpuq.web.read import when as parse_when
 
 # The queue page reloads itself this often, seconds; `gpuq devices --watch` for a faster view.
 QUEUE_REFRESH_SECONDS = 5
@@ -29,26 +26,29 @@ QUEUE_REFRESH_SECONDS = 5
 ENDED_SHOWN = 25
 # Output lines a job's page shows (the end of it); `gpuq logs` has all of it.
 OUTPUT_TAIL_LINES = 200
-PERIODS = {"day": timedelta(days=1), "week": timedelta(days=7)}
+PERIODS = {"day": "1d", "week": "7d"}
+# Slices of the usage page's busy-GPU chart (a quarter of an hour each over a day).
+USAGE_BUCKETS = 96
 
 
 def _job_link(job_id: int | None, text: str | None = None) -> str:
     return "-" if job_id is None else f'<a href="/jobs/{job_id}">{escape(text or str(job_id))}</a>'
 
 
-def queue(settings: Settings) -> str:
+def queue(api: Client) -> str:
     """The queue (active jobs, then the newest ended ones) and every GPU with its bars."""
-    now = utcnow()
-    with read_session(settings) as session:
-        rows = jobs.list_jobs(session, ended_limit=ENDED_SHOWN)
-        idle = usage.idle_jobs(session, settings)
-        devices = device_status(session, settings)
-        drained = inventory.drained_nodes(session)
+    now = datetime.now(timezone.utc)
+    answer = api.get("/jobs", ended=ENDED_SHOWN)
+    gpus = api.get("/devices")
+    rows = [obj(j) for j in answer["jobs"]]
+    devices = [obj(d) for d in gpus["devices"]]
+    drained = gpus.get("drained") or {}
     counts = Counter(j.state for j in rows if j.state in c.ACTIVE_STATES)
+    window = answer.get("idle_window_s") or 0
     job_rows = [[_job_link(j.id), escape(j.user), escape(j.name), state(j.state), str(j.gpus), escape(j.node or "-"),
-                 when(j.submitted_at), duration(jobs.elapsed(j, now)),
+                 when(j.submitted_at), duration(seconds(j.elapsed_s)),
                  (f'<span class="s-cancelled">idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last '
-                  f'{settings.idle_window / 60:g} min</span>' if j.id in idle else escape(result_summary(j)))]
+                  f'{window / 60:g} min</span>' if j.idle else escape(result_summary(j)))]
                 for j in rows]
     gpu_rows = []
     for d in devices:
@@ -75,29 +75,30 @@ def queue(settings: Settings) -> str:
     return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
 
 
-def job(settings: Settings, job_id: int) -> str:
+def job(api: Client, job_id: int) -> str:
     """One job: what it runs, where and when, why it waits, its result, per-epoch metrics, the
-    device plots of its GPUs and its usage summary. Raises JobNotFound."""
-    with read_session(settings) as session:
-        j = jobs.get_job(session, job_id)
-        gpus = jobs.job_gpus(session, job_id)
-        metrics = jobs.read_metrics(session, job_id)
-        # Output is its owner's unless shared: not even read for a visitor who may not see it.
-        readable = rights.may_read_output(settings, j.user, rights.ANYONE)
-        output = "".join(data for _, data in jobs.read_output(session, job_id)) if readable else ""
-        reason = explain.why(session, settings, job_id)
-        series = accounting.job_series(session, job_id)
-        used = usage.job_usage(session, job_id) if j.started_at else None
-        gpu_names = {g.id: f"GPU {g.node}:{g.index}" for g in inventory_gpus(session, {p["gpu_id"] for p in series})}
+    device plots of its GPUs and its usage summary. Raises Refused (exit code 3) for no such job."""
+    shown = api.get(f"/jobs/{job_id}")
+    j = obj(shown)
+    metrics = shown.get("metrics") or []
+    # The server says whether the public may read the output: not even asked for otherwise.
+    readable = bool(shown.get("output_readable"))
+    output = "".join(data for _, data in api.get(f"/jobs/{job_id}/output")["chunks"]) if readable else ""
+    reason = api.get(f"/jobs/{job_id}/why")["why"]
+    stats = api.get(f"/jobs/{job_id}/stats", plot=1) if j.started_at else None
+    series = [p | {"at": parse_when(p["at"])} for p in (stats or {}).get("series", [])]
+    used = obj(stats) if stats else None
+    gpu_names = {int(k): f"GPU {g['node']}:{g['index']}" for k, g in (stats or {}).get("gpus", {}).items()}
+    gpus = j.gpu_indices or []
     what = (j.workload or "") if j.kind == c.KIND_WORKLOAD else " ".join(j.argv or [])
     pairs = [("job", escape(f"{j.id}  {j.name}")), ("user", escape(j.user)), ("state", state(j.state)),
              ("why", escape(reason)), ("runs", f"<code>{escape(what)}</code>"), ("kind", escape(j.kind)),
              ("directory", escape(j.cwd or "-")),
-             ("GPUs", escape(f"{j.gpus}" + (f" on {j.node}: " + ", ".join(str(g.index) for g in gpus) if gpus
+             ("GPUs", escape(f"{j.gpus}" + (f" on {j.node}: " + ", ".join(str(g) for g in gpus) if gpus
                                             else (f" on {j.node}" if j.node else "")))),
              ("worker", escape(j.worker or "-")), ("priority", str(j.priority)),
              ("submitted", when(j.submitted_at)), ("started", when(j.started_at)), ("ended", when(j.ended_at)),
-             ("elapsed", duration(jobs.elapsed(j)))]
+             ("elapsed", duration(seconds(j.elapsed_s)))]
     if j.exit_code is not None:
         pairs.append(("exit code", str(j.exit_code)))
     for n, attempt in enumerate(j.attempts or [], 1):
@@ -127,11 +128,6 @@ def job(settings: Settings, job_id: int) -> str:
     return page(f"job {j.id}", "".join(body), refresh=QUEUE_REFRESH_SECONDS if j.state in c.ACTIVE_STATES else None)
 
 
-def inventory_gpus(session, ids: set[int]) -> list[Gpu]:
-    """The GPUs with these row ids."""
-    return session.scalars(select(Gpu).where(Gpu.id.in_(ids))).all() if ids else []
-
-
 def _metrics(rows: list[dict]) -> str:
     keys = [k for k in dict.fromkeys(k for r in rows for k in r)]
     out = table(keys, [[value(r.get(k)) for k in keys] for r in rows], numeric=set(range(len(keys))), cls="metrics")
@@ -146,7 +142,7 @@ def _metrics(rows: list[dict]) -> str:
     return out
 
 
-def _device_plots(series: list[dict], names: dict[int, str], j: Job) -> str:
+def _device_plots(series: list[dict], names: dict[int, str], j) -> str:
     if not series:
         return "<p class=\"na\">no device samples for this job</p>"
     start = j.started_at or series[0]["at"]
@@ -162,24 +158,23 @@ def _device_plots(series: list[dict], names: dict[int, str], j: Job) -> str:
     return "".join(charts) + f'<p class="muted">{len(series)} samples</p>'
 
 
-def usage_page(settings: Settings, period: str) -> str:
+def usage_page(api: Client, period: str) -> str:
     """GPU-hours, jobs, mean utilisation and energy per user and per node over the last day or week
     (`gpuq stats --since 1d` / `7d`), with each user's busy GPUs over the period."""
-    span = PERIODS[period]
-    now = utcnow()
-    since = now - span
-    with read_session(settings) as session:
-        rep = accounting.report(session, since, now, now)
-        edges, by_user = accounting.utilization_by_user(session, since, now, buckets=96)
+    rep = api.get("/stats", since=PERIODS[period], until="now", plot=1, buckets=USAGE_BUCKETS)
+    since, now = parse_when(rep["since"]), parse_when(rep["until"])
+    edges = [parse_when(e) for e in rep["series"]["edges"]]
+    by_user = rep["series"]["by_user"]
     links = " | ".join(f"<b>last {p}</b>" if p == period else f'<a href="/usage?period={p}">last {p}</a>'
                        for p in PERIODS)
     body = [f"<h1>Usage, last {period}</h1><p>{links} <span class=\"muted\">({when(since)} to {when(now)})</span></p>"]
-    total = sum(r.gpu_hours for r in rep["users"]) or 1.0
+    parts = {part: [obj(r) for r in rep[part]] for part in ("users", "nodes")}
+    total = sum(r.gpu_hours for r in parts["users"]) or 1.0
     for part, title in (("users", "per user"), ("nodes", "per node")):
         rows = [[escape(r.name), str(r.jobs), f"{r.gpu_hours:.3f}",
                  svg.bar(100 * r.gpu_hours / total, f"{100 * r.gpu_hours / total:.0f}%", 120, "#8ab6e0"),
                  "n/a" if r.utilization_mean is None else f"{r.utilization_mean:.1f}%",
-                 f"{r.energy_j / 3.6e6:.4f}", f"{r.idle_hours:.3f}"] for r in rep[part]]
+                 f"{r.energy_j / 3.6e6:.4f}", f"{r.idle_hours:.3f}"] for r in parts[part]]
         body.append(f"<h2>{title}</h2>" + (table([part[:-1], "jobs", "GPU-hours", "share", "mean utilisation",
                                                   "energy (kWh)", "idle GPU-hours"], rows, numeric={1, 2, 4, 5, 6},
                                                  cls=f"usage-{part}") if rows else "<p>no use in this period</p>"))

@@ -1,32 +1,54 @@
-"""The dashboard's database sessions: the CLI's session, with the transaction made read-only, so
-that no page or scrape can write even by mistake."""
+"""The dashboard's reads: the server's API (``/v1/...``), as the CLI reads it, always in the public
+view (``X-Gpuq-View: public``), so the server answers every page and scrape as it would for nobody
+in particular (``rights.ANYONE``), whoever runs the dashboard. The dashboard holds no database or
+broker credentials; the server checks every right.
+
+Answers come back as objects with attributes (``job.state``), their ``*_at`` times as datetimes,
+so the pages read them as they read the ORM's rows before.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from datetime import datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.orm import Session
+from gpuq.cli.client import Client
+from gpuq.service import constants as c
+from gpuq.service.errors import Unreachable
 
-from gpuq.service.db import session_scope
-from gpuq.service.settings import Settings
+def client(address: str | None = None) -> Client:
+    """A client of the server at ``address`` (default: where the CLI looks) each of whose requests
+    asks for the public view: the server then lowers the caller's rights (never raises them), so a
+    dashboard run by root shows no more than one run by anyone else."""
+    return Client(address, headers={c.VIEW_HEADER: c.PUBLIC_VIEW})
 
 
-@contextmanager
-def read_session(settings: Settings) -> Iterator[Session]:
-    """A session whose transaction refuses writes (PostgreSQL: READ ONLY; SQLite: query_only)."""
-    with session_scope(settings) as session:
-        if session.get_bind().dialect.name != "sqlite":
-            session.execute(text("SET TRANSACTION READ ONLY"))
-            yield session
-            return
-        # query_only belongs to the connection, which goes back to the pool afterwards: set it on
-        # this transaction's connection and clear it there before the transaction ends (whatever
-        # SQLAlchemy's state then), or the pool's next user could not even begin a transaction.
-        raw = session.connection().connection.driver_connection
-        raw.execute("PRAGMA query_only = ON")
+def wait_for_server(api: Client, seconds: float) -> None:
+    """Return once the server answers a read that needs its database at the schema's head; raise
+    Unreachable after ``seconds`` without an answer (a server may start beside the dashboard, as in
+    docker compose), and the server's own error (Refused: the schema is behind, ...) at once."""
+    deadline = time.monotonic() + seconds
+    while True:
         try:
-            yield session
-        finally:
-            raw.execute("PRAGMA query_only = OFF")
+            api.get("/devices")
+            return
+        except Unreachable:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
+def obj(data: dict[str, Any]) -> SimpleNamespace:
+    """An answer's object with attributes, its ISO ``*_at`` times as datetimes."""
+    return SimpleNamespace(**{k: (when(v) if k.endswith("_at") and isinstance(v, str) else v)
+                              for k, v in data.items()})
+
+
+def when(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
+
+
+def seconds(value: float | None) -> timedelta | None:
+    return None if value is None else timedelta(seconds=value)

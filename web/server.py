@@ -1,5 +1,5 @@
 """The dashboard's web server: a small WSGI app on the standard library's server, one thread per
-request. Read-only: it answers GET and HEAD, and nothing it runs writes to the database."""
+request. Read-only: it answers GET and HEAD, and reads the server's API in its public view."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from socketserver import ThreadingMixIn
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from gpuq.service.errors import GpuqError, JobNotFound
-from gpuq.service.settings import Settings
+from gpuq.cli.client import Client
+from gpuq.service import constants as c
+from gpuq.service.errors import GpuqError
 from gpuq.web import metrics, pages
 from gpuq.web.html import page
 
@@ -23,10 +24,10 @@ HTML = "text/html; charset=utf-8"
 
 
 class App:
-    """The WSGI application for one gpuq installation's settings."""
+    """The WSGI application reading one gpuq server through ``api`` (a public-view client)."""
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, api: Client):
+        self.api = api
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         method, path = environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", "/")
@@ -36,28 +37,29 @@ class App:
         query = parse_qs(environ.get("QUERY_STRING", ""))
         try:
             status, kind, body = self._route(path, query)
-        except JobNotFound as exc:
-            status, kind, body = "404 Not Found", HTML, page("not found", f"<p>{escape(str(exc))}</p>").encode()
-        except GpuqError as exc:  # the database is down or not upgraded: say so, as the CLI does
-            log.warning("dashboard: %s", exc)
-            status, kind, body = ("503 Service Unavailable", HTML,
-                                  page("unavailable", f"<p>{escape(str(exc))}</p>").encode())
+        except GpuqError as exc:
+            if exc.exit_code == c.EXIT_NOT_FOUND:  # no such job: the server's line
+                status, kind, body = "404 Not Found", HTML, page("not found", f"<p>{escape(str(exc))}</p>").encode()
+            else:  # the server is down, or its database is: say so, as the CLI does
+                log.warning("dashboard: %s", exc)
+                status, kind, body = ("503 Service Unavailable", HTML,
+                                      page("unavailable", f"<p>{escape(str(exc))}</p>").encode())
         return self._send(start_response, status, kind, body, head=method == "HEAD")
 
     def _route(self, path: str, query: dict[str, list[str]]) -> tuple[str, str, bytes]:
         if path == "/":
-            return "200 OK", HTML, pages.queue(self.settings).encode()
+            return "200 OK", HTML, pages.queue(self.api).encode()
         if path == "/metrics":
-            body, kind = metrics.exposition(self.settings)
+            body, kind = metrics.exposition(self.api)
             return "200 OK", kind, body
         if path in ("/usage", "/usage/"):
             period = query.get("period", ["day"])[0]
             if period not in pages.PERIODS:
                 return "400 Bad Request", HTML, page("bad period", "<p>period is day or week</p>").encode()
-            return "200 OK", HTML, pages.usage_page(self.settings, period).encode()
+            return "200 OK", HTML, pages.usage_page(self.api, period).encode()
         match = _JOB.match(path)
         if match:
-            return "200 OK", HTML, pages.job(self.settings, int(match.group(1))).encode()
+            return "200 OK", HTML, pages.job(self.api, int(match.group(1))).encode()
         return "404 Not Found", HTML, page("not found", "<p>no such page</p>").encode()
 
     @staticmethod
@@ -69,7 +71,7 @@ class App:
 
 
 class ThreadingServer(ThreadingMixIn, WSGIServer):
-    """A page that queries SQL must not hold up a Prometheus scrape, nor the other way round."""
+    """A page that waits on the server must not hold up a Prometheus scrape, nor the other way round."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -80,6 +82,6 @@ class QuietHandler(WSGIRequestHandler):
         log.info("%s %s", self.address_string(), format % args)
 
 
-def serve(settings: Settings, host: str, port: int) -> ThreadingServer:
+def serve(api: Client, host: str, port: int) -> ThreadingServer:
     """A server for the dashboard bound to host:port (port 0: any free one); call serve_forever()."""
-    return make_server(host, port, App(settings), server_class=ThreadingServer, handler_class=QuietHandler)
+    return make_server(host, port, App(api), server_class=ThreadingServer, handler_class=QuietHandler)

@@ -1,0 +1,87 @@
+"""GET /v1/metrics: what a Prometheus exporter needs, as JSON (the dashboard's /metrics is built
+from it): every GPU now with its UUID and sampled energy, jobs by state and user, pending jobs by
+reason, and the queue-wait and run-time histograms at the bounds the caller asks for.
+
+Only what every user may see (states, users, reasons, resources, times): no output, diff or
+environment value, whoever asks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+from sqlalchemy import func, select
+
+from gpuq.server.request import call, context
+from gpuq.service import constants as c
+from gpuq.service.db import read_scope, require_schema
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
+from gpuq.service.settings import Settings
+
+routes = web.RouteTableDef()
+# Bounds one histogram may have (Prometheus's own clients use about a dozen).
+MAX_BOUNDS = 64
+
+
+@routes.get(c.API_PREFIX + "/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    """The figures, with histograms at ``wait_le`` and ``duration_le`` (seconds, comma-separated,
+    ascending; each histogram also has its count and sum)."""
+    settings, _ = context(request)
+    q = request.query
+    return web.json_response(await call(_metrics, settings, _bounds(q, "wait_le"), _bounds(q, "duration_le")))
+
+
+def _bounds(query: Any, name: str) -> list[float]:
+    raw = query.get(name, "")
+    try:
+        bounds = [float(part) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidSpec(f"{name} must be numbers separated by commas, got {raw[:60]!r}") from None
+    if len(bounds) > MAX_BOUNDS or bounds != sorted(set(bounds)):
+        raise InvalidSpec(f"{name} must be at most {MAX_BOUNDS} ascending, distinct numbers")
+    return bounds
+
+
+def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float]) -> dict[str, Any]:
+    from gpuq.service.device_status import device_status
+
+    require_schema(settings)
+    with read_scope(settings) as session:
+        devices = device_status(session, settings)
+        ids = {(g.node, g.index): (g.id, g.uuid) for g in session.scalars(select(Gpu))}
+        energy = _energy_by_gpu(session)
+        by_state_user = session.execute(select(Job.state, Job.user, func.count()).group_by(Job.state, Job.user)).all()
+        pending = session.execute(select(Job.reason, func.count()).where(Job.state == c.PENDING)
+                                  .group_by(Job.reason)).all()
+        times = session.execute(select(Job.state, Job.submitted_at, Job.started_at, Job.ended_at)
+                                .where(Job.started_at.is_not(None))).all()
+    out_gpus = []
+    for d in devices:
+        gpu_id, uuid = ids.get((d.node, d.index), (None, None))
+        out_gpus.append(d.as_dict() | {"uuid": uuid, "energy_j": energy.get(gpu_id)})
+    waits = [(start - sub).total_seconds() for _, sub, start, _ in times]
+    runs = [(end - start).total_seconds() for state, _, start, end in times
+            if end is not None and state in c.END_STATES]
+    return {"gpus": out_gpus,
+            "jobs": [{"state": s, "user": u, "count": n} for s, u, n in by_state_user],
+            "pending": [{"reason": r, "count": n} for r, n in pending],
+            "wait": _histogram(waits, wait_le), "duration": _histogram(runs, duration_le)}
+
+
+def _energy_by_gpu(session) -> dict[int, float]:
+    """Joules each GPU used while gpuq sampled it: raw samples plus the minute aggregates."""
+    out: Counter[int] = Counter()
+    for t in (DeviceSample, DeviceMinute):
+        for gpu_id, joules in session.execute(select(t.gpu_id, func.sum(t.energy_j)).group_by(t.gpu_id)):
+            out[gpu_id] += float(joules or 0.0)
+    return dict(out)
+
+
+def _histogram(values: list[float], bounds: list[float]) -> dict[str, Any]:
+    """Cumulative counts at each bound (Prometheus's ``le``), the count and the sum."""
+    return {"le": bounds, "counts": [sum(1 for v in values if v <= b) for b in bounds], "count": len(values),
+            "sum": sum(values)}
