@@ -91,6 +91,7 @@ def _report_tables(rep, start, end) -> None:
 def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | None) -> None:
     data = client.get(f"/jobs/{job_id}/stats", plot=1 if plot else None)
     series = data.pop("series", None)
+    data.pop("series_gpus", None)  # which GPU each point is of: for the dashboard's legend
     if plot:
         from gpuq.cli.plots import job_plot
 

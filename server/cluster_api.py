@@ -7,10 +7,9 @@ from typing import Any
 from aiohttp import web
 
 from gpuq.server import views
-from gpuq.server.request import call, context
+from gpuq.server.request import call, context, reading
 from gpuq.service import accounting, rights, samples, usage
 from gpuq.service import constants as c
-from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Gpu, utcnow
@@ -45,8 +44,7 @@ def _devices(settings: Settings) -> dict[str, Any]:
     from gpuq.service.device_status import device_status
     from gpuq.service.inventory import drained_nodes
 
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         return {"devices": [d.as_dict() for d in device_status(session, settings)],
                 "drained": drained_nodes(session)}
 
@@ -85,8 +83,7 @@ def _report(settings: Settings, since: str, until: str, plot: bool, buckets: int
     start, end = accounting.parse_when(since, "--since", now), accounting.parse_when(until, "--until", now)
     if start >= end:
         raise InvalidSpec(f"--since {since} is not before --until {until}")
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         rep = accounting.report(session, start, end, now)
         series = accounting.utilization_by_user(session, start, end, buckets) if plot else None
     out: dict[str, Any] = {"since": start.isoformat(), "until": end.isoformat(),
@@ -106,8 +103,7 @@ async def job_stats(request: web.Request) -> web.Response:
 
 
 def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         job = get_job(session, job_id)
         u = usage.job_usage(session, job_id)
         series = accounting.job_series(session, job_id) if plot else None
@@ -118,9 +114,9 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
                                    samples=u.samples)
         if series is not None:
             out["series"] = views.plain(series)
-            out["gpus"] = {str(g.id): {"node": g.node, "index": g.index, "name": g.name}
-                           for g in (session.get(Gpu, i) for i in sorted({p["gpu_id"] for p in series}))
-                           if g is not None}
+            out["series_gpus"] = {str(g.id): {"node": g.node, "index": g.index, "name": g.name}
+                                  for g in (session.get(Gpu, i) for i in sorted({p["gpu_id"] for p in series}))
+                                  if g is not None}
     return out
 
 

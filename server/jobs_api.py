@@ -9,10 +9,9 @@ from typing import Any
 from aiohttp import web
 
 from gpuq.server import submission, views
-from gpuq.server.request import body_of, call, context
+from gpuq.server.request import body_of, call, context, reading
 from gpuq.service import constants as c
 from gpuq.service import inventory, jobs, rights, usage
-from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import utcnow
 from gpuq.service.rights import Caller
@@ -64,9 +63,8 @@ async def queue(request: web.Request) -> web.Response:
 
 
 def _queue(settings: Settings, user: str | None, ended: int) -> dict[str, Any]:
-    require_schema(settings)
     now = utcnow()
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         rows = jobs.list_jobs(session, ended_limit=ended, user=user)
         gpus = inventory.view(session, settings)
         idle = usage.idle_jobs(session, settings)
@@ -88,8 +86,7 @@ async def states(request: web.Request) -> web.Response:
 
 
 def _states(settings: Settings, ids: list[int]) -> dict[int, str]:
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         found = jobs.wait_states(session, ids)
     for job_id in ids:
         if job_id not in found:
@@ -105,7 +102,7 @@ async def active(request: web.Request) -> web.Response:
 
 
 def _active(settings: Settings, user: str) -> list[int]:
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         return jobs.active_jobs_of(session, user)
 
 
@@ -116,9 +113,8 @@ async def array(request: web.Request) -> web.Response:
 
 
 def _array(settings: Settings, array_id: int) -> list[dict[str, Any]]:
-    require_schema(settings)
     now = utcnow()
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         return [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j, now))}
                 for j in (jobs.get_job(session, i) for i in jobs.array_jobs(session, array_id))]
 
@@ -132,8 +128,7 @@ async def show(request: web.Request) -> web.Response:
 
 
 def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         job = jobs.get_job(session, job_id)
         gpus = [g.index for g in jobs.job_gpus(session, job_id)]
         metrics = jobs.read_metrics(session, job_id)
@@ -152,8 +147,7 @@ async def diff(request: web.Request) -> web.Response:
 
 
 def _diff(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         job = jobs.get_job(session, job_id)
         rights.check_read_private(settings, job_id, job.user, caller)
         return {"id": job.id, "git_commit": job.git_commit, "git_dirty": job.git_dirty,
@@ -170,8 +164,7 @@ async def output(request: web.Request) -> web.Response:
 
 
 def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict[str, Any]:
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         job = jobs.get_job(session, job_id)
         rights.check_read_output(settings, job_id, job.user, caller)
         chunks = jobs.read_output(session, job_id, after)
@@ -195,8 +188,7 @@ async def why(request: web.Request) -> web.Response:
 def _why(settings: Settings, job_id: int) -> dict[str, Any]:
     from gpuq.service.explain import why as explain
 
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         text = explain(session, settings, job_id)
         state = jobs.get_job(session, job_id).state
     return {"id": job_id, "state": state, "why": text}

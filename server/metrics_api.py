@@ -14,9 +14,8 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy import func, select
 
-from gpuq.server.request import call, context
+from gpuq.server.request import call, context, reading
 from gpuq.service import constants as c
-from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
 from gpuq.service.settings import Settings
@@ -49,8 +48,7 @@ def _bounds(query: Any, name: str) -> list[float]:
 def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float]) -> dict[str, Any]:
     from gpuq.service.device_status import device_status
 
-    require_schema(settings)
-    with read_scope(settings) as session:
+    with reading(settings) as session:
         devices = device_status(session, settings)
         ids = {(g.node, g.index): (g.id, g.uuid) for g in session.scalars(select(Gpu))}
         energy = _energy_by_gpu(session)

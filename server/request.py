@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from aiohttp import web
+from sqlalchemy.orm import Session
 
+from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
@@ -37,3 +40,12 @@ async def body_of(request: web.Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidSpec("the request body must be a JSON object")
     return data
+
+
+@contextmanager
+def reading(settings: Settings) -> Iterator[Session]:
+    """A read-only session on a database at this gpuq's schema (SchemaOutOfDate otherwise): every
+    read route's. It takes no write lock, so a read never waits behind the workers' writes."""
+    require_schema(settings)
+    with read_scope(settings) as session:
+        yield session

@@ -88,7 +88,7 @@ def job(api: Client, job_id: int) -> str:
     stats = api.get(f"/jobs/{job_id}/stats", plot=1) if j.started_at else None
     series = [p | {"at": parse_when(p["at"])} for p in (stats or {}).get("series", [])]
     used = obj(stats) if stats else None
-    gpu_names = {int(k): f"GPU {g['node']}:{g['index']}" for k, g in (stats or {}).get("gpus", {}).items()}
+    gpu_names = {int(k): f"GPU {g['node']}:{g['index']}" for k, g in (stats or {}).get("series_gpus", {}).items()}
     gpus = j.gpu_indices or []
     what = (j.workload or "") if j.kind == c.KIND_WORKLOAD else " ".join(j.argv or [])
     pairs = [("job", escape(f"{j.id}  {j.name}")), ("user", escape(j.user)), ("state", state(j.state)),
