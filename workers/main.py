@@ -70,12 +70,16 @@ def serve(index: int, loglevel: str) -> int:
     left = kill_leftovers(f"{settings.key_prefix}/{name}")  # as runner.worker_mark
     if left:
         log.warning("%s: killed %d processes an earlier run of this worker left: %s", name, len(left), left)
+    probe = GpuProbe(devices, index)
+    first = probe.read()
     with session_scope(settings) as session:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
+        # With its first reading in the same transaction: the GPU is never live to the scheduler
+        # without its foreign processes known (it could go to a job that does not fit beside them).
+        inventory.beat(session, gpu_id, first)
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, queue=queue,
                         app=app)
-    probe = GpuProbe(devices, index)
     heartbeat = Heartbeat(settings, gpu_id, probe, state)
     heartbeat.start()
     if settings.sample_interval > 0:
