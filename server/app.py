@@ -20,9 +20,10 @@ from aiohttp import web
 from gpuq.server import cluster_api, identity, jobs_api, metrics_api
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
+from gpuq.service import stack
 from gpuq.service.db import require_schema
 from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
-from gpuq.service.settings import Settings
+from gpuq.service.settings import SYSTEM_SOCKET, Settings
 
 log = logging.getLogger("gpuq.server")
 
@@ -80,18 +81,12 @@ def _bind_unix(path: Path) -> socket.socket:
     """The server's socket at ``path``, connectable by every local user (who they are is the
     kernel's to say). A socket left by a dead server is replaced; a live one is refused."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.parent == Path("/run/gpuq"):
-        os.chmod(path.parent, 0o755)
+    if str(path) == SYSTEM_SOCKET:
+        os.chmod(path.parent, stack.SOCKET_DIR_MODE)
     if path.exists():
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()
-        else:
+        if stack.answers(path):
             raise StackError(f"a gpuq server already answers on {path}")
-        finally:
-            probe.close()
+        path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
     os.chmod(path, 0o666)

@@ -113,10 +113,8 @@ _writer_locks: dict[str, WriterLock] = {}
 
 def _writer_lock(url: str) -> WriterLock | None:
     """The writers' queue of a SQLite database file; None for another database (its server queues)."""
-    if not url.startswith("sqlite"):
-        return None
-    path = _sqlite_path(url)
-    if not path or path == ":memory:" or path.startswith("file:"):
+    path = sqlite_file(url)
+    if path is None:
         return None
     if url not in _writer_locks:
         _writer_locks[url] = WriterLock(path)
@@ -135,15 +133,18 @@ def _engine(url: str) -> Engine:
     return _engines[url]
 
 
-def _sqlite_path(url: str) -> str:
-    """The file of a sqlite:/// URL (empty, or ":memory:", for none)."""
-    return url.split("///", 1)[-1]
+def sqlite_file(url: str) -> str | None:
+    """The file of a sqlite:/// URL; None for another database, one in memory, or a file: URI."""
+    if not url.startswith("sqlite"):
+        return None
+    path = url.split("///", 1)[-1]
+    return None if not path or path == ":memory:" or path.startswith("file:") else path
 
 
 def _create_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        path = _sqlite_path(url)
-        if path and path != ":memory:":
+        path = sqlite_file(url)
+        if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)

@@ -34,7 +34,7 @@ import psutil
 from sqlalchemy import select
 
 from gpuq.service import broker
-from gpuq.service.db import session_scope, upgrade
+from gpuq.service.db import session_scope, sqlite_file, upgrade
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import StackError
 from gpuq.service.models import Gpu
@@ -186,12 +186,8 @@ def _ensure_secret(path: Path) -> None:
 
 def _sqlite_file(settings: Settings) -> Path | None:
     """The SQLite database's file, if the database is one."""
-    from sqlalchemy.engine import make_url
-
-    url = make_url(settings.database)
-    if not url.drivername.startswith("sqlite") or not url.database or url.database == ":memory:":
-        return None
-    return Path(url.database)
+    path = sqlite_file(settings.database)
+    return None if path is None else Path(path)
 
 
 def _private_database(settings: Settings) -> None:
@@ -232,11 +228,14 @@ def _registered(settings: Settings, indices: list[int], since: float) -> int:
 
 def _answers(settings: Settings) -> bool:
     """Whether the stack's server accepts connections on its socket."""
-    import socket
+    return answers(settings.server_socket)
 
+
+def answers(path: Path) -> bool:
+    """Whether a server accepts connections on the Unix socket ``path``."""
     probe = socket.socket(socket.AF_UNIX)
     try:
-        probe.connect(str(settings.server_socket))
+        probe.connect(str(path))
         return True
     except OSError:
         return False
