@@ -85,7 +85,7 @@ def decision_pass(n_jobs: int = 10_000) -> None:
                               priority=rng.choice([0, 0, 0, 5]), submitted=now - j, time_limit_s=rng.choice([None, 3600]),
                               mem_mib=rng.choice([None, 20480]))
             for j in range(n_jobs)]
-    snap = policy.Snapshot(now, jobs, gpus, usage={f"user{u}": rng.random() * 100 for u in range(20)})
+    snap = policy.QueueState(now, jobs, gpus, gpu_hours={f"user{u}": rng.random() * 100 for u in range(20)})
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def decision_pass(n_jobs: int = 10_000) -> None:
 def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
     from gpuq.service import inventory
     from gpuq.service.celery_app import queue_name
-    from gpuq.service.db import dispose_engines, session_scope, upgrade
+    from gpuq.service.db import dispose_engines, write_scope, upgrade
     from gpuq.service.devices import GpuInfo
     from gpuq.service.models import Allocation, Gpu, Job, NextUp, utcnow
     from gpuq.service.scheduler import Scheduler
@@ -108,7 +108,7 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
     home = Path(tempfile.mkdtemp(prefix="gpuq-sched-"))
     s = load_settings({**env, "GPUQ_HOME": str(home), "GPUQ_KEY_PREFIX": "bench-sched"})
     upgrade(s)
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         for n in range(8):
             for i in range(8):
                 info = GpuInfo(index=i, uuid=f"u{n}{i}", name="sim", memory_total_mib=81920)
@@ -128,7 +128,7 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
         t = time.perf_counter()
         sched.schedule_once(quick=True)
         quick.append(time.perf_counter() - t)
-    with session_scope(s) as session:  # a database given with --database is the stack's next
+    with write_scope(s) as session:  # a database given with --database is the stack's next
         for model in (NextUp, Allocation, Job, Gpu):
             session.execute(delete(model))
     where = "SQLite" if s.database.startswith("sqlite") else "PostgreSQL"
@@ -198,7 +198,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
     """Latency on the server's clock and from the client's request, the submit requests' round
     trips, the two floods (the N jobs as one array submission, and as N submissions: each its
     throughput, submit rate, CPU left idle and job ids), the idle gaps, and how it submitted."""
-    from gpuq.service.db import read_scope, session_scope
+    from gpuq.service.db import read_scope, write_scope
     from gpuq.service.models import Job
     from gpuq.service.settings import load_settings
     from sqlalchemy import select
@@ -245,7 +245,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
             elapsed, idle = time.perf_counter() - t0, idle_share(ticks)
             floods[kind] = (n_jobs / elapsed, submit_rate, idle, ids)
         ids = floods["array"][3]
-        with session_scope(s) as session:
+        with write_scope(s) as session:
             rows = session.execute(select(Job.worker, Job.started_at, Job.ended_at)
                                    .where(Job.id.between(ids[0], ids[-1]))
                                    .order_by(Job.worker, Job.started_at)).all()

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from gpuq.service import db
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.devices import SimulatedDevices
 from gpuq.service.models import Gpu
 from gpuq.service.settings import Settings
@@ -65,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(home=Path(tmp), database_url=f"sqlite:///{tmp}/bench.db", fake_gpus=1)
         db.upgrade(settings)
-        with session_scope(settings) as s:
+        with write_scope(settings) as s:
             gpu = Gpu(node="bench", index=0, uuid="GPU-bench", name="Simulated GPU", memory_total_mib=16384,
                       queue="bench", simulated=True)
             s.add(gpu)

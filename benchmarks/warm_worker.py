@@ -45,8 +45,8 @@ def main() -> int:
     if not (_has("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0):
         env["GPUQ_FAKE_GPUS"] = "1"
     os.environ.update(env)
-    from gpuq.service import jobs, spec
-    from gpuq.service.db import session_scope
+    from gpuq.service import jobs, spec, submitting
+    from gpuq.service.db import write_scope
     from gpuq.service.settings import get_settings
 
     gpuq = [sys.executable, "-m", "gpuq.cli"]
@@ -56,10 +56,10 @@ def main() -> int:
         warm, inside = [], []
         for _ in range(args.repeats + 1):  # the first job pays the first-product cost: reported apart
             t0 = time.perf_counter()
-            job = jobs.submit(settings, spec.workload_spec(
+            job = submitting.submit(settings, spec.workload_spec(
                 "matmul", ["--size", str(args.size), "--repeat", str(args.products), "--warmup", "0"]))
             while True:
-                with session_scope(settings) as session:
+                with write_scope(settings) as session:
                     j = jobs.get_job(session, job.id)
                     if j.state in ("succeeded", "failed", "cancelled"):
                         break

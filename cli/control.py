@@ -62,12 +62,12 @@ def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> Non
 
 def _set_drained(node: str, drained: bool, reason: str | None) -> None:
     from gpuq.service import broker, inventory
-    from gpuq.service.db import require_schema, session_scope
+    from gpuq.service.db import require_schema, write_scope
     from gpuq.service.settings import get_settings
 
     settings = get_settings()
     require_schema(settings)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         inventory.set_drained(session, node, drained, reason)
     if not drained:
         broker.wake_scheduler(settings)

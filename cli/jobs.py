@@ -15,6 +15,7 @@ from gpuq.cli.client import Client, Refused
 from gpuq.cli.progress import bar, wanted
 from gpuq.cli.render import duration, job, print_json, printable, result_summary, seconds, timestamp
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
@@ -233,7 +234,7 @@ def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.",
     if not quiet and not as_json:
         for job_id in job_ids:
             typer.echo(f"job {job_id} {states[job_id]}")
-    if any(s != c.SUCCEEDED for s in states.values()):
+    if any(s != State.SUCCEEDED for s in states.values()):
         raise typer.Exit(c.EXIT_JOB_FAILED)
 
 
@@ -260,7 +261,7 @@ def cancel(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.
             typer.echo(f"job {job_id}: {exc}")  # in an array, ended tasks are no error
             continue
         grace = outcome["kill_grace_s"]
-        if outcome["state"] == c.CANCELLED:
+        if outcome["state"] == State.CANCELLED:
             typer.echo(f"job {job_id} cancelled")
         else:
             stopping.append(job_id)

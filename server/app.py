@@ -20,7 +20,7 @@ from aiohttp import web
 from gpuq.server import cluster_api, identity, jobs_api, metrics_api
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
-from gpuq.service import stack
+from gpuq.service import stack, system_home
 from gpuq.service.db import require_schema
 from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
 from gpuq.service.settings import SYSTEM_SOCKET, Settings
@@ -82,7 +82,7 @@ def _bind_unix(path: Path) -> socket.socket:
     kernel's to say). A socket left by a dead server is replaced; a live one is refused."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if str(path) == SYSTEM_SOCKET:
-        os.chmod(path.parent, stack.SOCKET_DIR_MODE)
+        os.chmod(path.parent, system_home.SOCKET_DIR_MODE)
     if path.exists():
         if stack.answers(path):
             raise StackError(f"a gpuq server already answers on {path}")

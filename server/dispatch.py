@@ -23,7 +23,7 @@ def _app(settings: Settings) -> "Celery":
 
 
 def sender(settings: Settings):
-    """``jobs.submit_all``'s ``send`` for this server: sends each placed job's message, and
+    """``submitting.submit_all``'s ``send`` for this server: sends each placed job's message, and
     returns those it could not (the scheduler sends them, or sends them again once unclaimed)."""
 
     def send(messages: list[tuple[int, str]]) -> list[tuple[int, str]]:

@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 
 from gpuq.server.request import call, context, reading
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
 from gpuq.service.settings import Settings
@@ -53,7 +54,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float])
         ids = {(g.node, g.index): (g.id, g.uuid) for g in session.scalars(select(Gpu))}
         energy = _energy_by_gpu(session)
         by_state_user = session.execute(select(Job.state, Job.user, func.count()).group_by(Job.state, Job.user)).all()
-        pending = session.execute(select(Job.reason, func.count()).where(Job.state == c.PENDING)
+        pending = session.execute(select(Job.reason, func.count()).where(Job.state == State.PENDING)
                                   .group_by(Job.reason)).all()
         times = session.execute(select(Job.state, Job.submitted_at, Job.started_at, Job.ended_at)
                                 .where(Job.started_at.is_not(None))).all()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuq.server import dispatch
+from gpuq.service import submitting
 from gpuq.service import jobs, spec
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
@@ -119,12 +120,12 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job
     specs = specs_of(settings, caller, f)
     git = git_state(settings, f["git"]) if specs[0].kind == "command" else None
     try:
-        return jobs.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=f["key"],
+        return submitting.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=f["key"],
                                send=dispatch.sender(settings))
     except DuplicateSubmission as again:
         # Asked again (its answer was lost), or twice at once: the jobs the key made, once.
         with read_scope(settings) as session:
-            ids = again.job_ids or jobs.submitted_with(session, f["key"], caller.user) or []
+            ids = again.job_ids or submitting.submitted_with(session, f["key"], caller.user) or []
             rows = [jobs.get_job(session, i) for i in ids]
             session.expunge_all()
         if not rows:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Job, utcnow
-from gpuq.service.samples import epoch_seconds
+from gpuq.service.dialect import epoch_seconds
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -112,11 +112,10 @@ def utilization_by_user(session: Session, since: datetime, until: datetime, buck
     per user the GPUs their jobs kept busy on average in each slice (utilisation x GPUs / 100)."""
     width = max((until - since).total_seconds() / buckets, 1.0)
     start = int(since.timestamp())
-    dialect = session.bind.dialect.name
     series: dict[str, list[float]] = defaultdict(lambda: [0.0] * buckets)
     for t, time, used in ((DeviceSample, DeviceSample.sampled_at, DeviceSample.utilization * DeviceSample.interval_s),
                           (DeviceMinute, DeviceMinute.minute, DeviceMinute.utilization_sum)):
-        bucket = func.floor((epoch_seconds(time, dialect) - start) / width).label("bucket")
+        bucket = func.floor((epoch_seconds(time, session) - start) / width).label("bucket")
         rows = session.execute(select(Job.user, bucket, func.sum(used).label("used"))
                                .join(Job, Job.id == t.job_id).where(time >= since, time < until)
                                .group_by(Job.user, bucket))

@@ -1,17 +1,27 @@
 """Constants in one place, each with the reason it has the value it has."""
 
-# Job states. Truth lives in SQL; every change is a conditional UPDATE from one of these to another.
-PENDING = "pending"  # queued, waiting for GPUs
-DISPATCHED = "dispatched"  # GPUs allocated, message sent to the first GPU's worker
-RUNNING = "running"  # a worker claimed it and runs it
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-CANCELLED = "cancelled"
-TIMED_OUT = "timed_out"
+from enum import StrEnum
 
-ACTIVE_STATES = (PENDING, DISPATCHED, RUNNING)
-END_STATES = (SUCCEEDED, FAILED, CANCELLED, TIMED_OUT)
+
+class State(StrEnum):
+    """A job's states: the value of ``jobs.state``. Truth lives in SQL; which state may go to which,
+    and who makes each move, is the table in service/lifecycle.py."""
+
+    PENDING = "pending"  # queued, waiting for GPUs
+    DISPATCHED = "dispatched"  # GPUs allocated, message sent to the first GPU's worker
+    RUNNING = "running"  # a worker claimed it and runs it
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+ACTIVE_STATES = (State.PENDING, State.DISPATCHED, State.RUNNING)
+END_STATES = (State.SUCCEEDED, State.FAILED, State.CANCELLED, State.TIMED_OUT)
 ALL_STATES = ACTIVE_STATES + END_STATES
+# Not a state: what a cancel answers, and `gpuq status` shows, for a running job whose worker was
+# asked to stop it and has not yet (its row is still running, with cancel_requested_at set).
+CANCELLING = "cancelling"
 
 # Why a job failed or stopped, in one word: shown by `gpuq show` and kept on every attempt.
 FAILURE_EXIT = "exit"  # a command exited non-zero

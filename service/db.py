@@ -6,7 +6,7 @@ import fcntl
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuq.service import constants as c
+from gpuq.service.dialect import is_sqlite_url, sqlite_file
 from gpuq.service.errors import SchemaOutOfDate, Unreachable
 from gpuq.service.settings import Settings, mask_url
 
@@ -133,16 +134,8 @@ def _engine(url: str) -> Engine:
     return _engines[url]
 
 
-def sqlite_file(url: str) -> str | None:
-    """The file of a sqlite:/// URL; None for another database, one in memory, or a file: URI."""
-    if not url.startswith("sqlite"):
-        return None
-    path = url.split("///", 1)[-1]
-    return None if not path or path == ":memory:" or path.startswith("file:") else path
-
-
 def _create_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
+    if is_sqlite_url(url):
         path = sqlite_file(url)
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -187,8 +180,10 @@ def _sessionmaker(url: str) -> sessionmaker[Session]:
 
 
 @contextmanager
-def session_scope(settings: Settings) -> Iterator[Session]:
-    """A session in one transaction: committed on success, rolled back on error.
+def write_scope(settings: Settings) -> Iterator[Session]:
+    """A session for writing, in one transaction: committed on success, rolled back on error. On
+    SQLite its first statement queues for the writers' lock (``WriterLock``) and takes the
+    database's write lock (BEGIN IMMEDIATE): reads belong in ``read_scope``, which takes neither.
 
     A database that cannot be reached raises Unreachable naming the URL (password masked).
     """
@@ -200,7 +195,7 @@ def session_scope(settings: Settings) -> Iterator[Session]:
 def read_scope(settings: Settings) -> Iterator[Session]:
     """A session for reading only, in one transaction that sees one state of the database.
 
-    On SQLite it takes no write lock, so a long read (the scheduler's snapshot, a watcher's poll)
+    On SQLite it takes no write lock, so a long read (the scheduler's read of the queue, a watcher's poll)
     never makes the workers' claims and ends wait; writing in it is an error there.
     """
     with _scope(settings, read_only=True) as session:
@@ -249,17 +244,6 @@ def checkpoint(settings: Settings) -> None:
         raw.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
     finally:
         raw.close()
-
-
-def savepoint(session: Session):
-    """A savepoint where a failed statement would abort the whole transaction (PostgreSQL); on
-    SQLite, where only the failed statement is undone, none (two statements fewer). So only for
-    a block whose earlier statements may stand when a later one fails, or whose later ones cannot
-    fail on SQLite: nothing before the failed statement is undone there (``allocate`` needs a
-    real savepoint, ``take_next`` does not)."""
-    if session.connection().dialect.name == "sqlite":
-        return nullcontext()
-    return session.begin_nested()
 
 
 def _unreachable_message(settings: Settings, exc: SQLAlchemyError) -> str:

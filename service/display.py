@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 
 if TYPE_CHECKING:  # the client renders the server's JSON with these too, and imports no SQLAlchemy
     from gpuq.service.models import Job
@@ -27,7 +28,7 @@ def duration(d: timedelta | None) -> str:
 def result_summary(job: "Job | Any") -> str:
     """One cell's worth of what a job produced, or why it waits or failed."""
     r = job.result or {}
-    if job.state == c.SUCCEEDED:
+    if job.state == State.SUCCEEDED:
         if "gflops" in r:
             return f"{r['gflops']:.1f} GFLOP/s"
         if "test_acc" in r:
@@ -35,8 +36,8 @@ def result_summary(job: "Job | Any") -> str:
         if job.kind == c.KIND_COMMAND:
             return "exit 0"
         return "done"
-    if job.state == c.PENDING:
+    if job.state == State.PENDING:
         return "held" if job.held else (job.reason or "waiting for GPUs")
-    if job.state == c.RUNNING and job.cancel_requested_at:
-        return "cancelling"
+    if job.state == State.RUNNING and job.cancel_requested_at:
+        return c.CANCELLING
     return job.reason or ""

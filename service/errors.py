@@ -77,3 +77,9 @@ class JobCancelled(GpuqError):
     """Raised inside a running built-in workload when its job was cancelled."""
 
     exit_code = c.EXIT_JOB_FAILED
+
+
+class BugError(GpuqError):
+    """gpuq broke its own rules (a move its lifecycle table does not allow): a bug to report."""
+
+    exit_code = c.EXIT_SOFTWARE

@@ -6,6 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import policy
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
@@ -20,7 +21,7 @@ def _gib(mib: float) -> str:
 def why(session: Session, settings: Settings, job_id: int) -> str:
     """A sentence (or a few) saying why job ``job_id`` is where it is."""
     job = get_job(session, job_id)
-    if job.state != c.PENDING:
+    if job.state != State.PENDING:
         tail = f": {job.reason}" if job.reason else ""
         where = f" on {job.node}" if job.node else ""
         verb = "" if job.state in c.END_STATES else "is "
@@ -36,7 +37,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"{head}: it waits for {pending} {need}"
     if reason == policy.USER_LIMIT:
         held = sum(session.scalars(select(Job.gpus).where(Job.user == job.user, Job.state.in_(
-            (c.DISPATCHED, c.RUNNING)))))
+            (State.DISPATCHED, State.RUNNING)))))
         return (f"{head}: {job.user} holds {held} GPUs and the limit is {settings.user_gpu_limit} at once; "
                 f"this job needs {job.gpus} more")
     if reason == policy.NODE_DRAINED:
@@ -48,7 +49,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
     if reason == policy.PRIORITY:
-        ahead = session.scalars(select(Job).where(Job.state == c.PENDING, Job.reason == policy.RESOURCES)
+        ahead = session.scalars(select(Job).where(Job.state == State.PENDING, Job.reason == policy.RESOURCES)
                                 .order_by(Job.priority.desc(), Job.id).limit(1)).first()
         if ahead is not None:
             parts.append(f"job {ahead.id} of {ahead.user} ({ahead.gpus} GPUs) is ahead of it and waits for GPUs")

@@ -23,6 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -83,7 +84,7 @@ class Job(Base):
     cwd: Mapped[str | None] = mapped_column(Text)
     gpus: Mapped[int] = mapped_column(Integer, default=1)
     priority: Mapped[int] = mapped_column(Integer, default=0)
-    state: Mapped[str] = mapped_column(String(16), default=c.PENDING)
+    state: Mapped[str] = mapped_column(String(16), default=State.PENDING)
     # Why it waits, or why it ended the way it did, in a sentence.
     reason: Mapped[str | None] = mapped_column(Text)
     node: Mapped[str | None] = mapped_column(String(255))

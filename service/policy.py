@@ -1,5 +1,5 @@
-"""Scheduling policy as a pure function over a snapshot: who goes first, on which GPUs, and why the
-others wait. No database, no broker: the scheduler builds the snapshot and applies the decision.
+"""Scheduling policy as a pure function over the queue's state: who goes first, on which GPUs, and why the
+others wait. No database, no broker: the scheduler reads the state (service/queue_read.py) and applies the decision.
 
 Order: priority, then fair share (the user with fewer recent GPU-hours first), then submission.
 A job gets all its GPUs on one node at once (gang) or none. The first job that does not fit gets a
@@ -32,7 +32,7 @@ class GpuState:
     queue: str
     memory_total_mib: int
     memory_used_mib: int = 0
-    foreign_mib: int = 0  # held by processes gpuq did not start
+    foreign_mib: int = 0  # used by processes gpuq did not start
     # None: free now. Else the time (epoch s) its job is expected to end; inf when it has no limit.
     busy_until: float | None = None
 
@@ -72,12 +72,12 @@ class Placement:
 
 
 @dataclass
-class Snapshot:
+class QueueState:
     now: float
     jobs: list[JobRequest]
     gpus: list[GpuState]
-    usage: dict[str, float] = field(default_factory=dict)  # recent GPU-hours per user, decayed
-    held_gpus: dict[str, int] = field(default_factory=dict)  # GPUs each user's jobs hold now
+    gpu_hours: dict[str, float] = field(default_factory=dict)  # recent GPU-hours per user, decayed (fair share)
+    gpus_in_use: dict[str, int] = field(default_factory=dict)  # GPUs each user's jobs hold now
     user_gpu_limit: int = 0  # 0: unlimited
 
 
@@ -98,32 +98,32 @@ class Decision:
     order: list[JobRequest] = field(default_factory=list)
 
 
-def order_key(job: JobRequest, usage: dict[str, float]) -> tuple[int, float, float, int]:
+def order_key(job: JobRequest, gpu_hours: dict[str, float]) -> tuple[int, float, float, int]:
     """Where ``job`` stands in the queue: priority, then its user's fair share, then submission."""
-    return -job.priority, usage.get(job.user, 0.0), job.submitted, job.id
+    return -job.priority, gpu_hours.get(job.user, 0.0), job.submitted, job.id
 
 
-def queue_order(snapshot: Snapshot) -> list[JobRequest]:
-    usage = snapshot.usage
-    return sorted(snapshot.jobs, key=lambda j: order_key(j, usage))
+def queue_order(state: QueueState) -> list[JobRequest]:
+    hours = state.gpu_hours
+    return sorted(state.jobs, key=lambda j: order_key(j, hours))
 
 
-def decide(snapshot: Snapshot) -> Decision:
+def decide(state: QueueState) -> Decision:
     """Place what can start now and say why everything else waits."""
-    now = snapshot.now
+    now = state.now
     free: dict[str, list[GpuState]] = defaultdict(list)
     by_node: dict[str, list[GpuState]] = defaultdict(list)
-    for g in sorted(snapshot.gpus, key=lambda g: (g.node, g.index)):
+    for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)
         if g.busy_until is None:
             free[g.node].append(g)
-    held = dict(snapshot.held_gpus)
-    limit = snapshot.user_gpu_limit
+    in_use = dict(state.gpus_in_use)
+    limit = state.user_gpu_limit
     free_count = sum(len(gs) for gs in free.values())
-    decision = Decision([], {}, order=queue_order(snapshot))
+    decision = Decision([], {}, order=queue_order(state))
     blocked = False  # a job waits and no reservation can protect it: nothing else may start
     for job in decision.order:
-        if limit and held.get(job.user, 0) + job.gpus > limit:
+        if limit and in_use.get(job.user, 0) + job.gpus > limit:
             decision.waiting[job.id] = USER_LIMIT
             continue
         if blocked or (decision.reservation is not None and free_count < job.gpus):
@@ -136,7 +136,7 @@ def decide(snapshot: Snapshot) -> Decision:
             decision.placements.append(Placement(job.id, chosen))
             taken = {g.id for g in chosen}
             free[chosen[0].node] = [g for g in free[chosen[0].node] if g.id not in taken]
-            held[job.user] = held.get(job.user, 0) + job.gpus
+            in_use[job.user] = in_use.get(job.user, 0) + job.gpus
             free_count -= job.gpus
             continue
         if decision.reservation is not None:
@@ -196,7 +196,7 @@ def _reserve(job: JobRequest, by_node: dict[str, list[GpuState]], now: float) ->
     return best
 
 
-def next_up(snapshot: Snapshot, decision: Decision, per_gpu: int, scan: int) -> dict[int, list[int]]:
+def next_up(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> dict[int, list[int]]:
     """For each busy GPU, the pending one-GPU jobs it should start, best first, if its job ends
     before the scheduler looks again (their order in the queue ranks them across GPUs).
 
@@ -210,32 +210,32 @@ def next_up(snapshot: Snapshot, decision: Decision, per_gpu: int, scan: int) -> 
     """
     placed = {p.job_id for p in decision.placements}
     taken = {g.id for p in decision.placements for g in p.gpus}
-    open_gpus = [g for g in snapshot.gpus if g.busy_until is not None or g.id in taken]
+    open_gpus = [g for g in state.gpus if g.busy_until is not None or g.id in taken]
     busy_on: dict[str, int] = defaultdict(int)
     for g in open_gpus:
         busy_on[g.node] += 1
     lists: dict[int, list[int]] = {g.id: [] for g in open_gpus}
-    held = dict(snapshot.held_gpus)
-    limit = snapshot.user_gpu_limit
+    in_use = dict(state.gpus_in_use)
+    limit = state.user_gpu_limit
     if limit:
-        user_of = {j.id: j.user for j in snapshot.jobs}
+        user_of = {j.id: j.user for j in state.jobs}
         for p in decision.placements:
-            held[user_of[p.job_id]] = held.get(user_of[p.job_id], 0) + len(p.gpus)
-    order = decision.order or queue_order(snapshot)
+            in_use[user_of[p.job_id]] = in_use.get(user_of[p.job_id], 0) + len(p.gpus)
+    order = decision.order or queue_order(state)
     for looked, job in enumerate(j for j in order if j.id not in placed):
         if not open_gpus or looked >= scan:
             break
-        if limit and held.get(job.user, 0) + job.gpus > limit:
+        if limit and in_use.get(job.user, 0) + job.gpus > limit:
             continue
         usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and g.fits(job)]
         if job.gpus > 1:
             # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
-            could = {g.node for g in usable if sum(h.node == g.node and h.fits(job) for h in snapshot.gpus) >= job.gpus}
+            could = {g.node for g in usable if sum(h.node == g.node and h.fits(job) for h in state.gpus) >= job.gpus}
             open_gpus = [g for g in open_gpus if g.node not in could or g not in usable]
             continue
         for g in usable:
             lists[g.id].append(job.id)
         if usable and limit:
-            held[job.user] = held.get(job.user, 0) + 1
+            in_use[job.user] = in_use.get(job.user, 0) + 1
         open_gpus = [g for g in open_gpus if len(lists[g.id]) < per_gpu * busy_on[g.node]]
     return {gpu: jobs for gpu, jobs in lists.items() if jobs}

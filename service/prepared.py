@@ -18,6 +18,8 @@ from typing import Any
 
 from sqlalchemy import Connection, exc
 
+from gpuq.service.dialect import is_sqlite
+
 
 class Prepared:
     """A Core statement run straight on the driver's cursor where the database is SQLite.
@@ -34,7 +36,7 @@ class Prepared:
         self._compiled: dict[tuple[str, ...], _Compiled] = {}
 
     def run(self, conn: Connection, params: dict[str, Any] | list[dict[str, Any]]) -> Any:
-        if conn.dialect.name != "sqlite":
+        if not is_sqlite(conn):
             result = conn.execute(self.statement, params)
             return result.all() if self.returns else result.rowcount
         many = isinstance(params, list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from gpuq.service import submitting
 from gpuq.service import jobs
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
@@ -38,4 +39,4 @@ def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) 
     if spec.snapshot and not os.path.isdir(spec.cwd):
         raise InvalidSpec(f"job {job_id}'s snapshot {spec.snapshot} is gone; it cannot run as it was")
     # The code is the one recorded with the old job (and its snapshot, reused): not asked of git again.
-    return jobs.submit_all(settings, [spec], record_code=False)[0]
+    return submitting.submit_all(settings, [spec], record_code=False)[0]

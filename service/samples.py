@@ -9,11 +9,13 @@ from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Integer, case, cast, delete, func, insert, select
+from sqlalchemy import case, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.dialect import epoch_seconds
 from gpuq.service.devices import GpuReading
 from gpuq.service.models import Allocation, DeviceMinute, DeviceSample, Job
 from gpuq.service.prepared import Prepared
@@ -42,7 +44,7 @@ def record(session: Session, gpu_id: int, rows: Sequence[dict[str, Any]]) -> Non
     if any(r["job_id"] is None for r in rows):
         holder = session.execute(
             select(Job.id, Job.started_at).join(Allocation, Allocation.job_id == Job.id)
-            .where(Allocation.gpu_id == gpu_id, Job.state == c.RUNNING)
+            .where(Allocation.gpu_id == gpu_id, Job.state == State.RUNNING)
         ).first()
         if holder is not None and holder.started_at is not None:
             rows = [r if r["job_id"] is not None or r["sampled_at"] < holder.started_at
@@ -64,13 +66,6 @@ def latest(session: Session, gpu_ids: Sequence[int], newer_than: datetime) -> di
         if row is not None:
             out[gpu_id] = row
     return out
-
-
-def epoch_seconds(column, dialect: str):
-    """Whole seconds since 1970 of a UTC timestamp column, in the database's own SQL."""
-    if dialect == "sqlite":
-        return cast(func.strftime("%s", column), Integer)
-    return cast(func.floor(func.extract("epoch", column)), Integer)
 
 
 def raw_sums(t=DeviceSample) -> list:
@@ -116,7 +111,7 @@ def rollup(settings: Settings, now: datetime, gpu_id: int | None = None) -> int:
     cutoff = _floor_minute(now - timedelta(days=settings.sample_retention_days))
     done = 0
     while True:
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             scope = [DeviceSample.sampled_at < cutoff]
             if gpu_id is not None:
                 scope.append(DeviceSample.gpu_id == gpu_id)
@@ -126,7 +121,7 @@ def rollup(settings: Settings, now: datetime, gpu_id: int | None = None) -> int:
             start = _floor_minute(oldest)
             end = min(start + timedelta(seconds=c.ROLLUP_CHUNK_SECONDS), cutoff)
             window = [*scope, DeviceSample.sampled_at >= start, DeviceSample.sampled_at < end]
-            minute = (epoch_seconds(DeviceSample.sampled_at, session.bind.dialect.name)
+            minute = (epoch_seconds(DeviceSample.sampled_at, session)
                       // c.AGGREGATE_SECONDS).label("minute_no")
             groups = session.execute(
                 select(DeviceSample.gpu_id, DeviceSample.job_id, minute, *raw_sums())

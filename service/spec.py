@@ -44,7 +44,7 @@ class JobSpec:
     env: dict[str, str] | None = None
     array_index: int | None = None
     host_mem_mib: int | None = None
-    # The code at submit (service/snapshot.py): recorded by jobs.submit_all, copied by a resubmit.
+    # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.
     git_commit: str | None = None
     git_dirty: bool | None = None
     git_diff: str | None = None

@@ -6,20 +6,14 @@ any that die.
 asks it to stop. The supervisor starts its children by module name (``python -m ...``), so nothing
 here imports the workers or the CLI.
 
-Run as root, the stack is the machine's and serves every user: its home is traversable but not
-listable (0711: a user reaches their job's snapshot by name), its logs, pid files and Redis data are
-root's alone (0700), the SQLite database is 0600, and the Redis it starts requires a password that
-`gpuq up` generates once into ``home/redis.secret`` (0600), so no user can reach the broker. The
-password is given to Redis in a 0600 config file, never on its command line (which every user can
-read in /proc). Run as anyone else, the stack is that user's own, in their home, as before.
+Run as root, the stack is the machine's and serves every user, from a home made safe to share
+(service/system_home.py). Run as anyone else, the stack is that user's own, in their home.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -33,12 +27,12 @@ from urllib.parse import unquote, urlsplit
 import psutil
 from sqlalchemy import select
 
-from gpuq.service import broker
-from gpuq.service.db import session_scope, sqlite_file, upgrade
+from gpuq.service import broker, system_home
+from gpuq.service.db import write_scope, upgrade
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import StackError
 from gpuq.service.models import Gpu
-from gpuq.service.settings import SYSTEM_SOCKET, Settings, get_settings
+from gpuq.service.settings import Settings, get_settings
 
 log = logging.getLogger("gpuq.stack")
 
@@ -47,12 +41,7 @@ RESTART_DELAY = 1.0
 RESTART_DELAY_MAX = 30.0
 # How often the supervisor looks at its children.
 SUPERVISE_POLL = 0.2
-# Modes of a root stack's state: the home traversable only, its private folders and files root's.
-SYSTEM_HOME_MODE = 0o711
-PRIVATE_DIR_MODE = 0o700
-PRIVATE_FILE_MODE = 0o600
-# The folder of the machine's server socket: everyone reaches the socket (0666) through it.
-SOCKET_DIR_MODE = 0o755
+
 
 
 def pid_file(settings: Settings) -> Path:
@@ -112,7 +101,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         broker.check(settings)
     system = os.geteuid() == 0
     if system:
-        settings = prepare_system_home(settings)
+        settings = system_home.prepare(settings)
     starts_redis = settings.broker_is_managed and not broker.reachable(settings)
     if system and starts_redis and _port_taken(settings):
         raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "
@@ -120,7 +109,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
                          "free port, or GPUQ_BROKER_URL to a Redis to use")
     upgrade(settings)
     if system:
-        _private_database(settings)
+        system_home.private_database(settings)
     for d in (settings.run_dir, settings.log_dir):
         d.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -138,72 +127,6 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     raise StackError(f"workers did not register within {timeout:g} s; see {settings.log_dir}")
 
 
-def prepare_system_home(settings: Settings) -> Settings:
-    """A root stack's home made safe to share, and the settings to run it with.
-
-    The home is 0711, its logs/, run/ and redis/ 0700; with no broker configured, a Redis password
-    is generated once into ``redis.secret`` (0600). The settings returned are read afresh, so
-    their broker URL carries that password (``Settings.broker`` is computed once per object);
-    the supervisor and its children read the same file when they load their settings."""
-    home = settings.home
-    home.mkdir(parents=True, exist_ok=True)
-    os.chmod(home, SYSTEM_HOME_MODE)
-    for d in (settings.log_dir, settings.run_dir, home / "redis"):
-        d.mkdir(exist_ok=True)
-        os.chmod(d, PRIVATE_DIR_MODE)
-    socket_dir = settings.server_socket.parent
-    if str(settings.server_socket) == SYSTEM_SOCKET:
-        socket_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(socket_dir, SOCKET_DIR_MODE)
-    db_file = _sqlite_file(settings)
-    if db_file is not None and not db_file.exists():
-        # Created 0600 before SQLite opens it: its -wal and -shm files then get that mode too.
-        db_file.parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(db_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
-    if settings.broker_is_managed:
-        _ensure_secret(settings.redis_secret)
-    return dataclasses.replace(settings)
-
-
-def _ensure_secret(path: Path) -> None:
-    """The Redis password at ``path``, made once (mode 0600 from its creation, never wider)."""
-    try:
-        if path.read_text().strip():
-            os.chmod(path, PRIVATE_FILE_MODE)
-            return
-    except FileNotFoundError:
-        pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-    try:
-        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _sqlite_file(settings: Settings) -> Path | None:
-    """The SQLite database's file, if the database is one."""
-    path = sqlite_file(settings.database)
-    return None if path is None else Path(path)
-
-
-def _private_database(settings: Settings) -> None:
-    """The SQLite database and its -wal/-shm files root's alone (SQLite gives the files it creates
-    later the database file's mode)."""
-    path = _sqlite_file(settings)
-    if path is None:
-        return
-    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"),
-              path.with_name(path.name + "-journal")):
-        try:
-            os.chmod(f, PRIVATE_FILE_MODE)
-        except FileNotFoundError:
-            pass
-
-
 def _port_taken(settings: Settings) -> bool:
     """Whether something accepts connections on the managed Redis's port."""
     try:
@@ -218,7 +141,7 @@ def _registered(settings: Settings, indices: list[int], since: float) -> int:
 
     after = datetime.fromtimestamp(since, timezone.utc)
     try:
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             rows = session.scalars(select(Gpu).where(Gpu.node == settings.node, Gpu.index.in_(indices),
                                                      Gpu.heartbeat_at >= after))
             return sum(1 for _ in rows)
@@ -339,10 +262,10 @@ class Supervisor:
         if url.password:
             # The password the broker URL carries (root's stack: redis.secret), in a 0600 file:
             # on the command line every user would read it in /proc/PID/cmdline.
-            os.chmod(data, PRIVATE_DIR_MODE)
+            os.chmod(data, system_home.PRIVATE_DIR_MODE)
             conf = data / "redis.conf"
             conf.unlink(missing_ok=True)
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, system_home.PRIVATE_FILE_MODE)
             with os.fdopen(fd, "w") as out:
                 out.write(f'requirepass "{unquote(url.password)}"\n')
             argv.append(str(conf))

@@ -14,6 +14,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import elapsed, get_job
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, utcnow
@@ -224,7 +225,7 @@ def idle_jobs(session: Session, settings: Settings, now: datetime | None = None)
     IDLE_UTILIZATION) through the whole last ``idle_window`` seconds."""
     now = now or utcnow()
     since = now - timedelta(seconds=settings.idle_window)
-    running = dict(session.execute(select(Job.id, Job.gpus).where(Job.state == c.RUNNING,
+    running = dict(session.execute(select(Job.id, Job.gpus).where(Job.state == State.RUNNING,
                                                                   Job.started_at <= since)).all())
     if not running:
         return set()

@@ -27,7 +27,7 @@ import redis
 from sqlalchemy import create_engine, text
 
 from gpuq.service import db, jobs
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.settings import Settings
 
 REDIS_URL = os.environ.get("GPUQ_TEST_REDIS", "redis://127.0.0.1:6379/13")
@@ -217,13 +217,13 @@ class Stack:
     def wait_registered(self, count: int, timeout: float = 60.0) -> None:
         from sqlalchemy import select
 
-        from gpuq.service.db import session_scope
+        from gpuq.service.db import write_scope
         from gpuq.service.inventory import live_cutoff
         from gpuq.service.models import Gpu
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with session_scope(self.settings) as session:
+            with write_scope(self.settings) as session:
                 n = len(session.scalars(select(Gpu).where(Gpu.heartbeat_at >= live_cutoff(self.settings),
                                                           Gpu.worker_pid.is_not(None))).all())
             if n >= count:
@@ -371,7 +371,7 @@ def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
     """Poll SQL until the job is in one of ``states``; its state then."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             state = jobs.get_job(session, job_id).state
         if state in states:
             return state
@@ -381,7 +381,7 @@ def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
 
 def output_of(settings, job_id: int) -> str:
     """All the job's output so far, as stored in SQL."""
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return "".join(d for _, d in jobs.read_output(session, job_id))
 
 

@@ -54,11 +54,11 @@ def run_jobs(stack, tmp_path) -> RanJobs:
 
 def _wait_reason(settings, job_id: int, timeout: float = 30.0) -> None:
     from gpuq.service import jobs
-    from gpuq.service.db import session_scope
+    from gpuq.service.db import write_scope
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             if jobs.get_job(session, job_id).reason:
                 return
         time.sleep(0.1)

@@ -18,11 +18,13 @@ from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
+from gpuq.service import submitting
 from gpuq.service import broker, db, jobs, spec
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import settings as settings_module
 from gpuq.service.celery_app import make_app
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Allocation, Gpu, Job, JobOutput, utcnow
 from tests.conftest import ThreadServer, Stack, make_settings, new_postgres_database, run_cli, settings_env
@@ -48,7 +50,7 @@ def pg(tmp_path_factory, postgres_server, redis_url):
 def snapshot(settings) -> tuple:
     """Everything a refused request must leave as it was: the jobs and their states, output, and
     gpuq's Redis keys with their lengths."""
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         rows = tuple(session.execute(select(Job.id, Job.state, Job.held, Job.user, Job.cancel_requested_at)
                                      .order_by(Job.id)).all())
         output = session.scalar(select(func.count()).select_from(JobOutput))
@@ -159,14 +161,14 @@ def test_nul_bytes_and_undecodable_text_cannot_reach_a_job():
 @pytest.fixture
 def roots_job(pg):
     """A held job of root's (the test runs as root), for another user to try things on."""
-    job = jobs.submit(pg, spec.command_spec(["true"], cwd="/"))
-    with session_scope(pg) as session:
+    job = submitting.submit(pg, spec.command_spec(["true"], cwd="/"))
+    with write_scope(pg) as session:
         session.execute(update(Job).where(Job.id == job.id).values(held=True))
         session.add(JobOutput(job_id=job.id, seq=0, data="root's secret output\n"))
     yield job.id
-    with session_scope(pg) as session:
-        session.execute(update(Job).where(Job.id == job.id, Job.state == c.PENDING)
-                        .values(state=c.CANCELLED, ended_at=utcnow()))
+    with write_scope(pg) as session:
+        session.execute(update(Job).where(Job.id == job.id, Job.state == State.PENDING)
+                        .values(state=State.CANCELLED, ended_at=utcnow()))
 
 
 @needs_root
@@ -222,7 +224,7 @@ def send(settings, args, **options) -> None:
 
 
 def gpu0(settings) -> Gpu:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu = session.scalar(select(Gpu).where(Gpu.node == settings.node, Gpu.index == 0))
         session.expunge(gpu)
         return gpu
@@ -271,13 +273,13 @@ def test_a_forged_message_for_no_job_is_dropped_and_writes_nothing(pg, worker, a
 
 def test_a_forged_message_for_a_pending_job_does_not_start_it(pg, worker, tmp_path):
     marker = tmp_path / "ran"
-    job = jobs.submit(pg, spec.command_spec(toucher(marker), cwd=str(tmp_path)))
+    job = submitting.submit(pg, spec.command_spec(toucher(marker), cwd=str(tmp_path)))
     send(pg, [job.id])
     wait_for_log(worker, f"job {job.id} is not dispatched to this GPU; message dropped")
-    with session_scope(pg) as session:
+    with write_scope(pg) as session:
         row = jobs.get_job(session, job.id)
-        assert row.state == c.PENDING and row.started_at is None and row.worker is None
-        session.execute(update(Job).where(Job.id == job.id).values(state=c.CANCELLED, ended_at=utcnow()))
+        assert row.state == State.PENDING and row.started_at is None and row.worker is None
+        session.execute(update(Job).where(Job.id == job.id).values(state=State.CANCELLED, ended_at=utcnow()))
     assert not marker.exists()
 
 
@@ -285,23 +287,23 @@ def test_a_message_naming_another_command_runs_the_rows_command_only(pg, worker,
     """The job is dispatched to GPU 0 in SQL, and the only messages are forged ones naming another
     command: in kwargs (the task takes none: refused) and in headers (ignored: the row's runs)."""
     theirs, mine = tmp_path / "forged-command-ran", tmp_path / "row-command-ran"
-    job = jobs.submit(pg, spec.command_spec(toucher(mine), cwd=str(tmp_path)))
-    with session_scope(pg) as session:
-        session.execute(update(Job).where(Job.id == job.id).values(state=c.DISPATCHED, dispatched_at=utcnow(),
+    job = submitting.submit(pg, spec.command_spec(toucher(mine), cwd=str(tmp_path)))
+    with write_scope(pg) as session:
+        session.execute(update(Job).where(Job.id == job.id).values(state=State.DISPATCHED, dispatched_at=utcnow(),
                                                                    node=pg.node))
         session.add(Allocation(job_id=job.id, gpu_id=gpu0(pg).id, rank=0))
     evil = toucher(theirs)
     send(pg, [job.id], kwargs={"argv": evil})
     wait_for_log(worker, "unexpected keyword argument 'argv'")
-    with session_scope(pg) as session:
-        assert jobs.get_job(session, job.id).state == c.DISPATCHED
+    with write_scope(pg) as session:
+        assert jobs.get_job(session, job.id).state == State.DISPATCHED
     send(pg, [job.id], headers={"argv": evil, "command": " ".join(evil)})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        with session_scope(pg) as session:
+        with write_scope(pg) as session:
             row = jobs.get_job(session, job.id)
         if row.state in c.END_STATES:
             break
         time.sleep(0.1)
-    assert row.state == c.SUCCEEDED and row.argv == toucher(mine), worker_log(worker)[-3000:]
+    assert row.state == State.SUCCEEDED and row.argv == toucher(mine), worker_log(worker)[-3000:]
     assert mine.read_text() == "x" and not theirs.exists()

@@ -17,7 +17,9 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
+from gpuq.service import submitting
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import jobs, spec
 from gpuq.service.errors import ConfigError
 from gpuq.service.settings import load_settings, setting_sources
@@ -108,7 +110,7 @@ def test_a_bad_config_file_is_one_line_and_exit_78_for_any_command(tmp_path, con
 
 def test_every_read_command_takes_json_and_prints_parseable_json(use_settings, tmp_path):
     settings = use_settings
-    job = jobs.submit(settings, spec.command_spec(["echo", "hi"], cwd=str(tmp_path)))
+    job = submitting.submit(settings, spec.command_spec(["echo", "hi"], cwd=str(tmp_path)))
     jobs.cancel(settings, job.id, user=job.user)
     group = get_command(app)
     ctx = click.Context(group)
@@ -164,7 +166,7 @@ def test_logs_follow_of_a_training_job_shows_an_epoch_bar_on_a_terminal_only(sta
     job_id = submit(s, TRAIN)
     code, screen = in_pty(["logs", "-f", str(job_id)], s)
     assert code == 0, screen
-    assert wait_for_state(s, job_id, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, stack.logs()
     assert "epoch 3/3" in screen and "3/3" in screen.split("epoch 3/3")[-1]  # the bar: text, then M/N
     assert "━" in screen and "\x1b[" in screen
     assert "epoch 1/3: loss" in screen  # the job's own output, above the bar

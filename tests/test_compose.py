@@ -23,7 +23,7 @@ from sqlalchemy import select
 
 from gpuq.migrations.versions import HEAD
 from gpuq.service import db
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import Gpu
 from tests.conftest import free_port, make_settings, new_postgres_database, run_cli, settings_env, wait_for_socket
 from tests.test_end_to_end import submit, wait_for_state
@@ -325,7 +325,7 @@ def test_migrate_server_scheduler_worker_and_dashboard_command_lines_run_a_job_a
         assert health.returncode == 0, health.stderr + (tmp_path / "server.log").read_text()[-3000:]
         deadline = time.monotonic() + 60
         while True:
-            with session_scope(settings) as session:
+            with write_scope(settings) as session:
                 gpu = session.scalar(select(Gpu).where(Gpu.node == "composenode", Gpu.index == 0))
             if gpu is not None and gpu.heartbeat_at is not None:
                 break
@@ -350,7 +350,7 @@ def test_migrate_server_scheduler_worker_and_dashboard_command_lines_run_a_job_a
         assert not sock.exists()  # the server removes its socket when it stops
         failed = run_cli(["status"], settings, extra_env={"GPUQ_SOCKET": str(sock)})
         assert failed.returncode != 0 and "no gpuq server answers" in failed.stderr
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             assert session.scalar(select(Gpu).where(Gpu.node == "composenode", Gpu.index == 0)).heartbeat_at is None
     finally:
         for p in procs.values():

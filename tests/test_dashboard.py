@@ -15,7 +15,7 @@ from html import escape
 import pytest
 
 from gpuq.service import accounting, jobs
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import utcnow
 from tests.conftest import run_cli, serving
 from tests.dashboard_stack import TRAIN_EPOCHS, XSS_NAME, Dashboard, stack_with_jobs
@@ -55,7 +55,7 @@ def test_queue_page_shows_each_job_with_its_state_and_why_pending_ones_wait(ran,
     assert "<script>" not in html and "oops &lt;script&gt;alert(1)&lt;/script&gt;" in _row(html, j.failed)
     assert "running" in _row(html, j.running) and "long-nap" in _row(html, j.running)
     assert "pending" in _row(html, j.held) and "held" in _row(html, j.held)
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         reason = jobs.get_job(session, j.dependent).reason
     assert reason and reason in _row(html, j.dependent)
 
@@ -67,7 +67,7 @@ def test_queue_page_shows_every_gpu_with_bars_and_the_job_and_user_on_it(ran, da
     rows = re.findall(r"<tr><td>testnode</td>.*?</tr>", gpus)
     assert len(rows) == st.settings.fake_gpus
     busy = next(r for r in rows if f'href="/jobs/{j.running}"' in r)
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         user = jobs.get_job(session, j.running).user
     assert f"<td>{user}</td>" in busy and "s-busy" in busy
     assert busy.count('<svg class="bar"') == 2  # utilisation and memory
@@ -79,7 +79,7 @@ def test_job_page_shows_parameters_result_metrics_per_epoch_and_device_plots(ran
     st, j = ran
     status, _, html = dash.get(f"/jobs/{j.train}")
     assert status == 200
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         job = jobs.get_job(session, j.train)
         metrics = jobs.read_metrics(session, j.train)
     assert f"Job {j.train}: tiny-train" in html
@@ -112,7 +112,7 @@ def test_job_page_of_a_pending_job_says_why_it_waits_and_a_failed_one_shows_its_
 def test_job_page_shows_no_output_by_default_only_whose_it_is_and_how_they_read_it(ran, dash):
     st, j = ran
     for job_id in (j.failed, j.train, j.running):
-        with session_scope(st.settings) as session:
+        with write_scope(st.settings) as session:
             job = jobs.get_job(session, job_id)
             output = jobs.read_output(session, job_id)
         status, _, html = dash.get(f"/jobs/{job_id}")
@@ -137,7 +137,7 @@ def test_no_page_shows_a_recorded_diff_or_environment_values_even_with_shared_lo
     from gpuq.service.models import Job
 
     diff, env = "+SECRET_DIFF_LINE = 'uncommitted'", {"SECRET_TOKEN": "hunter2-env-value"}
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         before = session.get(Job, j.held)
         saved = (before.git_diff, before.git_dirty, before.env)
         session.execute(update(Job).where(Job.id == j.held).values(git_diff=diff, git_dirty=True, env=env))
@@ -148,14 +148,14 @@ def test_no_page_shows_a_recorded_diff_or_environment_values_even_with_shared_lo
                 assert status == 200, path
                 assert "SECRET_DIFF_LINE" not in body and "hunter2-env-value" not in body, path
     finally:
-        with session_scope(st.settings) as session:
+        with write_scope(st.settings) as session:
             session.execute(update(Job).where(Job.id == j.held)
                             .values(git_diff=saved[0], git_dirty=saved[1], env=saved[2]))
 
 
 def test_metrics_carry_no_output_even_with_shared_logs(ran, dash, shared_dash):
     st, j = ran
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         lines = {ln.strip() for job_id in (j.failed, j.train, j.matmul, j.running)
                  for _, data in jobs.read_output(session, job_id) for ln in data.splitlines() if len(ln.strip()) > 10}
     assert "about to fail" in lines
@@ -171,7 +171,7 @@ def test_usage_page_shows_each_users_gpu_hours_over_the_last_day_and_week(ran, d
         status, _, html = dash.get(f"/usage?period={period}")
         assert status == 200 and f"Usage, last {period}" in html
         now = utcnow()
-        with session_scope(st.settings) as session:
+        with write_scope(st.settings) as session:
             rep = accounting.report(session, now - span, now, now)
         users = html.split('class="usage-users"', 1)[1].split("</table>", 1)[0]
         for row in rep["users"]:
@@ -196,7 +196,7 @@ def test_dashboard_is_read_only_it_refuses_writes_and_leaves_the_database_unchan
         assert dash.get(f"/jobs/{j.held}", method=method)[0] == 405
     status, kind, body = dash.get(f"/jobs/{j.held}", method="HEAD")
     assert status == 200 and kind.startswith("text/html") and body == ""
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         assert jobs.get_job(session, j.held).state == "pending"
 
 
@@ -293,7 +293,7 @@ def test_a_public_view_request_may_change_nothing_nor_ask_about_itself(ran):
         assert api("POST", target, public=True)[0] == 403
     assert api("GET", "/jobs?mine=1", public=True)[0] == 403
     assert api("GET", "/jobs/active", public=True)[0] == 403
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         assert jobs.get_job(session, j.held).state == "pending" and jobs.get_job(session, j.held).held
     # What every user may see, the public view sees.
     status, answer = api("GET", "/jobs?ended=25", public=True)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from gpuq.service import jobs
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from tests.conftest import IN_CI
 from tests.dashboard_stack import TRAIN_EPOCHS, stack_with_jobs
 
@@ -83,7 +83,7 @@ def test_job_page_in_chromium_shows_parameters_result_epochs_and_plots(browser, 
     browser.click(f"a[href='/jobs/{j.train}']")
     browser.wait_for_url(f"**/jobs/{j.train}")
     assert browser.locator("h1").inner_text() == f"Job {j.train}: tiny-train"
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         result = jobs.get_job(session, j.train).result
     assert "test_acc" in browser.locator("h2:has-text('Result') + table").inner_text()
     assert f"{result['test_acc']:.4g}" in browser.locator("h2:has-text('Result') + table").inner_text()
@@ -97,7 +97,7 @@ def test_job_page_in_chromium_shows_parameters_result_epochs_and_plots(browser, 
 
 def test_usage_page_in_chromium_shows_each_users_gpu_hours_for_day_and_week(browser, ran, dash, tmp_path):
     st, j = ran
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         user = jobs.get_job(session, j.train).user
     browser.goto(dash.url + "/usage")
     assert "Usage, last day" in browser.locator("h1").inner_text()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import JobUsage
 from tests.conftest import run_cli, stack_on_database
 from tests.test_end_to_end import submit, wait_for_state
@@ -57,7 +57,7 @@ def test_a_busy_and_an_idle_job_are_sampled_flagged_shown_and_summarised(sampled
 
     for job in (busy, idle):
         wait_for_state(s, job, ("succeeded",), timeout=60)
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         stored = {j: session.get(JobUsage, j) for j in (busy, idle)}
     assert all(u is not None and u.samples >= 5 for u in stored.values()), sampled_stack.logs()
     b, i = cli_json(["stats", str(busy)], s), cli_json(["stats", str(idle)], s)

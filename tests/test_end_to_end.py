@@ -12,8 +12,9 @@ import psutil
 import pytest
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import jobs
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from tests.conftest import output_of, run_cli, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -30,9 +31,9 @@ def test_matmul_goes_pending_running_succeeded_with_its_gflops_in_status_and_sho
     job_id = submit(s, ["matmul", "--size", "128", "--repeat", "20"])
     waited = run_cli(["wait", str(job_id), "--timeout", "120"], s, timeout=150)
     assert waited.returncode == 0, waited.stdout + waited.stderr + stack.logs()
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         job = jobs.get_job(session, job_id)
-        assert job.state == c.SUCCEEDED and job.node == "testnode" and job.worker.startswith("gpu")
+        assert job.state == State.SUCCEEDED and job.node == "testnode" and job.worker.startswith("gpu")
         assert job.submitted_at <= job.dispatched_at <= job.started_at <= job.ended_at
         result = job.result
     assert result["size"] == 128 and result["repeat"] == 20
@@ -62,7 +63,7 @@ def test_a_command_runs_without_a_shell_in_its_directory_with_its_gpus_and_keeps
         "print('to stderr', file=sys.stderr)\n"
     )
     job_id = submit(s, ["--gpus", "2", "--", sys.executable, "train.py", "--lr", "0.1", "$HOME;", "a b"], cwd=tmp_path)
-    assert wait_for_state(s, job_id, c.END_STATES) == c.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
     out = run_cli(["logs", str(job_id)], s).stdout
     assert "visible 0,1 PCI_BUS_ID" in out
     assert f"cwd {tmp_path}" in out
@@ -76,7 +77,7 @@ def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
     job_id = submit(s, ["--", sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"], cwd=tmp_path)
     waited = run_cli(["wait", str(job_id)], s, timeout=90)
     assert waited.returncode == c.EXIT_JOB_FAILED and f"job {job_id} failed" in waited.stdout
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         job = jobs.get_job(session, job_id)
         assert job.exit_code == 3 and job.reason == "exited with status 3"
     assert output_of(s, job_id) == "bye\n"
@@ -97,7 +98,7 @@ def test_cancel_kills_a_running_jobs_whole_process_tree_and_frees_the_gpu(stack,
         "time.sleep(600)\n"
     )
     job_id = submit(s, ["--", sys.executable, str(script)], cwd=tmp_path)
-    wait_for_state(s, job_id, [c.RUNNING])
+    wait_for_state(s, job_id, [State.RUNNING])
     deadline = time.monotonic() + 30
     while not (pid_file.exists() and pid_file.read_text().count(" ") == 2) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -106,25 +107,25 @@ def test_cancel_kills_a_running_jobs_whole_process_tree_and_frees_the_gpu(stack,
     result = run_cli(["cancel", str(job_id)], s, timeout=60)
     assert result.returncode == 0 and f"job {job_id} cancelled" in result.stdout, result.stdout + result.stderr
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         assert jobs.job_gpus(session, job_id) == []
         assert jobs.get_job(session, job_id).reason == "cancelled by user"
     # The freed GPU takes the next job.
     nxt = submit(s, ["--", "true"])
-    assert wait_for_state(s, nxt, c.END_STATES) == c.SUCCEEDED
+    assert wait_for_state(s, nxt, c.END_STATES) == State.SUCCEEDED
 
 
 def test_cancel_stops_a_running_builtin_workload_within_a_step(stack):
     s = stack.settings
     job_id = submit(s, ["matmul", "--size", "256", "--repeat", "1000000"])
-    wait_for_state(s, job_id, [c.RUNNING])
+    wait_for_state(s, job_id, [State.RUNNING])
     started = time.monotonic()
     result = run_cli(["cancel", str(job_id)], s, timeout=60)
     assert result.returncode == 0 and "cancelled" in result.stdout
     assert time.monotonic() - started < 20
     # The worker stays up and warm: the next job on it runs.
     nxt = submit(s, ["matmul", "--size", "64", "--repeat", "2"])
-    assert wait_for_state(s, nxt, c.END_STATES) == c.SUCCEEDED
+    assert wait_for_state(s, nxt, c.END_STATES) == State.SUCCEEDED
 
 
 def test_jobs_queue_when_gpus_are_busy_and_a_gpu_is_never_given_to_two_jobs(stack, tmp_path):
@@ -138,11 +139,11 @@ def test_jobs_queue_when_gpus_are_busy_and_a_gpu_is_never_given_to_two_jobs(stac
             "time.sleep(0.7); os.remove(me); print(sorted(seen))") % str(marker)
     ids = [submit(s, ["--", sys.executable, "-c", code]) for _ in range(5)]
     states = {j: wait_for_state(s, j, c.END_STATES, timeout=90) for j in ids}
-    assert set(states.values()) == {c.SUCCEEDED}, stack.logs()
+    assert set(states.values()) == {State.SUCCEEDED}, stack.logs()
     for j in ids:
         seen = eval(output_of(s, j))  # the GPUs busy while job j held its own
         assert len(seen) == len(set(seen)) and len(seen) <= 2
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         started = sorted(jobs.get_job(session, j).started_at for j in ids)
     assert started == sorted(started)
 
@@ -153,7 +154,7 @@ def test_status_json_lists_jobs_and_gpus(stack):
     wait_for_state(s, job_id, c.END_STATES)
     data = json.loads(run_cli(["status", "--json", "--ended", "1"], s).stdout)
     assert [j["id"] for j in data["jobs"]] == [job_id]
-    assert data["jobs"][0]["state"] == c.SUCCEEDED and data["jobs"][0]["elapsed_s"] >= 0
+    assert data["jobs"][0]["state"] == State.SUCCEEDED and data["jobs"][0]["elapsed_s"] >= 0
     assert sorted((g["node"], g["index"], g["online"]) for g in data["gpus"]) == [
         ("testnode", 0, True), ("testnode", 1, True)]
 
@@ -175,8 +176,8 @@ def test_a_training_job_records_each_epoch_in_sql_and_show_prints_them(stack):
     s = stack.settings
     job_id = submit(s, ["train", "--model", "lenet", "--epochs", "2", "--batch-size", "64",
                         "--train-size", "512", "--test-size", "128", "--lr", "0.5"])
-    assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == c.SUCCEEDED, output_of(s, job_id)
-    with session_scope(s) as session:
+    assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == State.SUCCEEDED, output_of(s, job_id)
+    with write_scope(s) as session:
         metrics = jobs.read_metrics(session, job_id)
         result = jobs.get_job(session, job_id).result
     assert [m["epoch"] for m in metrics] == [1, 2]
@@ -190,8 +191,8 @@ def test_a_two_gpu_ddp_training_job_runs_one_rank_in_each_gpus_own_worker(stack)
     s = stack.settings
     job_id = submit(s, ["--gpus", "2", "train", "--strategy", "ddp", "--epochs", "1", "--batch-size", "64",
                         "--train-size", "256", "--test-size", "64"])
-    assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == c.SUCCEEDED, output_of(s, job_id)
-    with session_scope(s) as session:
+    assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == State.SUCCEEDED, output_of(s, job_id)
+    with write_scope(s) as session:
         job = jobs.get_job(session, job_id)
         assert job.result["world_size"] == 2 and job.result["strategy"] == "ddp"
         assert job.rendezvous.startswith("tcp://")

@@ -19,10 +19,12 @@ import psutil
 import pytest
 from sqlalchemy import select
 
+from gpuq.service import submitting
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import db, jobs, spec
 from gpuq.service.celery_app import make_app, send_run_job
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
 from tests.conftest import make_settings, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, wait_for
@@ -48,11 +50,11 @@ def stack(tmp_path, database_url, redis_url):
 
 
 def submit(settings, argv, cwd, **fields):
-    return jobs.submit(settings, replace(spec.command_spec(argv, cwd=str(cwd)), **fields)).id
+    return submitting.submit(settings, replace(spec.command_spec(argv, cwd=str(cwd)), **fields)).id
 
 
 def job(settings, job_id) -> Job:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return jobs.get_job(session, job_id)
 
 
@@ -76,11 +78,11 @@ def worker_of(stack, job_id):
 
 def assert_settled(settings):
     """Nothing half-done: every job ended or visibly pending, and only running jobs hold GPUs."""
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         for j in session.scalars(select(Job)):
-            assert j.state in (*c.END_STATES, c.PENDING), f"job {j.id} left {j.state}"
+            assert j.state in (*c.END_STATES, State.PENDING), f"job {j.id} left {j.state}"
         holders = session.scalars(select(Job.state).join(Allocation, Allocation.job_id == Job.id)).all()
-        assert all(s in (c.DISPATCHED, c.RUNNING) for s in holders)
+        assert all(s in (State.DISPATCHED, State.RUNNING) for s in holders)
 
 
 def first_pid(marker):
@@ -96,7 +98,7 @@ def test_a_sigkilled_workers_job_is_requeued_within_the_lease_and_runs_once_more
     _, _, proc = worker_of(stack, job_id)
     killed_at = time.monotonic()
     proc.kill()
-    first = wait_state(stack.settings, job_id, (c.PENDING, c.DISPATCHED, c.RUNNING, c.SUCCEEDED), 5)
+    first = wait_state(stack.settings, job_id, (State.PENDING, State.DISPATCHED, State.RUNNING, State.SUCCEEDED), 5)
     back = wait_for(lambda: job(stack.settings, job_id).requeues == 1, stack.settings.lease_timeout + 5,
                     "the reaper to requeue the job")
     took = time.monotonic() - killed_at
@@ -104,7 +106,7 @@ def test_a_sigkilled_workers_job_is_requeued_within_the_lease_and_runs_once_more
     assert back and first
     # The job's process died with its worker (parent-death signal): no second copy beside the next.
     wait_for(lambda: not psutil.pid_exists(first_pid(marker)), 5, "the first run's process to die")
-    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)
+    j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
     r = runs(marker)
     assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
     assert j.requeues == 1 and j.attempts[0]["failure"] == c.FAILURE_WORKER_LOST and j.attempts[0]["requeue"]
@@ -117,7 +119,7 @@ def test_a_sigkilled_workers_job_without_retries_fails_as_worker_lost(stack, tmp
     job_id = submit(stack.settings, argv, tmp_path)
     wait_runs(marker, 1)
     worker_of(stack, job_id)[2].kill()
-    j = wait_state(stack.settings, job_id, c.FAILED, stack.settings.lease_timeout + 5)
+    j = wait_state(stack.settings, job_id, State.FAILED, stack.settings.lease_timeout + 5)
     assert j.failure == c.FAILURE_WORKER_LOST and j.reason.startswith("worker lost")
     assert runs(marker).starts == 1 and runs(marker).overlaps == 0
     assert_settled(stack.settings)
@@ -151,7 +153,7 @@ def test_sigterm_lets_the_running_job_finish_then_the_worker_exits(stack, tmp_pa
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     j = job(stack.settings, job_id)
-    assert j.state == c.SUCCEEDED
+    assert j.state == State.SUCCEEDED
     assert (runs(marker).starts, runs(marker).ends) == (1, 1)
 
 
@@ -164,7 +166,7 @@ def test_a_second_sigterm_interrupts_the_job_which_is_requeued_without_using_a_r
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
-    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)  # on the other GPU's worker
+    j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)  # on the other GPU's worker
     assert j.attempts[0]["failure"] == c.FAILURE_INTERRUPTED and j.attempts[0]["requeue"]
     r = runs(marker)
     assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
@@ -180,7 +182,7 @@ def test_the_shutdown_grace_period_stops_a_long_job_and_marks_it_interrupted(tmp
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         j = job(st.settings, job_id)
-        assert j.state == c.FAILED and j.failure == c.FAILURE_INTERRUPTED
+        assert j.state == State.FAILED and j.failure == c.FAILURE_INTERRUPTED
         assert runs(marker).ends == 0
     finally:
         st.stop()
@@ -193,7 +195,7 @@ def test_a_job_longer_than_the_visibility_timeout_runs_once(tmp_path, redis_url)
     try:
         argv, marker = marker_job(tmp_path, "vis", 5)
         job_id = submit(st.settings, argv, tmp_path)
-        assert wait_state(st.settings, job_id, c.SUCCEEDED, 60)
+        assert wait_state(st.settings, job_id, State.SUCCEEDED, 60)
         time.sleep(2)  # a redelivery, if any, has been seen and dropped by now
         r = runs(marker)
         assert (r.starts, r.ends, r.overlaps) == (1, 1, 0)
@@ -204,16 +206,16 @@ def test_a_job_longer_than_the_visibility_timeout_runs_once(tmp_path, redis_url)
 def test_the_same_message_delivered_three_times_runs_the_job_once(stack, tmp_path):
     argv, marker = marker_job(tmp_path, "dup", 1)
     job_id = submit(stack.settings, argv, tmp_path, held=True)
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         queue = session.scalars(select(Gpu.queue)).first()
     jobs.set_held(stack.settings, job_id, False)
     wait_runs(marker, 1)
     app = make_app(stack.settings)
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         queue = session.scalar(select(Gpu.queue).join(Allocation).where(Allocation.job_id == job_id)) or queue
     for _ in range(2):
         send_run_job(app, queue, job_id)
-    wait_state(stack.settings, job_id, c.SUCCEEDED)
+    wait_state(stack.settings, job_id, State.SUCCEEDED)
     time.sleep(1.5)
     assert runs(marker).starts == 1 and runs(marker).overlaps == 0
 
@@ -231,7 +233,7 @@ def test_redis_restarted_empty_loses_no_job_and_runs_none_twice(tmp_path):
         wait_for(lambda: sum(runs(m).starts for m in markers) >= 2, 30, "two jobs running")
         broker.restart_empty()
         for job_id in ids:
-            assert wait_state(st.settings, job_id, c.SUCCEEDED, 90)
+            assert wait_state(st.settings, job_id, State.SUCCEEDED, 90)
         for m in markers:
             r = runs(m)
             assert (r.starts, r.ends, r.overlaps) == (1, 1, 0), m.name
@@ -264,16 +266,16 @@ def test_postgresql_restarted_while_jobs_run_loses_nothing_and_nobody_restarts(t
         pg.start()
         db.dispose_engines()  # this test process's own pool: the servers' processes keep theirs
         for job_id in ids:
-            assert wait_state(st.settings, job_id, c.SUCCEEDED, 90)
+            assert wait_state(st.settings, job_id, State.SUCCEEDED, 90)
         for m in markers:
             r = runs(m)
             assert (r.starts, r.ends, r.overlaps) == (1, 1, 0), m.name
         late = submit(st.settings, marker_job(tmp_path, "after", 0.1)[0], tmp_path)
-        assert wait_state(st.settings, late, c.SUCCEEDED, 60)
+        assert wait_state(st.settings, late, State.SUCCEEDED, 60)
         # Reconnected, not restarted: the same processes all along.
         assert all(p.poll() is None and p.pid == pids[n] for n, p in st.procs.items())
         # Output written across the outage is all there.
-        with session_scope(st.settings) as session:
+        with write_scope(st.settings) as session:
             assert all(jobs.read_output(session, j) is not None for j in ids)
     finally:
         st.stop()
@@ -297,7 +299,7 @@ def test_eight_processes_submitting_at_once_on_sqlite_lose_nothing(tmp_path, red
         ids = [json.loads(doc)["id"] for out in outputs for doc in out.replace("}\n{", "}\x00{").split("\x00")]
         assert len(ids) == 40 and len(set(ids)) == 40
         for job_id in ids:
-            assert wait_state(st.settings, job_id, c.SUCCEEDED, 120)
+            assert wait_state(st.settings, job_id, State.SUCCEEDED, 120)
     finally:
         st.stop()
 
@@ -308,7 +310,7 @@ def test_a_cuda_out_of_memory_message_is_classified_and_shown(stack, tmp_path):
     code = ("import sys; print('step 1 ok'); print('torch.OutOfMemoryError: CUDA out of memory. "
             "Tried to allocate 20.00 GiB', file=sys.stderr); sys.exit(1)")
     job_id = submit(stack.settings, [sys.executable, "-c", code], tmp_path)
-    j = wait_state(stack.settings, job_id, c.FAILED)
+    j = wait_state(stack.settings, job_id, State.FAILED)
     assert j.failure == c.FAILURE_CUDA_OOM and j.reason.startswith("CUDA out of memory")
     shown = run_cli(["show", str(job_id)], stack.settings)
     assert "failure  cuda_oom" in shown.stdout and "Tried to allocate 20.00 GiB" in shown.stdout
@@ -323,7 +325,7 @@ def test_a_command_past_its_host_memory_limit_is_oom_killed_and_classified(stack
     probe.remove()
     code = "x = bytearray(512 * 2**20); print(len(x))"
     job_id = submit(stack.settings, [sys.executable, "-c", code], tmp_path, host_mem_mib=64)
-    j = wait_state(stack.settings, job_id, c.FAILED)
+    j = wait_state(stack.settings, job_id, State.FAILED)
     assert j.failure == c.FAILURE_HOST_OOM and "OOM killer" in j.reason and "64 MiB" in j.reason
     # The job's cgroup went with it (named after its worker: other tests' job ids start at 1 too).
     parent = probe.path.parent
@@ -353,11 +355,11 @@ def test_cancel_frees_the_gpu_only_once_every_process_of_the_job_is_gone(stack, 
     wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 3, 30, "the job's processes")
     procs = [int(p) for p in pids.read_text().split()]
     jobs.cancel(stack.settings, job_id)
-    j = wait_state(stack.settings, job_id, c.CANCELLED, 30)
+    j = wait_state(stack.settings, job_id, State.CANCELLED, 30)
     alive = [p for p in procs if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"processes of job {job_id} outlived its cancel: {alive}"
     assert j.failure == c.FAILURE_CANCELLED
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         assert jobs.job_gpus(session, job_id) == []
 
 
@@ -369,11 +371,11 @@ def test_a_gpu_with_a_foreign_process_is_not_given_to_a_job_without_mem(tmp_path
         argv, marker = marker_job(tmp_path, "f1", 3)
         first = submit(st.settings, argv, tmp_path)
         second = submit(st.settings, marker_job(tmp_path, "f2", 0.1)[0], tmp_path)
-        assert wait_state(st.settings, first, c.RUNNING, 30)
+        assert wait_state(st.settings, first, State.RUNNING, 30)
         assert job(st.settings, first).worker.startswith("gpu1@")
         time.sleep(1)
-        assert job(st.settings, second).state == c.PENDING  # GPU 0 is free of gpuq jobs, not of bob's
-        assert wait_state(st.settings, second, c.SUCCEEDED, 30).worker.startswith("gpu1@")
+        assert job(st.settings, second).state == State.PENDING  # GPU 0 is free of gpuq jobs, not of bob's
+        assert wait_state(st.settings, second, State.SUCCEEDED, 30).worker.startswith("gpu1@")
     finally:
         st.stop()
 
@@ -386,12 +388,12 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
     faults = stack.settings.home / "simulated-faults"
     faults.mkdir(parents=True, exist_ok=True)
     (faults / f"{stack.settings.node}.{index}.lost").touch()
-    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)
+    j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
     assert j.attempts[0]["failure"] == c.FAILURE_GPU_LOST and j.attempts[0]["requeue"]
     assert not j.worker.startswith(f"gpu{index}@")
     r = runs(marker)
     assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         gpu = session.scalar(select(Gpu).where(Gpu.index == index))
         assert gpu.drain_reason.startswith("GPU lost")
     status = run_cli(["status"], stack.settings)
@@ -399,7 +401,7 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
     # Fixed and resumed by an admin: the GPU serves again.
     (faults / f"{stack.settings.node}.{index}.lost").unlink()
     assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         assert session.scalar(select(Gpu.drain_reason).where(Gpu.index == index)) is None
 
 
@@ -408,8 +410,8 @@ def test_a_retried_job_keeps_the_output_of_every_attempt(stack, tmp_path):
     code = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) + 1 if p.exists() else 1; "
             "p.write_text(str(n)); print(f'attempt {n} says hello'); sys.exit(0 if n == 2 else 3)")
     job_id = submit(stack.settings, [sys.executable, "-c", code, str(counter)], tmp_path, max_retries=1)
-    j = wait_state(stack.settings, job_id, c.SUCCEEDED, 60)
+    j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
     assert j.attempts[0]["failure"] == c.FAILURE_EXIT and not j.attempts[0]["requeue"]
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         text = "".join(data for _, data in jobs.read_output(session, job_id))
     assert text.index("attempt 1 says hello") < text.index("attempt 2 says hello")

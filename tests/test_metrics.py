@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.device_status import device_status
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
 from gpuq.web.metrics import WAIT_BUCKETS
@@ -36,7 +36,7 @@ def samples(family, name: str | None = None) -> list:
 def test_jobs_by_state_and_user_equal_the_jobs_table(ran, dash):
     st, _ = ran
     families = scrape(dash)
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         expected = {(state, user): n for state, user, n in
                     session.execute(select(Job.state, Job.user, func.count()).group_by(Job.state, Job.user))}
     shown = {(s.labels["state"], s.labels["user"]): s.value for s in samples(families["gpuq_jobs"])}
@@ -49,7 +49,7 @@ def test_jobs_by_state_and_user_equal_the_jobs_table(ran, dash):
 def test_queue_wait_and_duration_histograms_count_the_jobs_that_started_and_ended(ran, dash):
     st, _ = ran
     families = scrape(dash)
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         rows = session.execute(select(Job.state, Job.submitted_at, Job.started_at, Job.ended_at)
                                .where(Job.started_at.is_not(None))).all()
     waits = [(start - sub).total_seconds() for _, sub, start, _ in rows]
@@ -68,7 +68,7 @@ def test_queue_wait_and_duration_histograms_count_the_jobs_that_started_and_ende
 
 def test_gpu_metrics_have_dcgm_names_and_labels_and_one_sample_s_values(ran, dash):
     st, j = ran
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         gpus = {g.index: g for g in session.scalars(select(Gpu))}
         before = {d.index: d.sampled_at for d in device_status(session, st.settings)}
     families = scrape(dash)
@@ -84,7 +84,7 @@ def test_gpu_metrics_have_dcgm_names_and_labels_and_one_sample_s_values(ran, das
         assert all(len(v) == 1 for v in shown.values()), shown
         # Workers keep sampling while the scrape runs: its figures are those of one sample taken
         # since the newest one before the scrape, all from the same sample.
-        with session_scope(st.settings) as session:
+        with write_scope(st.settings) as session:
             rows = session.scalars(select(DeviceSample).where(DeviceSample.gpu_id == gpu.id,
                                                               DeviceSample.sampled_at >= before[index])).all()
         readings = [{"DCGM_FI_DEV_GPU_UTIL": r.utilization, "DCGM_FI_DEV_FB_USED": r.memory_used_mib,
@@ -101,7 +101,7 @@ def test_energy_counter_is_the_sampled_joules_in_millijoules_and_only_grows(ran,
     st, _ = ran
     first = scrape(dash)["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"]
     assert first.type == "gauge"  # DCGM's name has no _total, which a counter's TYPE line would get
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         joules = Counter()
         for t in (DeviceSample, DeviceMinute):
             for gpu_id, e in session.execute(select(t.gpu_id, func.sum(t.energy_j)).group_by(t.gpu_id)):
@@ -121,7 +121,7 @@ def test_an_offline_gpu_reports_up_0_and_no_stale_readings(ran, dash):
     families = scrape(dash)
     assert len(samples(families["DCGM_FI_DEV_GPU_UTIL"])) == st.settings.fake_gpus
     # A GPU whose worker fell silent long ago: the collector must not show its last reading as now.
-    with session_scope(st.settings) as session:
+    with write_scope(st.settings) as session:
         session.add(Gpu(node="gone", index=0, uuid="GPU-gone", name="Old GPU", memory_total_mib=1024,
                         memory_used_mib=512, utilization=77, queue="gone-q", heartbeat_at=None))
     try:
@@ -130,5 +130,5 @@ def test_an_offline_gpu_reports_up_0_and_no_stale_readings(ran, dash):
         assert up[("gone", "0")] == 0.0
         assert all(s.labels["Hostname"] != "gone" for s in samples(families["DCGM_FI_DEV_GPU_UTIL"]))
     finally:
-        with session_scope(st.settings) as session:
+        with write_scope(st.settings) as session:
             session.execute(Gpu.__table__.delete().where(Gpu.node == "gone"))

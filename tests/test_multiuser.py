@@ -26,7 +26,8 @@ import pytest
 from sqlalchemy import func, select
 
 from gpuq.service import constants as c
-from gpuq.service.db import dispose_engines, session_scope
+from gpuq.service.constants import State
+from gpuq.service.db import dispose_engines, write_scope
 from gpuq.service.models import Job, Submission
 from gpuq.service.settings import Settings, load_settings
 from tests.conftest import free_port, venv_reachable_by_everyone, wait_for_state
@@ -133,7 +134,7 @@ def _sql_state(settings: Settings) -> tuple:
     """Every job's row as the moves would change it, and the submissions: to prove nothing changed.
     Not the reason a pending job waits: the scheduler writes that on its own time (a new held job's
     "held" may land after the snapshot)."""
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.priority,
                                       Job.cancel_requested_at, Job.ended_at).order_by(Job.id)).all()
         subs = session.scalar(select(func.count()).select_from(Submission))
@@ -141,13 +142,13 @@ def _sql_state(settings: Settings) -> tuple:
 
 
 def _user_of(settings: Settings, job_id: int) -> str:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return session.get(Job, job_id).user
 
 
 def _pending_of(settings: Settings, user: str) -> int:
-    with session_scope(settings) as session:
-        return session.scalar(select(func.count()).select_from(Job).where(Job.user == user, Job.state == c.PENDING))
+    with write_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job).where(Job.user == user, Job.state == State.PENDING))
 
 
 def _output(box: Box, user: str, job_id: int) -> str:
@@ -160,7 +161,7 @@ def _output(box: Box, user: str, job_id: int) -> str:
 def test_each_users_command_runs_as_that_user_and_status_shows_both(box):
     ids = {user: _submitted(box.gpuq(user, "submit", "--", "id", "-un")) for user in (box.a, box.b)}
     for user, job_id in ids.items():
-        assert wait_for_state(box.settings, job_id, c.END_STATES) == c.SUCCEEDED
+        assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED
         assert _user_of(box.settings, job_id) == user
         assert _output(box, user, job_id).strip() == user  # the worker (root) ran it as its owner
     for viewer in (box.a, box.b):
@@ -187,7 +188,7 @@ def test_a_user_cannot_change_or_read_another_users_job(box):
     failed = _submitted(box.gpuq(a, "submit", "--", "sh", "-c", "cat secret.txt; exit 3", cwd=work))
     held = _submitted(box.gpuq(a, "submit", "--hold", "--", "true", cwd=work))
     waiting = _submitted(box.gpuq(a, "submit", "--after", str(held), "--", "true", cwd=work))  # pending, not held
-    assert wait_for_state(box.settings, failed, c.END_STATES) == c.FAILED
+    assert wait_for_state(box.settings, failed, c.END_STATES) == State.FAILED
     # What B would be refused, A (the owner) is given: the checks below can fail.
     assert secret in _output(box, a, failed)
     assert secret in box.gpuq(a, "show", str(failed)).stdout
@@ -282,7 +283,7 @@ def test_forged_identity_in_fields_or_headers_changes_nothing(box):
     status, answer = curl("POST", f"/v1/jobs/{victim}/hold", None)
     assert (status, answer["exit_code"]) == (403, c.EXIT_NOT_ALLOWED)
 
-    assert wait_for_state(box.settings, made, c.END_STATES) == c.SUCCEEDED
+    assert wait_for_state(box.settings, made, c.END_STATES) == State.SUCCEEDED
     assert _output(box, b, made).strip() == b  # it ran as B, whatever the headers said
     # Nothing else changed: the two jobs B made are B's, A's job is as it was, nothing is root's.
     after = _sql_state(box.settings)
@@ -375,7 +376,7 @@ def test_a_snapshot_runs_as_its_owner_from_roots_home_and_only_they_read_the_cop
         done = box.as_user(a, *argv)
         assert done.returncode == 0, done.stderr
     job_id = _submitted(box.gpuq(a, "submit", "--snapshot", "--", "sh", "-c", "id -un; cat data.txt; pwd", cwd=work))
-    assert wait_for_state(box.settings, job_id, c.END_STATES) == c.SUCCEEDED, _output(box, a, job_id)
+    assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED, _output(box, a, job_id)
     user, text, where = _output(box, a, job_id).split()
     copy = box.settings.snapshots / str(job_id)
     assert (user, text, where) == (a, secret, str(copy))  # run as A, in the copy under root's home

@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 
 from gpuq.service import constants as c
 from gpuq.service import db, munge
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import Job
 from tests.conftest import venv_reachable_by_everyone, IN_CI, Stack, free_port, make_settings, run_cli, settings_env
 
@@ -144,12 +144,12 @@ def credential(munged: str, text: str, ttl: int | None = None) -> str:
 
 
 def job_count(settings) -> int:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return session.scalar(select(func.count()).select_from(Job))
 
 
 def owner_of(settings, job_id: int) -> str:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return session.get(Job, job_id).user
 
 

@@ -5,7 +5,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuq.service.policy import (PRIORITY, RESOURCES, USER_LIMIT, GpuState, JobRequest, Snapshot, decide,
+from gpuq.service.policy import (PRIORITY, RESOURCES, USER_LIMIT, GpuState, JobRequest, QueueState, decide,
                                  next_up, queue_order)
 
 NOW = 1_000_000.0
@@ -27,40 +27,40 @@ def placed(decision):
 
 def test_priority_then_fair_share_then_age():
     jobs = [job(1, user="heavy"), job(2, user="light"), job(3, user="heavy", priority=5), job(4, user="light")]
-    order = [j.id for j in queue_order(Snapshot(NOW, jobs, [], usage={"heavy": 10.0, "light": 1.0}))]
+    order = [j.id for j in queue_order(QueueState(NOW, jobs, [], gpu_hours={"heavy": 10.0, "light": 1.0}))]
     assert order == [3, 2, 4, 1]
 
 
 def test_a_user_over_the_gpu_limit_waits_without_holding_up_others():
-    d = decide(Snapshot(NOW, [job(1, gpus=2, user="ann"), job(2, user="bob")], [gpu(1), gpu(2), gpu(3)],
-                        held_gpus={"ann": 1}, user_gpu_limit=2))
+    d = decide(QueueState(NOW, [job(1, gpus=2, user="ann"), job(2, user="bob")], [gpu(1), gpu(2), gpu(3)],
+                        gpus_in_use={"ann": 1}, user_gpu_limit=2))
     assert placed(d) == {2: [1]} and d.waiting == {1: USER_LIMIT}
 
 
 def test_memory_request_counts_memory_foreign_processes_hold():
     gpus = [gpu(1, foreign=10000), gpu(2, foreign=2000)]
-    d = decide(Snapshot(NOW, [job(1, mem=12000)], gpus))
+    d = decide(QueueState(NOW, [job(1, mem=12000)], gpus))
     assert placed(d) == {1: [2]}
     # A job that did not say how much memory it needs is not put beside a foreign process.
-    d = decide(Snapshot(NOW, [job(2)], [gpu(1, foreign=500)]))
+    d = decide(QueueState(NOW, [job(2)], [gpu(1, foreign=500)]))
     assert placed(d) == {} and d.waiting == {2: RESOURCES}
 
 
 def test_node_request_is_honoured():
-    d = decide(Snapshot(NOW, [job(1, node="b")], [gpu(1, "a"), gpu(2, "b")]))
+    d = decide(QueueState(NOW, [job(1, node="b")], [gpu(1, "a"), gpu(2, "b")]))
     assert placed(d) == {1: [2]}
 
 
 def test_no_backfill_past_a_waiting_gang_without_time_limits():
     # Job 1 needs both GPUs of node a; GPU 2's job has no time limit, so when it ends is unknown.
     gpus = [gpu(1), gpu(2, busy_until=math.inf)]
-    d = decide(Snapshot(NOW, [job(1, gpus=2), job(2, limit=60)], gpus))
+    d = decide(QueueState(NOW, [job(1, gpus=2), job(2, limit=60)], gpus))
     assert placed(d) == {} and d.waiting == {1: RESOURCES, 2: PRIORITY}
 
 
 def test_a_short_job_backfills_when_it_ends_before_the_big_job_could_start():
     gpus = [gpu(1), gpu(2, busy_until=NOW + 3600)]
-    d = decide(Snapshot(NOW, [job(1, gpus=2), job(2, limit=600), job(3, limit=7200), job(4)], gpus))
+    d = decide(QueueState(NOW, [job(1, gpus=2), job(2, limit=600), job(3, limit=7200), job(4)], gpus))
     assert placed(d) == {2: [1]}
     assert d.reservation.job_id == 1 and d.reservation.start == NOW + 3600
     assert d.waiting == {1: RESOURCES, 3: PRIORITY, 4: PRIORITY}
@@ -68,10 +68,10 @@ def test_a_short_job_backfills_when_it_ends_before_the_big_job_could_start():
 
 def test_jobs_may_use_gpus_the_waiting_gang_does_not_need():
     gpus = [gpu(1), gpu(2), gpu(3, busy_until=NOW + 3600)]
-    d = decide(Snapshot(NOW, [job(1, gpus=3), job(2)], gpus))
+    d = decide(QueueState(NOW, [job(1, gpus=3), job(2)], gpus))
     assert placed(d) == {} and d.reservation.gpu_ids == {1, 2, 3}
     gpus = [gpu(1), gpu(2), gpu(3, busy_until=NOW + 3600), gpu(4, "b")]
-    d = decide(Snapshot(NOW, [job(1, gpus=3), job(2)], gpus))
+    d = decide(QueueState(NOW, [job(1, gpus=3), job(2)], gpus))
     assert placed(d) == {2: [4]}  # another node cannot delay job 1
 
 
@@ -93,7 +93,7 @@ job_lists = st.lists(
 @given(gpus=gpu_lists, jobs=job_lists, limit=st.sampled_from([0, 0, 2, 3]),
        held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)))
 def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_first_in_line(gpus, jobs, limit, held):
-    snap = Snapshot(NOW, jobs, gpus, usage={"x": 3.0, "y": 1.0}, held_gpus=held, user_gpu_limit=limit)
+    snap = QueueState(NOW, jobs, gpus, gpu_hours={"x": 3.0, "y": 1.0}, gpus_in_use=held, user_gpu_limit=limit)
     d = decide(snap)
     by_id = {g.id: g for g in gpus}
     jobs_by_id = {j.id: j for j in jobs}
@@ -130,7 +130,7 @@ def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_f
        held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)))
 def test_next_up_lists_only_fitting_one_gpu_jobs_in_queue_order_and_never_ahead_of_one_that_could_use_the_gpu(
         gpus, jobs, limit, held):
-    snap = Snapshot(NOW, jobs, gpus, usage={"x": 3.0, "y": 1.0}, held_gpus=held, user_gpu_limit=limit)
+    snap = QueueState(NOW, jobs, gpus, gpu_hours={"x": 3.0, "y": 1.0}, gpus_in_use=held, user_gpu_limit=limit)
     d = decide(snap)
     lists = next_up(snap, d, per_gpu=2, scan=1000)
     by_id = {g.id: g for g in gpus}
@@ -164,7 +164,7 @@ def test_next_up_lists_only_fitting_one_gpu_jobs_in_queue_order_and_never_ahead_
 def test_next_up_lists_the_queue_for_busy_gpus_and_stops_at_a_gang_that_could_use_them():
     gpus = [gpu(1, busy_until=math.inf), gpu(2, busy_until=math.inf), gpu(3, node="b", busy_until=math.inf)]
     jobs = [job(1), job(2, node="b"), job(3, gpus=2), job(4), job(5, node="b")]
-    snap = Snapshot(NOW, jobs, gpus)
+    snap = QueueState(NOW, jobs, gpus)
     lists = next_up(snap, decide(snap), per_gpu=4, scan=1000)
     # Job 3 needs two GPUs: it closes node a's lists; node b (one GPU) goes on past it.
     assert lists == {1: [1], 2: [1], 3: [1, 2, 4, 5]}

@@ -10,7 +10,7 @@ import time
 from sqlalchemy import event, select
 
 from gpuq.service import constants as c
-from gpuq.service.db import get_engine, session_scope
+from gpuq.service.db import get_engine, write_scope
 from gpuq.service.devices import GpuInfo, GpuReading, NoDevices, SimulatedDevices
 from gpuq.service.models import DeviceSample, utcnow
 from gpuq.workers.probe import SIM_IDLE_W, GpuProbe
@@ -61,13 +61,13 @@ class CounterGpu:
 
 
 def test_energy_comes_from_the_counter_when_the_gpu_has_one(settings):
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         gpu = add_gpu(s, "n", 0)
     sampler = Sampler(settings, gpu, GpuProbe(CounterGpu(), 0), lambda: None)
     for _ in range(3):
         sampler.sample()
     sampler.flush()
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         energy = list(s.scalars(select(DeviceSample.energy_j).order_by(DeviceSample.id)))
     # The first sample has no previous counter value: power x interval; then the counter's deltas.
     assert energy == [999.0 * settings.sample_interval, 3.0, 3.0]
@@ -75,7 +75,7 @@ def test_energy_comes_from_the_counter_when_the_gpu_has_one(settings):
 
 def test_sampler_writes_batches_tagged_with_the_running_job(settings):
     settings = settings.with_overrides(sample_interval=0.05)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         gpu = add_gpu(s, "n", 0)
         job = add_job(s, "ann", "n", utcnow(), None)
     commits = []
@@ -87,7 +87,7 @@ def test_sampler_writes_batches_tagged_with_the_running_job(settings):
     sampler.stop()
     sampler.join(5)
     took = time.monotonic() - started
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         rows = list(s.scalars(select(DeviceSample).order_by(DeviceSample.sampled_at)))
     assert len(rows) >= 10 and {r.job_id for r in rows} == {job}
     # A transaction per batch, plus the last partial batch, the start-up roll-up and this test's

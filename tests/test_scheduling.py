@@ -9,10 +9,13 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
+from gpuq.service import submitting
+from gpuq.service import next_up
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import inventory, jobs, spec, usage
 from gpuq.service.celery_app import queue_name
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.explain import why
@@ -33,7 +36,7 @@ def settings(settings):
 def register(settings, node: str, count: int, foreign: str = "") -> list[int]:
     devices = open_devices(settings.with_overrides(fake_gpus=count, node=node, fake_gpu_foreign=foreign))
     ids = []
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         for info in devices.list():
             gpu_id = inventory.register(session, node, info, queue_name(settings, node, info.index), f"gpu{info.index}@{node}", 1)
             inventory.beat(session, gpu_id, devices.read(info.index))
@@ -43,17 +46,17 @@ def register(settings, node: str, count: int, foreign: str = "") -> list[int]:
 
 def submit(settings, argv=("true",), *, user="ann", gpus=1, **sched) -> int:
     make = lambda extra: spec.command_spec(list(argv), gpus=gpus, user=user)  # noqa: E731
-    return jobs.submit_all(settings, spec.expand(make, spec.Scheduling(**sched), None, []))[0].id
+    return submitting.submit_all(settings, spec.expand(make, spec.Scheduling(**sched), None, []))[0].id
 
 
 def state_of(settings, job_id):
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         j = jobs.get_job(session, job_id)
         return j.state, j.reason, j.node
 
 
 def gpus_of(settings, job_id):
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return [(g.node, g.index) for g in jobs.job_gpus(session, job_id)]
 
 
@@ -62,7 +65,7 @@ def test_a_gang_goes_to_the_node_that_has_all_its_gpus_free(settings):
     register(settings, "b", 3)
     job = submit(settings, gpus=3)
     Scheduler(settings).schedule_once()
-    assert state_of(settings, job)[0] == c.DISPATCHED
+    assert state_of(settings, job)[0] == State.DISPATCHED
     assert gpus_of(settings, job) == [("b", 0), ("b", 1), ("b", 2)]
 
 
@@ -72,8 +75,8 @@ def test_memory_requests_avoid_gpus_that_foreign_processes_fill_and_why_names_th
     blocked = submit(settings, mem="6G")
     Scheduler(settings).schedule_once()
     assert gpus_of(settings, big) == [("a", 1)]
-    assert state_of(settings, blocked)[:2] == (c.PENDING, "resources")
-    with session_scope(settings) as session:
+    assert state_of(settings, blocked)[:2] == (State.PENDING, "resources")
+    with write_scope(settings) as session:
         text = why(session, settings, blocked)
     assert f"job {blocked} waits (resources): it needs 1 GPU with 6.0 GiB free on one node" in text
     assert "GPU 0 with 4.0 GiB free, used by pid 4242 of user bob (4.0 GiB), not started by gpuq" in text
@@ -85,9 +88,9 @@ def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
     register(s, "a", 3)
     first, second, other = submit(s, user="ann"), submit(s, user="ann"), submit(s, user="bob")
     Scheduler(s).schedule_once()
-    assert state_of(s, first)[0] == c.DISPATCHED and state_of(s, other)[0] == c.DISPATCHED
-    assert state_of(s, second)[:2] == (c.PENDING, "user limit")
-    with session_scope(s) as session:
+    assert state_of(s, first)[0] == State.DISPATCHED and state_of(s, other)[0] == State.DISPATCHED
+    assert state_of(s, second)[:2] == (State.PENDING, "user limit")
+    with write_scope(s) as session:
         assert "ann holds 1 GPUs and the limit is 1 at once" in why(session, s, second)
 
 
@@ -95,7 +98,7 @@ def test_held_jobs_wait_until_released_and_only_their_owner_may_release(settings
     register(settings, "a", 1)
     job = submit(settings, user="ann", hold=True)
     Scheduler(settings).schedule_once()
-    assert state_of(settings, job)[:2] == (c.PENDING, "held")
+    assert state_of(settings, job)[:2] == (State.PENDING, "held")
     with pytest.raises(NotAllowed, match="belongs to ann"):
         jobs.set_held(settings, job, False, user="mallory")
     with pytest.raises(NotAllowed):
@@ -104,7 +107,7 @@ def test_held_jobs_wait_until_released_and_only_their_owner_may_release(settings
     with pytest.raises(StateConflict, match="not held"):
         jobs.set_held(settings, job, False, user="ann")
     Scheduler(settings).schedule_once()
-    assert state_of(settings, job)[0] == c.DISPATCHED
+    assert state_of(settings, job)[0] == State.DISPATCHED
 
 
 def test_an_admin_may_act_on_anyones_job(settings):
@@ -112,11 +115,11 @@ def test_an_admin_may_act_on_anyones_job(settings):
     register(s, "a", 1)
     job = submit(s, user="ann", hold=True)
     jobs.set_held(s, job, False, user="boss")
-    assert jobs.cancel(s, job, user="boss").state == c.CANCELLED
+    assert jobs.cancel(s, job, user="boss").state == State.CANCELLED
 
 
 def end(settings, job_id, state):
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         session.execute(update(Job).where(Job.id == job_id).values(state=state, ended_at=utcnow()))
 
 
@@ -126,13 +129,13 @@ def test_after_waits_for_success_and_a_failed_dependency_cancels_with_the_reason
     then = submit(settings, after=str(first))
     regardless = submit(settings, after_any=str(first))
     Scheduler(settings).schedule_once()
-    assert state_of(settings, then)[:2] == (c.PENDING, "dependency")
-    with session_scope(settings) as session:
+    assert state_of(settings, then)[:2] == (State.PENDING, "dependency")
+    with write_scope(settings) as session:
         assert f"it waits for job {first} (pending) to succeed" in why(session, settings, then)
-    end(settings, first, c.FAILED)
+    end(settings, first, State.FAILED)
     Scheduler(settings).schedule_once()
-    assert state_of(settings, then)[:2] == (c.CANCELLED, f"dependency never satisfied: job {first} failed")
-    assert state_of(settings, regardless)[0] == c.DISPATCHED
+    assert state_of(settings, then)[:2] == (State.CANCELLED, f"dependency never satisfied: job {first} failed")
+    assert state_of(settings, regardless)[0] == State.DISPATCHED
 
 
 def test_after_a_job_that_does_not_exist_is_refused(settings):
@@ -152,38 +155,38 @@ def test_priority_is_bounded_for_users_and_not_for_admins(settings):
 def test_fair_share_puts_the_user_with_fewer_recent_gpu_hours_first(settings):
     register(settings, "a", 1)
     old = submit(settings, user="heavy")
-    with session_scope(settings) as session:  # heavy used 4 GPUs for 10 hours yesterday
+    with write_scope(settings) as session:  # heavy used 4 GPUs for 10 hours yesterday
         session.execute(update(Job).where(Job.id == old).values(
-            state=c.SUCCEEDED, gpus=1, started_at=utcnow() - timedelta(hours=30), ended_at=utcnow() - timedelta(hours=20)))
+            state=State.SUCCEEDED, gpus=1, started_at=utcnow() - timedelta(hours=30), ended_at=utcnow() - timedelta(hours=20)))
     heavy, light = submit(settings, user="heavy"), submit(settings, user="light")
     Scheduler(settings).schedule_once()
-    assert state_of(settings, light)[0] == c.DISPATCHED
-    assert state_of(settings, heavy)[:2] == (c.PENDING, "resources")
+    assert state_of(settings, light)[0] == State.DISPATCHED
+    assert state_of(settings, heavy)[:2] == (State.PENDING, "resources")
 
 
 def test_a_drained_node_starts_nothing_new_until_resumed(settings):
     register(settings, "a", 1)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         inventory.set_drained(session, "a", True, "driver update")
     job = submit(settings, node="a")
     Scheduler(settings).schedule_once()
-    assert state_of(settings, job)[:2] == (c.PENDING, "node drained")
-    with session_scope(settings) as session:
+    assert state_of(settings, job)[:2] == (State.PENDING, "node drained")
+    with write_scope(settings) as session:
         assert "node a, which is drained (driver update)" in why(session, settings, job)
         inventory.set_drained(session, "a", False)
     Scheduler(settings).schedule_once()
-    assert state_of(settings, job)[0] == c.DISPATCHED
+    assert state_of(settings, job)[0] == State.DISPATCHED
 
 
 def test_an_array_makes_one_job_per_index_sharing_one_array_id(settings, tmp_path):
     register(settings, "a", 1)
     make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731
-    made = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-6:3", []))
+    made = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-6:3", []))
     assert [j.array_index for j in made] == [0, 3, 6]
     assert {j.array_id for j in made} == {made[0].id}
     assert [j.argv for j in made] == [["echo", "0"], ["echo", "3"], ["echo", "6"]]
     assert [j.env["GPUQ_ARRAY_INDEX"] for j in made] == ["0", "3", "6"]
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         assert jobs.array_jobs(session, made[0].id) == [j.id for j in made]
         # Each job returned is the row stored under its id.
         for j in made:
@@ -197,8 +200,8 @@ def test_a_large_array_is_inserted_in_batches_and_each_job_returned_under_its_ow
     # the rows by their order, which must hold on either database.
     register(settings, "a", 1)
     make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731
-    made = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2499", []))
-    with session_scope(settings) as session:
+    made = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2499", []))
+    with write_scope(settings) as session:
         stored = dict(session.execute(select(Job.id, Job.array_index).where(Job.array_id == made[0].id)).all())
     assert len(stored) == 2500 and {j.id: j.array_index for j in made} == stored
 
@@ -206,7 +209,7 @@ def test_a_large_array_is_inserted_in_batches_and_each_job_returned_under_its_ow
 def test_a_sweep_makes_the_cross_product_with_each_jobs_parameters(settings):
     register(settings, "a", 1)
     make = lambda extra: spec.workload_spec("train", ["--epochs", "1", *extra])  # noqa: E731
-    made = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), None, ["lr=0.1,0.01", "batch-size=64,128"]))
+    made = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), None, ["lr=0.1,0.01", "batch-size=64,128"]))
     assert sorted((j.params["lr"], j.params["batch_size"]) for j in made) == [
         (0.01, 64), (0.01, 128), (0.1, 64), (0.1, 128)]
     with pytest.raises(InvalidSpec, match="train has no parameter --bs"):
@@ -215,7 +218,7 @@ def test_a_sweep_makes_the_cross_product_with_each_jobs_parameters(settings):
 
 def claim_and_run(settings, job_id) -> str:
     Scheduler(settings).schedule_once()
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
     return run_job(WorkerState(settings=settings, node=gpu.node, gpu_index=gpu.index, gpu_id=gpu.id,
                                name=f"gpu{gpu.index}@{gpu.node}"), job_id)
@@ -228,10 +231,10 @@ def test_a_failing_job_runs_again_up_to_its_retries_and_keeps_each_attempt(setti
     job = submit(settings, [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x'); raise SystemExit(2)"],
                  retries=2, user=spec.current_user())
     results = [claim_and_run(settings, job) for _ in range(3)]
-    assert results == [c.FAILED] * 3 and runs.read_text() == "xxx"
-    with session_scope(settings) as session:
+    assert results == [State.FAILED] * 3 and runs.read_text() == "xxx"
+    with write_scope(settings) as session:
         j = jobs.get_job(session, job)
-        assert j.state == c.FAILED and len(j.attempts) == 2
+        assert j.state == State.FAILED and len(j.attempts) == 2
         assert all(a["exit_code"] == 2 and a["reason"] == "exited with status 2" for a in j.attempts)
 
 
@@ -239,10 +242,10 @@ def test_a_failing_job_runs_again_up_to_its_retries_and_keeps_each_attempt(setti
 def test_a_job_past_its_time_limit_is_stopped_and_marked_timed_out(settings, tmp_path):
     register(settings, "a", 1)
     job = submit(settings, [sys.executable, "-c", "import time; time.sleep(60)"], time="2s", user=spec.current_user())
-    assert claim_and_run(settings, job) == c.TIMED_OUT
+    assert claim_and_run(settings, job) == State.TIMED_OUT
     state, reason, _ = state_of(settings, job)
     assert reason == "time limit of 0:00:02 reached"
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         j = jobs.get_job(session, job)
         assert 2 <= (j.ended_at - j.started_at).total_seconds() < 15
 
@@ -269,7 +272,7 @@ def test_a_node_request_for_an_unknown_node_or_too_many_gpus_there_is_refused(se
 
 
 def worker_on(settings, job_id) -> WorkerState:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
     return WorkerState(settings=settings, node=gpu.node, gpu_index=gpu.index, gpu_id=gpu.id,
                        name=f"gpu{gpu.index}@{gpu.node}")
@@ -283,28 +286,28 @@ def test_workers_taking_from_lists_that_share_jobs_at_once_pass_over_each_others
 
     from gpuq.service.models import NextUp
 
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         if session.connection().dialect.name == "sqlite":
             pytest.skip("SQLite's takes run one at a time under its write lock")
     gpus = register(settings, "a", 2)
     listed = [submit(settings) for _ in range(3)]
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         session.add_all(NextUp(gpu_id=g, job_id=j, rank=r) for g in gpus for r, j in enumerate(listed))
     got = {}
-    with session_scope(settings) as first:
-        got[gpus[0]] = jobs.take_next(first, gpus[0], "w0", "a", 60)[0].id  # its transaction stays open
+    with write_scope(settings) as first:
+        got[gpus[0]] = next_up.take_next(first, gpus[0], "w0", "a", 60)[0].id  # its transaction stays open
 
         def second() -> None:
-            with session_scope(settings) as session:
-                got[gpus[1]] = jobs.take_next(session, gpus[1], "w1", "a", 60)[0].id
+            with write_scope(settings) as session:
+                got[gpus[1]] = next_up.take_next(session, gpus[1], "w1", "a", 60)[0].id
 
         other = threading.Thread(target=second)
         other.start()
         other.join(10)
         assert not other.is_alive(), "the second take waited for the first one's transaction"
     assert got == {gpus[0]: listed[0], gpus[1]: listed[1]}
-    with session_scope(settings) as session:
-        assert [session.get(Job, j).state for j in listed] == [c.RUNNING, c.RUNNING, c.PENDING]
+    with write_scope(settings) as session:
+        assert [session.get(Job, j).state for j in listed] == [State.RUNNING, State.RUNNING, State.PENDING]
 
 
 def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(settings):
@@ -312,12 +315,12 @@ def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(
     # Run by this process's user: a root worker runs a job as its owner.
     first, second, third = (submit(settings, user=spec.current_user()) for _ in range(3))
     Scheduler(settings).schedule_once()
-    assert state_of(settings, first)[0] == c.DISPATCHED and state_of(settings, second)[0] == c.PENDING
+    assert state_of(settings, first)[0] == State.DISPATCHED and state_of(settings, second)[0] == State.PENDING
     # One message, three jobs: each end takes the next one listed for this GPU, no scheduler between.
-    assert run_job(worker_on(settings, first), first) == c.SUCCEEDED
-    with session_scope(settings) as session:
+    assert run_job(worker_on(settings, first), first) == State.SUCCEEDED
+    with write_scope(settings) as session:
         done = [session.get(Job, j) for j in (first, second, third)]
-        assert [j.state for j in done] == [c.SUCCEEDED] * 3
+        assert [j.state for j in done] == [State.SUCCEEDED] * 3
         assert done[0].started_at < done[1].started_at < done[2].started_at
         assert all(j.worker == "gpu0@a" and j.dispatched_at == j.started_at for j in done[1:])
         assert session.scalar(select(func.count()).select_from(Allocation)) == 0
@@ -343,15 +346,15 @@ def test_usage_summed_from_the_readings_a_worker_holds_is_what_sql_sums_from_the
     state.sampler = Sampler(settings, state.gpu_id, GpuProbe(open_devices(settings), 0), lambda: state.job_id)
     state.sampler.start()
     try:
-        assert run_job(state, ids[0]) == c.SUCCEEDED
+        assert run_job(state, ids[0]) == State.SUCCEEDED
     finally:
         state.sampler.stop()
         state.sampler.join(5)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         for job_id in ids:
             j = session.get(Job, job_id)
             stored, now = session.get(JobUsage, job_id), usage.summarize(session, j)
-            assert j.state == c.SUCCEEDED and stored.samples >= 1
+            assert j.state == State.SUCCEEDED and stored.samples >= 1
             for field in ("samples", "memory_peak_mib", "wall_s", "gpu_hours"):
                 assert getattr(stored, field) == getattr(now, field), (job_id, field)
             for field in ("utilization_mean", "memory_mean_mib", "energy_j", "idle_s"):
@@ -366,9 +369,9 @@ def test_a_next_up_job_that_was_held_or_cancelled_meanwhile_is_not_started(setti
     jobs.set_held(settings, held, True, user=me)
     jobs.cancel(settings, cancelled, user=me)
     run_job(worker_on(settings, first), first)
-    assert state_of(settings, held)[0] == c.PENDING
-    assert state_of(settings, cancelled)[0] == c.CANCELLED
-    assert state_of(settings, last)[0] == c.SUCCEEDED
+    assert state_of(settings, held)[0] == State.PENDING
+    assert state_of(settings, cancelled)[0] == State.CANCELLED
+    assert state_of(settings, last)[0] == State.SUCCEEDED
 
 
 def test_a_worker_told_to_stop_or_on_a_drained_node_takes_no_next_job(settings):
@@ -378,14 +381,14 @@ def test_a_worker_told_to_stop_or_on_a_drained_node_takes_no_next_job(settings):
     worker = worker_on(settings, first)
     worker.stopping.set()  # the first SIGTERM: finish this job, start nothing more
     run_job(worker, first)
-    assert state_of(settings, second)[0] == c.PENDING
+    assert state_of(settings, second)[0] == State.PENDING
     third = submit(settings)
     Scheduler(settings).schedule_once()
-    assert state_of(settings, second)[0] == c.DISPATCHED
-    with session_scope(settings) as session:
+    assert state_of(settings, second)[0] == State.DISPATCHED
+    with write_scope(settings) as session:
         inventory.set_drained(session, "a", True, "maintenance")
     run_job(worker_on(settings, second), second)
-    assert state_of(settings, third)[0] == c.PENDING
+    assert state_of(settings, third)[0] == State.PENDING
 
 
 def test_a_quick_pass_over_each_users_queue_head_places_what_a_whole_pass_would(settings):
@@ -395,9 +398,9 @@ def test_a_quick_pass_over_each_users_queue_head_places_what_a_whole_pass_would(
         for _ in range(n):
             submit(settings, user=user, gpus=gpus)
     from gpuq.service.policy import decide
-    from gpuq.service.scheduler import read_snapshot
-    with session_scope(settings) as session:
-        whole = read_snapshot(session, settings)
+    from gpuq.service.queue_read import read_queue
+    with write_scope(settings) as session:
+        whole = read_queue(session, settings)
     expected = sorted((p.job_id, tuple(g.id for g in p.gpus)) for p in decide(whole.policy).placements)
     placed = Scheduler(settings).schedule_once(quick=True)
     assert sorted((p.job_id, tuple(g.id for g in p.gpus)) for p in placed) == expected and expected
@@ -411,7 +414,7 @@ def test_a_submission_with_nothing_else_waiting_is_placed_at_submit_and_handed_t
     r = broker.client(s)
     r.delete(broker.dispatch_key(s))
     job = submit(s, gpus=2)
-    assert state_of(s, job)[:3:2] == (c.DISPATCHED, "a")
+    assert state_of(s, job)[:3:2] == (State.DISPATCHED, "a")
     assert sorted(gpus_of(s, job)) == [("a", 0), ("a", 1)]
     # The scheduler sends its message on waking: no pass of its own stands in between.
     assert broker.wait_for_wake(r, s, 1.0) == (broker.HANDED, [f"{job} {queue_name(s, 'a', 0)}"])
@@ -423,22 +426,22 @@ def test_a_submission_is_left_to_the_scheduler_when_another_job_waits_held_or_on
     s = settings.with_overrides(place_at_submit=True)
     register(s, "a", 2)
     first = submit(s)
-    assert state_of(s, first)[0] == c.DISPATCHED
+    assert state_of(s, first)[0] == State.DISPATCHED
     # A gang that does not fit now waits; a small job submitted after it must not jump it at
     # submit (without time limits, no backfill past a waiting gang): the scheduler decides.
     gang = submit(s, gpus=2)
     small = submit(s)
-    assert state_of(s, gang)[0] == c.PENDING and state_of(s, small)[0] == c.PENDING
+    assert state_of(s, gang)[0] == State.PENDING and state_of(s, small)[0] == State.PENDING
     Scheduler(s).schedule_once()
-    assert state_of(s, small)[:2] == (c.PENDING, "priority")
+    assert state_of(s, small)[:2] == (State.PENDING, "priority")
     # Held or waiting for a dependency: never placed at submit either.
-    with session_scope(s) as session:
-        session.execute(update(Job).where(Job.id.in_([gang, small])).values(state=c.CANCELLED))
-        session.execute(update(Job).where(Job.id == first).values(state=c.SUCCEEDED, ended_at=utcnow()))
+    with write_scope(s) as session:
+        session.execute(update(Job).where(Job.id.in_([gang, small])).values(state=State.CANCELLED))
+        session.execute(update(Job).where(Job.id == first).values(state=State.SUCCEEDED, ended_at=utcnow()))
         session.execute(Allocation.__table__.delete())
     held = submit(s, hold=True)
     after = submit(s, after=str(held))
-    assert state_of(s, held)[0] == c.PENDING and state_of(s, after)[0] == c.PENDING
+    assert state_of(s, held)[0] == State.PENDING and state_of(s, after)[0] == State.PENDING
 
 
 def test_a_quick_pass_with_nothing_to_change_writes_nothing_and_a_whole_pass_still_writes(settings):
@@ -477,14 +480,14 @@ def _plan(session, statement, **params) -> str:
 
 
 def test_a_quick_pass_reads_each_users_first_jobs_in_queue_order_by_index_seeks(settings):
-    from gpuq.service.scheduler import _USER_HEAD, _WAITING_USERS, _pending
+    from gpuq.service.queue_read import _USER_HEAD, _WAITING_USERS, _pending
 
     head = 4
     made = []
     for user, priorities in (("ann", [0, 5, 0, 5, 0, 0]), ("bob", [1, 0]), ("cy", [0] * 7)):
         made += [(submit(settings, user=user, priority=p), user, p) for p in priorities]
     held = submit(settings, user="dee", hold=True)  # held: not waiting, so not read
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         rows, last = _pending(session, head)
         # Each user's first `head` jobs: priority first, then submission order.
         expected = [j for u in ("ann", "bob", "cy")
@@ -500,10 +503,10 @@ def test_a_quick_pass_reads_each_users_first_jobs_in_queue_order_by_index_seeks(
 
 
 def test_a_take_reads_its_gpus_list_not_every_waiting_job(settings):
-    from gpuq.service.jobs import _LISTED, _TAKE_FIRST
+    from gpuq.service.next_up import _LISTED, _TAKE_FIRST
 
     now = utcnow()
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         if session.connection().dialect.name != "sqlite":
             pytest.skip("SQLite's planner; PostgreSQL plans from its statistics")
         listed = _plan(session, _LISTED, gpu_id=1).splitlines()
@@ -529,7 +532,7 @@ def _wal_frames(database: str) -> tuple[int, int]:
 def test_a_checkpoint_copies_the_sqlite_log_back_so_no_job_end_has_to(settings):
     from gpuq.service import db
 
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         if session.connection().dialect.name != "sqlite":
             pytest.skip("PostgreSQL has no write-ahead log to copy back")
         # A writer's commit copies the log back only past the backstop, not SQLite's 1,000 pages.
@@ -554,8 +557,8 @@ def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cance
     first, second, third = (submit(settings, user=me) for _ in range(3))
     Scheduler(settings).schedule_once()
     state = worker_on(settings, first)
-    assert run_job(state, first) == c.SUCCEEDED
-    assert state_of(settings, third)[0] == c.SUCCEEDED
+    assert run_job(state, first) == State.SUCCEEDED
+    assert state_of(settings, third)[0] == State.SUCCEEDED
     watching = state.watch.thread
     assert watching is not None and watching.is_alive() and watching.name == "cancel-watch"
     assert state.watch.watching.job_id == third and state.watch.watching.done.is_set()
@@ -565,10 +568,10 @@ def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cance
     ended: list[str | None] = []
     runner = threading.Thread(target=lambda: ended.append(run_job(state, slow)))
     runner.start()
-    wait_for_state(settings, slow, {c.RUNNING})
+    wait_for_state(settings, slow, {State.RUNNING})
     jobs.cancel(settings, slow, user=me)
     runner.join(30)
-    assert ended == [c.CANCELLED] and state.watch.thread is watching  # the one thread saw it
+    assert ended == [State.CANCELLED] and state.watch.thread is watching  # the one thread saw it
     # With no job left to watch it ends in time, and the next job gets a new one.
     monkeypatch.setattr(c, "WATCH_IDLE_SECONDS", 0.5)
     deadline = time.monotonic() + 10
@@ -577,4 +580,4 @@ def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cance
     assert not watching.is_alive() and state.watch.thread is None
     last = submit(settings, user=me)
     Scheduler(settings).schedule_once()
-    assert run_job(state, last) == c.SUCCEEDED and state.watch.thread.is_alive()
+    assert run_job(state, last) == State.SUCCEEDED and state.watch.thread.is_alive()

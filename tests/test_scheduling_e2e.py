@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import db
 from tests.conftest import Stack, make_settings, run_cli
 from tests.test_end_to_end import output_of, submit, wait_for_state
@@ -38,7 +39,7 @@ def test_a_two_gpu_job_goes_to_the_node_that_has_two_and_sees_both(two_nodes, tm
     two_nodes.wait_registered(3)
     code = "import os; print(os.environ['GPUQ_NODE'], os.environ['CUDA_VISIBLE_DEVICES'])"
     job = submit(s, ["--gpus", "2", "--", sys.executable, "-c", code], cwd=tmp_path)
-    assert wait_for_state(s, job, c.END_STATES) == c.SUCCEEDED, two_nodes.logs()
+    assert wait_for_state(s, job, c.END_STATES) == State.SUCCEEDED, two_nodes.logs()
     assert output_of(s, job).strip() == "beta 0,1"
 
 
@@ -61,7 +62,7 @@ def test_a_dependency_starts_only_after_its_parent_succeeded(two_nodes, tmp_path
     marker = tmp_path / "made"
     first = submit(s, ["--", sys.executable, "-c", f"import time; time.sleep(1); open({str(marker)!r}, 'w').write('ok')"])
     second = submit(s, ["--after", str(first), "--", sys.executable, "-c", f"print(open({str(marker)!r}).read())"])
-    assert wait_for_state(s, second, c.END_STATES) == c.SUCCEEDED
+    assert wait_for_state(s, second, c.END_STATES) == State.SUCCEEDED
     assert output_of(s, second).strip() == "ok"
 
 
@@ -78,7 +79,7 @@ def test_status_shows_why_a_held_job_waits_and_release_lets_it_run(two_nodes):
     s = two_nodes.settings
     two_nodes.wait_registered(3)
     job = submit(s, ["--hold", "--", "true"])
-    wait_for_state(s, job, [c.PENDING])
+    wait_for_state(s, job, [State.PENDING])
     import time
 
     deadline = time.monotonic() + 20
@@ -89,4 +90,4 @@ def test_status_shows_why_a_held_job_waits_and_release_lets_it_run(two_nodes):
     assert "pending" in line and "held" in line
     assert f"`gpuq release {job}`" in run_cli(["why", str(job)], s).stdout
     assert run_cli(["release", str(job)], s).returncode == 0
-    assert wait_for_state(s, job, c.END_STATES) == c.SUCCEEDED
+    assert wait_for_state(s, job, c.END_STATES) == State.SUCCEEDED

@@ -21,8 +21,9 @@ import redis
 from sqlalchemy import create_engine, inspect, text
 
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import db, jobs
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from tests.conftest import (serving, free_port, output_of, system_redis_server, wait_for_state, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
                             start_stack)
 
@@ -84,7 +85,7 @@ def test_a_command_gets_the_submitters_chosen_variables_and_gpuqs_and_none_of_th
     job_id, state, out = run_to_end(
         stack, ["--env", "FROM_HERE", "--env", "SET=a b;$(c)", "--", sys.executable, "-c", PRINT_IDENTITY],
         cwd=tmp_path, extra_env={"FROM_HERE": "yes", "NOT_ASKED_FOR": "no", "LANG": "C.UTF-8", "LC_TIME": "C"})
-    assert state == c.SUCCEEDED, out
+    assert state == State.SUCCEEDED, out
     env = json.loads(out)["env"]
     assert env["FROM_HERE"] == "yes" and env["SET"] == "a b;$(c)"
     assert env["LANG"] == "C.UTF-8" and env["LC_TIME"] == "C" and env["PATH"] == os.environ["PATH"]
@@ -96,7 +97,7 @@ def test_a_command_gets_the_submitters_chosen_variables_and_gpuqs_and_none_of_th
         "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUQ_JOB_ID", "GPUQ_JOB_NAME", "GPUQ_GPUS", "GPUQ_NODE",
         "GPUQ_WORKER", "GPUQ_RUN_ID"}
     assert not any(s.broker_url in v or s.database_url in v for v in env.values())
-    with session_scope(s) as session:
+    with write_scope(s) as session:
         stored = jobs.get_job(session, job_id).env
     assert stored["FROM_HERE"] == "yes" and "GPUQ_JOB_ID" not in stored  # gpuq's own are set at run time
 
@@ -111,7 +112,7 @@ def env_default_names(env: dict) -> set[str]:
 def test_a_root_worker_runs_a_job_for_nobody_as_nobody_with_only_nobodys_groups(stack, shared_dir):
     job_id, state, out = run_to_end(stack, ["--user", "nobody", "--", SYSTEM_PYTHON, "-c", PRINT_IDENTITY],
                                     cwd=shared_dir)
-    assert state == c.SUCCEEDED, out + stack.logs()
+    assert state == State.SUCCEEDED, out + stack.logs()
     seen = json.loads(out)
     assert seen["uid"] == 65534 and seen["cwd"] == str(shared_dir)
     assert seen["groups"] == sorted(set(os.getgrouplist("nobody", seen["gid"])))
@@ -119,10 +120,10 @@ def test_a_root_worker_runs_a_job_for_nobody_as_nobody_with_only_nobodys_groups(
     env = seen["env"]
     assert env["USER"] == env["LOGNAME"] == "nobody" and env["HOME"] == "/nonexistent"
     assert not {"GPUQ_DATABASE_URL", "GPUQ_BROKER_URL", "GPUQ_CONFIG"} & env.keys()
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         assert jobs.get_job(session, job_id).user == "nobody"
     _, state, out = run_to_end(stack, ["--user", "nobody", "--", "id"], cwd=shared_dir)
-    assert state == c.SUCCEEDED and out.split()[0] == "uid=65534(nobody)", out
+    assert state == State.SUCCEEDED and out.split()[0] == "uid=65534(nobody)", out
 
 
 @needs_root
@@ -131,7 +132,7 @@ def test_a_job_running_as_another_user_is_still_cancelled_whole(stack, shared_di
     job_id = submit(s, ["--user", "nobody", "--", SYSTEM_PYTHON, "-c",
                         "import subprocess, time; subprocess.Popen(['sleep', '300']); print('up', flush=True); "
                         "time.sleep(300)"], cwd=shared_dir)
-    wait_for_state(s, job_id, {c.RUNNING})
+    wait_for_state(s, job_id, {State.RUNNING})
     deadline = time.monotonic() + 30
     while "up" not in output_of(s, job_id) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -139,7 +140,7 @@ def test_a_job_running_as_another_user_is_still_cancelled_whole(stack, shared_di
               if p.info["uids"] and p.info["uids"].real == 65534 and "300" in " ".join(p.info["cmdline"] or [])]
     assert len(theirs) == 2
     assert run_cli(["cancel", str(job_id)], s).returncode == 0  # root may, as SLURM's scancel lets root
-    assert wait_for_state(s, job_id, c.END_STATES) == c.CANCELLED
+    assert wait_for_state(s, job_id, c.END_STATES) == State.CANCELLED
     gone, alive = psutil.wait_procs(theirs, timeout=10)
     assert alive == []
 
@@ -147,9 +148,9 @@ def test_a_job_running_as_another_user_is_still_cancelled_whole(stack, shared_di
 @needs_root
 def test_a_job_whose_owner_has_no_account_on_the_node_fails_with_that_reason(stack, shared_dir):
     job_id, state, out = run_to_end(stack, ["--user", "gpuq-no-such-user", "--", "true"], cwd=shared_dir)
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         job = jobs.get_job(session, job_id)
-    assert state == c.FAILED and "user gpuq-no-such-user is not known on node testnode" in job.reason
+    assert state == State.FAILED and "user gpuq-no-such-user is not known on node testnode" in job.reason
 
 
 def run_as_nobody(args, settings, cwd, extra_env=None) -> subprocess.CompletedProcess:
@@ -172,7 +173,7 @@ def test_the_owner_is_the_os_user_not_what_user_or_logname_say(stack, shared_dir
                            extra_env={"USER": "root", "LOGNAME": "root", "USERNAME": "root"})
     assert result.returncode == 0, result.stderr
     job_id = json.loads(result.stdout)["id"]
-    with session_scope(stack.settings) as session:
+    with write_scope(stack.settings) as session:
         assert jobs.get_job(session, job_id).user == "nobody"
     assert run_cli(["cancel", str(job_id)], stack.settings, extra_env={"GPUQ_ADMINS": "root"}).returncode == 0
 
@@ -206,7 +207,7 @@ def test_hostile_arguments_are_stored_exactly_run_as_literal_argv_and_shown_one_
                                             "-c", "import sys, json; print(json.dumps(sys.argv[1:]))", *args],
                                     cwd=tmp_path)
     second, _, _ = run_to_end(stack, ["--", sys.executable, "-c", "pass", *args], cwd=tmp_path)
-    assert state == c.SUCCEEDED and json.loads(out) == args
+    assert state == State.SUCCEEDED and json.loads(out) == args
     assert not marker.exists()  # no shell ever saw them
     shown = json.loads(run_cli(["show", "--json", str(job_id)], s).stdout)
     assert shown["argv"][3:] == args and shown["name"] == "[/] naïve ✓ 'q' \"d\" $(x) `y` ; | & [red]"
@@ -223,7 +224,7 @@ def test_a_100_kb_argument_is_passed_whole(stack, tmp_path):
     big = "x" * 100_000
     job_id, state, out = run_to_end(stack, ["--", sys.executable, "-c", "import sys; print(len(sys.argv[1]))", big],
                                     cwd=tmp_path)
-    assert state == c.SUCCEEDED and out.strip() == "100000"
+    assert state == State.SUCCEEDED and out.strip() == "100000"
 
 
 # --- passwords and TLS -------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def test_passwords_in_the_broker_and_database_urls_work_and_show_nowhere(tmp_pat
         st = start_stack(settings, tmp_path / "logs")
         try:
             job_id, state, out = run_to_end(st, ["--", sys.executable, "-c", "print('ran')"], cwd=tmp_path)
-            assert state == c.SUCCEEDED and out == "ran\n", st.logs()
+            assert state == State.SUCCEEDED and out == "ran\n", st.logs()
             seen = everything_shown_and_stored(st, job_id)
             assert pw not in seen and pgpw not in seen
             with serving(settings, broker_url=f"redis://:{pw}-wrong@127.0.0.1:{port}/0") as wrong:
@@ -364,7 +365,7 @@ def test_a_job_runs_through_a_tls_redis_with_a_password_and_a_wrong_ca_is_refuse
         st = start_stack(settings, tmp_path / "logs")
         try:
             job_id, state, out = run_to_end(st, ["--", sys.executable, "-c", "print('over tls')"], cwd=tmp_path)
-            assert state == c.SUCCEEDED and out == "over tls\n", st.logs()
+            assert state == State.SUCCEEDED and out == "over tls\n", st.logs()
             assert pw not in everything_shown_and_stored(st, job_id)
             other = make_tls_files(Path(tempfile.mkdtemp(dir=tmp_path)))
             with serving(settings, broker_url=broker.replace(str(ca), str(other))) as untrusted:

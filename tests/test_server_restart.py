@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 
 from gpuq.cli.client import unix_connection
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import Job, Submission
 from gpuq.service.settings import Settings
 from tests.conftest import Stack, settings_env
@@ -48,19 +48,19 @@ def _post(settings: Settings, target: str, body: dict[str, Any]) -> tuple[int, A
 def _jobs_by_array(settings: Settings) -> dict[int | None, list[int]]:
     """Every job's array index, by array (None: jobs of no array)."""
     out: dict[int | None, list[int]] = {}
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         for array_id, index in session.execute(select(Job.array_id, Job.array_index)):
             out.setdefault(array_id, []).append(index)
     return out
 
 
 def _submissions(settings: Settings) -> list[tuple[str, list[int]]]:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return [(k, list(ids)) for k, ids in session.execute(select(Submission.key, Submission.job_ids))]
 
 
 def _job_count(settings: Settings) -> int:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return session.scalar(select(func.count()).select_from(Job))
 
 

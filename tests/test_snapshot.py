@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from gpuq.service import submitting
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import jobs, spec
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec, NotAllowed
 from gpuq.service.models import Job
 from gpuq.service.resubmit import resubmit
@@ -49,7 +51,7 @@ def make_repo(root: Path) -> Path:
 
 
 def job_count(settings) -> int:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return session.scalar(select(func.count()).select_from(Job))
 
 
@@ -58,7 +60,7 @@ def snapshot_entries(settings) -> list[str]:
 
 
 def get(settings, job_id: int) -> Job:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         job = jobs.get_job(session, job_id)
         session.expunge(job)
         return job
@@ -66,23 +68,23 @@ def get(settings, job_id: int) -> Job:
 
 def test_a_command_in_a_git_tree_records_commit_dirtiness_and_diff(settings, tmp_path):
     repo = make_repo(tmp_path)
-    clean = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo / "sub")))
+    clean = submitting.submit(settings, spec.command_spec(["true"], cwd=str(repo / "sub")))
     assert (clean.git_commit, clean.git_dirty, clean.git_diff) == (git(repo, "rev-parse", "HEAD"), False, None)
     (repo / "sub" / "code.txt").write_text("version 2\n")
     git(repo, "add", "sub/code.txt")
     (repo / "sub" / "code.txt").write_text("version 3\n")  # staged and unstaged: the diff is against HEAD
-    dirty = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
+    dirty = submitting.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
     assert dirty.git_dirty is True and dirty.git_diff_cut is False
     assert "-version 1" in dirty.git_diff and "+version 3" in dirty.git_diff
     git(repo, "checkout", "-q", "HEAD", "--", ".")
     (repo / "new.py").write_text("print(1)\n")  # untracked and not ignored: dirty, though no diff
-    untracked = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
+    untracked = submitting.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
     assert untracked.git_dirty is True and untracked.git_diff is None
-    workload = jobs.submit(settings, spec.workload_spec("matmul", [], cwd=str(repo)))
+    workload = submitting.submit(settings, spec.workload_spec("matmul", [], cwd=str(repo)))
     assert workload.git_commit is None and workload.git_dirty is None
     outside = tmp_path / "plain"
     outside.mkdir()
-    plain = jobs.submit(settings, spec.command_spec(["true"], cwd=str(outside)))
+    plain = submitting.submit(settings, spec.command_spec(["true"], cwd=str(outside)))
     assert (plain.git_commit, plain.git_dirty, plain.git_diff, plain.snapshot) == (None, None, None, None)
 
 
@@ -90,7 +92,7 @@ def test_a_diff_over_the_limit_is_cut_and_says_so(settings, tmp_path):
     repo = make_repo(tmp_path)
     (repo / "sub" / "code.txt").write_text("changed line\n" * 500)
     small = settings.with_overrides(git_diff_max_bytes=1000)
-    job = jobs.submit(small, spec.command_spec(["true"], cwd=str(repo)))
+    job = submitting.submit(small, spec.command_spec(["true"], cwd=str(repo)))
     assert job.git_diff_cut is True
     assert job.git_diff.endswith("[gpuq: diff cut at 1000 bytes]\n") and len(job.git_diff) < 1100
 
@@ -128,7 +130,7 @@ def test_a_failed_insert_removes_the_copied_snapshot(settings, tmp_path):
     good = spec.command_spec(["true"], cwd=str(repo))
     broken = spec.JobSpec(**{**good.__dict__, "gpus": 0})  # the database's check refuses it at insert
     with pytest.raises(Exception):
-        jobs.submit_all(settings, [broken], snapshot=True)
+        submitting.submit_all(settings, [broken], snapshot=True)
     assert job_count(settings) == 0 and snapshot_entries(settings) == []
 
 
@@ -142,7 +144,7 @@ def test_a_snapshot_job_runs_the_code_as_it_was_without_ignored_files(stack, tmp
     assert out.returncode == 0, out.stderr
     job_id = json.loads(out.stdout)["id"]
     (repo / "sub" / "code.txt").write_text("version 2, edited after submit\n")
-    assert wait_for_state(s, job_id, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, stack.logs()
     content, listing, cwd = output_of(s, job_id).strip().splitlines()
     job = get(s, job_id)
     assert content == "version 1"
@@ -163,7 +165,7 @@ def test_resubmit_runs_the_same_snapshot_as_a_new_job_and_show_diff_prints_the_d
                    "cat", "code.txt"], s, cwd=repo / "sub")
     assert out.returncode == 0, out.stderr
     first = json.loads(out.stdout)["id"]
-    assert wait_for_state(s, first, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    assert wait_for_state(s, first, c.END_STATES) == State.SUCCEEDED, stack.logs()
     diff = run_cli(["show", "--diff", str(first)], s).stdout
     assert "-version 1" in diff and "+version 2, uncommitted" in diff
     (repo / "sub" / "code.txt").write_text("version 3\n")
@@ -171,7 +173,7 @@ def test_resubmit_runs_the_same_snapshot_as_a_new_job_and_show_diff_prints_the_d
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith("submitted job ") and again.stdout.strip().endswith(f"(resubmit of {first})")
     second = int(again.stdout.split()[2])
-    assert wait_for_state(s, second, c.END_STATES) == c.SUCCEEDED, stack.logs()
+    assert wait_for_state(s, second, c.END_STATES) == State.SUCCEEDED, stack.logs()
     assert output_of(s, second) == output_of(s, first) == "version 2, uncommitted\n"
     a, b = get(s, first), get(s, second)
     for field in ("name", "argv", "cwd", "snapshot", "max_retries", "git_commit", "git_dirty", "git_diff"):
@@ -180,7 +182,7 @@ def test_resubmit_runs_the_same_snapshot_as_a_new_job_and_show_diff_prints_the_d
 
 def test_resubmit_of_an_array_task_makes_one_job_with_that_tasks_index(settings, tmp_path):
     make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731
-    tasks = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(priority=3), "0-2", []))
+    tasks = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(priority=3), "0-2", []))
     job = resubmit(settings, tasks[2].id, user=tasks[2].user)
     assert job.id == tasks[-1].id + 1 and job.array_id is None
     assert (job.argv, job.env["GPUQ_ARRAY_INDEX"], job.priority) == (["echo", "2"], "2", 3)
@@ -189,10 +191,10 @@ def test_resubmit_of_an_array_task_makes_one_job_with_that_tasks_index(settings,
 
 def test_resubmit_of_another_users_job_is_refused_and_of_a_missing_snapshot_too(settings, tmp_path):
     repo = make_repo(tmp_path)
-    mine = jobs.submit(settings, spec.command_spec(["true"], cwd=str(repo), user="ann"))
+    mine = submitting.submit(settings, spec.command_spec(["true"], cwd=str(repo), user="ann"))
     with pytest.raises(NotAllowed):
         resubmit(settings, mine.id, user="bob")
-    snap = jobs.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo), user="ann")], snapshot=True)[0]
+    snap = submitting.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo), user="ann")], snapshot=True)[0]
     shutil.rmtree(snap.snapshot)
     with pytest.raises(InvalidSpec, match="snapshot .* is gone"):
         resubmit(settings, snap.id, user="ann")
@@ -202,7 +204,7 @@ def test_resubmit_of_another_users_job_is_refused_and_of_a_missing_snapshot_too(
 def test_the_tasks_of_an_array_share_one_snapshot_named_after_the_first(settings, tmp_path):
     repo = make_repo(tmp_path)
     make = lambda extra: spec.command_spec(["cat", "code.txt"], cwd=str(repo / "sub"))  # noqa: E731
-    tasks = jobs.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2", []), snapshot=True)
+    tasks = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), "0-2", []), snapshot=True)
     first = tasks[0]
     assert first.snapshot == str(settings.snapshots / str(first.id))
     assert {(t.snapshot, t.cwd) for t in tasks} == {(first.snapshot, os.path.join(first.snapshot, "sub"))}

@@ -7,17 +7,17 @@ import os
 import subprocess
 import sys
 
-from gpuq.service.db import read_scope, session_scope
+from gpuq.service.db import read_scope, write_scope
 from gpuq.service.models import Node
 
 from tests.conftest import make_settings, settings_env
 
 HOLD = """
 import sys, time
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import Node
 from gpuq.service.settings import get_settings
-with session_scope(get_settings()) as session:
+with write_scope(get_settings()) as session:
     session.add(Node(name="from-child", drained=False))
     session.flush()
     print("holding", flush=True)
@@ -55,7 +55,7 @@ def test_a_sqlite_write_transaction_holds_the_writers_lock_until_it_commits_and_
         child.stdin.write("\n")
         child.stdin.flush()
         # This writer waits its turn on the lock, then sees what the one before it committed.
-        with session_scope(s) as session:
+        with write_scope(s) as session:
             assert session.get(Node, "from-child") is not None
             assert _taken(lock)
         assert not _taken(lock)

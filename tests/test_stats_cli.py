@@ -16,7 +16,7 @@ from gpuq.cli.app import app
 from gpuq.cli.plots import DPI, FIGSIZE
 from gpuq.service import constants as c
 from gpuq.service import samples
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.devices import GpuProcess, GpuReading
 from gpuq.service.models import Allocation, Gpu, utcnow
 from tests.test_usage import add_gpu, add_job, add_samples
@@ -27,7 +27,7 @@ def recorded(use_settings):
     """Two GPUs on one node: a running job of ann's on GPU 0 (with a foreign process beside it),
     an ended job of bob's; a few minutes of samples. Returns the job ids."""
     now = utcnow()
-    with session_scope(use_settings) as s:
+    with write_scope(use_settings) as s:
         g0, g1 = add_gpu(s, "testnode", 0), add_gpu(s, "testnode", 1)
         s.query(Gpu).update({Gpu.heartbeat_at: now})
         ann = add_job(s, "ann", "testnode", now - timedelta(minutes=5), None)

@@ -8,12 +8,12 @@ from typer.testing import CliRunner
 from gpuq.cli.app import app
 from tests.conftest import ThreadServer
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import Job
 
 
 def jobs_in(settings) -> int:
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         return session.scalar(select(func.count()).select_from(Job))
 
 
@@ -113,7 +113,7 @@ def test_a_good_submission_prints_the_job_id_and_stores_the_spec(use_settings, t
     job = json.loads(result.output)
     assert job["id"] == 2 and job["argv"] == ["python", "train.py", "--lr", "0.1"]
     assert job["cwd"] == str(tmp_path) and job["gpus"] == 2 and job["state"] == "pending"
-    with session_scope(use_settings) as session:
+    with write_scope(use_settings) as session:
         first = session.get(Job, 1)
         assert first.name == "bench" and first.workload == "matmul"
         assert first.params == {"size": 500, "repeat": 100, "warmup": 3, "dtype": "fp32", "cpu_baseline": False}

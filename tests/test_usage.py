@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from gpuq.service import accounting, samples, usage
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
 from gpuq.service.devices import GpuProcess, GpuReading
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage
@@ -30,7 +31,7 @@ def add_gpu(session, node: str, index: int) -> int:
 
 def add_job(session, user: str, node: str, start: datetime, end: datetime | None, gpus: int = 1) -> int:
     job = Job(name=f"{user}-job", user=user, kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=gpus,
-              state=c.SUCCEEDED if end else c.RUNNING, node=node, submitted_at=start, started_at=start,
+              state=State.SUCCEEDED if end else State.RUNNING, node=node, submitted_at=start, started_at=start,
               ended_at=end)
     session.add(job)
     session.flush()
@@ -49,14 +50,14 @@ def add_samples(session, gpu_id, job_id, start, utils, mem=1000, power=100.0, st
 
 def test_job_summary_has_gpu_hours_memory_utilisation_energy_and_idle_seconds(settings):
     start = NOW - timedelta(seconds=100)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         g0, g1 = add_gpu(s, "n1", 0), add_gpu(s, "n1", 1)
         job = add_job(s, "ann", "n1", start, NOW, gpus=2)
         add_samples(s, g0, job, start, [0, 5, 50, 100], mem=1000, power=100.0)
         add_samples(s, g1, job, start, [20, 20], mem=3000, power=50.0, step=2.0)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         usage.record_usage(s, job)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         u = s.get(JobUsage, job)
         assert u.wall_s == pytest.approx(100) and u.gpu_hours == pytest.approx(200 / 3600)
         assert u.memory_peak_mib == 3001 and u.samples == 6
@@ -69,7 +70,7 @@ def test_job_summary_has_gpu_hours_memory_utilisation_energy_and_idle_seconds(se
 
 def test_idle_flag_needs_a_mostly_idle_gpu_through_the_whole_window(settings):
     window = timedelta(seconds=settings.idle_window)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         gpu = add_gpu(s, "n1", 0)
         idle = add_job(s, "ann", "n1", NOW - 2 * window, None)
         busy = add_job(s, "bob", "n1", NOW - 2 * window, None)
@@ -79,19 +80,19 @@ def test_idle_flag_needs_a_mostly_idle_gpu_through_the_whole_window(settings):
         add_samples(s, gpu, idle, t0, [0] * 19 + [90], step=step)  # one busy moment: still mostly idle
         add_samples(s, gpu, busy, t0, [3, 80] * 10, step=step)
         add_samples(s, gpu, young, NOW - window / 2, [0] * 10, step=step)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         assert usage.idle_jobs(s, settings, NOW) == {idle}
 
 
 def test_report_counts_gpu_hours_in_the_period_per_user_and_node(settings):
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         a, b = add_gpu(s, "n1", 0), add_gpu(s, "n2", 0)
         j1 = add_job(s, "ann", "n1", NOW - timedelta(hours=3), NOW - timedelta(hours=1))
         j2 = add_job(s, "bob", "n2", NOW - timedelta(hours=1), None, gpus=2)
         add_samples(s, a, j1, NOW - timedelta(hours=2), [60, 80])
         add_samples(s, b, j2, NOW - timedelta(minutes=30), [10, 10, 10])
         add_samples(s, b, None, NOW - timedelta(minutes=10), [0])  # an idle GPU counts for its node
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         rep = accounting.report(s, NOW - timedelta(hours=2), NOW, NOW)
     users = {r.name: r for r in rep["users"]}
     assert users["ann"].gpu_hours == pytest.approx(1.0) and users["ann"].jobs == 1
@@ -104,7 +105,7 @@ def test_report_counts_gpu_hours_in_the_period_per_user_and_node(settings):
 
 def test_rollup_turns_old_samples_into_minutes_keeping_sums_and_maxima(settings):
     old = NOW - timedelta(days=settings.sample_retention_days, minutes=10)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         g0, g1 = add_gpu(s, "n1", 0), add_gpu(s, "n2", 0)
         j1 = add_job(s, "ann", "n1", old, NOW - timedelta(days=1))
         j2 = add_job(s, "bob", "n2", old, None)
@@ -115,7 +116,7 @@ def test_rollup_turns_old_samples_into_minutes_keeping_sums_and_maxima(settings)
         add_samples(s, g1, j2, NOW - timedelta(hours=1), [50] * 20)
 
     def snapshot():
-        with session_scope(settings) as s:
+        with write_scope(settings) as s:
             per = {g: usage.totals(s, g) for g in (usage.by_user, usage.by_node, usage.by_job)}
             per["all"] = usage.totals(s)
             per["report"] = accounting.report(s, old - timedelta(days=1), NOW, NOW)
@@ -126,7 +127,7 @@ def test_rollup_turns_old_samples_into_minutes_keeping_sums_and_maxima(settings)
     rolled = samples.rollup(settings, NOW)
     after = snapshot()
     assert rolled == 330
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         assert s.query(DeviceSample).count() == 20  # only the recent ones are raw
         minutes = s.query(DeviceMinute).all()
         assert all(m.minute.second == 0 and m.minute.microsecond == 0 for m in minutes)
@@ -172,13 +173,13 @@ _readings = st.lists(st.fixed_dictionaries({
 def test_readings_summed_in_hand_are_what_sql_sums_from_them(settings, readings):
     # A worker holding every reading of a job sums them itself (Totals.of_samples) instead of
     # reading them back; it must come to what samples.raw_sums does in SQL, null for null.
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         gpu = s.scalar(select(Gpu.id).where(Gpu.node == "n", Gpu.index == 0)) or add_gpu(s, "n", 0)
         job = add_job(s, "ann", "n", NOW, NOW)
         rows = [dict(samples.sample_row(gpu, job, NOW + timedelta(seconds=i), 1.0, GpuReading(), None),
                      **reading) for i, reading in enumerate(readings)]
         samples.record(s, gpu, rows)
-    with session_scope(settings) as s:
+    with write_scope(settings) as s:
         in_sql = usage.job_totals(s, job)
     in_hand = usage.Totals.of_samples(rows)
     for field, value in in_sql.as_dict().items():

@@ -10,10 +10,14 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
+from gpuq.service import submitting
+from gpuq.service import lifecycle
+from gpuq.service import leases
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service import inventory, jobs, spec
 from gpuq.service.celery_app import make_app, queue_name
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.scheduler import Scheduler
@@ -28,7 +32,7 @@ def settings(settings):
 
 def register_gpus(settings) -> list[int]:
     ids = []
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         for info in open_devices(settings).list():
             q = queue_name(settings, settings.node, info.index)
             ids.append(inventory.register(session, settings.node, info, q, f"gpu{info.index}@{settings.node}", 1))
@@ -37,7 +41,7 @@ def register_gpus(settings) -> list[int]:
 
 def dispatched_command(settings, argv, cwd) -> int:
     """A command job, placed and dispatched by a real scheduler pass (message sent to Redis)."""
-    job = jobs.submit(settings, spec.command_spec(argv, cwd=str(cwd)))
+    job = submitting.submit(settings, spec.command_spec(argv, cwd=str(cwd)))
     placements = Scheduler(settings).schedule_once()
     assert [p.job_id for p in placements] == [job.id]
     return job.id
@@ -51,10 +55,10 @@ def test_a_message_delivered_twice_runs_the_job_once(settings, tmp_path):
     gpu_ids = register_gpus(settings)
     runs = tmp_path / "runs"
     job_id = dispatched_command(settings, [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x')"], tmp_path)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         rank0 = jobs.job_gpus(session, job_id)[0]
     state = worker(settings, rank0.id, rank0.index)
-    assert run_job(state, job_id) == c.SUCCEEDED
+    assert run_job(state, job_id) == State.SUCCEEDED
     assert run_job(state, job_id) is None
     assert runs.read_text() == "x"
 
@@ -62,12 +66,12 @@ def test_a_message_delivered_twice_runs_the_job_once(settings, tmp_path):
 def test_a_message_reaching_another_gpus_worker_is_dropped(settings, tmp_path):
     gpu_ids = register_gpus(settings)
     job_id = dispatched_command(settings, ["true"], tmp_path)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         mine = jobs.job_gpus(session, job_id)[0].id
     other = next(g for g in gpu_ids if g != mine)
     assert run_job(worker(settings, other, 9), job_id) is None
-    with session_scope(settings) as session:
-        assert jobs.get_job(session, job_id).state == c.DISPATCHED
+    with write_scope(settings) as session:
+        assert jobs.get_job(session, job_id).state == State.DISPATCHED
 
 
 def test_a_message_for_a_job_that_does_not_exist_changes_nothing(settings):
@@ -78,8 +82,8 @@ def test_a_message_for_a_job_that_does_not_exist_changes_nothing(settings):
 def test_a_message_for_a_cancelled_job_does_not_start_it(settings, tmp_path):
     register_gpus(settings)
     job_id = dispatched_command(settings, ["true"], tmp_path)
-    assert jobs.cancel(settings, job_id).state == c.CANCELLED
-    with session_scope(settings) as session:
+    assert jobs.cancel(settings, job_id).state == State.CANCELLED
+    with write_scope(settings) as session:
         gpus = session.scalars(select(Gpu)).all()
         assert jobs.job_gpus(session, job_id) == []
     for g in gpus:
@@ -89,7 +93,7 @@ def test_a_message_for_a_cancelled_job_does_not_start_it(settings, tmp_path):
 def test_the_database_refuses_to_allocate_one_gpu_to_two_jobs(settings, tmp_path):
     gpu_ids = register_gpus(settings)
     with pytest.raises(IntegrityError):
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             a = Job(name="a", user="u", kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=1, params={})
             b = Job(name="b", user="u", kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=1, params={})
             session.add_all([a, b])
@@ -105,9 +109,9 @@ def test_the_scheduler_sends_one_message_with_only_the_job_id_to_the_gpus_own_qu
 
     register_gpus(settings)
     job_id = dispatched_command(settings, ["true"], tmp_path)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
-        assert jobs.get_job(session, job_id).state == c.DISPATCHED
+        assert jobs.get_job(session, job_id).state == State.DISPATCHED
     r = broker.client(settings)
     messages = r.lrange(gpu.queue, 0, -1)
     r.delete(gpu.queue)
@@ -120,24 +124,24 @@ def test_the_scheduler_sends_one_message_with_only_the_job_id_to_the_gpus_own_qu
 
 
 def expire_lease(settings, job_id):
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         session.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow().replace(year=2000)))
 
 
 def test_a_running_job_whose_lease_ran_out_fails_as_worker_lost(settings, tmp_path):
     register_gpus(settings)
     job_id = dispatched_command(settings, ["true"], tmp_path)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
-        assert jobs.claim(session, job_id, gpu.id, "gpu@t", 30)
+        assert leases.claim(session, job_id, gpu.id, "gpu@t", 30)
     Scheduler(settings).schedule_once()
-    with session_scope(settings) as session:
-        assert jobs.get_job(session, job_id).state == c.RUNNING  # its lease still holds
+    with write_scope(settings) as session:
+        assert jobs.get_job(session, job_id).state == State.RUNNING  # its lease still holds
     expire_lease(settings, job_id)
     Scheduler(settings).schedule_once()
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         job = jobs.get_job(session, job_id)
-        assert job.state == c.FAILED and job.reason.startswith("worker lost")
+        assert job.state == State.FAILED and job.reason.startswith("worker lost")
         assert job.failure == c.FAILURE_WORKER_LOST
         assert jobs.job_gpus(session, job_id) == []
 
@@ -145,41 +149,40 @@ def test_a_running_job_whose_lease_ran_out_fails_as_worker_lost(settings, tmp_pa
 def test_only_the_lease_holder_may_end_a_running_job(settings, tmp_path):
     register_gpus(settings)
     job_id = dispatched_command(settings, ["true"], tmp_path)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
-        token = jobs.claim(session, job_id, gpu.id, "gpu@t", 30)
-        assert token and jobs.claim(session, job_id, gpu.id, "gpu@t", 30) is None  # a second claim fails
-    with session_scope(settings) as session:
-        assert not jobs.finish(session, job_id, c.SUCCEEDED, token="0" * 32)
-        assert not jobs.renew_lease(session, job_id, "0" * 32, 30)
-        assert jobs.renew_lease(session, job_id, token, 30)
-    with session_scope(settings) as session:
-        assert jobs.finish(session, job_id, c.SUCCEEDED, token=token)
-        assert not jobs.finish(session, job_id, c.SUCCEEDED, token=token)  # once
-        assert jobs.get_job(session, job_id).state == c.SUCCEEDED
+        token = leases.claim(session, job_id, gpu.id, "gpu@t", 30)
+        assert token and leases.claim(session, job_id, gpu.id, "gpu@t", 30) is None  # a second claim fails
+    with write_scope(settings) as session:
+        assert not lifecycle.end_attempt(session, job_id, State.SUCCEEDED, token="0" * 32)
+        assert not leases.renew(session, job_id, "0" * 32, 30)
+        assert leases.renew(session, job_id, token, 30)
+    with write_scope(settings) as session:
+        assert lifecycle.end_attempt(session, job_id, State.SUCCEEDED, token=token)
+        assert not lifecycle.end_attempt(session, job_id, State.SUCCEEDED, token=token)  # once
+        assert jobs.get_job(session, job_id).state == State.SUCCEEDED
 
 
 def test_worker_lost_requeues_without_using_a_retry_and_stops_at_the_cap(settings, tmp_path):
     settings = settings.with_overrides(max_requeues=2)
     register_gpus(settings)
-    job = jobs.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path)), max_retries=1))
+    job = submitting.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path)), max_retries=1))
     scheduler = Scheduler(settings)
     for round in range(3):
         scheduler.schedule_once()
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             gpu = jobs.job_gpus(session, job.id)[0]
-            assert jobs.claim(session, job.id, gpu.id, f"gpu@t{round}", 30)
+            assert leases.claim(session, job.id, gpu.id, f"gpu@t{round}", 30)
         expire_lease(settings, job.id)
-        with session_scope(settings) as session:
-            from gpuq.service.scheduler import reap_lost
-            reap_lost(session, settings)
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
+            leases.reap(session, settings)
+        with write_scope(settings) as session:
             j = jobs.get_job(session, job.id)
             if round < 2:
-                assert j.state == c.PENDING and j.requeues == round + 1
+                assert j.state == State.PENDING and j.requeues == round + 1
                 assert j.reason.startswith(f"requeue {round + 1} of at most 2 after: worker lost")
             else:
-                assert j.state == c.FAILED and j.failure == c.FAILURE_WORKER_LOST
+                assert j.state == State.FAILED and j.failure == c.FAILURE_WORKER_LOST
                 assert "requeued 2 times already: the cap" in j.reason
             # Requeues are not the job's own retries: that one is still unused.
             assert all(a["requeue"] for a in j.attempts)
@@ -196,17 +199,17 @@ def test_a_rank_message_runs_only_for_a_running_job_holding_that_gpu_at_that_ran
     from gpuq.workers.runner import run_rank
 
     register_gpus(settings)
-    job = jobs.submit(settings, spec.workload_spec("train", ["--strategy", "ddp", "--epochs", "1"], gpus=2))
+    job = submitting.submit(settings, spec.workload_spec("train", ["--strategy", "ddp", "--epochs", "1"], gpus=2))
     Scheduler(settings).schedule_once()
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         g0, g1 = jobs.job_gpus(session, job.id)
     # Dispatched, not yet running: no rank may start.
     assert run_rank(worker(settings, g1.id, g1.index), job.id, 1) is False
-    with session_scope(settings) as session:
-        assert jobs.claim(session, job.id, g0.id, "gpu@t", 30)
+    with write_scope(settings) as session:
+        assert leases.claim(session, job.id, g0.id, "gpu@t", 30)
     # Running, but rank 0 has not set where the ranks meet yet.
     assert run_rank(worker(settings, g1.id, g1.index), job.id, 1) is False
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         jobs.set_rendezvous(session, job.id, "tcp://127.0.0.1:1")
         assert jobs.rank_to_run(session, job.id, g1.id, 1) is not None
         assert jobs.rank_to_run(session, job.id, g0.id, 1) is None  # wrong GPU for rank 1

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.jobs import get_job, record_metric
 from gpuq.service.settings import get_settings
 from gpuq.workers.builtin import run_workload
@@ -21,14 +21,14 @@ from gpuq.workers.builtin import run_workload
 def main(argv: list[str]) -> int:
     job_id, result_path = int(argv[0]), argv[1]
     settings = get_settings()
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         job = get_job(session, job_id)
         workload, params, gpus = job.workload, dict(job.params), job.gpus
     cancelled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: cancelled.set())
 
     def on_metric(values):
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             record_metric(session, job_id, values)
 
     result = run_workload(job_id, workload, params, gpus, lambda s: print(s, flush=True), cancelled, on_metric)

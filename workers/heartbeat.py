@@ -13,10 +13,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from gpuq.service import constants as c
 from gpuq.service import inventory
-from gpuq.service.jobs import renew_lease
-from gpuq.service.db import session_scope
+from gpuq.service.leases import renew
+from gpuq.service.db import write_scope
 from gpuq.service.settings import Settings
 from gpuq.workers.probe import GpuProbe
 
@@ -47,12 +46,12 @@ class Heartbeat(threading.Thread):
             # A reading the sampler took within the last sample interval serves as well.
             reading = self.probe.read(max_age=self.settings.sample_interval)
             renewed = None
-            with session_scope(self.settings) as session:
+            with write_scope(self.settings) as session:
                 inventory.beat(session, self.gpu_id, reading)
                 if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):
                     log.error("GPU %s lost (%s): drained until an admin resumes its node", self.gpu_id, reading.lost)
                 if lease is not None:
-                    renewed = renew_lease(session, lease.job_id, lease.token, self.settings.lease_timeout)
+                    renewed = renew(session, lease.job_id, lease.token, self.settings.lease_timeout)
             if reading.lost and self.state is not None:
                 self.state.gpu_lost.set()
             if renewed:
@@ -62,7 +61,7 @@ class Heartbeat(threading.Thread):
                 lease.lost.set()
         except Exception:  # noqa: BLE001 - keep beating; the reaper decides when we are lost
             log.exception("heartbeat failed")
-            if lease is not None and time.monotonic() - lease.renewed > c.LEASE_SELF_FENCE * self.settings.lease_timeout:
+            if lease is not None and lease.overdue(self.settings.lease_timeout):
                 log.error("job %s: lease not renewed for %.0f s; stopping the job before it is reaped",
                           lease.job_id, time.monotonic() - lease.renewed)
                 lease.lost.set()

@@ -16,7 +16,7 @@ import threading
 
 from gpuq.service import broker, inventory
 from gpuq.service.celery_app import make_app, queue_name
-from gpuq.service.db import require_schema, session_scope
+from gpuq.service.db import require_schema, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import GpuqError
 from gpuq.service.settings import get_settings
@@ -72,7 +72,7 @@ def serve(index: int, loglevel: str) -> int:
         log.warning("%s: killed %d processes an earlier run of this worker left: %s", name, len(left), left)
     probe = GpuProbe(devices, index)
     first = probe.read()
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid())
         # With its first reading in the same transaction: the GPU is never live to the scheduler
         # without its foreign processes known (it could go to a job that does not fit beside them).
@@ -97,7 +97,7 @@ def serve(index: int, loglevel: str) -> int:
         if state.sampler is not None:
             state.sampler.stop()
             state.sampler.join(5)
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             inventory.sign_off(session, gpu_id)
         log.info("%s: stopped", name)
     return 0

@@ -8,7 +8,7 @@ import threading
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.errors import Unreachable
 from gpuq.service.jobs import append_output
 from gpuq.service.settings import Settings
@@ -78,7 +78,7 @@ class OutputSink:
                 size, self._buffered = self._buffered, 0
                 seq, self._seq = self._seq, self._seq + 1
             try:
-                with session_scope(self.settings) as session:
+                with write_scope(self.settings) as session:
                     append_output(session, self.job_id, seq, data)
                 self._written += size
                 return True

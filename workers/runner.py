@@ -22,12 +22,16 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gpuq.service import broker, failures, samples, usage
 from gpuq.service import constants as c
-from gpuq.service.db import read_scope, savepoint, session_scope
+from gpuq.service.constants import State
+from gpuq.service.db import read_scope, write_scope
+from gpuq.service.dialect import savepoint
 from gpuq.service.errors import JobCancelled, JobNotFound, Unreachable
 from gpuq.service.inventory import drain_gpu
 from gpuq.service.celery_app import send_run_rank
-from gpuq.service.jobs import (TAKEN_COLUMNS, anything_waits, cancel_requested, claim, finish, listed_left,
-                               next_output_seq, rank_to_run, record_metric, set_rendezvous, take_next)
+from gpuq.service.jobs import cancel_requested, next_output_seq, rank_to_run, record_metric, set_rendezvous
+from gpuq.service.leases import Lease, claim
+from gpuq.service.lifecycle import end_attempt
+from gpuq.service.next_up import TAKEN_COLUMNS, anything_waits, listed_left, take_next
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
@@ -91,16 +95,6 @@ class WorkerState:
         self.job_id = None
 
 
-@dataclass
-class Lease:
-    """A running job's lease as its worker holds it."""
-
-    job_id: int
-    token: str
-    # When it was last renewed (time.monotonic()).
-    renewed: float = field(default_factory=time.monotonic)
-    # Set when it is no longer ours (the job was taken back) or could not be renewed in time.
-    lost: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -283,7 +277,7 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     """
     settings = state.settings
     mark = _flush_mark(state)
-    with session_scope(settings) as session:
+    with write_scope(settings) as session:
         token = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
         started = _started(session, load(session, job_id), token, mark) if token is not None else None
     if started is None:
@@ -311,7 +305,7 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
         end = _stopped_end(state, job, watcher)
     except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
         sink.write(traceback.format_exc())
-        end = {"state": c.FAILED, "failure": failures.from_exception(exc),
+        end = {"state": State.FAILED, "failure": failures.from_exception(exc),
                "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
         watcher.done.set()
@@ -341,12 +335,12 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
     while True:
         try:
             following = None
-            with session_scope(state.settings) as session:
+            with write_scope(state.settings) as session:
                 if last_words:
                     sink.store_rest(session)
                     samples.record(session, state.gpu_id, readings)
                 now = utcnow()
-                done = finish(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
+                done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
                               now=now, **end)
                 wake = True
                 if done:
@@ -421,14 +415,14 @@ def _stopped_end(state: WorkerState, job: JobRun, watcher: CancelWatcher) -> dic
     or cancelled."""
     why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
     if why == c.FAILURE_TIMEOUT:
-        return {"state": c.TIMED_OUT, "failure": why, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
+        return {"state": State.TIMED_OUT, "failure": why, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
     if why == c.FAILURE_INTERRUPTED:
-        return {"state": c.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}
+        return {"state": State.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}
     if why == c.FAILURE_WORKER_LOST:
-        return {"state": c.FAILED, "failure": why, "reason": "worker lost: it could not renew the job's lease"}
+        return {"state": State.FAILED, "failure": why, "reason": "worker lost: it could not renew the job's lease"}
     if why == c.FAILURE_GPU_LOST:
-        return {"state": c.FAILED, "failure": why, "reason": f"GPU lost: gpu {state.gpu_index} on {state.node}"}
-    return {"state": c.CANCELLED, "failure": why, "reason": "cancelled by user"}
+        return {"state": State.FAILED, "failure": why, "reason": f"GPU lost: gpu {state.gpu_index} on {state.node}"}
+    return {"state": State.CANCELLED, "failure": why, "reason": "cancelled by user"}
 
 
 def _hms(seconds: int) -> str:
@@ -456,14 +450,14 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelW
         if outcome.cancelled:
             return _stopped_end(state, job, watcher)
         if outcome.exit_code == 0:
-            return {"state": c.SUCCEEDED, "exit_code": 0}
+            return {"state": State.SUCCEEDED, "exit_code": 0}
         failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
-        return {"state": c.FAILED, "failure": failure, "exit_code": outcome.exit_code,
+        return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
                 "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib)}
     from gpuq.workers.builtin import run_workload  # torch: imported where it runs
 
     def on_metric(values: dict[str, Any]) -> None:
-        with session_scope(settings) as session:
+        with write_scope(settings) as session:
             record_metric(session, job.id, values)
 
     gpus = len(job.gpu_indices)
@@ -474,7 +468,7 @@ def _execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: CancelW
         result = run_workload(job.id, job.workload, job.params, gpus, sink.line, cancelled, on_metric, rank0)
     else:
         return _execute_in_child(state, job, sink, watcher)
-    return {"state": c.SUCCEEDED, "result": result}
+    return {"state": State.SUCCEEDED, "result": result}
 
 
 def _start_ranks(state: WorkerState, job: JobRun):
@@ -485,7 +479,7 @@ def _start_ranks(state: WorkerState, job: JobRun):
     from gpuq.workers.builtin import Rank
 
     init_method = f"tcp://{advertise_addr(state.settings)}:{free_port()}"
-    with session_scope(state.settings) as session:
+    with write_scope(state.settings) as session:
         set_rendezvous(session, job.id, init_method)
     for rank, queue in enumerate(job.gpu_queues[1:], start=1):
         send_run_rank(state.app, queue, job.id, rank)
@@ -500,7 +494,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
     """
     from gpuq.workers.builtin import Rank, run_workload
 
-    with session_scope(state.settings) as session:
+    with write_scope(state.settings) as session:
         job = rank_to_run(session, job_id, state.gpu_id, rank)
         if job is None:
             log.info("%s: rank %s of job %s is not this GPU's to run; message dropped", state.name, rank, job_id)
@@ -555,10 +549,10 @@ def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher
             failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
             if failure == c.FAILURE_EXIT and outcome.exit_code and outcome.exit_code > 0:
                 failure = c.FAILURE_ERROR  # the child printed the workload's traceback
-            return {"state": c.FAILED, "failure": failure, "exit_code": outcome.exit_code,
+            return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
                     "reason": failures.explain(failure, outcome.exit_code)}
         with open(result_path) as f:
-            return {"state": c.SUCCEEDED, "result": json.load(f)}
+            return {"state": State.SUCCEEDED, "result": json.load(f)}
 
 
 def worker_mark(state: WorkerState) -> str:
@@ -575,7 +569,7 @@ def _drain_if_left(state: WorkerState, job: JobRun, leftover: tuple[int, ...]) -
     why = f"processes of job {job.id} did not exit: pids {', '.join(map(str, leftover[:8]))}"
     log.error("%s: %s; GPU drained", state.name, why)
     try:
-        with session_scope(state.settings) as session:
+        with write_scope(state.settings) as session:
             drain_gpu(session, state.gpu_id, why)
     except Unreachable:
         log.exception("%s: could not drain the GPU", state.name)

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuq.service import constants as c
 from gpuq.service import samples
-from gpuq.service.db import session_scope
+from gpuq.service.db import write_scope
 from gpuq.service.models import utcnow
 from gpuq.service.settings import Settings
 from gpuq.workers.probe import GpuProbe
@@ -85,7 +85,7 @@ class Sampler(threading.Thread):
                 return
             self.flushes += 1  # counted as the batch is taken: a job's end compares after ``end_rows``
         try:
-            with session_scope(self.settings) as session:
+            with write_scope(self.settings) as session:
                 samples.record(session, self.gpu_id, batch)
         except Exception:
             with self._lock:

@@ -1,0 +1,67 @@
+"""Fair share: each user's recent GPU-hours, decayed, which the policy (service/policy.py,
+``order_key``) puts users in order by: who used less lately goes first at equal priority."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Result, select
+from sqlalchemy.orm import Session
+
+from gpuq.service.constants import State
+from gpuq.service.models import Job
+from gpuq.service.settings import Settings
+
+
+class FairShare:
+    """Each user's recent GPU-hours, a GPU-hour ``h`` half-lives ago counting 2**-h, kept pass
+    after pass without reading the whole job history each time.
+
+    A job that ran from ``start`` to ``end`` adds ``gpus * (e**(r*end) - e**(r*start)) / r`` to its
+    user's sum, measured from an anchor; scaled by ``e**(-r*now)`` that is the integral of the decay
+    over its run, in closed form. Jobs that ended are folded into the sums once; each pass reads
+    only the running jobs and those that ended in the last few seconds (their end may still be
+    committing: SETTLE seconds).
+    """
+
+    SETTLE = timedelta(seconds=2)
+
+    def __init__(self, settings: Settings) -> None:
+        self.rate = math.log(2) / (settings.fairshare_half_life_h * 3600.0)
+        self.horizon = timedelta(seconds=10 * settings.fairshare_half_life_h * 3600.0)
+        self.anchor: datetime | None = None
+        self.folded: dict[str, float] = defaultdict(float)
+        # Jobs that ended before this are in ``folded``; later ones are read each pass.
+        self.until: datetime | None = None
+
+    def _weight(self, start: datetime, end: datetime) -> float:
+        assert self.anchor is not None
+        return (math.exp(self.rate * (end - self.anchor).total_seconds())
+                - math.exp(self.rate * (start - self.anchor).total_seconds()))
+
+    @staticmethod
+    def _ended(session: Session, since: datetime, before: datetime | None = None) -> Result[Any]:
+        query = select(Job.user, Job.gpus, Job.started_at, Job.ended_at).where(
+            Job.ended_at >= since, Job.started_at.is_not(None))
+        return session.execute(query.where(Job.ended_at < before) if before is not None else query)
+
+    def gpu_hours(self, session: Session, now: datetime) -> dict[str, float]:
+        """Each user's decayed GPU-hours at ``now``: the policy's order between users."""
+        settled = now - self.SETTLE
+        if self.anchor is None or self.until is None:
+            self.anchor, self.until = now, now - self.horizon
+        if settled - self.until >= self.SETTLE:
+            for user, gpus, started, ended in self._ended(session, self.until, settled):
+                self.folded[user] += gpus * self._weight(started, ended)
+            self.until = settled
+        decay = math.exp(-self.rate * (now - self.anchor).total_seconds()) / self.rate / 3600.0
+        hours = {user: total * decay for user, total in self.folded.items()}
+        fresh = list(session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
+                                     .where(Job.state == State.RUNNING, Job.started_at.is_not(None))))
+        fresh += self._ended(session, self.until)
+        for user, gpus, started, ended in fresh:
+            hours[user] = hours.get(user, 0.0) + gpus * self._weight(started, ended or now) * decay
+        return hours

@@ -1,0 +1,119 @@
+"""Leases: how gpuq knows a running job's worker is still there.
+
+A worker that starts a job (a claim of its dispatched message, or a take from its GPU's next-up
+list) gets a lease of ``lease_timeout`` seconds and a token; its heartbeat renews the lease every
+interval (``renew``). A worker that cannot renew for most of the lease's length stops the job
+itself (``Lease.overdue``: fencing), so the job is gone before the reaper gives it to another
+worker. The reaper (``reap``, in the scheduler's whole passes) fails or requeues running jobs whose
+lease ran out, and puts back dispatched jobs whose worker went silent before claiming them.
+Only the holder of a lease's token may end its job (``lifecycle.end_attempt``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import bindparam, exists, select
+from sqlalchemy.orm import Session
+
+from gpuq.service import constants as c
+from gpuq.service import lifecycle
+from gpuq.service.constants import State
+from gpuq.service.inventory import live_cutoff
+from gpuq.service.lifecycle import Actor, move
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.settings import Settings
+
+log = logging.getLogger("gpuq.scheduler")
+_JOBS = Job.__table__
+_ID = _JOBS.c.id == bindparam("job_id")
+_FIRST_GPU_HERE = exists().where(Allocation.job_id == bindparam("job_id"), Allocation.gpu_id == bindparam("gpu_id"),
+                                 Allocation.rank == 0)
+_CLAIM = move("claim a dispatched job", Actor.WORKER, State.DISPATCHED, State.RUNNING, _ID, _FIRST_GPU_HERE,
+              started_at=bindparam("now"), worker=bindparam("worker"), lease_token=bindparam("token"),
+              lease_expires_at=bindparam("expires"))
+_RENEW = move("renew a lease", Actor.WORKER, State.RUNNING, None, _ID, _JOBS.c.lease_token == bindparam("token"),
+              lease_expires_at=bindparam("expires"))
+_EXPIRED = select(Job.id, Job.worker, Job.lease_expires_at).where(Job.state == State.RUNNING,
+                                                                  Job.lease_expires_at < bindparam("now"))
+# Dispatched jobs whose first GPU's worker stopped heart-beating before it claimed them.
+_STRANDED = (select(Job.id, Gpu.worker).join(Allocation, Allocation.job_id == Job.id)
+             .join(Gpu, Gpu.id == Allocation.gpu_id)
+             .where(Allocation.rank == 0, Job.state == State.DISPATCHED,
+                    (Gpu.heartbeat_at < bindparam("cutoff")) | Gpu.heartbeat_at.is_(None)))
+_DISPATCHED = (select(Job.id, Gpu.queue).join(Allocation, Allocation.job_id == Job.id)
+               .join(Gpu, Gpu.id == Allocation.gpu_id).where(Allocation.rank == 0, Job.state == State.DISPATCHED))
+
+
+@dataclass
+class Lease:
+    """A running job's lease as its worker holds it."""
+
+    job_id: int
+    token: str
+    # When it was last renewed (time.monotonic()).
+    renewed: float = field(default_factory=time.monotonic)
+    # Set when it is no longer ours (the job was taken back) or could not be renewed in time.
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def overdue(self, lease_timeout: float) -> bool:
+        """Whether it went unrenewed for most of its length: its worker must stop the job now,
+        before the reaper gives it to another (c.LEASE_SELF_FENCE of the lease)."""
+        return time.monotonic() - self.renewed > c.LEASE_SELF_FENCE * lease_timeout
+
+
+def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: float) -> str | None:
+    """Mark the job running on this worker, if it is dispatched to this GPU as rank 0, and give it
+    a lease of ``lease_s`` seconds. Atomic. Returns the lease token, or None if it was not ours."""
+    token = uuid.uuid4().hex
+    now = utcnow()
+    claimed = session.execute(_CLAIM, {"job_id": job_id, "gpu_id": gpu_id, "now": now, "worker": worker,
+                                       "token": token, "expires": now + timedelta(seconds=lease_s)}).rowcount
+    return token if claimed == 1 else None
+
+
+def renew(session: Session, job_id: int, token: str, lease_s: float) -> bool:
+    """Extend the running job's lease; False if this token no longer holds it (the job ended, or
+    was reaped and given to someone else): its worker must stop it."""
+    expires = utcnow() + timedelta(seconds=lease_s)
+    return session.execute(_RENEW, {"job_id": job_id, "token": token, "expires": expires}).rowcount == 1
+
+
+def reap(session: Session, settings: Settings) -> list[int]:
+    """Take back what lost workers held.
+
+    A running job whose lease ran out (its worker was SIGKILLed, lost its node or the database)
+    is requeued if it asked for retries, else failed "worker lost". A dispatched job whose GPU's
+    worker stopped heart-beating waits again: it never started, so this costs it nothing.
+    """
+    now = utcnow()
+    expired = session.execute(_EXPIRED, {"now": now}).all()
+    for job_id, worker, expires in expired:
+        late = (now - expires).total_seconds() + settings.lease_timeout
+        why = f"worker lost: {worker} did not renew the job's lease for {late:.0f} s"
+        if lifecycle.end_attempt(session, job_id, State.FAILED, failure=c.FAILURE_WORKER_LOST, reason=why,
+                                 max_requeues=settings.max_requeues, expired_before=now):
+            log.warning("job %s: %s", job_id, why)
+    stranded = session.execute(_STRANDED, {"cutoff": live_cutoff(settings)}).all()
+    for job_id, worker in stranded:
+        lifecycle.undispatch(session, job_id, Actor.REAPER)
+        log.warning("job %s: worker %s lost before it started the job; waiting again", job_id, worker)
+    return [j for j, _, _ in expired] + [j for j, _ in stranded]
+
+
+def unclaimed(session: Session, settings: Settings, everything: bool = False) -> list[tuple[int, str]]:
+    """Dispatched jobs whose message may be lost (Redis restarted empty, a send that vanished):
+    those dispatched over ``resend_after`` seconds ago, or all of them; (job id, queue) each.
+    They are marked sent again now; a duplicate message is harmless: only one claim can succeed."""
+    query = _DISPATCHED
+    if not everything:
+        query = query.where(Job.dispatched_at < utcnow() - timedelta(seconds=settings.resend_after))
+    lost = [(r.id, r.queue) for r in session.execute(query)]
+    if lost:
+        session.execute(lifecycle.SEND_AGAIN, {"ids": [j for j, _ in lost], "now": utcnow()})
+    return lost

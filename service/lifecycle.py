@@ -1,0 +1,251 @@
+"""A job's life: which state may go to which, who makes each move, and the statements that make them.
+
+Every change to a job's row is a conditional UPDATE (``WHERE id = ? AND state = ?``): a job starts
+at most once even when its message is delivered twice, and a cancel never overwrites an ending.
+Each such statement is built by ``move``, which refuses, when the module defining it is imported,
+any move the table below does not allow; tests/test_lifecycle.py checks every statement built
+here against the table and that no other module updates the jobs table on its own.
+
+The moves of leases (claim, renew) are in service/leases.py, those of the next-up lists (a worker
+taking the next job) in service/next_up.py, the scheduler's dispatch in service/scheduler.py; the
+table and the moves that end a job or put it back to pending are here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Update, bindparam, select
+from sqlalchemy.orm import Session
+
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.errors import BugError
+from gpuq.service.models import Allocation, Job, utcnow
+from gpuq.service.prepared import Prepared
+
+_JOBS = Job.__table__
+
+
+class Actor(StrEnum):
+    """Who moves a job."""
+
+    SUBMIT = "submit"  # `gpuq submit`, through the server: a new row
+    SCHEDULER = "scheduler"  # its passes, and the placement a submit runs in its own transaction
+    WORKER = "worker"  # the worker that holds the job's lease (or takes it from a next-up list)
+    REAPER = "reaper"  # the scheduler's whole pass, taking back what lost workers held
+    USER = "user"  # the job's owner, root or an admin: cancel, hold, release
+
+
+S, A = State, Actor
+# state -> {next state: the actors who may make that move}. A state to itself is a change to a job
+# that leaves its state as it is (a hold, a lease renewed, a reason written); an end state goes
+# nowhere. None is a job not yet written.
+TRANSITIONS: dict[State | None, dict[State, frozenset[Actor]]] = {
+    None: {S.PENDING: frozenset({A.SUBMIT})},
+    S.PENDING: {
+        S.PENDING: frozenset({A.SUBMIT, A.USER, A.SCHEDULER}),  # its submission's ids; hold, release; why it waits
+        S.DISPATCHED: frozenset({A.SCHEDULER}),  # placed: GPUs allocated, its message sent
+        S.RUNNING: frozenset({A.WORKER}),  # taken from a GPU's next-up list as the GPU fell free
+        S.CANCELLED: frozenset({A.USER, A.SCHEDULER}),  # cancelled; a job it needed ended badly
+    },
+    S.DISPATCHED: {
+        S.DISPATCHED: frozenset({A.SCHEDULER}),  # its message sent again
+        S.RUNNING: frozenset({A.WORKER}),  # claimed by its first GPU's worker
+        S.PENDING: frozenset({A.SCHEDULER, A.REAPER}),  # its message could not be sent; its worker died
+        S.CANCELLED: frozenset({A.USER}),
+    },
+    S.RUNNING: {
+        S.RUNNING: frozenset({A.USER, A.WORKER}),  # a cancel asked for; the lease renewed, ranks' meeting point
+        S.SUCCEEDED: frozenset({A.WORKER}),
+        S.FAILED: frozenset({A.WORKER, A.REAPER}),  # its own failure; its worker lost
+        S.TIMED_OUT: frozenset({A.WORKER}),
+        S.CANCELLED: frozenset({A.WORKER}),  # stopped by its worker once asked
+        S.PENDING: frozenset({A.WORKER, A.REAPER}),  # retried or requeued: it runs again
+    },
+    S.SUCCEEDED: {},
+    S.FAILED: {},
+    S.CANCELLED: {},
+    S.TIMED_OUT: {},
+}
+
+
+def allowed(actor: Actor, source: State | None, target: State) -> bool:
+    return actor in TRANSITIONS[source].get(target, frozenset())
+
+
+def check(actor: Actor, source: State | None, target: State) -> None:
+    """Refuse a move the table does not allow: a bug in gpuq, never the user's doing."""
+    if not allowed(actor, source, target):
+        raise BugError(f"the {actor} may not move a job from {source or 'nothing'} to {target} "
+                       "(service/lifecycle.py's TRANSITIONS)")
+
+
+@dataclass(frozen=True)
+class Move:
+    """A statement that changes jobs in ``sources`` to ``target`` (None: their state stays)."""
+
+    name: str
+    actor: Actor
+    sources: tuple[State, ...]
+    target: State | None
+    statement: Update
+
+
+# Every move built, by name: what tests/test_lifecycle.py checks against the table.
+MOVES: dict[str, Move] = {}
+
+
+def move(name: str, actor: Actor, sources: State | tuple[State, ...], target: State | None,
+         *where: Any, **values: Any) -> Update:
+    """``UPDATE jobs SET state = target, values WHERE state IN sources AND where``, once the table
+    allows ``actor`` each of those moves (with ``target`` None the state stays: a change to a job
+    in ``sources`` that the table must allow as a move to the same state)."""
+    sources = (sources,) if isinstance(sources, State) else tuple(sources)
+    for source in sources:
+        check(actor, source, target or source)
+    guard = _JOBS.c.state == sources[0] if len(sources) == 1 else _JOBS.c.state.in_(sources)
+    if target is not None:
+        values = {"state": target, **values}
+    statement = _JOBS.update().where(guard, *where).values(**values)
+    if name in MOVES:
+        raise BugError(f"two moves named {name}")
+    MOVES[name] = Move(name, actor, sources, target, statement)
+    return statement
+
+
+def waiting(table: Any = _JOBS) -> tuple[Any, Any]:
+    """What makes a job one that waits to run: pending and not held (``table``: jobs, or an alias).
+    "= false", not "IS false": PostgreSQL seeks a boolean index column only on equality."""
+    return table.c.state == State.PENDING, table.c.held == False  # noqa: E712
+
+
+_ID = _JOBS.c.id == bindparam("job_id")
+_IDS = _JOBS.c.id.in_(bindparam("ids", expanding=True))
+
+# ---- the user's moves ----------------------------------------------------------------------------
+CANCEL_WAITING = move("cancel a job not started", A.USER, (S.PENDING, S.DISPATCHED), S.CANCELLED, _ID,
+                      ended_at=bindparam("now"), cancel_requested_at=bindparam("now"), reason="cancelled by user")
+# A running job is stopped by its worker, which ends it cancelled (``end_attempt``).
+ASK_TO_CANCEL = move("ask a running job's worker to cancel it", A.USER, S.RUNNING, None, _ID,
+                     cancel_requested_at=bindparam("now"))
+HOLD = move("hold or release", A.USER, S.PENDING, None, _ID, held=bindparam("held"), reason=bindparam("reason"))
+
+# ---- the scheduler's -----------------------------------------------------------------------------
+DISPATCH = Prepared(move("dispatch", A.SCHEDULER, S.PENDING, S.DISPATCHED, _ID, _JOBS.c.held == False,  # noqa: E712
+                         dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
+SEND_AGAIN = move("send a dispatched job's message again", A.SCHEDULER, S.DISPATCHED, None, _IDS,
+                  dispatched_at=bindparam("now"))
+WHY_WAITING = move("write why jobs wait", A.SCHEDULER, S.PENDING, None, _IDS, reason=bindparam("reason"))
+DOOM = move("cancel a job whose dependency ended badly", A.SCHEDULER, S.PENDING, S.CANCELLED, _ID,
+            ended_at=bindparam("now"), reason=bindparam("reason"))
+# A dispatched job that never started waits again: its message could not be sent (the
+# scheduler), or its GPU's worker stopped heart-beating before claiming it (the reaper).
+_UNDISPATCHED = dict(dispatched_at=None, node=None)
+UNSEND = move("put back a job whose message was not sent", A.SCHEDULER, S.DISPATCHED, S.PENDING, _ID,
+              **_UNDISPATCHED)
+UNDISPATCH = move("put back a job whose worker was lost before it started", A.REAPER, S.DISPATCHED, S.PENDING,
+                  _ID, **_UNDISPATCHED)
+_FREE_GPUS = Prepared(Allocation.__table__.delete().where(Allocation.__table__.c.job_id == bindparam("job_id")))
+
+
+def free_gpus(session: Session, job_id: int) -> None:
+    _FREE_GPUS.run(session.connection(), {"job_id": job_id})
+
+
+def undispatch(session: Session, job_id: int, actor: Actor) -> None:
+    """A dispatched job that never started waits again, its GPUs freed."""
+    session.execute(UNSEND if actor is A.SCHEDULER else UNDISPATCH, {"job_id": job_id})
+    free_gpus(session, job_id)
+
+
+# ---- a run's end ---------------------------------------------------------------------------------
+# The worker's common end, one statement: a success is never retried, so it needs nothing of the row.
+_SUCCEED = Prepared(move("succeed", A.WORKER, S.RUNNING, S.SUCCEEDED, _ID, _JOBS.c.lease_token == bindparam("token"),
+                         ended_at=bindparam("now"), exit_code=bindparam("exit_code"), result=bindparam("result"),
+                         reason=bindparam("reason"), failure=None, lease_token=None, lease_expires_at=None))
+_RUN_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
+                   _JOBS.c.max_retries).where(_ID)
+# The other ends, and the way back to pending: their values depend on the row, so the statement
+# is built when it runs, by ``_end_statement``, checked against the table there.
+_LEASE_HOLDER = _JOBS.c.lease_token == bindparam("token")
+_LEASE_RAN_OUT = _JOBS.c.lease_expires_at < bindparam("expired_before")
+
+
+def end_attempt(session: Session, job_id: int, state: State, *, token: str | None = None,
+                expired_before: datetime | None = None, failure: str | None = None, exit_code: int | None = None,
+                result: dict[str, Any] | None = None, reason: str | None = None, max_requeues: int = 0,
+                now: datetime | None = None) -> bool:
+    """End a running job's attempt in ``state``: the job ends there and frees its GPUs, or it
+    waits again (pending) for another attempt when it may run again:
+
+    - an infrastructure failure (``c.INFRA_FAILURES``) of a job that asked for retries is requeued
+      without using one up, at most ``max_requeues`` times;
+    - any other failure is retried while the job has retries left.
+
+    Every attempt is kept. The worker holding the lease ``token`` ends its job; the reaper passes
+    ``expired_before`` instead (the lease must have run out before then). False if the job was not
+    running under that lease: it had ended, or was taken back.
+    """
+    if state not in c.END_STATES or (token is None) == (expired_before is None):
+        raise BugError(f"end_attempt: an end state and either a lease token or a reaping time, got {state!r}")
+    actor = A.WORKER if token is not None else A.REAPER
+    conn = session.connection()
+    now = now or utcnow()
+    if state == S.SUCCEEDED and token is not None:
+        params = {"job_id": job_id, "token": token, "now": now, "result": result, "exit_code": exit_code,
+                  "reason": reason}
+        if _SUCCEED.run(conn, params) != 1:
+            return False
+        free_gpus(session, job_id)
+        return True
+    job = conn.execute(_RUN_READ, {"job_id": job_id}).one_or_none()
+    if job is None or job.state != S.RUNNING:
+        return False
+    values: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
+                                  failure=failure if state != S.SUCCEEDED else None, lease_token=None,
+                                  lease_expires_at=None)
+    again = _runs_again(job, state, failure, max_requeues)
+    if again is not None:
+        values = _waits_again(job, again, now, max_requeues,
+                              dict(state=state, failure=failure, reason=reason, exit_code=exit_code))
+    elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
+        values["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
+    check(actor, S.RUNNING, values["state"])
+    lease = _LEASE_HOLDER if token is not None else _LEASE_RAN_OUT
+    statement = _JOBS.update().where(_ID, _JOBS.c.state == S.RUNNING, lease).values(**values)
+    done = conn.execute(statement, {"job_id": job_id, "token": token, "expired_before": expired_before}).rowcount == 1
+    if done:
+        free_gpus(session, job_id)
+    return done
+
+
+def _waits_again(job: Any, again: str, now: datetime, max_requeues: int, ended: dict[str, Any]) -> dict[str, Any]:
+    """The values that put a job whose attempt ended back to pending, the attempt kept."""
+    attempt = {"started_at": job.started_at.isoformat() if job.started_at else None, "ended_at": now.isoformat(),
+               **ended, "worker": job.worker, "requeue": again == "requeue"}
+    requeues = job.requeues + (again == "requeue")
+    what = (f"requeue {requeues} of at most {max_requeues}" if again == "requeue"
+            else f"retry {_retries_used(job) + 1} of {job.max_retries}")
+    return dict(state=S.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
+                node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
+                lease_token=None, lease_expires_at=None, requeues=requeues, failure=None,
+                reason=f"{what} after: {ended['reason']}")
+
+
+def _retries_used(job: Any) -> int:
+    return sum(1 for a in job.attempts or [] if not a.get("requeue"))
+
+
+def _runs_again(job: Any, state: State, failure: str | None, max_requeues: int) -> str | None:
+    """"requeue" (an infrastructure failure), "retry" (the job's own), or None: it ends."""
+    if state == S.SUCCEEDED or state == S.CANCELLED or failure == c.FAILURE_CANCELLED:
+        return None
+    if failure in c.INFRA_FAILURES:
+        return "requeue" if job.max_retries > 0 and job.requeues < max_requeues else None
+    if state == S.FAILED and _retries_used(job) < job.max_retries:
+        return "retry"
+    return None

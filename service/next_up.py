@@ -1,0 +1,206 @@
+"""Next-up lists: for each busy GPU, the jobs it runs next, so that its worker starts the next job
+in the very transaction that ends one, with no scheduler pass in between (SLURM's backfill does
+the same planning; gpuq lets the GPU's own worker act on it).
+
+The policy chooses the lists (``policy.next_up``); the scheduler writes them (``Lists``); a worker
+whose GPU fell free takes the first listed job that may still start there (``take_next``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import bindparam, delete, exists, func, select, true
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from gpuq.service import policy
+from gpuq.service.constants import State
+from gpuq.service.dialect import is_sqlite, savepoint
+from gpuq.service.lifecycle import Actor, move, waiting
+from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, utcnow
+from gpuq.service.prepared import Prepared
+
+_JOBS = Job.__table__
+_NEXT = NextUp.__table__
+_GPUS = Gpu.__table__
+# What a take returns of the job: what its run needs (workers/runner.py's JobRun).
+TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
+                 _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
+                 _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts)
+# A listed job's user if it still waits, else null. It reads from the list, each job by its key, as
+# a scalar subquery: joined, SQLite chose to walk every pending job and look each up in the list,
+# and PostgreSQL turned an EXISTS into the same join whenever its statistics showed few pending
+# jobs (a step per job in the queue, in the write lock of every job's end; 1,900 index scans a
+# job under a flood of 2,000).
+_LISTED_USER = select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id, *waiting()).scalar_subquery()
+# This GPU's list, unless the GPU or its node was drained or the GPU is held already.
+_GPU_TAKES = (_NEXT.c.gpu_id == bindparam("gpu_id"),
+              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
+              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
+                              Node.__table__.c.drained.is_(True)),
+              ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
+# This GPU's listed jobs that are still pending and not held: one read.
+_LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user")).where(*_GPU_TAKES, _LISTED_USER.is_not(None))
+           .order_by(_NEXT.c.rank))
+_STARTED_HERE = dict(dispatched_at=bindparam("now"), started_at=bindparam("now"),
+                     node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
+                     lease_expires_at=bindparam("expires"))
+_NOT_HELD = _JOBS.c.held == False  # noqa: E712 - see lifecycle.waiting
+_TAKE = Prepared(move("take a listed job", Actor.WORKER, State.PENDING, State.RUNNING, _JOBS.c.id == bindparam("job_id"),
+                      _NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+# The first listed job that waits, started.
+_FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
+_TAKE_FIRST = Prepared(move("take the first listed job", Actor.WORKER, State.PENDING, State.RUNNING,
+                            _JOBS.c.id == _FIRST_LISTED, _NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+# PostgreSQL's: the first listed job that waits and that no other transaction has locked (one
+# another worker is taking). The list is read in rank order first (OFFSET 0 keeps it a step of
+# its own), then each listed job is looked up by its key and locked (LATERAL ... FOR UPDATE SKIP
+# LOCKED) until one is found: sorted after the lookups, every waiting job of the list was locked.
+_RANKED = (select(_NEXT.c.job_id, _NEXT.c.rank).where(*_GPU_TAKES).order_by(_NEXT.c.rank).offset(0)
+           .subquery("ranked"))
+_UNLOCKED = (select(_JOBS.c.id).where(_JOBS.c.id == _RANKED.c.job_id, *waiting())
+             .with_for_update(skip_locked=True).lateral("unlocked"))
+_FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, true())
+                   .order_by(_RANKED.c.rank).limit(1).scalar_subquery())
+_TAKE_FIRST_UNLOCKED = Prepared(move("take the first listed job no other worker is taking", Actor.WORKER,
+                                     State.PENDING, State.RUNNING, _JOBS.c.id == _FIRST_UNLOCKED, _NOT_HELD,
+                                     **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+_LEFT = Prepared(select(func.count()).select_from(_NEXT)
+                 .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _LISTED_USER.is_not(None)))
+_ALLOCATE_HERE = Prepared(Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
+                                                               rank=0))
+_n = NextUp.__table__.c
+_UNLIST = Prepared(NextUp.__table__.delete().where(_n.gpu_id == bindparam("gpu_id"), _n.job_id == bindparam("job_id")))
+_LIST = Prepared(NextUp.__table__.insert())
+_WAITING = select(_JOBS.c.id).where(*waiting(), _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
+
+
+def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
+              user_gpu_limit: int = 0) -> tuple[Any, str] | None:
+    """Start the first job of this GPU's next-up list that may still start here, as a claim would:
+    running on this GPU with a lease. Returns (the job's row as ``TAKEN_COLUMNS``, its lease
+    token), or None: nothing listed still pending, or the GPU or its node was drained. Call it in
+    the transaction that freed the GPU.
+
+    The list is only a hint: the job must still be pending and not held, and its user under their
+    GPU limit; a job another GPU's worker took first is passed over. If the scheduler allocated
+    this GPU meanwhile (it saw it free), the unique allocation key refuses the take. The taken
+    job's row stays listed on other GPUs until the scheduler's next pass drops it: every take reads
+    only pending jobs, so that costs nothing but a row."""
+    conn = session.connection()
+    now = utcnow()
+    token = uuid.uuid4().hex
+    take = {"gpu_id": gpu_id, "now": now, "node": node, "worker": worker, "token": token,
+            "expires": now + timedelta(seconds=lease_s)}
+    if not user_gpu_limit:
+        # The usual take: the list's first waiting job, in one statement. On SQLite this
+        # transaction holds the write lock, so nothing moves meanwhile. On PostgreSQL the workers
+        # of a node's GPUs, whose lists hold the same jobs, take at once: each passes over the jobs
+        # another one is taking (SKIP LOCKED) instead of queueing behind its transaction.
+        return _take(session, _TAKE_FIRST if is_sqlite(conn) else _TAKE_FIRST_UNLOCKED, take)
+    listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
+    for job_id, user in listed:
+        if _gpus_in_use(session, user) + 1 > user_gpu_limit:
+            continue
+        taken = _take(session, _TAKE, {**take, "job_id": job_id})
+        if taken is not None:
+            return taken
+    return None
+
+
+def listed_left(session: Session, gpu_id: int) -> int:
+    """How many jobs of this GPU's next-up list still wait (a worker wakes the scheduler to refill
+    a list that runs short)."""
+    return _LEFT.run(session.connection(), {"gpu_id": gpu_id})[0][0]
+
+
+def _take(session: Session, statement: Prepared, values: dict[str, Any]) -> tuple[Any, str] | None:
+    """Run a take (``_TAKE``, ``_TAKE_FIRST`` or ``_TAKE_FIRST_UNLOCKED``) and allocate the GPU to
+    the job it started."""
+    conn = session.connection()
+    try:
+        # SQLite: this transaction holds the database's write lock, so no allocation can appear
+        # between the take and the insert below; PostgreSQL: one may, and the unique key refuses
+        # ours, which the savepoint keeps from aborting the job's end.
+        with savepoint(session):
+            rows = statement.run(conn, values)
+            if not rows:
+                return None
+            row = rows[0]
+            _ALLOCATE_HERE.run(conn, {"job_id": row.id, "gpu_id": values["gpu_id"]})
+    except IntegrityError:
+        return None  # the scheduler gave this GPU out meanwhile
+    return row, values["token"]
+
+
+def anything_waits(session: Session, besides: Sequence[int] = ()) -> bool:
+    """Whether any job but ``besides`` is pending and not held: what a GPU that fell free wakes the
+    scheduler for, and what keeps a submit from placing its own jobs."""
+    return session.connection().execute(_WAITING, {"besides": list(besides)}).first() is not None
+
+
+
+
+def _gpus_in_use(session: Session, user: str) -> int:
+    return session.scalar(select(func.count()).select_from(Allocation).join(Job, Job.id == Allocation.job_id)
+                          .where(Job.user == user)) or 0
+
+
+class Lists:
+    """The next-up rows one scheduler wrote last, and how it rewrites them: each pass writes what
+    changed since, not the hundreds of rows of 64 GPUs' lists. ``policy.next_up`` chooses the lists;
+    this writes them."""
+
+    def __init__(self) -> None:
+        # {(gpu id, job id): rank} as written last; None: not known (rewrite them whole).
+        self.written: dict[tuple[int, int], int] | None = None
+
+    def changes(self, lists: dict[int, list[int]], order: list[policy.JobRequest]) -> Changes:
+        """The rows wanted now, {(gpu id, job id): rank}, and as changes to ``written``: the rows
+        to delete and those to insert. A worker that takes a job leaves its rows on the other GPUs'
+        lists; they go here, as the job is no longer pending."""
+        rank = {j.id: r for r, j in enumerate(order)}
+        listed = self.written or {}
+        # Ranks only order the lists. Under a flood the jobs ahead leave and new ones join at the
+        # tail, which moves every rank by the same amount: the rows written stay, shifted, and
+        # only the jobs taken and the jobs new to the lists are written.
+        written = {job: r for (_, job), r in listed.items()}
+        shifts = {written[job] - rank[job] for jobs in lists.values() for job in jobs if job in written}
+        shift = shifts.pop() if len(shifts) == 1 else 0
+        wanted = {(gpu, job): rank[job] + shift for gpu, jobs in lists.items() for job in jobs}
+        changed = [key for key, r in wanted.items() if listed.get(key) != r]
+        stale = [key for key in listed if key not in wanted] + changed
+        return Changes(wanted, stale, changed)
+
+    def write(self, session: Session, changes: Changes) -> None:
+        """Write ``changes`` in the pass's transaction; ``written`` follows once it commits
+        (``committed``), or is forgotten if it does not (``forget``)."""
+        # Prepared, row by row: a quick pass under a flood writes a few rows every 20 ms inside
+        # the write lock, where the ORM's bulk statements cost a millisecond a pass.
+        conn = session.connection()
+        if self.written is None:
+            conn.execute(delete(NextUp))  # not known what is there: rewrite the lists whole
+        elif changes.stale:
+            _UNLIST.run(conn, [{"gpu_id": g, "job_id": j} for g, j in changes.stale])
+        if changes.changed:
+            _LIST.run(conn, [{"gpu_id": g, "job_id": j, "rank": changes.wanted[g, j]} for g, j in changes.changed])
+
+    def committed(self, changes: Changes) -> None:
+        self.written = changes.wanted
+
+    def forget(self) -> None:
+        self.written = None
+
+
+@dataclass(frozen=True)
+class Changes:
+    wanted: dict[tuple[int, int], int]
+    stale: list[tuple[int, int]]
+    changed: list[tuple[int, int]]
+
+    def __bool__(self) -> bool:
+        return bool(self.stale or self.changed)

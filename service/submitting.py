@@ -1,0 +1,251 @@
+"""Submitting: a submission's checks, its rows written in one transaction with its idempotency
+key, its code recorded or staged, and its jobs placed at once when nothing else waits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from gpuq.service import broker
+from gpuq.service import constants as c
+from gpuq.service import snapshot as code_state
+from gpuq.service.constants import State
+from gpuq.service.db import read_scope, require_schema, write_scope
+from gpuq.service.devices import GpuInfo, open_devices
+from gpuq.service.errors import DuplicateSubmission, InvalidSpec, NotAllowed, OverLimit
+from gpuq.service.lifecycle import Actor, check, move
+from gpuq.service.models import Gpu, Job, Submission, utcnow
+from gpuq.service.prepared import Prepared
+from gpuq.service.scheduler import place_at_submit
+from gpuq.service.settings import Settings
+from gpuq.service.snapshot import GitState, Staged, Stager
+from gpuq.service.spec import JobSpec
+
+# A new job's state, as the lifecycle's table has it.
+_NEW = State.PENDING
+check(Actor.SUBMIT, None, _NEW)
+# ``submit_all``'s default for ``git``: ask git here, in the submitting process.
+CAPTURE = object()
+# Sends placed jobs' messages, (job id, queue) each; returns those it could not send.
+Sender = Callable[[list[tuple[int, str]]], list[tuple[int, str]]]
+
+_JOBS = Job.__table__
+# The first row of a submission, once its id is known: the array it heads, where its snapshot is.
+_FIRST_ROW = move("complete a submission's first row", Actor.SUBMIT, State.PENDING, None,
+                  _JOBS.c.id == bindparam("job_id"), array_id=bindparam("first_array_id"),
+                  snapshot=bindparam("first_snapshot"), cwd=bindparam("first_cwd"))
+_INSERT_JOB = _JOBS.insert()
+# A submit's checks and its key, run on every submit the server takes.
+_INSERT_SUBMISSION = Prepared(Submission.__table__.insert())
+_SUBMITTED = Submission.__table__
+_SUBMITTED_WITH = Prepared(select(_SUBMITTED.c.user, _SUBMITTED.c.job_ids).where(_SUBMITTED.c.key == bindparam("key")))
+_GPUS_PER_NODE = Prepared(select(Gpu.__table__.c.node, func.count()).group_by(Gpu.__table__.c.node))
+# Held and not held apart: each count then seeks this user's jobs in the queue-order index (state,
+# held, user, ...) instead of counting through every pending job of everyone.
+_PENDING_OF = Prepared(select(func.count()).select_from(_JOBS).where(
+    _JOBS.c.state == State.PENDING, _JOBS.c.held == bindparam("held"), _JOBS.c.user == bindparam("user")))
+
+
+def largest_node(session: Session, settings: Settings, local: list[GpuInfo]) -> tuple[str | None, int]:
+    """The node with the most GPUs known to gpuq (registered by workers, or ``local``: this node's)."""
+    rows = _GPUS_PER_NODE.run(session.connection(), {})
+    best = max(rows, key=lambda r: r[1], default=(None, 0))
+    if len(local) > best[1]:
+        return settings.node, len(local)
+    return best[0], best[1]
+
+
+def submit(settings: Settings, spec: JobSpec) -> Job:
+    """Queue one job; see ``submit_all``."""
+    return submit_all(settings, [spec])[0]
+
+
+def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = False,
+               record_code: bool = True, git: GitState | None | object = CAPTURE,
+               stage: Stager | None = None, key: str | None = None, send: Sender | None = None) -> list[Job]:
+    """Queue ``specs`` as pending jobs in one transaction (an array shares its first job's id as
+    ``array_id``) and wake the scheduler. Nothing is written on any error.
+
+    A command's git state is recorded (``record_code``; a resubmit copies it instead), and with
+    ``snapshot`` its work tree is copied and the jobs run from the copy (service/snapshot.py).
+    ``git`` is the work tree's state as the submitter's own process found it (the server is given
+    it by the client, which runs git as the user); by default it is asked of git here. ``stage``
+    copies the work tree (by default in this process; the server copies as the submitting user).
+    Jobs placed at submit get their messages from the scheduler, handed over through Redis;
+    ``send``, given by a process that keeps a Celery app (the server), sends them itself, one hop
+    sooner, and returns those it could not send, which go to the scheduler.
+    ``key``, an idempotency key, is stored with the jobs in their transaction: a second submit
+    with the same key writes nothing and raises ``DuplicateSubmission`` with the first one's job
+    ids (None when both ran at once and the other one's ids are not known yet).
+
+    Everything that can be done before the write is: the checks read in their own read-only
+    transaction, git runs, the rows are built; the write transaction (on SQLite, the one write
+    lock every worker's job end waits for) holds just the inserts and the placement."""
+    require_schema(settings)
+    broker.check(settings)
+    _check(settings, specs, key)
+    staged = None
+    try:
+        specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
+        now = utcnow()
+        values = [_row(s, now) for s in specs]
+        with write_scope(settings) as session:
+            ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
+            placed = place_at_submit(session, settings, ids)
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
+    where = {job_id: (node, at) for job_id, _, node, at in placed}
+    for job_id, row in zip(ids, values):
+        row["id"] = job_id
+        if job_id in where:
+            row.update(state=State.DISPATCHED, node=where[job_id][0], dispatched_at=where[job_id][1])
+    messages = [(job_id, queue) for job_id, queue, _, _ in placed]
+    if messages and send is not None:
+        messages = send(messages)  # those it could not send go to the scheduler, as below
+    if messages:
+        # Jobs of the submission left waiting need a pass; those placed need only their messages.
+        broker.hand_over(settings, messages, wake=len(placed) < len(ids))
+    elif len(placed) < len(ids):
+        broker.wake_scheduler(settings)
+    return [Job(**row) for row in values]
+
+
+def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> None:
+    """A submission's checks, in a read-only transaction; a key used before raises
+    DuplicateSubmission with its jobs, whatever the checks would say now."""
+    first = specs[0]
+    with read_scope(settings) as session:
+        if key is not None and (made := submitted_with(session, key, first.user)) is not None:
+            raise DuplicateSubmission(key, made)
+        _check_resources(session, settings, first)
+        _check_dependencies(session, first.after)
+        _check_pending_limit(session, settings, first.user, len(specs))
+    _check_priority(settings, first)
+    if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
+        raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+
+
+def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | None, indexed: bool,
+            key: str | None, now: datetime) -> list[int]:
+    """Write a submission's rows (``values`` get their ids, array id and snapshot) and its key;
+    the jobs' ids."""
+    conn = session.connection()
+    array = len(values) > 1 or indexed
+    ids = [conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[:1]).scalar_one()]
+    if staged is not None:
+        staged.place(ids[0])
+    for row in values:
+        row.update(array_id=ids[0] if array else None, **_staged_at(staged))
+    if array or staged is not None:
+        conn.execute(_FIRST_ROW, {"job_id": ids[0], "first_array_id": values[0]["array_id"],
+                                  "first_snapshot": values[0]["snapshot"], "first_cwd": values[0]["cwd"]})
+    if len(values) > 1:
+        # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
+        ids += sorted(conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[1:]).scalars())
+    if key is not None:
+        try:  # no savepoint: a refused key rolls the whole submission back, as it should
+            _INSERT_SUBMISSION.run(conn, {"key": key, "user": values[0]["user"], "job_ids": ids, "submitted_at": now})
+        except IntegrityError:
+            raise DuplicateSubmission(key, None) from None  # the same key, sent twice at once
+    return ids
+
+
+def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
+    """The ``jobs`` row of a spec just submitted, every column given (it is also the Job returned)."""
+    return dict(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
+                cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=_NEW, submitted_at=now,
+                mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
+                attempts=[], held=s.held, after=s.after, after_any=s.after_any, env=s.env,
+                array_index=s.array_index, array_id=None, git_commit=s.git_commit, git_dirty=s.git_dirty,
+                git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
+                host_mem_mib=s.host_mem_mib, requeues=0)
+
+
+def _staged_at(staged: Staged | None) -> dict[str, Any]:
+    """Where the jobs of a submission with a snapshot run (nothing to change without one)."""
+    return {} if staged is None else {"snapshot": str(staged.path), "cwd": staged.workdir()}
+
+
+def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, record_code: bool,
+                    git: GitState | None | object, stage: Stager | None) -> tuple[list[JobSpec], Staged | None]:
+    """The specs with their git state recorded, and the staged snapshot if one was asked for.
+    The tasks of one submission share one directory, so git is asked once."""
+    first = specs[0]
+    if first.kind != c.KIND_COMMAND or not (record_code or snapshot):
+        return specs, None
+    if git is CAPTURE:
+        git = code_state.capture(first.cwd, settings.git_diff_max_bytes)
+    assert git is None or isinstance(git, GitState)
+    staged = (stage or code_state.stage)(settings, first.cwd, git) if snapshot else None
+    if git is not None and record_code:
+        specs = [replace(s, git_commit=git.commit, git_dirty=git.dirty, git_diff=git.diff or None,
+                         git_diff_cut=git.diff_cut) for s in specs]
+    return specs, staged
+
+
+def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:
+    local = open_devices(settings).list()  # once: on a GPU node this initialises NVML
+    node, most = largest_node(session, settings, local)
+    if most == 0:
+        raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
+                          "`gpuq worker --gpu I` on each GPU node)")
+    if spec.on_node is not None:
+        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node))
+        if spec.on_node == settings.node:
+            n = max(n, len(local))
+        if n == 0:
+            raise InvalidSpec(f"--node {spec.on_node}: no such node is known to gpuq")
+        if spec.gpus > n:
+            raise InvalidSpec(f"--gpus {spec.gpus} is more than node {spec.on_node} has ({n})")
+    elif spec.gpus > most:
+        raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
+    if spec.mem_mib is not None:
+        biggest = session.scalar(select(func.max(Gpu.memory_total_mib))) or 0
+        here = max((g.memory_total_mib for g in local), default=0)
+        if spec.mem_mib > max(biggest, here):
+            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({max(biggest, here)} MiB)")
+
+
+def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> None:
+    limit = settings.max_pending_per_user
+    if not limit:
+        return
+    conn = session.connection()
+    pending = sum(_PENDING_OF.run(conn, {"user": user, "held": held})[0][0] for held in (False, True))
+    if pending + adding > limit:
+        raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
+                        f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")
+
+
+def submitted_with(session: Session, key: str, user: str) -> list[int] | None:
+    """The ids of the jobs ``user`` submitted with idempotency key ``key``, or None. Another
+    user's key is theirs: it is refused, not answered."""
+    rows = _SUBMITTED_WITH.run(session.connection(), {"key": key})
+    if not rows:
+        return None
+    row = rows[0]
+    if row.user != user:
+        raise NotAllowed("that submission key belongs to another user")
+    return list(row.job_ids)
+
+
+def _check_priority(settings: Settings, spec: JobSpec) -> None:
+    if spec.priority > settings.max_priority and spec.user not in settings.admin_users:
+        raise InvalidSpec(f"--priority {spec.priority} is above the users' limit of {settings.max_priority}")
+
+
+def _check_dependencies(session: Session, after: list[int] | None) -> None:
+    if not after:
+        return
+    found = set(session.scalars(select(Job.id).where(Job.id.in_(after))))
+    missing = [i for i in after if i not in found]
+    if missing:
+        raise InvalidSpec(f"--after: no job {missing[0]}")

@@ -1,0 +1,91 @@
+"""A root stack's home, made safe to share before anything starts: every user of the machine can
+use the stack and none can read its state.
+
+The home is traversable but not listable (0711: a user reaches their job's snapshot by name), its
+logs, pid files and Redis data are root's alone (0700), the SQLite database is 0600, and the Redis
+that `gpuq up` starts requires a password generated once into ``home/redis.secret`` (0600), so no
+user can reach the broker. The password is given to Redis in a 0600 config file, never on its
+command line (which every user can read in /proc)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from pathlib import Path
+
+from gpuq.service.dialect import sqlite_file
+from gpuq.service.settings import SYSTEM_SOCKET, Settings
+
+# Modes of a root stack's state: the home traversable only, its private folders and files root's.
+SYSTEM_HOME_MODE = 0o711
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+# The folder of the machine's server socket: everyone reaches the socket (0666) through it.
+SOCKET_DIR_MODE = 0o755
+
+
+def prepare(settings: Settings) -> Settings:
+    """A root stack's home made safe to share, and the settings to run it with.
+
+    The home is 0711, its logs/, run/ and redis/ 0700; with no broker configured, a Redis password
+    is generated once into ``redis.secret`` (0600). The settings returned are read afresh, so
+    their broker URL carries that password (``Settings.broker`` is computed once per object);
+    the supervisor and its children read the same file when they load their settings."""
+    home = settings.home
+    home.mkdir(parents=True, exist_ok=True)
+    os.chmod(home, SYSTEM_HOME_MODE)
+    for d in (settings.log_dir, settings.run_dir, home / "redis"):
+        d.mkdir(exist_ok=True)
+        os.chmod(d, PRIVATE_DIR_MODE)
+    socket_dir = settings.server_socket.parent
+    if str(settings.server_socket) == SYSTEM_SOCKET:
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(socket_dir, SOCKET_DIR_MODE)
+    db_file = _sqlite_file(settings)
+    if db_file is not None and not db_file.exists():
+        # Created 0600 before SQLite opens it: its -wal and -shm files then get that mode too.
+        db_file.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(db_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
+    if settings.broker_is_managed:
+        _ensure_secret(settings.redis_secret)
+    return dataclasses.replace(settings)
+
+
+def _ensure_secret(path: Path) -> None:
+    """The Redis password at ``path``, made once (mode 0600 from its creation, never wider)."""
+    try:
+        if path.read_text().strip():
+            os.chmod(path, PRIVATE_FILE_MODE)
+            return
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    try:
+        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _sqlite_file(settings: Settings) -> Path | None:
+    """The SQLite database's file, if the database is one."""
+    path = sqlite_file(settings.database)
+    return None if path is None else Path(path)
+
+
+def private_database(settings: Settings) -> None:
+    """The SQLite database and its -wal/-shm files root's alone (SQLite gives the files it creates
+    later the database file's mode)."""
+    path = _sqlite_file(settings)
+    if path is None:
+        return
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"),
+              path.with_name(path.name + "-journal")):
+        try:
+            os.chmod(f, PRIVATE_FILE_MODE)
+        except FileNotFoundError:
+            pass
