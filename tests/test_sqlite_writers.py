@@ -62,3 +62,33 @@ def test_a_sqlite_write_transaction_holds_the_writers_lock_until_it_commits_and_
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_the_servers_reads_answer_while_another_process_holds_the_writers_lock(tmp_path, redis_url):
+    """Every read the server serves (status, show, logs, wait, devices, stats, the dashboard's
+    metrics) is a read_scope: none queues behind a worker's write."""
+    from gpuq.cli.client import Client
+    from gpuq.service import db, spec, submitting
+
+    from tests.conftest import serving
+
+    s = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url)
+    db.upgrade(s)
+    job = submitting.submit(s, spec.command_spec(["true"], cwd=str(tmp_path)))
+    with serving(s) as served:
+        child = subprocess.Popen([sys.executable, "-c", HOLD], env=settings_env(s), stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "holding"
+            assert _taken(str(tmp_path / "gpuq.db") + "-writer")
+            client = Client(str(served.socket), timeout=10)
+            assert [j["id"] for j in client.get("/jobs")["jobs"]] == [job.id]
+            assert client.get(f"/jobs/{job.id}")["state"] == "pending"
+            assert client.get(f"/jobs/{job.id}/output")["chunks"] == []
+            assert client.get("/jobs/states", ids=str(job.id))
+            assert client.get(f"/jobs/{job.id}/why")["state"] == "pending"
+            for path in ("/jobs/active", "/devices", "/stats", "/metrics", "/whoami"):
+                client.get(path)
+        finally:
+            child.kill()
+            child.wait(10)
