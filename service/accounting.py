@@ -62,7 +62,7 @@ class UsageRow:
 
 
 def _overlap(job: Job, since: datetime, until: datetime, now: datetime) -> float:
-    start, end = max(job.started_at, since), min(job.ended_at or now, until)
+    start, end = max(job.started_at or now, since), min(job.ended_at or now, until)
     return max((end - start).total_seconds(), 0.0)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuq.service import constants as c
 from gpuq.service.errors import Unreachable
@@ -80,7 +80,7 @@ def wake_scheduler(settings: Settings) -> None:
         _heard.pop(settings.broker, None)
 
 
-def _push_wake(pipe, settings: Settings) -> None:
+def _push_wake(pipe: Any, settings: Settings) -> None:
     pipe.lpush(wake_key(settings), 1)
     pipe.ltrim(wake_key(settings), 0, 0)  # one pending wake-up is as good as many
 
@@ -120,7 +120,7 @@ def wait_for_wake(conn: redis.Redis, settings: Settings, timeout: float) -> tupl
     got = conn.blpop([dispatch_key(settings), wake_key(settings)], timeout=max(timeout, 0.01))
     if got is None:
         return TIMEOUT, []
-    if got[0].decode() != dispatch_key(settings):
+    if got[0].decode() != dispatch_key(settings):  # type: ignore[union-attr] # bytes: no decode_responses
         return WOKEN, []
     pipe = conn.pipeline()  # the rest handed over meanwhile, in one round trip (MULTI/EXEC)
     pipe.lrange(dispatch_key(settings), 0, -1)

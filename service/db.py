@@ -8,8 +8,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Connection, CursorResult, Engine, Result, create_engine, event, inspect, text
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -24,7 +25,7 @@ def _migrations_dir() -> Path:
     return Path(gpuq.migrations.__file__).resolve().parent
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # WAL lets `gpuq status` read while workers write; busy_timeout makes writers queue, not fail.
     dbapi_connection.isolation_level = None  # we issue BEGIN ourselves, below
     cursor = dbapi_connection.cursor()
@@ -39,7 +40,7 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def _sqlite_begin(conn) -> None:
+def _sqlite_begin(conn: Connection) -> None:
     # BEGIN IMMEDIATE takes the write lock up front, so a read-then-write transaction (a claim)
     # waits for the lock instead of failing with "database is locked" when it upgrades. A
     # read-only scope (``read_scope``) takes no lock: in WAL mode it reads beside the writers.
@@ -55,9 +56,9 @@ def _sqlite_begin(conn) -> None:
     _driver_begin(conn, "BEGIN IMMEDIATE")
 
 
-def _driver_begin(conn, sql: str) -> None:
+def _driver_begin(conn: Connection, sql: str) -> None:
     try:
-        conn.connection.driver_connection.execute(sql)
+        cast(Any, conn.connection.driver_connection).execute(sql)
     except conn.dialect.loaded_dbapi.Error as error:
         raise DBAPIError.instance(sql, (), error, conn.dialect.loaded_dbapi.Error) from None
 
@@ -179,6 +180,12 @@ def _sessionmaker(url: str) -> sessionmaker[Session]:
     return _sessionmakers[url]
 
 
+
+def rows_changed(result: Result[Any]) -> int:
+    """How many rows an UPDATE or DELETE changed (``Session.execute`` types any result as a Result)."""
+    return cast(CursorResult[Any], result).rowcount
+
+
 @contextmanager
 def write_scope(settings: Settings) -> Iterator[Session]:
     """A session for writing, in one transaction: committed on success, rolled back on error. On
@@ -241,7 +248,7 @@ def checkpoint(settings: Settings) -> None:
     raw = _engine(settings.database).raw_connection()
     try:
         # On the driver's connection: outside a transaction (the engine would BEGIN IMMEDIATE).
-        raw.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        cast(Any, raw.driver_connection).execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
     finally:
         raw.close()
 
@@ -252,7 +259,7 @@ def _unreachable_message(settings: Settings, exc: SQLAlchemyError) -> str:
     return f"cannot use the database at {mask_url(settings.database)}: {first}"
 
 
-def alembic_config(settings: Settings):
+def alembic_config(settings: Settings) -> Any:
     from alembic.config import Config
 
     cfg = Config()

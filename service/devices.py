@@ -9,7 +9,8 @@ from __future__ import annotations
 import uuid as uuidlib
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from gpuq.service.errors import ConfigError
 from gpuq.service.settings import Settings
@@ -140,7 +141,7 @@ class NvmlDevices:
         self._nvml = pynvml
         pynvml.nvmlInit()
 
-    def _handle(self, index: int):
+    def _handle(self, index: int) -> Any:
         return self._nvml.nvmlDeviceGetHandleByIndex(index)
 
     def list(self) -> list[GpuInfo]:
@@ -183,7 +184,7 @@ class NvmlDevices:
             processes=self._processes(h),
         )
 
-    def _processes(self, h) -> tuple[GpuProcess, ...] | None:
+    def _processes(self, h: Any) -> tuple[GpuProcess, ...] | None:
         n = self._nvml
         compute = _na(lambda: n.nvmlDeviceGetComputeRunningProcesses(h), n)
         graphics = _na(lambda: n.nvmlDeviceGetGraphicsRunningProcesses(h), n)
@@ -198,7 +199,7 @@ class NvmlDevices:
         return tuple(seen.values())
 
 
-def _na(read, nvml):
+def _na(read: Callable[[], Any], nvml: Any) -> Any:
     try:
         return read()
     except (nvml.NVMLError, AttributeError):

@@ -8,7 +8,7 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Result, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service.constants import State
@@ -43,10 +43,10 @@ class FairShare:
                 - math.exp(self.rate * (start - self.anchor).total_seconds()))
 
     @staticmethod
-    def _ended(session: Session, since: datetime, before: datetime | None = None) -> Result[Any]:
+    def _ended(session: Session, since: datetime, before: datetime | None = None) -> list[Any]:
         query = select(Job.user, Job.gpus, Job.started_at, Job.ended_at).where(
             Job.ended_at >= since, Job.started_at.is_not(None))
-        return session.execute(query.where(Job.ended_at < before) if before is not None else query)
+        return list(session.execute(query.where(Job.ended_at < before) if before is not None else query))
 
     def gpu_hours(self, session: Session, now: datetime) -> dict[str, float]:
         """Each user's decayed GPU-hours at ``now``: the policy's order between users."""
@@ -59,9 +59,9 @@ class FairShare:
             self.until = settled
         decay = math.exp(-self.rate * (now - self.anchor).total_seconds()) / self.rate / 3600.0
         hours = {user: total * decay for user, total in self.folded.items()}
-        fresh = list(session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
-                                     .where(Job.state == State.RUNNING, Job.started_at.is_not(None))))
+        fresh: list[Any] = list(session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
+                                                .where(Job.state == State.RUNNING, Job.started_at.is_not(None))))
         fresh += self._ended(session, self.until)
-        for user, gpus, started, ended in fresh:
-            hours[user] = hours.get(user, 0.0) + gpus * self._weight(started, ended or now) * decay
+        for user, gpus, started, ended in fresh:  # started: never null here (the queries ask so)
+            hours[user] = hours.get(user, 0.0) + gpus * self._weight(started or now, ended or now) * decay
         return hours

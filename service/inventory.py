@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from gpuq.service.db import rows_changed
 from gpuq.service.devices import GpuInfo, GpuReading
 from gpuq.service.models import Allocation, Gpu, Job, Node, utcnow
 from gpuq.service.settings import Settings
@@ -43,8 +44,8 @@ def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
 
 def drain_gpu(session: Session, gpu_id: int, reason: str) -> bool:
     """Give this one GPU out no more until an admin resumes its node; True if newly drained."""
-    return session.execute(update(Gpu).where(Gpu.id == gpu_id, Gpu.drain_reason.is_(None))
-                           .values(drain_reason=reason)).rowcount == 1
+    return rows_changed(session.execute(update(Gpu).where(Gpu.id == gpu_id, Gpu.drain_reason.is_(None))
+                                        .values(drain_reason=reason))) == 1
 
 
 def sign_off(session: Session, gpu_id: int) -> None:
@@ -104,8 +105,8 @@ def set_drained(session: Session, node: str, drained: bool, reason: str | None =
         session.add(row)
     if not drained:
         # Resuming a node also gives back its GPUs drained one by one (a lost GPU, once fixed).
-        freed = session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
-                                .values(drain_reason=None)).rowcount
+        freed = rows_changed(session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
+                                             .values(drain_reason=None)))
         if freed and not row.drained:
             return
     if row.drained == drained:

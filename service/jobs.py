@@ -17,15 +17,15 @@ from sqlalchemy.orm import Session
 from gpuq.service import broker, lifecycle
 from gpuq.service import constants as c
 from gpuq.service.constants import State
-from gpuq.service.db import require_schema, write_scope
+from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import JobNotFound, StateConflict
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, table, utcnow
 from gpuq.service.rights import Caller, check_change
 from gpuq.service.settings import Settings
 
 _RENDEZVOUS = move("set a job's ranks' meeting point", Actor.WORKER, State.RUNNING, None,
-                   Job.__table__.c.id == bindparam("job_id"), rendezvous=bindparam("init_method"))
+                   table(Job).c.id == bindparam("job_id"), rendezvous=bindparam("init_method"))
 
 
 def get_job(session: Session, job_id: int) -> Job:
@@ -69,7 +69,7 @@ def cancel(settings: Settings, job_id: int, user: Caller | str | None = None) ->
         check_change(settings, job_id, job.user, Caller.of(user))
         if job.state in c.END_STATES:
             raise StateConflict(f"job {job_id} already ended ({job.state})")
-        if session.execute(lifecycle.CANCEL_WAITING, {"job_id": job_id, "now": now}).rowcount:
+        if rows_changed(session.execute(lifecycle.CANCEL_WAITING, {"job_id": job_id, "now": now})):
             # A dispatched job's worker will find the state changed and drop the message.
             lifecycle.free_gpus(session, job_id)
             outcome = CancelOutcome(job_id, State.CANCELLED)

@@ -24,13 +24,14 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import lifecycle
 from gpuq.service.constants import State
+from gpuq.service.db import rows_changed
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
-_JOBS = Job.__table__
+_JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
 _FIRST_GPU_HERE = exists().where(Allocation.job_id == bindparam("job_id"), Allocation.gpu_id == bindparam("gpu_id"),
                                  Allocation.rank == 0)
@@ -72,8 +73,8 @@ def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: floa
     a lease of ``lease_s`` seconds. Atomic. Returns the lease token, or None if it was not ours."""
     token = uuid.uuid4().hex
     now = utcnow()
-    claimed = session.execute(_CLAIM, {"job_id": job_id, "gpu_id": gpu_id, "now": now, "worker": worker,
-                                       "token": token, "expires": now + timedelta(seconds=lease_s)}).rowcount
+    claimed = rows_changed(session.execute(_CLAIM, {"job_id": job_id, "gpu_id": gpu_id, "now": now, "worker": worker,
+                                                    "token": token, "expires": now + timedelta(seconds=lease_s)}))
     return token if claimed == 1 else None
 
 
@@ -81,7 +82,7 @@ def renew(session: Session, job_id: int, token: str, lease_s: float) -> bool:
     """Extend the running job's lease; False if this token no longer holds it (the job ended, or
     was reaped and given to someone else): its worker must stop it."""
     expires = utcnow() + timedelta(seconds=lease_s)
-    return session.execute(_RENEW, {"job_id": job_id, "token": token, "expires": expires}).rowcount == 1
+    return rows_changed(session.execute(_RENEW, {"job_id": job_id, "token": token, "expires": expires})) == 1
 
 
 def reap(session: Session, settings: Settings) -> list[int]:
@@ -94,7 +95,7 @@ def reap(session: Session, settings: Settings) -> list[int]:
     now = utcnow()
     expired = session.execute(_EXPIRED, {"now": now}).all()
     for job_id, worker, expires in expired:
-        late = (now - expires).total_seconds() + settings.lease_timeout
+        late = (now - (expires or now)).total_seconds() + settings.lease_timeout
         why = f"worker lost: {worker} did not renew the job's lease for {late:.0f} s"
         if lifecycle.end_attempt(session, job_id, State.FAILED, failure=c.FAILURE_WORKER_LOST, reason=why,
                                  max_requeues=settings.max_requeues, expired_before=now):

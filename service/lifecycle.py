@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import BugError
-from gpuq.service.models import Allocation, Job, utcnow
+from gpuq.service.models import Allocation, Job, table, utcnow
 from gpuq.service.prepared import Prepared
 
-_JOBS = Job.__table__
+_JOBS = table(Job)
 
 
 class Actor(StrEnum):
@@ -149,7 +149,7 @@ UNSEND = move("put back a job whose message was not sent", A.SCHEDULER, S.DISPAT
               **_UNDISPATCHED)
 UNDISPATCH = move("put back a job whose worker was lost before it started", A.REAPER, S.DISPATCHED, S.PENDING,
                   _ID, **_UNDISPATCHED)
-_FREE_GPUS = Prepared(Allocation.__table__.delete().where(Allocation.__table__.c.job_id == bindparam("job_id")))
+_FREE_GPUS = Prepared(table(Allocation).delete().where(table(Allocation).c.job_id == bindparam("job_id")))
 
 
 def free_gpus(session: Session, job_id: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -16,6 +16,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
@@ -336,3 +337,8 @@ class Submission(Base):
     user: Mapped[str] = mapped_column(String(64))
     job_ids: Mapped[list[int]] = mapped_column(JSON)
     submitted_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+def table(model: type[Base]) -> Table:
+    """A model's table, for Core statements (``Model.__table__`` is typed as any FromClause)."""
+    return cast(Table, model.__table__)

@@ -21,12 +21,12 @@ from gpuq.service import policy
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite, savepoint
 from gpuq.service.lifecycle import Actor, move, waiting
-from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, table, utcnow
 from gpuq.service.prepared import Prepared
 
-_JOBS = Job.__table__
-_NEXT = NextUp.__table__
-_GPUS = Gpu.__table__
+_JOBS = table(Job)
+_NEXT = table(NextUp)
+_GPUS = table(Gpu)
 # What a take returns of the job: what its run needs (workers/runner.py's JobRun).
 TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
                  _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
@@ -40,13 +40,13 @@ _LISTED_USER = select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id, *waiting
 # This GPU's list, unless the GPU or its node was drained or the GPU is held already.
 _GPU_TAKES = (_NEXT.c.gpu_id == bindparam("gpu_id"),
               ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
-              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), Node.__table__.c.name == _GPUS.c.node,
-                              Node.__table__.c.drained.is_(True)),
-              ~exists().where(Allocation.__table__.c.gpu_id == bindparam("gpu_id")))
+              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), table(Node).c.name == _GPUS.c.node,
+                              table(Node).c.drained.is_(True)),
+              ~exists().where(table(Allocation).c.gpu_id == bindparam("gpu_id")))
 # This GPU's listed jobs that are still pending and not held: one read.
 _LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user")).where(*_GPU_TAKES, _LISTED_USER.is_not(None))
            .order_by(_NEXT.c.rank))
-_STARTED_HERE = dict(dispatched_at=bindparam("now"), started_at=bindparam("now"),
+_STARTED_HERE: dict[str, Any] = dict(dispatched_at=bindparam("now"), started_at=bindparam("now"),
                      node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
                      lease_expires_at=bindparam("expires"))
 _NOT_HELD = _JOBS.c.held == False  # noqa: E712 - see lifecycle.waiting
@@ -71,11 +71,11 @@ _TAKE_FIRST_UNLOCKED = Prepared(move("take the first listed job no other worker 
                                      **_STARTED_HERE).returning(*TAKEN_COLUMNS))
 _LEFT = Prepared(select(func.count()).select_from(_NEXT)
                  .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _LISTED_USER.is_not(None)))
-_ALLOCATE_HERE = Prepared(Allocation.__table__.insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
+_ALLOCATE_HERE = Prepared(table(Allocation).insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
                                                                rank=0))
-_n = NextUp.__table__.c
-_UNLIST = Prepared(NextUp.__table__.delete().where(_n.gpu_id == bindparam("gpu_id"), _n.job_id == bindparam("job_id")))
-_LIST = Prepared(NextUp.__table__.insert())
+_n = table(NextUp).c
+_UNLIST = Prepared(table(NextUp).delete().where(_n.gpu_id == bindparam("gpu_id"), _n.job_id == bindparam("job_id")))
+_LIST = Prepared(table(NextUp).insert())
 _WAITING = select(_JOBS.c.id).where(*waiting(), _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
 
 

@@ -14,7 +14,7 @@ any statement does.
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, exc
 
@@ -29,7 +29,7 @@ class Prepared:
     (of an INSERT, whatever the driver says). Driver errors are raised as SQLAlchemy raises them
     (IntegrityError, OperationalError...)."""
 
-    def __init__(self, statement) -> None:
+    def __init__(self, statement: Any) -> None:
         self.statement = statement
         self.returns = bool(statement.is_select or (statement.is_dml and statement.returning_column_descriptions))
         # {inserted columns (none for anything but an INSERT): compiled form}, for SQLite
@@ -39,14 +39,13 @@ class Prepared:
         if not is_sqlite(conn):
             result = conn.execute(self.statement, params)
             return result.all() if self.returns else result.rowcount
-        many = isinstance(params, list)
-        first = params[0] if many else params
+        first: dict[str, Any] = params[0] if isinstance(params, list) else params
         # An INSERT names the columns it is given (as SQLAlchemy compiles it), anything else its binds.
         key = tuple(first) if self.statement.is_insert else ()
         compiled = self._compiled.get(key) or self._compile(conn, key)
-        cursor = conn.connection.driver_connection.cursor()
+        cursor = cast(Any, conn.connection.driver_connection).cursor()
         try:
-            if many:
+            if isinstance(params, list):
                 cursor.executemany(compiled.sql, [compiled.values(p) for p in params])
             else:
                 cursor.execute(compiled.sql, compiled.values(params))
@@ -79,7 +78,7 @@ class Prepared:
 class _Compiled:
     """One compiled form: its SQL, its binds in order with their processors, its result columns."""
 
-    def __init__(self, sql: str, names: list[str], defaults: dict[str, Any], processors: list,
+    def __init__(self, sql: str, names: list[str], defaults: dict[str, Any], processors: list[Any],
                  columns: list[tuple[str, Any]]) -> None:
         self.sql, self.defaults = sql, defaults
         self.binds = list(zip(names, processors))
@@ -93,5 +92,6 @@ class _Compiled:
             out.append(process(value) if process is not None else value)  # None too: JSON's is 'null'
         return out
 
-    def row(self, raw: tuple) -> Any:
+    def row(self, raw: tuple[Any, ...]) -> Any:
+        assert self.row_type is not None  # rows come only of a statement with result columns
         return self.row_type(*(p(v) if p is not None else v for p, v in zip(self.result_processors, raw)))

@@ -20,7 +20,7 @@ from gpuq.service.constants import State
 from gpuq.service.fair_share import FairShare
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
-from gpuq.service.models import Allocation, Gpu, Job, Node, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
@@ -28,14 +28,14 @@ from gpuq.service.settings import Settings
 # 10,000 jobs, and building the statement most of it for a submit's few. What a quick pass (many a
 # second under a flood) and a submit read is Prepared; a whole pass's read of every pending job is
 # not (SQLAlchemy makes its rows in C).
-_t = Job.__table__.c
+_t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_any, _t.reason)
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
-_DRAINED = Prepared(select(Node.__table__.c.name).where(Node.__table__.c.drained.is_(True)))
-_ALLOCATED = Prepared(select(Allocation.__table__.c.gpu_id, _t.user, _t.started_at, _t.time_limit_s).join_from(
-    Allocation.__table__, Job.__table__, Allocation.__table__.c.job_id == _t.id))
-_g = Gpu.__table__.c
+_DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
+_ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s).join_from(
+    table(Allocation), table(Job), table(Allocation).c.job_id == _t.id))
+_g = table(Gpu).c
 _LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
                              _g.foreign_mib).where(_g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None)))
 _STATES_OF = select(_t.id, _t.state).where(_t.id.in_(bindparam("ids", expanding=True)))
@@ -44,7 +44,7 @@ _STATES_OF = select(_t.id, _t.state).where(_t.id.in_(bindparam("ids", expanding=
 def _users_waiting() -> Select[Any]:
     """The users with a waiting job that is not held, in name order: a skip from each user to the
     next through the index (a recursive query), where DISTINCT would read every waiting job."""
-    j = Job.__table__.alias("j")
+    j = table(Job).alias("j")
     first = select(func.min(_t.user).label("user")).where(*waiting()).cte("waiting_users", recursive=True)
     after = first.alias("previous")
     following = select(func.min(j.c.user)).where(*waiting(j), j.c.user > after.c.user).scalar_subquery()
@@ -140,7 +140,7 @@ def _pending(session: Session, head: int | None) -> tuple[list[Any], list[Any]]:
     about 35 ms at 10,000, on every submit and job end."""
     conn = session.connection()
     if head is None:
-        return conn.execute(_ALL_PENDING).all(), []
+        return list(conn.execute(_ALL_PENDING).all()), []
     rows, last = [], []
     for user, in _WAITING_USERS.run(conn, {}):
         got = _USER_HEAD.run(conn, {"user": user, "head": head})

@@ -17,7 +17,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.dialect import epoch_seconds
 from gpuq.service.devices import GpuReading
-from gpuq.service.models import Allocation, DeviceMinute, DeviceSample, Job
+from gpuq.service.models import Allocation, DeviceMinute, DeviceSample, Job, table
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
@@ -53,7 +53,7 @@ def record(session: Session, gpu_id: int, rows: Sequence[dict[str, Any]]) -> Non
     _INSERT.run(session.connection(), list(rows))
 
 
-_INSERT = Prepared(DeviceSample.__table__.insert())
+_INSERT = Prepared(table(DeviceSample).insert())
 
 
 def latest(session: Session, gpu_ids: Sequence[int], newer_than: datetime) -> dict[int, DeviceSample]:
@@ -68,7 +68,7 @@ def latest(session: Session, gpu_ids: Sequence[int], newer_than: datetime) -> di
     return out
 
 
-def raw_sums(t=DeviceSample) -> list:
+def raw_sums(t: Any = DeviceSample) -> list[Any]:
     """The aggregates of raw samples, labelled as the columns of ``device_minutes``."""
     known = lambda col: case((col.is_not(None), t.interval_s), else_=0.0)  # noqa: E731
     return [
@@ -87,7 +87,7 @@ def raw_sums(t=DeviceSample) -> list:
     ]
 
 
-def minute_sums(t=DeviceMinute) -> list:
+def minute_sums(t: Any = DeviceMinute) -> list[Any]:
     """The same aggregates over ``device_minutes`` rows, labelled alike."""
     return [
         func.sum(t.samples).label("samples"),

@@ -20,7 +20,7 @@ from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.fair_share import FairShare
 from gpuq.service.lifecycle import Actor
-from gpuq.service.models import Allocation, utcnow
+from gpuq.service.models import Allocation, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_read import QueueRead, read_queue
 from gpuq.service.settings import Settings
@@ -43,7 +43,7 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None)
         return False
 
 
-_ALLOCATE = Prepared(Allocation.__table__.insert())
+_ALLOCATE = Prepared(table(Allocation).insert())
 
 
 # A submission of more jobs than this is left to the scheduler whole (see ``place_at_submit``).

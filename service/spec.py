@@ -120,7 +120,7 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
         spec = make([a for n, v in combo for a in (f"--{n}", v)])
         env = {**(spec.env or {}), "GPUQ_ARRAY_INDEX": str(task)}
         argv = spec.argv
-        if spec.kind == c.KIND_COMMAND:
+        if spec.kind == c.KIND_COMMAND and spec.argv is not None:
             if combo:
                 env.update({f"GPUQ_SWEEP_{n.upper().replace('-', '_')}": v for n, v in combo})
                 argv = [_fill(a, dict(combo)) for a in spec.argv]

@@ -296,9 +296,11 @@ class Supervisor:
 
     def _wait_for_redis(self) -> None:
         deadline = time.monotonic() + 20
+        redis = self.redis
+        assert redis is not None  # only when it started one
         while not broker.reachable(self.settings):
-            if time.monotonic() > deadline or not self.redis.alive():
-                raise StackError(f"redis did not start: {_tail(self.redis.log_path)}")
+            if time.monotonic() > deadline or not redis.alive():
+                raise StackError(f"redis did not start: {_tail(redis.log_path)}")
             time.sleep(0.1)
 
     def _restart_dead(self) -> None:
@@ -332,7 +334,8 @@ class Supervisor:
         if self.redis is not None:
             self.redis.signal(signal.SIGTERM)
             try:
-                self.redis.proc.wait(10)
+                if self.redis.proc is not None:
+                    self.redis.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.redis.signal(signal.SIGKILL)
         log.info("stopped")

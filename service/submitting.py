@@ -20,7 +20,7 @@ from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec, NotAllowed, OverLimit
 from gpuq.service.lifecycle import Actor, check, move
-from gpuq.service.models import Gpu, Job, Submission, utcnow
+from gpuq.service.models import Gpu, Job, Submission, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.scheduler import place_at_submit
 from gpuq.service.settings import Settings
@@ -35,17 +35,17 @@ CAPTURE = object()
 # Sends placed jobs' messages, (job id, queue) each; returns those it could not send.
 Sender = Callable[[list[tuple[int, str]]], list[tuple[int, str]]]
 
-_JOBS = Job.__table__
+_JOBS = table(Job)
 # The first row of a submission, once its id is known: the array it heads, where its snapshot is.
 _FIRST_ROW = move("complete a submission's first row", Actor.SUBMIT, State.PENDING, None,
                   _JOBS.c.id == bindparam("job_id"), array_id=bindparam("first_array_id"),
                   snapshot=bindparam("first_snapshot"), cwd=bindparam("first_cwd"))
 _INSERT_JOB = _JOBS.insert()
 # A submit's checks and its key, run on every submit the server takes.
-_INSERT_SUBMISSION = Prepared(Submission.__table__.insert())
-_SUBMITTED = Submission.__table__
+_INSERT_SUBMISSION = Prepared(table(Submission).insert())
+_SUBMITTED = table(Submission)
 _SUBMITTED_WITH = Prepared(select(_SUBMITTED.c.user, _SUBMITTED.c.job_ids).where(_SUBMITTED.c.key == bindparam("key")))
-_GPUS_PER_NODE = Prepared(select(Gpu.__table__.c.node, func.count()).group_by(Gpu.__table__.c.node))
+_GPUS_PER_NODE = Prepared(select(table(Gpu).c.node, func.count()).group_by(table(Gpu).c.node))
 # Held and not held apart: each count then seeks this user's jobs in the queue-order index (state,
 # held, user, ...) instead of counting through every pending job of everyone.
 _PENDING_OF = Prepared(select(func.count()).select_from(_JOBS).where(
@@ -198,7 +198,7 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
         raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
                           "`gpuq worker --gpu I` on each GPU node)")
     if spec.on_node is not None:
-        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node))
+        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node)) or 0
         if spec.on_node == settings.node:
             n = max(n, len(local))
         if n == 0:

@@ -17,7 +17,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import elapsed, get_job
-from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, utcnow
+from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.samples import minute_sums, raw_sums
 from gpuq.service.settings import Settings
@@ -96,15 +96,15 @@ class Totals:
 Grouping = Callable[[Any], tuple[list, Callable[[Any], Any]]]
 
 
-def by_user(t) -> tuple[list, Callable]:
+def by_user(t: Any) -> tuple[list[Any], Callable[[Any], Any]]:
     return [Job.user], lambda q: q.join(Job, Job.id == t.job_id)
 
 
-def by_node(t) -> tuple[list, Callable]:
+def by_node(t: Any) -> tuple[list[Any], Callable[[Any], Any]]:
     return [Gpu.node], lambda q: q.join(Gpu, Gpu.id == t.gpu_id)
 
 
-def by_job(t) -> tuple[list, Callable]:
+def by_job(t: Any) -> tuple[list[Any], Callable[[Any], Any]]:
     return [t.job_id], lambda q: q
 
 
@@ -188,7 +188,7 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     it) no job row is read; with ``retention_days`` too, the minute aggregates of a job younger
     than that are not read (none of its samples has been rolled up yet); with ``totals`` (its
     samples summed from the readings in hand, ``Totals.of_samples``), no sample is read."""
-    job = ended
+    job: Any = ended
     if job is None:
         # The row as the database has it now (its end was just written by an UPDATE), in Core.
         job = session.connection().execute(_JOB_TIMES, {"job_id": job_id}).one_or_none()
@@ -204,10 +204,10 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     _INSERT_USAGE.run(conn, _summary(job, totals))
 
 
-_JOB_TIMES = select(Job.__table__.c.id, Job.__table__.c.gpus, Job.__table__.c.started_at,
-                    Job.__table__.c.ended_at).where(Job.__table__.c.id == bindparam("job_id"))
-_INSERT_USAGE = Prepared(JobUsage.__table__.insert())
-_FORGET_USAGE = JobUsage.__table__.delete().where(JobUsage.__table__.c.job_id == bindparam("job_id"))
+_JOB_TIMES = select(table(Job).c.id, table(Job).c.gpus, table(Job).c.started_at,
+                    table(Job).c.ended_at).where(table(Job).c.id == bindparam("job_id"))
+_INSERT_USAGE = Prepared(table(JobUsage).insert())
+_FORGET_USAGE = table(JobUsage).delete().where(table(JobUsage).c.job_id == bindparam("job_id"))
 
 
 def job_usage(session: Session, job_id: int) -> JobUsage:
