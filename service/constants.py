@@ -80,7 +80,7 @@ FAILURE_TAIL_LINES = 10
 LEASE_SELF_FENCE = 0.8
 # How often a running job's worker looks at SQL for a cancel request.
 CANCEL_POLL_SECONDS = 0.2
-# A worker's watch thread (workers/runner.Watch) ends after this many seconds without a job.
+# A worker's watch thread (workers/watch.Watch) ends after this many seconds without a job.
 WATCH_IDLE_SECONDS = 10.0
 # How often `gpuq wait` and `gpuq logs -f` look at SQL.
 CLIENT_POLL_SECONDS = 0.2

@@ -53,7 +53,10 @@ _DISPATCHED = (select(Job.id, Gpu.queue).join(Allocation, Allocation.job_id == J
 
 @dataclass
 class Lease:
-    """A running job's lease as its worker holds it."""
+    """A running job's lease as its worker holds it.
+
+    ``job_id`` and ``token`` never change; ``renewed`` is written by the worker's heartbeat thread
+    (after its creation by the task thread), and ``lost`` is set by it and read by the watch thread."""
 
     job_id: int
     token: str

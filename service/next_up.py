@@ -27,7 +27,7 @@ from gpuq.service.prepared import Prepared
 _JOBS = table(Job)
 _NEXT = table(NextUp)
 _GPUS = table(Gpu)
-# What a take returns of the job: what its run needs (workers/runner.py's JobRun).
+# What a take returns of the job: what its run needs (workers/job.py's JobRun).
 TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
                  _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
                  _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts)

@@ -22,8 +22,9 @@ from gpuq.service.explain import why
 from gpuq.service.models import Allocation, Gpu, Job, JobUsage, utcnow
 from gpuq.service.scheduler import Scheduler
 from gpuq.workers.probe import GpuProbe
-from gpuq.workers.runner import WorkerState, run_job
+from gpuq.workers.runner import run_job
 from gpuq.workers.sampler import Sampler
+from gpuq.workers.state import WorkerState
 
 
 @pytest.fixture

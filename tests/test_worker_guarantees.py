@@ -21,7 +21,8 @@ from gpuq.service.db import write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.scheduler import Scheduler
-from gpuq.workers.runner import WorkerState, run_job
+from gpuq.workers.runner import run_job
+from gpuq.workers.state import WorkerState
 
 
 @pytest.fixture
@@ -196,7 +197,7 @@ def test_celery_is_configured_for_one_late_acked_json_job_at_a_time(settings):
 
 
 def test_a_rank_message_runs_only_for_a_running_job_holding_that_gpu_at_that_rank(settings, tmp_path):
-    from gpuq.workers.runner import run_rank
+    from gpuq.workers.ranks import run_rank
 
     register_gpus(settings)
     job = submitting.submit(settings, spec.workload_spec("train", ["--strategy", "ddp", "--epochs", "1"], gpus=2))

@@ -7,6 +7,8 @@ metrics in SQL, and writes its result as JSON to the path it is given.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import json
 import signal
 import sys
@@ -23,11 +25,11 @@ def main(argv: list[str]) -> int:
     settings = get_settings()
     with write_scope(settings) as session:
         job = get_job(session, job_id)
-        workload, params, gpus = job.workload, dict(job.params), job.gpus
+        workload, params, gpus = cast(str, job.workload), dict(job.params), job.gpus  # a workload job names one
     cancelled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: cancelled.set())
 
-    def on_metric(values):
+    def on_metric(values: dict[str, Any]) -> None:
         with write_scope(settings) as session:
             record_metric(session, job_id, values)
 

@@ -20,7 +20,7 @@ from gpuq.service.settings import Settings
 from gpuq.workers.probe import GpuProbe
 
 if TYPE_CHECKING:
-    from gpuq.workers.runner import WorkerState
+    from gpuq.workers.state import WorkerState
 
 log = logging.getLogger("gpuq.worker")
 
@@ -54,6 +54,8 @@ class Heartbeat(threading.Thread):
                     renewed = renew(session, lease.job_id, lease.token, self.settings.lease_timeout)
             if reading.lost and self.state is not None:
                 self.state.gpu_lost.set()
+            if lease is None or self.state is None:
+                return
             if renewed:
                 lease.renewed = time.monotonic()
             elif renewed is False and self.state.lease is lease:  # not merely ended meanwhile

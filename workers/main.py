@@ -8,6 +8,8 @@ child, so Celery's prefork pool is wrong for a process that keeps a CUDA context
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import argparse
 import logging
 import os
@@ -20,6 +22,9 @@ from gpuq.service.db import require_schema, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import GpuqError
 from gpuq.service.settings import get_settings
+
+if TYPE_CHECKING:
+    from gpuq.workers.state import WorkerState
 
 log = logging.getLogger("gpuq.worker")
 
@@ -58,7 +63,7 @@ def serve(index: int, loglevel: str) -> int:
     from gpuq.workers import tasks
     from gpuq.workers.heartbeat import Heartbeat
     from gpuq.workers.probe import GpuProbe
-    from gpuq.workers.runner import WorkerState
+    from gpuq.workers.state import WorkerState
     from gpuq.workers.sampler import Sampler
 
     if settings.warm_start:
@@ -67,7 +72,7 @@ def serve(index: int, loglevel: str) -> int:
         log.info("%s: warm on %s", name, warm_up())
     from gpuq.workers.command import kill_leftovers
 
-    left = kill_leftovers(f"{settings.key_prefix}/{name}")  # as runner.worker_mark
+    left = kill_leftovers(f"{settings.key_prefix}/{name}")  # as execute.worker_mark
     if left:
         log.warning("%s: killed %d processes an earlier run of this worker left: %s", name, len(left), left)
     probe = GpuProbe(devices, index)
@@ -103,7 +108,7 @@ def serve(index: int, loglevel: str) -> int:
     return 0
 
 
-def _interrupt_on_second_shutdown(state) -> None:
+def _interrupt_on_second_shutdown(state: WorkerState) -> None:
     """First SIGTERM: warm shutdown, the running job finishes (and no next one starts here).
     Second: the running job is stopped."""
     from celery.signals import worker_shutting_down
@@ -111,7 +116,7 @@ def _interrupt_on_second_shutdown(state) -> None:
     requests = []
 
     @worker_shutting_down.connect(weak=False)
-    def _on_shutdown(sig=None, how=None, **_):
+    def _on_shutdown(sig: Any = None, how: Any = None, **_: Any) -> None:
         requests.append(how)
         state.stopping.set()
         if len(requests) >= 2 or how == "Cold":

@@ -47,8 +47,9 @@ class GpuProbe:
         self._name = self._root.name()
         # The CPU clock of this process's main thread, where the probe watches its own process.
         self._main_clock = None
-        if self._root.pid == os.getpid() and hasattr(time, "pthread_getcpuclockid"):
-            self._main_clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+        main = threading.main_thread().ident
+        if self._root.pid == os.getpid() and hasattr(time, "pthread_getcpuclockid") and main is not None:
+            self._main_clock = time.pthread_getcpuclockid(main)
 
     def read(self, max_age: float = 0.0) -> GpuReading:
         """The GPU's state now (or at most ``max_age`` seconds ago); None where not available."""

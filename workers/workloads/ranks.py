@@ -75,6 +75,7 @@ def launch(ctx: WorkloadContext) -> dict[str, Any]:
             err = open(os.path.join(tmp, f"rank{rank}.err"), "w+b")
             child = subprocess.Popen([sys.executable, "-m", "gpuq.workers.workloads.ranks", str(rank)],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+            assert child.stdin is not None  # stdin=PIPE
             child.stdin.write(spec.encode())
             child.stdin.close()
             children.append((rank, child, err))

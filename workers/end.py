@@ -1,0 +1,179 @@
+"""A job's end on its worker: what state it ended in when it was stopped, and writing that end
+(with its last output, device readings and usage summary, and the GPU's next job) in one
+transaction, retried while the database is away."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service import samples, usage
+from gpuq.service.db import write_scope
+from gpuq.service.dialect import savepoint
+from gpuq.service.errors import Unreachable
+from gpuq.service.inventory import drain_gpu
+from gpuq.service.leases import Lease
+from gpuq.service.lifecycle import end_attempt
+from gpuq.service.next_up import anything_waits, listed_left, take_next
+from gpuq.service.models import utcnow
+from gpuq.workers.job import JobRun, Started, job_run
+from gpuq.workers.output import OutputSink
+from gpuq.workers.state import WorkerState
+from gpuq.workers.watch import StopWatcher
+
+log = logging.getLogger("gpuq.worker")
+
+
+def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any],
+              sink: OutputSink, flush_mark: int | None = None) -> tuple[bool, Started | None, bool]:
+    """Write the job's end under its lease, with the rest of its output, its last device readings
+    and its usage summary, and take the GPU's next job, all in one transaction; retried while the
+    database is away: an end is never dropped. Returns whether the end was ours to write (False:
+    the reaper took the job back meanwhile), the next job started here (None: the GPU is free),
+    and whether to wake the scheduler."""
+    readings = state.sampler.end_rows(lease.job_id) if state.sampler is not None else []
+    in_hand = _totals_in_hand(state, job, readings, flush_mark)
+    mark = state.flush_mark()  # before the next job is taken
+    last_words = True
+    delay = 0.2
+    while True:
+        try:
+            done, following, wake = _end_transaction(state, job, lease, end, sink, last_words, readings, in_hand,
+                                                     mark)
+            if last_words:
+                sink.rest_stored()
+            if not done:
+                log.warning("%s: job %s was taken back (lease lost); its end here is not recorded",
+                            state.name, lease.job_id)
+            return done, following, wake
+        except Unreachable as exc:
+            if _gave_up_waiting(state, lease, readings, delay, exc):
+                return False, None, True
+            delay = min(delay * 2, 5.0)
+        except SQLAlchemyError:
+            if not last_words:
+                raise
+            # Not an outage: a row of its output or readings the database refuses. The end
+            # matters more; it is written again without them.
+            log.exception("%s: job %s: could not store the rest of its output or its last device readings",
+                          state.name, lease.job_id)
+            last_words = False
+
+
+def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any], sink: OutputSink,
+                     last_words: bool, readings: list[dict[str, Any]], in_hand: usage.Totals | None,
+                     mark: int | None) -> tuple[bool, Started | None, bool]:
+    """One try at ``write_end``'s transaction, returning what it returns; without ``last_words``
+    (the database refused them) the rest of the job's output, its last ``readings`` and the totals
+    of those ``in_hand`` are left out."""
+    with write_scope(state.settings) as session:
+        if last_words:
+            sink.store_rest(session)
+            samples.record(session, state.gpu_id, readings)
+        now = utcnow()
+        done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
+                      now=now, **end)
+        if not done:
+            return False, None, True
+        _record_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
+                                                  job.ran_before), in_hand if last_words else None)
+        following = _take_next(state, session, mark)
+        # A GPU that fell free wakes the scheduler only if some job waits: a pass over
+        # an empty queue would just hold up the next submit's message. A GPU that runs
+        # on wakes it, now and then, when its next-up list runs short.
+        wake = (anything_waits(session) if following is None
+                else state.wake_due() and listed_left(session, state.gpu_id) <= c.NEXT_UP_PER_GPU // 2)
+        return True, following, wake
+
+
+def _take_next(state: WorkerState, session: Session, mark: int | None) -> Started | None:
+    """Start this GPU's next job from its next-up list, in the transaction that ends the last one;
+    None if the worker stops taking jobs or the list has none that may start."""
+    if not state.may_take_next():
+        return None
+    taken = take_next(session, state.gpu_id, state.name, state.node,
+                      state.settings.lease_timeout, state.settings.user_gpu_limit)
+    if taken is None:
+        return None
+    row, token = taken
+    return Started.read(session, job_run(row, (state.gpu_index,), (state.queue,)), token, mark)
+
+
+def _gave_up_waiting(state: WorkerState, lease: Lease, readings: list[dict[str, Any]], delay: float,
+                     exc: Unreachable) -> bool:
+    """Wait ``delay`` seconds for the database to come back; True if the worker is stopping
+    meanwhile: the end is given up, and the job's readings go back to the sampler."""
+    log.warning("%s: job %s: cannot record its end yet (%s); retrying", state.name, lease.job_id, exc)
+    if not state.interrupt.wait(delay):
+        return False
+    log.error("%s: job %s: end not recorded: the worker is stopping; the reaper will take "
+              "it back when its lease runs out", state.name, lease.job_id)
+    if state.sampler is not None:
+        state.sampler.put_back(readings)
+    return True
+
+
+def _totals_in_hand(state: WorkerState, job: JobRun, readings: list[dict[str, Any]],
+                    flush_mark: int | None) -> usage.Totals | None:
+    """The job's device totals from the readings in hand, if they are all its readings: a first
+    attempt on this one GPU, started when the sampler had taken as many batches to write as now
+    (so none of its readings was written before); else None, and its summary reads SQL.
+
+    Its readings are those ``samples.record`` gives it: tagged with it, or untagged and taken
+    after it started (the sampler had not seen it start yet)."""
+    if len(job.gpu_indices) != 1 or job.ran_before or job.started_at is None:
+        return None
+    if state.sampler is not None and state.sampler.flushes != flush_mark:
+        return None
+    return usage.Totals.of_samples([r for r in readings if r["job_id"] == job.id
+                                    or (r["job_id"] is None and r["sampled_at"] >= job.started_at)])
+
+
+def _record_usage(state: WorkerState, session: Session, ended: usage.Ended, totals: usage.Totals | None) -> None:
+    """Store the job's usage summary in the transaction that ends it, so nobody sees one without
+    the other; a failure here never undoes the end (PostgreSQL: in a savepoint; SQLite undoes
+    just the failed statement)."""
+    try:
+        with savepoint(session):
+            usage.record_usage(session, ended.id, ended, state.settings.sample_retention_days, totals)
+    except Exception:  # noqa: BLE001 - `gpuq stats JOB` computes a missing summary from the samples
+        log.exception("%s: job %s: could not store its usage summary", state.name, ended.id)
+
+
+def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[str, Any]:
+    """The end of a job that was stopped: timed out, interrupted by shutdown, lease or GPU lost,
+    or cancelled."""
+    why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
+    if why == c.FAILURE_TIMEOUT:
+        return {"state": State.TIMED_OUT, "failure": why, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
+    if why == c.FAILURE_INTERRUPTED:
+        return {"state": State.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}
+    if why == c.FAILURE_WORKER_LOST:
+        return {"state": State.FAILED, "failure": why, "reason": "worker lost: it could not renew the job's lease"}
+    if why == c.FAILURE_GPU_LOST:
+        return {"state": State.FAILED, "failure": why, "reason": f"GPU lost: gpu {state.gpu_index} on {state.node}"}
+    return {"state": State.CANCELLED, "failure": why, "reason": "cancelled by user"}
+
+
+def _hms(seconds: int) -> str:
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def drain_if_left(state: WorkerState, job: JobRun, leftover: tuple[int, ...]) -> None:
+    """Processes of the job that outlived SIGKILL may still hold the GPU: it is not given out
+    again until an admin has looked (`gpuq resume NODE`)."""
+    if not leftover:
+        return
+    why = f"processes of job {job.id} did not exit: pids {', '.join(map(str, leftover[:8]))}"
+    log.error("%s: %s; GPU drained", state.name, why)
+    try:
+        with write_scope(state.settings) as session:
+            drain_gpu(session, state.gpu_id, why)
+    except Unreachable:
+        log.exception("%s: could not drain the GPU", state.name)

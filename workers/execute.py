@@ -1,0 +1,127 @@
+"""Running a job's body on this worker: a command (as its user, in its cgroup), a built-in workload
+in the warm worker (with its other ranks on their own GPUs' workers), or a workload on several GPUs
+in a child process; each returns the end it came to."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import uuid
+from typing import Any, cast
+
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service import failures
+from gpuq.service.db import write_scope
+from gpuq.service.jobs import record_metric
+from gpuq.service.workloads import get_workload
+from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.command import run_command
+from gpuq.workers.end import drain_if_left, stopped_end
+from gpuq.workers.identity import Identity, run_as
+from gpuq.workers.job import JobRun
+from gpuq.workers.output import OutputSink
+from gpuq.workers.ranks import start_ranks
+from gpuq.workers.state import WorkerState
+from gpuq.workers.watch import StopWatcher
+
+
+def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
+    """Run the job's body to its end, or until ``watcher`` says it must stop; returns its end
+    (what ``jobs.finish`` writes). A workload's exception is raised."""
+    if job.kind == c.KIND_COMMAND:
+        return _execute_command(state, job, sink, watcher)
+    return _execute_workload(state, job, sink, watcher)
+
+
+def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
+    assert job.argv is not None and job.cwd is not None
+    identity = run_as(job.user, state.node)  # UnknownUser fails the job with its reason
+    cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
+                              job.host_mem_mib)
+    try:
+        env = job_env(job, state.node, identity)
+        env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
+        outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
+                              run_as=identity)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+    drain_if_left(state, job, outcome.leftover)
+    if outcome.cancelled:
+        return stopped_end(state, job, watcher)
+    if outcome.exit_code == 0:
+        return {"state": State.SUCCEEDED, "exit_code": 0}
+    failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
+    return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
+            "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib)}
+
+
+def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
+    from gpuq.workers.builtin import run_workload  # torch: imported where it runs
+
+    settings = state.settings
+
+    def on_metric(values: dict[str, Any]) -> None:
+        with write_scope(settings) as session:
+            record_metric(session, job.id, values)
+
+    gpus = len(job.gpu_indices)
+    workload = cast(str, job.workload)  # a workload job names one (service/spec.py)
+    if gpus == 1:
+        result = run_workload(job.id, workload, job.params, 1, sink.line, watcher.stopped, on_metric)
+    elif get_workload(workload).runs_rank_per_gpu(job.params, gpus):
+        rank0 = start_ranks(state, job)
+        result = run_workload(job.id, workload, job.params, gpus, sink.line, watcher.stopped, on_metric, rank0)
+    else:
+        return _execute_in_child(state, job, sink, watcher)
+    return {"state": State.SUCCEEDED, "result": result}
+
+
+def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
+    """A workload on several GPUs runs in a child that sees all of them (this worker sees one)."""
+    with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
+        env.update(job_env(job, state.node))
+        env["GPUQ_WORKER"] = worker_mark(state)
+        argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
+        outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, state.settings.kill_grace)
+        if outcome.cancelled:
+            return stopped_end(state, job, watcher)
+        drain_if_left(state, job, outcome.leftover)
+        if outcome.exit_code != 0 or not os.path.exists(result_path):
+            failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
+            if failure == c.FAILURE_EXIT and outcome.exit_code and outcome.exit_code > 0:
+                failure = c.FAILURE_ERROR  # the child printed the workload's traceback
+            return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
+                    "reason": failures.explain(failure, outcome.exit_code)}
+        with open(result_path) as f:
+            return {"state": State.SUCCEEDED, "result": json.load(f)}
+
+
+def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[str, str]:
+    """The environment a job runs with: the variables recorded at submit (the submitter's chosen
+    ones, array and sweep values) and gpuq's own, nothing of the worker's (no database or broker
+    URL, no password); HOME, USER, LOGNAME and SHELL from ``identity``'s passwd entry if given."""
+    env = dict(job.env)
+    env.update(
+        CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
+        # NVML numbers GPUs in PCI bus order; without this CUDA may number them differently.
+        CUDA_DEVICE_ORDER="PCI_BUS_ID",
+        GPUQ_JOB_ID=str(job.id),
+        GPUQ_JOB_NAME=job.name,
+        GPUQ_GPUS=str(len(job.gpu_indices)),
+        GPUQ_NODE=node,
+    )
+    if identity is not None:
+        env.update(identity.env())
+    return env
+
+
+def worker_mark(state: WorkerState) -> str:
+    """What every process of this worker's jobs carries in GPUQ_WORKER: the installation (its key
+    prefix) and the worker, so a restarted worker finds its predecessor's leftovers and nobody else's."""
+    return f"{state.settings.key_prefix}/{state.name}"

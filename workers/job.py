@@ -1,0 +1,86 @@
+"""A job as the worker runs it: ``JobRun``, the parts of its row a run needs, and ``Started``, a
+job this worker started, with the reads that make them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, select
+from sqlalchemy.orm import Session
+
+from gpuq.service.errors import JobNotFound
+from gpuq.service.jobs import next_output_seq
+from gpuq.service.leases import Lease
+from gpuq.service.next_up import TAKEN_COLUMNS
+from gpuq.service.models import Allocation, Gpu, Job, table
+
+_JOB_TO_RUN = select(*TAKEN_COLUMNS).where(table(Job).c.id == bindparam("job_id"))
+_JOB_GPUS = (select(table(Gpu).c.index, table(Gpu).c.queue)
+             .join_from(table(Allocation), table(Gpu), table(Gpu).c.id == table(Allocation).c.gpu_id)
+             .where(table(Allocation).c.job_id == bindparam("job_id")).order_by(table(Allocation).c.rank))
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """The parts of a job row a run needs, read once after the claim."""
+
+    id: int
+    name: str
+    kind: str
+    workload: str | None
+    params: dict[str, Any]
+    argv: list[str] | None
+    cwd: str | None
+    gpu_indices: tuple[int, ...]
+    gpu_queues: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    # When the job must be stopped (its start plus its --time), epoch seconds; None: no limit.
+    deadline: float | None = None
+    time_limit_s: int | None = None
+    host_mem_mib: int | None = None
+    user: str = ""
+    started_at: datetime | None = None
+    # Whether it ran before (a retry, a requeue): its output and usage go on from the earlier attempts'.
+    ran_before: bool = False
+
+
+@dataclass(frozen=True)
+class Started:
+    """A job this worker started (claimed, or took from its next-up list), as read in that transaction."""
+
+    job: JobRun
+    lease: Lease
+    # The number its first output chunk gets (after earlier attempts' output).
+    output_seq: int
+    # The device sampler's count of batches taken to write (``Sampler.flushes``) before the job
+    # started; None without a sampler.
+    flush_mark: int | None = None
+
+    @classmethod
+    def read(cls, session: Session, job: JobRun, token: str, flush_mark: int | None) -> Started:
+        """``job``, started with lease ``token``, in the transaction that started it."""
+        # A retried job's output goes on after its earlier attempts'.
+        return cls(job, Lease(job.id, token), next_output_seq(session, job.id) if job.ran_before else 0,
+                   flush_mark)
+
+
+def load(session: Session, job_id: int) -> JobRun:
+    """The job as its run needs it."""
+    job = session.connection().execute(_JOB_TO_RUN, {"job_id": job_id}).one_or_none()
+    if job is None:
+        raise JobNotFound(f"no job {job_id}")
+    gpus = session.connection().execute(_JOB_GPUS, {"job_id": job_id}).all()
+    # By position: a Row's ``index`` is also the Sequence method's name.
+    return job_run(job, tuple(index for index, _ in gpus), tuple(queue for _, queue in gpus))
+
+
+def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...]) -> JobRun:
+    """A JobRun from a job row with ``TAKEN_COLUMNS`` (a claim's read, or a take's RETURNING)."""
+    deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
+    return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
+                  argv=job.argv, cwd=job.cwd, gpu_indices=gpu_indices, gpu_queues=gpu_queues,
+                  env=dict(job.env or {}), deadline=deadline, time_limit_s=job.time_limit_s,
+                  host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
+                  ran_before=bool(job.attempts))

@@ -1,0 +1,88 @@
+"""A job run one rank per GPU worker: its worker sets where the ranks meet and asks the job's other
+GPUs' workers to run theirs (``start_ranks``); each of those runs its rank (``run_rank``).
+
+(The torch side of a rank, for the workloads, is ``workers/workloads/ranks.py``.)
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, cast
+
+from gpuq.service.celery_app import send_run_rank
+from gpuq.service.db import write_scope
+from gpuq.service.errors import JobCancelled
+from gpuq.service.jobs import rank_to_run, set_rendezvous
+from gpuq.service.settings import Settings
+from gpuq.workers.job import JobRun
+from gpuq.workers.state import WorkerState
+from gpuq.workers.watch import StopWatcher
+
+if TYPE_CHECKING:
+    from gpuq.workers.builtin import Rank
+
+log = logging.getLogger("gpuq.worker")
+
+
+def start_ranks(state: WorkerState, job: JobRun) -> Rank:
+    """Set where the job's ranks meet and ask each of its other GPUs' workers to run its rank.
+
+    Each rank then runs in the warm worker pinned to its own GPU; this worker runs rank 0.
+    """
+    from gpuq.workers.builtin import Rank
+
+    init_method = f"tcp://{advertise_addr(state.settings)}:{free_port()}"
+    with write_scope(state.settings) as session:
+        set_rendezvous(session, job.id, init_method)
+    for rank, queue in enumerate(job.gpu_queues[1:], start=1):
+        send_run_rank(state.app, queue, job.id, rank)
+    return Rank(0, len(job.gpu_queues), init_method)
+
+
+def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
+    """Run rank ``rank`` of a running job on this worker's GPU; False if it is not ours to run.
+
+    Only rank 0 (the job's own worker) writes output, metrics and the end state; a failing rank
+    here makes rank 0's collectives fail, and so the job.
+    """
+    from gpuq.workers.builtin import Rank, run_workload
+
+    with write_scope(state.settings) as session:
+        job = rank_to_run(session, job_id, state.gpu_id, rank)
+        if job is None:
+            log.info("%s: rank %s of job %s is not this GPU's to run; message dropped", state.name, rank, job_id)
+            return False
+        # A rank's job is a built-in workload whose ranks met (rank_to_run asks both).
+        workload, params, gpus, meet = cast(str, job.workload), dict(job.params), job.gpus, cast(str, job.rendezvous)
+    log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
+    state.job_started(job_id)
+    watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt))
+    try:
+        run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),
+                     watcher.stopped, None, Rank(rank, gpus, meet))
+    except JobCancelled:
+        log.info("%s: job %s rank %s stopped: job cancelled or ended", state.name, job_id, rank)
+    except Exception:  # noqa: BLE001 - rank 0 reports the job's failure
+        log.exception("%s: job %s rank %s failed", state.name, job_id, rank)
+    finally:
+        watcher.done.set()
+        state.job_ended(job_id)
+    log.info("%s: job %s rank %s done", state.name, job_id, rank)
+    return True
+
+
+def advertise_addr(settings: Settings) -> str:
+    """The address other nodes reach this one at (GPUQ_ADVERTISE_ADDR, else the host name's)."""
+    if settings.advertise_addr:
+        return settings.advertise_addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

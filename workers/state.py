@@ -1,0 +1,91 @@
+"""What a worker holds while it runs (``WorkerState``): who it is and its running job's lease
+(service/leases.Lease), shared by the thread that runs jobs, the heartbeat, the sampler and the
+watch thread."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuq.service import constants as c
+from gpuq.service.leases import Lease
+from gpuq.service.settings import Settings
+from gpuq.workers.watch import Watch
+
+
+@dataclass
+class WorkerState:
+    """Who this worker is: its settings, node, GPU, and whether it was told to stop.
+
+    Locking: no lock guards it; each field has one writer, and the others read it whole.
+
+    - ``settings``, ``node``, ``gpu_index``, ``gpu_id``, ``name``, ``queue``, ``app`` and ``sampler``
+      are set by ``workers/main.py`` before the first task runs, and only read afterwards.
+    - ``job_id``, ``lease`` and ``_woke`` are written only by the task thread (Celery's solo pool:
+      the thread running ``run_job`` and ``run_rank``). The sampler thread reads ``job_id`` once per
+      reading, and may tag one with a job that just ended, or leave one untagged as a job starts
+      (its end counts that one by its time: ``end._totals_in_hand``). The heartbeat thread reads
+      ``lease`` once per beat, and marks it lost only if ``state.lease`` is still that lease.
+      ``_woke`` is the task thread's alone.
+    - The Events are thread-safe: ``interrupt`` and ``stopping`` are set by the shutdown handler in
+      ``workers/main.py`` (or its grace timer's thread), ``gpu_lost`` by the heartbeat thread; the
+      task thread reads them, and the watch thread ``interrupt`` and ``gpu_lost``.
+    - ``watch`` keeps its own lock between the task thread and the watch thread (see ``Watch``).
+    """
+
+    settings: Settings
+    node: str
+    gpu_index: int
+    gpu_id: int
+    name: str
+    # Its GPU's Celery queue (what a job taken from the next-up list records as its first GPU's).
+    queue: str = ""
+    # The Celery app, to ask the job's other GPUs' workers to run their ranks.
+    app: Any = None
+    # Set on the second shutdown request: stop the running job now instead of letting it finish.
+    interrupt: threading.Event = field(default_factory=threading.Event)
+    # The job (or rank of one) running here now, which the device sampler tags its readings with.
+    job_id: int | None = None
+    # The device sampler (workers/sampler.py), if sampling is on.
+    sampler: Any = None
+    # The lease of the job running here; the heartbeat renews it.
+    lease: Lease | None = None
+    # Set by the heartbeat when NVML says this GPU is lost: the running job stops.
+    gpu_lost: threading.Event = field(default_factory=threading.Event)
+    # Set on the first shutdown request: the running job finishes, and no next one is taken.
+    stopping: threading.Event = field(default_factory=threading.Event)
+    # When it last woke the scheduler for a list that runs short (time.monotonic()).
+    _woke: float = -math.inf
+    # Looks whether the running job must stop (started with the first job).
+    watch: Watch = field(default_factory=Watch)
+
+    def wake_due(self) -> bool:
+        """Whether to look if the next-up list runs short (and wake the scheduler if so): once per
+        NEXT_UP_WAKE_SPACING at most, as the scheduler needs one wake-up, not one per job."""
+        now = time.monotonic()
+        if now - self._woke < c.NEXT_UP_WAKE_SPACING:
+            return False
+        self._woke = now
+        return True
+
+    def may_take_next(self) -> bool:
+        return not (self.stopping.is_set() or self.interrupt.is_set() or self.gpu_lost.is_set())
+
+    def flush_mark(self) -> int | None:
+        """The device sampler's count of batches taken to write (``Sampler.flushes``); None
+        without a sampler."""
+        return self.sampler.flushes if self.sampler is not None else None
+
+    def job_started(self, job_id: int) -> None:
+        self.job_id = job_id
+
+    def job_ended(self, job_id: int) -> None:
+        """The job's last device readings are written before anything reads them for its summary."""
+        if self.sampler is not None:
+            self.sampler.job_ended(job_id)
+        self.job_id = None
+
+
