@@ -42,7 +42,8 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import timezone
+from datetime import UTC
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,8 @@ def decision_pass(n_jobs: int = 10_000) -> None:
                             busy_until=None if i % 2 else now + rng.randint(60, 7200))
             for n in range(8) for i in range(8)]
     jobs = [policy.JobRequest(id=j, user=f"user{rng.randint(0, 19)}", gpus=rng.choice([1, 1, 1, 2, 4, 8]),
-                              priority=rng.choice([0, 0, 0, 5]), submitted=now - j, time_limit_s=rng.choice([None, 3600]),
-                              mem_mib=rng.choice([None, 20480]))
+                              priority=rng.choice([0, 0, 0, 5]), submitted=now - j,
+                              time_limit_s=rng.choice([None, 3600]), mem_mib=rng.choice([None, 20480]))
             for j in range(n_jobs)]
     snap = policy.QueueState(now, jobs, gpus, gpu_hours={f"user{u}": rng.random() * 100 for u in range(20)})
     times = []
@@ -96,14 +97,15 @@ def decision_pass(n_jobs: int = 10_000) -> None:
 
 
 def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
+    from sqlalchemy import delete
+
     from gpuq.service import inventory
     from gpuq.service.celery_app import queue_name
-    from gpuq.service.db import dispose_engines, write_scope, upgrade
+    from gpuq.service.db import dispose_engines, upgrade, write_scope
     from gpuq.service.devices import GpuInfo
     from gpuq.service.models import Allocation, Gpu, Job, NextUp, utcnow
     from gpuq.service.scheduler import Scheduler
     from gpuq.service.settings import load_settings
-    from sqlalchemy import delete
 
     home = Path(tempfile.mkdtemp(prefix="gpuq-sched-"))
     s = load_settings({**env, "GPUQ_HOME": str(home), "GPUQ_KEY_PREFIX": "bench-sched"})
@@ -198,10 +200,11 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
     """Latency on the server's clock and from the client's request, the submit requests' round
     trips, the two floods (the N jobs as one array submission, and as N submissions: each its
     throughput, submit rate, CPU left idle and job ids), the idle gaps, and how it submitted."""
+    from sqlalchemy import select
+
     from gpuq.service.db import read_scope, write_scope
     from gpuq.service.models import Job
     from gpuq.service.settings import load_settings
-    from sqlalchemy import select
 
     s = load_settings(env)
     subprocess.run([sys.executable, "-m", "gpuq.cli", "up"], env=env, check=True)
@@ -224,7 +227,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
                     break
                 time.sleep(0.005)
             latency.append((started - submitted).total_seconds())
-            started = started if started.tzinfo else started.replace(tzinfo=timezone.utc)
+            started = started if started.tzinfo else started.replace(tzinfo=UTC)
             from_client.append(started.timestamp() - sent)
         floods = {}
         for kind in ("array", "requests"):
@@ -249,7 +252,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
             rows = session.execute(select(Job.worker, Job.started_at, Job.ended_at)
                                    .where(Job.id.between(ids[0], ids[-1]))
                                    .order_by(Job.worker, Job.started_at)).all()
-        gaps = [(b.started_at - a.ended_at).total_seconds() for a, b in zip(rows, rows[1:]) if a.worker == b.worker]
+        gaps = [(b.started_at - a.ended_at).total_seconds() for a, b in pairwise(rows) if a.worker == b.worker]
         return latency, from_client, round_trip, floods, gaps, api.how
     finally:
         if api is not None:

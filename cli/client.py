@@ -13,12 +13,17 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 from gpuq.service import constants as c
 from gpuq.service.errors import GpuqError, Unreachable
 from gpuq.service.settings import SYSTEM_SOCKET, load_settings
+
+if TYPE_CHECKING:
+    import http.client
 
 
 class Refused(GpuqError):
@@ -34,7 +39,7 @@ LEAN = False
 
 
 @functools.lru_cache(maxsize=1)
-def _http():
+def _http() -> ModuleType:
     """http.client; in the `gpuq` command's own process, without the ssl module it imports to offer
     HTTPS, which the client never speaks (a sixth of the client's imports). Elsewhere (tests, a
     benchmark) it is imported as usual."""
@@ -50,16 +55,17 @@ def _http():
     return http.client
 
 
-def unix_connection(path: str, timeout: float):
+def unix_connection(path: str, timeout: float) -> http.client.HTTPConnection:
     """An HTTP connection over the Unix socket ``path``."""
     return _unix_connection_class()(path, timeout)
 
 
 @functools.lru_cache(maxsize=1)
-def _unix_connection_class():
-    http_client = _http()
+def _unix_connection_class() -> Callable[[str, float], http.client.HTTPConnection]:
+    _http()  # http.client, imported as this process imports it (without ssl in the `gpuq` command)
+    import http.client
 
-    class UnixConnection(http_client.HTTPConnection):
+    class UnixConnection(http.client.HTTPConnection):
         def __init__(self, path: str, timeout: float) -> None:
             super().__init__("localhost", timeout=timeout)
             self.path = path
@@ -101,14 +107,15 @@ class Client:
         if self.address.startswith(("http://", "https://")):
             parts = urlsplit(self.address)
             if parts.scheme != "http" or not parts.hostname:
-                raise Unreachable(f"GPUQ_SERVER {self.address}: use http://host:port (MUNGE), a socket path or unix:PATH")
+                raise Unreachable(f"GPUQ_SERVER {self.address}: use http://host:port (MUNGE), a socket path or "
+                                  "unix:PATH")
             self.tcp: tuple[str, int] | None = (parts.hostname, parts.port or 80)
             self.socket_path = ""
         else:
             self.tcp = None
             self.socket_path = self.address.removeprefix("unix:")
 
-    def _connection(self):
+    def _connection(self) -> http.client.HTTPConnection:
         if self.tcp is not None:
             return _http().HTTPConnection(*self.tcp, timeout=self.timeout)
         return unix_connection(self.socket_path, self.timeout)

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuq.cli.render import print_json
-from gpuq.service.settings import ENV_PREFIX, masked, setting_sources
+from gpuq.service.settings import ENV_PREFIX, Settings, masked, setting_sources
 
 app = typer.Typer()
 
@@ -17,7 +17,7 @@ app = typer.Typer()
 _EFFECTIVE = {"database_url": "database", "broker_url": "broker", "snapshot_dir": "snapshots"}
 
 
-def _value(settings, name: str) -> Any:
+def _value(settings: Settings, name: str) -> Any:
     value = getattr(settings, _EFFECTIVE.get(name, name))
     return str(value) if isinstance(value, Path) else value
 

@@ -3,7 +3,7 @@ and `gpuq resume` (admin commands on the database, like the services they steer)
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -46,7 +46,7 @@ def release(job_ids: JobIds) -> None:
 
 @app.command()
 def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
-          reason: Annotated[Optional[str], typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
+          reason: Annotated[str | None, typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
           ) -> None:
     """Let a node's running jobs finish and start nothing new there (an admin command: it uses the database)."""
     _set_drained(node, True, reason)

@@ -47,7 +47,7 @@ def dashboard(
     bound_host, bound_port = server.server_address[:2]
     typer.echo(f"gpuq dashboard at http://{bound_host}:{bound_port}/ (metrics at /metrics); Ctrl-C stops it")
 
-    def stop(*_) -> None:
+    def stop(*_: object) -> None:
         # shutdown() waits for serve_forever() to return, which runs in this (the main) thread.
         threading.Thread(target=server.shutdown, daemon=True).start()
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from gpuq.cli.client import Client
 from gpuq.cli.render import job, mib, print_json
 from gpuq.service import constants as c
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 app = typer.Typer()
 
@@ -27,14 +30,14 @@ def bar(percent: float | None, width: int = BAR_WIDTH) -> str:
     return f"[{colour}]{'█' * filled}[/][dim]{'░' * (width - filled)}[/] {percent:3.0f}%"
 
 
-def _processes(procs: list[dict]) -> str:
+def _processes(procs: list[dict[str, Any]]) -> str:
     if not procs:
         return "-"
     return ", ".join(f"{p.get('name') or '?'}[{p['pid']}]" + (f" {mib(p['memory_mib'])}" if p.get("memory_mib") else "")
                      for p in procs)
 
 
-def table(devices: list[dict]):
+def table(devices: list[dict[str, Any]]) -> Table:
     """The Rich table of the GPUs."""
     from rich.markup import escape
     from rich.table import Table
@@ -55,7 +58,7 @@ def table(devices: list[dict]):
     return t
 
 
-def _read(client: Client) -> list[dict]:
+def _read(client: Client) -> list[dict[str, Any]]:
     return client.get("/devices")["devices"]
 
 
@@ -63,7 +66,7 @@ def _read(client: Client) -> list[dict]:
 def devices(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until interrupted.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = c.DEVICES_WATCH_SECONDS,
-    count: Annotated[Optional[int], typer.Option(min=1, help="With --watch: stop after this many.")] = None,
+    count: Annotated[int | None, typer.Option(min=1, help="With --watch: stop after this many.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON (with --watch: one document a line).")] = False,
 ) -> None:
     """Every GPU now: utilisation, memory, temperature, power, the job and user on it, foreign processes."""
@@ -101,7 +104,7 @@ def devices(
         pass
 
 
-def _print(rows: list[dict]) -> None:
+def _print(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
 
     # Piped output gets whole lines instead of columns squeezed into 80.

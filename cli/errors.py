@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import typer
 from typer.core import TyperGroup
 
@@ -14,12 +16,14 @@ from gpuq.cli.render import one_line
 from gpuq.service import constants as c
 from gpuq.service.errors import GpuqError
 
+if TYPE_CHECKING:
+    import click
 
 MESSAGE_WIDTH = 2000
 
 
 class GpuqGroup(TyperGroup):
-    def invoke(self, ctx):
+    def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except GpuqError as exc:

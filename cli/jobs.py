@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -24,8 +24,8 @@ JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
 
 
 @app.command()
-def show(job_id: Annotated[Optional[int], typer.Argument(help="The job's id.", min=1)] = None,
-         array: Annotated[Optional[int], typer.Option(help="A line for each job of this array.")] = None,
+def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=1)] = None,
+         array: Annotated[int | None, typer.Option(help="A line for each job of this array.")] = None,
          as_json: Annotated[bool, typer.Option("--json")] = False,
          diff: Annotated[bool, typer.Option("--diff", help="Print the uncommitted changes recorded at submit.")]
          = False) -> None:
@@ -98,7 +98,8 @@ def _lines(j: Any) -> list[tuple[str, str]]:
         lines.append(("snapshot", j.snapshot))
     for n, attempt in enumerate(j.attempts or [], 1):
         kind = f" [{attempt['failure']}]" if attempt.get("failure") else ""
-        lines.append((f"attempt {n}", f"{attempt.get('state')}{kind}: {attempt.get('reason')} on {attempt.get('worker')}"))
+        lines.append((f"attempt {n}",
+                      f"{attempt.get('state')}{kind}: {attempt.get('reason')} on {attempt.get('worker')}"))
     if j.failure:
         lines.append(("failure", j.failure))
     if j.exit_code is not None:
@@ -145,9 +146,9 @@ def logs(job_id: JobId,
          follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
          as_json: Annotated[bool, typer.Option("--json", help="The output as JSON (with -f: one chunk a line).")]
          = False,
-         progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
-                                                          help="With -f, a training job's epoch bar (default: "
-                                                               "on a terminal).")] = None,
+         progress: Annotated[bool | None, typer.Option("--progress/--no-progress", show_default=False,
+                                                       help="With -f, a training job's epoch bar (default: "
+                                                            "on a terminal).")] = None,
          ) -> None:
     """A job's output (stdout and stderr as written)."""
     client = Client()
@@ -211,12 +212,12 @@ def _until_ended(client: Client, job_ids: list[int], timeout: float | None,
 
 
 @app.command()
-def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
-         array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
-         timeout: Annotated[Optional[float], typer.Option(help="Give up after this many seconds.")] = None,
+def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
+         array: Annotated[int | None, typer.Option(help="Every job of this array.")] = None,
+         timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds.")] = None,
          quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
-         progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
-                                                          help="A bar of jobs ended (default: on a terminal).")]
+         progress: Annotated[bool | None, typer.Option("--progress/--no-progress", show_default=False,
+                                                       help="A bar of jobs ended (default: on a terminal).")]
          = None,
          as_json: Annotated[bool, typer.Option("--json", help="The jobs' end states as JSON.")] = False) -> None:
     """Block until the jobs end; exit 0 only if all of them succeeded."""
@@ -239,8 +240,8 @@ def wait(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.",
 
 
 @app.command()
-def cancel(job_ids: Annotated[Optional[list[int]], typer.Argument(help="Job ids.", min=1)] = None,
-           array: Annotated[Optional[int], typer.Option(help="Every job of this array.")] = None,
+def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
+           array: Annotated[int | None, typer.Option(help="Every job of this array.")] = None,
            user: Annotated[bool, typer.Option("--user", help="All my waiting and running jobs.")] = False,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
            ) -> None:

@@ -8,15 +8,19 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from gpuq.service.errors import InvalidSpec
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Every plot is this size: 10 x 6 inches at 100 dots per inch, 1000 x 600 pixels.
 FIGSIZE, DPI = (10, 6), 100
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,7 +29,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig: Figure, path: Path) -> None:
     try:
         fig.savefig(path, dpi=DPI, format="png")
     except OSError as exc:
@@ -42,7 +46,7 @@ def job_plot(series: list[dict[str, Any]], path: Path, title: str) -> None:
     for p in series:
         by_gpu[p["gpu_id"]].append(p)
     for ax, key, label in zip(axes, ("utilization", "memory_used_mib", "power_w"),
-                              ("utilisation %", "memory MiB", "power W")):
+                              ("utilisation %", "memory MiB", "power W"), strict=True):
         for gpu_id, points in sorted(by_gpu.items()):
             ax.plot([p["at"] for p in points], [p[key] if p[key] is not None else float("nan") for p in points],
                     label=f"GPU {gpu_id}")

@@ -6,8 +6,8 @@ the plain output. rich is imported only when a bar is drawn.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import IO
 
 Advance = Callable[[int, str], None]  # (completed, description) -> None

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import sys
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Optional
+from types import SimpleNamespace
+from typing import Annotated
 
 import typer
 
@@ -26,12 +28,12 @@ def _num(v: float | None, fmt: str) -> str:
 
 @app.command()
 def stats(
-    job_id: Annotated[Optional[int], typer.Argument(help="One job's summary instead of the report.", min=1)] = None,
+    job_id: Annotated[int | None, typer.Argument(help="One job's summary instead of the report.", min=1)] = None,
     since: Annotated[str, typer.Option(help="Start: a date, a time or an age (7d, 12h).")] = "7d",
     until: Annotated[str, typer.Option(help="End: a date, a time, an age or now.")] = "now",
     as_json: Annotated[bool, typer.Option("--json")] = False,
     as_csv: Annotated[bool, typer.Option("--csv")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw it to this PNG file.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also draw it to this PNG file.")] = None,
     rollup: Annotated[bool, typer.Option("--rollup", help="Roll raw samples past retention into "
                                                           "1-minute aggregates, and do nothing else.")] = False,
 ) -> None:
@@ -54,7 +56,7 @@ def stats(
         from gpuq.cli.plots import cluster_plot
 
         series = answer["series"]
-        cluster_plot([when(e) for e in series["edges"]], series["by_user"], plot,
+        cluster_plot([datetime.fromisoformat(e) for e in series["edges"]], series["by_user"], plot,
                      f"GPU use by user, {timestamp(start)} to {timestamp(end)}")
     if as_json:
         print_json({"since": answer["since"], "until": answer["until"], "users": answer["users"],
@@ -71,7 +73,7 @@ def stats(
         typer.echo(f"plot written to {plot}", err=as_json or as_csv)
 
 
-def _report_tables(rep, start, end) -> None:
+def _report_tables(rep: dict[str, list[SimpleNamespace]], start: datetime | None, end: datetime | None) -> None:
     from rich.console import Console
     from rich.table import Table
 

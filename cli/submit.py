@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperCommand
@@ -19,6 +19,9 @@ from gpuq.cli.render import print_json
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 
+if TYPE_CHECKING:
+    import click
+
 app = typer.Typer()
 
 COMMAND_KEY = "gpuq.command"
@@ -27,7 +30,7 @@ COMMAND_KEY = "gpuq.command"
 class SubmitCommand(TyperCommand):
     """Splits the command line at ``--``: what follows is the user's command, untouched."""
 
-    def parse_args(self, ctx, args):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if "--" in args:
             cut = args.index("--")
             ctx.meta[COMMAND_KEY] = args[cut + 1:]
@@ -38,30 +41,30 @@ class SubmitCommand(TyperCommand):
 @app.command(cls=SubmitCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def submit(
     ctx: typer.Context,
-    workload: Annotated[Optional[str], typer.Argument(help="A built-in workload (see `gpuq workloads`).",
-                                                      show_default=False)] = None,
+    workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`).",
+                                                   show_default=False)] = None,
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs the job needs, all on one node.")] = 1,
-    name: Annotated[Optional[str], typer.Option("--name", help="A name to know the job by.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
-    mem: Annotated[Optional[str], typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
-    node: Annotated[Optional[str], typer.Option(help="Run on this node only.")] = None,
-    host_mem: Annotated[Optional[str], typer.Option(help="Host memory limit of a command's processes, e.g. "
-                                                         "8G (past it the OOM killer stops the job).")] = None,
-    time: Annotated[Optional[str], typer.Option(help="Time limit (2h, 30m, 1:30:00); stopped past it.")] = None,
+    mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
+    node: Annotated[str | None, typer.Option(help="Run on this node only.")] = None,
+    host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
+                                                      "8G (past it the OOM killer stops the job).")] = None,
+    time: Annotated[str | None, typer.Option(help="Time limit (2h, 30m, 1:30:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.")] = 0,
     hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
-    after: Annotated[Optional[str], typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
-    after_any: Annotated[Optional[str], typer.Option(help="Start after these jobs ended, in any state.")] = None,
-    array: Annotated[Optional[str], typer.Option(help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
-                                                      "(GPUQ_ARRAY_INDEX; {index} in a command).")] = None,
-    sweep: Annotated[Optional[list[str]], typer.Option(help="name=v1,v2: a job per value (repeat for the "
-                                                            "cross product).")] = None,
+    after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
+    after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
+    array: Annotated[str | None, typer.Option(help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
+                                                   "(GPUQ_ARRAY_INDEX; {index} in a command).")] = None,
+    sweep: Annotated[list[str] | None, typer.Option(help="name=v1,v2: a job per value (repeat for the "
+                                                         "cross product).")] = None,
     snapshot: Annotated[bool, typer.Option("--snapshot", help="Run a copy of this git work tree as it is now "
                                                               "(files .gitignore leaves out are not copied).")] = False,
-    env: Annotated[Optional[list[str]], typer.Option("--env", help="NAME=VALUE, or NAME to pass on its value "
-                                                                   "here: set for the command (repeatable).")] = None,
-    user: Annotated[Optional[str], typer.Option("--user", help="Submit as this user (root only).")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE, or NAME to pass on its value "
+                                                                "here: set for the command (repeatable).")] = None,
+    user: Annotated[str | None, typer.Option("--user", help="Submit as this user (root only).")] = None,
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
 

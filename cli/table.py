@@ -7,6 +7,7 @@ import os
 import sys
 import unicodedata
 from collections.abc import Sequence
+from typing import TextIO
 
 from gpuq.cli.render import printable
 
@@ -16,7 +17,7 @@ Cell = str | tuple[str, str | None]
 _ANSI = {"green": "32", "bold green": "1;32", "red": "31", "yellow": "33", "cyan": "36", "bold": "1"}
 
 
-def colours_wanted(stream=None) -> bool:
+def colours_wanted(stream: TextIO | None = None) -> bool:
     """Colour on a terminal, unless NO_COLOR is set (no-color.org)."""
     stream = stream or sys.stdout
     return stream.isatty() and "NO_COLOR" not in os.environ

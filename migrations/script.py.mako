@@ -6,8 +6,9 @@ Create Date: ${create_date}
 """
 from collections.abc import Sequence
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
+
 import gpuq.service.models
 ${imports if imports else ""}
 

@@ -53,7 +53,7 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
         if exc.status >= 400:
             return error(f"{request.method} {request.path}: {exc.reason}", c.EXIT_USAGE)
         raise
-    except Exception:  # noqa: BLE001 - a bug: logged in full, one line to the client
+    except Exception:  # a bug: logged in full, one line to the client
         log.exception("%s %s failed", request.method, request.path_qs)
         return error(f"the server failed on {request.method} {request.path}; see its log", c.EXIT_SOFTWARE)
 

@@ -12,17 +12,19 @@ from gpuq.service.settings import Settings
 if TYPE_CHECKING:
     from celery import Celery
 
+    from gpuq.service.submitting import Sender
+
 log = logging.getLogger("gpuq.server")
 
 
 @functools.lru_cache(maxsize=4)
-def _app(settings: Settings) -> "Celery":
+def _app(settings: Settings) -> Celery:
     from gpuq.service.celery_app import make_app
 
     return make_app(settings)
 
 
-def sender(settings: Settings):
+def sender(settings: Settings) -> Sender:
     """``submitting.submit_all``'s ``send`` for this server: sends each placed job's message, and
     returns those it could not (the scheduler sends them, or sends them again once unclaimed)."""
 

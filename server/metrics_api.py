@@ -8,11 +8,12 @@ environment value, whoever asks.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from typing import Any
 
 from aiohttp import web
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from gpuq.server.request import call, context, reading
 from gpuq.service import constants as c
@@ -61,19 +62,20 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float])
     out_gpus = []
     for d in devices:
         gpu_id, uuid = ids.get((d.node, d.index), (None, None))
-        out_gpus.append(d.as_dict() | {"uuid": uuid, "energy_j": energy.get(gpu_id)})
-    waits = [(start - sub).total_seconds() for _, sub, start, _ in times]
+        out_gpus.append(d.as_dict() | {"uuid": uuid, "energy_j": None if gpu_id is None else energy.get(gpu_id)})
+    # Every row has started_at (the query's condition); its type does not say so.
+    waits = [(start - sub).total_seconds() for _, sub, start, _ in times if start is not None]
     runs = [(end - start).total_seconds() for state, _, start, end in times
-            if end is not None and state in c.END_STATES]
+            if start is not None and end is not None and state in c.END_STATES]
     return {"gpus": out_gpus,
             "jobs": [{"state": s, "user": u, "count": n} for s, u, n in by_state_user],
             "pending": [{"reason": r, "count": n} for r, n in pending],
             "wait": _histogram(waits, wait_le), "duration": _histogram(runs, duration_le)}
 
 
-def _energy_by_gpu(session) -> dict[int, float]:
+def _energy_by_gpu(session: Session) -> dict[int, float]:
     """Joules each GPU used while gpuq sampled it: raw samples plus the minute aggregates."""
-    out: Counter[int] = Counter()
+    out: defaultdict[int, float] = defaultdict(float)
     for t in (DeviceSample, DeviceMinute):
         for gpu_id, joules in session.execute(select(t.gpu_id, func.sum(t.energy_j)).group_by(t.gpu_id)):
             out[gpu_id] += float(joules or 0.0)

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuq.server import dispatch
-from gpuq.service import submitting
-from gpuq.service import jobs, spec
+from gpuq.service import jobs, spec, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
 from gpuq.service.models import Job
@@ -31,12 +30,13 @@ from gpuq.service.settings import Settings
 from gpuq.service.snapshot import DIFF_CUT_NOTE, GitState, Staged, Stager
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,64}")
-_OPTIONS = {"workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, 1),
-            "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None),
-            "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
-            "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
-            "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
-            "git": (dict, None), "user": (str, None), "key": (str, None)}
+_OPTIONS: dict[str, tuple[type, Any]] = {
+    "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, 1),
+    "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None),
+    "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
+    "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
+    "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
+    "git": (dict, None), "user": (str, None), "key": (str, None)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def _fields(body: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(body) - set(_OPTIONS))
     if unknown:
         raise InvalidSpec(f"unknown submit field {unknown[0]!r}")
-    out = {}
+    out: dict[str, Any] = {}
     for name, (kind, default) in _OPTIONS.items():
         value = body.get(name, default)
         if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
@@ -120,8 +120,8 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job
     specs = specs_of(settings, caller, f)
     git = git_state(settings, f["git"]) if specs[0].kind == "command" else None
     try:
-        return submitting.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller), key=f["key"],
-                               send=dispatch.sender(settings))
+        return submitting.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller),
+                                     key=f["key"], send=dispatch.sender(settings))
     except DuplicateSubmission as again:
         # Asked again (its answer was lost), or twice at once: the jobs the key made, once.
         with read_scope(settings) as session:

@@ -11,15 +11,15 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
+from gpuq.service.dialect import epoch_seconds
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Job, utcnow
-from gpuq.service.dialect import epoch_seconds
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -43,7 +43,7 @@ def parse_when(text: str, flag: str, now: datetime | None = None) -> datetime:
                           "or an age (90m, 12h, 7d)") from None
     if when.tzinfo is None:
         when = when.astimezone()  # the user's local time
-    return when.astimezone(timezone.utc)
+    return when.astimezone(UTC)
 
 
 @dataclass

@@ -10,7 +10,6 @@ from gpuq.service import constants as c
 from gpuq.service.errors import Unreachable
 from gpuq.service.settings import Settings, mask_url
 
-
 if TYPE_CHECKING:
     import redis
 

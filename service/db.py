@@ -19,6 +19,7 @@ from gpuq.service.dialect import is_sqlite_url, sqlite_file
 from gpuq.service.errors import SchemaOutOfDate, Unreachable
 from gpuq.service.settings import Settings, mask_url
 
+
 def _migrations_dir() -> Path:
     import gpuq.migrations
 

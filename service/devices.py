@@ -7,9 +7,9 @@ the devices can fail, and "no NVIDIA library or driver here" means "no GPUs", no
 from __future__ import annotations
 
 import uuid as uuidlib
-from pathlib import Path
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from gpuq.service.errors import ConfigError

@@ -25,7 +25,7 @@ def duration(d: timedelta | None) -> str:
     return (f"{days}-" if days else "") + (f"{h}:{m:02d}:{sec:02d}" if h or days else f"{m}:{sec:02d}")
 
 
-def result_summary(job: "Job | Any") -> str:
+def result_summary(job: Job | Any) -> str:
     """One cell's worth of what a job produced, or why it waits or failed."""
     r = job.result or {}
     if job.state == State.SUCCEEDED:

@@ -6,8 +6,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import policy
+from gpuq.service.constants import State
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
@@ -42,7 +42,8 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
                 f"this job needs {job.gpus} more")
     if reason == policy.NODE_DRAINED:
         why_drained = drained_nodes(session).get(job.on_node or "")
-        return f"{head}: it asked for node {job.on_node}, which is drained" + (f" ({why_drained})" if why_drained else "")
+        drained = f" ({why_drained})" if why_drained else ""
+        return f"{head}: it asked for node {job.on_node}, which is drained{drained}"
     need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}"
     if job.mem_mib:
         need += f" with {_gib(job.mem_mib)} free"
@@ -79,7 +80,8 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
             free = gpu.memory_total_mib - max(gpu.memory_used_mib or 0, gpu.foreign_mib or 0)
             text = f"GPU {gpu.index} with {_gib(free)} free"
         for p in gpu.foreign or []:
-            text += f", used by pid {p.get('pid')} of user {p.get('user')} ({_gib(p.get('mib') or 0)}), not started by gpuq"
+            used = _gib(p.get("mib") or 0)
+            text += f", used by pid {p.get('pid')} of user {p.get('user')} ({used}), not started by gpuq"
         by_node.setdefault(gpu.node, []).append(text)
     lines = []
     for node, texts in by_node.items():

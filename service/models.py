@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     CheckConstraint,
-    Float,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -36,7 +36,7 @@ NAMING_CONVENTION = {
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -48,11 +48,11 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is not None and value.tzinfo is None:
             raise ValueError("naive datetime given to a UTC column")
-        return value.astimezone(timezone.utc) if value is not None else None
+        return value.astimezone(UTC) if value is not None else None
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
+            return value.replace(tzinfo=UTC)
         return value
 
 

@@ -50,8 +50,8 @@ _STARTED_HERE: dict[str, Any] = dict(dispatched_at=bindparam("now"), started_at=
                      node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
                      lease_expires_at=bindparam("expires"))
 _NOT_HELD = _JOBS.c.held == False  # noqa: E712 - see lifecycle.waiting
-_TAKE = Prepared(move("take a listed job", Actor.WORKER, State.PENDING, State.RUNNING, _JOBS.c.id == bindparam("job_id"),
-                      _NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+_TAKE = Prepared(move("take a listed job", Actor.WORKER, State.PENDING, State.RUNNING,
+                      _JOBS.c.id == bindparam("job_id"), _NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
 # The first listed job that waits, started.
 _FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
 _TAKE_FIRST = Prepared(move("take the first listed job", Actor.WORKER, State.PENDING, State.RUNNING,

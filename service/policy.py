@@ -203,7 +203,8 @@ def next_up(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> d
     The queue is walked past the jobs just placed. A job is listed for every busy GPU it fits, so
     whichever of them frees first takes it, and never ahead of a job that could use that GPU:
     a gang that could use a GPU, on a node where it could ever run, closes that GPU's list (when
-    it frees, the scheduler decides, as the gang may need it), and a job over its user's limit is passed over as ``decide`` does.
+    it frees, the scheduler decides, as the gang may need it), and a job over its user's limit is
+    passed over as ``decide`` does.
     The GPUs of a node share their jobs, so each lists ``per_gpu`` times its node's busy GPUs
     (enough for all of them to take several before the scheduler's next pass); the walk looks at
     most ``scan`` jobs.

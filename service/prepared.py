@@ -81,7 +81,7 @@ class _Compiled:
     def __init__(self, sql: str, names: list[str], defaults: dict[str, Any], processors: list[Any],
                  columns: list[tuple[str, Any]]) -> None:
         self.sql, self.defaults = sql, defaults
-        self.binds = list(zip(names, processors))
+        self.binds = list(zip(names, processors, strict=True))
         self.row_type = namedtuple("Row", [name for name, _ in columns], rename=True) if columns else None
         self.result_processors = [p for _, p in columns]
 
@@ -94,4 +94,5 @@ class _Compiled:
 
     def row(self, raw: tuple[Any, ...]) -> Any:
         assert self.row_type is not None  # rows come only of a statement with result columns
-        return self.row_type(*(p(v) if p is not None else v for p, v in zip(self.result_processors, raw)))
+        processed = (p(v) if p is not None else v for p, v in zip(self.result_processors, raw, strict=True))
+        return self.row_type(*processed)

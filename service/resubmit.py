@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 
-from gpuq.service import submitting
-from gpuq.service import jobs
+from gpuq.service import jobs, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job
-from gpuq.service.settings import Settings
 from gpuq.service.rights import Caller, check_change
+from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
 
 

@@ -31,7 +31,7 @@ class Caller:
         return self.uid == 0
 
     @classmethod
-    def of(cls, who: "Caller | str | None") -> "Caller":
+    def of(cls, who: Caller | str | None) -> Caller:
         """``who`` as a caller: a Caller as it is, a user name with its uid on this node (-1 for
         none), None for this process's own user."""
         if isinstance(who, Caller):
@@ -44,7 +44,7 @@ class Caller:
             return cls(-1, who)
 
     @classmethod
-    def of_uid(cls, uid: int) -> "Caller":
+    def of_uid(cls, uid: int) -> Caller:
         """The caller with ``uid``; a uid without a passwd entry is named ``uidN``."""
         try:
             return cls(uid, pwd.getpwuid(uid).pw_name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import case, delete, func, insert, select
@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
-from gpuq.service.dialect import epoch_seconds
 from gpuq.service.devices import GpuReading
+from gpuq.service.dialect import epoch_seconds
 from gpuq.service.models import Allocation, DeviceMinute, DeviceSample, Job, table
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
@@ -130,7 +130,7 @@ def rollup(settings: Settings, now: datetime, gpu_id: int | None = None) -> int:
             rows = []
             for g in groups:
                 row = {k: v for k, v in g.items() if k != "minute_no"}
-                row["minute"] = datetime.fromtimestamp(int(g["minute_no"]) * c.AGGREGATE_SECONDS, timezone.utc)
+                row["minute"] = datetime.fromtimestamp(int(g["minute_no"]) * c.AGGREGATE_SECONDS, UTC)
                 rows.append(row)
             if rows:
                 session.execute(insert(DeviceMinute), rows)

@@ -217,7 +217,7 @@ class Scheduler:
                     last_checkpoint = time.monotonic()
                 why, handed = broker.wait_for_wake(self.redis, self.settings, interval)
                 self.send_dispatched(handed)
-            except Exception:  # noqa: BLE001 - a scheduler must outlive a database or Redis blip
+            except Exception:
                 log.exception("scheduler pass failed; retrying")
                 why = broker.TIMEOUT
                 stop.wait(self.settings.scheduler_interval)

@@ -11,8 +11,8 @@ import dataclasses
 import functools
 import os
 import socket
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -187,7 +187,7 @@ class Settings:
     def admin_users(self) -> frozenset[str]:
         return frozenset(u.strip() for u in self.admins.split(",") if u.strip())
 
-    def with_overrides(self, **changes: Any) -> "Settings":
+    def with_overrides(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pwd
 import re
 import shutil
-import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -28,7 +29,7 @@ import psutil
 from sqlalchemy import select
 
 from gpuq.service import broker, system_home
-from gpuq.service.db import write_scope, upgrade
+from gpuq.service.db import upgrade, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import StackError
 from gpuq.service.models import Gpu
@@ -137,9 +138,9 @@ def _port_taken(settings: Settings) -> bool:
 
 
 def _registered(settings: Settings, indices: list[int], since: float) -> int:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    after = datetime.fromtimestamp(since, timezone.utc)
+    after = datetime.fromtimestamp(since, UTC)
     try:
         with write_scope(settings) as session:
             rows = session.scalars(select(Gpu).where(Gpu.node == settings.node, Gpu.index.in_(indices),

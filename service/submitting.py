@@ -103,7 +103,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
             staged.discard()
         raise
     where = {job_id: (node, at) for job_id, _, node, at in placed}
-    for job_id, row in zip(ids, values):
+    for job_id, row in zip(ids, values, strict=True):
         row["id"] = job_id
         if job_id in where:
             row.update(state=State.DISPATCHED, node=where[job_id][0], dispatched_at=where[job_id][1])

@@ -26,7 +26,8 @@ _SUMMED = ("samples", "seconds", "utilization_seconds", "utilization_sum", "idle
            "memory_used_sum", "energy_j")
 _MAXED = ("utilization_max", "memory_used_max", "temperature_max", "power_max")
 # Each maximum and the sample column it is taken over.
-_MAXED_COLUMNS = tuple(zip(_MAXED, ("utilization", "memory_used_mib", "temperature_c", "power_w")))
+_MAXED_COLUMNS = tuple(zip(_MAXED, ("utilization", "memory_used_mib", "temperature_c", "power_w"),
+                           strict=True))
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Totals:
     power_max: float | None = None
 
     @classmethod
-    def of_samples(cls, rows: list[dict[str, Any]]) -> "Totals":
+    def of_samples(cls, rows: list[dict[str, Any]]) -> Totals:
         """The totals of raw sample rows in hand (``samples.sample_row`` dicts), as the database
         sums them (``samples.raw_sums``): a worker that holds every reading of a job that ended
         needs no read for its summary."""
@@ -70,7 +71,7 @@ class Totals:
                     setattr(out, name, theirs)
         return out
 
-    def add(self, row: Any) -> "Totals":
+    def add(self, row: Any) -> Totals:
         for name in _SUMMED:
             setattr(self, name, getattr(self, name) + (row[name] or 0))
         for name in _MAXED:

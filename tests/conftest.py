@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -135,6 +136,16 @@ def use_settings(settings, monkeypatch) -> Settings:
     yield settings
     server.stop()
     settings_module.get_settings.cache_clear()
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every user may read and enter (pytest's tmp_path is root's alone): for the tests
+    that run a command as another user."""
+    path = Path(tempfile.mkdtemp(prefix="gpuq-sec-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -81,8 +81,9 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([system_redis_server() or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
+        self.proc = subprocess.Popen([system_redis_server() or "redis-server", "--port", str(self.port),
+                                      "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                      "--dir", str(self.dir)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self._answers, 10, "redis to start")
 

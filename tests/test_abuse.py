@@ -18,17 +18,16 @@ from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
-from gpuq.service import submitting
-from gpuq.service import broker, db, jobs, spec
+from gpuq.service import broker, db, jobs, spec, submitting
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import settings as settings_module
 from gpuq.service.celery_app import make_app
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Allocation, Gpu, Job, JobOutput, utcnow
-from tests.conftest import ThreadServer, Stack, make_settings, new_postgres_database, run_cli, settings_env
-from tests.test_security import needs_root, run_as_nobody, shared_dir  # noqa: F401 - a fixture
+from tests.conftest import Stack, ThreadServer, make_settings, new_postgres_database, settings_env
+from tests.test_security import needs_root, run_as_nobody
 
 pytestmark = [pytest.mark.timeout(120)]
 

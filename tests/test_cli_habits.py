@@ -9,7 +9,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import click
 import pytest
@@ -17,10 +16,9 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
-from gpuq.service import submitting
 from gpuq.service import constants as c
+from gpuq.service import jobs, spec, submitting
 from gpuq.service.constants import State
-from gpuq.service import jobs, spec
 from gpuq.service.errors import ConfigError
 from gpuq.service.settings import load_settings, setting_sources
 from tests.conftest import run_cli, settings_env

@@ -200,8 +200,8 @@ def test_redis_command_line_runs_with_an_append_only_file_noeviction_and_a_passw
     assert argv[0] == "redis-server"
     port = free_port()
     # The file's command line, plus where this test's copy listens and keeps its files.
-    proc = subprocess.Popen([redis_server, *argv[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                             "--save", ""], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([redis_server, *argv[1:], "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path), "--save", ""], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         client = redis.Redis(port=port, password=ADMIN_ENV["REDIS_PASSWORD"], socket_connect_timeout=2)
         deadline = time.monotonic() + 20

@@ -4,7 +4,6 @@ process -> SQL -> `gpuq status`, on SQLite and PostgreSQL, with simulated GPUs."
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -12,8 +11,8 @@ import psutil
 import pytest
 
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import jobs
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from tests.conftest import output_of, run_cli, wait_for_state
 
@@ -133,10 +132,10 @@ def test_jobs_queue_when_gpus_are_busy_and_a_gpu_is_never_given_to_two_jobs(stac
     marker = tmp_path / "running"
     marker.mkdir()
     # Each job records that it runs, on which GPU, while holding it for a moment.
-    code = ("import os, time; d=%r; me=os.path.join(d, os.environ['GPUQ_JOB_ID']);"
+    code = (f"import os, time; d={str(marker)!r}; me=os.path.join(d, os.environ['GPUQ_JOB_ID']);"
             "open(me, 'w').write(os.environ['CUDA_VISIBLE_DEVICES']);"
             "seen=[open(os.path.join(d, f)).read() for f in os.listdir(d)];"
-            "time.sleep(0.7); os.remove(me); print(sorted(seen))") % str(marker)
+            "time.sleep(0.7); os.remove(me); print(sorted(seen))")
     ids = [submit(s, ["--", sys.executable, "-c", code]) for _ in range(5)]
     states = {j: wait_for_state(s, j, c.END_STATES, timeout=90) for j in ids}
     assert set(states.values()) == {State.SUCCEEDED}, stack.logs()

@@ -19,11 +19,10 @@ import psutil
 import pytest
 from sqlalchemy import select
 
-from gpuq.service import submitting
 from gpuq.service import constants as c
-from gpuq.service.constants import State
-from gpuq.service import db, jobs, spec
+from gpuq.service import db, jobs, spec, submitting
 from gpuq.service.celery_app import make_app, send_run_job
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
 from tests.conftest import make_settings, run_cli, start_stack
@@ -291,7 +290,8 @@ def test_eight_processes_submitting_at_once_on_sqlite_lose_nothing(tmp_path, red
         env = settings_env(st.settings)
         code = ("import subprocess, sys\n"
                 "for i in range(5):\n"
-                "    subprocess.run([sys.executable, '-m', 'gpuq.cli', 'submit', '--json', '--', 'true'], check=True)\n")
+                "    subprocess.run([sys.executable, '-m', 'gpuq.cli', 'submit', '--json', '--', 'true'],"
+                " check=True)\n")
         procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path,
                                   stdout=subprocess.PIPE, text=True) for _ in range(8)]
         outputs = [p.communicate(timeout=240)[0] for p in procs]

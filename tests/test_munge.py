@@ -12,9 +12,9 @@ import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from gpuq.service import constants as c
 from gpuq.service import db, munge
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
-from tests.conftest import venv_reachable_by_everyone, IN_CI, Stack, free_port, make_settings, run_cli, settings_env
+from tests.conftest import IN_CI, Stack, free_port, make_settings, run_cli, settings_env, venv_reachable_by_everyone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,7 +85,7 @@ def start_server(home: Path, redis_url: str, munge_socket: str):
         except OSError:
             if time.monotonic() > deadline:
                 stack.stop()
-                raise AssertionError(f"no TCP listener on {port}:\n{stack.log('server')}")
+                raise AssertionError(f"no TCP listener on {port}:\n{stack.log('server')}") from None
             time.sleep(0.05)
     return stack, f"http://127.0.0.1:{port}"
 

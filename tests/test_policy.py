@@ -5,20 +5,30 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuq.service.policy import (PRIORITY, RESOURCES, USER_LIMIT, GpuState, JobRequest, QueueState, decide,
-                                 next_up, queue_order)
+from gpuq.service.policy import (
+    PRIORITY,
+    RESOURCES,
+    USER_LIMIT,
+    GpuState,
+    JobRequest,
+    QueueState,
+    decide,
+    next_up,
+    queue_order,
+)
 
 NOW = 1_000_000.0
 
 
-def gpu(id, node="a", busy_until=None, total=16384, used=0, foreign=0):
-    return GpuState(id=id, node=node, index=id, queue=f"q{id}", memory_total_mib=total, memory_used_mib=used,
-                    foreign_mib=foreign, busy_until=busy_until)
+def gpu(gpu_id, node="a", busy_until=None, total=16384, used=0, foreign=0):
+    return GpuState(id=gpu_id, node=node, index=gpu_id, queue=f"q{gpu_id}", memory_total_mib=total,
+                    memory_used_mib=used, foreign_mib=foreign, busy_until=busy_until)
 
 
-def job(id, gpus=1, user="u", priority=0, mem=None, node=None, limit=None, submitted=None):
-    return JobRequest(id=id, user=user, gpus=gpus, priority=priority, submitted=submitted if submitted is not None else id,
-                      mem_mib=mem, node=node, time_limit_s=limit)
+def job(job_id, gpus=1, user="u", priority=0, mem=None, node=None, limit=None, submitted=None):
+    return JobRequest(id=job_id, user=user, gpus=gpus, priority=priority,
+                      submitted=submitted if submitted is not None else job_id, mem_mib=mem, node=node,
+                      time_limit_s=limit)
 
 
 def placed(decision):

@@ -6,16 +6,15 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import exc, select, text
+from sqlalchemy import exc, text
 
-from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import samples
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.devices import GpuProcess, GpuReading
 from gpuq.service.lifecycle import _SUCCEED
-from gpuq.service.next_up import _ALLOCATE_HERE, _TAKE
 from gpuq.service.models import Job, utcnow
+from gpuq.service.next_up import _ALLOCATE_HERE, _TAKE
 from tests.test_usage import add_gpu, add_job
 
 NOW = utcnow()
@@ -66,7 +65,7 @@ def test_a_batch_insert_stores_what_sqlalchemy_stores(settings):
 
 def test_returned_rows_come_typed_as_sqlalchemy_returns_them(settings):
     with write_scope(settings) as s:
-        gpu = add_gpu(s, "n", 0)
+        add_gpu(s, "n", 0)
         waiting = [add_job(s, "ann", "n", NOW, None) for _ in range(2)]
         for job_id in waiting:
             row = s.get(Job, job_id)

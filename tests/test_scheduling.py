@@ -9,17 +9,15 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
-from gpuq.service import submitting
-from gpuq.service import next_up
 from gpuq.service import constants as c
-from gpuq.service.constants import State
-from gpuq.service import inventory, jobs, spec, usage
+from gpuq.service import inventory, jobs, next_up, spec, submitting, usage
 from gpuq.service.celery_app import queue_name
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.explain import why
-from gpuq.service.models import Allocation, Gpu, Job, JobUsage, utcnow
+from gpuq.service.models import Allocation, Job, JobUsage, utcnow
 from gpuq.service.scheduler import Scheduler
 from gpuq.workers.probe import GpuProbe
 from gpuq.workers.runner import run_job
@@ -39,7 +37,8 @@ def register(settings, node: str, count: int, foreign: str = "") -> list[int]:
     ids = []
     with write_scope(settings) as session:
         for info in devices.list():
-            gpu_id = inventory.register(session, node, info, queue_name(settings, node, info.index), f"gpu{info.index}@{node}", 1)
+            gpu_id = inventory.register(session, node, info, queue_name(settings, node, info.index),
+                                        f"gpu{info.index}@{node}", 1)
             inventory.beat(session, gpu_id, devices.read(info.index))
             ids.append(gpu_id)
     return ids
@@ -158,7 +157,8 @@ def test_fair_share_puts_the_user_with_fewer_recent_gpu_hours_first(settings):
     old = submit(settings, user="heavy")
     with write_scope(settings) as session:  # heavy used 4 GPUs for 10 hours yesterday
         session.execute(update(Job).where(Job.id == old).values(
-            state=State.SUCCEEDED, gpus=1, started_at=utcnow() - timedelta(hours=30), ended_at=utcnow() - timedelta(hours=20)))
+            state=State.SUCCEEDED, gpus=1, started_at=utcnow() - timedelta(hours=30),
+            ended_at=utcnow() - timedelta(hours=20)))
     heavy, light = submit(settings, user="heavy"), submit(settings, user="light")
     Scheduler(settings).schedule_once()
     assert state_of(settings, light)[0] == State.DISPATCHED
@@ -210,7 +210,8 @@ def test_a_large_array_is_inserted_in_batches_and_each_job_returned_under_its_ow
 def test_a_sweep_makes_the_cross_product_with_each_jobs_parameters(settings):
     register(settings, "a", 1)
     make = lambda extra: spec.workload_spec("train", ["--epochs", "1", *extra])  # noqa: E731
-    made = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), None, ["lr=0.1,0.01", "batch-size=64,128"]))
+    sweeps = ["lr=0.1,0.01", "batch-size=64,128"]
+    made = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), None, sweeps))
     assert sorted((j.params["lr"], j.params["batch_size"]) for j in made) == [
         (0.01, 64), (0.01, 128), (0.1, 64), (0.1, 128)]
     with pytest.raises(InvalidSpec, match="train has no parameter --bs"):

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import db
+from gpuq.service.constants import State
 from tests.conftest import Stack, make_settings, run_cli
 from tests.test_end_to_end import output_of, submit, wait_for_state
 
@@ -60,7 +60,8 @@ def test_a_dependency_starts_only_after_its_parent_succeeded(two_nodes, tmp_path
     s = two_nodes.settings
     two_nodes.wait_registered(3)
     marker = tmp_path / "made"
-    first = submit(s, ["--", sys.executable, "-c", f"import time; time.sleep(1); open({str(marker)!r}, 'w').write('ok')"])
+    first = submit(s, ["--", sys.executable, "-c",
+                       f"import time; time.sleep(1); open({str(marker)!r}, 'w').write('ok')"])
     second = submit(s, ["--after", str(first), "--", sys.executable, "-c", f"print(open({str(marker)!r}).read())"])
     assert wait_for_state(s, second, c.END_STATES) == State.SUCCEEDED
     assert output_of(s, second).strip() == "ok"

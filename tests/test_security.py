@@ -21,11 +21,22 @@ import redis
 from sqlalchemy import create_engine, inspect, text
 
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import db, jobs
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
-from tests.conftest import (serving, free_port, output_of, system_redis_server, wait_for_state, make_settings, new_postgres_database, run_cli, settings_env, stack_on_database,
-                            start_stack)
+from tests.conftest import (
+    free_port,
+    make_settings,
+    new_postgres_database,
+    output_of,
+    run_cli,
+    serving,
+    settings_env,
+    stack_on_database,
+    start_stack,
+    system_redis_server,
+    wait_for_state,
+)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -63,15 +74,6 @@ def run_to_end(stack, args, cwd=None, extra_env=None) -> tuple[int, str, str]:
 def stack(request, tmp_path_factory, redis_url):
     """One stack on PostgreSQL for the module (what runs as whom does not depend on the database)."""
     yield from stack_on_database(request, tmp_path_factory, redis_url)
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory every user may read and enter (pytest's tmp_path is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="gpuq-sec-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 PRINT_IDENTITY = ("import os, json; print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), "
@@ -196,16 +198,17 @@ def test_logs_of_another_users_job_are_readable_when_logs_are_shared(stack, shar
 
 
 HOSTILE = ["; touch {m}", "$(touch {m})", "`touch {m}`", "| touch {m}", "&& touch {m}", "> {m}",
-           "it's \"quoted\" \\ back", "two\nlines\r\n", "ünïcödé ✓ 日本語 🚀", "\x1b[31mred\x1b[0m \x07", "*", "~", "$HOME"]
+           "it's \"quoted\" \\ back", "two\nlines\r\n", "ünïcödé ✓ 日本語 🚀", "\x1b[31mred\x1b[0m \x07",
+           "*", "~", "$HOME"]
 
 
 def test_hostile_arguments_are_stored_exactly_run_as_literal_argv_and_shown_one_line_each(stack, tmp_path):
     s = stack.settings
     marker = tmp_path / "marker"
     args = [a.format(m=marker) for a in HOSTILE]
-    job_id, state, out = run_to_end(stack, ["--name", "[/] naïve ✓ 'q' \"d\" $(x) `y` ; | & [red]", "--", sys.executable,
-                                            "-c", "import sys, json; print(json.dumps(sys.argv[1:]))", *args],
-                                    cwd=tmp_path)
+    job_id, state, out = run_to_end(stack, ["--name", "[/] naïve ✓ 'q' \"d\" $(x) `y` ; | & [red]", "--",
+                                            sys.executable, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))",
+                                            *args], cwd=tmp_path)
     second, _, _ = run_to_end(stack, ["--", sys.executable, "-c", "pass", *args], cwd=tmp_path)
     assert state == State.SUCCEEDED and json.loads(out) == args
     assert not marker.exists()  # no shell ever saw them
@@ -315,7 +318,7 @@ def test_passwords_in_the_broker_and_database_urls_work_and_show_nowhere(tmp_pat
 @pytest.mark.parametrize("args", [["status"], ["submit", "--", "true"], ["show", "1"], ["logs", "1"],
                                   ["db", "upgrade"], ["worker", "--gpu", "0"]])
 def test_an_unreachable_database_or_broker_is_named_with_its_password_masked(tmp_path, args, redis_url):
-    for database, broker in ((f"postgresql+psycopg://u:DbSecret@127.0.0.1:1/x", redis_url),
+    for database, broker in (("postgresql+psycopg://u:DbSecret@127.0.0.1:1/x", redis_url),
                              (f"sqlite:///{tmp_path / 'db'}", "redis://:RedisSecret@127.0.0.1:1/0")):
         settings = make_settings(tmp_path / "home", database, broker)
         if database.startswith("sqlite"):

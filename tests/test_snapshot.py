@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 
-from gpuq.service import submitting
 from gpuq.service import constants as c
+from gpuq.service import jobs, spec, submitting
 from gpuq.service.constants import State
-from gpuq.service import jobs, spec
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec, NotAllowed
 from gpuq.service.models import Job
@@ -129,7 +129,7 @@ def test_a_failed_insert_removes_the_copied_snapshot(settings, tmp_path):
     repo = make_repo(tmp_path)
     good = spec.command_spec(["true"], cwd=str(repo))
     broken = spec.JobSpec(**{**good.__dict__, "gpus": 0})  # the database's check refuses it at insert
-    with pytest.raises(Exception):
+    with pytest.raises(IntegrityError):
         submitting.submit_all(settings, [broken], snapshot=True)
     assert job_count(settings) == 0 and snapshot_entries(settings) == []
 

@@ -9,7 +9,6 @@ import sys
 
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.models import Node
-
 from tests.conftest import make_settings, settings_env
 
 HOLD = """
@@ -69,7 +68,6 @@ def test_the_servers_reads_answer_while_another_process_holds_the_writers_lock(t
     metrics) is a read_scope: none queues behind a worker's write."""
     from gpuq.cli.client import Client
     from gpuq.service import db, spec, submitting
-
     from tests.conftest import serving
 
     s = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url)

@@ -56,7 +56,8 @@ def test_devices_shows_utilisation_memory_job_user_and_foreign_processes(recorde
     out = invoke("devices", "--json")
     assert out.exit_code == 0, out.output
     gpu0 = json.loads(out.output)[0]
-    assert (gpu0["job_id"], gpu0["user"], gpu0["utilization"], gpu0["temperature_c"]) == (recorded["ann"], "ann", 35, 61)
+    assert ((gpu0["job_id"], gpu0["user"], gpu0["utilization"], gpu0["temperature_c"])
+            == (recorded["ann"], "ann", 35, 61))
     assert [p["pid"] for p in gpu0["processes"]] == [7] and [p["name"] for p in gpu0["foreign"]] == ["xorg"]
     table = invoke("devices")
     assert table.exit_code == 0 and "█" in table.output and "xorg[99]" in table.output and "ann" in table.output

@@ -1,15 +1,16 @@
 """Bad input gets one line that says what to change, a non-zero exit, and nothing written."""
 
 import uuid
+
 import pytest
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
-from tests.conftest import ThreadServer
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
+from tests.conftest import ThreadServer
 
 
 def jobs_in(settings) -> int:

@@ -3,12 +3,13 @@ roll-up into minute aggregates, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import select
-from hypothesis import HealthCheck, given, settings as examples
+from hypothesis import HealthCheck, given
+from hypothesis import settings as examples
 from hypothesis import strategies as st
+from sqlalchemy import select
 
 from gpuq.service import accounting, samples, usage
 from gpuq.service import constants as c
@@ -18,7 +19,7 @@ from gpuq.service.devices import GpuProcess, GpuReading
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage
 
-NOW = datetime(2026, 3, 2, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 3, 2, 12, 0, 0, tzinfo=UTC)
 
 
 def add_gpu(session, node: str, index: int) -> int:

@@ -10,13 +10,10 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from gpuq.service import submitting
-from gpuq.service import lifecycle
-from gpuq.service import leases
 from gpuq.service import constants as c
-from gpuq.service.constants import State
-from gpuq.service import inventory, jobs, spec
+from gpuq.service import inventory, jobs, leases, lifecycle, spec, submitting
 from gpuq.service.celery_app import make_app, queue_name
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
@@ -53,7 +50,7 @@ def worker(settings, gpu_id: int, index: int) -> WorkerState:
 
 
 def test_a_message_delivered_twice_runs_the_job_once(settings, tmp_path):
-    gpu_ids = register_gpus(settings)
+    register_gpus(settings)
     runs = tmp_path / "runs"
     job_id = dispatched_command(settings, [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x')"], tmp_path)
     with write_scope(settings) as session:
@@ -169,19 +166,19 @@ def test_worker_lost_requeues_without_using_a_retry_and_stops_at_the_cap(setting
     register_gpus(settings)
     job = submitting.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path)), max_retries=1))
     scheduler = Scheduler(settings)
-    for round in range(3):
+    for lap in range(3):
         scheduler.schedule_once()
         with write_scope(settings) as session:
             gpu = jobs.job_gpus(session, job.id)[0]
-            assert leases.claim(session, job.id, gpu.id, f"gpu@t{round}", 30)
+            assert leases.claim(session, job.id, gpu.id, f"gpu@t{lap}", 30)
         expire_lease(settings, job.id)
         with write_scope(settings) as session:
             leases.reap(session, settings)
         with write_scope(settings) as session:
             j = jobs.get_job(session, job.id)
-            if round < 2:
-                assert j.state == State.PENDING and j.requeues == round + 1
-                assert j.reason.startswith(f"requeue {round + 1} of at most 2 after: worker lost")
+            if lap < 2:
+                assert j.state == State.PENDING and j.requeues == lap + 1
+                assert j.reason.startswith(f"requeue {lap + 1} of at most 2 after: worker lost")
             else:
                 assert j.state == State.FAILED and j.failure == c.FAILURE_WORKER_LOST
                 assert "requeued 2 times already: the cap" in j.reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from datetime import datetime
 from html import escape
 from typing import Any
@@ -36,7 +37,7 @@ def page(title: str, body: str, refresh: int | None = None) -> str:
             f"<main>{body}</main></body></html>")
 
 
-def table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset(), cls: str = "") -> str:
+def table(headers: list[str], rows: list[list[str]], numeric: Collection[int] = frozenset(), cls: str = "") -> str:
     """A table of already-escaped cells; columns in ``numeric`` are right-aligned."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>"
@@ -46,7 +47,8 @@ def table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozens
 
 def facts(pairs: list[tuple[str, str]]) -> str:
     """A two-column table of label and already-escaped value."""
-    return '<table class="facts">' + "".join(f"<tr><th>{escape(k)}</th><td>{v}</td></tr>" for k, v in pairs) + "</table>"
+    return ('<table class="facts">' + "".join(f"<tr><th>{escape(k)}</th><td>{v}</td></tr>" for k, v in pairs)
+            + "</table>")
 
 
 def state(text: str) -> str:

@@ -12,6 +12,7 @@ A custom collector on a registry of its own: nothing is kept in process globals,
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -31,7 +32,7 @@ GPU_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname", "node")
 class GpuqCollector:
     """Collects every metric from the server ``api`` reads when asked (each scrape)."""
 
-    def __init__(self, api: Client):
+    def __init__(self, api: Client) -> None:
         self.api = api
 
     def collect(self) -> Iterator[Metric]:
@@ -55,7 +56,7 @@ def _bounds(bounds: tuple[float, ...]) -> str:
     return ",".join(str(float(b)) for b in bounds)
 
 
-def _gpu_metrics(devices: list) -> Iterator[Metric]:
+def _gpu_metrics(devices: list[SimpleNamespace]) -> Iterator[Metric]:
     util = GaugeMetricFamily("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", labels=GPU_LABELS)
     used = GaugeMetricFamily("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", labels=GPU_LABELS)
     free = GaugeMetricFamily("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", labels=GPU_LABELS)
@@ -91,7 +92,7 @@ def _gpu_metrics(devices: list) -> Iterator[Metric]:
 
 def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:
     """The family of the server's cumulative counts at each bound, its count and its sum."""
-    buckets = [(str(float(b)), n) for b, n in zip(h["le"], h["counts"])] + [("+Inf", h["count"])]
+    buckets = [(str(float(b)), n) for b, n in zip(h["le"], h["counts"], strict=False)] + [("+Inf", h["count"])]
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
 
 

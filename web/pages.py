@@ -9,8 +9,10 @@ resources, results), a job's output only where the server opens it to anyone
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from html import escape
+from types import SimpleNamespace
+from typing import Any
 
 from gpuq.cli.client import Client
 from gpuq.service import constants as c
@@ -37,7 +39,7 @@ def _job_link(job_id: int | None, text: str | None = None) -> str:
 
 def queue(api: Client) -> str:
     """The queue (active jobs, then the newest ended ones) and every GPU with its bars."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     answer = api.get("/jobs", ended=ENDED_SHOWN)
     gpus = api.get("/devices")
     rows = [obj(j) for j in answer["jobs"]]
@@ -102,7 +104,8 @@ def job(api: Client, job_id: int) -> str:
     if j.exit_code is not None:
         pairs.append(("exit code", str(j.exit_code)))
     for n, attempt in enumerate(j.attempts or [], 1):
-        pairs.append((f"attempt {n}", escape(f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}")))
+        pairs.append((f"attempt {n}",
+                      escape(f"{attempt.get('state')}: {attempt.get('reason')} on {attempt.get('worker')}")))
     body = [f"<h1>Job {j.id}: {escape(j.name)}</h1>", facts(pairs)]
     if j.params:
         body += ["<h2>Parameters</h2>", facts([(k, value(v)) for k, v in j.params.items()])]
@@ -128,13 +131,13 @@ def job(api: Client, job_id: int) -> str:
     return page(f"job {j.id}", "".join(body), refresh=QUEUE_REFRESH_SECONDS if j.state in c.ACTIVE_STATES else None)
 
 
-def _metrics(rows: list[dict]) -> str:
+def _metrics(rows: list[dict[str, Any]]) -> str:
     keys = [k for k in dict.fromkeys(k for r in rows for k in r)]
     out = table(keys, [[value(r.get(k)) for k in keys] for r in rows], numeric=set(range(len(keys))), cls="metrics")
     x = [r.get("epoch", n + 1) for n, r in enumerate(rows)]
     numeric = [k for k in keys if k != "epoch" and all(isinstance(r.get(k), (int, float)) for r in rows)]
-    losses = {k: list(zip(x, [r[k] for r in rows])) for k in numeric if "loss" in k}
-    accs = {k: list(zip(x, [r[k] for r in rows])) for k in numeric if "acc" in k}
+    losses = {k: list(zip(x, [r[k] for r in rows], strict=True)) for k in numeric if "loss" in k}
+    accs = {k: list(zip(x, [r[k] for r in rows], strict=True)) for k in numeric if "acc" in k}
     if losses:
         out += svg.line_chart("loss", losses, x_label="epoch", y_label="loss")
     if accs:
@@ -142,7 +145,7 @@ def _metrics(rows: list[dict]) -> str:
     return out
 
 
-def _device_plots(series: list[dict], names: dict[int, str], j) -> str:
+def _device_plots(series: list[dict[str, Any]], names: dict[int, str], j: SimpleNamespace) -> str:
     if not series:
         return "<p class=\"na\">no device samples for this job</p>"
     start = j.started_at or series[0]["at"]
@@ -150,7 +153,7 @@ def _device_plots(series: list[dict], names: dict[int, str], j) -> str:
     for key, title, unit, top in (("utilization", "GPU utilisation", "%", 100.0),
                                   ("memory_used_mib", "GPU memory used", "MiB", None),
                                   ("power_w", "GPU power", "W", None)):
-        lines: dict[str, list] = {}
+        lines: dict[str, list[tuple[float, float | None]]] = {}
         for p in series:
             lines.setdefault(names.get(p["gpu_id"], f"GPU {p['gpu_id']}"), []).append(
                 ((p["at"] - start).total_seconds(), p[key]))
@@ -180,6 +183,6 @@ def usage_page(api: Client, period: str) -> str:
                                                  cls=f"usage-{part}") if rows else "<p>no use in this period</p>"))
     hours = [(e - now).total_seconds() / 3600 for e in edges]
     body.append("<h2>busy GPUs by user</h2>" + svg.line_chart(
-        f"GPUs kept busy, last {period}", {u: list(zip(hours, v)) for u, v in sorted(by_user.items())},
+        f"GPUs kept busy, last {period}", {u: list(zip(hours, v, strict=False)) for u, v in sorted(by_user.items())},
         x_label="hours from now", y_label="GPUs"))
     return page(f"usage, last {period}", "".join(body))

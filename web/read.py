@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, overload
 
 from gpuq.cli.client import Client
 from gpuq.service import constants as c
 from gpuq.service.errors import Unreachable
+
 
 def client(address: str | None = None) -> Client:
     """A client of the server at ``address`` (default: where the CLI looks) each of whose requests
@@ -46,6 +47,10 @@ def obj(data: dict[str, Any]) -> SimpleNamespace:
                               for k, v in data.items()})
 
 
+@overload
+def when(text: str) -> datetime: ...
+@overload
+def when(text: None) -> None: ...
 def when(text: str | None) -> datetime | None:
     return None if text is None else datetime.fromisoformat(text)
 

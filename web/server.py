@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from html import escape
-from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -16,6 +17,9 @@ from gpuq.service import constants as c
 from gpuq.service.errors import GpuqError
 from gpuq.web import metrics, pages
 from gpuq.web.html import page
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
 
 log = logging.getLogger("gpuq.dashboard")
 
@@ -26,14 +30,15 @@ HTML = "text/html; charset=utf-8"
 class App:
     """The WSGI application reading one gpuq server through ``api`` (a public-view client)."""
 
-    def __init__(self, api: Client):
+    def __init__(self, api: Client) -> None:
         self.api = api
 
-    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         method, path = environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", "/")
         if method not in ("GET", "HEAD"):
             return self._send(start_response, "405 Method Not Allowed", HTML,
-                              page("read-only", "<p>The dashboard is read-only.</p>").encode(), [("Allow", "GET, HEAD")])
+                              page("read-only", "<p>The dashboard is read-only.</p>").encode(),
+                              [("Allow", "GET, HEAD")])
         query = parse_qs(environ.get("QUERY_STRING", ""))
         try:
             status, kind, body = self._route(path, query)
@@ -63,7 +68,7 @@ class App:
         return "404 Not Found", HTML, page("not found", "<p>no such page</p>").encode()
 
     @staticmethod
-    def _send(start_response: Callable, status: str, kind: str, body: bytes,
+    def _send(start_response: StartResponse, status: str, kind: str, body: bytes,
               extra: list[tuple[str, str]] | None = None, head: bool = False) -> list[bytes]:
         start_response(status, [("Content-Type", kind), ("Content-Length", str(len(body))),
                                 ("Cache-Control", "no-store"), *(extra or [])])
@@ -75,10 +80,11 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    server_address: tuple[str, int]  # an AF_INET socket's (host, port)
 
 
 class QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.info("%s %s", self.address_string(), format % args)
 
 

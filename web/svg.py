@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from html import escape
 
@@ -23,10 +24,11 @@ def bar(percent: float | None, label: str = "", width: int = 160, colour: str | 
             f'<text x="6" y="12" font-size="11" fill="#111">{text}</text></svg>')
 
 
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], *, x_label: str = "",
+def line_chart(title: str, series: Mapping[str, Sequence[tuple[float, float | None]]], *, x_label: str = "",
                y_label: str = "", y_max: float | None = None, width: int = 640, height: int = 220) -> str:
-    """Lines through each series' (x, y) points, with axes, ticks and a legend; a note when empty."""
-    points = [p for pts in series.values() for p in pts if p[1] is not None]
+    """Lines through each series' (x, y) points (those with a y), with axes, ticks and a legend; a note
+    when empty."""
+    points = [(x, y) for pts in series.values() for x, y in pts if y is not None]
     if not points:
         return f'<p class="na">{escape(title)}: no data</p>'
     left, right, top, bottom = 70, 12, 26, 34
@@ -56,13 +58,13 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], *, x_la
                f'transform="rotate(-90 12 {(top + height - bottom) / 2})">{escape(y_label)}</text>')
     for n, (name, pts) in enumerate(series.items()):
         colour = PALETTE[n % len(PALETTE)]
-        pts = [p for p in pts if p[1] is not None]
-        if not pts:
+        drawn = [(x, y) for x, y in pts if y is not None]
+        if not drawn:
             continue
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in drawn)
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" points="{path}"/>')
-        if len(pts) <= 40:
-            out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>' for x, y in pts)
+        if len(drawn) <= 40:
+            out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>' for x, y in drawn)
         lx = width - right - 150
         out.append(f'<rect x="{lx}" y="{top + 4 + n * 15}" width="10" height="10" fill="{colour}"/>'
                    f'<text x="{lx + 14}" y="{top + 13 + n * 15}" font-size="11">{escape(name)}</text>')

@@ -7,12 +7,11 @@ metrics in SQL, and writes its result as JSON to the path it is given.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import json
 import signal
 import sys
 import threading
+from typing import Any, cast
 
 from gpuq.service.db import write_scope
 from gpuq.service.jobs import get_job, record_metric

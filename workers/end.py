@@ -11,16 +11,16 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import samples, usage
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.dialect import savepoint
 from gpuq.service.errors import Unreachable
 from gpuq.service.inventory import drain_gpu
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
-from gpuq.service.next_up import anything_waits, listed_left, take_next
 from gpuq.service.models import utcnow
+from gpuq.service.next_up import anything_waits, listed_left, take_next
 from gpuq.workers.job import JobRun, Started, job_run
 from gpuq.workers.output import OutputSink
 from gpuq.workers.state import WorkerState
@@ -141,7 +141,7 @@ def _record_usage(state: WorkerState, session: Session, ended: usage.Ended, tota
     try:
         with savepoint(session):
             usage.record_usage(session, ended.id, ended, state.settings.sample_retention_days, totals)
-    except Exception:  # noqa: BLE001 - `gpuq stats JOB` computes a missing summary from the samples
+    except Exception:
         log.exception("%s: job %s: could not store its usage summary", state.name, ended.id)
 
 
@@ -150,7 +150,8 @@ def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[s
     or cancelled."""
     why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
     if why == c.FAILURE_TIMEOUT:
-        return {"state": State.TIMED_OUT, "failure": why, "reason": f"time limit of {_hms(job.time_limit_s or 0)} reached"}
+        limit = _hms(job.time_limit_s or 0)
+        return {"state": State.TIMED_OUT, "failure": why, "reason": f"time limit of {limit} reached"}
     if why == c.FAILURE_INTERRUPTED:
         return {"state": State.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}
     if why == c.FAILURE_WORKER_LOST:

@@ -12,8 +12,8 @@ import uuid
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service import failures
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.jobs import record_metric
 from gpuq.service.workloads import get_workload

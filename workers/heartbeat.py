@@ -14,8 +14,8 @@ import time
 from typing import TYPE_CHECKING
 
 from gpuq.service import inventory
-from gpuq.service.leases import renew
 from gpuq.service.db import write_scope
+from gpuq.service.leases import renew
 from gpuq.service.settings import Settings
 from gpuq.workers.probe import GpuProbe
 
@@ -61,7 +61,7 @@ class Heartbeat(threading.Thread):
             elif renewed is False and self.state.lease is lease:  # not merely ended meanwhile
                 log.warning("job %s: lease no longer ours (taken back); stopping it", lease.job_id)
                 lease.lost.set()
-        except Exception:  # noqa: BLE001 - keep beating; the reaper decides when we are lost
+        except Exception:
             log.exception("heartbeat failed")
             if lease is not None and lease.overdue(self.settings.lease_timeout):
                 log.error("job %s: lease not renewed for %.0f s; stopping the job before it is reaped",

@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import next_output_seq
 from gpuq.service.leases import Lease
-from gpuq.service.next_up import TAKEN_COLUMNS
 from gpuq.service.models import Allocation, Gpu, Job, table
+from gpuq.service.next_up import TAKEN_COLUMNS
 
 _JOB_TO_RUN = select(*TAKEN_COLUMNS).where(table(Job).c.id == bindparam("job_id"))
 _JOB_GPUS = (select(table(Gpu).c.index, table(Gpu).c.queue)

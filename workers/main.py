@@ -8,13 +8,12 @@ child, so Celery's prefork pool is wrong for a process that keeps a CUDA context
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import argparse
 import logging
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING, Any
 
 from gpuq.service import broker, inventory
 from gpuq.service.celery_app import make_app, queue_name
@@ -63,8 +62,8 @@ def serve(index: int, loglevel: str) -> int:
     from gpuq.workers import tasks
     from gpuq.workers.heartbeat import Heartbeat
     from gpuq.workers.probe import GpuProbe
-    from gpuq.workers.state import WorkerState
     from gpuq.workers.sampler import Sampler
+    from gpuq.workers.state import WorkerState
 
     if settings.warm_start:
         from gpuq.workers.builtin import warm_up

@@ -89,7 +89,7 @@ class OutputSink:
                     self._buffered += size
                     self._seq = seq
                 return False
-            except Exception:  # noqa: BLE001 - not a passing outage: retrying would never end
+            except Exception:
                 log.exception("job %s: could not store %d bytes of output", self.job_id, size)
                 return True
 

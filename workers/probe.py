@@ -2,8 +2,9 @@
 its job really does on the CPU.
 
 A simulated GPU's utilisation is the CPU use of the worker's main thread (where a built-in
-workload runs) and its job's processes (capped at 100%), its memory the tree's resident memory above the worker's own at start, and power, clock and
-temperature follow the utilisation the way a real GPU's do, so every reading is plausible.
+workload runs) and its job's processes (capped at 100%), its memory the tree's resident memory
+above the worker's own at start, and power, clock and temperature follow the utilisation the way a
+real GPU's do, so every reading is plausible.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
                      watcher.stopped, None, Rank(rank, gpus, meet))
     except JobCancelled:
         log.info("%s: job %s rank %s stopped: job cancelled or ended", state.name, job_id, rank)
-    except Exception:  # noqa: BLE001 - rank 0 reports the job's failure
+    except Exception:
         log.exception("%s: job %s rank %s failed", state.name, job_id, rank)
     finally:
         watcher.done.set()

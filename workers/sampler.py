@@ -54,7 +54,7 @@ class Sampler(threading.Thread):
                 if time.monotonic() >= next_rollup:
                     next_rollup = time.monotonic() + c.ROLLUP_EVERY
                     samples.rollup(self.settings, utcnow(), self.gpu_id)
-            except Exception:  # noqa: BLE001 - a database blip must not end sampling
+            except Exception:
                 log.exception("device sampling failed; retrying")
         self.flush()
 
@@ -97,7 +97,7 @@ class Sampler(threading.Thread):
         be written in the transaction that ends the job (``put_back`` if that fails)."""
         try:
             self.sample(job_id)
-        except Exception:  # noqa: BLE001 - the job's end matters more than its last reading
+        except Exception:
             log.exception("job %s: could not take its last device reading", job_id)
         with self._lock:
             rows, self._pending = self._pending, []
@@ -113,7 +113,7 @@ class Sampler(threading.Thread):
         try:
             self.sample(job_id)
             self.flush()
-        except Exception:  # noqa: BLE001 - the job's end matters more than its last readings
+        except Exception:
             log.exception("job %s: could not write its last device samples", job_id)
 
     def stop(self) -> None:

@@ -99,5 +99,5 @@ class Watch:
             if watcher is not None:
                 try:
                     watcher.look()
-                except Exception:  # noqa: BLE001 - the next look, and the next job, must still happen
+                except Exception:
                     log.exception("job %s: could not look whether it must stop", watcher.job_id)

@@ -1,15 +1,15 @@
 """The initial schema: jobs, GPUs, allocations, job output and metrics.
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-21 20:30:06.843947
 """
 from collections.abc import Sequence
 
-from alembic import op
 import sqlalchemy as sa
-import gpuq.service.models
+from alembic import op
 
+import gpuq.service.models
 
 revision: str = '0001'
 down_revision: str | None = None
@@ -58,7 +58,8 @@ def upgrade() -> None:
     sa.Column('exit_code', sa.Integer(), nullable=True),
     sa.Column('result', sa.JSON(), nullable=True),
     sa.CheckConstraint("kind IN ('workload', 'command')", name=op.f('ck_jobs_kind')),
-    sa.CheckConstraint("state IN ('pending', 'dispatched', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out')", name=op.f('ck_jobs_state')),
+    sa.CheckConstraint("state IN ('pending', 'dispatched', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out')",
+                       name=op.f('ck_jobs_state')),
     sa.CheckConstraint('gpus >= 1', name=op.f('ck_jobs_gpus_positive')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_jobs'))
     )

@@ -6,10 +6,10 @@ Create Date: 2026-11-21 21:09:22.458594
 """
 from collections.abc import Sequence
 
-from alembic import op
 import sqlalchemy as sa
-import gpuq.service.models
+from alembic import op
 
+import gpuq.service.models
 
 revision: str = '0003'
 down_revision: str | None = '0002'

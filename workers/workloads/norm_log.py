@@ -57,7 +57,7 @@ def run(ctx: WorkloadContext) -> dict[str, Any]:
     seconds_item = variant(on_host=True)
     seconds_on_device = variant(on_host=False)
     match = all(math.isclose(h, d, rel_tol=1e-4, abs_tol=1e-6)
-                for h, d in zip(logs[True], logs[False]))
+                for h, d in zip(logs[True], logs[False], strict=False))
     result = {
         "device": describe(device),
         "steps": steps,

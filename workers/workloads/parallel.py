@@ -97,7 +97,7 @@ class Manual(Single):
         losses, correct = [], []
         for replica, opt, d, xs, ys in zip(self.replicas, self.optimizers, self.devices,
                                            x.tensor_split(len(self.devices)),
-                                           y.tensor_split(len(self.devices))):
+                                           y.tensor_split(len(self.devices)), strict=True):
             xs, ys = xs.to(d, non_blocking=True), ys.to(d, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             out = replica(xs)
@@ -106,18 +106,18 @@ class Manual(Single):
             losses.append(loss.detach().to(self.device))
             correct.append((out.argmax(1) == ys).sum().to(self.device))
         with torch.no_grad():
-            for grads in zip(*[[p.grad for p in r.parameters()] for r in self.replicas]):
+            for grads in zip(*[[p.grad for p in r.parameters()] for r in self.replicas], strict=True):
                 allreduce(list(grads))
             for opt in self.optimizers:
                 opt.step()
             # Batch-norm statistics differ per shard; keep replica 0's everywhere, as DDP does.
             for replica in self.replicas[1:]:
-                for mine, first in zip(replica.buffers(), self.model.buffers()):
+                for mine, first in zip(replica.buffers(), self.model.buffers(), strict=True):
                     mine.copy_(first)
         return torch.stack(losses).sum(), torch.stack(correct).sum()
 
     def load(self, state: dict[str, Any]) -> None:
-        for replica, opt in zip(self.replicas, self.optimizers):
+        for replica, opt in zip(self.replicas, self.optimizers, strict=True):
             replica.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
 
