@@ -26,6 +26,9 @@ from gpuq.service.queue_read import QueueRead, read_queue
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
+_ALLOCATE = Prepared(table(Allocation).insert())
+# A submission of more jobs than this is left to the scheduler whole (see ``place_at_submit``).
+PLACE_AT_SUBMIT_MAX = 64
 
 
 def allocate(session: Session, p: policy.Placement, now: datetime | None = None) -> bool:
@@ -41,13 +44,6 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None)
     except IntegrityError:
         log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
         return False
-
-
-_ALLOCATE = Prepared(table(Allocation).insert())
-
-
-# A submission of more jobs than this is left to the scheduler whole (see ``place_at_submit``).
-PLACE_AT_SUBMIT_MAX = 64
 
 
 def place_at_submit(session: Session, settings: Settings,
