@@ -96,3 +96,49 @@ def test_sampler_writes_batches_tagged_with_the_running_job(settings):
     assert sum(r.interval_s for r in rows) <= took + settings.sample_interval
     assert all(r.utilization is not None and r.power_w is not None and r.processes for r in rows)
 
+
+
+def test_a_jobs_end_waits_for_a_batch_being_written_so_its_summary_sees_every_reading(tmp_path, redis_url):
+    # A batch the sampler took before the job ended, still being written (here: queued behind
+    # another process's write), must be in SQL before the job's end reads its readings back.
+    import threading
+
+    from gpuq.service import db
+    from gpuq.service.db import read_scope
+    from tests.conftest import make_settings, settings_env
+    from tests.test_sqlite_writers import HOLD
+
+    s = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url)
+    db.upgrade(s)
+    with write_scope(s) as session:
+        gpu = add_gpu(session, "n", 0)
+        job = add_job(session, "ann", "n", utcnow(), None)
+    sampler = Sampler(s, gpu, GpuProbe(SimulatedDevices(1, 1024, "n"), 0), lambda: job)
+    for _ in range(3):
+        sampler.sample()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], env=settings_env(s), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        flusher = threading.Thread(target=sampler.flush)
+        flusher.start()
+        deadline = time.monotonic() + 10
+        while sampler.flushes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.flushes == 1  # the batch is taken; its write waits for the other process
+        handed: list[list] = []
+        ender = threading.Thread(target=lambda: handed.append(sampler.end_rows(job)))
+        ender.start()
+        ender.join(0.5)
+        assert ender.is_alive()  # the job's end waits for the batch
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        ender.join(10)
+        assert not ender.is_alive()
+        with read_scope(s) as session:
+            written = session.scalars(select(DeviceSample).where(DeviceSample.job_id == job)).all()
+        assert len(written) == 3 and len(handed[0]) == 1  # the batch in SQL, the last reading in hand
+        flusher.join(10)
+    finally:
+        holder.kill()
+        holder.wait(10)

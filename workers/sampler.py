@@ -34,6 +34,9 @@ class Sampler(threading.Thread):
         self.settings, self.gpu_id, self.probe, self.current_job = settings, gpu_id, probe, current_job
         self.stopped = threading.Event()
         self._lock = threading.Lock()
+        # Held while a batch is written: a job's end waits for a batch taken before it to be in SQL
+        # before the job's summary is read from SQL (``end_rows``).
+        self._writing = threading.Lock()
         self._pending: list[dict[str, Any]] = []
         self._last_at: float | None = None
         self._last_energy_mj: int | None = None
@@ -79,18 +82,19 @@ class Sampler(threading.Thread):
 
     def flush(self) -> None:
         """Write the readings taken so far in one transaction; kept for the next try if it fails."""
-        with self._lock:
-            batch, self._pending = self._pending, []
-            if not batch:
-                return
-            self.flushes += 1  # counted as the batch is taken: a job's end compares after ``end_rows``
-        try:
-            with write_scope(self.settings) as session:
-                samples.record(session, self.gpu_id, batch)
-        except Exception:
+        with self._writing:
             with self._lock:
-                self._pending[:0] = batch
-            raise
+                batch, self._pending = self._pending, []
+                if not batch:
+                    return
+                self.flushes += 1  # counted as the batch is taken: a job's end compares after ``end_rows``
+            try:
+                with write_scope(self.settings) as session:
+                    samples.record(session, self.gpu_id, batch)
+            except Exception:
+                with self._lock:
+                    self._pending[:0] = batch
+                raise
 
     def end_rows(self, job_id: int) -> list[dict[str, Any]]:
         """One last reading of a job that ended, and every reading not written yet, handed over to
@@ -99,7 +103,10 @@ class Sampler(threading.Thread):
             self.sample(job_id)
         except Exception:
             log.exception("job %s: could not take its last device reading", job_id)
-        with self._lock:
+        # A batch taken to write before now is committed first: the job's summary, read from SQL
+        # when some of its readings were written, must see all of them (on PostgreSQL nothing else
+        # orders the two transactions).
+        with self._writing, self._lock:
             rows, self._pending = self._pending, []
         return rows
 
