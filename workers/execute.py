@@ -30,7 +30,7 @@ from gpuq.workers.watch import StopWatcher
 
 def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
     """Run the job's body to its end, or until ``watcher`` says it must stop; returns its end
-    (what ``jobs.finish`` writes). A workload's exception is raised."""
+    (what ``lifecycle.end_attempt`` writes). A workload's exception is raised."""
     if job.kind == c.KIND_COMMAND:
         return _execute_command(state, job, sink, watcher)
     return _execute_workload(state, job, sink, watcher)
