@@ -11,8 +11,15 @@ import importlib
 
 import click
 import typer
+import typer.core
 
 from gpuq.cli.errors import GpuqGroup
+
+# Help in click's plain form: typer renders it with Rich whenever Rich is installed (gpuq installs
+# it for `gpuq devices`), and importing typer's Rich help costs 0.1-0.2 s of every `--help`. With Rich
+# but no markup, typer (below 0.20, as pinned) still escapes "[default: 1]" as "\[default: 1]", so
+# the switch is its own flag, not rich_markup_mode=None.
+typer.core.HAS_RICH = False
 
 # command → the module (in gpuq.cli) whose Typer app holds it, and that app's name there.
 COMMANDS = {
