@@ -105,12 +105,12 @@ def reap(session: Session, settings: Settings) -> list[int]:
             log.warning("job %s: %s", job_id, why)
     stranded = session.execute(_STRANDED, {"cutoff": live_cutoff(settings)}).all()
     for job_id, worker in stranded:
-        lifecycle.undispatch(session, job_id, Actor.REAPER)
+        lifecycle.undispatch(session, job_id)
         log.warning("job %s: worker %s lost before it started the job; waiting again", job_id, worker)
     return [j for j, _, _ in expired] + [j for j, _ in stranded]
 
 
-def unclaimed(session: Session, settings: Settings, everything: bool = False) -> list[tuple[int, str]]:
+def take_unclaimed(session: Session, settings: Settings, everything: bool = False) -> list[tuple[int, str]]:
     """Dispatched jobs whose message may be lost (Redis restarted empty, a send that vanished):
     those dispatched over ``resend_after`` seconds ago, or all of them; (job id, queue) each.
     They are marked sent again now; a duplicate message is harmless: only one claim can succeed."""

@@ -89,7 +89,7 @@ class Move:
     """A statement that changes jobs in ``sources`` to ``target`` (None: their state stays)."""
 
     name: str
-    actor: Actor
+    actors: tuple[Actor, ...]
     sources: tuple[State, ...]
     target: State | None
     statement: Update
@@ -99,28 +99,34 @@ class Move:
 MOVES: dict[str, Move] = {}
 
 
-def move(name: str, actor: Actor, sources: State | tuple[State, ...], target: State | None,
-         *where: Any, **values: Any) -> Update:
+def move(name: str, actors: Actor | tuple[Actor, ...], sources: State | tuple[State, ...],
+         target: State | None, *where: Any, **values: Any) -> Update:
     """``UPDATE jobs SET state = target, values WHERE state IN sources AND where``, once the table
-    allows ``actor`` each of those moves (with ``target`` None the state stays: a change to a job
-    in ``sources`` that the table must allow as a move to the same state)."""
+    allows each of ``actors`` each of those moves (with ``target`` None the state stays: a change
+    to a job in ``sources`` that the table must allow as a move to the same state)."""
+    actors = (actors,) if isinstance(actors, Actor) else tuple(actors)
     sources = (sources,) if isinstance(sources, State) else tuple(sources)
-    for source in sources:
-        check(actor, source, target or source)
+    for actor in actors:
+        for source in sources:
+            check(actor, source, target or source)
     guard = _JOBS.c.state == sources[0] if len(sources) == 1 else _JOBS.c.state.in_(sources)
     if target is not None:
         values = {"state": target, **values}
     statement = _JOBS.update().where(guard, *where).values(**values)
     if name in MOVES:
         raise BugError(f"two moves named {name}")
-    MOVES[name] = Move(name, actor, sources, target, statement)
+    MOVES[name] = Move(name, actors, sources, target, statement)
     return statement
 
 
+# "= false", not "IS false": PostgreSQL seeks a boolean index column only on equality.
+NOT_HELD = _JOBS.c.held == False  # noqa: E712
+
+
 def waiting(table: Any = _JOBS) -> tuple[Any, Any]:
-    """What makes a job one that waits to run: pending and not held (``table``: jobs, or an alias).
-    "= false", not "IS false": PostgreSQL seeks a boolean index column only on equality."""
-    return table.c.state == State.PENDING, table.c.held == False  # noqa: E712
+    """What makes a job one that waits to run: pending and not held (``table``: jobs, or an alias;
+    ``NOT_HELD``'s comparison)."""
+    return table.c.state == State.PENDING, table.c.held == False  # noqa: E712 - as NOT_HELD
 
 
 _ID = _JOBS.c.id == bindparam("job_id")
@@ -135,7 +141,7 @@ ASK_TO_CANCEL = move("ask a running job's worker to cancel it", A.USER, S.RUNNIN
 HOLD = move("hold or release", A.USER, S.PENDING, None, _ID, held=bindparam("held"), reason=bindparam("reason"))
 
 # ---- the scheduler's -----------------------------------------------------------------------------
-DISPATCH = Prepared(move("dispatch", A.SCHEDULER, S.PENDING, S.DISPATCHED, _ID, _JOBS.c.held == False,  # noqa: E712
+DISPATCH = Prepared(move("dispatch", A.SCHEDULER, S.PENDING, S.DISPATCHED, _ID, NOT_HELD,
                          dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
 SEND_AGAIN = move("send a dispatched job's message again", A.SCHEDULER, S.DISPATCHED, None, _IDS,
                   dispatched_at=bindparam("now"))
@@ -144,11 +150,8 @@ DOOM = move("cancel a job whose dependency ended badly", A.SCHEDULER, S.PENDING,
             ended_at=bindparam("now"), reason=bindparam("reason"))
 # A dispatched job that never started waits again: its message could not be sent (the
 # scheduler), or its GPU's worker stopped heart-beating before claiming it (the reaper).
-_UNDISPATCHED = dict(dispatched_at=None, node=None)
-UNSEND = move("put back a job whose message was not sent", A.SCHEDULER, S.DISPATCHED, S.PENDING, _ID,
-              **_UNDISPATCHED)
-UNDISPATCH = move("put back a job whose worker was lost before it started", A.REAPER, S.DISPATCHED, S.PENDING,
-                  _ID, **_UNDISPATCHED)
+UNDISPATCH = move("put back a dispatched job that never started", (A.SCHEDULER, A.REAPER), S.DISPATCHED,
+                  S.PENDING, _ID, dispatched_at=None, node=None)
 _FREE_GPUS = Prepared(table(Allocation).delete().where(table(Allocation).c.job_id == bindparam("job_id")))
 
 
@@ -156,9 +159,9 @@ def free_gpus(session: Session, job_id: int) -> None:
     _FREE_GPUS.run(session.connection(), {"job_id": job_id})
 
 
-def undispatch(session: Session, job_id: int, actor: Actor) -> None:
+def undispatch(session: Session, job_id: int) -> None:
     """A dispatched job that never started waits again, its GPUs freed."""
-    session.execute(UNSEND if actor is A.SCHEDULER else UNDISPATCH, {"job_id": job_id})
+    session.execute(UNDISPATCH, {"job_id": job_id})
     free_gpus(session, job_id)
 
 

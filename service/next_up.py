@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import policy
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite, savepoint
-from gpuq.service.lifecycle import Actor, move, waiting
+from gpuq.service.lifecycle import NOT_HELD, Actor, move, waiting
 from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, table, utcnow
 from gpuq.service.prepared import Prepared
 
@@ -49,13 +49,12 @@ _LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user")).where(*_GPU_TAKES,
 _STARTED_HERE: dict[str, Any] = dict(dispatched_at=bindparam("now"), started_at=bindparam("now"),
                      node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
                      lease_expires_at=bindparam("expires"))
-_NOT_HELD = _JOBS.c.held == False  # noqa: E712 - see lifecycle.waiting
 _TAKE = Prepared(move("take a listed job", Actor.WORKER, State.PENDING, State.RUNNING,
-                      _JOBS.c.id == bindparam("job_id"), _NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+                      _JOBS.c.id == bindparam("job_id"), NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
 # The first listed job that waits, started.
 _FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
 _TAKE_FIRST = Prepared(move("take the first listed job", Actor.WORKER, State.PENDING, State.RUNNING,
-                            _JOBS.c.id == _FIRST_LISTED, _NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+                            _JOBS.c.id == _FIRST_LISTED, NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
 # PostgreSQL's: the first listed job that waits and that no other transaction has locked (one
 # another worker is taking). The list is read in rank order first (OFFSET 0 keeps it a step of
 # its own), then each listed job is looked up by its key and locked (LATERAL ... FOR UPDATE SKIP
@@ -67,7 +66,7 @@ _UNLOCKED = (select(_JOBS.c.id).where(_JOBS.c.id == _RANKED.c.job_id, *waiting()
 _FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, true())
                    .order_by(_RANKED.c.rank).limit(1).scalar_subquery())
 _TAKE_FIRST_UNLOCKED = Prepared(move("take the first listed job no other worker is taking", Actor.WORKER,
-                                     State.PENDING, State.RUNNING, _JOBS.c.id == _FIRST_UNLOCKED, _NOT_HELD,
+                                     State.PENDING, State.RUNNING, _JOBS.c.id == _FIRST_UNLOCKED, NOT_HELD,
                                      **_STARTED_HERE).returning(*TAKEN_COLUMNS))
 _LEFT = Prepared(select(func.count()).select_from(_NEXT)
                  .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _LISTED_USER.is_not(None)))

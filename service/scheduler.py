@@ -19,7 +19,6 @@ from gpuq.service import broker, db, leases, lifecycle, next_up, policy
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.fair_share import FairShare
-from gpuq.service.lifecycle import Actor
 from gpuq.service.models import Allocation, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_read import QueueRead, read_queue
@@ -132,7 +131,7 @@ class Scheduler:
         restarted = self._redis_restarted()
         with write_scope(self.settings) as session:
             leases.reap(session, self.settings)
-            lost = leases.unclaimed(session, self.settings, everything=restarted)
+            lost = leases.take_unclaimed(session, self.settings, everything=restarted)
         for job_id, queue in lost:
             self._send(job_id, queue, again=True)
 
@@ -176,7 +175,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - any broker failure means: not sent, try again later
             log.warning("job %s: could not send to %s (%s); back to pending", job_id, queue, exc)
             with write_scope(self.settings) as session:
-                lifecycle.undispatch(session, job_id, Actor.SCHEDULER)
+                lifecycle.undispatch(session, job_id)
 
     def send_dispatched(self, entries: list[str]) -> None:
         """Send the messages of jobs placed at submit (``place_at_submit``), as the submitter

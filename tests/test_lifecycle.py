@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import BindParameter, select
-from sqlalchemy.sql.elements import BinaryExpression, ClauseList
+from sqlalchemy.sql.elements import BinaryExpression
 
 from gpuq.service import jobs, leases, lifecycle, next_up, scheduler, spec, submitting  # noqa: F401 - their moves
 from gpuq.service.constants import ALL_STATES, END_STATES, State
@@ -29,7 +29,7 @@ def _state_guards(clause) -> list[tuple[State, ...]]:
         right = clause.right
         values = right.value if isinstance(right, BindParameter) else [b.value for b in right.clauses]
         found.append(tuple(values) if isinstance(values, (list, tuple)) else (values,))
-    for child in clause.get_children() if isinstance(clause, ClauseList) or hasattr(clause, "clauses") else ():
+    for child in getattr(clause, "clauses", ()):  # AND, OR: a ClauseList's terms
         found += _state_guards(child)
     return found
 
@@ -39,8 +39,9 @@ def test_every_move_is_one_the_table_allows_and_its_where_names_exactly_its_stat
     for name, m in MOVES.items():
         guards = _state_guards(m.statement.whereclause)
         assert guards == [m.sources], (name, guards)
-        for source in m.sources:
-            assert allowed(m.actor, source, m.target or source), name
+        for actor in m.actors:
+            for source in m.sources:
+                assert allowed(actor, source, m.target or source), name
         sets = {col.name if hasattr(col, "name") else col: v for col, v in m.statement._values.items()}
         if m.target is None:
             assert "state" not in sets, name  # a move that keeps the state must not set it
@@ -77,7 +78,7 @@ def test_a_move_the_table_does_not_allow_is_refused_when_it_is_built():
 
 # Statements that would change a job's row without the table: an ORM update of Job, or a Core
 # update of the jobs table under any of the names gpuq gives it.
-_UPDATES_OF_JOBS = re.compile(r"update\(\s*Job\s*\)|(?:Job\.__table__|_JOBS|_t|_JOB)\s*\.update\(|"
+_UPDATES_OF_JOBS = re.compile(r"update\(\s*Job\s*\)|(?:Job\.__table__|table\(\s*Job\s*\)|_JOBS|_t|_JOB)\s*\.update\(|"
                               r"\bJob\.__table__\.c\b.*\.update\(|session\.query\(\s*Job\s*\)[^\n]*\.update\(")
 
 
@@ -96,7 +97,8 @@ def test_no_module_of_gpuq_updates_the_jobs_table_but_through_the_lifecycle():
 def test_a_job_row_changed_outside_the_table_is_caught_by_the_scan(tmp_path):
     # The scan above must be able to fail: it finds the forms gpuq's code would use.
     for line in ("session.execute(update(Job).where(Job.id == 1).values(state='running'))",
-                 "_JOBS.update().where(_JOBS.c.id == 1)", "Job.__table__.update().values(held=True)"):
+                 "_JOBS.update().where(_JOBS.c.id == 1)", "Job.__table__.update().values(held=True)",
+                 "table(Job).update().values(held=True)"):
         assert _UPDATES_OF_JOBS.search(line), line
 
 
