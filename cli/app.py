@@ -23,7 +23,8 @@ typer.core.HAS_RICH = False
 
 # command → the module (in gpuq.cli) whose Typer app holds it, and that app's name there.
 COMMANDS = {
-    "submit": ("submit", "app"), "status": ("status", "app"), "workloads": ("status", "app"),
+    "submit": ("submit", "app"), "run": ("submit", "app"), "attach": ("follow", "app"),
+    "alloc": ("alloc", "app"), "status": ("status", "app"), "workloads": ("status", "app"),
     "show": ("jobs", "app"), "logs": ("jobs", "app"), "wait": ("jobs", "app"), "cancel": ("jobs", "app"),
     "resubmit": ("jobs", "app"), "why": ("control", "app"), "hold": ("control", "app"),
     "release": ("control", "app"), "drain": ("control", "app"), "resume": ("control", "app"),

@@ -154,7 +154,7 @@ def logs(job_id: JobId,
     client = Client()
     first = client.get(f"/jobs/{job_id}/output", after=-1)
     if as_json and not follow:
-        print_json({"id": job_id, "state": first["state"], "output": "".join(d for _, d in first["chunks"])})
+        print_json({"id": job_id, "state": first["state"], "output": "".join(ch[1] for ch in first["chunks"])})
         return
     epochs = first["epochs"]
     show = follow and not as_json and bool(epochs) and wanted(progress, sys.stdout, sys.stderr)
@@ -166,17 +166,19 @@ def _print_output(client: Client, job_id: int, answer: dict[str, Any], follow: b
                   advance: Callable[[int, str], None]) -> None:
     seq = -1
     while True:
-        for seq, data in answer["chunks"]:
+        for seq, data, stream in answer["chunks"]:
             if as_json:
-                sys.stdout.write(json.dumps({"id": job_id, "seq": seq, "data": data}, ensure_ascii=False) + "\n")
+                sys.stdout.write(json.dumps({"id": job_id, "seq": seq, "data": data,
+                                             "stream": "stderr" if stream == c.STDERR else "stdout"},
+                                            ensure_ascii=False) + "\n")
             else:
                 sys.stdout.write(data)
         sys.stdout.flush()
         advance(answer["epochs_done"], f"epoch {answer['epochs_done']}/{answer['epochs']}")
         if not follow or (answer["state"] in c.END_STATES and not answer["chunks"]):
             return
-        time.sleep(c.CLIENT_POLL_SECONDS)
-        answer = client.get(f"/jobs/{job_id}/output", after=seq)
+        # The server answers as soon as there is news (a line, the job's end), or after the wait.
+        answer = client.get(f"/jobs/{job_id}/output", after=seq, wait=c.FOLLOW_WAIT_SECONDS, state=answer["state"])
 
 
 def _selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False) -> list[int]:

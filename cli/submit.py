@@ -27,6 +27,9 @@ app = typer.Typer()
 COMMAND_KEY = "gpuq.command"
 
 
+DETACH_KEY = "gpuq.detach"
+
+
 class SubmitCommand(TyperCommand):
     """Splits the command line at ``--``: what follows is the user's command, untouched."""
 
@@ -38,7 +41,28 @@ class SubmitCommand(TyperCommand):
         return super().parse_args(ctx, args)
 
 
-@app.command(cls=SubmitCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+class RunCommand(SubmitCommand):
+    """`gpuq run`: `gpuq submit`'s options (the same function runs both) and ``--detach``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import click
+
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(
+            ["--detach"], is_flag=True, expose_value=False, help="Leave once the job runs (`gpuq attach ID` "
+            "follows it again).", callback=lambda ctx, _, value: ctx.meta.__setitem__(DETACH_KEY, value)))
+
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+RUN_HELP = """Queue a job and follow it here, as srun does: why it waits, then its stdout and stderr as
+they come, and its exit code as this command's (124: timed out, 125: ended by gpuq, 130: cancelled).
+
+Ctrl-C cancels the job (twice: leave at once); a closed terminal cancels it too.
+`gpuq run matmul --size 500`, `gpuq run --gpus 2 -- python train.py`."""
+
+
+@app.command("run", cls=RunCommand, context_settings=_EXTRA, help=RUN_HELP)
+@app.command(cls=SubmitCommand, context_settings=_EXTRA)
 def submit(
     ctx: typer.Context,
     workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`).",
@@ -76,7 +100,7 @@ def submit(
     stray = [a for a in ([workload] if workload is not None else []) + extra if a.startswith("-")]
     if stray and (command is not None or workload is None or workload.startswith("-")):
         # Before `--` only gpuq's own options go (a workload's come after its name): a mistyped one.
-        raise InvalidSpec(f"no such option: {stray[0]} (gpuq submit --help)")
+        raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
     body: dict[str, Any] = {
         "workload": workload, "args": extra, "command": command, "gpus": gpus, "name": name,
         "priority": priority, "mem": mem, "node": node, "host_mem": host_mem, "time": time, "retries": retries,
@@ -88,7 +112,18 @@ def submit(
     if command is not None:
         body["environ"] = _environ(env or [])
         body["git"] = _git_state(body["cwd"])
-    made = Client().post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"]
+    running = ctx.command.name == "run"
+    if running and (array is not None or sweep):
+        raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit")
+    if running and as_json:
+        raise InvalidSpec("--json is for gpuq submit; gpuq run prints the job's own output")
+    client = Client()
+    made = client.post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"]
+    if running:
+        from gpuq.cli.follow import follow
+
+        detach = ctx.meta.get(DETACH_KEY, False)
+        raise typer.Exit(follow(client, made[0]["id"], cancel_on_interrupt=True, detach=detach))
     if as_json:
         print_json(made[0] if len(made) == 1 and array is None and not sweep else made)
     elif len(made) == 1 and made[0]["array_id"] is None:

@@ -4,6 +4,7 @@ Rights are checked here, with service/rights.py, before anything private leaves 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -156,11 +157,37 @@ def _diff(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
 
 @routes.get(JOB + "/output")
 async def output(request: web.Request) -> web.Response:
-    """Output chunks after sequence number ``after`` (-1: from the start), the job's state, and
-    for a training job the epochs done (`gpuq logs [-f]`)."""
+    """Output chunks after sequence number ``after`` (-1: from the start), each [seq, text, stream],
+    the job's state and reason (with its exit code, failure and result once it ended), and for a
+    training job the epochs done (`gpuq logs [-f]`, `gpuq run`, `gpuq attach`).
+
+    With ``wait=S`` and ``state=X`` (the state the client last saw) the answer waits, at most S
+    seconds, for news: new output, or a state other than X. A follower then learns of a line or
+    of the job's end as soon as SQL has it, without asking many times a second itself."""
     settings, caller = context(request)
-    after = _int(request, "after", -1)
-    return web.json_response(await call(_output, settings, caller, _job_id(request), after))
+    job_id, after = _job_id(request), _int(request, "after", -1)
+    wait = min(max(_float(request, "wait", 0.0), 0.0), 60.0)
+    seen = request.query.get("state")
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    while True:
+        answer = await call(_output, settings, caller, job_id, after)
+        waited = loop.time() - began
+        if answer["chunks"] or answer["state"] != seen or answer["state"] in c.END_STATES or waited >= wait:
+            return web.json_response(answer)
+        # Often at first (a short job's end comes soon after its start), then less often: a
+        # follower of a long job costs the server a read every quarter second, not twenty a second.
+        await asyncio.sleep(c.FOLLOW_LOOK_SECONDS if waited < 1.0 else 5 * c.FOLLOW_LOOK_SECONDS)
+
+
+def _float(request: web.Request, name: str, default: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise InvalidSpec(f"{name} must be a number of seconds, got {raw[:40]!r}") from None
 
 
 def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict[str, Any]:
@@ -170,8 +197,11 @@ def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict
         chunks = jobs.read_output(session, job_id, after)
         epochs = job.params.get("epochs") if job.workload == "train" else None
         done = _epochs_done(jobs.read_metrics(session, job_id)) if epochs else 0
-        return {"id": job_id, "state": job.state, "chunks": [list(ch) for ch in chunks], "epochs": epochs,
-                "epochs_done": done}
+        answer = {"id": job_id, "state": job.state, "reason": job.reason, "kind": job.kind,
+                  "chunks": [list(ch) for ch in chunks], "epochs": epochs, "epochs_done": done}
+        if job.state in c.END_STATES:
+            answer |= {"exit_code": job.exit_code, "failure": job.failure, "result": job.result}
+        return answer
 
 
 def _epochs_done(metrics: list[dict[str, Any]]) -> int:
@@ -222,3 +252,29 @@ async def resubmit(request: web.Request) -> web.Response:
     settings, caller = context(request)
     job = await call(again, settings, _job_id(request), caller)
     return web.json_response({"job": views.job(job)})
+
+
+@routes.post(JOB + "/keepalive")
+async def keepalive(request: web.Request) -> web.Response:
+    """An allocation's client (`gpuq alloc`) is alive: the allocation as it needs it (state, GPUs,
+    run id, deadline, how often to say so again). Its owner's only."""
+    from gpuq.service.allocations import keep_alive
+
+    settings, caller = context(request)
+    held = await call(keep_alive, settings, _job_id(request), caller)
+    return web.json_response(held.as_json())
+
+
+@routes.post(JOB + "/end")
+async def end(request: web.Request) -> web.Response:
+    """An allocation's shell (or command) exited with ``exit_code``: its worker ends it and stops
+    whatever it left running."""
+    from gpuq.service.allocations import end_by_client
+
+    settings, caller = context(request)
+    body = await body_of(request)
+    code = body.get("exit_code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise InvalidSpec("exit_code must be a whole number")
+    await call(end_by_client, settings, _job_id(request), code, caller)
+    return web.json_response({"id": _job_id(request), "exit_code": code})

@@ -17,11 +17,12 @@ import shutil
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gpuq.server import dispatch
-from gpuq.service import jobs, spec, submitting
+from gpuq.service import allocations, jobs, spec, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
 from gpuq.service.models import Job
@@ -36,7 +37,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
     "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
-    "git": (dict, None), "user": (str, None), "key": (str, None)}
+    "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +69,8 @@ def specs_of(settings: Settings, caller: Caller, f: dict[str, Any]) -> list[spec
     cwd = f["cwd"]
     if cwd is None or not os.path.isabs(cwd):
         raise InvalidSpec("submit field 'cwd' must be an absolute path")
+    if f["interactive"]:
+        return [_allocation(f, owner, command)]
     if command is not None:
         if workload is not None or f["args"]:
             raise InvalidSpec("give either a workload or a command after --, not both")
@@ -91,6 +94,24 @@ def specs_of(settings: Settings, caller: Caller, f: dict[str, Any]) -> list[spec
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
                             host_mem=f["host_mem"])
     return spec.expand(make, sched, f["array"], f["sweep"])
+
+
+# What an allocation (`gpuq alloc`) cannot ask for: it is one shell, now, in the client's terminal.
+_NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", "array": "--array",
+                        "sweep": "--sweep", "snapshot": "--snapshot", "retries": "--retries", "hold": "--hold",
+                        "after": "--after", "after_any": "--after-any", "host_mem": "--host-mem", "env": "--env"}
+
+
+def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:
+    for name, what in _NOT_FOR_ALLOCATIONS.items():
+        if f[name] not in (None, False, [], 0):
+            raise InvalidSpec(f"an allocation (gpuq alloc) takes no {what}")
+    if f["node"] is None:
+        raise InvalidSpec("an allocation needs submit field 'node': the node its client runs on")
+    made = spec.interactive_spec(command, node=f["node"], gpus=f["gpus"], name=f["name"], cwd=f["cwd"], user=owner,
+                                 run_id=allocations.new_run_id())
+    sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"])
+    return replace(made, **sched.fields(), env=made.env)
 
 
 def git_state(settings: Settings, data: dict[str, Any] | None) -> GitState | None:

@@ -33,8 +33,9 @@ FAILURE_CANCELLED = "cancelled"  # someone cancelled it
 FAILURE_WORKER_LOST = "worker_lost"  # its lease ran out: the worker died or lost the database
 FAILURE_INTERRUPTED = "interrupted"  # its worker was shut down before it ended
 FAILURE_GPU_LOST = "gpu_lost"  # NVML said the GPU fell off the bus or needs a reset
+FAILURE_CLIENT_LOST = "client_lost"  # an allocation's `gpuq alloc` stopped answering (ssh dropped, killed)
 FAILURES = (FAILURE_EXIT, FAILURE_ERROR, FAILURE_CUDA_OOM, FAILURE_HOST_OOM, FAILURE_TIMEOUT, FAILURE_CANCELLED,
-            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
+            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST)
 # Failures of the machinery, not the job: a job that asked for retries is put back without using
 # one up (up to the max_requeues setting).
 INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
@@ -42,6 +43,9 @@ INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
 # Job kinds.
 KIND_WORKLOAD = "workload"  # a built-in torch workload run inside the warm worker
 KIND_COMMAND = "command"  # the user's own argv, run as a child process
+# GPUs held for a shell or a command that `gpuq alloc` runs in the user's own terminal; the worker
+# hosts the allocation (lease, time limit, cancel, samples) and stops what it started at its end.
+KIND_INTERACTIVE = "interactive"
 
 # The Celery tasks gpuq sends. run_job's only argument is the job id (the rest comes from SQL);
 # run_rank asks the worker of one of a job's other GPUs to run its rank (job id, rank).
@@ -60,6 +64,12 @@ EXIT_OVER_LIMIT = 75  # a per-user limit (pending jobs) refuses it for now: try 
 EXIT_UNAVAILABLE = 69  # the database or the broker cannot be reached
 EXIT_SOFTWARE = 70  # a bug in gpuq: please report it
 EXIT_CONFIG = 78  # the settings are wrong
+# `gpuq run`, `gpuq attach` and `gpuq alloc` exit with the job's own code: 0, a command's exit code,
+# 128+N for a command killed by signal N, 1 for a built-in workload that raised. An end that gpuq
+# made has a code of its own (docker run's 125 for "not the command's doing"; timeout(1)'s 124).
+EXIT_RUN_TIMED_OUT = 124  # its --time ran out
+EXIT_RUN_GPUQ = 125  # gpuq ended it: worker lost or shut down, GPU lost, allocation's client lost
+EXIT_RUN_CANCELLED = 130  # cancelled (Ctrl-C, `gpuq cancel`), as a shell reports Ctrl-C
 
 # Largest job name we store; SQL column size.
 MAX_NAME_LENGTH = 200
@@ -68,6 +78,17 @@ MAX_ARGV_BYTES = 128 * 1024
 # Output is kept in SQL in chunks of at most this many bytes, flushed at least this often.
 OUTPUT_CHUNK_BYTES = 64 * 1024
 OUTPUT_FLUSH_SECONDS = 0.5
+# Which stream a chunk of output came from (job_output.stream): a command's stdout and stderr are
+# kept apart, so `gpuq run` gives each back to its own file; a built-in workload writes stdout.
+STDOUT = 0
+STDERR = 1
+# A client following a job (`gpuq run`, `gpuq logs -f`) asks the server to answer once there is
+# news, waiting at most this long per request; the server looks at SQL this often meanwhile.
+FOLLOW_WAIT_SECONDS = 10.0
+FOLLOW_LOOK_SECONDS = 0.05
+# `gpuq alloc` warns on the terminal this long before the allocation's --time runs out (half
+# the time limit when that is shorter than twice this).
+ALLOC_WARN_SECONDS = 300.0
 # Seconds a stopped job's processes get to disappear after SIGKILL before the GPU is drained
 # instead of freed (a process in uninterruptible sleep can outlive SIGKILL for a while).
 STOP_VERIFY_SECONDS = 30.0

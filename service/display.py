@@ -33,11 +33,13 @@ def result_summary(job: Job | Any) -> str:
             return f"{r['gflops']:.1f} GFLOP/s"
         if "test_acc" in r:
             return f"test acc {r['test_acc']:.3f}"
-        if job.kind == c.KIND_COMMAND:
+        if job.kind in (c.KIND_COMMAND, c.KIND_INTERACTIVE):
             return "exit 0"
         return "done"
     if job.state == State.PENDING:
         return "held" if job.held else (job.reason or "waiting for GPUs")
     if job.state == State.RUNNING and job.cancel_requested_at:
         return c.CANCELLING
+    if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:
+        return "interactive (gpuq alloc)"
     return job.reason or ""

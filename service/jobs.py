@@ -137,15 +137,16 @@ def next_output_seq(session: Session, job_id: int) -> int:
     return 0 if last is None else last + 1
 
 
-def append_output(session: Session, job_id: int, seq: int, data: str) -> None:
-    session.add(JobOutput(job_id=job_id, seq=seq, data=data, written_at=utcnow()))
+def append_output(session: Session, job_id: int, seq: int, data: str, stream: int = c.STDOUT) -> None:
+    session.add(JobOutput(job_id=job_id, seq=seq, data=data, stream=stream, written_at=utcnow()))
 
 
-def read_output(session: Session, job_id: int, after_seq: int = -1) -> list[tuple[int, str]]:
-    rows = session.execute(select(JobOutput.seq, JobOutput.data)
+def read_output(session: Session, job_id: int, after_seq: int = -1) -> list[tuple[int, str, int]]:
+    """The job's output chunks after ``after_seq``: (seq, text, stream: c.STDOUT or c.STDERR)."""
+    rows = session.execute(select(JobOutput.seq, JobOutput.data, JobOutput.stream)
                            .where(JobOutput.job_id == job_id, JobOutput.seq > after_seq)
                            .order_by(JobOutput.seq)).all()
-    return [(r.seq, r.data) for r in rows]
+    return [(r.seq, r.data, r.stream) for r in rows]
 
 
 def output_tail(session: Session, job_id: int, lines: int) -> list[str]:

@@ -53,13 +53,14 @@ TRANSITIONS: dict[State | None, dict[State, frozenset[Actor]]] = {
         S.CANCELLED: frozenset({A.USER, A.SCHEDULER}),  # cancelled; a job it needed ended badly
     },
     S.DISPATCHED: {
-        S.DISPATCHED: frozenset({A.SCHEDULER}),  # its message sent again
+        S.DISPATCHED: frozenset({A.SCHEDULER, A.USER}),  # its message sent again; an allocation's client alive
         S.RUNNING: frozenset({A.WORKER}),  # claimed by its first GPU's worker
         S.PENDING: frozenset({A.SCHEDULER, A.REAPER}),  # its message could not be sent; its worker died
         S.CANCELLED: frozenset({A.USER}),
     },
     S.RUNNING: {
-        S.RUNNING: frozenset({A.USER, A.WORKER}),  # a cancel asked for; the lease renewed, ranks' meeting point
+        # a cancel asked for, an allocation's client alive or done; the lease renewed, ranks' meeting point
+        S.RUNNING: frozenset({A.USER, A.WORKER}),
         S.SUCCEEDED: frozenset({A.WORKER}),
         S.FAILED: frozenset({A.WORKER, A.REAPER}),  # its own failure; its worker lost
         S.TIMED_OUT: frozenset({A.WORKER}),

@@ -15,6 +15,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -69,7 +70,7 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         CheckConstraint(f"state IN ({_STATES})", name="state"),
-        CheckConstraint(f"kind IN ('{c.KIND_WORKLOAD}', '{c.KIND_COMMAND}')", name="kind"),
+        CheckConstraint(f"kind IN ('{c.KIND_WORKLOAD}', '{c.KIND_COMMAND}', '{c.KIND_INTERACTIVE}')", name="kind"),
         CheckConstraint("gpus >= 1", name="gpus_positive"),
         # Fair share reads the jobs that ended since its last pass.
         Index("ix_jobs_ended_at", "ended_at"),
@@ -134,6 +135,10 @@ class Job(Base):
     git_diff: Mapped[str | None] = mapped_column(Text)
     git_diff_cut: Mapped[bool | None] = mapped_column()
     snapshot: Mapped[str | None] = mapped_column(Text)
+    # An allocation (kind interactive): when its client (`gpuq alloc`) last said it is alive, and
+    # the exit code of the shell or command it ran, once the client has ended it.
+    keepalive_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    client_exit_code: Mapped[int | None] = mapped_column(Integer)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"
@@ -222,7 +227,7 @@ class NextUp(Base):
 
 
 class JobOutput(Base):
-    """A chunk of a job's stdout and stderr (interleaved as written), in order of seq."""
+    """A chunk of a job's stdout or stderr (``stream``), in the order written (seq)."""
 
     __tablename__ = "job_output"
     __table_args__ = (UniqueConstraint("job_id", "seq"),)
@@ -232,6 +237,7 @@ class JobOutput(Base):
     seq: Mapped[int] = mapped_column(Integer)
     data: Mapped[str] = mapped_column(Text)
     written_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    stream: Mapped[int] = mapped_column(SmallInteger, default=c.STDOUT, server_default="0")
 
 
 class JobMetric(Base):

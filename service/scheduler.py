@@ -15,7 +15,7 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, db, leases, lifecycle, next_up, policy
+from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, policy
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.fair_share import FairShare
@@ -132,6 +132,7 @@ class Scheduler:
         with write_scope(self.settings) as session:
             leases.reap(session, self.settings)
             lost = leases.take_unclaimed(session, self.settings, everything=restarted)
+            allocations.abandon_waiting(session, self.settings, utcnow())
         for job_id, queue in lost:
             self._send(job_id, queue, again=True)
 

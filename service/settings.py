@@ -134,6 +134,10 @@ class Settings:
     munge_socket: str = "/run/munge/munge.socket.2"
     # Jobs one user may have pending at once; past it a submit is refused whole.
     max_pending_per_user: int = 10_000
+    # An allocation (`gpuq alloc`) whose client has not been heard from for this many seconds (ssh
+    # dropped, client killed) is ended as client_lost and everything it started is stopped; the
+    # client says it is alive every third of this.
+    alloc_keepalive: float = 30.0
 
     @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:

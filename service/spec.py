@@ -274,6 +274,26 @@ def command_spec(argv: list[str], *, gpus: int = 1, name: str | None = None, cwd
                    env=env)
 
 
+def interactive_spec(argv: list[str] | None, *, node: str, gpus: int = 1, name: str | None = None,
+                     cwd: str | None = None, user: str | None = None, run_id: str) -> JobSpec:
+    """A spec for an allocation (`gpuq alloc`) on ``node``, the node its client runs on: GPUs held for
+    a shell or ``argv``, which the client runs itself, as the user. The command is kept to show it
+    (it is not run by the worker); ``run_id`` marks every process of the allocation."""
+    check_gpus(gpus)
+    if argv is not None:
+        if not argv or not argv[0] or any("\x00" in a or _has_surrogate(a) for a in argv):
+            raise InvalidSpec("the command after -- must be UTF-8 text without NUL bytes")
+        if len(json.dumps(argv, ensure_ascii=False).encode("utf-8")) > c.MAX_ARGV_BYTES:
+            raise InvalidSpec(f"the command line is longer than {c.MAX_ARGV_BYTES // 1024} KiB")
+    if not node.strip():
+        raise InvalidSpec("an allocation needs the node its client runs on")
+    shown = _printable(" ".join(argv)) if argv else "shell"
+    return JobSpec(kind=c.KIND_INTERACTIVE, name=check_name(f"alloc: {shown}"[: c.MAX_NAME_LENGTH] if name is None
+                                                            else name),
+                   user=user or current_user(), gpus=gpus, cwd=os.path.abspath(cwd or os.getcwd()), argv=argv,
+                   on_node=node, env={"GPUQ_RUN_ID": run_id})
+
+
 def _has_surrogate(text: str) -> bool:
     try:
         text.encode("utf-8")

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
+from gpuq.service.allocations import check_node
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
@@ -125,6 +126,8 @@ def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> None:
     with read_scope(settings) as session:
         if key is not None and (made := submitted_with(session, key, first.user)) is not None:
             raise DuplicateSubmission(key, made)
+        if first.kind == c.KIND_INTERACTIVE and first.on_node is not None:
+            check_node(session, first.on_node)
         _check_resources(session, settings, first)
         _check_dependencies(session, first.after)
         _check_pending_limit(session, settings, first.user, len(specs))
@@ -166,7 +169,9 @@ def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
                 attempts=[], held=s.held, after=s.after, after_any=s.after_any, env=s.env,
                 array_index=s.array_index, array_id=None, git_commit=s.git_commit, git_dirty=s.git_dirty,
                 git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
-                host_mem_mib=s.host_mem_mib, requeues=0)
+                host_mem_mib=s.host_mem_mib, requeues=0,
+                # An allocation's client is alive as it submits; it says so again while it waits.
+                keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None)
 
 
 def _staged_at(staged: Staged | None) -> dict[str, Any]:

@@ -393,7 +393,7 @@ def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
 def output_of(settings, job_id: int) -> str:
     """All the job's output so far, as stored in SQL."""
     with write_scope(settings) as session:
-        return "".join(d for _, d in jobs.read_output(session, job_id))
+        return "".join(d for _, d, _ in jobs.read_output(session, job_id))
 
 
 def run_cli(args: list[str], settings: Settings, cwd: str | Path | None = None, timeout: float = 60,

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(180)
 
 # Commands that change things or run services; every other command reads, and must take --json.
 NOT_READ = {"cancel", "hold", "release", "drain", "resume", "up", "down", "worker", "scheduler", "db", "server",
-            "dashboard"}  # a server, like worker and scheduler: it prints no document
+            "dashboard",  # a server, like worker and scheduler: it prints no document
+            "run", "attach", "alloc"}  # the job's own output, or a shell: in the terminal, as it comes
 
 
 def gpuq(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:

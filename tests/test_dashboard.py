@@ -157,7 +157,8 @@ def test_metrics_carry_no_output_even_with_shared_logs(ran, dash, shared_dash):
     st, j = ran
     with write_scope(st.settings) as session:
         lines = {ln.strip() for job_id in (j.failed, j.train, j.matmul, j.running)
-                 for _, data in jobs.read_output(session, job_id) for ln in data.splitlines() if len(ln.strip()) > 10}
+                 for _, data, _ in jobs.read_output(session, job_id)
+                 for ln in data.splitlines() if len(ln.strip()) > 10}
     assert "about to fail" in lines
     for d in (dash, shared_dash):
         status, _, text = d.get("/metrics")
@@ -274,7 +275,7 @@ def test_a_public_view_request_cannot_read_output_that_the_same_caller_can_witho
     st, j = ran
     api = _Api(st.settings)
     status, answer = api("GET", f"/jobs/{j.failed}/output", public=False)
-    assert status == 200 and "about to fail" in "".join(d for _, d in answer["chunks"])
+    assert status == 200 and "about to fail" in "".join(ch[1] for ch in answer["chunks"])
     status, answer = api("GET", f"/jobs/{j.failed}/output", public=True)
     assert status == 403 and answer["exit_code"] == 77 and "about to fail" not in str(answer)
     status, answer = api("GET", f"/jobs/{j.failed}", public=True)

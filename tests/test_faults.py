@@ -413,5 +413,5 @@ def test_a_retried_job_keeps_the_output_of_every_attempt(stack, tmp_path):
     j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
     assert j.attempts[0]["failure"] == c.FAILURE_EXIT and not j.attempts[0]["requeue"]
     with write_scope(stack.settings) as session:
-        text = "".join(data for _, data in jobs.read_output(session, job_id))
+        text = "".join(data for _, data, _ in jobs.read_output(session, job_id))
     assert text.index("attempt 1 says hello") < text.index("attempt 2 says hello")

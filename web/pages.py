@@ -85,7 +85,7 @@ def job(api: Client, job_id: int) -> str:
     metrics = shown.get("metrics") or []
     # The server says whether the public may read the output: not even asked for otherwise.
     readable = bool(shown.get("output_readable"))
-    output = "".join(data for _, data in api.get(f"/jobs/{job_id}/output")["chunks"]) if readable else ""
+    output = "".join(ch[1] for ch in api.get(f"/jobs/{job_id}/output")["chunks"]) if readable else ""
     reason = api.get(f"/jobs/{job_id}/why")["why"]
     stats = api.get(f"/jobs/{job_id}/stats", plot=1) if j.started_at else None
     series = [p | {"at": parse_when(p["at"])} for p in (stats or {}).get("series", [])]

@@ -69,6 +69,15 @@ class JobCgroup:
         finally:
             os.close(fd)
 
+    def place(self, pid: int) -> bool:
+        """Move process ``pid`` into this cgroup (an allocation's processes, which the worker did
+        not start); False if the kernel refused or the process is gone."""
+        try:
+            Path(self._procs).write_text(str(pid))
+            return True
+        except OSError:
+            return False
+
     def pids(self) -> list[int]:
         try:
             return [int(p) for p in Path(self._procs).read_text().split()]

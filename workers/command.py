@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import IO
 
 import psutil
 
@@ -49,23 +50,27 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
     proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=functools.partial(_in_child, cgroup, run_as))
     found = _Finder(proc.pid, cgroup, run_id)
-    reader = threading.Thread(target=_pump, args=(proc, sink), name=f"pump-{proc.pid}", daemon=True)
-    reader.start()
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = [threading.Thread(target=_pump, args=(pipe, stream, sink), name=f"pump-{proc.pid}-{stream}", daemon=True)
+               for pipe, stream in ((proc.stdout, c.STDOUT), (proc.stderr, c.STDERR))]
+    for reader in readers:
+        reader.start()
     was_cancelled = False
     while proc.poll() is None:
         if cancelled.wait(POLL_SECONDS):
             was_cancelled = True
-            sink.line(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
+            sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
             stop_tree(proc.pid, kill_grace, found)
             break
     # The job is over when its main process is: anything it left behind is stopped too (SLURM
     # does the same), or it would hold the GPU while gpuq hands it to the next job.
     stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
     code = proc.wait()
-    reader.join(timeout=5)
+    for reader in readers:
+        reader.join(timeout=5)
     leftover = _verify_gone(found, verify_within)
     oom = cgroup is not None and cgroup.oom_kills() > oom_before
     return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, leftover=tuple(leftover))
@@ -161,15 +166,15 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _pump(proc: subprocess.Popen, sink: OutputSink) -> None:
-    assert proc.stdout is not None
+def _pump(pipe: IO[bytes], stream: int, sink: OutputSink) -> None:
+    """Copy one of the job's pipes (its stdout or its stderr) to ``sink`` until it closes."""
     # Incremental decoding keeps a UTF-8 character split across two reads in one piece.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    fd = proc.stdout.fileno()
+    fd = pipe.fileno()
     while chunk := os.read(fd, 65536):
-        sink.write(decoder.decode(chunk))
-    sink.write(decoder.decode(b"", final=True))
-    proc.stdout.close()
+        sink.write(decoder.decode(chunk), stream)
+    sink.write(decoder.decode(b"", final=True), stream)
+    pipe.close()
 
 
 def stop_tree(pid: int, grace: float, found: Callable[[], list[psutil.Process]]) -> None:

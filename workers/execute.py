@@ -33,6 +33,10 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
     (what ``lifecycle.end_attempt`` writes). A workload's exception is raised."""
     if job.kind == c.KIND_COMMAND:
         return _execute_command(state, job, sink, watcher)
+    if job.kind == c.KIND_INTERACTIVE:
+        from gpuq.workers.allocation import host
+
+        return host(state, job, watcher)
     return _execute_workload(state, job, sink, watcher)
 
 

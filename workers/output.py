@@ -20,13 +20,17 @@ class OutputSink:
     """Collects a job's output and writes it to ``job_output`` at least every flush interval.
 
     Writing per line would be one transaction per print; batching keeps a chatty job from
-    hammering the database. Past ``max_output_bytes`` the rest is dropped with one note.
+    hammering the database. Past ``max_output_bytes`` the rest is dropped with one note. A
+    command's stdout and stderr are kept apart: each run of one stream between the other's is a
+    chunk of its own, in the order written, so `gpuq run` gives each back to its own file and
+    `gpuq logs` shows them interleaved as they came.
     """
 
     def __init__(self, settings: Settings, job_id: int, seq: int) -> None:
         self.settings = settings
         self.job_id = job_id
-        self._buffer: list[str] = []
+        # (stream, text) pieces in the order written; adjacent pieces of one stream are joined.
+        self._buffer: list[tuple[int, str]] = []
         self._buffered = 0
         self._written = 0
         # The first chunk's number: after the output of the job's earlier attempts, if it is being
@@ -42,7 +46,7 @@ class OutputSink:
         # Started by the first write: a job that prints nothing costs no thread.
         self._thread: threading.Thread | None = None
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, stream: int = c.STDOUT) -> None:
         if not text:
             return
         with self._lock:
@@ -53,20 +57,28 @@ class OutputSink:
             if room <= 0:
                 if not self._truncated:
                     self._truncated = True
-                    self._buffer.append(f"\n[gpuq: output past {self.settings.max_output_bytes} bytes dropped]\n")
+                    self._buffer.append((c.STDERR, f"\n[gpuq: output past {self.settings.max_output_bytes} bytes "
+                                                   "dropped]\n"))
                 return
             encoded = len(text.encode("utf-8", "replace"))
             if encoded > room:
                 text = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
                 encoded = room
-            self._buffer.append(text)
+            if self._buffer and self._buffer[-1][0] == stream:
+                self._buffer[-1] = (stream, self._buffer[-1][1] + text)
+            else:
+                self._buffer.append((stream, text))
             self._buffered += encoded
             self.tail = (self.tail + text)[-c.OUTPUT_TAIL_CHARS:]
         if self._buffered >= c.OUTPUT_CHUNK_BYTES:
             self.flush()
 
-    def line(self, text: str) -> None:
-        self.write(text if text.endswith("\n") else text + "\n")
+    def line(self, text: str, stream: int = c.STDOUT) -> None:
+        self.write(text if text.endswith("\n") else text + "\n", stream)
+
+    def note(self, text: str) -> None:
+        """A line of gpuq's own about the job (it is being stopped, say): on the job's stderr."""
+        self.line(text, c.STDERR)
 
     def flush(self) -> bool:
         """Write what is buffered; False if the database refused it (it stays, for the next try)."""
@@ -74,18 +86,19 @@ class OutputSink:
             with self._lock:
                 if not self._buffer:
                     return True
-                data, self._buffer = "".join(self._buffer), []
+                pieces, self._buffer = self._buffer, []
                 size, self._buffered = self._buffered, 0
-                seq, self._seq = self._seq, self._seq + 1
+                seq, self._seq = self._seq, self._seq + len(pieces)
             try:
                 with write_scope(self.settings) as session:
-                    append_output(session, self.job_id, seq, data)
+                    for n, (stream, data) in enumerate(pieces):
+                        append_output(session, self.job_id, seq + n, data, stream)
                 self._written += size
                 return True
             except Unreachable:  # a database outage must not kill the job or lose its output
                 log.warning("job %s: could not store %d bytes of output yet; will retry", self.job_id, size)
                 with self._lock:
-                    self._buffer.insert(0, data)
+                    self._buffer[:0] = pieces
                     self._buffered += size
                     self._seq = seq
                 return False
@@ -108,11 +121,12 @@ class OutputSink:
         """Add what is buffered to ``session`` (the transaction that ends the job). Nothing here
         changes until ``rest_stored`` is called after it commits, so a failed end can be retried."""
         with self._lock:
-            if self._buffer:
-                append_output(session, self.job_id, self._seq, "".join(self._buffer))
+            for n, (stream, data) in enumerate(self._buffer):
+                append_output(session, self.job_id, self._seq + n, data, stream)
 
     def rest_stored(self) -> None:
         with self._lock:
             if self._buffer:
                 self._written += self._buffered
-                self._buffer, self._buffered, self._seq = [], 0, self._seq + 1
+                self._seq += len(self._buffer)
+                self._buffer, self._buffered = [], 0

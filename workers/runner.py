@@ -13,6 +13,7 @@ import traceback
 from typing import Any
 
 from gpuq.service import broker, failures
+from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import JobCancelled
@@ -63,7 +64,7 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     except JobCancelled:
         end = stopped_end(state, job, watcher)
     except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
-        sink.write(traceback.format_exc())
+        sink.write(traceback.format_exc(), c.STDERR)
         end = {"state": State.FAILED, "failure": failures.from_exception(exc),
                "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:

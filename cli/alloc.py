@@ -1,0 +1,244 @@
+"""`gpuq alloc`: SLURM's salloc for one node. Waits for GPUs on the node it runs on, then runs
+``$SHELL`` (or the command after ``--``) here, as the user, in this terminal, with the GPUs in
+CUDA_VISIBLE_DEVICES; the allocation ends when it exits.
+
+The allocation is a job of kind interactive (service/allocations.py), hosted by its first GPU's
+worker (workers/allocation.py). This process keeps it alive: it says so to the server every third
+of the ``alloc_keepalive`` setting. If it dies (ssh dropped, kill -9), the worker ends the
+allocation within that setting plus about a second, and stops every process that carries its run
+id, as it does at every end: the shell's exit, the time limit (warned of on the terminal first), or
+`gpuq cancel`.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from gpuq.cli.client import Client, Refused
+from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises
+from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.errors import GpuqError
+from gpuq.service.settings import load_settings
+
+app = typer.Typer()
+
+# After the shell exits, how long to wait for the worker to confirm the end (it stops what the
+# shell left behind first: SIGTERM, kill_grace, SIGKILL).
+END_WAIT_SECONDS = 120.0
+
+
+@app.command(cls=SubmitCommand)
+def alloc(
+    ctx: typer.Context,
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs to hold, all on this node.")] = 1,
+    mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
+    time_limit: Annotated[str | None, typer.Option("--time", help="Time limit (2h, 30m, 1:30:00): warned of 5 "
+                                                                  "minutes before, then everything is stopped.")]
+    = None,
+    name: Annotated[str | None, typer.Option("--name", help="A name to know the allocation by.")] = None,
+    priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
+) -> None:
+    """Hold GPUs on this node for a shell (or the command after --), as salloc does.
+
+    `gpuq alloc --gpus 1 --time 2h` waits for a GPU here, then starts $SHELL with CUDA_VISIBLE_DEVICES,
+    GPUQ_JOB_ID and GPUQ_ALLOC set; `exit` frees the GPU and everything started from the shell is
+    stopped. `gpuq alloc --time 4h -- jupyter lab --no-browser --ip 127.0.0.1` holds it for a notebook.
+    """
+    command = ctx.meta.get(COMMAND_KEY)
+    if command is not None and not command:
+        raise GpuqError("no command given after --")
+    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "mem": mem, "time": time_limit,
+                            "name": name, "priority": priority, "node": load_settings().node, "cwd": _cwd(),
+                            "key": uuid.uuid4().hex}
+    client = Client()
+    job_id = client.post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"][0]["id"]
+    held = _wait_for_start(client, job_id)
+    if held["state"] != State.RUNNING:
+        raise typer.Exit(_report(client, job_id))
+    raise typer.Exit(_hold(client, held, command))
+
+
+def _wait_for_start(client: Client, job_id: int) -> dict[str, Any]:
+    """The allocation once it runs (or ended without running), saying it is alive meanwhile.
+    Ctrl-C, SIGHUP or SIGTERM while it waits cancels it."""
+    waiting = Waiting(job_id)
+    with hang_up_raises():
+        try:
+            while True:
+                held = client.post(f"/jobs/{job_id}/keepalive")
+                if held["state"] not in (State.PENDING, State.DISPATCHED):
+                    waiting.clear()
+                    return held
+                waiting.show(held["state"], held["reason"])
+                # Until the state changes, or it is time to say we are alive again.
+                client.get(f"/jobs/{job_id}/output", wait=min(held["keepalive_s"], 2.0), state=held["state"])
+        except KeyboardInterrupt:
+            waiting.clear()
+            _cancel_quietly(client, job_id)
+            raise typer.Exit(c.EXIT_RUN_CANCELLED) from None
+        except HangUp:
+            _cancel_quietly(client, job_id)
+            raise typer.Exit(128 + signal.SIGHUP) from None
+
+
+def _cancel_quietly(client: Client, job_id: int) -> None:
+    try:
+        client.post(f"/jobs/{job_id}/cancel")
+    except GpuqError:
+        pass
+
+
+def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> int:
+    """Run the shell (or ``command``) in this terminal while the allocation lasts; the exit code."""
+    job_id = held["id"]
+    gpus = ",".join(map(str, held["gpu_indices"]))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, CUDA_DEVICE_ORDER="PCI_BUS_ID", GPUQ_JOB_ID=str(job_id),
+               GPUQ_RUN_ID=held["run_id"], GPUQ_ALLOC=str(job_id), GPUQ_GPUS=str(len(held["gpu_indices"])),
+               GPUQ_NODE=held["node"] or "")
+    argv = command or [os.environ.get("SHELL") or _login_shell()]
+    _say(f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}"
+         + (f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else "")
+         + ("; exit the shell to free it" if command is None else "") + "\n")
+    try:
+        child = subprocess.Popen(argv, env=env)
+    except OSError as exc:
+        _say(f"gpuq: cannot run {argv[0]}: {exc.strerror}\n")
+        client.post(f"/jobs/{job_id}/end", {"exit_code": 127})
+        return _report(client, job_id, 127)
+    keeper = _Keeper(client, held, child)
+    keeper.start()
+
+    def hang_up(signum: int, frame: FrameType | None) -> None:
+        """SIGHUP or SIGTERM to this client ends the session: the shell (or command) is hung up, as a
+        closed terminal would (an interactive shell ignores SIGTERM), and its exit ends the allocation."""
+        try:
+            child.send_signal(signal.SIGHUP)
+        except ProcessLookupError:
+            pass
+
+    # The terminal's Ctrl-C and Ctrl-\ are the shell's to act on, not this process's.
+    before = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGQUIT)}
+    before |= {s: signal.signal(s, hang_up) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        keeper.stop.set()
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    code = 128 - code if code < 0 else code
+    if not keeper.ended.is_set():
+        try:
+            client.post(f"/jobs/{job_id}/end", {"exit_code": code})
+        except Refused as exc:
+            if exc.exit_code != c.EXIT_CONFLICT:
+                raise
+    return _report(client, job_id, code)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """A handler that does nothing: unlike SIG_IGN, exec resets it, so the shell gets its signals."""
+
+
+def _login_shell() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_shell or "/bin/sh"
+    except KeyError:
+        return "/bin/sh"
+
+
+def _report(client: Client, job_id: int, code: int | None = None) -> int:
+    """Wait for the allocation's end (its worker stops what is left first), say how it ended if it
+    was not by the shell's own exit, and return the exit code."""
+    deadline = time.monotonic() + END_WAIT_SECONDS
+    state = None
+    while True:
+        end = client.get(f"/jobs/{job_id}/output", after=2**31 - 1, wait=min(5.0, END_WAIT_SECONDS), state=state)
+        state = end["state"]
+        if state in c.END_STATES:
+            break
+        if time.monotonic() >= deadline:
+            _say(f"gpuq: allocation {job_id} has not ended yet ({state}); its worker is stopping what it started\n")
+            return code if code is not None else c.EXIT_RUN_GPUQ
+    by_client = end.get("failure") in (None, c.FAILURE_EXIT) and end.get("exit_code") == code
+    if by_client and code is not None:
+        return code
+    line = end_line(job_id, end)
+    if line:
+        _say(line + "\n")
+    return exit_code_of(end)
+
+
+def _say(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except OSError:
+        pass
+
+
+class _Keeper(threading.Thread):
+    """Says the allocation's client is alive every ``keepalive_s``; warns on the terminal before
+    its time limit; stops the shell when the allocation ended without it (time limit, cancel)."""
+
+    def __init__(self, client: Client, held: dict[str, Any], child: subprocess.Popen[bytes]) -> None:
+        super().__init__(name="keepalive", daemon=True)
+        self.client, self.held, self.child = client, held, child
+        self.stop = threading.Event()
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        job_id, every = self.held["id"], self.held["keepalive_s"]
+        deadline = self.held["deadline"]
+        warn_at = None
+        if deadline is not None:
+            limit = deadline - time.time()
+            warn_at = deadline - min(c.ALLOC_WARN_SECONDS, max(limit, 0) / 2)
+        next_alive = time.monotonic() + every
+        while not self.stop.wait(0.25):
+            if warn_at is not None and time.time() >= warn_at:
+                warn_at = None
+                left = max(deadline - time.time(), 0)
+                _say(f"\ngpuq: allocation {job_id} ends in {_minutes(left)} (its --time); "
+                     "then everything started in it is stopped\n")
+            if time.monotonic() < next_alive:
+                continue
+            next_alive = time.monotonic() + every
+            try:
+                now = self.client.post(f"/jobs/{job_id}/keepalive")
+            except GpuqError as exc:  # the server restarting: try again next time
+                _say(f"gpuq: allocation {job_id}: could not reach the server ({exc}); trying again\n")
+                continue
+            if now["state"] in c.END_STATES:
+                self.ended.set()
+                self._stop_child()
+                return
+
+    def _stop_child(self) -> None:
+        """The worker stops the allocation's processes by their run id; the shell, if it is still
+        here (a worker that died cannot), is stopped here too."""
+        for sig, wait in ((signal.SIGHUP, 2.0), (signal.SIGKILL, 0.0)):
+            if self.child.poll() is not None:
+                return
+            try:
+                self.child.send_signal(sig)
+            except ProcessLookupError:
+                return
+            if self.stop.wait(wait):
+                return
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"

@@ -1,0 +1,194 @@
+"""Following one job in the terminal, as srun and `ts -f` do: `gpuq run` (queue it, then follow it)
+and `gpuq attach` (follow a job already queued or running).
+
+While the job waits, one line on stderr says why (updated in place on a terminal). Once it runs,
+its stdout goes to stdout and its stderr to stderr as the worker stores them (every half second at
+most), and the command exits with the job's own exit code, or with gpuq's code for an end that gpuq
+made (constants.EXIT_RUN_*). The server answers each request as soon as there is news, so a
+follower costs one request per batch of output, not a poll many times a second.
+
+Ctrl-C during `gpuq run` cancels the job and waits for it to stop (a second Ctrl-C leaves at once);
+a closed terminal (SIGHUP) or SIGTERM cancels it and leaves. `gpuq attach` leaves on Ctrl-C, and the
+job goes on.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Annotated, Any, TextIO
+
+import typer
+
+from gpuq.cli.client import Client, Refused
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+
+app = typer.Typer()
+
+# While a job waits, the line is asked for again this often (its reason may change meanwhile).
+WAITING_LOOK_SECONDS = 2.0
+# gpuq's own ends: the failure classes that are not the job's doing.
+GPUQ_ENDS = (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST)
+
+
+class HangUp(Exception):
+    """The terminal closed (SIGHUP), or the client was asked to stop (SIGTERM)."""
+
+
+def exit_code_of(end: dict[str, Any]) -> int:
+    """The code `gpuq run` exits with for a job's end (the output route's answer once it ended)."""
+    state, failure, code = end["state"], end.get("failure"), end.get("exit_code")
+    if state == State.SUCCEEDED:
+        return 0
+    if state == State.TIMED_OUT:
+        return c.EXIT_RUN_TIMED_OUT
+    if state == State.CANCELLED or failure == c.FAILURE_CANCELLED:
+        return c.EXIT_RUN_CANCELLED
+    if failure in GPUQ_ENDS:
+        return c.EXIT_RUN_GPUQ
+    if code is None:
+        return 1  # a built-in workload that raised
+    return 128 - code if code < 0 else min(code, 255) or 1
+
+
+def end_line(job_id: int, end: dict[str, Any]) -> str | None:
+    """What to say on stderr about a job's end; None when its exit code says it all (it succeeded,
+    or its command exited non-zero on its own)."""
+    state, failure = end["state"], end.get("failure")
+    if state == State.SUCCEEDED or (failure == c.FAILURE_EXIT and (end.get("exit_code") or 0) > 0):
+        return None
+    what = failure if failure and failure != state else state
+    return f"gpuq: job {job_id} {state}" + (f" [{what}]" if what != state else "") + \
+        (f": {end['reason']}" if end.get("reason") else "")
+
+
+class Waiting:
+    """The line on stderr that says why a job waits: rewritten in place on a terminal, a new line
+    each time it changes elsewhere (a log file keeps every one)."""
+
+    def __init__(self, job_id: int, stream: TextIO = sys.stderr) -> None:
+        self.job_id, self.stream = job_id, stream
+        self.tty = stream.isatty()
+        self.shown = ""
+
+    def show(self, state: str, reason: str | None, node: str | None = None) -> None:
+        if state == State.PENDING:
+            why = reason or "its first scheduling pass"
+            text = f"gpuq: job {self.job_id} queued and waiting for {why}"
+        else:
+            text = f"gpuq: job {self.job_id} starting" + (f" on {node}" if node else "")
+        if text == self.shown:
+            return
+        self.shown = text
+        _say(self.stream, ("\r\033[K" + text) if self.tty else text + "\n")
+
+    def clear(self) -> None:
+        if self.shown and self.tty:
+            _say(self.stream, "\r\033[K")
+        self.shown = ""
+
+
+def _say(stream: TextIO, text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except OSError:  # the terminal is gone (a hang-up): nothing to tell it
+        pass
+
+
+def _hang_up(signum: int, frame: FrameType | None) -> None:
+    raise HangUp(signal.Signals(signum).name)
+
+
+@contextmanager
+def hang_up_raises() -> Iterator[None]:
+    """SIGHUP and SIGTERM raise HangUp in the main thread meanwhile (Ctrl-C raises KeyboardInterrupt)."""
+    before = {s: signal.signal(s, _hang_up) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bool = False) -> int:
+    """Follow job ``job_id`` to its end; returns the exit code for it (``exit_code_of``).
+
+    ``cancel_on_interrupt``: Ctrl-C cancels the job and waits for its end (a second one leaves at
+    once), SIGHUP and SIGTERM cancel it and leave; otherwise they leave and the job goes on.
+    ``detach``: leave as soon as the job runs."""
+    waiting = Waiting(job_id)
+    seq, state = -1, None
+    cancelling = False
+    with hang_up_raises():
+        while True:
+            try:
+                wait = WAITING_LOOK_SECONDS if state in (None, State.PENDING, State.DISPATCHED) else \
+                    c.FOLLOW_WAIT_SECONDS
+                answer = client.get(f"/jobs/{job_id}/output", after=seq, wait=wait, state=state)
+                state = answer["state"]
+                if state in (State.PENDING, State.DISPATCHED):
+                    waiting.show(state, answer["reason"])
+                    continue
+                waiting.clear()
+                for _, data, stream in answer["chunks"]:
+                    _say(sys.stderr if stream == c.STDERR else sys.stdout, data)
+                seq = answer["chunks"][-1][0] if answer["chunks"] else seq
+                if state in c.END_STATES and not answer["chunks"]:
+                    return _ended(job_id, answer)
+                if detach and state == State.RUNNING:
+                    _say(sys.stderr, f"gpuq: job {job_id} is running; `gpuq attach {job_id}` follows it, "
+                                     f"`gpuq cancel {job_id}` stops it\n")
+                    return 0
+            except KeyboardInterrupt:
+                waiting.clear()
+                if not cancel_on_interrupt:
+                    _say(sys.stderr, f"\ngpuq: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
+                    return c.EXIT_RUN_CANCELLED
+                if cancelling:
+                    _say(sys.stderr, f"\ngpuq: left job {job_id} while it stops\n")
+                    return c.EXIT_RUN_CANCELLED
+                cancelling = True
+                _say(sys.stderr, f"\ngpuq: cancelling job {job_id} (Ctrl-C again to leave without waiting)\n")
+                if not _cancel(client, job_id):
+                    return c.EXIT_RUN_CANCELLED
+            except HangUp:
+                if cancel_on_interrupt:
+                    _cancel(client, job_id)
+                return 128 + signal.SIGHUP
+
+
+def _cancel(client: Client, job_id: int) -> bool:
+    """Ask for the job's cancel; False if a second Ctrl-C came meanwhile."""
+    try:
+        client.post(f"/jobs/{job_id}/cancel")
+    except Refused as exc:
+        if exc.exit_code != c.EXIT_CONFLICT:  # ended meanwhile: its end is what we report
+            raise
+    except KeyboardInterrupt:
+        return False
+    return True
+
+
+def _ended(job_id: int, end: dict[str, Any]) -> int:
+    sys.stdout.flush()
+    if end.get("kind") == c.KIND_WORKLOAD and end.get("result"):
+        # As `gpuq show` prints it.
+        lines = ["    result"] + [f"{k:>20}  {f'{v:.6g}' if isinstance(v, float) else v}"
+                                  for k, v in end["result"].items()]
+        _say(sys.stdout, "\n".join(lines) + "\n")
+    line = end_line(job_id, end)
+    if line:
+        _say(sys.stderr, line + "\n")
+    return exit_code_of(end)
+
+
+@app.command()
+def attach(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)]) -> None:
+    """Follow a job's output from its start to its end, stdout and stderr apart, and exit with its
+    status as `gpuq run` does. Ctrl-C leaves it running."""
+    raise typer.Exit(follow(Client(), job_id, cancel_on_interrupt=False))

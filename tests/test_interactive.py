@@ -1,0 +1,320 @@
+"""Interactive use against a real stack (server, scheduler, a worker per simulated GPU): `gpuq run`
+streams a job and exits with its status, `gpuq attach` follows one, and `gpuq alloc` holds GPUs
+for a shell in the user's own terminal, with nothing left behind when it ends.
+
+The client runs as a real `gpuq` process, on a pseudo-terminal where terminal semantics matter
+(lines as they come, Ctrl-C, a shell's prompt)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from gpuq.cli.follow import exit_code_of
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.db import read_scope
+from gpuq.service.jobs import get_job, job_gpus
+from tests.conftest import run_cli, settings_env, stack_on_database
+
+pytestmark = pytest.mark.timeout(240)
+
+KEEPALIVE = 2.0  # the stack's alloc_keepalive: a lost client is noticed within this (and a second)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def stack(request, tmp_path_factory, redis_url):
+    yield from stack_on_database(request, tmp_path_factory, redis_url, kill_grace=2.0, alloc_keepalive=KEEPALIVE)
+
+
+class Terminal:
+    """A `gpuq` process on a pseudo-terminal: what it wrote there, and keys typed into it."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.master, slave = os.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", *args], stdin=slave, stdout=slave,
+                                     stderr=slave, env={**env, "TERM": "xterm", "COLUMNS": "120"},
+                                     start_new_session=True, preexec_fn=_take_terminal)
+        os.close(slave)
+        self.text = ""
+
+    def read_until(self, needle: str, timeout: float = 60.0) -> str:
+        """Everything written so far, once ``needle`` is in it; AssertionError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(min(left, 0.5)) and self.proc.poll() is not None:
+                raise AssertionError(f"{needle!r} not written in {timeout} s; got:\n{self.text}")
+        return self.text
+
+    def _read(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.master], [], [], timeout)
+        if not ready:
+            return True
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            return False
+        self.text += data.decode(errors="replace")
+        return bool(data)
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self._read(0.2)
+        code = self.proc.wait(max(deadline - time.monotonic(), 0.1))
+        while self._read(0.05) and self.proc.poll() is not None and select.select([self.master], [], [], 0)[0]:
+            pass
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        os.close(self.master)
+
+
+def _take_terminal() -> None:
+    """In the child, its own session's leader by now: make the pseudo-terminal (its stdin) its
+    controlling terminal, as a login shell's is, so Ctrl-C typed there is a SIGINT to its foreground
+    process group."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+@pytest.fixture
+def terminals():
+    opened: list[Terminal] = []
+
+    def open_terminal(args: list[str], env: dict[str, str]) -> Terminal:
+        opened.append(Terminal(args, env))
+        return opened[-1]
+
+    yield open_terminal
+    for t in opened:
+        t.close()
+
+
+def job_of(settings, job_id: int):
+    with read_scope(settings) as session:
+        job = get_job(session, job_id)
+        gpus = [g.index for g in job_gpus(session, job_id)]
+        session.expunge(job)
+    return job, gpus
+
+
+def newest_job(settings) -> int:
+    from sqlalchemy import func, select
+
+    from gpuq.service.models import Job
+
+    with read_scope(settings) as session:
+        return session.scalar(select(func.max(Job.id)))
+
+
+def wait_until(check, timeout: float = 30.0, what: str = "") -> float:
+    """Seconds until ``check()`` held; AssertionError after ``timeout``."""
+    began = time.monotonic()
+    while not check():
+        if time.monotonic() - began > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line is ``marker`` (a test's own `sleep N.NNN`; not a `gpuq`
+    command that names it)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if " ".join(p.info["cmdline"] or []) == marker and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def unique_sleep() -> str:
+    """A sleep's argument no other process has: how a test finds what a job left behind."""
+    return f"{300 + int(uuid.uuid4().int % 100_000) / 1000:.3f}"
+
+
+# ---- gpuq run ------------------------------------------------------------------------------------
+
+def test_run_streams_lines_as_they_are_printed_not_at_the_end(stack, terminals):
+    script = "import time; print('first line', flush=True); time.sleep(4); print('second line')"
+    t = terminals(["run", "--", sys.executable, "-c", script], stack.env)
+    t.read_until("first line", timeout=60)
+    assert t.proc.poll() is None and "second line" not in t.text  # the job still runs: streamed, not replayed
+    assert t.wait() == 0
+    assert "second line" in t.text
+
+
+def test_run_keeps_stdout_and_stderr_apart_and_exits_with_the_commands_code(stack):
+    out = run_cli(["run", "--", "sh", "-c", "echo to-out; echo to-err >&2; echo more-out; exit 3"], stack.settings)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout == "to-out\nmore-out\n"
+    assert "to-err" in out.stderr and "to-out" not in out.stderr
+
+
+def test_run_exits_128_plus_the_signal_124_past_its_time_and_prints_a_workloads_result(stack):
+    killed = run_cli(["run", "--", "sh", "-c", "kill -9 $$"], stack.settings)
+    assert killed.returncode == 128 + 9, killed.stderr
+    assert "killed by SIGKILL" in killed.stderr
+    late = run_cli(["run", "--time", "1s", "--", "sleep", unique_sleep()], stack.settings)
+    assert late.returncode == c.EXIT_RUN_TIMED_OUT and "timed_out" in late.stderr, late.stderr
+    workload = run_cli(["run", "matmul", "--size", "32", "--repeat", "2"], stack.settings)
+    assert workload.returncode == 0, workload.stderr
+    assert "matmul:" in workload.stdout and "gflops" in workload.stdout.split("result")[1]
+
+
+def test_ctrl_c_cancels_the_run_and_nothing_of_the_job_is_left(stack, terminals):
+    marker = unique_sleep()
+    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {marker}; echo never"], stack.env)
+    t.read_until("started")
+    job_id = newest_job(stack.settings)
+    t.type("\x03")  # Ctrl-C: a SIGINT to the terminal's foreground process group, as a person's
+    t.read_until("cancelling job")
+    assert t.wait() == c.EXIT_RUN_CANCELLED
+    job, _ = job_of(stack.settings, job_id)
+    assert job.state == State.CANCELLED
+    assert processes_with(f"sleep {marker}") == []
+    assert "never" not in t.text
+
+
+def test_a_closed_terminal_cancels_the_run(stack, terminals):
+    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {unique_sleep()}"], stack.env)
+    t.read_until("started")
+    job_id = newest_job(stack.settings)
+    t.proc.send_signal(signal.SIGHUP)
+    assert t.wait() == 128 + signal.SIGHUP
+    wait_until(lambda: job_of(stack.settings, job_id)[0].state == State.CANCELLED, what="cancelled")
+
+
+def test_detach_leaves_a_running_job_and_attach_follows_it_to_its_exit_status(stack):
+    detached = run_cli(["run", "--detach", "--", "sh", "-c", "echo one; sleep 2; echo two >&2; exit 5"],
+                       stack.settings)
+    assert detached.returncode == 0, detached.stderr
+    job_id = newest_job(stack.settings)
+    assert job_of(stack.settings, job_id)[0].state == State.RUNNING
+    attached = run_cli(["attach", str(job_id)], stack.settings)
+    assert attached.returncode == 5
+    assert attached.stdout == "one\n" and "two" in attached.stderr
+
+
+# ---- gpuq alloc ----------------------------------------------------------------------------------
+
+def test_alloc_gives_a_shell_its_gpu_which_is_busy_while_it_lives_and_free_after_exit(stack, terminals):
+    marker = unique_sleep()
+    t = terminals(["alloc"], {**stack.env, "SHELL": "/bin/sh", "PS1": "alloc$ "})
+    t.read_until("alloc$ ")
+    job_id = newest_job(stack.settings)
+    job, gpus = job_of(stack.settings, job_id)
+    assert job.kind == c.KIND_INTERACTIVE and job.state == State.RUNNING and len(gpus) == 1
+    t.type("echo CVD=$CUDA_VISIBLE_DEVICES JOB=$GPUQ_JOB_ID ALLOC=$GPUQ_ALLOC\n")
+    t.read_until(f"CVD={gpus[0]} JOB={job_id} ALLOC={job_id}")
+    status = run_cli(["status", "--json"], stack.settings)
+    busy = [g for g in __import__("json").loads(status.stdout)["gpus"] if g["index"] == gpus[0]]
+    assert busy and busy[0]["job_id"] == job_id
+    t.type(f"sleep {marker} &\n")
+    wait_until(lambda: processes_with(f"sleep {marker}"), what="the background sleep started")
+    t.type("exit 7\n")
+    assert t.wait() == 7
+    job, _ = job_of(stack.settings, job_id)
+    assert job.state == State.FAILED and job.exit_code == 7
+    assert processes_with(f"sleep {marker}") == []  # what the shell left running was stopped with it
+    free = __import__("json").loads(run_cli(["status", "--json"], stack.settings).stdout)["gpus"]
+    assert [g["job_id"] for g in free if g["index"] == gpus[0]] == [None]
+
+
+def test_alloc_time_limit_warns_then_kills_a_sleep_left_in_the_background(stack, terminals):
+    marker = unique_sleep()
+    t = terminals(["alloc", "--time", "4s", "--", "sh", "-c", f"sleep {marker} & sleep {marker}"], stack.env)
+    t.read_until("allocation")
+    wait_until(lambda: len(processes_with(f"sleep {marker}")) == 2, what="both sleeps started")
+    assert t.wait() == c.EXIT_RUN_TIMED_OUT
+    assert "ends in" in t.text and "timed_out" in t.text
+    assert processes_with(f"sleep {marker}") == []
+
+
+def test_kill_9_of_the_alloc_client_frees_the_gpu_within_the_keepalive_bound(stack):
+    marker = unique_sleep()
+    client = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "sleep", marker],
+                              env=settings_env(stack.settings), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(processes_with(f"sleep {marker}")) == 1, what="the allocation's command started")
+        job_id = newest_job(stack.settings)
+        client.kill()
+        client.wait(10)
+        took = wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
+                          what="the allocation ended")
+    finally:
+        if client.poll() is None:
+            client.kill()
+    job, _ = job_of(stack.settings, job_id)
+    assert job.failure == c.FAILURE_CLIENT_LOST
+    # The documented bound: the keepalive setting, the worker's look (half a second), the stop.
+    assert took <= KEEPALIVE + 1.0 + 2.0 + 2.0, took
+    assert processes_with(f"sleep {marker}") == []
+
+
+def test_allocs_never_share_a_gpu_and_a_waiting_one_whose_client_died_is_cancelled(stack):
+    marker = unique_sleep()
+    env = settings_env(stack.settings)
+    first = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--gpus", "2", "--", "sleep", marker],
+                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second = None
+    try:
+        wait_until(lambda: processes_with(f"sleep {marker}"), what="the first allocation's command started")
+        holder = newest_job(stack.settings)
+        second = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "true"], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_until(lambda: newest_job(stack.settings) > holder, what="the second allocation queued")
+        waiter = newest_job(stack.settings)
+        time.sleep(1.0)
+        assert job_of(stack.settings, waiter)[0].state == State.PENDING  # both GPUs are the first one's
+        second.kill()
+        second.wait(10)
+        wait_until(lambda: job_of(stack.settings, waiter)[0].state == State.CANCELLED, timeout=KEEPALIVE + 10,
+                   what="the abandoned allocation cancelled")
+        assert job_of(stack.settings, waiter)[0].failure == c.FAILURE_CLIENT_LOST
+        assert job_of(stack.settings, holder)[0].state == State.RUNNING
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        first.wait(30)
+
+
+def test_alloc_on_a_node_without_gpuq_gpus_is_one_line_and_writes_nothing(stack):
+    before = newest_job(stack.settings)
+    out = run_cli(["alloc"], stack.settings, extra_env={"GPUQ_NODE": "login-node-1"})
+    assert out.returncode == c.EXIT_USAGE
+    assert out.stderr.count("\n") == 1 and "node login-node-1 has no gpuq GPUs" in out.stderr
+    assert newest_job(stack.settings) == before
+
+
+def test_exit_codes_of_each_kind_of_end():
+    assert exit_code_of({"state": "succeeded", "exit_code": 0}) == 0
+    assert exit_code_of({"state": "failed", "failure": "exit", "exit_code": 3}) == 3
+    assert exit_code_of({"state": "failed", "failure": "exit", "exit_code": -15}) == 143
+    assert exit_code_of({"state": "failed", "failure": "error", "exit_code": None}) == 1
+    assert exit_code_of({"state": "timed_out", "failure": "timeout"}) == c.EXIT_RUN_TIMED_OUT
+    assert exit_code_of({"state": "cancelled", "failure": "cancelled"}) == c.EXIT_RUN_CANCELLED
+    for lost in (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST):
+        assert exit_code_of({"state": "failed", "failure": lost}) == c.EXIT_RUN_GPUQ

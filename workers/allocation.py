@@ -1,0 +1,143 @@
+"""Hosting an allocation (`gpuq alloc`) on its first GPU's worker: the GPUs are held, with their
+lease, samples, time limit and cancel, while the client runs a shell or a command in the user's
+terminal. The worker runs nothing itself; it watches the client (its keepalive and its end) and, at
+the end, stops every process of the allocation: those carrying its run id (GPUQ_RUN_ID) and owned
+by its user, and whatever it could place in the allocation's cgroup on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from gpuq.service import constants as c
+from gpuq.service.allocations import RUN_ID_VARIABLE, ClientState, client_state
+from gpuq.service.constants import State
+from gpuq.service.db import read_scope
+from gpuq.service.models import utcnow
+from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.end import drain_if_left, stopped_end
+from gpuq.workers.identity import run_as
+from gpuq.workers.job import JobRun
+from gpuq.workers.state import WorkerState
+from gpuq.workers.watch import StopWatcher
+
+log = logging.getLogger("gpuq.worker")
+# How often the worker reads the client's keepalive and end from SQL, and how often it looks for
+# the allocation's processes to put them in its cgroup (a pass over /proc: not every look).
+CLIENT_LOOK_SECONDS = 0.5
+PLACE_EVERY_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class _Processes:
+    """Finds an allocation's live processes: its run id in their environment and its user's uid
+    (a process of someone else's that copied the id is not theirs to stop), or in its cgroup."""
+
+    run_id: str
+    uid: int
+    cgroup: JobCgroup | None
+
+    def __call__(self) -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        me = os.getpid()
+        in_cgroup = set(self.cgroup.pids()) if self.cgroup is not None else set()
+        for p in psutil.process_iter(["pid", "uids"]):
+            if p.pid == me:
+                continue
+            try:
+                if p.pid in in_cgroup or (p.info["uids"].real == self.uid
+                                          and p.environ().get(RUN_ID_VARIABLE) == self.run_id):
+                    found[p.pid] = p
+            except (psutil.Error, OSError, AttributeError):
+                continue
+        return list(found.values())
+
+
+def host(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[str, Any]:
+    """Hold the allocation's GPUs until its client ends it, stops answering, or ``watcher`` says it
+    must stop (cancel, time limit, worker shutdown, lease or GPU lost); then stop its processes and
+    return its end."""
+    identity = run_as(job.user, state.node)  # an unknown user fails the allocation with its reason
+    uid = identity.uid if identity is not None else os.getuid()
+    cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-alloc{job.id}-{uuid.uuid4().hex[:6]}", None)
+    processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
+    try:
+        client = _watch(state, job, watcher, processes)
+        grace = state.settings.kill_grace
+        leftover = _stop(processes, grace, cgroup)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+    drain_if_left(state, job, tuple(leftover))
+    if client is None:
+        return stopped_end(state, job, watcher)
+    if client.exit_code is None:
+        return {"state": State.FAILED, "failure": c.FAILURE_CLIENT_LOST,
+                "reason": f"its client (gpuq alloc) was not heard from for {state.settings.alloc_keepalive:g} s; "
+                          "everything it started was stopped"}
+    if client.exit_code == 0:
+        return {"state": State.SUCCEEDED, "exit_code": 0}
+    return {"state": State.FAILED, "failure": c.FAILURE_EXIT, "exit_code": client.exit_code,
+            "reason": f"its shell or command exited with {client.exit_code}"}
+
+
+def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Processes) -> ClientState | None:
+    """Wait for the allocation's end: the client's (its exit code, or silence: exit_code None), or
+    None when ``watcher`` stopped it."""
+    settings = state.settings
+    placed_at = 0.0
+    while not watcher.stopped.wait(CLIENT_LOOK_SECONDS):
+        try:
+            with read_scope(settings) as session:
+                client = client_state(session, job.id)
+        except Exception:  # noqa: BLE001 - a database blip must not end the allocation
+            log.warning("allocation %s: could not read its client's state", job.id)
+            continue
+        if client.exit_code is not None:
+            return client
+        if client.keepalive_at is None or (utcnow() - client.keepalive_at).total_seconds() > settings.alloc_keepalive:
+            return ClientState(client.keepalive_at, None)
+        if processes.cgroup is not None and time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:
+            placed_at = time.monotonic()
+            for p in processes():
+                processes.cgroup.place(p.pid)
+    return None
+
+
+def _stop(processes: _Processes, grace: float, cgroup: JobCgroup | None) -> list[int]:
+    """SIGTERM every process of the allocation, SIGKILL what is left after ``grace`` seconds; the
+    pids still alive after that (a process in uninterruptible sleep)."""
+    procs = processes()
+    for p in procs:
+        _send(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace) if procs else ([], [])
+    deadline = time.monotonic() + c.STOP_VERIFY_SECONDS
+    while alive := [p for p in {*alive, *processes()} if _running(p)]:
+        if time.monotonic() >= deadline:
+            return [p.pid for p in alive]
+        for p in alive:
+            _send(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=0.2)
+    return cgroup.kill_all(1.0) if cgroup is not None else []
+
+
+def _send(p: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        p.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
