@@ -66,6 +66,12 @@ def end_line(job_id: int, end: dict[str, Any]) -> str | None:
         (f": {end['reason']}" if end.get("reason") else "")
 
 
+# A waiting job's reason (policy's REASON words), as the end of "queued and waiting for ...".
+_WAITS_FOR = {"resources": "resources", "priority": "jobs ahead of it (priority)",
+              "dependency": "the jobs it depends on", "user limit": "its user's jobs to free GPUs (user limit)",
+              "held": "a release: it is held (gpuq release {id})", "node drained": "its node to be resumed (drained)"}
+
+
 class Waiting:
     """The line on stderr that says why a job waits: rewritten in place on a terminal, a new line
     each time it changes elsewhere (a log file keeps every one)."""
@@ -77,8 +83,8 @@ class Waiting:
 
     def show(self, state: str, reason: str | None, node: str | None = None) -> None:
         if state == State.PENDING:
-            why = reason or "its first scheduling pass"
-            text = f"gpuq: job {self.job_id} queued and waiting for {why}"
+            why = _WAITS_FOR.get(reason or "", reason or "its first scheduling pass")
+            text = f"gpuq: job {self.job_id} queued and waiting for {why}".replace("{id}", str(self.job_id))
         else:
             text = f"gpuq: job {self.job_id} starting" + (f" on {node}" if node else "")
         if text == self.shown:

@@ -273,6 +273,33 @@ def test_kill_9_of_the_alloc_client_frees_the_gpu_within_the_keepalive_bound(sta
     assert processes_with(f"sleep {marker}") == []
 
 
+def test_gpuq_cancel_ends_an_allocation_stops_its_command_and_its_gpu_time_is_sampled(stack):
+    from sqlalchemy import func, select
+
+    from gpuq.service.models import DeviceSample
+
+    marker = unique_sleep()
+    client = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "sleep", marker],
+                              env=settings_env(stack.settings), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(processes_with(f"sleep {marker}")) == 1, what="the allocation's command started")
+        job_id = newest_job(stack.settings)
+        time.sleep(1.5)  # a few of the worker's samples (every 0.5 s here)
+        cancel = run_cli(["cancel", str(job_id)], stack.settings)
+        assert cancel.returncode == 0, cancel.stderr
+        assert client.wait(30) == c.EXIT_RUN_CANCELLED
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert "cancelled" in client.stderr.read()
+    assert job_of(stack.settings, job_id)[0].state == State.CANCELLED
+    assert processes_with(f"sleep {marker}") == []
+    with read_scope(stack.settings) as session:
+        samples = session.scalar(select(func.count()).select_from(DeviceSample).where(DeviceSample.job_id == job_id))
+    assert samples >= 1
+
+
 def test_allocs_never_share_a_gpu_and_a_waiting_one_whose_client_died_is_cancelled(stack):
     marker = unique_sleep()
     env = settings_env(stack.settings)

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,3 +387,40 @@ def test_a_snapshot_runs_as_its_owner_from_roots_home_and_only_they_read_the_cop
     for argv in (["ls", str(box.settings.snapshots)], ["cat", str(copy / "data.txt")], ["ls", str(copy)]):
         done = box.as_user(b, *argv)
         assert done.returncode != 0 and secret not in done.stdout, argv
+
+
+def test_two_users_allocations_never_share_a_gpu_and_each_shell_runs_as_its_user(box):
+    """Alice holds both GPUs with `gpuq alloc`; Bob's allocation waits until her command exits,
+    then his runs as him; what hers left in the background is stopped by the root worker."""
+    marker = f"{400 + uuid.uuid4().int % 100_000 / 1000:.3f}"
+    alice = subprocess.Popen([RUNUSER, "-u", box.a, "--", GPUQ, "alloc", "--gpus", "2", "--", "sh", "-c",
+                              f"id -un; sleep {marker} & sleep 3"], env=box.user_env(box.a), cwd=box.home_of(box.a),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        held = _newest_allocation_of(box.settings, box.a)
+        assert wait_for_state(box.settings, held, (State.RUNNING,)) == State.RUNNING
+        bob = box.gpuq(box.b, "alloc", "--", "sh", "-c", "id -un; echo CVD=$CUDA_VISIBLE_DEVICES")
+        assert alice.wait(60) == 0, alice.stderr.read()
+    finally:
+        if alice.poll() is None:
+            alice.kill()
+    assert alice.stdout.read().strip() == box.a
+    assert bob.returncode == 0, bob.stderr
+    assert bob.stdout.splitlines()[0] == box.b and "CVD=" in bob.stdout
+    with write_scope(box.settings) as session:
+        first = session.get(Job, held)
+        second = session.scalar(select(Job).where(Job.user == box.b, Job.kind == c.KIND_INTERACTIVE)
+                                .order_by(Job.id.desc()).limit(1))
+        assert first.user == box.a and second.started_at >= first.ended_at  # never on the GPUs at once
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+
+def _newest_allocation_of(settings: Settings, user: str, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with write_scope(settings) as session:
+            found = session.scalar(select(func.max(Job.id)).where(Job.user == user, Job.kind == c.KIND_INTERACTIVE))
+        if found is not None:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"no allocation of {user} after {timeout} s")

@@ -32,7 +32,7 @@ from gpuq.workers.watch import StopWatcher
 log = logging.getLogger("gpuq.worker")
 # How often the worker reads the client's keepalive and end from SQL, and how often it looks for
 # the allocation's processes to put them in its cgroup (a pass over /proc: not every look).
-CLIENT_LOOK_SECONDS = 0.5
+CLIENT_LOOK_SECONDS = 0.2
 PLACE_EVERY_SECONDS = 2.0
 
 
