@@ -149,24 +149,30 @@ def test_whole_and_shared_jobs_never_sit_on_one_gpu(snap):
 
 
 @settings(max_examples=200, deadline=None)
-@given(snap=snapshots(user_limits=(0, 0, 1, 2)))
-def test_gangs_stay_on_one_node_and_users_stay_within_their_limit(snap):
+@given(snap=snapshots())
+def test_gangs_stay_on_one_node(snap):
+    d = decide(snap)
+    jobs = {j.id: j for j in snap.jobs}
+    for p in d.placements:
+        j = jobs[p.job_id]
+        assert p.shared == j.shared and len(p.gpus) == j.gpus == len({g.id for g in p.gpus})
+        assert len({g.node for g in p.gpus}) == 1 and j.node in (None, p.gpus[0].node)
+    assert set(d.waiting) | set(placed(d)) == set(jobs) and not set(d.waiting) & set(placed(d))
+
+
+@settings(max_examples=200, deadline=None)
+@given(snap=snapshots(user_limits=(1, 2)))
+def test_users_stay_within_their_gpu_limit_counting_shared_jobs_as_their_charged_fraction(snap):
     d = decide(snap)
     jobs = {j.id: j for j in snap.jobs}
     held = dict(snap.gpus_in_use)
     for p in d.placements:
         j = jobs[p.job_id]
-        assert p.shared == j.shared and len(p.gpus) == j.gpus == len({g.id for g in p.gpus})
-        assert len({g.node for g in p.gpus}) == 1 and j.node in (None, p.gpus[0].node)
         held[j.user] = held.get(j.user, 0) + charged_gpus(j, p.gpus, snap.shared_context_mib)
-        if snap.user_gpu_limit:
-            assert held[j.user] <= snap.user_gpu_limit + 1e-9
-    assert set(d.waiting) | set(placed(d)) == set(jobs) and not set(d.waiting) & set(placed(d))
+        assert held[j.user] <= snap.user_gpu_limit + 1e-9
 
 
-@settings(max_examples=300, deadline=None)
-@given(snap=snapshots())
-def test_a_backfilled_job_never_delays_the_first_waiting_job(snap):
+def assert_backfill_keeps_the_promise(snap):
     d = decide(snap)
     r = d.reservation
     if r is None:
@@ -178,6 +184,33 @@ def test_a_backfilled_job_never_delays_the_first_waiting_job(snap):
     # The promise is the earliest start as the jobs' time limits tell it, and backfill keeps it.
     assert r.start == without
     assert earliest_start(snap, first, d.placements) <= without
+
+
+@settings(max_examples=300, deadline=None)
+@given(snap=snapshots())
+def test_a_backfilled_job_never_delays_the_first_waiting_job(snap):
+    assert_backfill_keeps_the_promise(snap)
+
+
+@st.composite
+def big_shared_job_first(draw):
+    """A big shared job first in line on one node's GPUs, partly used, then small shared jobs: the
+    reserved job's room at its start is what decides each backfill."""
+    gpus = [gpu(i + 1, shared_mib=draw(st.sampled_from([0, 4000, 8000, 12000])), shared_jobs=1,
+                shared_until=NOW + draw(st.sampled_from([100.0, 5000.0])), foreign=draw(st.sampled_from([0, 1000])))
+            for i in range(draw(st.integers(1, 3)))]
+    jobs = [job(1, mem=draw(st.sampled_from([9000, 12000, 14000])), shared=True, gpus=draw(st.integers(1, 2)),
+                priority=1)]
+    for i in range(draw(st.integers(1, 8))):
+        jobs.append(job(i + 2, mem=draw(st.sampled_from([1000, 3000, 5000, 7000])), shared=True,
+                        limit=draw(st.sampled_from([None, 60, 4000, 10000]))))
+    return QueueState(NOW, jobs, gpus, shared_context_mib=draw(st.sampled_from([0, 512])))
+
+
+@settings(max_examples=200, deadline=None)
+@given(snap=big_shared_job_first())
+def test_a_shared_backfill_leaves_a_reserved_shared_job_its_room(snap):
+    assert_backfill_keeps_the_promise(snap)
 
 
 @settings(max_examples=200, deadline=None)
