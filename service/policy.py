@@ -208,8 +208,9 @@ class _Gpus:
             if load.whole_until is None:
                 self.shareable[g.node].append(load)
         self.free_count = sum(len(gs) for gs in self.free.values())
-        # The kinds of job (_shape) that found no GPUs since the last placement or reservation:
-        # the same kind finds none either (most of a long queue, behind a waiting job).
+        # The kinds of job (shared or not, GPUs, memory, node, whether it ends before the reserved
+        # start) that found no GPUs since the last placement or reservation: a job of the same
+        # kind finds none either (most of a long queue, behind a waiting job).
         self.failed: set[tuple[object, ...]] = set()
 
     def nodes_for(self, job: JobRequest) -> list[str]:
