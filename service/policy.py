@@ -5,6 +5,10 @@ Order: priority, then fair share (the user with fewer recent GPU-hours first), t
 A job gets all its GPUs on one node at once (gang) or none. The first job that does not fit gets a
 reservation (EASY backfill): later jobs may start only where they cannot delay it, which needs the
 running jobs' time limits; without them nothing starts past a waiting gang.
+
+A shared job (``JobRequest.shared``) takes its share of memory on each of its GPUs beside other
+shared jobs, never beside a whole-GPU job; shared jobs are packed best fit by memory
+(service/packing.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from gpuq.service import packing
+from gpuq.service.packing import GpuLoad
 
 # Why a pending job waits (the REASON column).
 RESOURCES = "resources"  # first in line, but no node has the GPUs it needs free
@@ -21,10 +28,16 @@ USER_LIMIT = "user limit"  # its user holds the most GPUs allowed at once
 HELD = "held"  # `gpuq hold`
 NODE_DRAINED = "node drained"  # asked for a node that is drained
 
+# The memory held back on a GPU for each shared job's CUDA context, MiB (GPUQ_SHARED_CONTEXT_MIB's default).
+SHARED_CONTEXT_MIB = 512
+# Slack for sums of charged fractions against the user GPU limit (floating point).
+_LIMIT_SLACK = 1e-9
+
 
 @dataclass(frozen=True)
 class GpuState:
-    """A live GPU on a node that takes jobs."""
+    """A live GPU on a node that takes jobs: free, busy with a whole-GPU job (``busy_until``), or
+    partly used by shared jobs (``shared_jobs``; never both)."""
 
     id: int
     node: str
@@ -33,15 +46,28 @@ class GpuState:
     memory_total_mib: int
     memory_used_mib: int = 0
     foreign_mib: int = 0  # used by processes gpuq did not start
-    # None: free now. Else the time (epoch s) its job is expected to end; inf when it has no limit.
+    # None: no whole-GPU job. Else the time (epoch s) its job is expected to end; inf when it has no limit.
     busy_until: float | None = None
+    shared_mib: int = 0  # the shares plus context reserves of the shared jobs gpuq runs on it
+    shared_jobs: int = 0  # how many shared jobs gpuq runs on it
+    # When the last of them is expected to end (epoch s); inf or None when one has no time limit.
+    shared_until: float | None = None
 
     @property
     def free_mib(self) -> int:
+        if self.shared_jobs:  # their memory is theirs: what is free once they leave
+            return self.memory_total_mib - self.foreign_mib
         return self.memory_total_mib - max(self.memory_used_mib, self.foreign_mib)
 
+    @property
+    def room_mib(self) -> int:
+        """Memory one more shared job may take now: what neither the shared jobs' shares and
+        reserves nor other programs hold."""
+        return self.memory_total_mib - self.shared_mib - self.foreign_mib
+
     def fits(self, job: JobRequest) -> bool:
-        """Whether this GPU, once free of gpuq jobs, suits ``job``'s memory request.
+        """Whether this GPU, once free of gpuq jobs, suits whole-GPU ``job``'s memory request
+        (a shared job's room: service/packing.py).
 
         A GPU that other programs use counts as busy for their memory: a job that did not say how
         much memory it needs is not put beside them.
@@ -60,15 +86,21 @@ class JobRequest:
     gpus: int
     priority: int = 0
     submitted: float = 0.0
-    mem_mib: int | None = None
+    mem_mib: int | None = None  # a shared job: its share on each GPU
     node: str | None = None
     time_limit_s: int | None = None
+    shared: bool = False  # may share its GPUs with other shared jobs, held to mem_mib on each
+
+    def __post_init__(self) -> None:
+        if self.shared and self.mem_mib is None:
+            raise ValueError(f"job {self.id}: a shared job needs a memory request (its share)")
 
 
 @dataclass(frozen=True)
 class Placement:
     job_id: int
-    gpus: tuple[GpuState, ...]  # rank order; gpus[0]'s worker runs the job
+    gpus: tuple[GpuState, ...]  # rank order; gpus[0]'s worker runs the job (as the pass found them)
+    shared: bool = False  # the job shares these GPUs (its share: its mem_mib)
 
 
 @dataclass
@@ -77,8 +109,11 @@ class QueueState:
     jobs: list[JobRequest]
     gpus: list[GpuState]
     gpu_hours: dict[str, float] = field(default_factory=dict)  # recent GPU-hours per user, decayed (fair share)
-    gpus_in_use: dict[str, int] = field(default_factory=dict)  # GPUs each user's jobs hold now
+    # GPUs each user's jobs hold now: a shared job counts its charged fraction of each of its GPUs
+    # (packing.charged_gpus), as fair share charges it.
+    gpus_in_use: dict[str, float] = field(default_factory=dict)
     user_gpu_limit: int = 0  # 0: unlimited
+    shared_context_mib: int = SHARED_CONTEXT_MIB  # held back on a GPU for each shared job's CUDA context
 
 
 @dataclass(frozen=True)
@@ -87,6 +122,7 @@ class Reservation:
     node: str
     start: float  # when the job can start at the latest (the shadow time)
     gpu_ids: frozenset[int]
+    shared_mib: int | None = None  # a shared job's: the room it needs on each GPU; None: whole GPUs
 
 
 @dataclass
@@ -110,90 +146,156 @@ def queue_order(state: QueueState) -> list[JobRequest]:
 
 def decide(state: QueueState) -> Decision:
     """Place what can start now and say why everything else waits."""
-    now = state.now
-    free: dict[str, list[GpuState]] = defaultdict(list)
-    by_node: dict[str, list[GpuState]] = defaultdict(list)
-    for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
-        by_node[g.node].append(g)
-        if g.busy_until is None:
-            free[g.node].append(g)
+    gpus = _Gpus(state)
     in_use = dict(state.gpus_in_use)
     limit = state.user_gpu_limit
-    free_count = sum(len(gs) for gs in free.values())
     decision = Decision([], {}, order=queue_order(state))
     blocked = False  # a job waits and no reservation can protect it: nothing else may start
     for job in decision.order:
-        if limit and in_use.get(job.user, 0) + job.gpus > limit:
+        if limit and _limit_reached(job, in_use.get(job.user, 0), limit):
             decision.waiting[job.id] = USER_LIMIT
             continue
-        if blocked or (decision.reservation is not None and free_count < job.gpus):
+        if blocked or (decision.reservation is not None and not job.shared and gpus.free_count < job.gpus):
             # Behind a waiting job, with too few GPUs free anywhere: no need to look (a full
             # cluster with a long queue is the common case, and it must stay cheap).
             decision.waiting[job.id] = PRIORITY
             continue
-        chosen = _choose(job, free, decision.reservation, now)
+        chosen = gpus.choose(job, decision.reservation)
         if chosen is not None:
-            decision.placements.append(Placement(job.id, chosen))
-            taken = {g.id for g in chosen}
-            free[chosen[0].node] = [g for g in free[chosen[0].node] if g.id not in taken]
-            in_use[job.user] = in_use.get(job.user, 0) + job.gpus
-            free_count -= job.gpus
+            charge = packing.charged_gpus(job, [load.gpu for load in chosen], state.shared_context_mib)
+            if limit and in_use.get(job.user, 0) + charge > limit + _LIMIT_SLACK:
+                decision.waiting[job.id] = USER_LIMIT
+                continue
+            decision.placements.append(gpus.take(job, chosen))
+            in_use[job.user] = in_use.get(job.user, 0) + charge
             continue
         if decision.reservation is not None:
             decision.waiting[job.id] = PRIORITY
             continue
         decision.waiting[job.id] = RESOURCES
-        if not _could_ever_fit(job, by_node):
+        if not gpus.could_ever_fit(job):
             continue  # waits for memory others use; holding the queue for it could hold it forever
-        decision.reservation = _reserve(job, by_node, now)
+        decision.reservation = gpus.reserve(job)
+        gpus.failed.clear()  # what could not start may start now under the reservation, and the reverse
         if decision.reservation is None:
             blocked = True
     return decision
 
 
-def _nodes_for(job: JobRequest, gpus_by_node: dict[str, list[GpuState]]) -> list[str]:
-    return [n for n in gpus_by_node if job.node is None or n == job.node]
+def _limit_reached(job: JobRequest, held: float, limit: int) -> bool:
+    """Whether ``job``'s user may not take it, holding ``held`` GPUs: a whole job's GPUs would pass
+    the limit; a shared job's charge is known once its GPUs are chosen, so here only whether its user
+    is at the limit already (``decide`` checks the charge after choosing)."""
+    if job.shared:
+        return held >= limit - _LIMIT_SLACK
+    return held + job.gpus > limit + _LIMIT_SLACK
 
 
-def _choose(job: JobRequest, free: dict[str, list[GpuState]], reservation: Reservation | None,
-            now: float) -> tuple[GpuState, ...] | None:
-    """The GPUs ``job`` gets now, or None. Best fit: the node with the fewest suitable free GPUs."""
-    ends_in_time = job.time_limit_s is not None and reservation is not None and \
-        now + job.time_limit_s <= reservation.start
-    options = []
-    for node in _nodes_for(job, free):
-        usable = [g for g in free[node] if g.fits(job)]
-        if reservation is not None and node == reservation.node and not ends_in_time:
-            usable = [g for g in usable if g.id not in reservation.gpu_ids]
-        if len(usable) >= job.gpus:
-            # Unreserved GPUs first, so a backfilled job leaves the reserved ones alone if it can.
-            reserved = reservation.gpu_ids if reservation is not None else frozenset()
-            usable.sort(key=lambda g: (g.id in reserved, g.index))
-            options.append((len(usable), node, tuple(usable[: job.gpus])))
-    if not options:
-        return None
-    return min(options, key=lambda o: (o[0], o[1]))[2]
+class _Gpus:
+    """The GPUs as one ``decide`` pass places jobs on them."""
 
+    def __init__(self, state: QueueState) -> None:
+        self.now = state.now
+        self.context_mib = state.shared_context_mib
+        self.by_node: dict[str, list[GpuLoad]] = defaultdict(list)
+        self.free: dict[str, list[GpuLoad]] = defaultdict(list)  # no gpuq job: whole-GPU jobs' GPUs
+        self.shareable: dict[str, list[GpuLoad]] = defaultdict(list)  # no whole-GPU job: shared jobs' GPUs
+        for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
+            load = GpuLoad.of(g)
+            self.by_node[g.node].append(load)
+            if load.clear:
+                self.free[g.node].append(load)
+            if load.whole_until is None:
+                self.shareable[g.node].append(load)
+        self.free_count = sum(len(gs) for gs in self.free.values())
+        # The kinds of job (shared or not, GPUs, memory, node, whether it ends before the reserved
+        # start) that found no GPUs since the last placement or reservation: a job of the same
+        # kind finds none either (most of a long queue, behind a waiting job).
+        self.failed: set[tuple[object, ...]] = set()
 
-def _could_ever_fit(job: JobRequest, by_node: dict[str, list[GpuState]]) -> bool:
-    return any(sum(1 for g in by_node[n] if g.fits(job)) >= job.gpus for n in _nodes_for(job, by_node))
+    def nodes_for(self, job: JobRequest) -> list[str]:
+        return [n for n in self.by_node if job.node is None or n == job.node]
 
+    def ends(self, job: JobRequest) -> float:
+        """When ``job`` would end by its time limit if it started now (inf without one)."""
+        return math.inf if job.time_limit_s is None else self.now + job.time_limit_s
 
-def _reserve(job: JobRequest, by_node: dict[str, list[GpuState]], now: float) -> Reservation | None:
-    """The earliest start ``job`` can count on, from the running jobs' time limits; None if unknown."""
-    best: Reservation | None = None
-    for node in _nodes_for(job, by_node):
-        suitable = sorted((now if g.busy_until is None else g.busy_until, g.index, g)
-                          for g in by_node[node] if g.fits(job))
-        if len(suitable) < job.gpus:
-            continue
-        needed = suitable[: job.gpus]
-        start = needed[-1][0]
-        if math.isinf(start):
-            continue
-        if best is None or start < best.start:
-            best = Reservation(job.id, node, start, frozenset(g.id for _, _, g in needed))
-    return best
+    def choose(self, job: JobRequest, reservation: Reservation | None) -> tuple[GpuLoad, ...] | None:
+        """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
+        ends_in_time = reservation is not None and self.ends(job) <= reservation.start
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, ends_in_time)
+        if shape in self.failed:
+            return None
+        if job.shared:
+            chosen = packing.choose_shared(job, packing.need_mib(job, self.context_mib), self.shareable,
+                                           self.nodes_for(job), reservation, self.ends(job))
+        else:
+            chosen = self._choose_whole(job, reservation, ends_in_time)
+        if chosen is None:
+            self.failed.add(shape)
+        return chosen
+
+    def _choose_whole(self, job: JobRequest, reservation: Reservation | None,
+                      ends_in_time: bool) -> tuple[GpuLoad, ...] | None:
+        """Best fit for a whole-GPU job: the node with the fewest suitable GPUs free of gpuq jobs."""
+        options = []
+        for node in self.nodes_for(job):
+            usable = [g for g in self.free[node] if g.gpu.fits(job)]
+            if reservation is not None and node == reservation.node and not ends_in_time:
+                usable = [g for g in usable if g.gpu.id not in reservation.gpu_ids]
+            if len(usable) >= job.gpus:
+                # Unreserved GPUs first, so a backfilled job leaves the reserved ones alone if it can.
+                reserved = reservation.gpu_ids if reservation is not None else frozenset()
+                usable.sort(key=lambda g: (g.gpu.id in reserved, g.gpu.index))
+                options.append((len(usable), node, tuple(usable[: job.gpus])))
+        if not options:
+            return None
+        return min(options, key=lambda o: (o[0], o[1]))[2]
+
+    def take(self, job: JobRequest, chosen: tuple[GpuLoad, ...]) -> Placement:
+        """Place ``job`` on ``chosen``: they hold it from now on in this pass."""
+        node = chosen[0].gpu.node
+        end = self.ends(job)
+        for load in chosen:
+            if load.clear:
+                self.free[node].remove(load)
+                self.free_count -= 1
+            if job.shared:
+                load.take_share(packing.need_mib(job, self.context_mib), end)
+            else:
+                load.take_whole(end)
+                self.shareable[node].remove(load)
+        self.failed.clear()
+        return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared)
+
+    def could_ever_fit(self, job: JobRequest) -> bool:
+        if job.shared:
+            need = packing.need_mib(job, self.context_mib)
+            return any(sum(packing.could_ever_share(g.gpu, need) for g in self.by_node[n]) >= job.gpus
+                       for n in self.nodes_for(job))
+        return any(sum(1 for g in self.by_node[n] if g.gpu.fits(job)) >= job.gpus for n in self.nodes_for(job))
+
+    def reserve(self, job: JobRequest) -> Reservation | None:
+        """The earliest start ``job`` can count on, from the running jobs' time limits (those
+        placed in this pass included); None if unknown."""
+        need = packing.need_mib(job, self.context_mib) if job.shared else None
+        best: Reservation | None = None
+        for node in self.nodes_for(job):
+            if need is not None:
+                suitable = sorted((g.ready_at(need, self.now), g.gpu.index, g.gpu.id) for g in self.by_node[node]
+                                  if packing.could_ever_share(g.gpu, need))
+            else:
+                suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in self.by_node[node]
+                                  if g.gpu.fits(job))
+            if len(suitable) < job.gpus:
+                continue
+            needed = suitable[: job.gpus]
+            start = needed[-1][0]
+            if math.isinf(start):
+                continue
+            if best is None or start < best.start:
+                best = Reservation(job.id, node, start, frozenset(gpu_id for _, _, gpu_id in needed), need)
+        return best
 
 
 def next_up(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> dict[int, list[int]]:
@@ -205,12 +307,16 @@ def next_up(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> d
     a gang that could use a GPU, on a node where it could ever run, closes that GPU's list (when
     it frees, the scheduler decides, as the gang may need it), and a job over its user's limit is
     passed over as ``decide`` does.
+    The lists are for GPUs a whole-GPU job holds, and list whole-GPU jobs only: a GPU with shared
+    jobs gets none (one of them leaving frees a share, not the GPU), and a shared job is never
+    listed (its room is the scheduler's to count) but closes, as a gang does, the lists of the GPUs
+    it could ever share, so that no job behind it takes a GPU it could use.
     The GPUs of a node share their jobs, so each lists ``per_gpu`` times its node's busy GPUs
     (enough for all of them to take several before the scheduler's next pass); the walk looks at
     most ``scan`` jobs.
     """
     placed = {p.job_id for p in decision.placements}
-    taken = {g.id for p in decision.placements for g in p.gpus}
+    taken = {g.id for p in decision.placements if not p.shared for g in p.gpus}
     open_gpus = [g for g in state.gpus if g.busy_until is not None or g.id in taken]
     busy_on: dict[str, int] = defaultdict(int)
     for g in open_gpus:
@@ -219,24 +325,38 @@ def next_up(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> d
     in_use = dict(state.gpus_in_use)
     limit = state.user_gpu_limit
     if limit:
-        user_of = {j.id: j.user for j in state.jobs}
+        job_of = {j.id: j for j in state.jobs}
         for p in decision.placements:
-            in_use[user_of[p.job_id]] = in_use.get(user_of[p.job_id], 0) + len(p.gpus)
+            j = job_of[p.job_id]
+            in_use[j.user] = in_use.get(j.user, 0) + packing.charged_gpus(j, p.gpus, state.shared_context_mib)
     order = decision.order or queue_order(state)
     for looked, job in enumerate(j for j in order if j.id not in placed):
         if not open_gpus or looked >= scan:
             break
-        if limit and in_use.get(job.user, 0) + job.gpus > limit:
+        if limit and _limit_reached(job, in_use.get(job.user, 0), limit):
+            continue
+        if job.gpus > 1 or job.shared:
+            # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
+            could = _could_use(job, open_gpus, state)
+            open_gpus = [g for g in open_gpus if g.id not in could]
             continue
         usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and g.fits(job)]
-        if job.gpus > 1:
-            # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
-            could = {g.node for g in usable if sum(h.node == g.node and h.fits(job) for h in state.gpus) >= job.gpus}
-            open_gpus = [g for g in open_gpus if g.node not in could or g not in usable]
-            continue
         for g in usable:
             lists[g.id].append(job.id)
         if usable and limit:
             in_use[job.user] = in_use.get(job.user, 0) + 1
         open_gpus = [g for g in open_gpus if len(lists[g.id]) < per_gpu * busy_on[g.node]]
     return {gpu: jobs for gpu, jobs in lists.items() if jobs}
+
+
+def _could_use(job: JobRequest, open_gpus: list[GpuState], state: QueueState) -> set[int]:
+    """The ids of ``open_gpus`` that ``job`` could use once free, on a node where it could ever run."""
+    need = packing.need_mib(job, state.shared_context_mib) if job.shared else 0
+
+    def suits(g: GpuState) -> bool:
+        return packing.could_ever_share(g, need) if job.shared else g.fits(job)
+
+    usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and suits(g)]
+    nodes = {g.node for g in usable}
+    could = {n for n in nodes if sum(h.node == n and suits(h) for h in state.gpus) >= job.gpus}
+    return {g.id for g in usable if g.node in could}
