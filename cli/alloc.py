@@ -44,7 +44,10 @@ END_WAIT_SECONDS = 120.0
 def alloc(
     ctx: typer.Context,
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs to hold, all on this node.")] = 1,
-    mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
+    mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
+                                                 "the allocation's share).")] = None,
+    shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
+    = False,
     time_limit: Annotated[str | None, typer.Option("--time", help="Time limit (2h, 30m, 1:30:00): warned of 5 "
                                                                   "minutes before, then everything is stopped.")]
     = None,
@@ -60,9 +63,9 @@ def alloc(
     command = ctx.meta.get(COMMAND_KEY)
     if command is not None and not command:
         raise GpuqError("no command given after --")
-    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "mem": mem, "time": time_limit,
-                            "name": name, "priority": priority, "node": load_settings().node, "cwd": _cwd(),
-                            "key": uuid.uuid4().hex}
+    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "mem": mem, "shared": shared,
+                            "time": time_limit, "name": name, "priority": priority, "node": load_settings().node,
+                            "cwd": _cwd(), "key": uuid.uuid4().hex}
     client = Client()
     job_id = client.post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"][0]["id"]
     held = _wait_for_start(client, job_id)

@@ -37,6 +37,11 @@ def _processes(procs: list[dict[str, Any]]) -> str:
                      for p in procs)
 
 
+def _shares(shares: list[dict[str, Any]] | None) -> str:
+    """A shared GPU's jobs, each with what it uses of its share (the share includes its context reserve)."""
+    return ", ".join(f"{s['job_id']} {mib(s['used_mib'])}/{mib(s['share_mib'])}" for s in shares or []) or "-"
+
+
 def table(devices: list[dict[str, Any]]) -> Table:
     """The Rich table of the GPUs."""
     from rich.markup import escape
@@ -53,7 +58,8 @@ def table(devices: list[dict[str, Any]]) -> Table:
                   bar(d.utilization),
                   memory, "n/a" if d.temperature_c is None else f"{d.temperature_c}C",
                   "n/a" if d.power_w is None else f"{d.power_w:.0f}W",
-                  escape(f"{d.job_id} {d.job_name}") if d.job_id else "-", escape(d.user or "-"),
+                  escape(f"{d.job_id} {d.job_name}" if d.job_id else _shares(d.shares)),
+                  escape(d.user or ", ".join(sorted({s["user"] or "?" for s in d.shares})) or "-"),
                   escape(_processes(d.foreign)))
     return t
 

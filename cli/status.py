@@ -32,9 +32,7 @@ def status(
     queue = [[str(j["id"]), j["user"], one_line(j["name"], 30), _state(j["state"]), str(j["gpus"]), j["node"] or "-",
               duration(seconds(j["elapsed_s"])), idle_note if j["idle"] else one_line(result_summary(job(j)), 50)]
              for j in rows]
-    devices = [[g["node"], str(g["index"]), g["name"], f"{mib(g['memory_used_mib'])} / {mib(g['memory_total_mib'])}",
-                "n/a" if g["utilization"] is None else f"{g['utilization']}%", _state(_gpu_state(g)),
-                f"{g['job_id']} ({g['job_user'] or ''})" if g["job_id"] else "-"] for g in gpus]
+    devices = [row for g in gpus for row in _gpu_rows(g)]
     typer.echo(render("jobs", ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"), queue,
                       frozenset({"ID", "GPUS"}), colour) if rows else "no jobs")
     typer.echo()
@@ -43,8 +41,22 @@ def status(
                "no GPUs registered: start the workers with `gpuq up`")
 
 
+def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:
+    """A GPU's line, or on a GPU shared by small jobs a line for each, with what it uses of its share."""
+    head = [g["node"], str(g["index"]), g["name"]]
+    util = "n/a" if g["utilization"] is None else f"{g['utilization']}%"
+    shares = g.get("shares") or []
+    if not shares:
+        return [[*head, f"{mib(g['memory_used_mib'])} / {mib(g['memory_total_mib'])}", util, _state(_gpu_state(g)),
+                 f"{g['job_id']} ({g['job_user'] or ''})" if g["job_id"] else "-"]]
+    state = _state(_gpu_state(g))
+    return [[*head, f"{mib(s['used_mib'])} of {mib(s['share_mib'])} share", util, state,
+             f"{s['job_id']} ({s['user'] or ''})"] for s in shares]
+
+
 def _gpu_state(g: dict[str, Any]) -> str:
-    state = "offline" if not g["online"] else ("busy" if g["job_id"] else "idle")
+    shared = len(g.get("shares") or [])
+    state = "offline" if not g["online"] else ("busy" if g["job_id"] else f"shared by {shared}" if shared else "idle")
     if g["drained"]:
         state += " (drained)"
     if g["foreign_mib"]:

@@ -71,7 +71,10 @@ def submit(
     name: Annotated[str | None, typer.Option("--name", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
-    mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G.")] = None,
+    mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
+                                                 "the job's share, which it is held to).")] = None,
+    shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, packed by "
+                                                          "--mem (required).")] = False,
     node: Annotated[str | None, typer.Option(help="Run on this node only.")] = None,
     host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
                                                       "8G (past it the OOM killer stops the job).")] = None,
@@ -103,7 +106,8 @@ def submit(
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
     body: dict[str, Any] = {
         "workload": workload, "args": extra, "command": command, "gpus": gpus, "name": name,
-        "priority": priority, "mem": mem, "node": node, "host_mem": host_mem, "time": time, "retries": retries,
+        "priority": priority, "mem": mem, "shared": shared, "node": node, "host_mem": host_mem, "time": time,
+        "retries": retries,
         "hold": hold, "after": after, "after_any": after_any, "array": array, "sweep": sweep or [],
         "snapshot": snapshot, "env": env or [], "cwd": _cwd(), "user": user,
         # The same key on every try: a server that restarted mid-submit makes the jobs once.

@@ -37,7 +37,8 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
     "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
-    "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False)}
+    "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
+    "shared": (bool, False)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def specs_of(settings: Settings, caller: Caller, f: dict[str, Any]) -> list[spec
 
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
-                            host_mem=f["host_mem"])
+                            host_mem=f["host_mem"], shared=f["shared"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 
@@ -110,7 +111,7 @@ def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spe
         raise InvalidSpec("an allocation needs submit field 'node': the node its client runs on")
     made = spec.interactive_spec(command, node=f["node"], gpus=f["gpus"], name=f["name"], cwd=f["cwd"], user=owner,
                                  run_id=allocations.new_run_id())
-    sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"])
+    sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"], shared=f["shared"])
     return replace(made, **sched.fields(), env=made.env)
 
 

@@ -74,7 +74,7 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
                                             or_(Job.ended_at.is_(None), Job.ended_at > since)))
     alloc: dict[str, dict[str, list[float]]] = {"users": defaultdict(list), "nodes": defaultdict(list)}
     for job in ran:
-        gpu_s = _overlap(job, since, until, now) * job.gpus
+        gpu_s = _overlap(job, since, until, now) * job.gpus * (job.gpu_share or 1.0)  # a shared job: its share
         alloc["users"][job.user].append(gpu_s)
         alloc["nodes"][job.node or "-"].append(gpu_s)
     out = {}

@@ -34,8 +34,9 @@ FAILURE_WORKER_LOST = "worker_lost"  # its lease ran out: the worker died or los
 FAILURE_INTERRUPTED = "interrupted"  # its worker was shut down before it ended
 FAILURE_GPU_LOST = "gpu_lost"  # NVML said the GPU fell off the bus or needs a reset
 FAILURE_CLIENT_LOST = "client_lost"  # an allocation's `gpuq alloc` stopped answering (ssh dropped, killed)
+FAILURE_GPU_MEM_EXCEEDED = "gpu_mem_exceeded"  # a shared job used more GPU memory than its share, past the grace
 FAILURES = (FAILURE_EXIT, FAILURE_ERROR, FAILURE_CUDA_OOM, FAILURE_HOST_OOM, FAILURE_TIMEOUT, FAILURE_CANCELLED,
-            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST)
+            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST, FAILURE_GPU_MEM_EXCEEDED)
 # Failures of the machinery, not the job: a job that asked for retries is put back without using
 # one up (up to the max_requeues setting).
 INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
@@ -68,7 +69,7 @@ EXIT_CONFIG = 78  # the settings are wrong
 # 128+N for a command killed by signal N, 1 for a built-in workload that raised. An end that gpuq
 # made has a code of its own (docker run's 125 for "not the command's doing"; timeout(1)'s 124).
 EXIT_RUN_TIMED_OUT = 124  # its --time ran out
-EXIT_RUN_GPUQ = 125  # gpuq ended it: worker lost or shut down, GPU lost, allocation's client lost
+EXIT_RUN_GPUQ = 125  # gpuq ended it: worker lost or shut down, GPU lost, allocation's client lost, over its share
 EXIT_RUN_CANCELLED = 130  # cancelled (Ctrl-C, `gpuq cancel`), as a shell reports Ctrl-C
 
 # Largest job name we store; SQL column size.
@@ -86,6 +87,8 @@ STDERR = 1
 # news, waiting at most this long per request; the server looks at SQL this often meanwhile.
 FOLLOW_WAIT_SECONDS = 10.0
 FOLLOW_LOOK_SECONDS = 0.05
+# A shared built-in workload's share of its GPU's memory (0-1), given to the child that runs it.
+MEMORY_FRACTION_VARIABLE = "GPUQ_MEMORY_FRACTION"
 # `gpuq alloc` warns on the terminal this long before the allocation's --time runs out (half
 # the time limit when that is shorter than twice this).
 ALLOC_WARN_SECONDS = 300.0

@@ -41,6 +41,8 @@ class DeviceStatus:
     sampled_at: datetime | None = None
     processes: list[dict[str, Any]] = field(default_factory=list)  # gpuq's (the worker's, its job's)
     foreign: list[dict[str, Any]] = field(default_factory=list)  # processes gpuq did not start
+    # Shared jobs on it (job_id is then None): [{"job_id", "job_name", "user", "share_mib", "used_mib"}].
+    shares: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__) | {"sampled_at": self.sampled_at.isoformat() if self.sampled_at else None}
@@ -50,14 +52,26 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
     """All GPUs gpuq knows, by node and index."""
     now = now or utcnow()
     rows = session.execute(
-        select(Gpu, Job.id, Job.name, Job.user).outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
-        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)
+        select(Gpu, Job.id, Job.name, Job.user, Allocation.share_mib, Allocation.used_mib)
+        .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
+        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index, Job.id)
     ).all()
     fresh = now - timedelta(seconds=max(STALE_INTERVALS * settings.sample_interval, STALE_SECONDS))
     newest = samples.latest(session, [g.id for g, *_ in rows], fresh)
     cutoff = live_cutoff(settings)
+    gpus: dict[int, Gpu] = {}
+    whole: dict[int, tuple[int | None, str | None, str | None]] = {}
+    shares: dict[int, list[dict[str, Any]]] = {}
+    for gpu, held_by, held_name, held_user, share_mib, used_mib in rows:
+        gpus[gpu.id] = gpu
+        if share_mib is not None:
+            shares.setdefault(gpu.id, []).append({"job_id": held_by, "job_name": held_name, "user": held_user,
+                                                  "share_mib": share_mib, "used_mib": used_mib})
+        elif held_by is not None:
+            whole[gpu.id] = (held_by, held_name, held_user)
     out = []
-    for gpu, job_id, job_name, user in rows:
+    for gpu in gpus.values():
+        job_id, job_name, user = whole.get(gpu.id, (None, None, None))
         s = newest.get(gpu.id)
         procs = (s.processes or []) if s else []
         out.append(DeviceStatus(
@@ -72,5 +86,6 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
             sm_clock_mhz=s.sm_clock_mhz if s else None, job_id=job_id, job_name=job_name, user=user,
             sampled_at=s.sampled_at if s else None,
             processes=[p for p in procs if p.get("gpuq")], foreign=[p for p in procs if not p.get("gpuq")],
+            shares=shares.get(gpu.id, []),
         ))
     return out

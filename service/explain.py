@@ -46,7 +46,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"{head}: it asked for node {job.on_node}, which is drained{drained}"
     need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}"
     if job.mem_mib:
-        need += f" with {_gib(job.mem_mib)} free"
+        need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
     if reason == policy.PRIORITY:
@@ -54,8 +54,19 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
                                 .order_by(Job.priority.desc(), Job.id).limit(1)).first()
         if ahead is not None:
             parts.append(f"job {ahead.id} of {ahead.user} ({ahead.gpus} GPUs) is ahead of it and waits for GPUs")
-    parts.extend(_gpu_lines(session, settings, job))
+    parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
     return "; ".join(parts)
+
+
+def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:
+    """A shared job's figures: each live GPU's room for shares, and what the job needs there."""
+    from gpuq.service import packing
+    from gpuq.service.queue_read import read_queue
+
+    gpus = read_queue(session, settings, head=1).policy.gpus
+    request = policy.JobRequest(id=job.id, user=job.user, gpus=job.gpus, mem_mib=job.mem_mib, node=job.on_node,
+                                shared=True)
+    return packing.room_lines(request, gpus, settings.shared_context_mib) or ["no live GPU is known to gpuq"]
 
 
 def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:

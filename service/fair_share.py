@@ -8,12 +8,16 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service.constants import State
 from gpuq.service.models import Job
 from gpuq.service.settings import Settings
+
+# What a job is charged per hour it runs: its GPUs, each times its share of the GPU's memory for a
+# shared job (``jobs.gpu_share``, written at dispatch), whole for any other.
+_CHARGED = Job.gpus * func.coalesce(Job.gpu_share, 1.0)
 
 
 class FairShare:
@@ -44,7 +48,7 @@ class FairShare:
 
     @staticmethod
     def _ended(session: Session, since: datetime, before: datetime | None = None) -> list[Any]:
-        query = select(Job.user, Job.gpus, Job.started_at, Job.ended_at).where(
+        query = select(Job.user, _CHARGED, Job.started_at, Job.ended_at).where(
             Job.ended_at >= since, Job.started_at.is_not(None))
         return list(session.execute(query.where(Job.ended_at < before) if before is not None else query))
 
@@ -59,7 +63,7 @@ class FairShare:
             self.until = settled
         decay = math.exp(-self.rate * (now - self.anchor).total_seconds()) / self.rate / 3600.0
         hours = {user: total * decay for user, total in self.folded.items()}
-        fresh: list[Any] = list(session.execute(select(Job.user, Job.gpus, Job.started_at, Job.ended_at)
+        fresh: list[Any] = list(session.execute(select(Job.user, _CHARGED, Job.started_at, Job.ended_at)
                                                 .where(Job.state == State.RUNNING, Job.started_at.is_not(None))))
         fresh += self._ended(session, self.until)
         for user, gpus, started, ended in fresh:  # started: never null here (the queries ask so)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -72,24 +74,45 @@ class GpuView:
     drained: bool = False
     foreign_mib: int | None = None
     drain_reason: str | None = None
+    # The shared jobs on it: [{"job_id", "user", "share_mib", "used_mib"}] (job_id is then None).
+    shares: tuple[dict[str, Any], ...] = ()
 
 
 def view(session: Session, settings: Settings) -> list[GpuView]:
+    """Each GPU with its whole-GPU job, or its shared jobs and what each uses of its share."""
     cutoff = live_cutoff(settings)
     drained = drained_nodes(session)
     rows = session.execute(
-        select(Gpu, Job.id, Job.user).outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
-        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)
+        select(Gpu, Job.id, Job.user, Allocation.share_mib, Allocation.used_mib)
+        .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
+        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index, Job.id)
     ).all()
+    whole: dict[int, tuple[int | None, str | None]] = {}
+    shares: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    gpus: dict[int, Gpu] = {}
+    for g, job_id, user, share_mib, used_mib in rows:
+        gpus[g.id] = g
+        if share_mib is not None:
+            shares[g.id].append({"job_id": job_id, "user": user, "share_mib": share_mib, "used_mib": used_mib})
+        elif job_id is not None:
+            whole[g.id] = (job_id, user)
     return [
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,
                 online=g.heartbeat_at is not None and g.heartbeat_at >= cutoff, worker=g.worker,
-                job_id=job_id, job_user=user, heartbeat_at=g.heartbeat_at,
-                drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
-                drain_reason=drained.get(g.node) or g.drain_reason)
-        for g, job_id, user in rows
+                job_id=whole.get(g.id, (None, None))[0], job_user=whole.get(g.id, (None, None))[1],
+                heartbeat_at=g.heartbeat_at, drained=g.node in drained or g.drain_reason is not None,
+                foreign_mib=g.foreign_mib, drain_reason=drained.get(g.node) or g.drain_reason,
+                shares=tuple(shares.get(g.id, ())))
+        for g in gpus.values()
     ]
+
+
+def record_share_use(session: Session, gpu_id: int, used: dict[int, int | None]) -> None:
+    """What each shared job on this GPU uses of its memory now (job id -> MiB), from its worker."""
+    for job_id, mib in used.items():
+        session.execute(update(Allocation).where(Allocation.gpu_id == gpu_id, Allocation.job_id == job_id)
+                        .values(used_mib=mib))
 
 
 def set_drained(session: Session, node: str, drained: bool, reason: str | None = None) -> None:

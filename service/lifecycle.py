@@ -143,7 +143,8 @@ HOLD = move("hold or release", A.USER, S.PENDING, None, _ID, held=bindparam("hel
 
 # ---- the scheduler's -----------------------------------------------------------------------------
 DISPATCH = Prepared(move("dispatch", A.SCHEDULER, S.PENDING, S.DISPATCHED, _ID, NOT_HELD,
-                         dispatched_at=bindparam("now"), node=bindparam("node"), reason=None))
+                         dispatched_at=bindparam("now"), node=bindparam("node"), reason=None,
+                         gpu_share=bindparam("gpu_share")))
 SEND_AGAIN = move("send a dispatched job's message again", A.SCHEDULER, S.DISPATCHED, None, _IDS,
                   dispatched_at=bindparam("now"))
 WHY_WAITING = move("write why jobs wait", A.SCHEDULER, S.PENDING, None, _IDS, reason=bindparam("reason"))

@@ -21,6 +21,8 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -139,6 +141,11 @@ class Job(Base):
     # the exit code of the shell or command it ran, once the client has ended it.
     keepalive_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     client_exit_code: Mapped[int | None] = mapped_column(Integer)
+    # May share its GPUs with other shared jobs, each held to its --mem (mem_mib) there.
+    shared: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # What share of each of its GPUs a shared job was placed with (its share and context reserve
+    # over the GPU's memory), what fair share and accounting charge it; None: whole GPUs.
+    gpu_share: Mapped[float | None] = mapped_column(Float)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Allocation.rank"
@@ -181,7 +188,8 @@ class Gpu(Base):
     # stopped job's processes that would not go away.
     drain_reason: Mapped[str | None] = mapped_column(Text)
 
-    allocation: Mapped[Allocation | None] = relationship(back_populates="gpu", uselist=False)
+    # The whole job on it, or the shared jobs' shares.
+    allocations: Mapped[list[Allocation]] = relationship(back_populates="gpu")
 
 
 class Node(Base):
@@ -196,10 +204,19 @@ class Node(Base):
 
 
 class Allocation(Base):
-    """A GPU held by a job. The unique key on gpu_id is what makes double-booking impossible."""
+    """A GPU held by a job, whole or a share of its memory. The unique index on gpu_id among whole
+    allocations is what makes double-booking impossible; shares of one GPU are the scheduler's to
+    pack (``scheduler.allocate`` checks their sum in the placing transaction)."""
 
     __tablename__ = "allocations"
-    __table_args__ = (UniqueConstraint("gpu_id"), UniqueConstraint("job_id", "rank"))
+    __table_args__ = (
+        Index("uq_allocations_gpu_id", "gpu_id", unique=True, sqlite_where=text("share_mib IS NULL"),
+              postgresql_where=text("share_mib IS NULL")),
+        # Every lookup of what holds a GPU (a take's "is it free", the scheduler's read): the
+        # partial index above serves only those that also say "whole".
+        Index("ix_allocations_gpu_id", "gpu_id"),
+        UniqueConstraint("job_id", "rank"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     # No index of its own: the unique (job_id, rank) key serves a job's lookups, and one index
@@ -208,9 +225,13 @@ class Allocation(Base):
     gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"))
     # 0 for the GPU whose worker runs the job; the order CUDA_VISIBLE_DEVICES lists them in.
     rank: Mapped[int] = mapped_column(Integer)
+    # A shared job's: its share plus the context reserve, MiB, on this GPU; None: the whole GPU.
+    share_mib: Mapped[int | None] = mapped_column(Integer)
+    # What a shared job's processes use of this GPU's memory, MiB, as its worker last measured it.
+    used_mib: Mapped[int | None] = mapped_column(Integer)
 
     job: Mapped[Job] = relationship(back_populates="allocations")
-    gpu: Mapped[Gpu] = relationship(back_populates="allocation")
+    gpu: Mapped[Gpu] = relationship(back_populates="allocations")
 
 
 class NextUp(Base):

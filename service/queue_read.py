@@ -30,10 +30,11 @@ from gpuq.service.settings import Settings
 # not (SQLAlchemy makes its rows in C).
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
-                    _t.held, _t.after, _t.after_any, _t.reason)
+                    _t.held, _t.after, _t.after_any, _t.reason, _t.shared)
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
 _DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
-_ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s).join_from(
+_ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
+                             table(Allocation).c.share_mib, _t.gpu_share).join_from(
     table(Allocation), table(Job), table(Allocation).c.job_id == _t.id))
 _g = table(Gpu).c
 _LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
@@ -78,13 +79,26 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     conn = session.connection()  # Prepared statements: a submit reads this to place its job
     drained = {name for name, in _DRAINED.run(conn, {})}
     busy: dict[int, float] = {}
-    in_use: dict[str, int] = defaultdict(int)
-    for gpu_id, user, started, limit in _ALLOCATED.run(conn, {}):
-        in_use[user] += 1
-        busy[gpu_id] = (started or now).timestamp() + limit if limit else math.inf
+    # GPUs with shared jobs: their shares' sum, how many, and when the last is expected to end.
+    shared_mib: dict[int, int] = defaultdict(int)
+    shared_jobs: dict[int, int] = defaultdict(int)
+    shared_until: dict[int, float] = {}
+    in_use: dict[str, float] = defaultdict(float)
+    for gpu_id, user, started, limit, share_mib, gpu_share in _ALLOCATED.run(conn, {}):
+        ends = (started or now).timestamp() + limit if limit else math.inf
+        if share_mib is None:
+            in_use[user] += 1
+            busy[gpu_id] = ends
+            continue
+        # A shared job counts what it is charged (its share of the GPU), as fair share does.
+        in_use[user] += gpu_share if gpu_share is not None else 1.0
+        shared_mib[gpu_id] += share_mib
+        shared_jobs[gpu_id] += 1
+        shared_until[gpu_id] = max(shared_until.get(gpu_id, ends), ends)
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
-                            busy_until=busy.get(g.id))
+                            busy_until=busy.get(g.id), shared_mib=shared_mib.get(g.id, 0),
+                            shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id))
             for g in _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
             if g.node not in drained]
     pending, last = _pending(session, head)
@@ -116,7 +130,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if cut is None or policy.order_key(job, hours) <= cut:
             jobs.append(job)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
-                           gpus_in_use=dict(in_use), user_gpu_limit=settings.user_gpu_limit)
+                              gpus_in_use=dict(in_use), user_gpu_limit=settings.user_gpu_limit,
+                              shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending})
 
 
@@ -124,7 +139,7 @@ def _request(row: Any) -> policy.JobRequest:
     """The policy's view of a pending job row (``_PENDING_COLUMNS``)."""
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
-                             time_limit_s=row.time_limit_s)
+                             time_limit_s=row.time_limit_s, shared=bool(row.shared))
 
 
 def _pending(session: Session, head: int | None) -> tuple[list[Any], list[Any]]:

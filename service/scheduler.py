@@ -11,15 +11,17 @@ import threading
 import time
 from collections import defaultdict
 from datetime import datetime
+from typing import Any
 
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, policy
+from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, packing, policy
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.fair_share import FairShare
-from gpuq.service.models import Allocation, table, utcnow
+from gpuq.service.models import Allocation, Gpu, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_read import QueueRead, read_queue
 from gpuq.service.settings import Settings
@@ -30,19 +32,51 @@ _ALLOCATE = Prepared(table(Allocation).insert())
 PLACE_AT_SUBMIT_MAX = 64
 
 
-def allocate(session: Session, p: policy.Placement, now: datetime | None = None) -> bool:
+def allocate(session: Session, p: policy.Placement, now: datetime | None = None, share_mib: int | None = None) -> bool:
     """Dispatch the placed job, unless it changed since it was read (cancelled, held, or taken
-    by a worker from its next-up list) or one of its GPUs was taken meanwhile."""
+    by a worker from its next-up list) or one of its GPUs was taken meanwhile. A shared placement
+    (``p.shared``) holds ``share_mib`` (its share and context reserve) on each GPU, and only if that
+    still fits there beside the shares already on it, with no whole-GPU job."""
     conn = session.connection()  # Core: a submit places its job in its own transaction
+    share = None
+    if p.shared:
+        assert share_mib is not None
+        if not _room_for(conn, p, share_mib):
+            log.info("job %s: its GPUs' room changed meanwhile; next pass", p.job_id)
+            return False
+        share = max(min(share_mib / g.memory_total_mib, 1.0) for g in p.gpus)
     try:
         with session.begin_nested():
-            if lifecycle.DISPATCH.run(conn, {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node}) != 1:
+            values = {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node, "gpu_share": share}
+            if lifecycle.DISPATCH.run(conn, values) != 1:
                 return False
-            _ALLOCATE.run(conn, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r} for r, g in enumerate(p.gpus)])
+            _ALLOCATE.run(conn, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r, "share_mib": share_mib if p.shared
+                                  else None} for r, g in enumerate(p.gpus)])
         return True
     except IntegrityError:
         log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
         return False
+
+
+# Not Prepared: a list of GPUs expands into the statement when it runs.
+_HELD_ON = (select(table(Allocation).c.gpu_id, func.count(), func.sum(table(Allocation).c.share_mib),
+                   func.count(table(Allocation).c.share_mib))
+            .where(table(Allocation).c.gpu_id.in_(bindparam("gpu_ids", expanding=True)))
+            .group_by(table(Allocation).c.gpu_id))
+_ROOM_OF = (select(table(Gpu).c.id, table(Gpu).c.memory_total_mib, table(Gpu).c.foreign_mib)
+            .where(table(Gpu).c.id.in_(bindparam("gpu_ids", expanding=True))))
+
+
+def _room_for(conn: Any, p: policy.Placement, share_mib: int) -> bool:
+    """Whether each of ``p``'s GPUs still has ``share_mib`` of room for a share and no whole job,
+    as SQL has it now (in the placing transaction: on SQLite the writers' lock is held)."""
+    ids = [g.id for g in p.gpus]
+    held = {gpu_id: (n, total or 0, shares) for gpu_id, n, total, shares in conn.execute(_HELD_ON, {"gpu_ids": ids})}
+    for gpu_id, memory, foreign in conn.execute(_ROOM_OF, {"gpu_ids": ids}):
+        n, total, shares = held.get(gpu_id, (0, 0, 0))
+        if n > shares or memory - (foreign or 0) - total < share_mib:
+            return False
+    return True
 
 
 def place_at_submit(session: Session, settings: Settings,
@@ -63,8 +97,18 @@ def place_at_submit(session: Session, settings: Settings,
     if not queue.policy.jobs:
         return []
     now = utcnow()
-    placed = [p for p in policy.decide(queue.policy).placements if allocate(session, p, now)]
+    placements = policy.decide(queue.policy).placements
+    held = shares_held(queue.policy, placements)
+    placed = [p for p in placements if allocate(session, p, now, held.get(p.job_id))]
     return [(p.job_id, p.gpus[0].queue, p.gpus[0].node, now) for p in placed]
+
+
+def shares_held(state: policy.QueueState, placements: list[policy.Placement]) -> dict[int, int]:
+    """What each shared placement holds on each of its GPUs: its job's share and context reserve."""
+    shared = {p.job_id for p in placements if p.shared}
+    if not shared:
+        return {}
+    return {j.id: packing.need_mib(j, state.shared_context_mib) for j in state.jobs if j.id in shared}
 
 
 class Scheduler:
@@ -142,7 +186,8 @@ class Scheduler:
         with write_scope(self.settings) as session:
             for job_id, why in queue.doomed.items():
                 session.execute(lifecycle.DOOM, {"job_id": job_id, "now": utcnow(), "reason": why})
-            placements = [p for p in decision.placements if allocate(session, p)]
+            held = shares_held(queue.policy, decision.placements)
+            placements = [p for p in decision.placements if allocate(session, p, share_mib=held.get(p.job_id))]
             if not quick:
                 self._record_reasons(session, queue, decision)
             self.lists.write(session, changes)

@@ -138,6 +138,12 @@ class Settings:
     # dropped, client killed) is ended as client_lost and everything it started is stopped; the
     # client says it is alive every third of this.
     alloc_keepalive: float = 30.0
+    # GPU memory held back for each shared job's CUDA context, MiB, on top of its share (--mem): the
+    # shares plus these never exceed a GPU's memory beside what other programs use.
+    shared_context_mib: int = 512
+    # Seconds a shared job may use more GPU memory than its share (a transient peak) before its
+    # worker stops it as gpu_mem_exceeded.
+    shared_mem_grace: float = 3.0
 
     @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:

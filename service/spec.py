@@ -44,6 +44,8 @@ class JobSpec:
     env: dict[str, str] | None = None
     array_index: int | None = None
     host_mem_mib: int | None = None
+    # May share its GPUs with other shared jobs, held to mem_mib on each (`--shared`).
+    shared: bool = False
     # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.
     git_commit: str | None = None
     git_dirty: bool | None = None
@@ -65,11 +67,14 @@ class Scheduling:
     after: str | None = None
     after_any: str | None = None
     host_mem: str | None = None
+    shared: bool = False
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
         if self.after and self.after_any:
             raise InvalidSpec("give --after or --after-any, not both")
+        if self.shared and self.mem is None:
+            raise InvalidSpec("--shared needs --mem: the GPU memory the job may use on each GPU (its share)")
         if not -ADMIN_MAX_PRIORITY <= self.priority <= ADMIN_MAX_PRIORITY:
             raise InvalidSpec(f"--priority must be between -{ADMIN_MAX_PRIORITY} and {ADMIN_MAX_PRIORITY}")
         if not 0 <= self.retries <= MAX_RETRIES:
@@ -87,6 +92,7 @@ class Scheduling:
             "after": parse_job_ids(deps, "--after" if self.after else "--after-any") if deps else None,
             "after_any": bool(self.after_any),
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
+            "shared": self.shared,
         }
 
 

@@ -171,7 +171,8 @@ def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
                 git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
                 host_mem_mib=s.host_mem_mib, requeues=0,
                 # An allocation's client is alive as it submits; it says so again while it waits.
-                keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None)
+                keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
+                shared=s.shared, gpu_share=None)
 
 
 def _staged_at(staged: Staged | None) -> dict[str, Any]:
@@ -215,8 +216,12 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
     if spec.mem_mib is not None:
         biggest = session.scalar(select(func.max(Gpu.memory_total_mib))) or 0
         here = max((g.memory_total_mib for g in local), default=0)
-        if spec.mem_mib > max(biggest, here):
-            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({max(biggest, here)} MiB)")
+        most = max(biggest, here)
+        if spec.mem_mib > most:
+            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({most} MiB)")
+        if spec.shared and spec.mem_mib + settings.shared_context_mib > most:
+            raise InvalidSpec(f"--mem {spec.mem_mib} MiB and the {settings.shared_context_mib} MiB a shared job's CUDA "
+                              f"context is given are more than any GPU has ({most} MiB); drop --shared")
 
 
 def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> None:

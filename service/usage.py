@@ -164,7 +164,9 @@ def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled
 
 def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]:
     wall = (elapsed(job, now) or timedelta()).total_seconds()
-    return dict(job_id=job.id, wall_s=wall, gpu_hours=wall * job.gpus / 3600.0,
+    # A shared job is charged its share of each GPU (``jobs.gpu_share``), as fair share charges it.
+    charged = job.gpus * (getattr(job, "gpu_share", None) or 1.0)
+    return dict(job_id=job.id, wall_s=wall, gpu_hours=wall * charged / 3600.0,
                 memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
                 memory_mean_mib=t.memory_mean, utilization_mean=t.utilization_mean,
                 energy_j=t.energy_j if t.samples else None, idle_s=t.idle_seconds, samples=t.samples,
@@ -181,6 +183,8 @@ class Ended:
     ended_at: datetime
     # Whether it ran before (a retry, a requeue): an earlier attempt's summary is replaced.
     ran_before: bool = True
+    # A shared job's share of each GPU (what it is charged); None: whole GPUs.
+    gpu_share: float | None = None
 
 
 def record_usage(session: Session, job_id: int, ended: Ended | None = None,
@@ -205,8 +209,8 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     _INSERT_USAGE.run(conn, _summary(job, totals))
 
 
-_JOB_TIMES = select(table(Job).c.id, table(Job).c.gpus, table(Job).c.started_at,
-                    table(Job).c.ended_at).where(table(Job).c.id == bindparam("job_id"))
+_JOB_TIMES = select(table(Job).c.id, table(Job).c.gpus, table(Job).c.started_at, table(Job).c.ended_at,
+                    table(Job).c.gpu_share).where(table(Job).c.id == bindparam("job_id"))
 _INSERT_USAGE = Prepared(table(JobUsage).insert())
 _FORGET_USAGE = table(JobUsage).delete().where(table(JobUsage).c.job_id == bindparam("job_id"))
 

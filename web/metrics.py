@@ -71,13 +71,23 @@ def _gpu_metrics(devices: list[SimpleNamespace]) -> Iterator[Metric]:
                               labels=GPU_LABELS)
     up = GaugeMetricFamily("gpuq_gpu_up", "1 when the GPU's worker is alive (heart-beating), else 0.",
                            labels=GPU_LABELS)
-    held = GaugeMetricFamily("gpuq_gpu_allocated", "1 while a job holds the GPU, labelled with the job and user.",
-                             labels=[*GPU_LABELS, "job", "user"])
+    held = GaugeMetricFamily("gpuq_gpu_allocated", "1 while a job holds the GPU (or a share of it), labelled with "
+                             "the job and user.", labels=[*GPU_LABELS, "job", "user"])
+    share = GaugeMetricFamily("gpuq_gpu_share_mib", "A shared job's share of the GPU's memory, with its context "
+                              "reserve (in MiB).", labels=[*GPU_LABELS, "job", "user"])
+    share_used = GaugeMetricFamily("gpuq_gpu_share_used_mib", "GPU memory a shared job's processes use (in MiB), "
+                                   "as its worker last measured.", labels=[*GPU_LABELS, "job", "user"])
     for d in devices:
         labels = [str(d.index), d.uuid or "", f"nvidia{d.index}", d.name, d.node, d.node]
         up.add_metric(labels, 1.0 if d.online else 0.0)
         if d.job_id is not None:
             held.add_metric([*labels, str(d.job_id), d.user or ""], 1.0)
+        for s in getattr(d, "shares", None) or []:
+            job = [*labels, str(s["job_id"]), s["user"] or ""]
+            held.add_metric(job, 1.0)
+            share.add_metric(job, float(s["share_mib"]))
+            if s["used_mib"] is not None:
+                share_used.add_metric(job, float(s["used_mib"]))
         if d.energy_j is not None:
             total.add_metric(labels, d.energy_j * 1000.0)
         if not d.online:
@@ -87,7 +97,7 @@ def _gpu_metrics(devices: list[SimpleNamespace]) -> Iterator[Metric]:
                               (free, None if d.memory_used_mib is None else d.memory_total_mib - d.memory_used_mib)):
             if value is not None:
                 family.add_metric(labels, float(value))
-    yield from (util, used, free, temp, power, clock, total, up, held)
+    yield from (util, used, free, temp, power, clock, total, up, held, share, share_used)
 
 
 def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:

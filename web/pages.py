@@ -33,6 +33,17 @@ PERIODS = {"day": "1d", "week": "7d"}
 USAGE_BUCKETS = 96
 
 
+def _shares(shares: list[dict[str, Any]]) -> str:
+    """A shared GPU's jobs, each linked, with what it uses of its share."""
+    if not shares:
+        return "-"
+    lines = []
+    for s in shares:
+        link = _job_link(s["job_id"], f"{s['job_id']} {s['job_name']}")
+        lines.append(f"{link} {escape(mib(s['used_mib']))} of {escape(mib(s['share_mib']))}")
+    return "<br>".join(lines)
+
+
 def _job_link(job_id: int | None, text: str | None = None) -> str:
     return "-" if job_id is None else f'<a href="/jobs/{job_id}">{escape(text or str(job_id))}</a>'
 
@@ -54,7 +65,9 @@ def queue(api: Client) -> str:
                 for j in rows]
     gpu_rows = []
     for d in devices:
-        label = "offline" if not d.online else ("busy" if d.job_id else "idle")
+        shares = getattr(d, "shares", None) or []
+        label = ("offline" if not d.online else "busy" if d.job_id else f"shared by {len(shares)}" if shares
+                 else "idle")
         if d.node in drained:
             label += " (drained)"
         mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
@@ -62,7 +75,8 @@ def queue(api: Client) -> str:
                          svg.bar(mem_pct, f"{mib(d.memory_used_mib)} / {mib(d.memory_total_mib)}", width=200),
                          "n/a" if d.temperature_c is None else f"{d.temperature_c} C",
                          "n/a" if d.power_w is None else f"{d.power_w:.0f} W",
-                         _job_link(d.job_id, f"{d.job_id} {d.job_name}" if d.job_id else None), escape(d.user or "-"),
+                         _job_link(d.job_id, f"{d.job_id} {d.job_name}") if d.job_id else _shares(shares),
+                         escape(d.user or ", ".join(sorted({s["user"] or "?" for s in shares})) or "-"),
                          escape(", ".join(f"{p.get('name') or '?'}[{p.get('pid')}] of {p.get('user') or '?'}"
                                           for p in d.foreign) or "-")])
     summary = ", ".join(f"{counts[s]} {s}" for s in c.ACTIVE_STATES if counts[s]) or "nothing waiting or running"

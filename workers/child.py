@@ -8,11 +8,13 @@ metrics in SQL, and writes its result as JSON to the path it is given.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
 from typing import Any, cast
 
+from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.jobs import get_job, record_metric
 from gpuq.service.settings import get_settings
@@ -27,6 +29,9 @@ def main(argv: list[str]) -> int:
         workload, params, gpus = cast(str, job.workload), dict(job.params), job.gpus  # a workload job names one
     cancelled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: cancelled.set())
+    fraction = os.environ.get(c.MEMORY_FRACTION_VARIABLE)
+    if fraction:
+        hold_to_share(float(fraction))
 
     def on_metric(values: dict[str, Any]) -> None:
         with write_scope(settings) as session:
@@ -36,6 +41,18 @@ def main(argv: list[str]) -> int:
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0
+
+
+def hold_to_share(fraction: float) -> None:
+    """Make CUDA's caching allocator refuse past ``fraction`` of each GPU's memory in this process
+    (``torch.cuda.set_per_process_memory_fraction``): a shared built-in fails with CUDA out of
+    memory at its share rather than taking its neighbours'. Without CUDA (simulated GPUs) there is
+    nothing to hold; the worker's watchdog still watches what the process uses."""
+    import torch
+
+    if torch.cuda.is_available():
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(min(max(fraction, 0.0), 1.0), device)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class CommandOutcome:
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
-                verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None) -> CommandOutcome:
+                verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
+                on_start: Callable[[int], None] | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -53,6 +54,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=functools.partial(_in_child, cgroup, run_as))
     found = _Finder(proc.pid, cgroup, run_id)
+    if on_start is not None:
+        on_start(proc.pid)
     assert proc.stdout is not None and proc.stderr is not None
     readers = [threading.Thread(target=_pump, args=(pipe, stream, sink), name=f"pump-{proc.pid}-{stream}", daemon=True)
                for pipe, stream in ((proc.stdout, c.STDOUT), (proc.stderr, c.STDERR))]

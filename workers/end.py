@@ -158,6 +158,8 @@ def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[s
         return {"state": State.FAILED, "failure": why, "reason": "worker lost: it could not renew the job's lease"}
     if why == c.FAILURE_GPU_LOST:
         return {"state": State.FAILED, "failure": why, "reason": f"GPU lost: gpu {state.gpu_index} on {state.node}"}
+    if why == c.FAILURE_GPU_MEM_EXCEEDED:
+        return {"state": State.FAILED, "failure": why, "reason": watcher.detail or "over its GPU memory share"}
     return {"state": State.CANCELLED, "failure": why, "reason": "cancelled by user"}
 
 

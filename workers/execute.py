@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
@@ -28,11 +29,16 @@ from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
 
 
-def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
+def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
+            on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run the job's body to its end, or until ``watcher`` says it must stop; returns its end
-    (what ``lifecycle.end_attempt`` writes). A workload's exception is raised."""
+    (what ``lifecycle.end_attempt`` writes). A workload's exception is raised. A shared job's body
+    always runs in a process of its own (its built-in workload too, held to its share there), whose
+    pid goes to ``on_start``."""
     if job.kind == c.KIND_COMMAND:
-        return _execute_command(state, job, sink, watcher)
+        return _execute_command(state, job, sink, watcher, on_start)
+    if job.shared and job.kind == c.KIND_WORKLOAD:
+        return execute_in_child(state, job, sink, watcher, on_start)
     if job.kind == c.KIND_INTERACTIVE:
         from gpuq.workers.allocation import host
 
@@ -40,7 +46,8 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
     return _execute_workload(state, job, sink, watcher)
 
 
-def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
+def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
+                     on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     assert job.argv is not None and job.cwd is not None
     identity = run_as(job.user, state.node)  # UnknownUser fails the job with its reason
     cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
@@ -49,7 +56,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         env = job_env(job, state.node, identity)
         env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
         outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
-                              run_as=identity)
+                              run_as=identity, on_start=on_start)
     finally:
         if cgroup is not None:
             cgroup.remove()
@@ -80,19 +87,24 @@ def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher
         rank0 = start_ranks(state, job)
         result = run_workload(job.id, workload, job.params, gpus, sink.line, watcher.stopped, on_metric, rank0)
     else:
-        return _execute_in_child(state, job, sink, watcher)
+        return execute_in_child(state, job, sink, watcher)
     return {"state": State.SUCCEEDED, "result": result}
 
 
-def _execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
-    """A workload on several GPUs runs in a child that sees all of them (this worker sees one)."""
+def execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
+                     on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """A workload on several GPUs runs in a child that sees all of them (this worker sees one); a
+    shared one runs in a child held to its share of the GPU's memory."""
     with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
         env.update(job_env(job, state.node))
         env["GPUQ_WORKER"] = worker_mark(state)
+        if job.shared and job.mem_mib is not None and job.memory_total_mib:
+            env[c.MEMORY_FRACTION_VARIABLE] = f"{job.mem_mib / job.memory_total_mib:.6f}"
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
-        outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, state.settings.kill_grace)
+        outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, state.settings.kill_grace,
+                              on_start=on_start)
         if outcome.cancelled:
             return stopped_end(state, job, watcher)
         drain_if_left(state, job, outcome.leftover)

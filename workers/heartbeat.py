@@ -42,6 +42,7 @@ class Heartbeat(threading.Thread):
 
     def beat(self) -> None:
         lease = self.state.lease if self.state is not None else None
+        shared = [run.lease for run in list(self.state.shared.values())] if self.state is not None else []
         try:
             # A reading the sampler took within the last sample interval serves as well.
             reading = self.probe.read(max_age=self.settings.sample_interval)
@@ -52,6 +53,13 @@ class Heartbeat(threading.Thread):
                     log.error("GPU %s lost (%s): drained until an admin resumes its node", self.gpu_id, reading.lost)
                 if lease is not None:
                     renewed = renew(session, lease.job_id, lease.token, self.settings.lease_timeout)
+                kept = {s.job_id: renew(session, s.job_id, s.token, self.settings.lease_timeout) for s in shared}
+            for s in shared:
+                if kept[s.job_id]:
+                    s.renewed = time.monotonic()
+                elif self.state is not None and s.job_id in self.state.shared:
+                    log.warning("job %s: lease no longer ours (taken back); stopping it", s.job_id)
+                    s.lost.set()
             if reading.lost and self.state is not None:
                 self.state.gpu_lost.set()
             if lease is None or self.state is None:
@@ -63,10 +71,11 @@ class Heartbeat(threading.Thread):
                 lease.lost.set()
         except Exception:
             log.exception("heartbeat failed")
-            if lease is not None and lease.overdue(self.settings.lease_timeout):
-                log.error("job %s: lease not renewed for %.0f s; stopping the job before it is reaped",
-                          lease.job_id, time.monotonic() - lease.renewed)
-                lease.lost.set()
+            for held in [lease, *shared]:
+                if held is not None and held.overdue(self.settings.lease_timeout):
+                    log.error("job %s: lease not renewed for %.0f s; stopping the job before it is reaped",
+                              held.job_id, time.monotonic() - held.renewed)
+                    held.lost.set()
 
     def stop(self) -> None:
         self.stopped.set()

@@ -17,7 +17,7 @@ from gpuq.service.models import Allocation, Gpu, Job, table
 from gpuq.service.next_up import TAKEN_COLUMNS
 
 _JOB_TO_RUN = select(*TAKEN_COLUMNS).where(table(Job).c.id == bindparam("job_id"))
-_JOB_GPUS = (select(table(Gpu).c.index, table(Gpu).c.queue)
+_JOB_GPUS = (select(table(Gpu).c.index, table(Gpu).c.queue, table(Gpu).c.memory_total_mib)
              .join_from(table(Allocation), table(Gpu), table(Gpu).c.id == table(Allocation).c.gpu_id)
              .where(table(Allocation).c.job_id == bindparam("job_id")).order_by(table(Allocation).c.rank))
 
@@ -44,6 +44,11 @@ class JobRun:
     started_at: datetime | None = None
     # Whether it ran before (a retry, a requeue): its output and usage go on from the earlier attempts'.
     ran_before: bool = False
+    # A shared job: it runs beside other shared jobs, held to ``mem_mib`` of its first GPU's
+    # ``memory_total_mib`` there.
+    shared: bool = False
+    mem_mib: int | None = None
+    memory_total_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,14 +78,15 @@ def load(session: Session, job_id: int) -> JobRun:
         raise JobNotFound(f"no job {job_id}")
     gpus = session.connection().execute(_JOB_GPUS, {"job_id": job_id}).all()
     # By position: a Row's ``index`` is also the Sequence method's name.
-    return job_run(job, tuple(index for index, _ in gpus), tuple(queue for _, queue in gpus))
+    return job_run(job, tuple(g[0] for g in gpus), tuple(g[1] for g in gpus), gpus[0][2] if gpus else 0)
 
 
-def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...]) -> JobRun:
+def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...], memory_total_mib: int = 0) -> JobRun:
     """A JobRun from a job row with ``TAKEN_COLUMNS`` (a claim's read, or a take's RETURNING)."""
     deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
     return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                   argv=job.argv, cwd=job.cwd, gpu_indices=gpu_indices, gpu_queues=gpu_queues,
                   env=dict(job.env or {}), deadline=deadline, time_limit_s=job.time_limit_s,
                   host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
-                  ran_before=bool(job.attempts))
+                  ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
+                  memory_total_mib=memory_total_mib)

@@ -97,6 +97,7 @@ def serve(index: int, loglevel: str) -> int:
                          "--without-gossip", "--without-mingle", "--without-heartbeat",
                          f"--loglevel={loglevel}"])
     finally:
+        _let_shared_jobs_end(state)
         heartbeat.stop()
         if state.sampler is not None:
             state.sampler.stop()
@@ -105,6 +106,21 @@ def serve(index: int, loglevel: str) -> int:
             inventory.sign_off(session, gpu_id)
         log.info("%s: stopped", name)
     return 0
+
+
+def _let_shared_jobs_end(state: WorkerState) -> None:
+    """Celery has stopped taking messages; the shared jobs running here finish as the whole-GPU job
+    did (their leases still renewed), unless another SIGTERM or SIGINT asks to stop them now."""
+    import signal
+
+    from gpuq.workers.shared import wait_for_shared
+
+    if not state.shared:
+        return
+    log.info("%s: waiting for %d shared jobs to end", state.name, len(state.shared))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: state.interrupt.set())
+    wait_for_shared(state)
 
 
 def _interrupt_on_second_shutdown(state: WorkerState) -> None:

@@ -43,6 +43,12 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     if started is None:
         log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
         return None
+    if started.job.shared:
+        # Beside the other shared jobs, in a thread of its own: the worker takes its next message.
+        from gpuq.workers.shared import start_shared
+
+        start_shared(state, started)
+        return State.RUNNING
     end_state = None
     while started is not None:
         end_state, started = _run(state, started)

@@ -17,6 +17,14 @@ from gpuq.workers.watch import Watch
 
 
 @dataclass
+class SharedRun:
+    """A shared job running on this worker in a thread of its own."""
+
+    lease: Lease
+    thread: threading.Thread
+
+
+@dataclass
 class WorkerState:
     """Who this worker is: its settings, node, GPU, and whether it was told to stop.
 
@@ -34,6 +42,9 @@ class WorkerState:
       ``workers/main.py`` (or its grace timer's thread), ``gpu_lost`` by the heartbeat thread; the
       task thread reads them, and the watch thread ``interrupt`` and ``gpu_lost``.
     - ``watch`` keeps its own lock between the task thread and the watch thread (see ``Watch``).
+    - ``shared``: the task thread adds a shared job's run as it starts it, that run's own thread
+      removes it at its end, the heartbeat copies it (``list(...)``) once per beat; each a single
+      dict operation, atomic under the interpreter's lock.
     """
 
     settings: Settings
@@ -61,6 +72,9 @@ class WorkerState:
     _woke: float = -math.inf
     # Looks whether the running job must stop (started with the first job).
     watch: Watch = field(default_factory=Watch)
+    # The shared jobs running here beside each other (workers/shared.py), by job id: their leases,
+    # which the heartbeat renews too, and their threads.
+    shared: dict[int, SharedRun] = field(default_factory=dict)
 
     def wake_due(self) -> bool:
         """Whether to look if the next-up list runs short (and wake the scheduler if so): once per

@@ -32,7 +32,14 @@ class StopWatcher:
         self.lease, self.gpu_lost = lease, gpu_lost
         self.stopped = threading.Event()
         self.why = ""
+        self.detail = ""  # the figures behind ``why``, where there are some (a share's overrun)
         self.done = threading.Event()
+
+    def stop(self, why: str, detail: str = "") -> None:
+        """Stop the job for a reason found outside ``look`` (the share watchdog's)."""
+        if not self.stopped.is_set():
+            self.why, self.detail = why, detail
+            self.stopped.set()
 
     def look(self) -> None:
         """One look; sets ``stopped`` and ``why`` if the job must stop."""

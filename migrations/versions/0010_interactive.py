@@ -23,6 +23,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("client_exit_code", sa.Integer(), nullable=True))
         batch_op.drop_constraint(op.f("ck_jobs_kind"), type_="check")
         batch_op.create_check_constraint(op.f("ck_jobs_kind"), "kind IN ('workload', 'command', 'interactive')")
+    _queue_order_index()
     with op.batch_alter_table("job_output") as batch_op:
         batch_op.add_column(sa.Column("stream", sa.SmallInteger(), server_default="0", nullable=False))
 
@@ -35,3 +36,13 @@ def downgrade() -> None:
         batch_op.create_check_constraint(op.f("ck_jobs_kind"), "kind IN ('workload', 'command')")
         batch_op.drop_column("client_exit_code")
         batch_op.drop_column("keepalive_at")
+    _queue_order_index()
+
+
+def _queue_order_index() -> None:
+    """The queue-order index as 0008 made it: SQLite's batch mode copies the table to change a
+    CHECK constraint, and the copy's index loses ``priority DESC`` (Alembic reflects it as a plain
+    column), which turns each user's queue head from an index seek into a sort."""
+    op.drop_index("ix_jobs_queue_order", table_name="jobs")
+    op.create_index("ix_jobs_queue_order", "jobs",
+                    ["state", "held", "user", sa.text("priority DESC"), "submitted_at", "id"], unique=False)

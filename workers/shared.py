@@ -1,0 +1,129 @@
+"""Shared jobs (`--shared`) on a worker: several at once on its GPU beside each other, each in a
+thread of its own with its own lease (renewed by the heartbeat), output, time limit, cancel,
+cgroup, end and failure class; its body in processes of its own (a built-in workload too, held to
+its share by torch there), so one that fails or is cancelled leaves the others running.
+
+The warm worker's whole-GPU path is untouched: a shared job's message is taken by the same Celery
+task, which starts the job here and returns, so the worker takes the next message at once. What
+each job uses of the GPU's memory is read per process, at every look, by the share watchdog
+(workers/share_watch.py); a job over its share past ``shared_mem_grace`` is stopped as
+gpu_mem_exceeded. A worker SIGKILLed with shared jobs running loses their processes with it (each
+dies with the thread that started it); their leases run out and the reaper requeues or fails each,
+as for any job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from gpuq.service import broker, failures
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.errors import JobCancelled, Unreachable
+from gpuq.service.lifecycle import end_attempt
+from gpuq.workers.end import stopped_end
+from gpuq.workers.job import JobRun, Started
+from gpuq.workers.output import OutputSink
+from gpuq.workers.state import SharedRun, WorkerState
+from gpuq.workers.watch import StopWatcher
+
+log = logging.getLogger("gpuq.worker")
+
+
+def start_shared(state: WorkerState, started: Started) -> None:
+    """Run the shared job ``started`` in a thread of its own, beside the others."""
+    job = started.job
+    thread = threading.Thread(target=_run, args=(state, started), name=f"shared-{job.id}", daemon=True)
+    state.shared[job.id] = SharedRun(started.lease, thread)
+    log.info("%s: shared job %s started (%s MiB; %d shared here)", state.name, job.id, job.mem_mib,
+             len(state.shared))
+    thread.start()
+
+
+def wait_for_shared(state: WorkerState, timeout: float | None = None) -> None:
+    """Wait for the shared jobs running here to end (a worker shutting down lets them finish, as it
+    does its whole-GPU job; a second shutdown request stops them)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for run in list(state.shared.values()):
+        run.thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+
+
+def _run(state: WorkerState, started: Started) -> None:
+    settings, job, lease = state.settings, started.job, started.lease
+    sink = OutputSink(settings, job.id, started.output_seq)
+    watcher = StopWatcher(settings, job.id, state.interrupt, job.deadline, lease, state.gpu_lost)
+    pids: set[int] = set()
+    looking = threading.Thread(target=_look, args=(state, job, watcher, pids), name=f"shared-watch-{job.id}",
+                               daemon=True)
+    looking.start()
+    end: dict[str, Any]
+    try:
+        end = _body(state, job, sink, watcher, pids.add)
+    except JobCancelled:
+        end = stopped_end(state, job, watcher)
+    except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
+        sink.write(traceback.format_exc(), c.STDERR)
+        end = {"state": State.FAILED, "failure": failures.from_exception(exc),
+               "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+    finally:
+        watcher.done.set()
+        sink.stop()
+    try:
+        ended = _write_end(state, job, lease.token, end, sink)
+    finally:
+        state.shared.pop(job.id, None)
+    log.info("%s: shared job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
+    broker.wake_scheduler(settings)  # its share of the GPU is free for the next job
+
+
+def _body(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
+          on_start: Callable[[int], None]) -> dict[str, Any]:
+    from gpuq.workers.execute import execute  # the body's dispatch, shared with the whole-GPU path
+
+    return execute(state, job, sink, watcher, on_start)
+
+
+def _look(state: WorkerState, job: JobRun, watcher: StopWatcher, pids: set[int]) -> None:
+    """The job's own watch: whether it must stop (cancel, time limit, shutdown, lease or GPU lost)
+    every CANCEL_POLL_SECONDS, and whether it keeps to its share of the GPU's memory."""
+    memory = _share_watch(state, job, pids)
+    while not watcher.done.wait(c.CANCEL_POLL_SECONDS):
+        try:
+            watcher.look()
+            over = memory.look(time.monotonic()) if memory is not None else None
+        except Exception:
+            log.exception("shared job %s: could not look whether it must stop", job.id)
+            continue
+        if over:
+            log.warning("shared job %s: %s; stopping it", job.id, over)
+            watcher.stop(c.FAILURE_GPU_MEM_EXCEEDED, over)
+
+
+def _share_watch(state: WorkerState, job: JobRun, pids: set[int]) -> Any:
+    """The watchdog over the job's GPU memory (workers/share_watch.py)."""
+    return None
+
+
+def _write_end(state: WorkerState, job: JobRun, token: str, end: dict[str, Any], sink: OutputSink) -> bool:
+    """Write the job's end under its lease with the rest of its output, in one transaction,
+    retried while the database is away (given up when the worker is stopped for good: the reaper
+    takes the job back when its lease runs out)."""
+    delay = 0.2
+    while True:
+        try:
+            with write_scope(state.settings) as session:
+                sink.store_rest(session)
+                done = end_attempt(session, job.id, token=token, max_requeues=state.settings.max_requeues, **end)
+            sink.rest_stored()
+            return done
+        except Unreachable as exc:
+            log.warning("%s: shared job %s: cannot record its end yet (%s); retrying", state.name, job.id, exc)
+            if state.interrupt.wait(delay):
+                return False
+            delay = min(delay * 2, 5.0)
