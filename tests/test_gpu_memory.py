@@ -1,5 +1,6 @@
-"""GPU memory per process on simulated GPUs: real processes declare simulated memory, and the
-device and the probe read it like NVML's list."""
+"""GPU memory per process on simulated GPUs, and the watchdog that holds a shared job to its share:
+real processes declare simulated memory, the device and the probe read it like NVML's list, and
+the watchdog stops only a job over its share for longer than the grace."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpuq.service import constants as c
-from gpuq.service.devices import open_devices
+from gpuq.service.devices import GpuProcess, open_devices
 from gpuq.service.settings import Settings
 from gpuq.service.simulated_memory import ENV_VARIABLE, hold, memory_dir
 from gpuq.workers.execute import job_env
 from gpuq.workers.job import JobRun
 from gpuq.workers.probe import GpuProbe
+from gpuq.workers.share_watch import ShareWatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,6 +57,12 @@ def stop(proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+
+
+def holder_pid(proc: subprocess.Popen[str]) -> int:
+    """The pid holding the memory: the process itself, or the one child of its shell."""
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    return kids[0].pid if kids else proc.pid
 
 
 def test_a_job_process_holding_simulated_memory_is_in_the_gpus_list_and_the_probes_reading_until_it_dies(tmp_path):
@@ -126,3 +136,107 @@ def test_a_file_from_before_its_pid_was_reused_is_ignored(tmp_path):
     assert devices.read(0).processes == ()
     hold(memory_dir(settings), 0, 5000)
     assert [(p.pid, p.memory_mib) for p in devices.read(0).processes or ()] == [(os.getpid(), 5000)]
+
+
+class Job:
+    """A job's per-process lists as a test sets them: what ShareWatch reads."""
+
+    def __init__(self) -> None:
+        self.pids = {10, 11}
+        self.gpus: dict[int, tuple[GpuProcess, ...] | None] = {0: (), 1: ()}
+
+    def uses(self, gpu: int, *mib: int, foreign: int = 0) -> None:
+        procs = [GpuProcess(pid=pid, memory_mib=m) for pid, m in zip(sorted(self.pids), mib, strict=False)]
+        self.gpus[gpu] = (*procs, GpuProcess(pid=99, memory_mib=foreign))
+
+    def watch(self, share_mib: int = 3072, grace_s: float = 5.0) -> ShareWatch:
+        return ShareWatch(share_mib, grace_s, lambda: self.pids, lambda: self.gpus)
+
+
+def test_a_job_under_its_share_is_never_stopped_whatever_others_use():
+    job = Job()
+    watch = job.watch()
+    job.uses(1, 1000, 2000, foreign=60000)  # 3000 MiB of the job's, under 3072; others' count not
+    assert all(watch.look(t) is None for t in range(0, 100, 5))
+    assert watch.peak_mib == 3000
+
+
+def test_a_job_over_its_share_for_less_than_the_grace_goes_on():
+    job = Job()
+    watch = job.watch(grace_s=5.0)
+    job.uses(1, 4000)
+    assert watch.look(0.0) is None
+    assert watch.look(4.9) is None
+
+
+def test_a_job_over_its_share_for_the_grace_is_stopped_with_what_it_used_on_which_gpu():
+    job = Job()
+    watch = job.watch(share_mib=3072, grace_s=5.0)
+    job.uses(1, 4000, 4090)
+    assert watch.look(0.0) is None
+    assert watch.look(5.0) == "used 7.9 GiB of its 3.0 GiB share on GPU 1"
+    job.uses(1, 0)
+    assert watch.look(6.0) == "used 7.9 GiB of its 3.0 GiB share on GPU 1", "the reason stays"
+
+
+def test_going_back_under_the_share_starts_the_grace_anew():
+    job = Job()
+    watch = job.watch(grace_s=5.0)
+    job.uses(0, 3100)
+    assert watch.look(0.0) is None
+    assert watch.look(4.0) is None
+    job.uses(0, 3000)
+    assert watch.look(4.5) is None
+    job.uses(0, 3100)
+    assert watch.look(5.0) is None
+    assert watch.look(9.9) is None
+    assert watch.look(10.0) == "used 3100 MiB of its 3072 MiB share on GPU 0"
+
+
+def test_readings_not_available_never_stop_a_job():
+    job = Job()
+    watch = job.watch(grace_s=1.0)
+    job.gpus = {0: None, 1: None}
+    assert all(watch.look(t) is None for t in range(0, 30))
+    job.uses(1, 9000)
+    job.gpus[1] = tuple(GpuProcess(pid=p.pid, memory_mib=None) for p in job.gpus[1] or ())
+    assert watch.look(31.0) is None and watch.look(60.0) is None, "a process whose memory NVML cannot tell"
+
+
+@pytest.mark.timeout(90)
+def test_a_real_job_that_grows_past_its_share_is_reported_after_the_grace(tmp_path):
+    settings = simulated(tmp_path)
+    devices = open_devices(settings)
+    grace = 1.0
+    job = start_holding(settings, 1, "--mib", "500", "--then-mib", "3000", "--after", "2", "--seconds", "60",
+                        shell=True)
+    root = psutil.Process(job.pid)
+
+    def pids() -> set[int]:
+        return {job.pid, *(p.pid for p in root.children(recursive=True))}
+
+    seen: list[tuple[GpuProcess, ...] | None] = []
+
+    def readings() -> dict[int, tuple[GpuProcess, ...] | None]:
+        seen.append(devices.read(1).processes)
+        return {1: seen[-1]}
+
+    watch = ShareWatch(2000, grace, pids, readings)
+    try:
+        assert holder_pid(job) != job.pid, "a process tree: the shell and the holder it started"
+        over_at = reason = None
+        deadline = time.monotonic() + 30
+        while reason is None and time.monotonic() < deadline:
+            now = time.monotonic()
+            reason = watch.look(now)
+            held = sum(p.memory_mib or 0 for p in seen[-1] or ())
+            if held <= 2000:
+                assert reason is None, "stopped while under its share"
+            elif over_at is None:
+                over_at = now
+            time.sleep(0.1)
+    finally:
+        stop(job)
+    assert {sum(p.memory_mib or 0 for p in r or ()) for r in seen} == {500, 3000}
+    assert reason == "used 2.9 GiB of its 2.0 GiB share on GPU 1"
+    assert over_at is not None and now - over_at >= grace
