@@ -10,10 +10,13 @@ import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuq.service.errors import ConfigError
 from gpuq.service.settings import Settings
+
+if TYPE_CHECKING:
+    from gpuq.service.simulated_memory import SimulatedMemory
 
 
 @dataclass(frozen=True)
@@ -86,15 +89,17 @@ class SimulatedDevices:
     """``count`` fake GPUs for laptops, CI and demos; the torch work of their jobs runs on the CPU.
 
     Their readings come from the worker (``read`` returns what the worker last measured of its
-    job's processes), so a busy simulated GPU shows real load.
+    job's processes), so a busy simulated GPU shows real load. Processes that declare simulated GPU
+    memory in ``memory`` (service/simulated_memory.py) are in its per-process list, as NVML's.
     """
 
     kind = "simulated"
     why_none = ""
 
     def __init__(self, count: int, memory_mib: int, node: str, foreign: str = "",
-                 faults: Path | None = None) -> None:
+                 faults: Path | None = None, memory: SimulatedMemory | None = None) -> None:
         self._foreign = parse_foreign(foreign)
+        self._memory = memory
         # A file ``<faults>/<node>.<index>.lost`` makes that GPU read as lost, the way NVML reports
         # one that fell off the bus: tests and drills inject the fault without a broken GPU.
         self._node, self._faults = node, faults
@@ -108,12 +113,14 @@ class SimulatedDevices:
         return list(self._gpus)
 
     def read(self, index: int) -> GpuReading:
-        """Only the foreign processes it was told to show, and whether it was told it is lost; the
-        worker's probe measures the rest."""
+        """Only its per-process list (the foreign processes it was told to show, and those that
+        declared simulated memory on it) and whether it was told it is lost; the worker's probe
+        measures the rest."""
         lost = None
         if self._faults is not None and (self._faults / f"{self._node}.{index}.lost").exists():
             lost = "simulated GPU marked lost"
-        return GpuReading(processes=tuple(self._foreign.get(index, ())), lost=lost)
+        declared = self._memory.processes(index) if self._memory is not None else ()
+        return GpuReading(processes=(*self._foreign.get(index, ()), *declared), lost=lost)
 
 
 def parse_foreign(text: str) -> dict[int, list[GpuProcess]]:
@@ -210,8 +217,11 @@ def _na(read: Callable[[], Any], nvml: Any) -> Any:
 def open_devices(settings: Settings) -> Devices:
     """This node's GPUs: simulated when ``fake_gpus`` is set, else NVML, else none (with why)."""
     if settings.fake_gpus:
+        from gpuq.service.simulated_memory import SimulatedMemory, memory_dir  # it imports this module
+
         return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node,
-                                settings.fake_gpu_foreign, settings.home / "simulated-faults")
+                                settings.fake_gpu_foreign, settings.home / "simulated-faults",
+                                SimulatedMemory.open(memory_dir(settings)))
     try:
         import pynvml
     except ImportError:

@@ -97,6 +97,11 @@ class Settings:
     admins: str = ""
     # Simulated foreign use: "GPU:MIB:PID:USER[,...]", processes gpuq did not start on simulated GPUs.
     fake_gpu_foreign: str = ""
+    # Where the processes of jobs on simulated GPUs say how much simulated GPU memory they hold (a
+    # file per GPU and process; service/simulated_memory.py); empty: a directory under /tmp named by
+    # the stack's uid, key prefix and node. Made world-writable and sticky like /tmp: on a root stack
+    # jobs run as many users, and gpuq's home is closed to them.
+    fake_gpu_memory_dir: str = ""
     # Warm the worker at start (import torch, touch the GPU) so the first job does not pay for it.
     warm_start: bool = True
     # Seconds a running job's lease lasts; its worker renews it every heartbeat. A job whose lease

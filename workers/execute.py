@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service import failures
+from gpuq.service import failures, simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.jobs import record_metric
+from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import run_command
@@ -53,7 +54,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
     cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
                               job.host_mem_mib)
     try:
-        env = job_env(job, state.node, identity)
+        env = job_env(job, state.node, identity, state.settings)
         env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
         outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
                               run_as=identity, on_start=on_start)
@@ -98,7 +99,7 @@ def execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
     with tempfile.TemporaryDirectory(prefix=f"gpuq-job{job.id}-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
-        env.update(job_env(job, state.node))
+        env.update(job_env(job, state.node, settings=state.settings))
         env["GPUQ_WORKER"] = worker_mark(state)
         if job.shared and job.mem_mib is not None and job.memory_total_mib:
             env[c.MEMORY_FRACTION_VARIABLE] = f"{job.mem_mib / job.memory_total_mib:.6f}"
@@ -118,10 +119,12 @@ def execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             return {"state": State.SUCCEEDED, "result": json.load(f)}
 
 
-def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[str, str]:
+def job_env(job: JobRun, node: str, identity: Identity | None = None,
+            settings: Settings | None = None) -> dict[str, str]:
     """The environment a job runs with: the variables recorded at submit (the submitter's chosen
     ones, array and sweep values) and gpuq's own, nothing of the worker's (no database or broker
-    URL, no password); HOME, USER, LOGNAME and SHELL from ``identity``'s passwd entry if given."""
+    URL, no password); HOME, USER, LOGNAME and SHELL from ``identity``'s passwd entry if given; on
+    simulated GPUs (``settings``), where it may declare simulated GPU memory."""
     env = dict(job.env)
     env.update(
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
@@ -134,6 +137,9 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None) -> dict[st
     )
     if identity is not None:
         env.update(identity.env())
+    if settings is not None and settings.fake_gpus:
+        # Simulated GPUs: where the job says what simulated GPU memory it holds (workers/simulated_memory.py).
+        env[simulated_memory.ENV_VARIABLE] = str(simulated_memory.memory_dir(settings))
     return env
 
 

@@ -3,8 +3,9 @@ its job really does on the CPU.
 
 A simulated GPU's utilisation is the CPU use of the worker's main thread (where a built-in
 workload runs) and its job's processes (capped at 100%), its memory the tree's resident memory
-above the worker's own at start, and power, clock and temperature follow the utilisation the way a
-real GPU's do, so every reading is plausible.
+above the worker's own at start (for a process that declared simulated GPU memory, what it
+declared) plus that of the other processes the simulated GPU lists, and power, clock and
+temperature follow the utilisation the way a real GPU's do, so every reading is plausible.
 """
 
 from __future__ import annotations
@@ -112,25 +113,34 @@ class GpuProbe:
         return 100.0 * (used - last[1]) / (now - last[0])
 
     def _simulated(self) -> GpuReading:
-        rss = 0.0
+        # The simulated GPU's per-process list: foreign processes it was told to show, and processes
+        # that declared simulated GPU memory (service/simulated_memory.py), at their word.
+        device = self.devices.read(self.index)
+        listed = tuple(device.processes or ())
+        declared = {p.pid for p in listed}
+        own = 0.0  # the resident memory of the worker's tree above the worker's at start
         procs = []
         known = set(self._procs)
         cpu = self._main_thread_cpu()
-        for p in self._tree().values():
+        tree = self._tree()
+        for p in tree.values():
             try:
                 if p.pid != self._root.pid:
                     cpu += p.cpu_percent(None) if p.pid in known else _cpu_since_start(p)
+                if p.pid in declared:
+                    continue  # its simulated GPU memory is what it declared, not its resident memory
                 mem = p.memory_info().rss
                 name = self._name if p.pid == self._root.pid else p.name()
             except psutil.Error:
                 continue
-            rss += mem
-            if p.pid != self._root.pid:
+            if p.pid == self._root.pid:
+                own += max(mem - self._baseline_rss, 0)
+            else:
+                own += mem
                 procs.append(GpuProcess(pid=p.pid, memory_mib=mem // 2**20, name=name, gpuq=True))
-        # Processes gpuq did not start, when the simulated GPU was told to show some.
-        device = self.devices.read(self.index)
-        foreign = tuple(device.processes or ())
-        used = int(max(rss - self._baseline_rss, 0) / 2**20) + sum(p.memory_mib or 0 for p in foreign)
+        others = tuple(dataclasses.replace(p, gpuq=True) if p.pid in tree else p
+                       for p in listed if p.pid != self._root.pid)
+        used = int(own / 2**20) + sum(p.memory_mib or 0 for p in listed)
         util = int(min(cpu, 100.0))
         load = util / 100.0
         target = SIM_IDLE_C + load * (SIM_FULL_C - SIM_IDLE_C)
@@ -142,7 +152,7 @@ class GpuProbe:
             temperature_c=int(round(self._temperature)),
             power_w=round(SIM_IDLE_W + load * (SIM_FULL_W - SIM_IDLE_W), 1),
             sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
-            energy_mj=None, processes=(worker, *procs, *foreign), lost=device.lost,
+            energy_mj=None, processes=(worker, *procs, *others), lost=device.lost,
         )
 
 
