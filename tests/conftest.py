@@ -98,7 +98,9 @@ def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -
                   key_prefix=f"gpuqtest-{uuid.uuid4().hex[:8]}", node="testnode", fake_gpus=2,
                   fake_gpu_memory_mib=8192, heartbeat_interval=0.5, worker_timeout=6.0,
                   scheduler_interval=0.5, kill_grace=1.0, warm_start=False, sample_interval=0.5,
-                  lease_timeout=10.0, resend_after=5.0)
+                  lease_timeout=10.0, resend_after=5.0,
+                  # In the test's own directory: the default, under /tmp, would outlive the test.
+                  fake_gpu_memory_dir=str(home / "simulated-gpu-memory"))
     values.update(overrides)
     return Settings(**values)
 

@@ -121,7 +121,7 @@ def test_job_page_shows_no_output_by_default_only_whose_it_is_and_how_they_read_
         assert f"the output is {escape(job.user)}'s" in section and f"<code>gpuq logs {job_id}</code>" in section
         assert "<pre>" not in html
         # (The command line, which everyone may see, may quote what it prints: look past it.)
-        for _, data in output:
+        for _, data, _ in output:
             for line in data.splitlines():
                 if len(line.strip()) > 10:
                     assert escape(line.strip()) not in section, line

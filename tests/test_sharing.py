@@ -5,6 +5,7 @@ with four of them loses none; a whole-GPU job waits until every shared one has l
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from dataclasses import replace
 
@@ -81,7 +82,7 @@ def test_four_shared_jobs_run_at_once_on_one_gpu_each_charged_its_share(stack):
     assert all(j.gpu_share == pytest.approx(share) for j in ended)
     with read_scope(stack.settings) as session:
         summary = job_usage(session, ids[0])
-    assert summary.gpu_hours == pytest.approx(summary.wall_s * share / 3600.0)
+        assert summary.gpu_hours == pytest.approx(summary.wall_s * share / 3600.0)
 
 
 def test_shares_never_exceed_the_gpu_the_rest_wait_with_the_figures(stack):
@@ -114,6 +115,24 @@ def test_one_failing_shared_job_keeps_its_own_failure_and_output(stack):
         assert f"out-{n}" in logs.stdout and f"err-{n}" in logs.stdout
 
 
+def test_a_shared_job_over_its_share_is_stopped_as_gpu_mem_exceeded_and_the_other_three_succeed(stack):
+    hold = [sys.executable, "-m", "gpuq.workers.simulated_memory"]
+    ok = [submit_shared(stack, [*hold, "--mib", "1500", "--seconds", "4"]) for _ in range(3)]
+    greedy = submit_shared(stack, [*hold, "--mib", "1000", "--then-mib", "4000", "--after", "1", "--seconds", "20"])
+    ended = wait_ended(stack, [*ok, greedy])
+    assert [j.state for j in ended[:3]] == [State.SUCCEEDED] * 3
+    over = ended[3]
+    assert over.state == State.FAILED and over.failure == c.FAILURE_GPU_MEM_EXCEEDED
+    assert "used 3.9 GiB of its 2.5 GiB share" in over.reason, over.reason
+    # It ran 1 s under its share, then the grace (1 s here): stopped long before its 20 s.
+    assert (over.ended_at - over.started_at).total_seconds() < 10
+    with read_scope(stack.settings) as session:
+        assert job_usage(session, greedy).memory_peak_mib >= 4000
+        assert job_usage(session, ok[0]).memory_peak_mib == 1500
+    stats = run_cli(["stats", str(greedy)], stack.settings)
+    assert stats.returncode == 0, stats.stderr
+
+
 def test_a_whole_gpu_job_waits_until_every_shared_job_has_left_the_gpu(stack):
     shared = [submit_shared(stack, ["sleep", "2"]) for _ in range(3)]
     wait_running(stack, shared)
@@ -133,7 +152,7 @@ def test_a_worker_sigkilled_with_four_shared_jobs_loses_none_and_runs_none_twice
     stack.wait_registered(1)
     # Without retries: failed as worker_lost once the lease ran out. With one: requeued, and runs
     # again (once) on the new worker.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         rows = jobs_of(stack, ids)
         if all(j.state == State.FAILED for j in rows[::2]) and all(j.state == State.RUNNING for j in rows[1::2]):
@@ -141,7 +160,7 @@ def test_a_worker_sigkilled_with_four_shared_jobs_loses_none_and_runs_none_twice
         time.sleep(0.2)
     rows = jobs_of(stack, ids)
     assert [j.state for j in rows] == [State.FAILED, State.RUNNING, State.FAILED, State.RUNNING], stack.logs()
-    assert all(j.failure == c.FAILURE_WORKER_LOST for j in rows[::2])
+    assert all(j.failure == c.FAILURE_WORKER_LOST for j in rows[::2]), [(j.id, j.failure, j.reason) for j in rows]
     # Each requeued for its worker's loss (a requeue uses up no retry), never ended for its own doing.
     assert all(j.attempts and {a["failure"] for a in j.attempts} == {c.FAILURE_WORKER_LOST} for j in rows[1::2]), \
         [(j.id, j.state, j.attempts) for j in rows]

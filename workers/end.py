@@ -80,7 +80,7 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
                       now=now, **end)
         if not done:
             return False, None, True
-        _record_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
+        record_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
                                                   job.ran_before), in_hand if last_words else None)
         following = _take_next(state, session, mark)
         # A GPU that fell free wakes the scheduler only if some job waits: a pass over
@@ -134,7 +134,7 @@ def _totals_in_hand(state: WorkerState, job: JobRun, readings: list[dict[str, An
                                     or (r["job_id"] is None and r["sampled_at"] >= job.started_at)])
 
 
-def _record_usage(state: WorkerState, session: Session, ended: usage.Ended, totals: usage.Totals | None) -> None:
+def record_usage(state: WorkerState, session: Session, ended: usage.Ended, totals: usage.Totals | None) -> None:
     """Store the job's usage summary in the transaction that ends it, so nobody sees one without
     the other; a failure here never undoes the end (PostgreSQL: in a savepoint; SQLite undoes
     just the failed statement)."""

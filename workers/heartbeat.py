@@ -54,6 +54,9 @@ class Heartbeat(threading.Thread):
                 if lease is not None:
                     renewed = renew(session, lease.job_id, lease.token, self.settings.lease_timeout)
                 kept = {s.job_id: renew(session, s.job_id, s.token, self.settings.lease_timeout) for s in shared}
+                if self.state is not None and self.state.shared:
+                    inventory.record_share_use(session, self.gpu_id, {job_id: run.used_mib for job_id, run
+                                                                      in list(self.state.shared.items())})
             for s in shared:
                 if kept[s.job_id]:
                     s.renewed = time.monotonic()

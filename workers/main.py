@@ -83,7 +83,7 @@ def serve(index: int, loglevel: str) -> int:
         inventory.beat(session, gpu_id, first)
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, queue=queue,
-                        app=app)
+                        app=app, devices=devices)
     heartbeat = Heartbeat(settings, gpu_id, probe, state)
     heartbeat.start()
     if settings.sample_interval > 0:

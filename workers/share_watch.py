@@ -33,8 +33,10 @@ class ShareWatch:
         # By GPU: when the job went over its share there, and the most it has used since.
         self._over: dict[int, tuple[float, int]] = {}
         self._reason: str | None = None
-        # The most the job's processes held on any one of its GPUs, MiB (for its usage summary).
+        # The most the job's processes held on any one of its GPUs, MiB (for its usage summary),
+        # and what they held at the last look (for `gpuq status`).
         self.peak_mib: int | None = None
+        self.used_mib: int | None = None
 
     def look(self, now: float) -> str | None:
         """Why the job must stop (e.g. "used 7.9 GiB of its 3.0 GiB share on GPU 1"), once it has
@@ -43,11 +45,13 @@ class ShareWatch:
         if self._reason is not None:
             return self._reason
         pids = self._pids()
+        latest: int | None = None
         for index, processes in sorted(self._readings().items()):
             if processes is None:
                 continue
             used = sum(p.memory_mib or 0 for p in processes if p.pid in pids)
             self.peak_mib = max(self.peak_mib or 0, used)
+            latest = self.used_mib = max(latest or 0, used)
             if used <= self.share_mib:
                 self._over.pop(index, None)  # back under: the next stretch over starts its grace anew
                 continue

@@ -21,19 +21,25 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from gpuq.service import broker, failures
+import psutil
+
+from gpuq.service import broker, failures, usage
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import JobCancelled, Unreachable
 from gpuq.service.lifecycle import end_attempt
-from gpuq.workers.end import stopped_end
+from gpuq.service.models import utcnow
+from gpuq.workers.end import record_usage, stopped_end
 from gpuq.workers.job import JobRun, Started
 from gpuq.workers.output import OutputSink
+from gpuq.workers.share_watch import ShareWatch
 from gpuq.workers.state import SharedRun, WorkerState
 from gpuq.workers.watch import StopWatcher
 
 log = logging.getLogger("gpuq.worker")
+# How often a shared job's memory is read per process (an NVML call for each of its GPUs).
+MEMORY_LOOK_SECONDS = 0.5
 
 
 def start_shared(state: WorkerState, started: Started) -> None:
@@ -59,7 +65,8 @@ def _run(state: WorkerState, started: Started) -> None:
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = StopWatcher(settings, job.id, state.interrupt, job.deadline, lease, state.gpu_lost)
     pids: set[int] = set()
-    looking = threading.Thread(target=_look, args=(state, job, watcher, pids), name=f"shared-watch-{job.id}",
+    memory = _share_watch(state, job, pids)
+    looking = threading.Thread(target=_look, args=(state, job, watcher, memory), name=f"shared-watch-{job.id}",
                                daemon=True)
     looking.start()
     end: dict[str, Any]
@@ -75,7 +82,7 @@ def _run(state: WorkerState, started: Started) -> None:
         watcher.done.set()
         sink.stop()
     try:
-        ended = _write_end(state, job, lease.token, end, sink)
+        ended = _write_end(state, job, lease.token, end, sink, memory.peak_mib if memory is not None else None)
     finally:
         state.shared.pop(job.id, None)
     log.info("%s: shared job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
@@ -89,14 +96,20 @@ def _body(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatche
     return execute(state, job, sink, watcher, on_start)
 
 
-def _look(state: WorkerState, job: JobRun, watcher: StopWatcher, pids: set[int]) -> None:
+def _look(state: WorkerState, job: JobRun, watcher: StopWatcher, memory: ShareWatch | None) -> None:
     """The job's own watch: whether it must stop (cancel, time limit, shutdown, lease or GPU lost)
     every CANCEL_POLL_SECONDS, and whether it keeps to its share of the GPU's memory."""
-    memory = _share_watch(state, job, pids)
+    looked = -MEMORY_LOOK_SECONDS
     while not watcher.done.wait(c.CANCEL_POLL_SECONDS):
         try:
             watcher.look()
-            over = memory.look(time.monotonic()) if memory is not None else None
+            over = None
+            if memory is not None and time.monotonic() - looked >= MEMORY_LOOK_SECONDS:
+                looked = time.monotonic()
+                over = memory.look(looked)
+                run = state.shared.get(job.id)
+                if run is not None:
+                    run.used_mib = memory.used_mib
         except Exception:
             log.exception("shared job %s: could not look whether it must stop", job.id)
             continue
@@ -105,21 +118,49 @@ def _look(state: WorkerState, job: JobRun, watcher: StopWatcher, pids: set[int])
             watcher.stop(c.FAILURE_GPU_MEM_EXCEEDED, over)
 
 
-def _share_watch(state: WorkerState, job: JobRun, pids: set[int]) -> Any:
-    """The watchdog over the job's GPU memory (workers/share_watch.py)."""
-    return None
+def _share_watch(state: WorkerState, job: JobRun, started: set[int]) -> ShareWatch | None:
+    """The watchdog over the job's GPU memory: what its processes (those it started and theirs)
+    use on each of its GPUs, from the per-process list NVML gives (or simulated GPUs' registry),
+    against its share and the context reserve it was placed with."""
+    if job.mem_mib is None or state.devices is None:
+        return None
+    devices, gpus = state.devices, job.gpu_indices
+
+    def pids() -> set[int]:
+        found = set()
+        for pid in list(started):
+            try:
+                root = psutil.Process(pid)
+                found.add(pid)
+                found.update(p.pid for p in root.children(recursive=True))
+            except psutil.Error:
+                continue
+        return found
+
+    return ShareWatch(job.mem_mib + state.settings.shared_context_mib, state.settings.shared_mem_grace, pids,
+                      lambda: {i: devices.read(i).processes for i in gpus})
 
 
-def _write_end(state: WorkerState, job: JobRun, token: str, end: dict[str, Any], sink: OutputSink) -> bool:
-    """Write the job's end under its lease with the rest of its output, in one transaction,
-    retried while the database is away (given up when the worker is stopped for good: the reaper
-    takes the job back when its lease runs out)."""
+def _write_end(state: WorkerState, job: JobRun, token: str, end: dict[str, Any], sink: OutputSink,
+               peak_mib: int | None) -> bool:
+    """Write the job's end under its lease with the rest of its output and its usage summary (its
+    peak GPU memory, as the watchdog measured it), in one transaction, retried while the database is
+    away (given up when the worker is stopped for good: the reaper takes the job back when its
+    lease runs out)."""
     delay = 0.2
+    settings = state.settings
+    share = (job.mem_mib or 0) + settings.shared_context_mib
     while True:
         try:
-            with write_scope(state.settings) as session:
+            with write_scope(settings) as session:
                 sink.store_rest(session)
-                done = end_attempt(session, job.id, token=token, max_requeues=state.settings.max_requeues, **end)
+                now = utcnow()
+                done = end_attempt(session, job.id, token=token, max_requeues=settings.max_requeues, now=now, **end)
+                if done:
+                    ended = usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before,
+                                        gpu_share=min(share / job.memory_total_mib, 1.0) if job.memory_total_mib
+                                        else None)
+                    record_usage(state, session, ended, usage.Totals(memory_used_max=peak_mib))
             sink.rest_stored()
             return done
         except Unreachable as exc:

@@ -18,10 +18,12 @@ from gpuq.workers.watch import Watch
 
 @dataclass
 class SharedRun:
-    """A shared job running on this worker in a thread of its own."""
+    """A shared job running on this worker in a thread of its own; ``used_mib``: what its processes
+    use of the GPU's memory at the last look (its thread writes it, the heartbeat reads it)."""
 
     lease: Lease
     thread: threading.Thread
+    used_mib: int | None = None
 
 
 @dataclass
@@ -62,6 +64,8 @@ class WorkerState:
     job_id: int | None = None
     # The device sampler (workers/sampler.py), if sampling is on.
     sampler: Any = None
+    # This node's GPUs (service/devices.py): shared jobs' memory is read per process through it.
+    devices: Any = None
     # The lease of the job running here; the heartbeat renews it.
     lease: Lease | None = None
     # Set by the heartbeat when NVML says this GPU is lost: the running job stops.
