@@ -112,7 +112,9 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
                  ("wall time", duration(timedelta(seconds=u.wall_s))),
                  ("GPU-hours", f"{u.gpu_hours:.4f}  ({u.gpus} GPU{'s' if u.gpus > 1 else ''})"),
                  ("mean util", _num(u.utilization_mean, ".1f") + "%"),
-                 ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB, mean {_num(u.memory_mean_mib, '.0f')} MiB"),
+                 ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB"
+                  + (f" of its {u.share_mib} MiB share" if getattr(u, "share_mib", None) else "")
+                  + f", mean {_num(u.memory_mean_mib, '.0f')} MiB"),
                  ("energy", "n/a" if u.energy_j is None else f"{u.energy_j:.0f} J ({u.energy_j / 3.6e6:.4f} kWh)"),
                  ("idle", f"{u.idle_s:.0f} GPU-seconds below {c.IDLE_UTILIZATION}% utilisation"),
                  ("samples", str(u.samples))]

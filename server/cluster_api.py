@@ -111,7 +111,10 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
                                    gpus=job.gpus, wall_s=u.wall_s, gpu_hours=u.gpu_hours,
                                    memory_peak_mib=u.memory_peak_mib, memory_mean_mib=u.memory_mean_mib,
                                    utilization_mean=u.utilization_mean, energy_j=u.energy_j, idle_s=u.idle_s,
-                                   samples=u.samples)
+                                   samples=u.samples,
+                                   # A shared job's share (with its context reserve), to read its peak against.
+                                   share_mib=job.mem_mib + settings.shared_context_mib if job.shared and job.mem_mib
+                                   else None)
         if series is not None:
             out["series"] = views.plain(series)
             out["series_gpus"] = {str(g.id): {"node": g.node, "index": g.index, "name": g.name}

@@ -240,3 +240,15 @@ def test_a_real_job_that_grows_past_its_share_is_reported_after_the_grace(tmp_pa
     assert {sum(p.memory_mib or 0 for p in r or ()) for r in seen} == {500, 3000}
     assert reason == "used 2.9 GiB of its 2.0 GiB share on GPU 1"
     assert over_at is not None and now - over_at >= grace
+
+
+def test_mps_is_seen_by_its_control_pipe_and_pins_a_shared_jobs_memory_on_each_gpu(tmp_path):
+    from gpuq.workers import mps
+
+    assert not mps.running(str(tmp_path))  # no daemon: no pipe
+    (tmp_path / "control").write_text("")
+    assert not mps.running(str(tmp_path))  # a plain file is not the daemon's pipe
+    (tmp_path / "control").unlink()
+    os.mkfifo(tmp_path / "control")
+    assert mps.running(str(tmp_path))
+    assert mps.memory_limit_env(2, 3072) == {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M,1=3072M"}

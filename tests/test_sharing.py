@@ -131,6 +131,7 @@ def test_a_shared_job_over_its_share_is_stopped_as_gpu_mem_exceeded_and_the_othe
         assert job_usage(session, ok[0]).memory_peak_mib == 1500
     stats = run_cli(["stats", str(greedy)], stack.settings)
     assert stats.returncode == 0, stats.stderr
+    assert f"of its {2048 + CONTEXT_MIB} MiB share" in stats.stdout, stats.stdout
 
 
 def test_a_whole_gpu_job_waits_until_every_shared_job_has_left_the_gpu(stack):

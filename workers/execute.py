@@ -19,6 +19,7 @@ from gpuq.service.db import write_scope
 from gpuq.service.jobs import record_metric
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
+from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import run_command
 from gpuq.workers.end import drain_if_left, stopped_end
@@ -140,6 +141,9 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     if settings is not None and settings.fake_gpus:
         # Simulated GPUs: where the job says what simulated GPU memory it holds (workers/simulated_memory.py).
         env[simulated_memory.ENV_VARIABLE] = str(simulated_memory.memory_dir(settings))
+    elif job.shared and job.mem_mib is not None and mps.running():
+        # The driver refuses what a shared job allocates past its share (workers/mps.py).
+        env.update(mps.memory_limit_env(len(job.gpu_indices), job.mem_mib))
     return env
 
 
