@@ -74,6 +74,7 @@ def test_four_shared_jobs_run_at_once_on_one_gpu_each_charged_its_share(stack):
         held = session.execute(select(func.count(), func.sum(Allocation.share_mib))
                                .where(Allocation.job_id.in_(ids))).one()
     assert held == (4, 4 * (2048 + CONTEXT_MIB))
+    _every_view_shows_the_shares(stack, ids)
     ended = wait_ended(stack, ids)
     assert [j.state for j in ended] == [State.SUCCEEDED] * 4
     starts, ends = max(j.started_at for j in ended), min(j.ended_at for j in ended)
@@ -179,3 +180,28 @@ def test_shared_without_mem_is_one_line_and_writes_nothing(stack):
         submit_shared(stack, ["true"], mem="16G")
     with read_scope(stack.settings) as session:
         assert session.scalar(select(func.count()).select_from(Job)) == before
+
+
+def _every_view_shows_the_shares(stack, ids: list[int]) -> None:
+    """`gpuq status`, `gpuq devices`, the dashboard's GPU table and /metrics list each shared job."""
+    import json
+
+    from gpuq.cli.client import Client
+    from gpuq.web import pages
+    from gpuq.web.metrics import exposition
+
+    share = 2048 + CONTEXT_MIB
+    status = json.loads(run_cli(["status", "--json"], stack.settings).stdout)["gpus"]
+    assert sorted(s["job_id"] for g in status for s in g["shares"]) == ids
+    assert all(s["share_mib"] == share for g in status for s in g["shares"])
+    devices = json.loads(run_cli(["devices", "--json"], stack.settings).stdout)
+    assert sorted(s["job_id"] for d in devices for s in d["shares"]) == ids
+    text = run_cli(["status"], stack.settings).stdout
+    assert text.count("of 2.5G share") == 4 and "shared by 4" in text
+    api = Client(str(stack.settings.server_socket))
+    body, _ = exposition(api)
+    lines = body.decode().splitlines()
+    assert sum(line.startswith("gpuq_gpu_share_mib{") for line in lines) == 4
+    assert all(f'job="{i}"' in body.decode() for i in ids)
+    page = pages.queue(api)  # the dashboard's front page: the queue, then the GPUs with each share
+    assert all(f'href="/jobs/{i}"' in page for i in ids) and "shared by 4" in page
