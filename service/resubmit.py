@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from gpuq.service import constants as c
 from gpuq.service import jobs, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
@@ -23,7 +24,7 @@ def spec_of(job: Job, user: str) -> JobSpec:
                    max_retries=job.max_retries, held=job.held, after=job.after, after_any=job.after_any,
                    env=dict(job.env) if job.env is not None else None, git_commit=job.git_commit,
                    git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,
-                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib)
+                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, shared=job.shared)
 
 
 def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) -> Job:
@@ -34,6 +35,9 @@ def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) 
     with read_scope(settings) as session:
         job = jobs.get_job(session, job_id)
         check_change(settings, job_id, job.user, caller)
+        if job.kind == c.KIND_INTERACTIVE:
+            raise InvalidSpec(f"job {job_id} is an allocation: its shell ran in its client's terminal; "
+                              "run gpuq alloc again")
         spec = spec_of(job, caller.user)
     if spec.snapshot and not os.path.isdir(spec.cwd):
         raise InvalidSpec(f"job {job_id}'s snapshot {spec.snapshot} is gone; it cannot run as it was")

@@ -336,6 +336,13 @@ def test_alloc_on_a_node_without_gpuq_gpus_is_one_line_and_writes_nothing(stack)
     assert newest_job(stack.settings) == before
 
 
+def test_an_allocation_cannot_be_resubmitted(stack):
+    done = run_cli(["alloc", "--", "true"], stack.settings)
+    assert done.returncode == 0, done.stderr
+    again = run_cli(["resubmit", str(newest_job(stack.settings))], stack.settings)
+    assert again.returncode == c.EXIT_USAGE and "run gpuq alloc again" in again.stderr
+
+
 def test_exit_codes_of_each_kind_of_end():
     assert exit_code_of({"state": "succeeded", "exit_code": 0}) == 0
     assert exit_code_of({"state": "failed", "failure": "exit", "exit_code": 3}) == 3

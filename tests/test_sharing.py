@@ -171,6 +171,16 @@ def test_a_worker_sigkilled_with_four_shared_jobs_loses_none_and_runs_none_twice
     wait_ended(stack, ids)
 
 
+def test_a_resubmitted_shared_job_is_shared_again(stack):
+    from gpuq.service.resubmit import resubmit
+
+    first = submit_shared(stack, ["true"], mem="1G")
+    wait_ended(stack, [first])
+    again = resubmit(stack.settings, first)
+    assert again.shared and again.mem_mib == 1024
+    assert wait_ended(stack, [again.id])[0].state == State.SUCCEEDED
+
+
 def test_shared_without_mem_is_one_line_and_writes_nothing(stack):
     with read_scope(stack.settings) as session:
         before = session.scalar(select(func.count()).select_from(Job))
