@@ -125,7 +125,7 @@ def main() -> int:
     sock = f"/tmp/gpuqc-{tag}.sock"
     settings = Settings(home=tmp / "home", database_url=f"sqlite:///{tmp / 'gpuq.db'}", broker_url=broker,
                         socket=sock, key_prefix=f"bench-client-{tag}", node="benchnode", fake_gpus=2,
-                        warm_start=False, kill_grace=1.0)
+                        warm_start=False, kill_grace=1.0, fake_gpu_memory_dir=str(tmp / "simulated-gpu-memory"))
     stack = None
     try:
         db.upgrade(settings)

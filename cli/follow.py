@@ -85,8 +85,10 @@ class Waiting:
         if state == State.PENDING:
             why = _WAITS_FOR.get(reason or "", reason or "its first scheduling pass")
             text = f"gpuq: job {self.job_id} queued and waiting for {why}".replace("{id}", str(self.job_id))
-        else:
+        elif self.tty:
             text = f"gpuq: job {self.job_id} starting" + (f" on {node}" if node else "")
+        else:
+            return  # placed, its message on its way: news on a terminal, noise in a log
         if text == self.shown:
             return
         self.shown = text
