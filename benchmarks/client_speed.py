@@ -28,7 +28,6 @@ import argparse
 import math
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -112,7 +111,6 @@ def main() -> int:
                                   "work tree; a command submit inside one also runs git there)")
     args = ap.parse_args()
 
-    import redis
 
     from gpuq.service import db
     from gpuq.service.settings import Settings
@@ -197,18 +195,9 @@ def main() -> int:
         print(f"(waited {waited:.1f} s in all for the queue to empty between groups)")
         return 0
     finally:
-        if stack is not None:
-            stack.stop()
-        db.dispose_engines()
-        try:
-            r = redis.Redis.from_url(broker)
-            for pattern in (f"{settings.key_prefix}*", f"_kombu.binding*.{settings.key_prefix}.*"):
-                for key in r.scan_iter(pattern):
-                    r.delete(key)
-        except redis.RedisError as exc:
-            print(f"could not delete the Redis keys under {settings.key_prefix}: {exc}", file=sys.stderr)
-        Path(sock).unlink(missing_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        from benchmarks.stack import tear_down
+
+        tear_down(stack, settings, sock, tmp)
 
 
 if __name__ == "__main__":

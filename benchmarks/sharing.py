@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -76,7 +75,6 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
 
-    import redis
 
     from gpuq.cli.client import Client
     from gpuq.service import db
@@ -110,18 +108,9 @@ def main() -> int:
         print(f"\nshared makespan {ratio:.1f}x shorter (goal: at least 4x: {'met' if ratio >= 4 else 'not met'})")
         return 0
     finally:
-        if stack is not None:
-            stack.stop()
-        db.dispose_engines()
-        try:
-            r = redis.Redis.from_url(broker)
-            for pattern in (f"{settings.key_prefix}*", f"_kombu.binding*.{settings.key_prefix}.*"):
-                for key in r.scan_iter(pattern):
-                    r.delete(key)
-        except redis.RedisError as exc:
-            print(f"could not delete the Redis keys under {settings.key_prefix}: {exc}", file=sys.stderr)
-        Path(sock).unlink(missing_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        from benchmarks.stack import tear_down
+
+        tear_down(stack, settings, sock, tmp)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any, cast
@@ -16,6 +17,7 @@ from gpuq.service import constants as c
 from gpuq.service import failures, simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
+from gpuq.service.errors import JobCancelled
 from gpuq.service.jobs import record_metric
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
@@ -29,6 +31,24 @@ from gpuq.workers.output import OutputSink
 from gpuq.workers.ranks import start_ranks
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
+
+
+def end_of(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
+           body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The end a job's ``body`` came to: its own, the stopped end when it was told to stop, or
+    failed with its exception's class (its traceback on the job's stderr). The job's watch and
+    output are closed either way."""
+    try:
+        return body()
+    except JobCancelled:
+        return stopped_end(state, job, watcher)
+    except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
+        sink.write(traceback.format_exc(), c.STDERR)
+        return {"state": State.FAILED, "failure": failures.from_exception(exc),
+                "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+    finally:
+        watcher.done.set()
+        sink.stop()
 
 
 def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,

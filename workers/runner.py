@@ -9,17 +9,13 @@ running job (``watch``), the job as read (``job``), its body (``execute``, ``ran
 from __future__ import annotations
 
 import logging
-import traceback
-from typing import Any
 
-from gpuq.service import broker, failures
-from gpuq.service import constants as c
+from gpuq.service import broker
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
-from gpuq.service.errors import JobCancelled
 from gpuq.service.leases import claim
-from gpuq.workers.end import stopped_end, write_end
-from gpuq.workers.execute import execute
+from gpuq.workers.end import write_end
+from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import Started, load
 from gpuq.workers.output import OutputSink
 from gpuq.workers.state import WorkerState
@@ -64,18 +60,9 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, job.deadline, lease,
                                             state.gpu_lost))
-    end: dict[str, Any]
     try:
-        end = execute(state, job, sink, watcher)
-    except JobCancelled:
-        end = stopped_end(state, job, watcher)
-    except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
-        sink.write(traceback.format_exc(), c.STDERR)
-        end = {"state": State.FAILED, "failure": failures.from_exception(exc),
-               "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+        end = end_of(state, job, sink, watcher, lambda: execute(state, job, sink, watcher))
     finally:
-        watcher.done.set()
-        sink.stop()
         # Readings from here on are not the job's: its last one is taken as its end is written.
         state.job_id = None
     ended, following, wake = write_end(state, job, lease, end, sink, started.flush_mark)

@@ -17,20 +17,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import psutil
 
-from gpuq.service import broker, failures, usage
+from gpuq.service import broker, usage
 from gpuq.service import constants as c
-from gpuq.service.constants import State
 from gpuq.service.db import write_scope
-from gpuq.service.errors import JobCancelled, Unreachable
+from gpuq.service.errors import Unreachable
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
-from gpuq.workers.end import record_usage, stopped_end
+from gpuq.workers.end import record_usage
+from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import JobRun, Started
 from gpuq.workers.output import OutputSink
 from gpuq.workers.share_watch import ShareWatch
@@ -69,31 +67,13 @@ def _run(state: WorkerState, started: Started) -> None:
     looking = threading.Thread(target=_look, args=(state, job, watcher, memory), name=f"shared-watch-{job.id}",
                                daemon=True)
     looking.start()
-    end: dict[str, Any]
-    try:
-        end = _body(state, job, sink, watcher, pids.add)
-    except JobCancelled:
-        end = stopped_end(state, job, watcher)
-    except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's result
-        sink.write(traceback.format_exc(), c.STDERR)
-        end = {"state": State.FAILED, "failure": failures.from_exception(exc),
-               "reason": f"{type(exc).__name__}: {exc}"[:2000]}
-    finally:
-        watcher.done.set()
-        sink.stop()
+    end = end_of(state, job, sink, watcher, lambda: execute(state, job, sink, watcher, pids.add))
     try:
         ended = _write_end(state, job, lease.token, end, sink, memory.peak_mib if memory is not None else None)
     finally:
         state.shared.pop(job.id, None)
     log.info("%s: shared job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
     broker.wake_scheduler(settings)  # its share of the GPU is free for the next job
-
-
-def _body(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
-          on_start: Callable[[int], None]) -> dict[str, Any]:
-    from gpuq.workers.execute import execute  # the body's dispatch, shared with the whole-GPU path
-
-    return execute(state, job, sink, watcher, on_start)
 
 
 def _look(state: WorkerState, job: JobRun, watcher: StopWatcher, memory: ShareWatch | None) -> None:

@@ -1,0 +1,31 @@
+"""What the benchmarks that start a stack of their own share: taking it down without a trace."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def tear_down(stack: Any, settings: Any, socket: str, tmp: Path) -> None:
+    """Stop ``stack`` (tests/conftest.Stack, or None if it never came up), close the database's
+    connections, delete the stack's Redis keys and Celery bindings (nothing for the next run to
+    find), and remove its socket and temporary directory."""
+    import redis
+
+    from gpuq.service import db
+
+    if stack is not None:
+        stack.stop()
+    db.dispose_engines()
+    prefix = settings.key_prefix
+    try:
+        r = redis.Redis.from_url(settings.broker_url)
+        for pattern in (f"{prefix}*", f"_kombu.binding*.{prefix}.*"):
+            for key in r.scan_iter(pattern):
+                r.delete(key)
+    except redis.RedisError as exc:
+        print(f"could not delete the Redis keys under {prefix}: {exc}", file=sys.stderr)
+    Path(socket).unlink(missing_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
