@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuq.cli.client import Client, Refused
-from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises
+from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises, say
 from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd
 from gpuq.service import constants as c
 from gpuq.service.constants import State
@@ -112,13 +112,13 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
                GPUQ_RUN_ID=held["run_id"], GPUQ_ALLOC=str(job_id), GPUQ_GPUS=str(len(held["gpu_indices"])),
                GPUQ_NODE=held["node"] or "")
     argv = command or [os.environ.get("SHELL") or _login_shell()]
-    _say(f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}"
-         + (f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else "")
-         + ("; exit the shell to free it" if command is None else "") + "\n")
+    until = f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else ""
+    say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"
+                    + ("; exit the shell to free it" if command is None else "") + "\n")
     try:
         child = subprocess.Popen(argv, env=env)
     except OSError as exc:
-        _say(f"gpuq: cannot run {argv[0]}: {exc.strerror}\n")
+        say(sys.stderr, f"gpuq: cannot run {argv[0]}: {exc.strerror}\n")
         client.post(f"/jobs/{job_id}/end", {"exit_code": 127})
         return _report(client, job_id, 127)
     keeper = _Keeper(client, held, child)
@@ -173,23 +173,16 @@ def _report(client: Client, job_id: int, code: int | None = None) -> int:
         if state in c.END_STATES:
             break
         if time.monotonic() >= deadline:
-            _say(f"gpuq: allocation {job_id} has not ended yet ({state}); its worker is stopping what it started\n")
+            say(sys.stderr, f"gpuq: allocation {job_id} has not ended yet ({state}); its worker is stopping what "
+                            "it started\n")
             return code if code is not None else c.EXIT_RUN_GPUQ
     by_client = end.get("failure") in (None, c.FAILURE_EXIT) and end.get("exit_code") == code
     if by_client and code is not None:
         return code
     line = end_line(job_id, end)
     if line:
-        _say(line + "\n")
+        say(sys.stderr, line + "\n")
     return exit_code_of(end)
-
-
-def _say(text: str) -> None:
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    except OSError:
-        pass
 
 
 class _Keeper(threading.Thread):
@@ -214,15 +207,15 @@ class _Keeper(threading.Thread):
             if warn_at is not None and time.time() >= warn_at:
                 warn_at = None
                 left = max(deadline - time.time(), 0)
-                _say(f"\ngpuq: allocation {job_id} ends in {_minutes(left)} (its --time); "
-                     "then everything started in it is stopped\n")
+                say(sys.stderr, f"\ngpuq: allocation {job_id} ends in {_minutes(left)} (its --time); "
+                                "then everything started in it is stopped\n")
             if time.monotonic() < next_alive:
                 continue
             next_alive = time.monotonic() + every
             try:
                 now = self.client.post(f"/jobs/{job_id}/keepalive")
             except GpuqError as exc:  # the server restarting: try again next time
-                _say(f"gpuq: allocation {job_id}: could not reach the server ({exc}); trying again\n")
+                say(sys.stderr, f"gpuq: allocation {job_id}: could not reach the server ({exc}); trying again\n")
                 continue
             if now["state"] in c.END_STATES:
                 self.ended.set()

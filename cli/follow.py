@@ -24,6 +24,7 @@ from typing import Annotated, Any, TextIO
 import typer
 
 from gpuq.cli.client import Client, Refused
+from gpuq.cli.render import result_lines
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 
@@ -32,7 +33,7 @@ app = typer.Typer()
 # While a job waits, the line is asked for again this often (its reason may change meanwhile).
 WAITING_LOOK_SECONDS = 2.0
 # gpuq's own ends: the failure classes that are not the job's doing.
-GPUQ_ENDS = (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST)
+GPUQ_ENDS = (*c.INFRA_FAILURES, c.FAILURE_CLIENT_LOST, c.FAILURE_GPU_MEM_EXCEEDED)
 
 
 class HangUp(Exception):
@@ -92,15 +93,16 @@ class Waiting:
         if text == self.shown:
             return
         self.shown = text
-        _say(self.stream, ("\r\033[K" + text) if self.tty else text + "\n")
+        say(self.stream, ("\r\033[K" + text) if self.tty else text + "\n")
 
     def clear(self) -> None:
         if self.shown and self.tty:
-            _say(self.stream, "\r\033[K")
+            say(self.stream, "\r\033[K")
         self.shown = ""
 
 
-def _say(stream: TextIO, text: str) -> None:
+def say(stream: TextIO, text: str) -> None:
+    """Write ``text`` to ``stream`` now; nothing if the terminal is gone."""
     try:
         stream.write(text)
         stream.flush()
@@ -144,24 +146,24 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                     continue
                 waiting.clear()
                 for _, data, stream in answer["chunks"]:
-                    _say(sys.stderr if stream == c.STDERR else sys.stdout, data)
+                    say(sys.stderr if stream == c.STDERR else sys.stdout, data)
                 seq = answer["chunks"][-1][0] if answer["chunks"] else seq
                 if state in c.END_STATES and not answer["chunks"]:
                     return _ended(job_id, answer)
                 if detach and state == State.RUNNING:
-                    _say(sys.stderr, f"gpuq: job {job_id} is running; `gpuq attach {job_id}` follows it, "
+                    say(sys.stderr, f"gpuq: job {job_id} is running; `gpuq attach {job_id}` follows it, "
                                      f"`gpuq cancel {job_id}` stops it\n")
                     return 0
             except KeyboardInterrupt:
                 waiting.clear()
                 if not cancel_on_interrupt:
-                    _say(sys.stderr, f"\ngpuq: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
+                    say(sys.stderr, f"\ngpuq: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
                     return c.EXIT_RUN_CANCELLED
                 if cancelling:
-                    _say(sys.stderr, f"\ngpuq: left job {job_id} while it stops\n")
+                    say(sys.stderr, f"\ngpuq: left job {job_id} while it stops\n")
                     return c.EXIT_RUN_CANCELLED
                 cancelling = True
-                _say(sys.stderr, f"\ngpuq: cancelling job {job_id} (Ctrl-C again to leave without waiting)\n")
+                say(sys.stderr, f"\ngpuq: cancelling job {job_id} (Ctrl-C again to leave without waiting)\n")
                 if not _cancel(client, job_id):
                     return c.EXIT_RUN_CANCELLED
             except HangUp:
@@ -185,13 +187,10 @@ def _cancel(client: Client, job_id: int) -> bool:
 def _ended(job_id: int, end: dict[str, Any]) -> int:
     sys.stdout.flush()
     if end.get("kind") == c.KIND_WORKLOAD and end.get("result"):
-        # As `gpuq show` prints it.
-        lines = ["    result"] + [f"{k:>20}  {f'{v:.6g}' if isinstance(v, float) else v}"
-                                  for k, v in end["result"].items()]
-        _say(sys.stdout, "\n".join(lines) + "\n")
+        say(sys.stdout, "\n".join(result_lines(end["result"])) + "\n")
     line = end_line(job_id, end)
     if line:
-        _say(sys.stderr, line + "\n")
+        say(sys.stderr, line + "\n")
     return exit_code_of(end)
 
 

@@ -13,7 +13,7 @@ import typer
 
 from gpuq.cli.client import Client, Refused
 from gpuq.cli.progress import bar, wanted
-from gpuq.cli.render import duration, job, print_json, printable, result_summary, seconds, timestamp
+from gpuq.cli.render import duration, job, print_json, printable, result_lines, result_summary, seconds, timestamp
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
@@ -46,10 +46,7 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
     for key, value in _lines(job(data)):
         typer.echo(f"{key:>10}  {printable(value)}")
     if data["result"]:
-        typer.echo("    result")
-        for key, value in data["result"].items():
-            shown = f"{value:.6g}" if isinstance(value, float) else value
-            typer.echo(f"{key:>20}  {shown}")
+        typer.echo("\n".join(result_lines(data["result"])))
     if data["last_output"]:
         typer.echo(" last output")
         for line in data["last_output"]:

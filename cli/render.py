@@ -39,6 +39,12 @@ def job(data: dict[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(**data)
 
 
+def result_lines(result: dict[str, Any]) -> list[str]:
+    """A job's result as `gpuq show` prints it (and `gpuq run` after a built-in workload)."""
+    return ["    result"] + [f"{key:>20}  {f'{value:.6g}' if isinstance(value, float) else value}"
+                             for key, value in result.items()]
+
+
 def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
 

@@ -5,7 +5,8 @@ Rights are checked here, with service/rights.py, before anything private leaves 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 
 routes = web.RouteTableDef()
+T = TypeVar("T")
 P = c.API_PREFIX
 JOB = P + r"/jobs/{id:\d+}"
 
@@ -28,13 +30,22 @@ def _job_id(request: web.Request) -> int:
 
 
 def _int(request: web.Request, name: str, default: int) -> int:
+    return _number(request, name, default, int, "a whole number")
+
+
+def _float(request: web.Request, name: str, default: float) -> float:
+    return _number(request, name, default, float, "a number of seconds")
+
+
+def _number(request: web.Request, name: str, default: T, kind: Callable[[str], T], what: str) -> T:
+    """Query parameter ``name`` as ``kind``, or ``default`` when absent; InvalidSpec if malformed."""
     raw = request.query.get(name)
     if raw is None:
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise InvalidSpec(f"{name} must be a whole number, got {raw[:40]!r}") from None
+        raise InvalidSpec(f"{name} must be {what}, got {raw[:40]!r}") from None
 
 
 def _ids(text: str) -> list[int]:
@@ -178,16 +189,6 @@ async def output(request: web.Request) -> web.Response:
         # Often at first (a short job's end comes soon after its start), then less often: a
         # follower of a long job costs the server a read every quarter second, not twenty a second.
         await asyncio.sleep(c.FOLLOW_LOOK_SECONDS if waited < 1.0 else 5 * c.FOLLOW_LOOK_SECONDS)
-
-
-def _float(request: web.Request, name: str, default: float) -> float:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise InvalidSpec(f"{name} must be a number of seconds, got {raw[:40]!r}") from None
 
 
 def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict[str, Any]:

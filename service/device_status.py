@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import samples
-from gpuq.service.inventory import live_cutoff
-from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.inventory import holders, live_cutoff
+from gpuq.service.models import utcnow
 from gpuq.service.settings import Settings
 
 # A sample older than this many sample intervals (and at least this many seconds) is stale:
@@ -51,27 +50,13 @@ class DeviceStatus:
 def device_status(session: Session, settings: Settings, now: datetime | None = None) -> list[DeviceStatus]:
     """All GPUs gpuq knows, by node and index."""
     now = now or utcnow()
-    rows = session.execute(
-        select(Gpu, Job.id, Job.name, Job.user, Allocation.share_mib, Allocation.used_mib)
-        .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
-        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index, Job.id)
-    ).all()
+    gpus = holders(session)
     fresh = now - timedelta(seconds=max(STALE_INTERVALS * settings.sample_interval, STALE_SECONDS))
-    newest = samples.latest(session, [g.id for g, *_ in rows], fresh)
+    newest = samples.latest(session, [g.id for g, _ in gpus], fresh)
     cutoff = live_cutoff(settings)
-    gpus: dict[int, Gpu] = {}
-    whole: dict[int, tuple[int | None, str | None, str | None]] = {}
-    shares: dict[int, list[dict[str, Any]]] = {}
-    for gpu, held_by, held_name, held_user, share_mib, used_mib in rows:
-        gpus[gpu.id] = gpu
-        if share_mib is not None:
-            shares.setdefault(gpu.id, []).append({"job_id": held_by, "job_name": held_name, "user": held_user,
-                                                  "share_mib": share_mib, "used_mib": used_mib})
-        elif held_by is not None:
-            whole[gpu.id] = (held_by, held_name, held_user)
     out = []
-    for gpu in gpus.values():
-        job_id, job_name, user = whole.get(gpu.id, (None, None, None))
+    for gpu, held in gpus:
+        job_id, job_name, user = held.whole
         s = newest.get(gpu.id)
         procs = (s.processes or []) if s else []
         out.append(DeviceStatus(
@@ -86,6 +71,6 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
             sm_clock_mhz=s.sm_clock_mhz if s else None, job_id=job_id, job_name=job_name, user=user,
             sampled_at=s.sampled_at if s else None,
             processes=[p for p in procs if p.get("gpuq")], foreign=[p for p in procs if not p.get("gpuq")],
-            shares=shares.get(gpu.id, []),
+            shares=list(held.shares),
         ))
     return out

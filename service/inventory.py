@@ -74,37 +74,51 @@ class GpuView:
     drained: bool = False
     foreign_mib: int | None = None
     drain_reason: str | None = None
-    # The shared jobs on it: [{"job_id", "user", "share_mib", "used_mib"}] (job_id is then None).
+    # The shared jobs on it (``Holders.shares``; job_id is then None).
     shares: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Holders:
+    """What holds a GPU: its whole-GPU job (id, name, user), or its shared jobs, each with its
+    share and what it uses of it (``{"job_id", "job_name", "user", "share_mib", "used_mib"}``)."""
+
+    whole: tuple[int | None, str | None, str | None] = (None, None, None)
+    shares: tuple[dict[str, Any], ...] = ()
+
+
+def holders(session: Session) -> list[tuple[Gpu, Holders]]:
+    """Every GPU, by node and index, with what holds it: one read for `gpuq status` and `gpuq devices`."""
+    rows = session.execute(
+        select(Gpu, Job.id, Job.name, Job.user, Allocation.share_mib, Allocation.used_mib)
+        .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
+        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index, Job.id)
+    ).all()
+    gpus: dict[int, Gpu] = {}
+    whole: dict[int, tuple[int | None, str | None, str | None]] = {}
+    shares: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for g, job_id, job_name, user, share_mib, used_mib in rows:
+        gpus[g.id] = g
+        if share_mib is not None:
+            shares[g.id].append({"job_id": job_id, "job_name": job_name, "user": user, "share_mib": share_mib,
+                                 "used_mib": used_mib})
+        elif job_id is not None:
+            whole[g.id] = (job_id, job_name, user)
+    return [(g, Holders(whole.get(g.id, (None, None, None)), tuple(shares.get(g.id, ())))) for g in gpus.values()]
 
 
 def view(session: Session, settings: Settings) -> list[GpuView]:
     """Each GPU with its whole-GPU job, or its shared jobs and what each uses of its share."""
     cutoff = live_cutoff(settings)
     drained = drained_nodes(session)
-    rows = session.execute(
-        select(Gpu, Job.id, Job.user, Allocation.share_mib, Allocation.used_mib)
-        .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
-        .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index, Job.id)
-    ).all()
-    whole: dict[int, tuple[int | None, str | None]] = {}
-    shares: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    gpus: dict[int, Gpu] = {}
-    for g, job_id, user, share_mib, used_mib in rows:
-        gpus[g.id] = g
-        if share_mib is not None:
-            shares[g.id].append({"job_id": job_id, "user": user, "share_mib": share_mib, "used_mib": used_mib})
-        elif job_id is not None:
-            whole[g.id] = (job_id, user)
     return [
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,
                 online=g.heartbeat_at is not None and g.heartbeat_at >= cutoff, worker=g.worker,
-                job_id=whole.get(g.id, (None, None))[0], job_user=whole.get(g.id, (None, None))[1],
-                heartbeat_at=g.heartbeat_at, drained=g.node in drained or g.drain_reason is not None,
-                foreign_mib=g.foreign_mib, drain_reason=drained.get(g.node) or g.drain_reason,
-                shares=tuple(shares.get(g.id, ())))
-        for g in gpus.values()
+                job_id=held.whole[0], job_user=held.whole[2], heartbeat_at=g.heartbeat_at,
+                drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
+                drain_reason=drained.get(g.node) or g.drain_reason, shares=held.shares)
+        for g, held in holders(session)
     ]
 
 

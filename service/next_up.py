@@ -30,7 +30,8 @@ _GPUS = table(Gpu)
 # What a take returns of the job: what its run needs (workers/job.py's JobRun).
 TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
                  _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
-                 _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts, _JOBS.c.shared, _JOBS.c.mem_mib)
+                 _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts, _JOBS.c.shared, _JOBS.c.mem_mib,
+                 _JOBS.c.gpu_share)
 # A listed job's user if it still waits, else null. It reads from the list, each job by its key, as
 # a scalar subquery: joined, SQLite chose to walk every pending job and look each up in the list,
 # and PostgreSQL turned an EXISTS into the same join whenever its statistics showed few pending

@@ -44,7 +44,8 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None,
         if not _room_for(conn, p, share_mib):
             log.info("job %s: its GPUs' room changed meanwhile; next pass", p.job_id)
             return False
-        share = max(min(share_mib / g.memory_total_mib, 1.0) for g in p.gpus)
+        # ``share_mib`` holds the context reserve already.
+        share = max(packing.charged_fraction(share_mib, 0, g.memory_total_mib) for g in p.gpus)
     try:
         with session.begin_nested():
             values = {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node, "gpu_share": share}

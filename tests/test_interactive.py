@@ -350,5 +350,6 @@ def test_exit_codes_of_each_kind_of_end():
     assert exit_code_of({"state": "failed", "failure": "error", "exit_code": None}) == 1
     assert exit_code_of({"state": "timed_out", "failure": "timeout"}) == c.EXIT_RUN_TIMED_OUT
     assert exit_code_of({"state": "cancelled", "failure": "cancelled"}) == c.EXIT_RUN_CANCELLED
-    for lost in (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST):
+    for lost in (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST,
+                 c.FAILURE_GPU_MEM_EXCEEDED):
         assert exit_code_of({"state": "failed", "failure": lost}) == c.EXIT_RUN_GPUQ

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import read_scope
 from gpuq.service.models import utcnow
 from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.command import stop_tree, verify_gone
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
@@ -113,31 +113,8 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
 
 
 def _stop(processes: _Processes, grace: float, cgroup: JobCgroup | None) -> list[int]:
-    """SIGTERM every process of the allocation, SIGKILL what is left after ``grace`` seconds; the
-    pids still alive after that (a process in uninterruptible sleep)."""
-    procs = processes()
-    for p in procs:
-        _send(p, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace) if procs else ([], [])
-    deadline = time.monotonic() + c.STOP_VERIFY_SECONDS
-    while alive := [p for p in {*alive, *processes()} if _running(p)]:
-        if time.monotonic() >= deadline:
-            return [p.pid for p in alive]
-        for p in alive:
-            _send(p, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=0.2)
-    return cgroup.kill_all(1.0) if cgroup is not None else []
-
-
-def _send(p: psutil.Process, sig: signal.Signals) -> None:
-    try:
-        p.send_signal(sig)
-    except psutil.Error:
-        pass
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    """SIGTERM every process of the allocation, SIGKILL what is left after ``grace`` seconds, as for
+    a command job (it has no process group of its own); the pids still alive after that (a process
+    in uninterruptible sleep)."""
+    stop_tree(None, grace, processes)
+    return verify_gone(processes, c.STOP_VERIFY_SECONDS, None, cgroup)

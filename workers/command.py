@@ -74,7 +74,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     code = proc.wait()
     for reader in readers:
         reader.join(timeout=5)
-    leftover = _verify_gone(found, verify_within)
+    leftover = verify_gone(found, verify_within, found.pid, cgroup)
     oom = cgroup is not None and cgroup.oom_kills() > oom_before
     return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, leftover=tuple(leftover))
 
@@ -147,17 +147,19 @@ class _Finder:
             return False
 
 
-def _verify_gone(found: _Finder, within: float) -> list[int]:
-    """Kill whatever of the job is still alive until nothing is, for at most ``within`` seconds."""
-    if found.cgroup is not None:
-        left = found.cgroup.kill_all(within)
+def verify_gone(found: Callable[[], list[psutil.Process]], within: float, pgid: int | None,
+                cgroup: JobCgroup | None) -> list[int]:
+    """Kill whatever of the job is still alive (``found()``, its process group ``pgid``, its
+    ``cgroup``) until nothing is, for at most ``within`` seconds; the pids still alive then."""
+    if cgroup is not None:
+        left = cgroup.kill_all(within)
         if left:
             return left
     deadline = time.monotonic() + within
     while procs := [p for p in found() if _alive(p)]:
         if time.monotonic() >= deadline:
             return [p.pid for p in procs]
-        _signal(found.pid, procs, signal.SIGKILL)
+        _signal(pgid, procs, signal.SIGKILL)
         psutil.wait_procs(procs, timeout=0.2)
     return []
 
@@ -180,9 +182,9 @@ def _pump(pipe: IO[bytes], stream: int, sink: OutputSink) -> None:
     pipe.close()
 
 
-def stop_tree(pid: int, grace: float, found: Callable[[], list[psutil.Process]]) -> None:
-    """SIGTERM every process of the job (``found()``), wait up to ``grace`` seconds, then SIGKILL
-    the rest."""
+def stop_tree(pid: int | None, grace: float, found: Callable[[], list[psutil.Process]]) -> None:
+    """SIGTERM every process of the job (``found()``, and its process group ``pid`` if it has one),
+    wait up to ``grace`` seconds, then SIGKILL the rest."""
     procs = found()
     if grace > 0:
         _signal(pid, procs, signal.SIGTERM)
@@ -192,11 +194,12 @@ def stop_tree(pid: int, grace: float, found: Callable[[], list[psutil.Process]])
         psutil.wait_procs(procs, timeout=5)
 
 
-def _signal(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _signal(pgid: int | None, procs: list[psutil.Process], sig: signal.Signals) -> None:
+    if pgid is not None:  # never 0: that would be the worker's own group
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
     for p in procs:
         try:
             p.send_signal(sig)

@@ -52,7 +52,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
                             state.name, lease.job_id)
             return done, following, wake
         except Unreachable as exc:
-            if _gave_up_waiting(state, lease, readings, delay, exc):
+            if gave_up_waiting(state, lease, readings, delay, exc):
                 return False, None, True
             delay = min(delay * 2, 5.0)
         except SQLAlchemyError:
@@ -104,7 +104,7 @@ def _take_next(state: WorkerState, session: Session, mark: int | None) -> Starte
     return Started.read(session, job_run(row, (state.gpu_index,), (state.queue,)), token, mark)
 
 
-def _gave_up_waiting(state: WorkerState, lease: Lease, readings: list[dict[str, Any]], delay: float,
+def gave_up_waiting(state: WorkerState, lease: Lease, readings: list[dict[str, Any]], delay: float,
                      exc: Unreachable) -> bool:
     """Wait ``delay`` seconds for the database to come back; True if the worker is stopping
     meanwhile: the end is given up, and the job's readings go back to the sampler."""

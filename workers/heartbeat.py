@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from gpuq.service import inventory
 from gpuq.service.db import write_scope
-from gpuq.service.leases import renew
+from gpuq.service.leases import Lease, renew
 from gpuq.service.settings import Settings
 from gpuq.workers.probe import GpuProbe
 
@@ -41,44 +41,39 @@ class Heartbeat(threading.Thread):
                 return
 
     def beat(self) -> None:
-        lease = self.state.lease if self.state is not None else None
-        shared = [run.lease for run in list(self.state.shared.values())] if self.state is not None else []
+        # The leases to renew: the whole-GPU job's and each shared job's (workers/shared.py).
+        runs = list(self.state.shared.values()) if self.state is not None else []
+        whole = self.state.lease if self.state is not None else None
+        held = [*([whole] if whole is not None else []), *(run.lease for run in runs)]
         try:
             # A reading the sampler took within the last sample interval serves as well.
             reading = self.probe.read(max_age=self.settings.sample_interval)
-            renewed = None
             with write_scope(self.settings) as session:
                 inventory.beat(session, self.gpu_id, reading)
                 if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):
                     log.error("GPU %s lost (%s): drained until an admin resumes its node", self.gpu_id, reading.lost)
-                if lease is not None:
-                    renewed = renew(session, lease.job_id, lease.token, self.settings.lease_timeout)
-                kept = {s.job_id: renew(session, s.job_id, s.token, self.settings.lease_timeout) for s in shared}
-                if self.state is not None and self.state.shared:
-                    inventory.record_share_use(session, self.gpu_id, {job_id: run.used_mib for job_id, run
-                                                                      in list(self.state.shared.items())})
-            for s in shared:
-                if kept[s.job_id]:
-                    s.renewed = time.monotonic()
-                elif self.state is not None and s.job_id in self.state.shared:
-                    log.warning("job %s: lease no longer ours (taken back); stopping it", s.job_id)
-                    s.lost.set()
+                renewed = [renew(session, h.job_id, h.token, self.settings.lease_timeout) for h in held]
+                if runs:
+                    inventory.record_share_use(session, self.gpu_id, {r.lease.job_id: r.used_mib for r in runs})
             if reading.lost and self.state is not None:
                 self.state.gpu_lost.set()
-            if lease is None or self.state is None:
-                return
-            if renewed:
-                lease.renewed = time.monotonic()
-            elif renewed is False and self.state.lease is lease:  # not merely ended meanwhile
-                log.warning("job %s: lease no longer ours (taken back); stopping it", lease.job_id)
-                lease.lost.set()
+            for lease, kept in zip(held, renewed, strict=True):
+                if kept:
+                    lease.renewed = time.monotonic()
+                elif self._still_running(lease):  # not merely ended meanwhile
+                    log.warning("job %s: lease no longer ours (taken back); stopping it", lease.job_id)
+                    lease.lost.set()
         except Exception:
             log.exception("heartbeat failed")
-            for held in [lease, *shared]:
-                if held is not None and held.overdue(self.settings.lease_timeout):
+            for lease in held:
+                if lease.overdue(self.settings.lease_timeout):
                     log.error("job %s: lease not renewed for %.0f s; stopping the job before it is reaped",
-                              held.job_id, time.monotonic() - held.renewed)
-                    held.lost.set()
+                              lease.job_id, time.monotonic() - lease.renewed)
+                    lease.lost.set()
+
+    def _still_running(self, lease: Lease) -> bool:
+        """Whether ``lease``'s job still runs here: the worker's whole-GPU job, or a shared one."""
+        return self.state is not None and (self.state.lease is lease or lease.job_id in self.state.shared)
 
     def stop(self) -> None:
         self.stopped.set()

@@ -49,6 +49,8 @@ class JobRun:
     shared: bool = False
     mem_mib: int | None = None
     memory_total_mib: int = 0
+    # What it is charged of each GPU, as its dispatch wrote it (``jobs.gpu_share``); None: whole GPUs.
+    gpu_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,4 +91,4 @@ def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...],
                   env=dict(job.env or {}), deadline=deadline, time_limit_s=job.time_limit_s,
                   host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
-                  memory_total_mib=memory_total_mib)
+                  memory_total_mib=memory_total_mib, gpu_share=job.gpu_share)

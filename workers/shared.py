@@ -25,9 +25,10 @@ from gpuq.service import broker, usage
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.errors import Unreachable
+from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
-from gpuq.workers.end import record_usage
+from gpuq.workers.end import gave_up_waiting, record_usage
 from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import JobRun, Started
 from gpuq.workers.output import OutputSink
@@ -69,7 +70,7 @@ def _run(state: WorkerState, started: Started) -> None:
     looking.start()
     end = end_of(state, job, sink, watcher, lambda: execute(state, job, sink, watcher, pids.add))
     try:
-        ended = _write_end(state, job, lease.token, end, sink, memory.peak_mib if memory is not None else None)
+        ended = _write_end(state, job, lease, end, sink, memory.peak_mib if memory is not None else None)
     finally:
         state.shared.pop(job.id, None)
     log.info("%s: shared job %s %s", state.name, job.id, end["state"] if ended else "taken back before it ended here")
@@ -121,7 +122,7 @@ def _share_watch(state: WorkerState, job: JobRun, started: set[int]) -> ShareWat
                       lambda: {i: devices.read(i).processes for i in gpus})
 
 
-def _write_end(state: WorkerState, job: JobRun, token: str, end: dict[str, Any], sink: OutputSink,
+def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any], sink: OutputSink,
                peak_mib: int | None) -> bool:
     """Write the job's end under its lease with the rest of its output and its usage summary (its
     peak GPU memory, as the watchdog measured it), in one transaction, retried while the database is
@@ -129,22 +130,20 @@ def _write_end(state: WorkerState, job: JobRun, token: str, end: dict[str, Any],
     lease runs out)."""
     delay = 0.2
     settings = state.settings
-    share = (job.mem_mib or 0) + settings.shared_context_mib
     while True:
         try:
             with write_scope(settings) as session:
                 sink.store_rest(session)
                 now = utcnow()
-                done = end_attempt(session, job.id, token=token, max_requeues=settings.max_requeues, now=now, **end)
+                done = end_attempt(session, job.id, token=lease.token, max_requeues=settings.max_requeues, now=now,
+                                   **end)
                 if done:
                     ended = usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before,
-                                        gpu_share=min(share / job.memory_total_mib, 1.0) if job.memory_total_mib
-                                        else None)
+                                        job.gpu_share)
                     record_usage(state, session, ended, usage.Totals(memory_used_max=peak_mib))
             sink.rest_stored()
             return done
         except Unreachable as exc:
-            log.warning("%s: shared job %s: cannot record its end yet (%s); retrying", state.name, job.id, exc)
-            if state.interrupt.wait(delay):
+            if gave_up_waiting(state, lease, [], delay, exc):  # no readings of its own to hand back
                 return False
             delay = min(delay * 2, 5.0)
