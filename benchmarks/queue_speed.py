@@ -6,7 +6,9 @@
 - throughput of N no-op jobs over 4 simulated GPUs beside N bare Celery no-op tasks over 4 workers;
 - the idle gap on one GPU between one job's end and the next queued job's start;
 - how much of the machine's CPU stayed idle during each flood (more than none: the flood waits on
-  a lock, not the CPU).
+  a lock, not the CPU);
+- the CPU time each flood took a job, by process (client, server, workers, scheduler, Redis), beside
+  bare Celery's: on a machine of C cores no flood passes C x 1000 / (ms a job) jobs/s.
 
     python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50] [--keep-alive] [--database URL]
 
@@ -72,6 +74,62 @@ def idle_share(before: tuple[int, int] | None) -> float | None:
     if before is None or after is None or after[0] == before[0]:
         return None
     return (after[1] - before[1]) / (after[0] - before[0])
+
+
+class CpuMeter:
+    """CPU time (user + system) spent by each role's processes between ``start`` and ``stop``, in
+    ms per job: where a flood's CPU goes. On two cores, N jobs/s can take at most 2000/N ms of CPU
+    each, all processes together."""
+
+    def __init__(self, roles: dict[str, list[Any]]) -> None:
+        self.roles = roles  # {role: [psutil.Process]}
+        self.before: dict[str, float] = {}
+
+    @staticmethod
+    def _cpu(procs: list[Any]) -> float:
+        import psutil
+
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def start(self) -> None:
+        self.before = {role: self._cpu(procs) for role, procs in self.roles.items()}
+
+    def stop(self, n_jobs: int) -> dict[str, float]:
+        return {role: 1000 * (self._cpu(procs) - self.before[role]) / n_jobs for role, procs in self.roles.items()}
+
+
+def gpuq_roles(supervisor_pid: int) -> dict[str, list[Any]]:
+    """The stack's processes by role (children of `gpuq up`'s supervisor), this process (the client)
+    and Redis."""
+    import psutil
+
+    roles: dict[str, list[Any]] = {"client (this process)": [psutil.Process()], "server": [], "workers": [],
+                                   "scheduler": [], "redis": redis_processes()}
+    for child in psutil.Process(supervisor_pid).children(recursive=True):
+        cmd = " ".join(child.cmdline())
+        role = ("server" if "gpuq.cli server" in cmd else "workers" if "gpuq.workers" in cmd else
+                "scheduler" if "gpuq.cli scheduler" in cmd else None)
+        if role is not None:
+            roles[role].append(child)
+    return roles
+
+
+def redis_processes() -> list[Any]:
+    import psutil
+
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "redis-server"]
+
+
+def cpu_line(cpu: dict[str, float]) -> str:
+    parts = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())
+    return f"{sum(cpu.values()):.1f} ms of CPU a job ({parts})"
 
 
 def decision_pass(n_jobs: int = 10_000) -> None:
@@ -199,15 +257,18 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
                ) -> tuple[list[float], list[float], list[float], dict[str, tuple], list[float], str]:
     """Latency on the server's clock and from the client's request, the submit requests' round
     trips, the two floods (the N jobs as one array submission, and as N submissions: each its
-    throughput, submit rate, CPU left idle and job ids), the idle gaps, and how it submitted."""
+    throughput, submit rate, CPU left idle, job ids and CPU a job by role), the idle gaps, and how
+    it submitted."""
     from sqlalchemy import select
 
     from gpuq.service.db import read_scope, write_scope
     from gpuq.service.models import Job
     from gpuq.service.settings import load_settings
+    from gpuq.service.stack import pid_file
 
     s = load_settings(env)
     subprocess.run([sys.executable, "-m", "gpuq.cli", "up"], env=env, check=True)
+    meter = CpuMeter(gpuq_roles(int(pid_file(s).read_text().strip())))
     api = None
     try:
         api = Submitter(str(s.server_socket), keep_alive)
@@ -232,6 +293,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
         floods = {}
         for kind in ("array", "requests"):
             t0, ticks = time.perf_counter(), cpu_ticks()
+            meter.start()
             if kind == "array":  # the N jobs in one submission, as the earlier rounds' submit_all
                 ids = api.submit(array=f"0-{n_jobs - 1}")
             else:  # N submissions one after the other, as Celery's N delay calls
@@ -246,7 +308,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
                     break
                 time.sleep(0.05)
             elapsed, idle = time.perf_counter() - t0, idle_share(ticks)
-            floods[kind] = (n_jobs / elapsed, submit_rate, idle, ids)
+            floods[kind] = (n_jobs / elapsed, submit_rate, idle, ids, meter.stop(n_jobs))
         ids = floods["array"][3]
         with write_scope(s) as session:
             rows = session.execute(select(Job.worker, Job.started_at, Job.ended_at)
@@ -265,7 +327,8 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
             r.delete(key)
 
 
-def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], float, float | None]:
+def bare_celery(broker: str, n_tasks: int, samples: int
+                ) -> tuple[list[float], float, float | None, dict[str, float]]:
     import redis
 
     env = dict(os.environ, BENCH_BROKER_URL=broker, PYTHONPATH=str(ROOT))
@@ -293,12 +356,17 @@ def bare_celery(broker: str, n_tasks: int, samples: int) -> tuple[list[float], f
             sent, ran = map(float, item.split())
             latency.append(ran - sent)
         r.delete("bench:done")
+        import psutil
+
+        meter = CpuMeter({"client (this process)": [psutil.Process()],
+                          "workers": [psutil.Process(w.pid) for w in workers], "redis": redis_processes()})
         t0, ticks = time.perf_counter(), cpu_ticks()
+        meter.start()
         for _ in range(n_tasks):
             noop.delay(time.time())
         while r.llen("bench:done") < n_tasks:
             time.sleep(0.02)
-        return latency, n_tasks / (time.perf_counter() - t0), idle_share(ticks)
+        return latency, n_tasks / (time.perf_counter() - t0), idle_share(ticks), meter.stop(n_tasks)
     finally:
         for w in workers:
             w.terminate()
@@ -353,7 +421,7 @@ def main() -> int:
             env["GPUQ_DATABASE_URL"], drop = own_database(args.database)
         decision_pass()
         sql_pass(env)
-        bare_lat, bare_tput, bare_idle = bare_celery(broker, args.jobs, args.latency_samples)
+        bare_lat, bare_tput, bare_idle, bare_cpu = bare_celery(broker, args.jobs, args.latency_samples)
         lat, lat_client, trip, floods, gaps, how = gpuq_stack(env, args.jobs, args.latency_samples, args.keep_alive)
     finally:
         drop()
@@ -375,12 +443,14 @@ def main() -> int:
     share = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     print(f"bare Celery, {args.jobs} no-op tasks over 4 workers: {bare_tput:.0f} tasks/s "
           f"(CPU left idle: {share(bare_idle)})")
+    print(f"  {cpu_line(bare_cpu)}")
     for kind, label in (("array", f"one submission of {args.jobs} jobs (an array)"),
                         ("requests", f"{args.jobs} submissions one after the other")):
-        tput, submit_rate, idle, _ = floods[kind]
+        tput, submit_rate, idle, _, cpu = floods[kind]
         print(f"throughput, {label}, over 4 simulated GPUs: {tput:.0f} jobs/s (submitting took "
               f"{args.jobs / submit_rate:.2f} s); ratio gpuq/bare {tput / bare_tput:.2f} (goal: at least 0.5); "
               f"CPU left idle {share(idle)}")
+        print(f"  {cpu_line(cpu)}; {sum(cpu.values()) / sum(bare_cpu.values()):.1f}x bare Celery's")
     print(f"idle gap on one GPU between a job's end and the next one's start: p50 {ms(pct(gaps, 50))}, "
           f"p95 {ms(pct(gaps, 95))} (goal p95 under 50 ms)")
     return 0

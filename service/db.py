@@ -221,7 +221,7 @@ def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
     session = _sessionmaker(settings.database)()
     try:
         if read_only:
-            session.connection(execution_options={_READ_ONLY: True})
+            session.connection(execution_options=_read_options(settings.database))
         yield session
         if read_only:
             session.rollback()
@@ -239,6 +239,16 @@ def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
             lock.release()
         _scopes.writer = outer
         session.close()
+
+
+def _read_options(url: str) -> dict[str, Any]:
+    """A read scope's connection: on SQLite a plain BEGIN (no write lock); on a database server, no
+    transaction at all. There, at its READ COMMITTED, each statement sees the database as of its own
+    start whether in a transaction or not, so BEGIN and ROLLBACK would be two round trips that
+    change nothing of what the reads see."""
+    if is_sqlite_url(url):
+        return {_READ_ONLY: True}
+    return {_READ_ONLY: True, "isolation_level": "AUTOCOMMIT"}
 
 
 def checkpoint(settings: Settings) -> None:

@@ -3,12 +3,13 @@ key, its code recorded or staged, and its jobs placed at once when nothing else 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import bindparam, false, func, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -47,10 +48,10 @@ _INSERT_SUBMISSION = Prepared(table(Submission).insert())
 _SUBMITTED = table(Submission)
 _SUBMITTED_WITH = Prepared(select(_SUBMITTED.c.user, _SUBMITTED.c.job_ids).where(_SUBMITTED.c.key == bindparam("key")))
 _GPUS_PER_NODE = Prepared(select(table(Gpu).c.node, func.count()).group_by(table(Gpu).c.node))
-# Held and not held apart: each count then seeks this user's jobs in the queue-order index (state,
-# held, user, ...) instead of counting through every pending job of everyone.
+# Held or not as a list of both: the count then seeks this user's jobs in the queue-order index
+# (state, held, user, ...) once per value, instead of counting through every pending job of everyone.
 _PENDING_OF = Prepared(select(func.count()).select_from(_JOBS).where(
-    _JOBS.c.state == State.PENDING, _JOBS.c.held == bindparam("held"), _JOBS.c.user == bindparam("user")))
+    _JOBS.c.state == State.PENDING, _JOBS.c.held.in_([false(), true()]), _JOBS.c.user == bindparam("user")))
 
 
 def largest_node(session: Session, settings: Settings, local: list[GpuInfo]) -> tuple[str | None, int]:
@@ -197,8 +198,23 @@ def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, re
     return specs, staged
 
 
+# This node's GPUs as a submit's checks count them (they also count the GPUs workers registered):
+# asked of NVML, or of the simulation, once a minute at most rather than on every submit the server
+# takes, where NVML's initialisation alone can cost more than the rest of the submit.
+_LOCAL_GPUS_TTL_S = 60.0
+_local_gpus: dict[Settings, tuple[float, list[GpuInfo]]] = {}
+
+
+def local_gpus(settings: Settings) -> list[GpuInfo]:
+    now = time.monotonic()
+    known = _local_gpus.get(settings)
+    if known is None or now - known[0] > _LOCAL_GPUS_TTL_S:
+        known = _local_gpus[settings] = (now, open_devices(settings).list())
+    return known[1]
+
+
 def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:
-    local = open_devices(settings).list()  # once: on a GPU node this initialises NVML
+    local = local_gpus(settings)
     node, most = largest_node(session, settings, local)
     if most == 0:
         raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
@@ -229,7 +245,7 @@ def _check_pending_limit(session: Session, settings: Settings, user: str, adding
     if not limit:
         return
     conn = session.connection()
-    pending = sum(_PENDING_OF.run(conn, {"user": user, "held": held})[0][0] for held in (False, True))
+    pending = _PENDING_OF.run(conn, {"user": user})[0][0]
     if pending + adding > limit:
         raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
                         f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")

@@ -1,0 +1,61 @@
+"""What the session scopes cost a database server in round trips: reads outside any transaction on
+PostgreSQL (each statement sees its own snapshot there either way), writes in one; and what a
+submit asks of the node's GPUs."""
+
+import time
+
+import pytest
+from sqlalchemy import select
+
+from gpuq.service import db, submitting
+from gpuq.service.dialect import is_sqlite_url
+from gpuq.service.models import Job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _driver_in_transaction(session) -> bool:
+    raw = session.connection().connection.driver_connection
+    if hasattr(raw, "info"):  # psycopg: the server's own word on the connection's state
+        import psycopg
+
+        return raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    return raw.in_transaction  # sqlite3
+
+
+def test_a_read_scope_opens_a_transaction_only_on_sqlite_and_a_write_scope_always_does(settings):
+    with db.read_scope(settings) as session:
+        assert session.scalars(select(Job.id)).all() == []
+        # SQLite: BEGIN (deferred, no lock) so the reads see one state of the file; PostgreSQL: no
+        # BEGIN and no ROLLBACK, two round trips that would change nothing at READ COMMITTED.
+        assert _driver_in_transaction(session) == is_sqlite_url(settings.database)
+    with db.write_scope(settings) as session:
+        session.scalars(select(Job.id)).all()
+        assert _driver_in_transaction(session)
+
+
+def test_a_read_scope_leaves_its_pooled_connection_in_a_transaction_for_the_next_write(settings):
+    # The read scope's autocommit must not outlive it: the next write scope on the same pooled
+    # connection is one transaction, rolled back whole when it fails.
+    with db.read_scope(settings) as session:
+        session.scalars(select(Job.id)).all()
+    with pytest.raises(RuntimeError), db.write_scope(settings) as session:
+        session.add(Job(name="x", user="u", kind="command", argv=["true"], cwd="/", params={}, gpus=1, priority=0,
+                        state="pending", submitted_at=submitting.utcnow(), attempts=[]))
+        session.flush()
+        raise RuntimeError("the write fails after its insert")
+    with db.read_scope(settings) as session:
+        assert session.scalars(select(Job.id)).all() == []
+
+
+def test_a_submit_asks_this_nodes_devices_for_its_gpus_once_a_minute_not_every_time(settings, monkeypatch):
+    opened = []
+    real = submitting.open_devices
+    monkeypatch.setattr(submitting, "open_devices", lambda s: opened.append(s) or real(s))
+    monkeypatch.setattr(submitting, "_local_gpus", {})
+    first = submitting.local_gpus(settings)
+    assert [g.index for g in first] == [0, 1] and len(opened) == 1
+    assert submitting.local_gpus(settings) == first and len(opened) == 1
+    # A minute on (the entry made as long ago), they are asked for again.
+    submitting._local_gpus[settings] = (time.monotonic() - submitting._LOCAL_GPUS_TTL_S - 1, first)
+    assert submitting.local_gpus(settings) == first and len(opened) == 2
