@@ -105,13 +105,17 @@ class CpuMeter:
         return {role: 1000 * (self._cpu(procs) - self.before[role]) / n_jobs for role, procs in self.roles.items()}
 
 
-def gpuq_roles(supervisor_pid: int) -> dict[str, list[Any]]:
-    """The stack's processes by role (children of `gpuq up`'s supervisor), this process (the client)
-    and Redis."""
+def gpuq_roles(supervisor_pid: int, database: str) -> dict[str, list[Any]]:
+    """The stack's processes by role (children of `gpuq up`'s supervisor), this process (the client),
+    Redis and, on PostgreSQL, its server's processes."""
     import psutil
 
     roles: dict[str, list[Any]] = {"client (this process)": [psutil.Process()], "server": [], "workers": [],
                                    "scheduler": [], "redis": redis_processes()}
+    # The database server's own share: all of its processes (the machine is assumed quiet otherwise).
+    postgres = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"]
+    if postgres and database.startswith("postgresql"):
+        roles["postgresql"] = postgres
     for child in psutil.Process(supervisor_pid).children(recursive=True):
         cmd = " ".join(child.cmdline())
         role = ("server" if "gpuq.cli server" in cmd else "workers" if "gpuq.workers" in cmd else
@@ -268,7 +272,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
 
     s = load_settings(env)
     subprocess.run([sys.executable, "-m", "gpuq.cli", "up"], env=env, check=True)
-    meter = CpuMeter(gpuq_roles(int(pid_file(s).read_text().strip())))
+    meter = CpuMeter(gpuq_roles(int(pid_file(s).read_text().strip()), s.database))
     api = None
     try:
         api = Submitter(str(s.server_socket), keep_alive)

@@ -1,12 +1,13 @@
-"""Prepared statements (the worker's per-job statements run on SQLite's own cursor) store and return
-exactly what SQLAlchemy's execution of the same statement does, and fail as it fails."""
+"""Prepared statements (the worker's per-job statements, run on the driver's own cursor: sqlite3's or
+psycopg's) store and return exactly what SQLAlchemy's execution of the same statement does, and
+fail as it fails."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import exc, text
+from sqlalchemy import event, exc, text
 
 from gpuq.service import samples
 from gpuq.service.constants import State
@@ -92,3 +93,24 @@ def test_a_refused_row_raises_sqlalchemys_integrity_error_and_the_transaction_go
     with write_scope(settings) as s:
         held = s.execute(text("SELECT job_id FROM allocations WHERE gpu_id = :g"), {"g": gpu}).scalars().all()
         assert held == [first]
+
+
+def test_a_prepared_statement_skips_sqlalchemys_execution_on_either_database(settings):
+    with write_scope(settings) as s:
+        gpu = add_gpu(s, "n", 0)
+        job = running_job(s)
+    executed = []
+
+    def seen(conn, cursor, statement, *rest):
+        executed.append(statement)
+
+    with write_scope(settings) as s:
+        conn = s.connection()
+        event.listen(conn.engine, "before_cursor_execute", seen)
+        try:
+            assert _ALLOCATE_HERE.run(conn, {"job_id": job, "gpu_id": gpu}) == 1
+            conn.execute(text("SELECT 1"))  # what SQLAlchemy executes is seen
+        finally:
+            event.remove(conn.engine, "before_cursor_execute", seen)
+        assert s.execute(text("SELECT job_id FROM allocations WHERE gpu_id = :g"), {"g": gpu}).scalars().all() == [job]
+    assert executed == ["SELECT 1"]
