@@ -8,12 +8,14 @@ for the admin commands' imports or the building of thirty commands it will not r
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 import typer
 import typer.core
 
 from gpuq.cli.errors import GpuqGroup
+from gpuq.service import constants as c
 
 # Help in click's plain form: typer renders it with Rich whenever Rich is installed (gpuq installs
 # it for `gpuq devices`), and importing typer's Rich help costs 0.1-0.2 s of every `--help`. With Rich
@@ -71,4 +73,13 @@ def main() -> None:
     from gpuq.cli import client
 
     client.LEAN = True  # this process is one `gpuq` command: it may do without what it never uses
-    app(prog_name="gpuq")
+    try:
+        app(prog_name="gpuq")
+    except OSError as exc:
+        # --show-completion and --install-completion tell the shell from this process's parents
+        # (shellingham); run from cron, nohup or a service there is none to find.
+        if type(exc).__name__ != "ShellDetectionFailure":
+            raise
+        print("gpuq: cannot tell which shell this is (none among this process's parents); run "
+              "`gpuq --show-completion` or `gpuq --install-completion` from the shell it is for", file=sys.stderr)
+        sys.exit(c.EXIT_USAGE)

@@ -9,6 +9,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -39,13 +40,44 @@ def gpuq(args: list[str], env: dict[str, str], timeout: float = 60) -> subproces
 
 def test_show_completion_prints_a_bash_script_and_the_protocol_completes_commands_and_options():
     env = {**os.environ, "GPUQ_CONFIG": "/nonexistent/gpuq.toml"}
-    script = gpuq(["--show-completion", "bash"], env)
+    # The shell is told from the command's parents: run from bash, whatever started the tests.
+    script = subprocess.run(["bash", "-c", '"$@"; exit $?', "bash", sys.executable, "-m", "gpuq.cli",
+                             "--show-completion"], env=env, capture_output=True, text=True, timeout=60)
     assert script.returncode == 0 and "_GPUQ_COMPLETE=complete_bash" in script.stdout, script.stderr
     words = gpuq([], {**env, "_GPUQ_COMPLETE": "complete_bash", "COMP_WORDS": "gpuq res", "COMP_CWORD": "1"})
     assert words.stdout.split() == ["resubmit", "resume"]
     options = gpuq([], {**env, "_GPUQ_COMPLETE": "complete_bash", "COMP_WORDS": "gpuq submit --snap",
                         "COMP_CWORD": "2"})
     assert options.stdout.split() == ["--snapshot"]
+
+
+_ORPHAN = """
+import os, subprocess, sys, time
+if os.fork():
+    os._exit(0)  # the parent leaves: the child is init's (or a subreaper's) now
+time.sleep(0.5)
+done = subprocess.run([sys.executable, "-m", "gpuq.cli", "--show-completion"], capture_output=True, text=True)
+out = sys.argv[1]
+with open(out + ".tmp", "w") as f:
+    f.write(f"{done.returncode}\\n{done.stderr}")
+os.rename(out + ".tmp", out)
+"""
+
+
+def test_show_completion_with_no_shell_among_its_parents_says_so_in_one_line(tmp_path):
+    if Path("/proc/1/comm").read_text().strip() in ("sh", "bash", "dash", "zsh", "fish"):
+        pytest.skip("a shell is this machine's init: an orphan's parent is a shell here")
+    out = tmp_path / "out"
+    env = {**os.environ, "GPUQ_CONFIG": "/nonexistent/gpuq.toml"}
+    subprocess.run([sys.executable, "-c", _ORPHAN, str(out)], env=env, check=True, timeout=30)
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    returncode, _, stderr = out.read_text().partition("\n")
+    if returncode == "0":
+        pytest.skip("a shell was found among the orphan's parents (a subreaper that is a shell)")
+    assert returncode == "2", stderr
+    assert stderr.startswith("gpuq: cannot tell which shell this is") and stderr.count("\n") == 1, stderr
 
 
 def test_install_completion_writes_the_script_and_sources_it_from_bashrc(tmp_path):

@@ -88,11 +88,15 @@ class Terminal:
 def _take_terminal() -> None:
     """In the child, its own session's leader by now: make the pseudo-terminal (its stdin) its
     controlling terminal, as a login shell's is, so Ctrl-C typed there is a SIGINT to its foreground
-    process group."""
+    process group. Ctrl-C and Ctrl-\\ as a terminal's shell leaves them: a test run started in the
+    background (`pytest &`) has them ignored, and an ignored signal stays ignored across exec."""
     import fcntl
+    import signal
     import termios
 
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture
