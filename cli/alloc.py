@@ -124,13 +124,14 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
     keeper = _Keeper(client, held, child)
     keeper.start()
 
+    hanging_up = threading.Event()
+
     def hang_up(signum: int, frame: FrameType | None) -> None:
         """SIGHUP or SIGTERM to this client ends the session: the shell (or command) is hung up, as a
-        closed terminal would (an interactive shell ignores SIGTERM), and its exit ends the allocation."""
-        try:
-            child.send_signal(signal.SIGHUP)
-        except ProcessLookupError:
-            pass
+        closed terminal would, and its exit ends the allocation (see ``_end_child``)."""
+        if not hanging_up.is_set():
+            hanging_up.set()
+            threading.Thread(target=_end_child, args=(child, keeper.stop), name="hang-up", daemon=True).start()
 
     # The terminal's Ctrl-C and Ctrl-\ are the shell's to act on, not this process's.
     before = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGQUIT)}
@@ -225,15 +226,26 @@ class _Keeper(threading.Thread):
     def _stop_child(self) -> None:
         """The worker stops the allocation's processes by their run id; the shell, if it is still
         here (a worker that died cannot), is stopped here too."""
-        for sig, wait in ((signal.SIGHUP, 2.0), (signal.SIGKILL, 0.0)):
-            if self.child.poll() is not None:
-                return
-            try:
-                self.child.send_signal(sig)
-            except ProcessLookupError:
-                return
-            if self.stop.wait(wait):
-                return
+        _end_child(self.child, self.stop)
+
+
+# How the client ends its shell or command: hung up, as a closed terminal would; then, if it is
+# still there (an interactive shell ignores SIGTERM, and a command started under nohup inherits
+# SIGHUP ignored), terminated, then killed. What it left behind is the worker's to stop.
+_ENDING = ((signal.SIGHUP, 2.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 0.0))
+
+
+def _end_child(child: subprocess.Popen[bytes], done: threading.Event) -> None:
+    """End ``child`` as ``_ENDING`` says; ``done`` set (the child was reaped) stops it early."""
+    for sig, wait in _ENDING:
+        if child.poll() is not None:
+            return
+        try:
+            child.send_signal(sig)
+        except ProcessLookupError:
+            return
+        if done.wait(wait):
+            return
 
 
 def _minutes(seconds: float) -> str:

@@ -332,6 +332,25 @@ def test_allocs_never_share_a_gpu_and_a_waiting_one_whose_client_died_is_cancell
         first.wait(30)
 
 
+def test_sigterm_to_alloc_ends_a_command_that_ignores_hangups_and_frees_the_gpus(stack):
+    marker = unique_sleep()
+    # As under nohup: the command ignores SIGHUP, the hang-up a closed terminal sends.
+    client = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "sh", "-c",
+                               f"trap '' HUP; sleep {marker}; echo never"], env=settings_env(stack.settings),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: processes_with(f"sleep {marker}"), what="the allocation's command started")
+        job_id = newest_job(stack.settings)
+        client.send_signal(signal.SIGTERM)
+        out, _ = client.communicate(timeout=30)  # SIGHUP, then SIGTERM 2 s on, then SIGKILL
+        assert b"never" not in out
+        wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, what="the allocation ended")
+        wait_until(lambda: processes_with(f"sleep {marker}") == [], what="the command's sleep stopped")
+    finally:
+        if client.poll() is None:
+            client.kill()
+
+
 def test_alloc_on_a_node_without_gpuq_gpus_is_one_line_and_writes_nothing(stack):
     before = newest_job(stack.settings)
     out = run_cli(["alloc"], stack.settings, extra_env={"GPUQ_NODE": "login-node-1"})
