@@ -111,11 +111,10 @@ def gpuq_roles(supervisor_pid: int, database: str) -> dict[str, list[Any]]:
     import psutil
 
     roles: dict[str, list[Any]] = {"client (this process)": [psutil.Process()], "server": [], "workers": [],
-                                   "scheduler": [], "redis": redis_processes()}
-    # The database server's own share: all of its processes (the machine is assumed quiet otherwise).
-    postgres = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"]
-    if postgres and database.startswith("postgresql"):
-        roles["postgresql"] = postgres
+                                   "scheduler": [], "redis": processes_named("redis-server")}
+    if database.startswith("postgresql"):
+        # The database server's own share: all of its processes (the machine is assumed quiet otherwise).
+        roles["postgresql"] = processes_named("postgres")
     for child in psutil.Process(supervisor_pid).children(recursive=True):
         cmd = " ".join(child.cmdline())
         role = ("server" if "gpuq.cli server" in cmd else "workers" if "gpuq.workers" in cmd else
@@ -125,10 +124,10 @@ def gpuq_roles(supervisor_pid: int, database: str) -> dict[str, list[Any]]:
     return roles
 
 
-def redis_processes() -> list[Any]:
+def processes_named(name: str) -> list[Any]:
     import psutil
 
-    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "redis-server"]
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
 
 
 def cpu_line(cpu: dict[str, float]) -> str:
@@ -363,7 +362,8 @@ def bare_celery(broker: str, n_tasks: int, samples: int
         import psutil
 
         meter = CpuMeter({"client (this process)": [psutil.Process()],
-                          "workers": [psutil.Process(w.pid) for w in workers], "redis": redis_processes()})
+                          "workers": [psutil.Process(w.pid) for w in workers],
+                          "redis": processes_named("redis-server")})
         t0, ticks = time.perf_counter(), cpu_ticks()
         meter.start()
         for _ in range(n_tasks):

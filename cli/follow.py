@@ -152,7 +152,7 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                     return _ended(job_id, answer)
                 if detach and state == State.RUNNING:
                     say(sys.stderr, f"gpuq: job {job_id} is running; `gpuq attach {job_id}` follows it, "
-                                     f"`gpuq cancel {job_id}` stops it\n")
+                                    f"`gpuq cancel {job_id}` stops it\n")
                     return 0
             except KeyboardInterrupt:
                 waiting.clear()
