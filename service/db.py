@@ -5,13 +5,14 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
 from sqlalchemy import Connection, CursorResult, Engine, Result, create_engine, event, inspect, text
-from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuq.service import constants as c
@@ -145,7 +146,37 @@ def _create_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=4)
+    engine = create_engine(url, pool_size=2, max_overflow=4)
+    event.listen(engine, "checkin", _returned)
+    event.listen(engine, "checkout", _ping_if_idle(engine.dialect))
+    return engine
+
+
+# A pooled connection back in use within this many seconds goes without a ping; one idle longer is
+# pinged first, and replaced if its server is gone (restarted, or it dropped the connection), so
+# that no request fails for it. SQLAlchemy's pool_pre_ping pinged before every transaction: under
+# load, a round trip for each (one of the six of a job's claim, one of the eleven of its end).
+PING_AFTER_IDLE_S = 1.0
+
+
+def _returned(_dbapi_connection: Any, record: Any) -> None:
+    record.info["returned_at"] = time.monotonic()
+
+
+def _ping_if_idle(dialect: Any) -> Callable[[Any, Any, Any], None]:
+    """The pool's checkout hook for ``dialect``'s connections."""
+
+    def checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        returned = record.info.get("returned_at")
+        if returned is None or time.monotonic() - returned < PING_AFTER_IDLE_S:
+            return  # new, or just back
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as error:
+            # The pool's own way out: it drops this connection and hands out a new one.
+            raise DisconnectionError(f"a pooled connection's server is gone: {error}") from error
+
+    return checkout
 
 
 def get_engine(settings: Settings) -> Engine:

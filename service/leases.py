@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import bindparam, exists, select
 from sqlalchemy.orm import Session
@@ -28,16 +29,23 @@ from gpuq.service.db import rows_changed
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
+from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
 _JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
+# What the worker that starts a job reads of its row: a claim's RETURNING, or a take's.
+STARTED_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
+                   _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
+                   _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts, _JOBS.c.shared, _JOBS.c.mem_mib,
+                   _JOBS.c.gpu_share)
 _FIRST_GPU_HERE = exists().where(Allocation.job_id == bindparam("job_id"), Allocation.gpu_id == bindparam("gpu_id"),
                                  Allocation.rank == 0)
-_CLAIM = move("claim a dispatched job", Actor.WORKER, State.DISPATCHED, State.RUNNING, _ID, _FIRST_GPU_HERE,
-              started_at=bindparam("now"), worker=bindparam("worker"), lease_token=bindparam("token"),
-              lease_expires_at=bindparam("expires"))
+# The claim returns the row it started: no second read on the way to a job's start.
+_CLAIM = Prepared(move("claim a dispatched job", Actor.WORKER, State.DISPATCHED, State.RUNNING, _ID, _FIRST_GPU_HERE,
+                       started_at=bindparam("now"), worker=bindparam("worker"), lease_token=bindparam("token"),
+                       lease_expires_at=bindparam("expires")).returning(*STARTED_COLUMNS))
 _RENEW = move("renew a lease", Actor.WORKER, State.RUNNING, None, _ID, _JOBS.c.lease_token == bindparam("token"),
               lease_expires_at=bindparam("expires"))
 _EXPIRED = select(Job.id, Job.worker, Job.lease_expires_at).where(Job.state == State.RUNNING,
@@ -71,14 +79,16 @@ class Lease:
         return time.monotonic() - self.renewed > c.LEASE_SELF_FENCE * lease_timeout
 
 
-def claim(session: Session, job_id: int, gpu_id: int, worker: str, lease_s: float) -> str | None:
+def claim(session: Session, job_id: int, gpu_id: int, worker: str,
+          lease_s: float) -> tuple[Any, str] | None:
     """Mark the job running on this worker, if it is dispatched to this GPU as rank 0, and give it
-    a lease of ``lease_s`` seconds. Atomic. Returns the lease token, or None if it was not ours."""
+    a lease of ``lease_s`` seconds. Atomic. Returns (the job's row as ``STARTED_COLUMNS``, its lease
+    token), or None if it was not ours."""
     token = uuid.uuid4().hex
     now = utcnow()
-    claimed = rows_changed(session.execute(_CLAIM, {"job_id": job_id, "gpu_id": gpu_id, "now": now, "worker": worker,
-                                                    "token": token, "expires": now + timedelta(seconds=lease_s)}))
-    return token if claimed == 1 else None
+    rows = _CLAIM.run(session.connection(), {"job_id": job_id, "gpu_id": gpu_id, "now": now, "worker": worker,
+                                             "token": token, "expires": now + timedelta(seconds=lease_s)})
+    return (rows[0], token) if rows else None
 
 
 def renew(session: Session, job_id: int, token: str, lease_s: float) -> bool:

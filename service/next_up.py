@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import policy
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite, savepoint
+from gpuq.service.leases import STARTED_COLUMNS
 from gpuq.service.lifecycle import NOT_HELD, Actor, move, waiting
 from gpuq.service.models import Allocation, Gpu, Job, NextUp, Node, table, utcnow
 from gpuq.service.prepared import Prepared
@@ -27,11 +28,6 @@ from gpuq.service.prepared import Prepared
 _JOBS = table(Job)
 _NEXT = table(NextUp)
 _GPUS = table(Gpu)
-# What a take returns of the job: what its run needs (workers/job.py's JobRun).
-TAKEN_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JOBS.c.params, _JOBS.c.argv,
-                 _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
-                 _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts, _JOBS.c.shared, _JOBS.c.mem_mib,
-                 _JOBS.c.gpu_share)
 # A listed job's user if it still waits, else null. It reads from the list, each job by its key, as
 # a scalar subquery: joined, SQLite chose to walk every pending job and look each up in the list,
 # and PostgreSQL turned an EXISTS into the same join whenever its statistics showed few pending
@@ -51,11 +47,11 @@ _STARTED_HERE: dict[str, Any] = dict(dispatched_at=bindparam("now"), started_at=
                      node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
                      lease_expires_at=bindparam("expires"))
 _TAKE = Prepared(move("take a listed job", Actor.WORKER, State.PENDING, State.RUNNING,
-                      _JOBS.c.id == bindparam("job_id"), NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+                      _JOBS.c.id == bindparam("job_id"), NOT_HELD, **_STARTED_HERE).returning(*STARTED_COLUMNS))
 # The first listed job that waits, started.
 _FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
 _TAKE_FIRST = Prepared(move("take the first listed job", Actor.WORKER, State.PENDING, State.RUNNING,
-                            _JOBS.c.id == _FIRST_LISTED, NOT_HELD, **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+                            _JOBS.c.id == _FIRST_LISTED, NOT_HELD, **_STARTED_HERE).returning(*STARTED_COLUMNS))
 # PostgreSQL's: the first listed job that waits and that no other transaction has locked (one
 # another worker is taking). The list is read in rank order first (OFFSET 0 keeps it a step of
 # its own), then each listed job is looked up by its key and locked (LATERAL ... FOR UPDATE SKIP
@@ -68,7 +64,7 @@ _FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, t
                    .order_by(_RANKED.c.rank).limit(1).scalar_subquery())
 _TAKE_FIRST_UNLOCKED = Prepared(move("take the first listed job no other worker is taking", Actor.WORKER,
                                      State.PENDING, State.RUNNING, _JOBS.c.id == _FIRST_UNLOCKED, NOT_HELD,
-                                     **_STARTED_HERE).returning(*TAKEN_COLUMNS))
+                                     **_STARTED_HERE).returning(*STARTED_COLUMNS))
 _LEFT = Prepared(select(func.count()).select_from(_NEXT)
                  .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _LISTED_USER.is_not(None)))
 _ALLOCATE_HERE = Prepared(table(Allocation).insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
@@ -82,7 +78,7 @@ _WAITING = select(_JOBS.c.id).where(*waiting(), _JOBS.c.id.not_in(bindparam("bes
 def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
               user_gpu_limit: int = 0) -> tuple[Any, str] | None:
     """Start the first job of this GPU's next-up list that may still start here, as a claim would:
-    running on this GPU with a lease. Returns (the job's row as ``TAKEN_COLUMNS``, its lease
+    running on this GPU with a lease. Returns (the job's row as ``STARTED_COLUMNS``, its lease
     token), or None: nothing listed still pending, or the GPU or its node was drained. Call it in
     the transaction that freed the GPU.
 

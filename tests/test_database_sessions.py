@@ -1,11 +1,12 @@
 """What the session scopes cost a database server in round trips: reads outside any transaction on
-PostgreSQL (each statement sees its own snapshot there either way), writes in one; and what a
-submit asks of the node's GPUs."""
+PostgreSQL (each statement sees its own snapshot there either way), writes in one, a pooled
+connection pinged only after it sat idle; and what a submit asks of the node's GPUs."""
 
 import time
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.pool import NullPool
 
 from gpuq.service import db, submitting
 from gpuq.service.dialect import is_sqlite_url
@@ -59,3 +60,54 @@ def test_a_submit_asks_this_nodes_devices_for_its_gpus_once_a_minute_not_every_t
     # A minute on (the entry made as long ago), they are asked for again.
     submitting._local_gpus[settings] = (time.monotonic() - submitting._LOCAL_GPUS_TTL_S - 1, first)
     assert submitting.local_gpus(settings) == first and len(opened) == 2
+
+
+def _backend_pid(session) -> int:
+    return session.connection().connection.driver_connection.info.backend_pid
+
+
+def _last_query(url: str, pid: int) -> str:
+    """What PostgreSQL says the backend ``pid`` ran last, asked on a connection of its own."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return conn.scalar(text("SELECT query FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid})
+    finally:
+        engine.dispose()
+
+
+def test_a_pooled_postgresql_connection_is_pinged_only_once_it_sat_idle(settings, monkeypatch):
+    if is_sqlite_url(settings.database):
+        pytest.skip("SQLite has no server to ping")
+    marker = f"SELECT 'marker {time.monotonic()}'"
+    with db.read_scope(settings) as session:
+        session.execute(text(marker))
+    # Back in use at once: the connection goes out as it came back, its last statement still ours.
+    with db.read_scope(settings) as session:
+        assert _last_query(settings.database, _backend_pid(session)) == marker
+    # Idle past the limit: pinged on its way out.
+    monkeypatch.setattr(db, "PING_AFTER_IDLE_S", 0.05)
+    with db.read_scope(settings) as session:
+        session.execute(text(marker))
+    time.sleep(0.1)
+    with db.read_scope(settings) as session:
+        assert _last_query(settings.database, _backend_pid(session)) != marker
+
+
+def test_a_pooled_connection_whose_postgresql_backend_died_while_idle_is_replaced_unseen(settings, monkeypatch):
+    if is_sqlite_url(settings.database):
+        pytest.skip("SQLite has no server to lose")
+    monkeypatch.setattr(db, "PING_AFTER_IDLE_S", 0.05)
+    with db.read_scope(settings) as session:
+        dead = _backend_pid(session)
+    engine = create_engine(settings.database, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": dead})
+    finally:
+        engine.dispose()
+    time.sleep(0.1)
+    # The ping finds it gone and the pool hands out a new connection: the scope never sees an error.
+    with db.read_scope(settings) as session:
+        assert session.scalars(select(Job.id)).all() == []
+        assert _backend_pid(session) != dead

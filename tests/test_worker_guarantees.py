@@ -149,8 +149,10 @@ def test_only_the_lease_holder_may_end_a_running_job(settings, tmp_path):
     job_id = dispatched_command(settings, ["true"], tmp_path)
     with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
-        token = leases.claim(session, job_id, gpu.id, "gpu@t", 30)
-        assert token and leases.claim(session, job_id, gpu.id, "gpu@t", 30) is None  # a second claim fails
+        claimed = leases.claim(session, job_id, gpu.id, "gpu@t", 30)
+        assert claimed and leases.claim(session, job_id, gpu.id, "gpu@t", 30) is None  # a second claim fails
+        row, token = claimed  # the claim returns the row it started: what the worker runs
+        assert (row.id, row.argv, row.gpus, row.shared) == (job_id, ["true"], 1, False) and row.started_at
     with write_scope(settings) as session:
         assert not lifecycle.end_attempt(session, job_id, State.SUCCEEDED, token="0" * 32)
         assert not leases.renew(session, job_id, "0" * 32, 30)

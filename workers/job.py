@@ -10,13 +10,10 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import next_output_seq
 from gpuq.service.leases import Lease
-from gpuq.service.models import Allocation, Gpu, Job, table
-from gpuq.service.next_up import TAKEN_COLUMNS
+from gpuq.service.models import Allocation, Gpu, table
 
-_JOB_TO_RUN = select(*TAKEN_COLUMNS).where(table(Job).c.id == bindparam("job_id"))
 _JOB_GPUS = (select(table(Gpu).c.index, table(Gpu).c.queue, table(Gpu).c.memory_total_mib)
              .join_from(table(Allocation), table(Gpu), table(Gpu).c.id == table(Allocation).c.gpu_id)
              .where(table(Allocation).c.job_id == bindparam("job_id")).order_by(table(Allocation).c.rank))
@@ -73,18 +70,19 @@ class Started:
                    flush_mark)
 
 
-def load(session: Session, job_id: int) -> JobRun:
-    """The job as its run needs it."""
-    job = session.connection().execute(_JOB_TO_RUN, {"job_id": job_id}).one_or_none()
-    if job is None:
-        raise JobNotFound(f"no job {job_id}")
-    gpus = session.connection().execute(_JOB_GPUS, {"job_id": job_id}).all()
+def claimed(session: Session, row: Any, gpu_index: int, queue: str) -> JobRun:
+    """The job a claim returned (``leases.claim``'s row) as its run needs it. A whole job of one GPU
+    runs on the claiming worker's own: nothing to read. A job of several GPUs reads them all, in
+    rank order, and a shared one its GPU's memory (what its share is a fraction of)."""
+    if row.gpus == 1 and not row.shared:
+        return job_run(row, (gpu_index,), (queue,))
+    gpus = session.connection().execute(_JOB_GPUS, {"job_id": row.id}).all()
     # By position: a Row's ``index`` is also the Sequence method's name.
-    return job_run(job, tuple(g[0] for g in gpus), tuple(g[1] for g in gpus), gpus[0][2] if gpus else 0)
+    return job_run(row, tuple(g[0] for g in gpus), tuple(g[1] for g in gpus), gpus[0][2] if gpus else 0)
 
 
 def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...], memory_total_mib: int = 0) -> JobRun:
-    """A JobRun from a job row with ``TAKEN_COLUMNS`` (a claim's read, or a take's RETURNING)."""
+    """A JobRun from a job row with ``leases.STARTED_COLUMNS`` (a claim's or a take's RETURNING)."""
     deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
     return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                   argv=job.argv, cwd=job.cwd, gpu_indices=gpu_indices, gpu_queues=gpu_queues,

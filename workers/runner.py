@@ -16,7 +16,7 @@ from gpuq.service.db import write_scope
 from gpuq.service.leases import claim
 from gpuq.workers.end import write_end
 from gpuq.workers.execute import end_of, execute
-from gpuq.workers.job import Started, load
+from gpuq.workers.job import Started, claimed
 from gpuq.workers.output import OutputSink
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
@@ -34,8 +34,9 @@ def run_job(state: WorkerState, job_id: int) -> str | None:
     settings = state.settings
     mark = state.flush_mark()
     with write_scope(settings) as session:
-        token = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
-        started = Started.read(session, load(session, job_id), token, mark) if token is not None else None
+        ours = claim(session, job_id, state.gpu_id, state.name, settings.lease_timeout)
+        started = (Started.read(session, claimed(session, ours[0], state.gpu_index, state.queue), ours[1], mark)
+                   if ours is not None else None)
     if started is None:
         log.info("%s: job %s is not dispatched to this GPU; message dropped", state.name, job_id)
         return None
