@@ -7,7 +7,8 @@ Prepared."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, namedtuple
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,16 @@ from gpuq.service.settings import Settings
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_any, _t.reason, _t.shared)
+# A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
+_PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
+_PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
+
+
+def pending_row(values: dict[str, Any]) -> Any:
+    """A job row's ``values`` (a column name each, as an insert's) as ``read_queue``'s ``only`` takes it."""
+    return _PendingRow(**{name: values.get(name) for name in _PENDING_NAMES})
+
+
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
 _DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
@@ -72,9 +83,11 @@ class QueueRead:
 
 
 def read_queue(session: Session, settings: Settings, fair_share: FairShare | None = None,
-               head: int | None = None) -> QueueRead:
+               head: int | None = None, only: Sequence[Any] | None = None) -> QueueRead:
     """What one pass needs from SQL. With ``head``, only each user's first ``head`` pending jobs
-    that are not held (a quick pass; see ``_pending``), else every pending job."""
+    that are not held (a quick pass; see ``_pending``), else every pending job. ``only``: every
+    pending job there is, known to the caller (a submit's own rows, when no other job waits), as
+    rows with ``_PENDING_COLUMNS``' names; they are not read again."""
     now = utcnow()
     conn = session.connection()  # Prepared statements: a submit reads this to place its job
     drained = {name for name, in _DRAINED.run(conn, {})}
@@ -101,7 +114,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                             shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id))
             for g in _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
             if g.node not in drained]
-    pending, last = _pending(session, head)
+    pending, last = _pending(session, head) if only is None else _heads(only, head)
     # Fair share orders users against each other: a quick pass over one user's queue needs none
     # (the whole pass, which also explains every wait, always reads it).
     users = {row.user for row in pending}
@@ -140,6 +153,14 @@ def _request(row: Any) -> policy.JobRequest:
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
                              time_limit_s=row.time_limit_s, shared=bool(row.shared))
+
+
+def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:
+    """``_pending``'s answer over ``rows``, all the pending jobs there are, instead of SQL's."""
+    if head is None:
+        return list(rows), []
+    got = sorted((r for r in rows if not r.held), key=lambda r: (-r.priority, r.submitted_at, r.id))[:head]
+    return got, got[-1:] if len(got) == head else []
 
 
 def _pending(session: Session, head: int | None) -> tuple[list[Any], list[Any]]:

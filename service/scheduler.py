@@ -23,7 +23,7 @@ from gpuq.service.db import read_scope, write_scope
 from gpuq.service.fair_share import FairShare
 from gpuq.service.models import Allocation, Gpu, table, utcnow
 from gpuq.service.prepared import Prepared
-from gpuq.service.queue_read import QueueRead, read_queue
+from gpuq.service.queue_read import QueueRead, pending_row, read_queue
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.scheduler")
@@ -81,7 +81,7 @@ def _room_for(conn: Any, p: policy.Placement, share_mib: int) -> bool:
 
 
 def place_at_submit(session: Session, settings: Settings,
-                    job_ids: list[int]) -> list[tuple[int, str, str, datetime]]:
+                    rows: list[dict[str, Any]]) -> list[tuple[int, str, str, datetime]]:
     """Place jobs just submitted (in the submit's transaction), as SLURM tries each job once at
     submit: (job id, queue of its first GPU, node, when) for each placed, whose message the
     scheduler sends.
@@ -89,12 +89,13 @@ def place_at_submit(session: Session, settings: Settings,
     Only when no other job waits (pending and not held): then the new jobs, one user's, are the
     whole queue, and ``policy.decide`` over them places what the scheduler's next pass would, a
     whole scheduler pass and its wake-up sooner. Otherwise, or for a submission of more than
-    PLACE_AT_SUBMIT_MAX jobs, the scheduler decides, with every waiting job in view."""
-    if not settings.place_at_submit or not job_ids or len(job_ids) > PLACE_AT_SUBMIT_MAX:
+    PLACE_AT_SUBMIT_MAX jobs, the scheduler decides, with every waiting job in view. ``rows``: the
+    jobs' values as written, with their ids; being the whole queue, they are not read back."""
+    if not settings.place_at_submit or not rows or len(rows) > PLACE_AT_SUBMIT_MAX:
         return []
-    if next_up.anything_waits(session, besides=job_ids):
+    if next_up.anything_waits(session, besides=[r["id"] for r in rows]):
         return []
-    queue = read_queue(session, settings, head=c.HEAD_PER_USER)
+    queue = read_queue(session, settings, head=c.HEAD_PER_USER, only=[pending_row(r) for r in rows])
     if not queue.policy.jobs:
         return []
     now = utcnow()

@@ -99,7 +99,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
         values = [_row(s, now) for s in specs]
         with write_scope(settings) as session:
             ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
-            placed = place_at_submit(session, settings, ids)
+            placed = place_at_submit(session, settings, [{**row, "id": i} for i, row in zip(ids, values, strict=True)])
     except BaseException:
         if staged is not None:
             staged.discard()

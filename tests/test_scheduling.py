@@ -424,6 +424,28 @@ def test_a_submission_with_nothing_else_waiting_is_placed_at_submit_and_handed_t
     assert broker.wait_for_wake(r, s, 0.05) == (broker.TIMEOUT, [])
 
 
+def test_a_queue_a_submit_hands_over_reads_as_the_same_queue_sql_gives(settings):
+    # A submit that finds nothing else waiting places its own jobs from the rows it wrote, not
+    # read back: they must make the very queue a quick pass reads (heads cut at HEAD_PER_USER in
+    # queue order, held jobs left out).
+    from gpuq.service.queue_read import _PENDING_NAMES, pending_row, read_queue
+
+    register(settings, "a", 2)
+    make = lambda extra: spec.command_spec(["true"], gpus=1, user="ann")  # noqa: E731
+    for priority in (0, 5, 0, 9):
+        submitting.submit_all(settings, spec.expand(make, spec.Scheduling(priority=priority),
+                                                    f"0-{c.HEAD_PER_USER // 2}", []))
+    submit(settings, hold=True, priority=9)
+    with write_scope(settings) as session:
+        rows = [pending_row({n: getattr(j, n) for n in _PENDING_NAMES})
+                for j in session.scalars(select(Job).where(Job.state == State.PENDING))]
+        from_sql = read_queue(session, settings, head=c.HEAD_PER_USER)
+        given = read_queue(session, settings, head=c.HEAD_PER_USER, only=rows)
+    assert len(rows) > c.HEAD_PER_USER + 1 and len(given.policy.jobs) == c.HEAD_PER_USER
+    assert given.policy.jobs == from_sql.policy.jobs
+    assert (given.not_eligible, given.doomed, given.shown) == (from_sql.not_eligible, from_sql.doomed, from_sql.shown)
+
+
 def test_a_submission_is_left_to_the_scheduler_when_another_job_waits_held_or_on_a_dependency(settings):
     s = settings.with_overrides(place_at_submit=True)
     register(s, "a", 2)
