@@ -108,9 +108,9 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
     """Run the shell (or ``command``) in this terminal while the allocation lasts; the exit code."""
     job_id = held["id"]
     gpus = ",".join(map(str, held["gpu_indices"]))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, CUDA_DEVICE_ORDER="PCI_BUS_ID", GPUQ_JOB_ID=str(job_id),
-               GPUQ_RUN_ID=held["run_id"], GPUQ_ALLOC=str(job_id), GPUQ_GPUS=str(len(held["gpu_indices"])),
-               GPUQ_NODE=held["node"] or "")
+    env = dict(os.environ, **held.get("env", {}), CUDA_VISIBLE_DEVICES=gpus, CUDA_DEVICE_ORDER="PCI_BUS_ID",
+               GPUQ_JOB_ID=str(job_id), GPUQ_RUN_ID=held["run_id"], GPUQ_ALLOC=str(job_id),
+               GPUQ_GPUS=str(len(held["gpu_indices"])), GPUQ_NODE=held["node"] or "")
     argv = command or [os.environ.get("SHELL") or _login_shell()]
     until = f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else ""
     say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"

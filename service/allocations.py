@@ -19,6 +19,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
+from gpuq.service import simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec, StateConflict
@@ -72,6 +73,9 @@ class Held:
     keepalive_s: float
     failure: str | None
     exit_code: int | None
+    # What the shell gets beside its GPUs' variables, as a job does from its worker: on simulated
+    # GPUs, where it says what simulated GPU memory it holds (a shared allocation's watchdog reads it).
+    env: dict[str, str]
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -88,7 +92,13 @@ def keep_alive(settings: Settings, job_id: int, caller: Caller) -> Held:
         deadline = (job.started_at.timestamp() + job.time_limit_s) if job.started_at and job.time_limit_s else None
         return Held(id=job.id, state=job.state, reason=job.reason, run_id=(job.env or {}).get(RUN_ID_VARIABLE, ""),
                     gpu_indices=gpus, node=job.node, deadline=deadline, keepalive_s=settings.alloc_keepalive / 3,
-                    failure=job.failure, exit_code=job.exit_code)
+                    failure=job.failure, exit_code=job.exit_code, env=_shell_env(settings))
+
+
+def _shell_env(settings: Settings) -> dict[str, str]:
+    if not settings.fake_gpus:
+        return {}
+    return {simulated_memory.ENV_VARIABLE: str(simulated_memory.memory_dir(settings))}
 
 
 def end_by_client(settings: Settings, job_id: int, exit_code: int, caller: Caller) -> None:

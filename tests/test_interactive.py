@@ -351,6 +351,22 @@ def test_sigterm_to_alloc_ends_a_command_that_ignores_hangups_and_frees_the_gpus
             client.kill()
 
 
+def test_a_shared_allocation_whose_command_outgrows_its_share_is_stopped_as_gpu_mem_exceeded(stack):
+    # The shell of `gpuq alloc --shared` runs in the user's terminal, not under the worker: its
+    # processes are found by their run id, and the share watchdog sums what they hold on the GPU.
+    # On simulated GPUs the shell is told where to say so, as a job is.
+    hold = [sys.executable, "-m", "gpuq.workers.simulated_memory", "--mib", "4000", "--seconds", unique_sleep()]
+    started = time.monotonic()
+    out = run_cli(["alloc", "--shared", "--mem", "1G", "--", *hold], stack.settings, timeout=60)
+    assert out.returncode == c.EXIT_RUN_GPUQ, out.stderr
+    assert "gpu_mem_exceeded" in out.stderr and "share on GPU" in out.stderr, out.stderr
+    assert time.monotonic() - started < 30  # the grace (3 s) and a look for its processes (2 s), not its 300 s
+    job, _ = job_of(stack.settings, newest_job(stack.settings))
+    assert job.state == State.FAILED and job.failure == c.FAILURE_GPU_MEM_EXCEEDED
+    assert job.reason.startswith("used 3.9 GiB of its"), job.reason
+    assert processes_with(" ".join(hold)) == []
+
+
 def test_alloc_on_a_node_without_gpuq_gpus_is_one_line_and_writes_nothing(stack):
     before = newest_job(stack.settings)
     out = run_cli(["alloc"], stack.settings, extra_env={"GPUQ_NODE": "login-node-1"})

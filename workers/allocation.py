@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,16 +62,18 @@ class _Processes:
         return list(found.values())
 
 
-def host(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[str, Any]:
+def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
+         on_found: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Hold the allocation's GPUs until its client ends it, stops answering, or ``watcher`` says it
-    must stop (cancel, time limit, worker shutdown, lease or GPU lost); then stop its processes and
-    return its end."""
+    must stop (cancel, time limit, worker shutdown, lease or GPU lost, a share overrun); then stop
+    its processes and return its end. ``on_found`` is given each of its processes as they are
+    found (a shared allocation's: its share watchdog sums what they hold on its GPUs)."""
     identity = run_as(job.user, state.node)  # an unknown user fails the allocation with its reason
     uid = identity.uid if identity is not None else os.getuid()
     cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-alloc{job.id}-{uuid.uuid4().hex[:6]}", None)
     processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
     try:
-        client = _watch(state, job, watcher, processes)
+        client = _watch(state, job, watcher, processes, on_found)
         grace = state.settings.kill_grace
         leftover = _stop(processes, grace, cgroup)
     finally:
@@ -89,9 +92,11 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[str, Any
             "reason": f"its shell or command exited with {client.exit_code}"}
 
 
-def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Processes) -> ClientState | None:
+def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Processes,
+           on_found: Callable[[int], None] | None) -> ClientState | None:
     """Wait for the allocation's end: the client's (its exit code, or silence: exit_code None), or
-    None when ``watcher`` stopped it."""
+    None when ``watcher`` stopped it. Every PLACE_EVERY_SECONDS its processes are looked for, put in
+    its cgroup and handed to ``on_found``, where there is either."""
     settings = state.settings
     placed_at = 0.0
     while not watcher.stopped.wait(CLIENT_LOOK_SECONDS):
@@ -105,10 +110,14 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
             return client
         if client.keepalive_at is None or (utcnow() - client.keepalive_at).total_seconds() > settings.alloc_keepalive:
             return ClientState(client.keepalive_at, None)
-        if processes.cgroup is not None and time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:
+        if (processes.cgroup is not None or on_found is not None) and \
+                time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:
             placed_at = time.monotonic()
             for p in processes():
-                processes.cgroup.place(p.pid)
+                if processes.cgroup is not None:
+                    processes.cgroup.place(p.pid)
+                if on_found is not None:
+                    on_found(p.pid)
     return None
 
 

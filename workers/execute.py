@@ -56,7 +56,7 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
     """Run the job's body to its end, or until ``watcher`` says it must stop; returns its end
     (what ``lifecycle.end_attempt`` writes). A workload's exception is raised. A shared job's body
     always runs in a process of its own (its built-in workload too, held to its share there), whose
-    pid goes to ``on_start``."""
+    pid goes to ``on_start``; a shared allocation's processes go there as its worker finds them."""
     if job.kind == c.KIND_COMMAND:
         return _execute_command(state, job, sink, watcher, on_start)
     if job.shared and job.kind == c.KIND_WORKLOAD:
@@ -64,7 +64,7 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
     if job.kind == c.KIND_INTERACTIVE:
         from gpuq.workers.allocation import host
 
-        return host(state, job, watcher)
+        return host(state, job, watcher, on_start)
     return _execute_workload(state, job, sink, watcher)
 
 

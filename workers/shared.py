@@ -114,6 +114,9 @@ def _share_watch(state: WorkerState, job: JobRun, started: set[int]) -> ShareWat
                 root = psutil.Process(pid)
                 found.add(pid)
                 found.update(p.pid for p in root.children(recursive=True))
+            except psutil.NoSuchProcess:
+                # Gone: forgotten before its pid can be given to a process that is not the job's.
+                started.discard(pid)
             except psutil.Error:
                 continue
         return found
