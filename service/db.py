@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -152,10 +153,12 @@ def _create_engine(url: str) -> Engine:
     return engine
 
 
-# A pooled connection back in use within this many seconds goes without a ping; one idle longer is
-# pinged first, and replaced if its server is gone (restarted, or it dropped the connection), so
-# that no request fails for it. SQLAlchemy's pool_pre_ping pinged before every transaction: under
-# load, a round trip for each (one of the six of a job's claim, one of the eleven of its end).
+# A pooled connection back in use within this many seconds goes without a ping, unless its socket
+# has something to read (a server that restarts or ends a session says so and closes it: then
+# it is pinged at once); one idle longer is pinged first. Either way one whose server is gone is
+# replaced before use, so no request fails for it. SQLAlchemy's pool_pre_ping pinged before every
+# transaction: under load, a round trip for each (one of the six of a job's claim, one of the
+# eleven of its end).
 PING_AFTER_IDLE_S = 1.0
 
 
@@ -168,8 +171,10 @@ def _ping_if_idle(dialect: Any) -> Callable[[Any, Any, Any], None]:
 
     def checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
         returned = record.info.get("returned_at")
-        if returned is None or time.monotonic() - returned < PING_AFTER_IDLE_S:
-            return  # new, or just back
+        if returned is None:
+            return  # new
+        if time.monotonic() - returned < PING_AFTER_IDLE_S and not _heard_while_idle(dbapi_connection):
+            return  # just back, and nothing came from its server meanwhile
         try:
             dialect.do_ping(dbapi_connection)
         except dialect.loaded_dbapi.Error as error:
@@ -177,6 +182,17 @@ def _ping_if_idle(dialect: Any) -> Callable[[Any, Any, Any], None]:
             raise DisconnectionError(f"a pooled connection's server is gone: {error}") from error
 
     return checkout
+
+
+def _heard_while_idle(dbapi_connection: Any) -> bool:
+    """Whether an idle connection's socket can be read: its server wrote to it unasked (the
+    notice of a shutdown or of its session's end) or closed it. True where that cannot be told."""
+    try:
+        poller = select.poll()
+        poller.register(dbapi_connection.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
 
 
 def get_engine(settings: Settings) -> Engine:
