@@ -99,16 +99,15 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
         values = [_row(s, now) for s in specs]
         with write_scope(settings) as session:
             ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
-            placed = place_at_submit(session, settings, [{**row, "id": i} for i, row in zip(ids, values, strict=True)])
+            placed = place_at_submit(session, settings, values)
     except BaseException:
         if staged is not None:
             staged.discard()
         raise
     where = {job_id: (node, at) for job_id, _, node, at in placed}
-    for job_id, row in zip(ids, values, strict=True):
-        row["id"] = job_id
-        if job_id in where:
-            row.update(state=State.DISPATCHED, node=where[job_id][0], dispatched_at=where[job_id][1])
+    for row in values:
+        if row["id"] in where:
+            row.update(state=State.DISPATCHED, node=where[row["id"]][0], dispatched_at=where[row["id"]][1])
     messages = [(job_id, queue) for job_id, queue, _, _ in placed]
     if messages and send is not None:
         messages = send(messages)  # those it could not send go to the scheduler, as below
@@ -154,6 +153,8 @@ def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | Non
     if len(values) > 1:
         # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
         ids += sorted(conn.execute(_INSERT_JOB.returning(_JOBS.c.id), values[1:]).scalars())
+    for row, job_id in zip(values, ids, strict=True):
+        row["id"] = job_id
     if key is not None:
         try:  # no savepoint: a refused key rolls the whole submission back, as it should
             _INSERT_SUBMISSION.run(conn, {"key": key, "user": values[0]["user"], "job_ids": ids, "submitted_at": now})

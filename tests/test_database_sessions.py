@@ -115,4 +115,3 @@ def test_a_pooled_connection_whose_postgresql_backend_ended_is_replaced_unseen_e
     with db.read_scope(settings) as session:
         assert session.scalars(select(Job.id)).all() == []
         assert _backend_pid(session) != dead
-
