@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, exists, func, select, true
+from sqlalchemy import Integer, bindparam, delete, exists, func, select, true
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -71,7 +72,24 @@ _ALLOCATE_HERE = Prepared(table(Allocation).insert().values(job_id=bindparam("jo
                                                                rank=0))
 _n = table(NextUp).c
 _UNLIST = Prepared(table(NextUp).delete().where(_n.gpu_id == bindparam("gpu_id"), _n.job_id == bindparam("job_id")))
-_LIST = Prepared(table(NextUp).insert())
+# A row is written whether or not it is there already (at another rank, or written by a scheduler
+# that ran before this one): an upsert, so nothing is deleted first.
+_UPSERT = sqlite.insert(NextUp)
+_LIST = Prepared(_UPSERT.on_conflict_do_update(index_elements=[_n.gpu_id, _n.job_id],
+                                               set_={"rank": _UPSERT.excluded.rank}))
+# PostgreSQL's: a pass's rows as arrays, one statement for all of them. Row by row, each row is a
+# statement the server parses and runs: under a flood every waiting job is listed on each busy
+# GPU, so that was a dozen statements a job, half of all the statements a deep queue cost there.
+_IDS = postgresql.ARRAY(Integer)
+_KEYS = func.unnest(bindparam("gpu_ids", type_=_IDS), bindparam("job_ids", type_=_IDS)).table_valued(
+    "gpu_id", "job_id").render_derived()
+_ROWS = func.unnest(bindparam("gpu_ids", type_=_IDS), bindparam("job_ids", type_=_IDS),
+                    bindparam("ranks", type_=_IDS)).table_valued("gpu_id", "job_id", "rank").render_derived()
+_UNLIST_ALL = delete(_NEXT).where(_n.gpu_id == _KEYS.c.gpu_id, _n.job_id == _KEYS.c.job_id)
+_UPSERT_ALL = postgresql.insert(NextUp).from_select(["gpu_id", "job_id", "rank"],
+                                                    select(_ROWS.c.gpu_id, _ROWS.c.job_id, _ROWS.c.rank))
+_LIST_ALL = _UPSERT_ALL.on_conflict_do_update(index_elements=[_n.gpu_id, _n.job_id],
+                                              set_={"rank": _UPSERT_ALL.excluded.rank})
 _WAITING = select(_JOBS.c.id).where(*waiting(), _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
 
 
@@ -157,8 +175,8 @@ class Lists:
 
     def changes(self, lists: dict[int, list[int]], order: list[policy.JobRequest]) -> Changes:
         """The rows wanted now, {(gpu id, job id): rank}, and as changes to ``written``: the rows
-        to delete and those to insert. A worker that takes a job leaves its rows on the other GPUs'
-        lists; they go here, as the job is no longer pending."""
+        to delete and those to write (new to the lists, or at another rank). A worker that takes a
+        job leaves its rows on the other GPUs' lists; they go here, as the job is no longer pending."""
         rank = {j.id: r for r, j in enumerate(order)}
         listed = self.written or {}
         # Ranks only order the lists. Under a flood the jobs ahead leave and new ones join at the
@@ -168,22 +186,32 @@ class Lists:
         shifts = {written[job] - rank[job] for jobs in lists.values() for job in jobs if job in written}
         shift = shifts.pop() if len(shifts) == 1 else 0
         wanted = {(gpu, job): rank[job] + shift for gpu, jobs in lists.items() for job in jobs}
-        changed = [key for key, r in wanted.items() if listed.get(key) != r]
-        stale = [key for key in listed if key not in wanted] + changed
+        changed = [key for key, r in wanted.items() if listed.get(key) != r]  # written as upserts
+        stale = [key for key in listed if key not in wanted]
         return Changes(wanted, stale, changed)
 
     def write(self, session: Session, changes: Changes) -> None:
         """Write ``changes`` in the pass's transaction; ``written`` follows once it commits
         (``committed``), or is forgotten if it does not (``forget``)."""
-        # Prepared, row by row: a quick pass under a flood writes a few rows every 20 ms inside
-        # the write lock, where the ORM's bulk statements cost a millisecond a pass.
         conn = session.connection()
         if self.written is None:
             conn.execute(delete(NextUp))  # not known what is there: rewrite the lists whole
-        elif changes.stale:
-            _UNLIST.run(conn, [{"gpu_id": g, "job_id": j} for g, j in changes.stale])
-        if changes.changed:
-            _LIST.run(conn, [{"gpu_id": g, "job_id": j, "rank": changes.wanted[g, j]} for g, j in changes.changed])
+        stale, rows = changes.stale, [(g, j, changes.wanted[g, j]) for g, j in changes.changed]
+        if is_sqlite(conn):
+            # Prepared, row by row: a quick pass under a flood writes a few rows every 20 ms inside
+            # the write lock, where the ORM's bulk statements cost a millisecond a pass, and a row
+            # costs SQLite, in this process, a few microseconds.
+            if stale:
+                _UNLIST.run(conn, [{"gpu_id": g, "job_id": j} for g, j in stale])
+            if rows:
+                _LIST.run(conn, [{"gpu_id": g, "job_id": j, "rank": r} for g, j, r in rows])
+            return
+        if stale:
+            gpu_ids, job_ids = (list(column) for column in zip(*stale, strict=True))
+            conn.execute(_UNLIST_ALL, {"gpu_ids": gpu_ids, "job_ids": job_ids})
+        if rows:
+            gpu_ids, job_ids, ranks = (list(column) for column in zip(*rows, strict=True))
+            conn.execute(_LIST_ALL, {"gpu_ids": gpu_ids, "job_ids": job_ids, "ranks": ranks})
 
     def committed(self, changes: Changes) -> None:
         self.written = changes.wanted

@@ -494,6 +494,57 @@ def test_a_quick_pass_with_nothing_to_change_writes_nothing_and_a_whole_pass_sti
         event.remove(engine, "commit", count)
 
 
+def _listed(settings) -> dict[tuple[int, int], int]:
+    from gpuq.service.models import NextUp
+
+    with write_scope(settings) as session:
+        return {(r.gpu_id, r.job_id): r.rank for r in session.scalars(select(NextUp))}
+
+
+def test_next_up_rows_are_what_each_pass_wanted_even_beside_rows_another_scheduler_wrote(settings):
+    from sqlalchemy import event
+
+    from gpuq.service.db import _engine
+
+    gpus = register(settings, "a", 2)
+    waiting = [submit(settings) for _ in range(6)]
+    first, second = Scheduler(settings), Scheduler(settings)
+    assert len(first.schedule_once(quick=True)) == 2  # both GPUs busy, four jobs listed on each
+    assert _listed(settings) == first.lists.written and len(first.lists.written) == 8
+    # Two of the listed jobs leave, two arrive: the next pass writes the difference.
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id.in_(waiting[2:4])).values(state=State.CANCELLED))
+    waiting += [submit(settings) for _ in range(2)]
+    # Another scheduler (one that ran before this one, or beside it) wrote rows this one does not
+    # know of: this one's next pass writes over them instead of failing on the rows' key.
+    assert second.schedule_once(quick=True) == []
+    statements: list[tuple[str, bool]] = []
+
+    def seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        if "next_up" in statement and not statement.lstrip().upper().startswith("SELECT"):
+            statements.append((statement.split()[0].upper(), executemany))
+
+    engine = _engine(settings.database)
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        first.schedule_once(quick=True)
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    # Its pass was written, not lost to a key the other one's rows already held (it would have
+    # forgotten its lists), and each GPU lists the jobs left in queue order. The ranks are
+    # partly the other scheduler's: they only order a list.
+    assert first.lists.written is not None
+    listed = _listed(settings)
+    assert set(listed) == set(first.lists.written)
+    for gpu in gpus:
+        assert sorted((rank, job) for (g, job), rank in listed.items() if g == gpu) == [
+            (listed[gpu, job], job) for job in waiting[4:]]
+    if settings.database.startswith("postgresql"):
+        # Every row in one DELETE and one upsert, not a statement a row (each its own parse and
+        # run on the server: a dozen a job under a flood).
+        assert statements == [("DELETE", False), ("INSERT", False)], statements
+
+
 def _plan(session, statement, **params) -> str:
     """SQLite's plan for a statement, one line per step."""
     conn = session.connection()
