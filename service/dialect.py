@@ -7,7 +7,8 @@ their SQL for dates."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Integer, cast, func
@@ -35,15 +36,24 @@ def sqlite_file(url: str) -> str | None:
     return None if not path or path == ":memory:" or path.startswith("file:") else path
 
 
-def savepoint(session: Session) -> AbstractContextManager[Any]:
-    """A savepoint where a failed statement would abort the whole transaction (PostgreSQL); on
-    SQLite, where only the failed statement is undone, none (two statements fewer). So only for
-    a block whose earlier statements may stand when a later one fails, or whose later ones cannot
-    fail on SQLite: nothing before the failed statement is undone there (``allocate`` needs a
-    real savepoint, ``take_next`` does not)."""
-    if is_sqlite(session):
-        return nullcontext()
-    return session.begin_nested()
+@contextmanager
+def savepoint(session: Session, *, on_sqlite: bool = False) -> Iterator[None]:
+    """A savepoint around a block whose failed statement must not take the rest of the transaction
+    with it. PostgreSQL aborts the whole transaction on a failed statement, so it needs one there.
+    SQLite undoes just the failed statement: there it is needed only where an earlier statement of
+    the block must be undone too (``on_sqlite``: ``allocate``'s dispatch when its GPU's allocation
+    is refused); without one, two statements fewer (``take_next``, a usage summary)."""
+    if is_sqlite(session) and not on_sqlite:
+        yield
+        return
+    with session.begin_nested():
+        # SQLAlchemy sends the SAVEPOINT only once the nested transaction asks the session for its
+        # connection. A Prepared statement (service/prepared.py) runs on the driver's cursor and
+        # never does: its failure then rolled back to no savepoint. On SQLite the block's earlier
+        # statements stood; on PostgreSQL the whole transaction was aborted, unseen until its
+        # COMMIT, which PostgreSQL answers with a silent ROLLBACK (a submit's jobs were lost).
+        session.connection()
+        yield
 
 
 def epoch_seconds(column: Any, bind: Connection | Engine | Session) -> Any:

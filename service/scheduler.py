@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, packing, policy
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
+from gpuq.service.dialect import savepoint
 from gpuq.service.fair_share import FairShare
 from gpuq.service.models import Allocation, Gpu, table, utcnow
 from gpuq.service.prepared import Prepared
@@ -47,7 +48,7 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None,
         # ``share_mib`` holds the context reserve already.
         share = max(packing.charged_fraction(share_mib, 0, g.memory_total_mib) for g in p.gpus)
     try:
-        with session.begin_nested():
+        with savepoint(session, on_sqlite=True):
             values = {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node, "gpu_share": share}
             if lifecycle.DISPATCH.run(conn, values) != 1:
                 return False

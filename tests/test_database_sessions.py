@@ -115,3 +115,34 @@ def test_a_pooled_connection_whose_postgresql_backend_ended_is_replaced_unseen_e
     with db.read_scope(settings) as session:
         assert session.scalars(select(Job.id)).all() == []
         assert _backend_pid(session) != dead
+
+
+@pytest.mark.parametrize("on_sqlite", [False, True])
+def test_a_statement_on_the_drivers_cursor_that_fails_in_a_savepoint_undoes_only_the_savepoint(settings, on_sqlite):
+    # What a worker's take and a placement rely on: a Prepared statement runs on the driver's own
+    # cursor, past SQLAlchemy, and its savepoint must still be sent. Without it PostgreSQL aborted
+    # the whole transaction and answered its COMMIT with a silent ROLLBACK.
+    from sqlalchemy import update
+    from sqlalchemy.exc import IntegrityError
+
+    from gpuq.service.dialect import savepoint
+    from gpuq.service.models import Submission, table, utcnow
+    from gpuq.service.prepared import Prepared
+
+    insert = Prepared(table(Submission).insert())
+    with db.write_scope(settings) as session:
+        insert.run(session.connection(), {"key": "k1", "user": "ann", "job_ids": [1], "submitted_at": utcnow()})
+    with db.write_scope(settings) as session:
+        conn = session.connection()  # taken before the savepoint, as a take and a placement do
+        session.execute(update(table(Submission)).values(job_ids=[2]))
+        with pytest.raises(IntegrityError), savepoint(session, on_sqlite=on_sqlite):
+            insert.run(conn, {"key": "k2", "user": "ann", "job_ids": [3], "submitted_at": utcnow()})
+            insert.run(conn, {"key": "k1", "user": "ann", "job_ids": [4], "submitted_at": utcnow()})
+        # The transaction goes on, and commits what came before the savepoint.
+        session.execute(update(table(Submission)).where(table(Submission).c.key == "k1").values(user="bob"))
+    with db.read_scope(settings) as session:
+        rows = session.execute(select(table(Submission).c.key, table(Submission).c.user,
+                                      table(Submission).c.job_ids)).all()
+    # Where a savepoint is sent, the statement before the failed one in it is undone too.
+    undone = on_sqlite or not is_sqlite_url(settings.database)
+    assert sorted(map(tuple, rows)) == ([("k1", "bob", [2])] if undone else [("k1", "bob", [2]), ("k2", "ann", [3])])

@@ -494,6 +494,29 @@ def test_a_quick_pass_with_nothing_to_change_writes_nothing_and_a_whole_pass_sti
         event.remove(engine, "commit", count)
 
 
+def test_a_placement_refused_because_its_gpu_was_taken_meanwhile_leaves_its_job_pending_and_the_rest_written(
+        settings):
+    # A pass (or a submit) placing a job on a GPU another pass, or a worker's take, allocated since
+    # it read the queue: the unique allocation key refuses it. The job stays pending with nothing
+    # allocated, and the transaction's other writes (the submit's rows, the pass's other
+    # placements) stand. Its savepoint was never sent before: SQLite kept the job dispatched with
+    # no GPU, and PostgreSQL lost the whole transaction at a COMMIT that rolled back unseen.
+    from gpuq.service import policy
+    from gpuq.service.scheduler import allocate
+
+    gpu = policy.GpuState(id=register(settings, "a", 1)[0], node="a", index=0, queue="q", memory_total_mib=1000)
+    first, second = submit(settings), submit(settings)
+    with write_scope(settings) as session:
+        assert allocate(session, policy.Placement(job_id=first, gpus=(gpu,)))
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == second).values(name="written beside"))
+        assert not allocate(session, policy.Placement(job_id=second, gpus=(gpu,)))
+    with write_scope(settings) as session:
+        assert session.execute(select(Job.name, Job.state).where(Job.id == second)).one() == (
+            "written beside", State.PENDING)
+        assert session.scalars(select(Allocation.job_id)).all() == [first]
+
+
 def _listed(settings) -> dict[tuple[int, int], int]:
     from gpuq.service.models import NextUp
 
