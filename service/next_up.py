@@ -90,7 +90,8 @@ _UPSERT_ALL = postgresql.insert(NextUp).from_select(["gpu_id", "job_id", "rank"]
                                                     select(_ROWS.c.gpu_id, _ROWS.c.job_id, _ROWS.c.rank))
 _LIST_ALL = _UPSERT_ALL.on_conflict_do_update(index_elements=[_n.gpu_id, _n.job_id],
                                               set_={"rank": _UPSERT_ALL.excluded.rank})
-_WAITING = select(_JOBS.c.id).where(*waiting(), _JOBS.c.id.not_in(bindparam("besides", expanding=True))).limit(1)
+# The first jobs that wait, as many as asked for (in no order: any will do).
+_FIRST_WAITING = Prepared(select(_JOBS.c.id).where(*waiting()).limit(bindparam("n")))
 
 
 def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
@@ -154,7 +155,10 @@ def _take(session: Session, statement: Prepared, values: dict[str, Any]) -> tupl
 def anything_waits(session: Session, besides: Sequence[int] = ()) -> bool:
     """Whether any job but ``besides`` is pending and not held: what a GPU that fell free wakes the
     scheduler for, and what keeps a submit from placing its own jobs."""
-    return session.connection().execute(_WAITING, {"besides": list(besides)}).first() is not None
+    # One more than ``besides`` holds: if another job waits, at least one of them is not ours. A
+    # statement of one form, whatever ``besides`` holds (a NOT IN list was compiled anew each time).
+    ours = set(besides)
+    return any(row.id not in ours for row in _FIRST_WAITING.run(session.connection(), {"n": len(ours) + 1}))
 
 
 
