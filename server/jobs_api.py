@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gpuq.server import submission, views
+from gpuq.server import dispatch, submission, views
 from gpuq.server.request import body_of, call, context, reading
 from gpuq.service import constants as c
 from gpuq.service import inventory, jobs, rights, usage
@@ -61,8 +61,15 @@ def _ids(text: str) -> list[int]:
 @routes.post(P + "/jobs")
 async def submit(request: web.Request) -> web.Response:
     settings, caller = context(request)
-    made = await call(submission.submit, settings, caller, await body_of(request))
-    return web.json_response({"jobs": [views.job(j) for j in made]})
+    made, placed = await call(submission.submit, settings, caller, await body_of(request))
+    response = web.json_response({"jobs": [views.job(j) for j in made]})
+    if placed:
+        # The answer first: the client (the next submit of a loop, `gpuq run`) goes on while the
+        # placed jobs' messages are published (a fifth of a submit's CPU here).
+        await response.prepare(request)
+        await response.write_eof()
+        await call(dispatch.send, settings, placed)
+    return response
 
 
 @routes.get(P + "/jobs")

@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpuq.server import dispatch
 from gpuq.service import allocations, jobs, spec, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
@@ -134,16 +133,24 @@ def git_state(settings: Settings, data: dict[str, Any] | None) -> GitState | Non
                     diff_cut=cut)
 
 
-def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job]:
+def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> tuple[list[Job], list[tuple[int, str]]]:
     """Queue what ``body`` asks for as the caller's jobs; with a key already used, the jobs that
-    key made (a client asking again after a lost answer)."""
+    key made (a client asking again after a lost answer). Also the messages of the jobs placed at
+    submit, (job id, queue) each, for ``dispatch.send`` once the client has its answer."""
     require_schema(settings)
     f = _fields(body)
     specs = specs_of(settings, caller, f)
     git = git_state(settings, f["git"]) if specs[0].kind == "command" else None
+    placed: list[tuple[int, str]] = []
+
+    def keep(messages: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        placed.extend(messages)
+        return []  # none is left for the scheduler: the server sends them all, after the answer
+
     try:
-        return submitting.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller),
-                                     key=f["key"], send=dispatch.sender(settings))
+        made = submitting.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller),
+                                     key=f["key"], send=keep)
+        return made, placed
     except DuplicateSubmission as again:
         # Asked again (its answer was lost), or twice at once: the jobs the key made, once.
         with read_scope(settings) as session:
@@ -152,7 +159,7 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> list[Job
             session.expunge_all()
         if not rows:
             raise
-        return rows
+        return rows, []  # their messages went with the first answer
 
 
 def stager(caller: Caller) -> Stager | None:

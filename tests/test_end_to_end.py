@@ -200,3 +200,32 @@ def test_a_two_gpu_ddp_training_job_runs_one_rank_in_each_gpus_own_worker(stack)
     # Rank 1 ran in the other GPU's warm worker, not in a process rank 0 started.
     other = next(n for n in stack.procs if n.startswith("worker") and not rank0.startswith(f"gpu{n[-1]}@"))
     assert f"job {job_id} rank 1/2 started" in (stack.log_dir / f"{other}.log").read_text()
+
+
+def test_a_submit_is_answered_once_its_job_is_written_and_its_message_is_published_after(stack, tmp_path):
+    # The server answers a submit as soon as its job is in SQL, and publishes the placed job's
+    # message after: a broker holding its writes back (Redis's CLIENT PAUSE WRITE) delays the
+    # job's start, not the answer. Before, the answer waited for the publish.
+    import redis
+
+    s = stack.settings
+    deadline = time.monotonic() + 60
+    while True:  # placed at submit only when nothing else waits (jobs of this module's other tests)
+        with write_scope(s) as session:
+            if not jobs.list_jobs(session, ended_limit=0):
+                break
+        assert time.monotonic() < deadline, "the stack never went idle"
+        time.sleep(0.1)
+    r = redis.Redis.from_url(s.broker)
+    pause_s = 4
+    r.execute_command("CLIENT", "PAUSE", pause_s * 1000, "WRITE")
+    paused_until = time.monotonic() + pause_s
+    try:
+        done = run_cli(["submit", "--", "true"], s, cwd=tmp_path)
+        answered = time.monotonic()
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+    assert done.returncode == 0, done.stdout + done.stderr + stack.logs()
+    assert answered < paused_until, "the answer waited for the broker"
+    job_id = int(done.stdout.split()[-1])
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
