@@ -43,8 +43,8 @@ _FIRST_ROW = move("complete a submission's first row", Actor.SUBMIT, State.PENDI
                   _JOBS.c.id == bindparam("job_id"), array_id=bindparam("first_array_id"),
                   snapshot=bindparam("first_snapshot"), cwd=bindparam("first_cwd"))
 _INSERT_JOB = _JOBS.insert().returning(_JOBS.c.id)
-# A submission's first row (most submissions' only one) on the driver's cursor: through SQLAlchemy,
-# its thirty-odd binds cost the server a sixth of a submit's CPU.
+# A submission's first row (most submissions' only one) on the driver's cursor: the insert, its
+# thirty-odd binds through SQLAlchemy, was a tenth to a sixth of the server's CPU a submit.
 _INSERT_FIRST_JOB = Prepared(_INSERT_JOB)
 # A submit's checks and its key, run on every submit the server takes.
 _INSERT_SUBMISSION = Prepared(table(Submission).insert())
