@@ -72,11 +72,16 @@ _ALLOCATE_HERE = Prepared(table(Allocation).insert().values(job_id=bindparam("jo
                                                                rank=0))
 _n = table(NextUp).c
 _UNLIST = Prepared(table(NextUp).delete().where(_n.gpu_id == bindparam("gpu_id"), _n.job_id == bindparam("job_id")))
-# A row is written whether or not it is there already (at another rank, or written by a scheduler
-# that ran before this one): an upsert, so nothing is deleted first.
-_UPSERT = sqlite.insert(NextUp)
-_LIST = Prepared(_UPSERT.on_conflict_do_update(index_elements=[_n.gpu_id, _n.job_id],
-                                               set_={"rank": _UPSERT.excluded.rank}))
+
+
+def _ranked(insert: Any) -> Any:
+    """``insert`` (SQLite's or PostgreSQL's) as an upsert of a row's rank: a row is written whether
+    or not it is there already (at another rank, or written by a scheduler that ran before this
+    one), so nothing is deleted first."""
+    return insert.on_conflict_do_update(index_elements=[_n.gpu_id, _n.job_id], set_={"rank": insert.excluded.rank})
+
+
+_LIST = Prepared(_ranked(sqlite.insert(NextUp)))
 # PostgreSQL's: a pass's rows as arrays, one statement for all of them. Row by row, each row is a
 # statement the server parses and runs: under a flood every waiting job is listed on each busy
 # GPU, so that was a dozen statements a job, half of all the statements a deep queue cost there.
@@ -86,10 +91,8 @@ _KEYS = func.unnest(bindparam("gpu_ids", type_=_IDS), bindparam("job_ids", type_
 _ROWS = func.unnest(bindparam("gpu_ids", type_=_IDS), bindparam("job_ids", type_=_IDS),
                     bindparam("ranks", type_=_IDS)).table_valued("gpu_id", "job_id", "rank").render_derived()
 _UNLIST_ALL = delete(_NEXT).where(_n.gpu_id == _KEYS.c.gpu_id, _n.job_id == _KEYS.c.job_id)
-_UPSERT_ALL = postgresql.insert(NextUp).from_select(["gpu_id", "job_id", "rank"],
-                                                    select(_ROWS.c.gpu_id, _ROWS.c.job_id, _ROWS.c.rank))
-_LIST_ALL = _UPSERT_ALL.on_conflict_do_update(index_elements=[_n.gpu_id, _n.job_id],
-                                              set_={"rank": _UPSERT_ALL.excluded.rank})
+_LIST_ALL = _ranked(postgresql.insert(NextUp).from_select(["gpu_id", "job_id", "rank"],
+                                                           select(_ROWS.c.gpu_id, _ROWS.c.job_id, _ROWS.c.rank)))
 # The first jobs that wait, as many as asked for (in no order: any will do).
 _FIRST_WAITING = Prepared(select(_JOBS.c.id).where(*waiting()).limit(bindparam("n")))
 
