@@ -17,7 +17,7 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError, SQL
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuq.service import constants as c
-from gpuq.service.dialect import is_sqlite_url, sqlite_file
+from gpuq.service.dialect import is_sqlite_url, results_in_pipeline, sqlite_file
 from gpuq.service.errors import SchemaOutOfDate, Unreachable
 from gpuq.service.settings import Settings, mask_url
 
@@ -150,6 +150,7 @@ def _create_engine(url: str) -> Engine:
     engine = create_engine(url, pool_size=2, max_overflow=4)
     event.listen(engine, "checkin", _returned)
     event.listen(engine, "checkout", _ping_if_idle(engine.dialect))
+    event.listen(engine, "after_cursor_execute", results_in_pipeline)
     return engine
 
 

@@ -149,7 +149,7 @@ def _take(session: Session, statement: Prepared, values: dict[str, Any]) -> tupl
             if not rows:
                 return None
             row = rows[0]
-            _ALLOCATE_HERE.run(conn, {"job_id": row.id, "gpu_id": values["gpu_id"]})
+            _ALLOCATE_HERE.send(conn, {"job_id": row.id, "gpu_id": values["gpu_id"]})
     except IntegrityError:
         return None  # the scheduler gave this GPU out meanwhile
     return row, values["token"]

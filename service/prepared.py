@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, exc
 
-from gpuq.service.dialect import is_sqlite
+from gpuq.service.dialect import PIPELINE, is_sqlite
 
 
 class Prepared:
@@ -38,6 +38,19 @@ class Prepared:
         self._compiled: dict[tuple[str, tuple[str, ...]], _Compiled] = {}
 
     def run(self, conn: Connection, params: dict[str, Any] | list[dict[str, Any]]) -> Any:
+        return self._execute(conn, params, wait=True)
+
+    def send(self, conn: Connection, params: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Run a statement whose result nobody reads. In a savepoint's pipeline on PostgreSQL
+        (``dialect.savepoint``) it goes out with the next statement that waits for its own result,
+        or with the savepoint's release, a round trip fewer, and a failure is raised there;
+        anywhere else it is ``run``."""
+        self._execute(conn, params, wait=False)
+
+    def _execute(self, conn: Connection, params: dict[str, Any] | list[dict[str, Any]], wait: bool) -> Any:
+        if isinstance(params, list) and len(params) == 1:
+            # One row: psycopg runs a batch in a pipeline of its own, with a sync, even for one.
+            params = params[0]
         batch = isinstance(params, list)
         if not (is_sqlite(conn) or (conn.dialect.driver == "psycopg" and not (batch and self.returns))):
             result = conn.execute(self.statement, params)
@@ -46,15 +59,18 @@ class Prepared:
         # An INSERT names the columns it is given (as SQLAlchemy compiles it), anything else its binds.
         key = (conn.dialect.name, tuple(first) if self.statement.is_insert else ())
         compiled = self._compiled.get(key) or self._compile(conn, key)
+        pipeline = conn.info.get(PIPELINE)
         cursor = cast(Any, conn.connection.driver_connection).cursor()
         try:
             if isinstance(params, list):
                 cursor.executemany(compiled.sql, [compiled.values(p) for p in params])
             else:
                 cursor.execute(compiled.sql, compiled.values(params))
-            if not self.returns:
-                return cursor.rowcount
-            return compiled.rows(cursor)
+            if self.returns:
+                return compiled.rows(cursor)  # in a pipeline, fetching the rows waits for them
+            if pipeline is not None and wait:
+                pipeline.sync()  # the count comes with the statement's result
+            return cursor.rowcount
         except conn.dialect.loaded_dbapi.Error as error:
             raise exc.DBAPIError.instance(compiled.sql, params, error, conn.dialect.loaded_dbapi.Error) from None
         finally:
@@ -99,9 +115,10 @@ class _Compiled:
 
     def rows(self, cursor: Any) -> list[Any]:
         assert self.row_type is not None  # rows come only of a statement with result columns
+        fetched = cursor.fetchall()  # first: in a pipeline, the description comes with the rows
         if self.result_processors is None:
             self.result_processors = [t.result_processor(self.dialect, d[1])
                                       for t, d in zip(self.column_types, cursor.description, strict=True)]
         row_type, processors = self.row_type, self.result_processors
         return [row_type(*(p(v) if p is not None else v for p, v in zip(processors, raw, strict=True)))
-                for raw in cursor.fetchall()]
+                for raw in fetched]

@@ -52,7 +52,7 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None,
             values = {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node, "gpu_share": share}
             if lifecycle.DISPATCH.run(conn, values) != 1:
                 return False
-            _ALLOCATE.run(conn, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r, "share_mib": share_mib if p.shared
+            _ALLOCATE.send(conn, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r, "share_mib": share_mib if p.shared
                                   else None} for r, g in enumerate(p.gpus)])
         return True
     except IntegrityError:

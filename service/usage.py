@@ -206,7 +206,7 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     conn = session.connection()
     if ended is None or ended.ran_before:
         conn.execute(_FORGET_USAGE, {"job_id": job_id})
-    _INSERT_USAGE.run(conn, _summary(job, totals))
+    _INSERT_USAGE.send(conn, _summary(job, totals))
 
 
 _JOB_TIMES = select(table(Job).c.id, table(Job).c.gpus, table(Job).c.started_at, table(Job).c.ended_at,

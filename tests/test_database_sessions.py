@@ -117,11 +117,15 @@ def test_a_pooled_connection_whose_postgresql_backend_ended_is_replaced_unseen_e
         assert _backend_pid(session) != dead
 
 
+@pytest.mark.parametrize("how", ["run", "send"])
 @pytest.mark.parametrize("on_sqlite", [False, True])
-def test_a_statement_on_the_drivers_cursor_that_fails_in_a_savepoint_undoes_only_the_savepoint(settings, on_sqlite):
+def test_a_statement_on_the_drivers_cursor_that_fails_in_a_savepoint_undoes_only_the_savepoint(settings, on_sqlite,
+                                                                                                 how):
     # What a worker's take and a placement rely on: a Prepared statement runs on the driver's own
     # cursor, past SQLAlchemy, and its savepoint must still be sent. Without it PostgreSQL aborted
-    # the whole transaction and answered its COMMIT with a silent ROLLBACK.
+    # the whole transaction and answered its COMMIT with a silent ROLLBACK. A statement sent
+    # (``Prepared.send``) rides the savepoint's pipeline on PostgreSQL: its failure is found at the
+    # savepoint's end, and must undo the savepoint all the same.
     from sqlalchemy import update
     from sqlalchemy.exc import IntegrityError
 
@@ -135,9 +139,13 @@ def test_a_statement_on_the_drivers_cursor_that_fails_in_a_savepoint_undoes_only
     with db.write_scope(settings) as session:
         conn = session.connection()  # taken before the savepoint, as a take and a placement do
         session.execute(update(table(Submission)).values(job_ids=[2]))
+        reached = []
         with pytest.raises(IntegrityError), savepoint(session, on_sqlite=on_sqlite):
             insert.run(conn, {"key": "k2", "user": "ann", "job_ids": [3], "submitted_at": utcnow()})
-            insert.run(conn, {"key": "k1", "user": "ann", "job_ids": [4], "submitted_at": utcnow()})
+            getattr(insert, how)(conn, {"key": "k1", "user": "ann", "job_ids": [4], "submitted_at": utcnow()})
+            reached.append(True)
+        # On PostgreSQL a sent statement waits for nothing, its failure included; anywhere else it runs.
+        assert reached == ([True] if how == "send" and not is_sqlite_url(settings.database) else [])
         # The transaction goes on, and commits what came before the savepoint.
         session.execute(update(table(Submission)).where(table(Submission).c.key == "k1").values(user="bob"))
     with db.read_scope(settings) as session:
