@@ -143,8 +143,13 @@ QUICK_PASS_SPACING = 0.02
 # seconds, and a writer's commit does only once it has grown to this many pages (about 40 MiB).
 CHECKPOINT_EVERY = 0.5
 WAL_BACKSTOP_PAGES = 10_000
-# A quick scheduler pass reads each user's first this many pending jobs.
-HEAD_PER_USER = 32
+# A quick scheduler pass reads each user's first this many pending jobs, so a next-up list holds
+# no more of one user's jobs than that. Under one user's flood of short jobs a list must last
+# through a worker's wake-up (NEXT_UP_WAKE_SPACING) and the pass it asks for (QUICK_PASS_SPACING,
+# and the pass itself) at several hundred jobs a second: 32 let the lists run dry (an array of
+# short jobs on PostgreSQL reached its GPUs by message when they did), 64 gave an array about a
+# fifth more throughput on both databases, 128 no more.
+HEAD_PER_USER = 64
 # A whole scheduler pass runs no more often than this many times its own duration.
 FULL_PASS_SHARE = 10.0
 

@@ -66,8 +66,10 @@ _FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, t
 _TAKE_FIRST_UNLOCKED = Prepared(move("take the first listed job no other worker is taking", Actor.WORKER,
                                      State.PENDING, State.RUNNING, _JOBS.c.id == _FIRST_UNLOCKED, NOT_HELD,
                                      **_STARTED_HERE).returning(*STARTED_COLUMNS))
-_LEFT = Prepared(select(func.count()).select_from(_NEXT)
-                 .where(_NEXT.c.gpu_id == bindparam("gpu_id"), _LISTED_USER.is_not(None)))
+# How many of a GPU's listed jobs still wait, and how many rows its list has: a taken job's rows
+# stay until the scheduler's next pass, so the second is what that pass wrote.
+_LEFT_OF = Prepared(select(func.count().filter(_LISTED_USER.is_not(None)), func.count()).select_from(_NEXT)
+                    .where(_NEXT.c.gpu_id == bindparam("gpu_id")))
 _ALLOCATE_HERE = Prepared(table(Allocation).insert().values(job_id=bindparam("job_id"), gpu_id=bindparam("gpu_id"),
                                                                rank=0))
 _n = table(NextUp).c
@@ -130,10 +132,13 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
     return None
 
 
-def listed_left(session: Session, gpu_id: int) -> int:
-    """How many jobs of this GPU's next-up list still wait (a worker wakes the scheduler to refill
-    a list that runs short)."""
-    return _LEFT.run(session.connection(), {"gpu_id": gpu_id})[0][0]
+def list_runs_short(session: Session, gpu_id: int) -> bool:
+    """Whether half or more of this GPU's next-up list is gone since the scheduler wrote it (a
+    worker wakes the scheduler then, to refill it). How long a list is depends on the node's busy
+    GPUs and on how much of the queue the pass read (``policy.next_up``), so it is measured against
+    the rows the pass wrote, not against a constant."""
+    left, written = _LEFT_OF.run(session.connection(), {"gpu_id": gpu_id})[0]
+    return 2 * left <= written
 
 
 def _take(session: Session, statement: Prepared, values: dict[str, Any]) -> tuple[Any, str] | None:

@@ -333,6 +333,26 @@ def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(
             assert stored.samples == usage.summarize(session, j).samples
 
 
+def test_a_list_runs_short_once_half_of_what_the_scheduler_wrote_is_gone(settings):
+    # policy.next_up lists NEXT_UP_PER_GPU jobs for each busy GPU of the node (the node's GPUs
+    # share them): with four busy GPUs a list holds 64, and its worker asks for a refill at half
+    # of that, not at half of NEXT_UP_PER_GPU (the lists ran dry under an array on PostgreSQL).
+    gpus = register(settings, "a", 4)
+    jobs_in_queue = [submit(settings) for _ in range(4 + 70)]
+    Scheduler(settings).schedule_once()
+    full = c.NEXT_UP_PER_GPU * 4
+    listed = sorted(j for g, j in _listed(settings) if g == gpus[0])
+    assert len(listed) == full and listed == jobs_in_queue[4:4 + full]
+
+    def short_after_leaving(n: int) -> bool:
+        with write_scope(settings) as session:
+            session.execute(update(Job).where(Job.id.in_(listed[:n])).values(state=State.CANCELLED))
+            return next_up.list_runs_short(session, gpus[0])
+
+    assert not short_after_leaving(full // 2 - 1)
+    assert short_after_leaving(full // 2)
+
+
 def test_usage_summed_from_the_readings_a_worker_holds_is_what_sql_sums_from_the_stored_samples(settings):
     # Jobs of a few milliseconds and of 0.3 s under a sampler at 50 Hz that writes every fifth
     # reading: the short ones end with every reading of theirs in hand (summed in Python), the

@@ -20,7 +20,7 @@ from gpuq.service.inventory import drain_gpu
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
-from gpuq.service.next_up import anything_waits, listed_left, take_next
+from gpuq.service.next_up import anything_waits, list_runs_short, take_next
 from gpuq.workers.job import JobRun, Started, job_run
 from gpuq.workers.output import OutputSink
 from gpuq.workers.state import WorkerState
@@ -87,7 +87,7 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
         # an empty queue would just hold up the next submit's message. A GPU that runs
         # on wakes it, now and then, when its next-up list runs short.
         wake = (anything_waits(session) if following is None
-                else state.wake_due() and listed_left(session, state.gpu_id) <= c.NEXT_UP_PER_GPU // 2)
+                else state.wake_due() and list_runs_short(session, state.gpu_id))
         return True, following, wake
 
 
