@@ -108,12 +108,14 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
         s = services[name]
         assert s["image"] == "gpuq:latest" and s["build"]["target"] == "cuda", name
         assert isinstance(s["command"], list) and s["command"], name
+        if name == "dashboard":  # a client of the server (checked below), with no credentials
+            continue
         if name != "migrate":  # the migration needs only PostgreSQL
             assert s["depends_on"]["redis"]["condition"] == "service_healthy", name
         env = s["environment"]
         assert env["GPUQ_DATABASE_URL"].startswith("postgresql+psycopg://") and env["GPUQ_BROKER_URL"].startswith("redis://")
         assert env["GPUQ_NODE"] == "composenode"
-    for name in ("server", "scheduler", "worker-gpu0", "worker-gpu1", "dashboard", "flower"):
+    for name in ("server", "scheduler", "worker-gpu0", "worker-gpu1", "flower"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["migrate"]["restart"] == "no" and services["migrate"]["command"] == ["gpuq", "db", "upgrade"]
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
@@ -157,9 +159,14 @@ def test_the_server_runs_as_root_on_the_hosts_run_gpuq_socket_and_names_uids_as_
     assert "ports" not in server
     assert "/run/gpuq:/run/gpuq" in server["volumes"]
     assert {"/etc/passwd:/etc/passwd:ro", "/etc/group:/etc/group:ro"} <= set(server["volumes"])
-    # The other services use the database directly; only the server takes users' requests.
+    # The other services use the database directly; only the server takes users' requests, and
+    # the dashboard is a client of it (the socket read-only, no database or broker password).
     assert all(not any(str(v).startswith("/run/gpuq") for v in s.get("volumes", []))
-               for n, s in services.items() if n != "server")
+               for n, s in services.items() if n not in ("server", "dashboard"))
+    dashboard = services["dashboard"]
+    assert dashboard["volumes"] == ["/run/gpuq:/run/gpuq:ro"]
+    assert dashboard["environment"] == {"GPUQ_SOCKET": SERVER_SOCKET}
+    assert dashboard["depends_on"] == {"server": {"condition": "service_healthy"}}
     kind, *check = server["healthcheck"]["test"]
     assert kind == "CMD" and check[:2] == ["python", "-c"] and SERVER_SOCKET in check[2]
     text = COMPOSE.read_text()
@@ -234,8 +241,9 @@ def test_redis_command_line_runs_with_an_append_only_file_noeviction_and_a_passw
 def _service_env(service: dict, settings) -> dict[str, str]:
     """The service's environment from the file, with the test's database and Redis for the hosts
     `postgres` and `redis` (as another node overrides them), over the test settings; the server's
-    socket is the test's (/run/gpuq is root's, and not this test's to take)."""
-    env = settings_env(settings)
+    socket is the test's (/run/gpuq is root's, and not this test's to take), and only a service
+    whose environment names it has it."""
+    env = {k: v for k, v in settings_env(settings).items() if k not in ("GPUQ_SOCKET", "GPUQ_SERVER")}
     env.update({k: str(v) for k, v in service["environment"].items()})
     if env.get("GPUQ_SOCKET") == SERVER_SOCKET:
         env["GPUQ_SOCKET"] = str(settings.server_socket)
