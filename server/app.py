@@ -23,6 +23,7 @@ from gpuq.service import constants as c
 from gpuq.service import stack, system_home
 from gpuq.service.db import require_schema
 from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
+from gpuq.service.rights import check_served
 from gpuq.service.settings import SYSTEM_SOCKET, Settings
 
 log = logging.getLogger("gpuq.server")
@@ -43,6 +44,7 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
     """gpuq's errors (and aiohttp's own: no such path, wrong method, body too large) as JSON."""
     try:
         request["caller"] = await identity.caller_of(request, request.app[SETTINGS])
+        check_served(request["caller"])
         if request.headers.get(c.VIEW_HEADER, "").strip().lower() == c.PUBLIC_VIEW:
             request["caller"] = None
             _check_public(request)

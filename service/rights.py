@@ -52,6 +52,17 @@ class Caller:
             return cls(uid, f"uid{uid}")
 
 
+def check_served(caller: Caller) -> None:
+    """NotAllowed unless this server acts for ``caller``: run as root, for every user of the
+    machine; run by a user (their own stack, whose workers cannot switch users and run every job
+    as that user), for that user alone."""
+    me = os.geteuid()
+    if me != 0 and caller.uid != me:
+        owner = Caller.of_uid(me).user
+        raise NotAllowed(f"this gpuq server is {owner}'s own stack (not run by root) and serves only {owner}: "
+                         "start your own with `gpuq up`, or use the machine's (`sudo gpuq up`)")
+
+
 # The dashboard's visitors are nobody in particular: they see what every user may see.
 ANYONE = None
 

@@ -7,7 +7,8 @@ asks it to stop. The supervisor starts its children by module name (``python -m 
 here imports the workers or the CLI.
 
 Run as root, the stack is the machine's and serves every user, from a home made safe to share
-(service/system_home.py). Run as anyone else, the stack is that user's own, in their home.
+(service/system_home.py). Run as anyone else, the stack is that user's own, in their home, closed
+to everyone else: its server serves only them (server/app.py).
 """
 
 from __future__ import annotations
@@ -100,17 +101,19 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         raise StackError(f"no GPU on this node ({devices.why_none}); set GPUQ_FAKE_GPUS=N to run on N simulated GPUs")
     if not settings.broker_is_managed:
         broker.check(settings)
-    system = os.geteuid() == 0
-    if system:
-        settings = system_home.prepare(settings)
+    # Root's stack serves every user of the machine; a user's own serves them alone (its server
+    # refuses anyone else, and its home and database are closed to them). Root's always runs a
+    # Redis of its own, with a password; a user's uses a Redis that answers without one already
+    # (theirs to choose), and gives the one it starts a password.
+    shares_a_redis = os.geteuid() != 0 and settings.broker_is_managed and broker.reachable(settings)
+    settings = system_home.prepare(settings, redis_password=not shares_a_redis)
     starts_redis = settings.broker_is_managed and not broker.reachable(settings)
-    if system and starts_redis and _port_taken(settings):
+    if starts_redis and _port_taken(settings):
         raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "
                          f"take the password in {settings.redis_secret}): stop it, or set GPUQ_REDIS_PORT to a "
                          "free port, or GPUQ_BROKER_URL to a Redis to use")
     upgrade(settings)
-    if system:
-        system_home.private_database(settings)
+    system_home.private_database(settings)
     for d in (settings.run_dir, settings.log_dir):
         d.mkdir(parents=True, exist_ok=True)
     started = time.time()

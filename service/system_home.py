@@ -1,11 +1,12 @@
-"""A root stack's home, made safe to share before anything starts: every user of the machine can
-use the stack and none can read its state.
+"""A stack's home, made safe before anything starts. A root stack's is shared: every user of the
+machine can use the stack and none can read its state. A user's own stack's is theirs alone.
 
-The home is traversable but not listable (0711: a user reaches their job's snapshot by name), its
-logs, pid files and Redis data are root's alone (0700), the SQLite database is 0600, and the Redis
-that `gpuq up` starts requires a password generated once into ``home/redis.secret`` (0600), so no
-user can reach the broker. The password is given to Redis in a 0600 config file, never on its
-command line (which every user can read in /proc)."""
+A root stack's home is traversable but not listable (0711: a user reaches their job's snapshot by
+name); a user's own is 0700. Either way its logs, pid files and Redis data are its owner's alone
+(0700), the SQLite database is 0600, and the Redis that `gpuq up` starts requires a password
+generated once into ``home/redis.secret`` (0600), so no other user can reach the broker. The
+password is given to Redis in a 0600 config file, never on its command line (which every user can
+read in /proc)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 from gpuq.service.dialect import sqlite_file
 from gpuq.service.settings import SYSTEM_SOCKET, Settings
 
-# Modes of a root stack's state: the home traversable only, its private folders and files root's.
+# Modes of a stack's state: a root stack's home traversable only, a user's own stack's closed, the
+# private folders and files their owner's.
 SYSTEM_HOME_MODE = 0o711
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
@@ -25,16 +27,18 @@ PRIVATE_FILE_MODE = 0o600
 SOCKET_DIR_MODE = 0o755
 
 
-def prepare(settings: Settings) -> Settings:
-    """A root stack's home made safe to share, and the settings to run it with.
+def prepare(settings: Settings, redis_password: bool = True) -> Settings:
+    """A stack's home made safe (to share, run by root), and the settings to run it with.
 
-    The home is 0711, its logs/, run/ and redis/ 0700; with no broker configured, a Redis password
-    is generated once into ``redis.secret`` (0600). The settings returned are read afresh, so
-    their broker URL carries that password (``Settings.broker`` is computed once per object);
-    the supervisor and its children read the same file when they load their settings."""
+    The home is 0711 for root's stack, 0700 for a user's own; its logs/, run/ and redis/ 0700;
+    with no broker configured (and ``redis_password``), a Redis password is generated once into
+    ``redis.secret`` (0600).
+    The settings returned are read afresh, so their broker URL carries that password
+    (``Settings.broker`` is computed once per object); the supervisor and its children read the
+    same file when they load their settings."""
     home = settings.home
     home.mkdir(parents=True, exist_ok=True)
-    os.chmod(home, SYSTEM_HOME_MODE)
+    os.chmod(home, SYSTEM_HOME_MODE if os.geteuid() == 0 else PRIVATE_DIR_MODE)
     for d in (settings.log_dir, settings.run_dir, home / "redis"):
         d.mkdir(exist_ok=True)
         os.chmod(d, PRIVATE_DIR_MODE)
@@ -47,7 +51,7 @@ def prepare(settings: Settings) -> Settings:
         # Created 0600 before SQLite opens it: its -wal and -shm files then get that mode too.
         db_file.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(db_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
-    if settings.broker_is_managed:
+    if settings.broker_is_managed and redis_password:
         _ensure_secret(settings.redis_secret)
     return dataclasses.replace(settings)
 
@@ -78,7 +82,7 @@ def _sqlite_file(settings: Settings) -> Path | None:
 
 
 def private_database(settings: Settings) -> None:
-    """The SQLite database and its -wal/-shm files root's alone (SQLite gives the files it creates
+    """The SQLite database and its -wal/-shm files its owner's alone (SQLite gives the files it creates
     later the database file's mode)."""
     path = _sqlite_file(settings)
     if path is None:

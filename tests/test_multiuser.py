@@ -424,3 +424,52 @@ def _newest_allocation_of(settings: Settings, user: str, timeout: float = 60.0) 
             return found
         time.sleep(0.1)
     raise AssertionError(f"no allocation of {user} after {timeout} s")
+
+
+@pytest.mark.timeout(300)
+def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_others(box):
+    # `gpuq up` run by a user is theirs alone: its workers cannot switch users and run every job
+    # as that user, so a server that took another user's request would run it as its owner.
+    owner, other = box.a, box.b
+    home = Path(box.home_of(owner)) / f"gpuq-own-{uuid.uuid4().hex[:6]}"
+    sock, port = f"/tmp/gpuqown-{uuid.uuid4().hex[:6]}.sock", free_port()  # a socket the other user can reach
+    env = {"PATH": PATH, "HOME": box.home_of(owner), "LANG": "C.UTF-8", "GPUQ_HOME": str(home), "GPUQ_SOCKET": sock,
+           "GPUQ_REDIS_PORT": str(port), "GPUQ_FAKE_GPUS": "1", "GPUQ_WARM_START": "false",
+           "GPUQ_HEARTBEAT_INTERVAL": "0.5", "GPUQ_SCHEDULER_INTERVAL": "0.5", "GPUQ_SAMPLE_INTERVAL": "0",
+           "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml", "PYTHONUNBUFFERED": "1"}
+
+    def as_(user: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        user_env = env if user == owner else {"PATH": PATH, "HOME": box.home_of(user), "LANG": "C.UTF-8",
+                                               "GPUQ_SOCKET": sock}
+        return subprocess.run([RUNUSER, "-u", user, "--", GPUQ, *args], env=user_env, cwd=box.home_of(user),
+                              capture_output=True, text=True, timeout=timeout)
+
+    up = as_(owner, "up", "--timeout", "150", timeout=200)
+    try:
+        assert up.returncode == 0, f"gpuq up failed: {up.stdout}{up.stderr}\n{_logs(home / 'logs')}"
+        job_id = _submitted(as_(owner, "submit", "--", "id", "-un"))
+        assert as_(owner, "wait", str(job_id)).returncode == 0
+        assert as_(owner, "logs", str(job_id)).stdout.strip() == owner
+        settings = load_settings(env)
+        with write_scope(settings) as session:
+            jobs_before = session.scalar(select(func.count()).select_from(Job))
+        for args in (("status",), ("submit", "--", "id", "-un"), ("show", str(job_id)), ("cancel", str(job_id))):
+            line = _refused(as_(other, *args))
+            assert f"{owner}'s own stack" in line and f"serves only {owner}" in line, line
+        with write_scope(settings) as session:
+            assert session.scalar(select(func.count()).select_from(Job)) == jobs_before
+        # Its state is its owner's alone, and the Redis it started asks for the password it keeps there.
+        mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+        assert mode(home) == 0o700 and mode(home / "gpuq.db") == 0o600 and mode(settings.redis_secret) == 0o600
+        assert pwd.getpwuid(os.stat(home / "gpuq.db").st_uid).pw_name == owner
+        listing = subprocess.run([RUNUSER, "-u", other, "--", "ls", str(home)], capture_output=True, text=True)
+        assert listing.returncode != 0 and "Permission denied" in listing.stderr
+        ping = subprocess.run([RUNUSER, "-u", other, "--", "redis-cli", "-p", str(port), "ping"],
+                              capture_output=True, text=True, timeout=30)
+        assert "PONG" not in ping.stdout and "NOAUTH" in ping.stdout + ping.stderr, ping
+    finally:
+        down = as_(owner, "down", "--grace", "5", timeout=120)
+        dispose_engines()
+        Path(sock).unlink(missing_ok=True)
+        shutil.rmtree(home, ignore_errors=True)
+    assert down.returncode == 0, down.stderr
