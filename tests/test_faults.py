@@ -1,8 +1,9 @@
 """The fault suite: real processes, real Redis and databases, faults injected for real.
 
 Every job here is a marker job (tests/faults.py) that records each run of itself, so each test can
-assert how many times the job really ran and that no two copies ever ran at once. `pytest -m
-faults` runs the suite alone.
+assert how many times the job really ran and that no two copies ever ran at once. Jobs are
+submitted, held, released and cancelled as users do it: the real `gpuq` command, through the
+stack's server. `pytest -m faults` runs the suite alone.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import psutil
 import pytest
 from sqlalchemy import select
 
 from gpuq.service import constants as c
-from gpuq.service import db, jobs, spec, submitting
+from gpuq.service import db, jobs
 from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
@@ -48,8 +48,19 @@ def stack(tmp_path, database_url, redis_url):
     st.stop()
 
 
-def submit(settings, argv, cwd, **fields):
-    return submitting.submit(settings, replace(spec.command_spec(argv, cwd=str(cwd)), **fields)).id
+def submit(settings, argv, cwd, *, max_retries: int = 0, held: bool = False, host_mem_mib: int | None = None) -> int:
+    """Queue a command with `gpuq submit`, through the stack's server; its job id."""
+    options = [*(["--retries", str(max_retries)] if max_retries else []), *(["--hold"] if held else []),
+               *(["--host-mem", f"{host_mem_mib}M"] if host_mem_mib else [])]
+    done = run_cli(["submit", "--json", *options, "--", *argv], settings, cwd=cwd)
+    assert done.returncode == 0, f"gpuq submit failed ({done.returncode}): {done.stderr}"
+    return json.loads(done.stdout)["id"]
+
+
+def gpuq(settings, *args: str) -> None:
+    """A `gpuq` command that changes a job, through the stack's server, as its owner runs it."""
+    done = run_cli(list(args), settings)
+    assert done.returncode == 0, f"gpuq {' '.join(args)} failed ({done.returncode}): {done.stderr}"
 
 
 def job(settings, job_id) -> Job:
@@ -207,7 +218,7 @@ def test_the_same_message_delivered_three_times_runs_the_job_once(stack, tmp_pat
     job_id = submit(stack.settings, argv, tmp_path, held=True)
     with write_scope(stack.settings) as session:
         queue = session.scalars(select(Gpu.queue)).first()
-    jobs.set_held(stack.settings, job_id, False)
+    gpuq(stack.settings, "release", str(job_id))
     wait_runs(marker, 1)
     app = make_app(stack.settings)
     with write_scope(stack.settings) as session:
@@ -354,7 +365,7 @@ def test_cancel_frees_the_gpu_only_once_every_process_of_the_job_is_gone(stack, 
     job_id = submit(stack.settings, [sys.executable, str(script)], tmp_path)
     wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 3, 30, "the job's processes")
     procs = [int(p) for p in pids.read_text().split()]
-    jobs.cancel(stack.settings, job_id)
+    gpuq(stack.settings, "cancel", str(job_id))
     j = wait_state(stack.settings, job_id, State.CANCELLED, 30)
     alive = [p for p in procs if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"processes of job {job_id} outlived its cancel: {alive}"
