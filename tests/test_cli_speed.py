@@ -44,3 +44,32 @@ print("HEAVY", ",".join(heavy))
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "HEAVY \n" in out.stdout, out.stdout
+
+
+# The probe with the command's exit code and output printed instead of asserted.
+CODE_PROBE = PROBE.replace("assert r.exit_code == 0, r.output\n",
+                           "print('EXIT', r.exit_code, r.output.replace(chr(10), ' '))\n")
+
+
+def test_every_command_on_a_job_imports_no_torch_sqlalchemy_celery_redis_or_workers(use_settings, tmp_path):
+    # Every user-facing command talks to the server only: show, logs, why, hold, release, resubmit,
+    # cancel and wait, on a job queued held (no worker runs it).
+    env = settings_env(use_settings)
+
+    def probe(*args: str) -> tuple[int, str]:
+        out = subprocess.run([sys.executable, "-c", CODE_PROBE, *args], env=env, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "HEAVY \n" in out.stdout, (args, out.stdout)
+        code, _, said = out.stdout.split("EXIT ", 1)[1].partition(" ")
+        return int(code), said
+
+    code, said = probe("submit", "--hold", "--", "true")
+    assert code == 0, said
+    job = said.split("submitted job ", 1)[1].split()[0]
+    for args in (("show", job), ("logs", job), ("why", job), ("release", job), ("hold", job), ("resubmit", job),
+                 ("cancel", job)):
+        code, said = probe(*args)
+        assert code == 0, (args, said)
+    code, said = probe("wait", job)
+    assert code != 0 and "cancelled" in said, said  # ended, not succeeded
