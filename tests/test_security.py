@@ -198,6 +198,41 @@ def test_logs_of_another_users_job_are_readable_when_logs_are_shared(stack, shar
     assert admin.returncode == 0 and admin.stdout == "root's output\n"
 
 
+@needs_root
+def test_an_admin_named_in_the_servers_settings_may_hold_release_resubmit_and_cancel_anyones_job(stack, shared_dir):
+    # Root's job, held, and after a held job: released, it still waits, so no worker takes it.
+    first = submit(stack.settings, ["--hold", "--", "true"], cwd=shared_dir)
+    job_id = submit(stack.settings, ["--hold", "--after", str(first), "--", "true"], cwd=shared_dir)
+
+    def state() -> tuple[str, bool]:
+        with write_scope(stack.settings) as session:
+            j = jobs.get_job(session, job_id)
+            return j.state, j.held
+
+    # An ordinary user may not; telling the client they are an admin changes nothing.
+    for extra in (None, {"GPUQ_ADMINS": "nobody"}):
+        for action in ("release", "hold", "resubmit", "cancel"):
+            refused = run_as_nobody([action, str(job_id)], stack.settings, shared_dir, extra)
+            assert refused.returncode == c.EXIT_NOT_ALLOWED and refused.stdout == "", (action, refused.stderr)
+            assert len(refused.stderr.splitlines()) == 1
+    assert state() == (State.PENDING, True)
+    # Named an admin by the server's own settings, the same user may.
+    with serving(stack.settings, admins="nobody") as admin_settings:
+        assert run_as_nobody(["release", str(job_id)], admin_settings, shared_dir).returncode == 0
+        assert state() == (State.PENDING, False)
+        assert run_as_nobody(["hold", str(job_id)], admin_settings, shared_dir).returncode == 0
+        assert state() == (State.PENDING, True)
+        again = run_as_nobody(["resubmit", "--json", str(job_id)], admin_settings, shared_dir)
+        assert again.returncode == 0, again.stderr
+        assert run_as_nobody(["cancel", str(job_id)], admin_settings, shared_dir).returncode == 0
+    assert state()[0] == State.CANCELLED
+    with write_scope(stack.settings) as session:  # the copy is the admin's own job, not root's
+        copy = jobs.get_job(session, json.loads(again.stdout)["id"])
+        assert copy.user == "nobody" and copy.argv == ["true"]
+    for done in (copy.id, first):
+        jobs.cancel(stack.settings, done)
+
+
 HOSTILE = ["; touch {m}", "$(touch {m})", "`touch {m}`", "| touch {m}", "&& touch {m}", "> {m}",
            "it's \"quoted\" \\ back", "two\nlines\r\n", "ünïcödé ✓ 日本語 🚀", "\x1b[31mred\x1b[0m \x07",
            "*", "~", "$HOME"]
