@@ -1,5 +1,10 @@
 """Bad input gets one line that says what to change, a non-zero exit, and nothing written."""
 
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -10,7 +15,7 @@ from gpuq.cli.app import app
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
-from tests.conftest import ThreadServer
+from tests.conftest import ThreadServer, settings_env, venv_reachable_by_everyone
 
 
 def jobs_in(settings) -> int:
@@ -92,6 +97,49 @@ def test_no_server_is_one_line_naming_where_the_client_looked(use_settings, monk
         assert result.output.startswith("gpuq: no gpuq server answers at /tmp/gpuqt-nobody-here.sock: no socket there")
         assert result.output.count("\n") == 1
     assert jobs_in(use_settings) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+                    reason="needs root, unshare and setpriv: the client runs as nobody with a /run of its own")
+def test_the_client_finds_the_server_by_gpuq_server_then_gpuq_socket_then_the_machines_socket_then_its_homes(
+        use_settings, shared_dir):
+    # The client runs as an ordinary user (nobody) with a /run of its own (a tmpfs in a private
+    # mount namespace), so the machine's /run/gpuq/gpuq.sock is there only when the case puts it there.
+    venv_reachable_by_everyone()
+    real = str(use_settings.server_socket)  # where the test's server listens
+    home = shared_dir / "home-of-the-user"
+    home.mkdir(mode=0o755)
+    base = {k: v for k, v in settings_env(use_settings).items() if k not in ("GPUQ_SOCKET", "GPUQ_SERVER")}
+    base.update(GPUQ_HOME=str(home), HOME=str(shared_dir))
+    nowhere = str(shared_dir / "nothing-listens-here.sock")
+
+    def status(env: dict[str, str], machine_socket: bool = False) -> subprocess.CompletedProcess:
+        setup = "mount -t tmpfs tmpfs /run"
+        if machine_socket:
+            setup += f" && mkdir -m 755 /run/gpuq && ln -s {shlex.quote(real)} /run/gpuq/gpuq.sock"
+        argv = ["unshare", "-m", "sh", "-c", f'{setup} && exec setpriv --reuid 65534 --regid 65534 --clear-groups "$@"',
+                "sh", sys.executable, "-m", "gpuq.cli", "status"]
+        return subprocess.run(argv, env={**base, **env}, cwd=shared_dir, capture_output=True, text=True, timeout=60)
+
+    def answered(done: subprocess.CompletedProcess) -> bool:
+        assert done.returncode in (0, c.EXIT_UNAVAILABLE), done.stderr
+        return done.returncode == 0
+
+    # GPUQ_SERVER first, as a path or unix:PATH, whatever GPUQ_SOCKET says.
+    assert answered(status({"GPUQ_SERVER": real, "GPUQ_SOCKET": nowhere}))
+    assert answered(status({"GPUQ_SERVER": f"unix:{real}", "GPUQ_SOCKET": nowhere}))
+    refused = status({"GPUQ_SERVER": f"unix:{nowhere}", "GPUQ_SOCKET": real})
+    assert not answered(refused) and f"no gpuq server answers at unix:{nowhere}" in refused.stderr
+    # Then GPUQ_SOCKET, then the machine's socket when it exists, ahead of the user's own.
+    assert answered(status({"GPUQ_SOCKET": real}))
+    (home / "gpuq.sock").symlink_to(nowhere)
+    assert answered(status({}, machine_socket=True))
+    # With no machine socket, the user's own stack's, in their gpuq home.
+    alone = status({})
+    assert not answered(alone) and f"no gpuq server answers at {home / 'gpuq.sock'}" in alone.stderr
+    (home / "gpuq.sock").unlink()
+    (home / "gpuq.sock").symlink_to(real)
+    assert answered(status({}))
 
 
 def test_a_mistyped_option_is_named_as_an_unknown_option(use_settings):
