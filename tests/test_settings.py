@@ -1,5 +1,9 @@
 """One settings object, from the environment and a file; secrets never shown."""
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,28 @@ def test_passwords_are_masked_in_urls():
     assert mask_url("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
     assert mask_url("postgresql+psycopg://bob:pw@db/gpuq") == "postgresql+psycopg://bob:***@db/gpuq"
     assert mask_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_root_keeps_its_state_in_var_lib_gpuq_and_serves_on_run_gpuq_and_a_user_in_their_own_home(tmp_path):
+    # What `sudo gpuq up` and a user's `gpuq up` use with no settings at all.
+    from tests.conftest import venv_reachable_by_everyone
+
+    venv_reachable_by_everyone()
+    probe = ("from gpuq.service.settings import load_settings; s = load_settings(); "
+             "print(s.home, s.server_socket, s.database)")
+    user_home = tmp_path / "nobodys-home"
+    user_home.mkdir()
+    tmp_path.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml"}
+
+    def settings_of(*prefix: str, home: str) -> list[str]:
+        done = subprocess.run([*prefix, sys.executable, "-c", probe], env={**env, "HOME": home}, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert settings_of(home="/root") == ["/var/lib/gpuq", "/run/gpuq/gpuq.sock", "sqlite:////var/lib/gpuq/gpuq.db"]
+    own = user_home / ".local" / "share" / "gpuq"
+    assert settings_of("setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", home=str(user_home)) == [
+        str(own), str(own / "gpuq.sock"), f"sqlite:///{own / 'gpuq.db'}"]
