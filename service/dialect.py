@@ -7,12 +7,13 @@ their SQL for dates."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, Integer, func
+from sqlalchemy import Connection, Engine, Integer, func, select
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -120,6 +121,17 @@ def _pipelined(conn: Connection) -> Iterator[None]:
         raise
     finally:
         cursor.close()
+
+
+def one_at_a_time(session: Session, name: str) -> None:
+    """Make the transactions that call this with ``name`` run this part one at a time, until each
+    ends. SQLite's write transactions already do (one write lock); PostgreSQL's take a transaction
+    advisory lock keyed by ``name``."""
+    conn = session.connection()
+    if is_sqlite(conn):
+        return
+    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+    conn.execute(select(func.pg_advisory_xact_lock(key)))
 
 
 def epoch_seconds(column: Any, bind: Connection | Engine | Session) -> Any:

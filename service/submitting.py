@@ -20,6 +20,7 @@ from gpuq.service.allocations import check_node
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
+from gpuq.service.dialect import one_at_a_time
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec, NotAllowed, OverLimit
 from gpuq.service.lifecycle import Actor, check, move
 from gpuq.service.models import Gpu, Job, Submission, table, utcnow
@@ -94,13 +95,19 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     lock every worker's job end waits for) holds just the inserts and the placement."""
     require_schema(settings)
     broker.check(settings)
-    _check(settings, specs, key)
+    near_cap = _check(settings, specs, key)
     staged = None
     try:
         specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
         now = utcnow()
         values = [_row(s, now) for s in specs]
         with write_scope(settings) as session:
+            if near_cap:
+                # Two submissions of one user, each under the cap when it was read, could go past it
+                # together: near it, the count is taken again where the jobs are written, one
+                # submission of that user's at a time (SQLite's write lock already makes it so).
+                one_at_a_time(session, f"gpuq pending cap: {specs[0].user}")
+                _check_pending_limit(session, settings, specs[0].user, len(specs))
             ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
             placed = place_at_submit(session, settings, values)
     except BaseException:
@@ -122,9 +129,10 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     return [Job(**row) for row in values]
 
 
-def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> None:
+def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> bool:
     """A submission's checks, in a read-only transaction; a key used before raises
-    DuplicateSubmission with its jobs, whatever the checks would say now."""
+    DuplicateSubmission with its jobs, whatever the checks would say now. Returns whether the
+    submission takes its user past half their pending cap (then the write counts again)."""
     first = specs[0]
     with read_scope(settings) as session:
         if key is not None and (made := submitted_with(session, key, first.user)) is not None:
@@ -133,10 +141,11 @@ def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> None:
             check_node(session, first.on_node)
         _check_resources(session, settings, first)
         _check_dependencies(session, first.after)
-        _check_pending_limit(session, settings, first.user, len(specs))
+        near_cap = _check_pending_limit(session, settings, first.user, len(specs))
     _check_priority(settings, first)
     if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
         raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+    return near_cap
 
 
 def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | None, indexed: bool,
@@ -244,15 +253,18 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
                               f"context is given are more than any GPU has ({most} MiB); drop --shared")
 
 
-def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> None:
+def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> bool:
+    """OverLimit if ``adding`` more jobs take ``user`` past their pending cap; else whether they
+    take them past half of it."""
     limit = settings.max_pending_per_user
     if not limit:
-        return
+        return False
     conn = session.connection()
     pending = _PENDING_OF.run(conn, {"user": user})[0][0]
     if pending + adding > limit:
         raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
                         f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")
+    return 2 * (pending + adding) > limit
 
 
 def submitted_with(session: Session, key: str, user: str) -> list[int] | None:

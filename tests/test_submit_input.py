@@ -227,3 +227,41 @@ def test_bad_scheduling_requests_are_refused_in_one_line_and_write_nothing(use_s
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
     assert jobs_in(use_settings) == 0
+
+
+def test_two_submissions_racing_near_the_pending_cap_never_take_the_user_past_it(settings, monkeypatch):
+    # Each submission checks the cap in a read before it writes: two of one user's, both read
+    # before either wrote, each saw room. Near the cap the write counts again, one at a time.
+    import threading
+
+    from gpuq.service import spec, submitting
+    from gpuq.service.errors import OverLimit
+
+    s = settings.with_overrides(max_pending_per_user=4, place_at_submit=False)
+    make = lambda n: [spec.command_spec(["true"], user="ann", cwd="/") for _ in range(n)]  # noqa: E731
+    submitting.submit_all(s, make(2))
+    both_read = threading.Barrier(2, timeout=20)
+    real = submitting._code_at_submit
+
+    def after_the_read(*args, **kwargs):
+        both_read.wait()  # each submission has passed its read's check; neither has written
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(submitting, "_code_at_submit", after_the_read)
+    outcomes: list[str] = []
+
+    def submit_two() -> None:
+        try:
+            submitting.submit_all(s, make(2))
+            outcomes.append("queued")
+        except OverLimit as refused:
+            outcomes.append(str(refused))
+
+    racers = [threading.Thread(target=submit_two) for _ in range(2)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join(60)
+    assert sorted(outcomes)[1] == "queued" and "ann has 4 jobs pending and the limit is 4" in sorted(outcomes)[0]
+    with write_scope(s) as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.state == "pending")) == 4
