@@ -28,6 +28,16 @@ def _migrations_dir() -> Path:
     return Path(gpuq.migrations.__file__).resolve().parent
 
 
+def _create_private(path: str) -> None:
+    """A new SQLite database file, made 0600 before SQLite opens it (its -wal and -shm files take
+    its mode): it holds every job's output and environment, whichever gpuq command made it (`gpuq
+    up` also closes one made before; an admin's `gpuq db upgrade` or `gpuq server` did not)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # WAL lets `gpuq status` read while workers write; busy_timeout makes writers queue, not fail.
     dbapi_connection.isolation_level = None  # we issue BEGIN ourselves, below
@@ -143,6 +153,7 @@ def _create_engine(url: str) -> Engine:
         path = sqlite_file(url)
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _create_private(path)
         engine = create_engine(url, connect_args={"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)

@@ -44,3 +44,19 @@ def test_downgrade_to_base_removes_every_table(database_url, tmp_path):
         command.downgrade(cfg, "base")
         conn.commit()
         assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
+
+
+def test_a_sqlite_database_made_by_gpuq_db_upgrade_is_its_makers_alone(tmp_path):
+    # It holds every job's output and environment: 0600 from its creation, whatever the umask,
+    # and SQLite gives its -wal and -shm files the same mode.
+    import os
+    import stat
+
+    from tests.conftest import run_cli
+
+    path = tmp_path / "by-hand" / "gpuq.db"
+    settings = make_settings(tmp_path / "home", f"sqlite:///{path}", "redis://127.0.0.1:6379/15")
+    done = run_cli(["db", "upgrade"], settings)
+    assert done.returncode == 0, done.stderr
+    made = [p for p in path.parent.iterdir() if p.name.startswith("gpuq.db")]
+    assert path in made and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in made), made
