@@ -106,7 +106,11 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     # Redis of its own, with a password; a user's uses a Redis that answers without one already
     # (theirs to choose), and gives the one it starts a password.
     shares_a_redis = os.geteuid() != 0 and settings.broker_is_managed and broker.reachable(settings)
-    settings = system_home.prepare(settings, redis_password=not shares_a_redis)
+    try:
+        settings = system_home.prepare(settings, redis_password=not shares_a_redis)
+    except OSError as exc:
+        raise StackError(f"cannot prepare gpuq's home {settings.home}: {exc.strerror or exc} "
+                         f"({exc.filename or settings.home}); set GPUQ_HOME to a folder of your own") from None
     starts_redis = settings.broker_is_managed and not broker.reachable(settings)
     if starts_redis and _port_taken(settings):
         raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "
