@@ -46,11 +46,8 @@ def prepare(settings: Settings, redis_password: bool = True) -> Settings:
     if str(settings.server_socket) == SYSTEM_SOCKET:
         socket_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(socket_dir, SOCKET_DIR_MODE)
-    db_file = _sqlite_file(settings)
-    if db_file is not None and not db_file.exists():
-        # Created 0600 before SQLite opens it: its -wal and -shm files then get that mode too.
-        db_file.parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(db_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
+    # A new SQLite database is made 0600 by the engine that opens it first (service/db.py);
+    # ``private_database`` closes one made before.
     if settings.broker_is_managed and redis_password:
         _ensure_secret(settings.redis_secret)
     return dataclasses.replace(settings)
