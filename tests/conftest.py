@@ -43,12 +43,28 @@ def _missing(what: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
+def redis_url() -> Iterator[str]:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
     except redis.RedisError:
         _missing(f"Redis at {REDIS_URL}")
-    return REDIS_URL
+    yield REDIS_URL
+    forget_keys(REDIS_URL, KEY_PREFIXES)
+
+
+# Every Redis key prefix this test session gave out (``make_settings``): its keys, and kombu's
+# bindings of its queues, are deleted when the session ends. Only these: another session may share
+# the database.
+KEY_PREFIXES: set[str] = set()
+
+
+def forget_keys(url: str, prefixes: set[str]) -> None:
+    """Delete the keys under ``prefixes`` and kombu's bindings of their queues."""
+    r = redis.Redis.from_url(url)
+    for prefix in prefixes:
+        for pattern in (f"{prefix}*", f"_kombu.binding*.{prefix}.*"):
+            for key in r.scan_iter(pattern, count=1000):
+                r.delete(key)
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +118,7 @@ def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -
                   # In the test's own directory: the default, under /tmp, would outlive the test.
                   fake_gpu_memory_dir=str(home / "simulated-gpu-memory"))
     values.update(overrides)
+    KEY_PREFIXES.add(str(values["key_prefix"]))
     return Settings(**values)
 
 
