@@ -60,10 +60,11 @@ class Box:
         """A user's environment: a login's basics and the socket; no database, no broker, no config."""
         return {"PATH": PATH, "HOME": self.home_of(user), "LANG": "C.UTF-8", "GPUQ_SOCKET": self.socket}
 
-    def as_user(self, user: str, *argv: str, cwd: str | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess:
-        """``argv`` run as ``user`` (runuser: their uid, gid and groups), in their home by default."""
-        return subprocess.run([RUNUSER, "-u", user, "--", *argv], env=self.user_env(user),
+    def as_user(self, user: str, *argv: str, cwd: str | None = None, timeout: float = 60,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``argv`` run as ``user`` (runuser: their uid, gid and groups), in their home and with
+        their ``user_env`` by default."""
+        return subprocess.run([RUNUSER, "-u", user, "--", *argv], env=env or self.user_env(user),
                               cwd=cwd or self.home_of(user), capture_output=True, text=True, timeout=timeout)
 
     def gpuq(self, user: str, *args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
@@ -113,6 +114,10 @@ def _logs(log_dir: Path) -> str:
     for p in sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []:
         out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}")
     return "\n".join(out)
+
+
+def _mode(path: str | Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
 
 
 def _submitted(done: subprocess.CompletedProcess) -> int:
@@ -310,17 +315,16 @@ def test_users_cannot_read_the_stacks_state_nor_reach_its_redis(box):
     s = box.settings
     home = s.home
     db_file = home / "gpuq.db"
-    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
-    assert mode(home) == 0o711
+    assert _mode(home) == 0o711
     for d in (s.log_dir, s.run_dir, home / "redis"):
-        assert mode(d) == 0o700, d
+        assert _mode(d) == 0o700, d
     for f in (db_file, s.redis_secret, home / "redis" / "redis.conf"):
-        assert mode(f) == 0o600, f
+        assert _mode(f) == 0o600, f
     for suffix in ("-wal", "-shm"):
         f = db_file.with_name(db_file.name + suffix)
         if f.exists():
-            assert mode(f) == 0o600, f
-    assert stat.S_IMODE(os.stat(box.socket).st_mode) == 0o666
+            assert _mode(f) == 0o600, f
+    assert _mode(box.socket) == 0o666
 
     password = s.redis_secret.read_text().strip()
     assert len(password) >= 32
@@ -382,7 +386,7 @@ def test_a_snapshot_runs_as_its_owner_from_roots_home_and_only_they_read_the_cop
     copy = box.settings.snapshots / str(job_id)
     assert (user, text, where) == (a, secret, str(copy))  # run as A, in the copy under root's home
     assert os.stat(copy).st_uid == pwd.getpwnam(a).pw_uid  # made by a child running as A
-    assert stat.S_IMODE(os.stat(box.settings.snapshots).st_mode) == 0o711
+    assert _mode(box.settings.snapshots) == 0o711
     # B can neither list the snapshots nor read A's copy, even knowing its path.
     for argv in (["ls", str(box.settings.snapshots)], ["cat", str(copy / "data.txt")], ["ls", str(copy)]):
         done = box.as_user(b, *argv)
@@ -439,10 +443,8 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
            "GPUQ_CONFIG": "/nonexistent/gpuq-test.toml", "PYTHONUNBUFFERED": "1"}
 
     def as_(user: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        user_env = env if user == owner else {"PATH": PATH, "HOME": box.home_of(user), "LANG": "C.UTF-8",
-                                               "GPUQ_SOCKET": sock}
-        return subprocess.run([RUNUSER, "-u", user, "--", GPUQ, *args], env=user_env, cwd=box.home_of(user),
-                              capture_output=True, text=True, timeout=timeout)
+        return box.as_user(user, GPUQ, *args, timeout=timeout,
+                           env=env if user == owner else {**box.user_env(user), "GPUQ_SOCKET": sock})
 
     up = as_(owner, "up", "--timeout", "150", timeout=200)
     try:
@@ -459,13 +461,11 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         with write_scope(settings) as session:
             assert session.scalar(select(func.count()).select_from(Job)) == jobs_before
         # Its state is its owner's alone, and the Redis it started asks for the password it keeps there.
-        mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
-        assert mode(home) == 0o700 and mode(home / "gpuq.db") == 0o600 and mode(settings.redis_secret) == 0o600
+        assert _mode(home) == 0o700 and _mode(home / "gpuq.db") == 0o600 and _mode(settings.redis_secret) == 0o600
         assert pwd.getpwuid(os.stat(home / "gpuq.db").st_uid).pw_name == owner
-        listing = subprocess.run([RUNUSER, "-u", other, "--", "ls", str(home)], capture_output=True, text=True)
+        listing = box.as_user(other, "ls", str(home))
         assert listing.returncode != 0 and "Permission denied" in listing.stderr
-        ping = subprocess.run([RUNUSER, "-u", other, "--", "redis-cli", "-p", str(port), "ping"],
-                              capture_output=True, text=True, timeout=30)
+        ping = box.as_user(other, "redis-cli", "-p", str(port), "ping")
         assert "PONG" not in ping.stdout and "NOAUTH" in ping.stdout + ping.stderr, ping
     finally:
         down = as_(owner, "down", "--grace", "5", timeout=120)
