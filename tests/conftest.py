@@ -8,6 +8,7 @@ CI (CI=true), so a green CI always means they ran.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -413,6 +414,14 @@ def output_of(settings, job_id: int) -> str:
     """All the job's output so far, as stored in SQL."""
     with write_scope(settings) as session:
         return "".join(d for _, d, _ in jobs.read_output(session, job_id))
+
+
+def cli_submit(settings: Settings, args: list[str], cwd: str | Path | None = None,
+               extra_env: dict[str, str] | None = None) -> int:
+    """`gpuq submit --json ARGS` through the settings' server, as a user runs it: the new job's id."""
+    result = run_cli(["submit", "--json", *args], settings, cwd=cwd, extra_env=extra_env)
+    assert result.returncode == 0, f"gpuq submit failed ({result.returncode}): {result.stderr}"
+    return json.loads(result.stdout)["id"]
 
 
 def run_cli(args: list[str], settings: Settings, cwd: str | Path | None = None, timeout: float = 60,

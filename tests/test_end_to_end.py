@@ -14,15 +14,10 @@ from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
+from tests.conftest import cli_submit as submit
 from tests.conftest import output_of, run_cli, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
-
-
-def submit(settings, args, cwd=None) -> int:
-    result = run_cli(["submit", "--json", *args], settings, cwd=cwd)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["id"]
 
 
 def test_matmul_goes_pending_running_succeeded_with_its_gflops_in_status_and_show(stack, tmp_path):

@@ -25,7 +25,7 @@ from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
-from tests.conftest import make_settings, run_cli, start_stack
+from tests.conftest import cli_submit, make_settings, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -52,9 +52,7 @@ def submit(settings, argv, cwd, *, max_retries: int = 0, held: bool = False, hos
     """Queue a command with `gpuq submit`, through the stack's server; its job id."""
     options = [*(["--retries", str(max_retries)] if max_retries else []), *(["--hold"] if held else []),
                *(["--host-mem", f"{host_mem_mib}M"] if host_mem_mib else [])]
-    done = run_cli(["submit", "--json", *options, "--", *argv], settings, cwd=cwd)
-    assert done.returncode == 0, f"gpuq submit failed ({done.returncode}): {done.stderr}"
-    return json.loads(done.stdout)["id"]
+    return cli_submit(settings, [*options, "--", *argv], cwd=cwd)
 
 
 def gpuq(settings, *args: str) -> None:

@@ -24,6 +24,7 @@ from gpuq.service import constants as c
 from gpuq.service import db, jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
+from tests.conftest import cli_submit as submit
 from tests.conftest import (
     free_port,
     make_settings,
@@ -56,12 +57,6 @@ def _system_python_matches() -> bool:
 
 needs_root = pytest.mark.skipif(not (IS_ROOT and _system_python_matches()),
                                 reason="needs a root worker and a system Python of this version for user nobody")
-
-
-def submit(settings, args, cwd=None, extra_env=None) -> int:
-    result = run_cli(["submit", "--json", *args], settings, cwd=cwd, extra_env=extra_env)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["id"]
 
 
 def run_to_end(stack, args, cwd=None, extra_env=None) -> tuple[int, str, str]:
