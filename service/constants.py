@@ -116,6 +116,10 @@ BROKER_TRUSTED_SECONDS = 1.0
 
 # Device samples are written this many at a time (and when a job ends): never a transaction each.
 SAMPLE_BATCH = 5
+# A job's end takes a last reading of its GPU unless the GPU was read less than this long ago
+# (seconds; at most a tenth of the sampling interval): under a flood of short jobs a GPU is read at
+# most ten times a second, not once a job.
+END_READING_GAP = 0.1
 # A GPU below this utilisation (percent) counts as idle, in job summaries and the idle flag.
 IDLE_UTILIZATION = 10
 # `gpuq status` flags a running job whose GPUs were idle for at least this share of the idle window.

@@ -142,3 +142,24 @@ def test_a_jobs_end_waits_for_a_batch_being_written_so_its_summary_sees_every_re
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_a_jobs_end_reads_its_gpu_unless_it_was_read_a_moment_ago(settings, monkeypatch):
+    # Under a flood of jobs of a few milliseconds, a reading at every end read each GPU hundreds of
+    # times a second (and wrote as many rows): the last reading waits END_READING_GAP, at most a
+    # tenth of the interval, after the GPU's previous one.
+    with write_scope(settings) as s:
+        gpu = add_gpu(s, "n", 0)
+    sampler = Sampler(settings.with_overrides(sample_interval=600.0), gpu, GpuProbe(CounterGpu(), 0), lambda: None)
+    monkeypatch.setattr(c, "END_READING_GAP", 30.0)
+    assert [r["job_id"] for r in sampler.end_rows(1)] == [1]  # never read before
+    assert sampler.end_rows(2) == []  # read a moment ago, at 1's end
+    sampler.sample()
+    assert [r["job_id"] for r in sampler.end_rows(3)] == [None]  # the periodic one, handed over: none of 3's
+    monkeypatch.setattr(c, "END_READING_GAP", 0.0)
+    assert [r["job_id"] for r in sampler.end_rows(4)] == [4]
+    # Capped at a tenth of the interval: sampled every 0.1 s, a GPU read 0.02 s ago is read again.
+    sampler.settings = settings.with_overrides(sample_interval=0.1)
+    monkeypatch.setattr(c, "END_READING_GAP", 30.0)
+    time.sleep(0.02)
+    assert [r["job_id"] for r in sampler.end_rows(5)] == [5]

@@ -353,12 +353,14 @@ def test_a_list_runs_short_once_half_of_what_the_scheduler_wrote_is_gone(setting
     assert short_after_leaving(full // 2)
 
 
-def test_usage_summed_from_the_readings_a_worker_holds_is_what_sql_sums_from_the_stored_samples(settings):
+def test_usage_summed_from_the_readings_a_worker_holds_is_what_sql_sums_from_the_stored_samples(settings,
+                                                                                              monkeypatch):
     # Jobs of a few milliseconds and of 0.3 s under a sampler at 50 Hz that writes every fifth
     # reading: the short ones end with every reading of theirs in hand (summed in Python), the
     # others after a batch was written (summed in SQL). Either way the stored summary is what the
     # samples in SQL say, and no reading is written for a job after its end.
     settings = settings.with_overrides(sample_interval=0.02)
+    monkeypatch.setattr(c, "END_READING_GAP", 0.0)  # every end reads: each job has readings to sum
     register(settings, "a", 1)
     me = spec.current_user()
     nap = [sys.executable, "-c", "import time; time.sleep(0.3)"]

@@ -98,11 +98,22 @@ class Sampler(threading.Thread):
 
     def end_rows(self, job_id: int) -> list[dict[str, Any]]:
         """One last reading of a job that ended, and every reading not written yet, handed over to
-        be written in the transaction that ends the job (``put_back`` if that fails)."""
-        try:
-            self.sample(job_id)
-        except Exception:
-            log.exception("job %s: could not take its last device reading", job_id)
+        be written in the transaction that ends the job (``put_back`` if that fails).
+
+        The last reading is left out when the GPU was read less than ``END_READING_GAP`` ago (at
+        most a tenth of the interval). Taken at every end, a flood of jobs of a few milliseconds read
+        each GPU hundreds of times a second: as many device_samples rows, and about a sixth of the
+        CPU each such job cost on PostgreSQL. A job that short and read by nobody has no reading of
+        its own (its summary says 0 samples), which is all a reading could say of it anyway: NVML's
+        utilisation counters average over a sixth of a second or more."""
+        gap = min(c.END_READING_GAP, self.settings.sample_interval / 10)
+        with self._lock:
+            recent = self._last_at is not None and time.monotonic() - self._last_at < gap
+        if not recent:
+            try:
+                self.sample(job_id)
+            except Exception:
+                log.exception("job %s: could not take its last device reading", job_id)
         # A batch taken to write before now is committed first: the job's summary, read from SQL
         # when some of its readings were written, must see all of them (on PostgreSQL nothing else
         # orders the two transactions).
