@@ -333,6 +333,28 @@ def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(
             assert stored.samples == usage.summarize(session, j).samples
 
 
+def test_an_end_whose_usage_summary_the_database_refuses_is_written_again_without_its_last_words(settings,
+                                                                                                 caplog):
+    # The summary, the rest of the output and the last readings are the end's last words, with no
+    # savepoint of their own: a row the database refuses fails the end's first try, and the end
+    # (and the next job's start) is written again without them instead of being lost.
+    register(settings, "a", 1)
+    me = spec.current_user()
+    first, second = (submit(settings, ["echo", "hello"], user=me) for _ in range(2))
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:  # a summary already there: the end's own is refused
+        session.add(JobUsage(job_id=first, wall_s=-1.0, gpu_hours=0.0, idle_s=0.0, samples=0))
+    with caplog.at_level("ERROR", logger="gpuq.worker"):
+        assert run_job(worker_on(settings, first), first) == State.SUCCEEDED
+    assert [r.getMessage() for r in caplog.records] == [
+        f"gpu0@a: job {first}: could not store the rest of its output, its last device readings or its usage summary"]
+    with write_scope(settings) as session:
+        assert [session.get(Job, j).state for j in (first, second)] == [State.SUCCEEDED, State.SUCCEEDED]
+        assert session.get(JobUsage, first).wall_s == -1.0  # not written over
+        assert session.get(JobUsage, second).wall_s >= 0  # its end's first try went through
+        assert session.scalar(select(func.count()).select_from(Allocation)) == 0
+
+
 def test_a_list_runs_short_once_half_of_what_the_scheduler_wrote_is_gone(settings):
     # policy.next_up lists NEXT_UP_PER_GPU jobs for each busy GPU of the node (the node's GPUs
     # share them): with four busy GPUs a list holds 64, and its worker asks for a refill at half
