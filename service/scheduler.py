@@ -10,6 +10,7 @@ import math
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -31,6 +32,9 @@ log = logging.getLogger("gpuq.scheduler")
 _ALLOCATE = Prepared(table(Allocation).insert())
 # A submission of more jobs than this is left to the scheduler whole (see ``place_at_submit``).
 PLACE_AT_SUBMIT_MAX = 64
+# How many jobs of a GPU's next-up list a pass tries in place of a placement that lost its job
+# (``_stand_in``): each try that finds its job gone is one statement in the pass's write.
+STAND_INS = 8
 
 
 def allocate(session: Session, p: policy.Placement, now: datetime | None = None, share_mib: int | None = None) -> bool:
@@ -106,6 +110,32 @@ def place_at_submit(session: Session, settings: Settings,
     return [(p.job_id, p.gpus[0].queue, p.gpus[0].node, now) for p in placed]
 
 
+def _stand_in(session: Session, p: policy.Placement, lists: dict[int, list[int]],
+              placed: set[int]) -> policy.Placement | None:
+    """For a one-GPU placement whose job left the queue since the pass read it, the first job of
+    that GPU's next-up list (as this pass wrote it) that still waits, placed there instead; None if
+    none of the first STAND_INS does.
+
+    Under a flood on a node whose other GPUs run their lists, the job a pass places on a GPU that
+    fell free is the queue's head, the very job the other GPUs' workers take next: in the ten-odd
+    milliseconds between the pass's read and its write they took it, pass after pass, and the GPU
+    sat idle up to the next whole pass (a second). Its list is what its worker would take if it
+    were busy: the job the policy wants there next."""
+    if p.shared or len(p.gpus) != 1:
+        return None
+    conn = session.connection()
+    for job_id in [j for j in lists.get(p.gpus[0].id, []) if j not in placed][:STAND_INS]:
+        if _HOLDS.run(conn, {"gpu_id": p.gpus[0].id}):
+            return None  # it was the GPU that was taken, not (only) the job
+        stand_in = replace(p, job_id=job_id)
+        if allocate(session, stand_in):
+            return stand_in
+    return None
+
+
+_HOLDS = Prepared(select(table(Allocation).c.job_id).where(table(Allocation).c.gpu_id == bindparam("gpu_id")).limit(1))
+
+
 def shares_held(state: policy.QueueState, placements: list[policy.Placement]) -> dict[int, int]:
     """What each shared placement holds on each of its GPUs: its job's share and context reserve."""
     shared = {p.job_id for p in placements if p.shared}
@@ -155,7 +185,7 @@ class Scheduler:
         if quick and self.lists.written is not None and not (queue.doomed or decision.placements or changes):
             return []  # the lists are as they should be: no write lock taken for nothing
         try:
-            placements = self._write(queue, decision, changes, quick)
+            placements = self._write(queue, decision, lists, changes, quick)
         except IntegrityError:
             # Another scheduler took one of these GPUs first; the next pass sees the new state.
             log.info("allocation raced with another scheduler; retrying next pass")
@@ -183,14 +213,21 @@ class Scheduler:
         for job_id, queue in lost:
             self._send(job_id, queue, again=True)
 
-    def _write(self, queue: QueueRead, decision: policy.Decision, changes: next_up.Changes,
-               quick: bool) -> list[policy.Placement]:
+    def _write(self, queue: QueueRead, decision: policy.Decision, lists: dict[int, list[int]],
+               changes: next_up.Changes, quick: bool) -> list[policy.Placement]:
         """A pass's one write: cancel the doomed, allocate, explain the waits, rewrite the lists."""
         with write_scope(self.settings) as session:
             for job_id, why in queue.doomed.items():
                 session.execute(lifecycle.DOOM, {"job_id": job_id, "now": utcnow(), "reason": why})
             held = shares_held(queue.policy, decision.placements)
-            placements = [p for p in decision.placements if allocate(session, p, share_mib=held.get(p.job_id))]
+            placed = {p.job_id for p in decision.placements}
+            placements = []
+            for p in decision.placements:
+                if allocate(session, p, share_mib=held.get(p.job_id)):
+                    placements.append(p)
+                elif (stand_in := _stand_in(session, p, lists, placed)) is not None:
+                    placements.append(stand_in)
+                    placed.add(stand_in.job_id)
             if not quick:
                 self._record_reasons(session, queue, decision)
             self.lists.write(session, changes)

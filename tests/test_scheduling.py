@@ -333,6 +333,34 @@ def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(
             assert stored.samples == usage.summarize(session, j).samples
 
 
+def test_a_placement_whose_job_left_the_queue_meanwhile_places_the_gpus_next_listed_job_instead(settings,
+                                                                                                monkeypatch):
+    # Under a flood, the job a pass places on a GPU that fell free is the queue's head, the very job
+    # the node's busy GPUs take next from their lists: taken between the pass's read and its write,
+    # it left the free GPU idle until the next whole pass. The free GPU's own list stands in.
+    import gpuq.service.scheduler as scheduler
+
+    gpus = register(settings, "a", 2)
+    running = submit(settings)
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        free = next(g for g in gpus if g not in {h.id for h in jobs.job_gpus(session, running)})
+    head, following, last = (submit(settings) for _ in range(3))
+    read = scheduler.read_queue
+
+    def read_then_head_taken(*args, **kwargs):
+        queue = read(*args, **kwargs)
+        with write_scope(settings) as session:  # the busy GPU's worker takes the head meanwhile
+            session.execute(update(Job).where(Job.id == head).values(state=State.RUNNING))
+        return queue
+
+    monkeypatch.setattr(scheduler, "read_queue", read_then_head_taken)
+    placed = Scheduler(settings).schedule_once()
+    assert [(p.job_id, p.gpus[0].id) for p in placed] == [(following, free)]
+    assert state_of(settings, following)[0] == State.DISPATCHED
+    assert state_of(settings, last)[0] == State.PENDING
+
+
 def test_an_end_whose_usage_summary_the_database_refuses_is_written_again_without_its_last_words(settings,
                                                                                                  caplog):
     # The summary, the rest of the output and the last readings are the end's last words, with no
