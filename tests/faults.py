@@ -46,7 +46,12 @@ class Runs:
 def marker_job(tmp: Path, name: str, seconds: float) -> tuple[list[str], Path]:
     """The argv of a marker job that runs ``seconds``, and its marker file."""
     script = tmp / "marker_job.py"
-    script.write_text(MARKER_JOB)
+    if not script.exists():
+        # Written once, whole: rewritten in place for each job, it was empty for a moment, and a
+        # job whose Python read it then ran nothing and succeeded with no marker (seen in CI).
+        partial = tmp / f".marker_job.{os.getpid()}.py"
+        partial.write_text(MARKER_JOB)
+        partial.replace(script)
     marker = tmp / f"{name}.runs"
     return [sys.executable, str(script), str(marker), str(seconds)], marker
 
