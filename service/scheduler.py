@@ -37,31 +37,41 @@ PLACE_AT_SUBMIT_MAX = 64
 STAND_INS = 8
 
 
+# Why ``_allocate`` placed nothing: the job changed since it was read, or its GPUs did.
+JOB_MOVED, GPUS_TAKEN = "job moved", "GPUs taken"
+
+
 def allocate(session: Session, p: policy.Placement, now: datetime | None = None, share_mib: int | None = None) -> bool:
     """Dispatch the placed job, unless it changed since it was read (cancelled, held, or taken
     by a worker from its next-up list) or one of its GPUs was taken meanwhile. A shared placement
     (``p.shared``) holds ``share_mib`` (its share and context reserve) on each GPU, and only if that
     still fits there beside the shares already on it, with no whole-GPU job."""
+    return _allocate(session, p, now, share_mib) is None
+
+
+def _allocate(session: Session, p: policy.Placement, now: datetime | None = None,
+              share_mib: int | None = None) -> str | None:
+    """``allocate``: None once placed, else what stood in the way (JOB_MOVED, GPUS_TAKEN)."""
     conn = session.connection()  # Core: a submit places its job in its own transaction
     share = None
     if p.shared:
         assert share_mib is not None
         if not _room_for(conn, p, share_mib):
             log.info("job %s: its GPUs' room changed meanwhile; next pass", p.job_id)
-            return False
+            return GPUS_TAKEN
         # ``share_mib`` holds the context reserve already.
         share = max(packing.charged_fraction(share_mib, 0, g.memory_total_mib) for g in p.gpus)
     try:
         with savepoint(session, on_sqlite=True):
             values = {"job_id": p.job_id, "now": now or utcnow(), "node": p.gpus[0].node, "gpu_share": share}
             if lifecycle.DISPATCH.run(conn, values) != 1:
-                return False
+                return JOB_MOVED
             _ALLOCATE.send(conn, [{"job_id": p.job_id, "gpu_id": g.id, "rank": r, "share_mib": share_mib if p.shared
                                   else None} for r, g in enumerate(p.gpus)])
-        return True
+        return None
     except IntegrityError:
         log.info("job %s: a GPU it was placed on was taken meanwhile; next pass", p.job_id)
-        return False
+        return GPUS_TAKEN
 
 
 # Not Prepared: a list of GPUs expands into the statement when it runs.
@@ -112,9 +122,9 @@ def place_at_submit(session: Session, settings: Settings,
 
 def _stand_in(session: Session, p: policy.Placement, lists: dict[int, list[int]],
               placed: set[int]) -> policy.Placement | None:
-    """For a one-GPU placement whose job left the queue since the pass read it, the first job of
-    that GPU's next-up list (as this pass wrote it) that still waits, placed there instead; None if
-    none of the first STAND_INS does.
+    """For a one-GPU placement whose job left the queue since the pass read it (``_allocate`` said
+    JOB_MOVED), the first job of that GPU's next-up list (as this pass wrote it) that still waits,
+    placed there instead; None if none of the first STAND_INS does, or the GPU was taken.
 
     Under a flood on a node whose other GPUs run their lists, the job a pass places on a GPU that
     fell free is the queue's head, the very job the other GPUs' workers take next: in the ten-odd
@@ -123,17 +133,14 @@ def _stand_in(session: Session, p: policy.Placement, lists: dict[int, list[int]]
     were busy: the job the policy wants there next."""
     if p.shared or len(p.gpus) != 1:
         return None
-    conn = session.connection()
     for job_id in [j for j in lists.get(p.gpus[0].id, []) if j not in placed][:STAND_INS]:
-        if _HOLDS.run(conn, {"gpu_id": p.gpus[0].id}):
-            return None  # it was the GPU that was taken, not (only) the job
         stand_in = replace(p, job_id=job_id)
-        if allocate(session, stand_in):
+        why = _allocate(session, stand_in)
+        if why is None:
             return stand_in
+        if why != JOB_MOVED:
+            return None  # the GPU was taken: no job of its list goes there now
     return None
-
-
-_HOLDS = Prepared(select(table(Allocation).c.job_id).where(table(Allocation).c.gpu_id == bindparam("gpu_id")).limit(1))
 
 
 def shares_held(state: policy.QueueState, placements: list[policy.Placement]) -> dict[int, int]:
@@ -223,9 +230,10 @@ class Scheduler:
             placed = {p.job_id for p in decision.placements}
             placements = []
             for p in decision.placements:
-                if allocate(session, p, share_mib=held.get(p.job_id)):
+                missed = _allocate(session, p, share_mib=held.get(p.job_id))
+                if missed is None:
                     placements.append(p)
-                elif (stand_in := _stand_in(session, p, lists, placed)) is not None:
+                elif missed == JOB_MOVED and (stand_in := _stand_in(session, p, lists, placed)) is not None:
                     placements.append(stand_in)
                     placed.add(stand_in.job_id)
             if not quick:

@@ -150,12 +150,12 @@ def _store_usage(state: WorkerState, session: Session, ended: usage.Ended, total
 
 def record_usage(state: WorkerState, session: Session, ended: usage.Ended, totals: usage.Totals | None) -> None:
     """Store the job's usage summary in the transaction that ends it, so nobody sees one without
-    the other; a failure here never undoes the end (PostgreSQL: in a savepoint; SQLite undoes
-    just the failed statement)."""
+    the other, where the end is written once (a shared job's): a failure here never undoes the end
+    (PostgreSQL: in a savepoint; SQLite undoes just the failed statement)."""
     try:
         with savepoint(session):
-            usage.record_usage(session, ended.id, ended, state.settings.sample_retention_days, totals)
-    except Exception:
+            _store_usage(state, session, ended, totals)
+    except SQLAlchemyError:
         log.exception("%s: job %s: could not store its usage summary", state.name, ended.id)
 
 
