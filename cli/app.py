@@ -8,6 +8,7 @@ for the admin commands' imports or the building of thirty commands it will not r
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import click
@@ -39,8 +40,20 @@ COMMANDS = {
 class LazyGroup(GpuqGroup):
     """The root group: its commands come from their modules the first time they are asked for."""
 
+    # True while `gpuq --help` lists the commands (``format_commands``).
+    _listing = False
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # click's own listing, of commands that carry only their help: building all twenty-six
+        # (their parameters into click's) to print a line of each was a quarter of `gpuq --help`.
+        self._listing = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            self._listing = False
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
@@ -54,9 +67,14 @@ class LazyGroup(GpuqGroup):
         # Only this command is built: turning a function's parameters into click's is most of a
         # command's start-up after the imports (10 ms for the five of jobs.py).
         for info in sub_app.registered_commands:
-            if (info.name or typer.main.get_command_name(info.callback.__name__)) == name:
-                return typer.main.get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
-                                                        rich_markup_mode=app.rich_markup_mode)
+            if (info.name or typer.main.get_command_name(info.callback.__name__)) != name:
+                continue
+            if self._listing:  # its help as typer gives it, and nothing else
+                text = inspect.getdoc(info.callback) if info.help is None else inspect.cleandoc(info.help)
+                return click.Command(name, help=text, short_help=info.short_help, hidden=info.hidden,
+                                     deprecated=info.deprecated)
+            return typer.main.get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                                    rich_markup_mode=app.rich_markup_mode)
         return None
 
 

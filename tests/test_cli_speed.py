@@ -73,3 +73,21 @@ def test_every_command_on_a_job_imports_no_torch_sqlalchemy_celery_redis_or_work
         assert code == 0, (args, said)
     code, said = probe("wait", job)
     assert code != 0 and "cancelled" in said, said  # ended, not succeeded
+
+
+def test_the_root_help_lists_every_command_as_click_would_from_the_built_commands():
+    # `gpuq --help` lists the commands from their help alone, without building each one.
+    import click
+    from typer.testing import CliRunner
+
+    from gpuq.cli.app import LazyGroup, app
+
+    listed = CliRunner().invoke(app, ["--help"])
+    assert listed.exit_code == 0, listed.output
+    real = LazyGroup.format_commands
+    try:
+        LazyGroup.format_commands = click.Group.format_commands  # every command built, as click does
+        built = CliRunner().invoke(app, ["--help"])
+    finally:
+        LazyGroup.format_commands = real
+    assert listed.output == built.output and "status" in listed.output and "submit" in listed.output
