@@ -20,7 +20,7 @@ from gpuq.service.allocations import check_node
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
-from gpuq.service.dialect import one_at_a_time
+from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec, NotAllowed, OverLimit
 from gpuq.service.lifecycle import Actor, check, move
 from gpuq.service.models import Gpu, Job, Submission, table, utcnow
@@ -47,6 +47,8 @@ _INSERT_JOB = _JOBS.insert().returning(_JOBS.c.id)
 # A submission's first row (most submissions' only one) on the driver's cursor: the insert, its
 # thirty-odd binds through SQLAlchemy, was a tenth to a sixth of the server's CPU a submit.
 _INSERT_FIRST_JOB = Prepared(_INSERT_JOB)
+# The rest of an array's rows with their ids drawn beforehand (``dialect.draws_ids``).
+_INSERT_NUMBERED_JOBS = Prepared(_JOBS.insert())
 # A submit's checks and its key, run on every submit the server takes.
 _INSERT_SUBMISSION = Prepared(table(Submission).insert())
 _SUBMITTED = table(Submission)
@@ -162,7 +164,12 @@ def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | Non
     if array or staged is not None:
         conn.execute(_FIRST_ROW, {"job_id": ids[0], "first_array_id": values[0]["array_id"],
                                   "first_snapshot": values[0]["snapshot"], "first_cwd": values[0]["cwd"]})
-    if len(values) > 1:
+    if len(values) > 1 and draws_ids(conn):
+        ids += draw_ids(conn, _JOBS, len(values) - 1)
+        for row, job_id in zip(values[1:], ids[1:], strict=True):
+            row["id"] = job_id
+        _INSERT_NUMBERED_JOBS.run(conn, values[1:])
+    elif len(values) > 1:
         # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
         ids += sorted(conn.execute(_INSERT_JOB, values[1:]).scalars())
     for row, job_id in zip(values, ids, strict=True):
