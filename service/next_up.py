@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Integer, bindparam, delete, exists, func, select, true
+from sqlalchemy import Integer, bindparam, delete, exists, func, insert, literal, select, true
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -63,9 +63,14 @@ _UNLOCKED = (select(_JOBS.c.id).where(_JOBS.c.id == _RANKED.c.job_id, *waiting()
              .with_for_update(skip_locked=True).lateral("unlocked"))
 _FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, true())
                    .order_by(_RANKED.c.rank).limit(1).scalar_subquery())
-_TAKE_FIRST_UNLOCKED = Prepared(move("take the first listed job no other worker is taking", Actor.WORKER,
-                                     State.PENDING, State.RUNNING, _JOBS.c.id == _FIRST_UNLOCKED, NOT_HELD,
-                                     **_STARTED_HERE).returning(*STARTED_COLUMNS))
+# The take and the GPU's allocation to the job it took in one statement (data-modifying CTEs): a
+# statement fewer at every job's end (see lifecycle's ``_SUCCEED_AND_FREE``). The allocation's
+# unique key refuses it as it refused the separate INSERT, failing the whole statement.
+_TAKEN = move("take the first listed job no other worker is taking", Actor.WORKER, State.PENDING, State.RUNNING,
+              _JOBS.c.id == _FIRST_UNLOCKED, NOT_HELD, **_STARTED_HERE).returning(*STARTED_COLUMNS).cte("taken")
+_ALLOCATED = insert(Allocation).from_select(
+    ["job_id", "gpu_id", "rank"], select(_TAKEN.c.id, bindparam("gpu_id", type_=Integer), literal(0))).cte("allocated")
+_TAKE_FIRST_UNLOCKED = Prepared(select(*_TAKEN.c).add_cte(_ALLOCATED))
 # How many of a GPU's listed jobs still wait, and how many rows its list has: a taken job's rows
 # stay until the scheduler's next pass, so the second is what that pass wrote.
 _LEFT_OF = Prepared(select(func.count().filter(_LISTED_USER.is_not(None)), func.count()).select_from(_NEXT)
@@ -121,7 +126,9 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
         # transaction holds the write lock, so nothing moves meanwhile. On PostgreSQL the workers
         # of a node's GPUs, whose lists hold the same jobs, take at once: each passes over the jobs
         # another one is taking (SKIP LOCKED) instead of queueing behind its transaction.
-        return _take(session, _TAKE_FIRST if is_sqlite(conn) else _TAKE_FIRST_UNLOCKED, take)
+        if is_sqlite(conn):
+            return _take(session, _TAKE_FIRST, take)
+        return _take(session, _TAKE_FIRST_UNLOCKED, take, allocates=True)
     listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
     for job_id, user in listed:
         if _gpus_in_use(session, user) + 1 > user_gpu_limit:
@@ -141,9 +148,10 @@ def list_runs_short(session: Session, gpu_id: int) -> bool:
     return 2 * left <= written
 
 
-def _take(session: Session, statement: Prepared, values: dict[str, Any]) -> tuple[Any, str] | None:
+def _take(session: Session, statement: Prepared, values: dict[str, Any], allocates: bool = False
+          ) -> tuple[Any, str] | None:
     """Run a take (``_TAKE``, ``_TAKE_FIRST`` or ``_TAKE_FIRST_UNLOCKED``) and allocate the GPU to
-    the job it started."""
+    the job it started (``allocates``: the take's statement did)."""
     conn = session.connection()
     try:
         # SQLite: this transaction holds the database's write lock, so no allocation can appear
@@ -154,7 +162,8 @@ def _take(session: Session, statement: Prepared, values: dict[str, Any]) -> tupl
             if not rows:
                 return None
             row = rows[0]
-            _ALLOCATE_HERE.send(conn, {"job_id": row.id, "gpu_id": values["gpu_id"]})
+            if not allocates:
+                _ALLOCATE_HERE.send(conn, {"job_id": row.id, "gpu_id": values["gpu_id"]})
     except IntegrityError:
         return None  # the scheduler gave this GPU out meanwhile
     return row, values["token"]

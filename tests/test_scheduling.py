@@ -346,6 +346,46 @@ def test_workers_taking_from_lists_that_share_jobs_at_once_pass_over_each_others
         assert [session.get(Job, j).state for j in listed] == [State.RUNNING, State.RUNNING, State.PENDING]
 
 
+def test_a_take_whose_gpu_another_transaction_allocates_meanwhile_starts_nothing_and_its_transaction_goes_on(
+        settings):
+    # PostgreSQL: the take and the GPU's allocation are one statement. An allocation of the same
+    # GPU that another transaction writes meanwhile (uncommitted when the take reads the GPU as
+    # free, committed as the take writes its own) fails the statement on the unique key: the
+    # listed job must stay pending, and the transaction that ended a job must go on to commit.
+    import threading
+
+    from gpuq.service.models import NextUp
+
+    with write_scope(settings) as session:
+        if session.connection().dialect.name == "sqlite":
+            pytest.skip("SQLite's write lock lets no other transaction allocate meanwhile")
+    gpu = register(settings, "a", 1)[0]
+    listed, other = submit(settings), submit(settings)
+    with write_scope(settings) as session:
+        session.add(NextUp(gpu_id=gpu, job_id=listed, rank=0))
+    got: dict[str, object] = {}
+    with write_scope(settings) as allocating:
+        allocating.add(Allocation(job_id=other, gpu_id=gpu, rank=0))
+        allocating.flush()  # written, not committed: the take cannot see it yet
+
+        def take() -> None:
+            with write_scope(settings) as session:
+                got["taken"] = next_up.take_next(session, gpu, "w0", "a", 60)
+                session.add(NextUp(gpu_id=gpu, job_id=other, rank=1))  # the transaction still writes
+            got["committed"] = True
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        taker.join(1.0)
+        assert taker.is_alive(), "the take did not wait on the other transaction's allocation"
+    taker.join(10)
+    assert got == {"taken": None, "committed": True}
+    with write_scope(settings) as session:
+        assert session.get(Job, listed).state == State.PENDING and session.get(Job, listed).worker is None
+        assert [a.job_id for a in session.scalars(select(Allocation).where(Allocation.gpu_id == gpu))] == [other]
+        assert session.get(NextUp, (gpu, other)) is not None
+
+
 def test_a_worker_ending_a_job_starts_the_next_listed_one_itself_in_queue_order(settings):
     register(settings, "a", 1)
     # Run by this process's user: a root worker runs a job as its owner.
