@@ -83,26 +83,36 @@ class CpuMeter:
 
     def __init__(self, roles: dict[str, list[Any]]) -> None:
         self.roles = roles  # {role: [psutil.Process]}
-        self.before: dict[str, float] = {}
+        self.before: dict[str, dict[int, float]] = {}
 
     @staticmethod
-    def _cpu(procs: list[Any]) -> float:
+    def _cpu(procs: list[Any]) -> dict[int, float]:
         import psutil
 
-        total = 0.0
+        times = {}
         for p in procs:
             try:
                 t = p.cpu_times()
-                total += t.user + t.system
+                times[p.pid] = t.user + t.system
             except psutil.Error:
                 pass
-        return total
+        return times
+
+    def _current(self, role: str) -> list[Any]:
+        # A database server starts a backend for each new connection, and the stack's pools open
+        # some during a flood: its processes are listed again at each reading (one that started
+        # meanwhile counts whole; one that ended meanwhile is missed).
+        return processes_named("postgres") if role == "postgresql" else self.roles[role]
 
     def start(self) -> None:
-        self.before = {role: self._cpu(procs) for role, procs in self.roles.items()}
+        self.before = {role: self._cpu(self._current(role)) for role in self.roles}
 
     def stop(self, n_jobs: int) -> dict[str, float]:
-        return {role: 1000 * (self._cpu(procs) - self.before[role]) / n_jobs for role, procs in self.roles.items()}
+        spent = {}
+        for role in self.roles:
+            now, before = self._cpu(self._current(role)), self.before[role]
+            spent[role] = 1000 * sum(t - before.get(pid, 0.0) for pid, t in now.items()) / n_jobs
+        return spent
 
 
 def gpuq_roles(supervisor_pid: int, database: str) -> dict[str, list[Any]]:
