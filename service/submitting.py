@@ -164,16 +164,16 @@ def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | Non
     if array or staged is not None:
         conn.execute(_FIRST_ROW, {"job_id": ids[0], "first_array_id": values[0]["array_id"],
                                   "first_snapshot": values[0]["snapshot"], "first_cwd": values[0]["cwd"]})
-    if len(values) > 1 and draws_ids(conn):
+    numbered = len(values) > 1 and draws_ids(conn)
+    if numbered:
         ids += draw_ids(conn, _JOBS, len(values) - 1)
-        for row, job_id in zip(values[1:], ids[1:], strict=True):
-            row["id"] = job_id
-        _INSERT_NUMBERED_JOBS.run(conn, values[1:])
     elif len(values) > 1:
         # Ids are drawn in the order the rows are inserted: sorted, they are the rows'.
         ids += sorted(conn.execute(_INSERT_JOB, values[1:]).scalars())
     for row, job_id in zip(values, ids, strict=True):
         row["id"] = job_id
+    if numbered:
+        _INSERT_NUMBERED_JOBS.run(conn, values[1:])
     if key is not None:
         try:  # no savepoint: a refused key rolls the whole submission back, as it should
             _INSERT_SUBMISSION.run(conn, {"key": key, "user": values[0]["user"], "job_ids": ids, "submitted_at": now})
