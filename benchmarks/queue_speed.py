@@ -4,7 +4,9 @@
   and a whole pass over SQL);
 - submit -> running latency on an idle stack (p50, p95) beside a bare Celery task's round trip;
 - throughput of N no-op jobs over 4 simulated GPUs beside N bare Celery no-op tasks over 4 workers;
-- the idle gap on one GPU between one job's end and the next queued job's start;
+- the idle gap on one GPU between one job's end and the next queued job's start, from the rows (on
+  PostgreSQL a GPU handed from one job to the next is stamped by one statement: 0; a gap shows a
+  GPU that waited for the scheduler);
 - how much of the machine's CPU stayed idle during each flood (more than none: the flood waits on
   a lock, not the CPU);
 - the CPU time each flood took a job, by process (client, server, workers, scheduler, Redis), beside

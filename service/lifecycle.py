@@ -173,13 +173,16 @@ def undispatch(session: Session, job_id: int) -> None:
 _SUCCEED_MOVE = move("succeed", A.WORKER, S.RUNNING, S.SUCCEEDED, _ID, _JOBS.c.lease_token == bindparam("token"),
                      ended_at=bindparam("now"), exit_code=bindparam("exit_code"), result=bindparam("result"),
                      reason=bindparam("reason"), failure=None, lease_token=None, lease_expires_at=None)
+# The success returning the job's id, what the statements built on it read (below, and
+# service/handover.py). Made before ``Prepared`` reads the move: made after, a CTE of it came
+# without its column.
+SUCCEEDED_ID = _SUCCEED_MOVE.returning(_JOBS.c.id)
 # PostgreSQL's: the success and its GPUs' freeing as one statement (data-modifying CTEs), the
 # number of jobs it ended as its row. Under a flood of short jobs every job's end pays each
 # statement's cost on both sides of the socket: with the end and the next job's take as two
 # statements instead of four, the workers' CPU a job fell by a tenth to a seventh (arrays of
 # 1,000 on PostgreSQL, interleaved runs).
-# Made before ``Prepared`` reads the statement: made after, the CTE came without its column.
-_ENDED = _SUCCEED_MOVE.returning(_JOBS.c.id).cte("ended")
+_ENDED = SUCCEEDED_ID.cte("ended")
 _FREED = table(Allocation).delete().where(table(Allocation).c.job_id.in_(select(_ENDED.c.id))).cte("freed")
 _SUCCEED_AND_FREE = Prepared(select(func.count()).select_from(_ENDED).add_cte(_FREED))
 _SUCCEED = Prepared(_SUCCEED_MOVE)

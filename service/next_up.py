@@ -36,38 +36,68 @@ _GPUS = table(Gpu)
 # job under a flood of 2,000).
 _LISTED_USER = select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id, *waiting()).scalar_subquery()
 # This GPU's list, unless the GPU or its node was drained or the GPU is held already.
-_GPU_TAKES = (_NEXT.c.gpu_id == bindparam("gpu_id"),
-              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
-              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), table(Node).c.name == _GPUS.c.node,
-                              table(Node).c.drained.is_(True)),
-              ~exists().where(table(Allocation).c.gpu_id == bindparam("gpu_id")))
+_GPU_OPEN = (_NEXT.c.gpu_id == bindparam("gpu_id"),
+             ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
+             ~exists().where(_GPUS.c.id == bindparam("gpu_id"), table(Node).c.name == _GPUS.c.node,
+                             table(Node).c.drained.is_(True)))
+_GPU_TAKES = (*_GPU_OPEN, ~exists().where(table(Allocation).c.gpu_id == bindparam("gpu_id")))
 # This GPU's listed jobs that are still pending and not held: one read.
 _LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user")).where(*_GPU_TAKES, _LISTED_USER.is_not(None))
            .order_by(_NEXT.c.rank))
-_STARTED_HERE: dict[str, Any] = dict(dispatched_at=bindparam("now"), started_at=bindparam("now"),
-                     node=bindparam("node"), worker=bindparam("worker"), reason=None, lease_token=bindparam("token"),
-                     lease_expires_at=bindparam("expires"))
+
+
+def _started_here(token: str = "token") -> dict[str, Any]:
+    """A taken job's values: started now on this worker, with the lease bound as ``token``."""
+    return dict(dispatched_at=bindparam("now"), started_at=bindparam("now"), node=bindparam("node"),
+                worker=bindparam("worker"), reason=None, lease_token=bindparam(token),
+                lease_expires_at=bindparam("expires"))
+
+
+_STARTED_HERE = _started_here()
 _TAKE = Prepared(move("take a listed job", Actor.WORKER, State.PENDING, State.RUNNING,
                       _JOBS.c.id == bindparam("job_id"), NOT_HELD, **_STARTED_HERE).returning(*STARTED_COLUMNS))
 # The first listed job that waits, started.
 _FIRST_LISTED = _LISTED.with_only_columns(_NEXT.c.job_id).limit(1).scalar_subquery()
 _TAKE_FIRST = Prepared(move("take the first listed job", Actor.WORKER, State.PENDING, State.RUNNING,
                             _JOBS.c.id == _FIRST_LISTED, NOT_HELD, **_STARTED_HERE).returning(*STARTED_COLUMNS))
-# PostgreSQL's: the first listed job that waits and that no other transaction has locked (one
-# another worker is taking). The list is read in rank order first (OFFSET 0 keeps it a step of
-# its own), then each listed job is looked up by its key and locked (LATERAL ... FOR UPDATE SKIP
-# LOCKED) until one is found: sorted after the lookups, every waiting job of the list was locked.
-_RANKED = (select(_NEXT.c.job_id, _NEXT.c.rank).where(*_GPU_TAKES).order_by(_NEXT.c.rank).offset(0)
-           .subquery("ranked"))
-_UNLOCKED = (select(_JOBS.c.id).where(_JOBS.c.id == _RANKED.c.job_id, *waiting())
-             .with_for_update(skip_locked=True).lateral("unlocked"))
-_FIRST_UNLOCKED = (select(_UNLOCKED.c.id).select_from(_RANKED).join(_UNLOCKED, true())
-                   .order_by(_RANKED.c.rank).limit(1).scalar_subquery())
+
+
+def _first_unlocked(*gpu_takes: Any) -> Any:
+    """PostgreSQL's: the id of the first job of this GPU's list that waits and that no other
+    transaction has locked (one another worker is taking), where ``gpu_takes`` say the GPU may take
+    one. The list is read in rank order first (OFFSET 0 keeps it a step of its own), then each
+    listed job is looked up by its key and locked (LATERAL ... FOR UPDATE SKIP LOCKED) until one is
+    found: sorted after the lookups, every waiting job of the list was locked."""
+    ranked = (select(_NEXT.c.job_id, _NEXT.c.rank).where(*gpu_takes).order_by(_NEXT.c.rank).offset(0)
+              .subquery("ranked"))
+    unlocked = (select(_JOBS.c.id).where(_JOBS.c.id == ranked.c.job_id, *waiting())
+                .with_for_update(skip_locked=True).lateral("unlocked"))
+    return (select(unlocked.c.id).select_from(ranked).join(unlocked, true())
+            .order_by(ranked.c.rank).limit(1).scalar_subquery())
+
+
+def taking_first_unlocked(handed_over_by: Any = None) -> Any:
+    """PostgreSQL's take, an ``UPDATE ... RETURNING STARTED_COLUMNS`` of the first listed job no
+    other worker is taking. With ``handed_over_by``, a CTE of the job whose end hands this GPU over
+    (bound as ``job_id``, see service/handover.py), the GPU may be held by that job alone, whole; the
+    take happens only if that job's end did, and its lease token is bound as ``next_token``."""
+    if handed_over_by is None:
+        return move("take the first listed job no other worker is taking", Actor.WORKER, State.PENDING,
+                    State.RUNNING, _JOBS.c.id == _first_unlocked(*_GPU_TAKES), NOT_HELD,
+                    **_STARTED_HERE).returning(*STARTED_COLUMNS)
+    held = table(Allocation).c
+    handed = (exists().where(held.gpu_id == bindparam("gpu_id"), held.job_id == bindparam("job_id"),
+                             held.share_mib.is_(None)),
+              ~exists().where(held.gpu_id == bindparam("gpu_id"), held.job_id != bindparam("job_id")))
+    return move("take the first listed job as the last one's end hands its GPU over", Actor.WORKER,
+                State.PENDING, State.RUNNING, _JOBS.c.id == _first_unlocked(*_GPU_OPEN, *handed), NOT_HELD,
+                exists(select(handed_over_by.c.id)), **_started_here("next_token")).returning(*STARTED_COLUMNS)
+
+
 # The take and the GPU's allocation to the job it took in one statement (data-modifying CTEs): a
 # statement fewer at every job's end (see lifecycle's ``_SUCCEED_AND_FREE``). The allocation's
 # unique key refuses it as it refused the separate INSERT, failing the whole statement.
-_TAKEN = move("take the first listed job no other worker is taking", Actor.WORKER, State.PENDING, State.RUNNING,
-              _JOBS.c.id == _FIRST_UNLOCKED, NOT_HELD, **_STARTED_HERE).returning(*STARTED_COLUMNS).cte("taken")
+_TAKEN = taking_first_unlocked().cte("taken")
 _ALLOCATED = insert(Allocation).from_select(
     ["job_id", "gpu_id", "rank"], select(_TAKEN.c.id, bindparam("gpu_id", type_=Integer), literal(0))).cte("allocated")
 _TAKE_FIRST_UNLOCKED = Prepared(select(*_TAKEN.c).add_cte(_ALLOCATED))

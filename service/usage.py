@@ -162,6 +162,11 @@ def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled
     return JobUsage(**_summary(job, totals if totals is not None else job_totals(session, job.id, rolled), now))
 
 
+def summary(ended: Ended, totals: Totals) -> dict[str, Any]:
+    """The summary row of a job its worker just ended (``service/handover.py`` writes it)."""
+    return _summary(ended, totals)
+
+
 def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]:
     wall = (elapsed(job, now) or timedelta()).total_seconds()
     # A shared job is charged its share of each GPU (``jobs.gpu_share``), as fair share charges it.

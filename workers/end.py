@@ -5,13 +5,15 @@ transaction, retried while the database is away."""
 from __future__ import annotations
 
 import logging
+import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import samples, usage
+from gpuq.service import handover, samples, usage
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.dialect import savepoint
@@ -76,6 +78,8 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
             sink.store_rest(session)
             samples.record(session, state.gpu_id, readings)
         now = utcnow()
+        if _hands_over(state, session, job, end, last_words, in_hand):
+            return _hand_over(state, session, job, lease, end, now, in_hand if last_words else None, mark)
         done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
                       now=now, **end)
         if not done:
@@ -92,6 +96,39 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
         wake = (anything_waits(session) if following is None
                 else state.wake_due() and list_runs_short(session, state.gpu_id))
         return True, following, wake
+
+
+def _hands_over(state: WorkerState, session: Session, job: JobRun, end: dict[str, Any], last_words: bool,
+                in_hand: usage.Totals | None) -> bool:
+    """Whether this end is written as one statement with the next job's take (service/handover.py):
+    the common end on PostgreSQL, a whole job's success whose summary is in hand (or not stored),
+    on a worker that takes its next job with no GPU limit per user to check."""
+    return (end["state"] == State.SUCCEEDED and not job.shared and (in_hand is not None or not last_words)
+            and not state.settings.user_gpu_limit and state.may_take_next() and handover.hands_over(session))
+
+
+def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, end: dict[str, Any],
+               now: datetime, in_hand: usage.Totals | None, mark: int | None) -> tuple[bool, Started | None, bool]:
+    """``_end_transaction``'s end and take as one statement; returns what it returns."""
+    summary = None
+    if in_hand is not None:
+        try:
+            summary = usage.summary(usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
+                                                job.ran_before), in_hand)
+        except Exception:  # as ``_store_usage``: a summary that cannot be made is no reason to lose the end
+            log.exception("%s: job %s: could not sum its usage", state.name, job.id)
+    token = uuid.uuid4().hex
+    take = {"gpu_id": state.gpu_id, "node": state.node, "worker": state.name, "next_token": token,
+            "expires": now + timedelta(seconds=state.settings.lease_timeout)}
+    done, row = handover.end_and_take(session, job_id=lease.job_id, token=lease.token, now=now,
+                                      exit_code=end.get("exit_code"), result=end.get("result"),
+                                      reason=end.get("reason"), summary=summary, take=take)
+    if not done:
+        return False, None, True
+    if row is None:
+        return True, None, anything_waits(session)
+    following = Started.read(session, job_run(row, (state.gpu_index,), (state.queue,)), token, mark)
+    return True, following, state.wake_due() and list_runs_short(session, state.gpu_id)
 
 
 def _take_next(state: WorkerState, session: Session, mark: int | None) -> Started | None:
