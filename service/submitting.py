@@ -21,7 +21,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
-from gpuq.service.errors import DuplicateSubmission, InvalidSpec, NotAllowed, OverLimit
+from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit
 from gpuq.service.lifecycle import Actor, check, move
 from gpuq.service.models import Gpu, Job, Submission, table, utcnow
 from gpuq.service.prepared import Prepared
@@ -90,7 +90,8 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     sooner, and returns those it could not send, which go to the scheduler.
     ``key``, an idempotency key, is stored with the jobs in their transaction: a second submit
     with the same key writes nothing and raises ``DuplicateSubmission`` with the first one's job
-    ids (None when both ran at once and the other one's ids are not known yet).
+    ids (None if that one's transaction is not visible yet), or ``NotAllowed`` for another
+    user's key.
 
     Everything that can be done before the write is: the checks read in their own read-only
     transaction, git runs, the rows are built; the write transaction (on SQLite, the one write
@@ -112,9 +113,11 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
                 _check_pending_limit(session, settings, specs[0].user, len(specs))
             ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
             placed = place_at_submit(session, settings, values)
-    except BaseException:
+    except BaseException as failed:
         if staged is not None:
             staged.discard()
+        if isinstance(failed, _KeyUsed):
+            raise _used(settings, failed.key, specs[0].user) from None
         raise
     where = {job_id: (node, at) for job_id, _, node, at in placed}
     for row in values:
@@ -132,21 +135,28 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
 
 
 def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> bool:
-    """A submission's checks, in a read-only transaction; a key used before raises
-    DuplicateSubmission with its jobs, whatever the checks would say now. Returns whether the
-    submission takes its user past half their pending cap (then the write counts again)."""
+    """A submission's checks, in a read-only transaction. Returns whether the submission takes its
+    user past half their pending cap (then the write counts again).
+
+    A key used before answers with its jobs whatever the checks would say now: a check that
+    refuses looks the key up first. A key that passes the checks is looked up by its insert, whose
+    unique key refuses a second use (``_insert``): a statement fewer on every submit, since a key
+    comes back only when an answer was lost."""
     first = specs[0]
     with read_scope(settings) as session:
-        if key is not None and (made := submitted_with(session, key, first.user)) is not None:
-            raise DuplicateSubmission(key, made)
-        if first.kind == c.KIND_INTERACTIVE and first.on_node is not None:
-            check_node(session, first.on_node)
-        _check_resources(session, settings, first)
-        _check_dependencies(session, first.after)
-        near_cap = _check_pending_limit(session, settings, first.user, len(specs))
-    _check_priority(settings, first)
-    if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
-        raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+        try:
+            if first.kind == c.KIND_INTERACTIVE and first.on_node is not None:
+                check_node(session, first.on_node)
+            _check_resources(session, settings, first)
+            _check_dependencies(session, first.after)
+            near_cap = _check_pending_limit(session, settings, first.user, len(specs))
+            _check_priority(settings, first)
+            if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
+                raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+        except GpuqError:
+            if key is not None and (made := submitted_with(session, key, first.user)) is not None:
+                raise DuplicateSubmission(key, made) from None
+            raise
     return near_cap
 
 
@@ -178,8 +188,22 @@ def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | Non
         try:  # no savepoint: a refused key rolls the whole submission back, as it should
             _INSERT_SUBMISSION.run(conn, {"key": key, "user": values[0]["user"], "job_ids": ids, "submitted_at": now})
         except IntegrityError:
-            raise DuplicateSubmission(key, None) from None  # the same key, sent twice at once
+            raise _KeyUsed(key) from None
     return ids
+
+
+class _KeyUsed(Exception):
+    """``_insert``'s key was used already: the write is rolled back, then ``submit_all`` looks it up."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _used(settings: Settings, key: str, user: str) -> DuplicateSubmission:
+    """The DuplicateSubmission of a key another submission wrote (NotAllowed if it was another
+    user's); its jobs' ids are None only if that submission's transaction is not visible yet."""
+    with read_scope(settings) as session:
+        return DuplicateSubmission(key, submitted_with(session, key, user))
 
 
 def _row(s: JobSpec, now: datetime) -> dict[str, Any]:

@@ -172,3 +172,35 @@ def test_a_submit_whose_server_is_killed_and_restarted_makes_its_jobs_once_or_no
             client.kill()
             client.wait(10)
         st.stop()
+
+
+def test_a_key_used_before_answers_with_its_jobs_even_where_the_checks_would_now_refuse(settings):
+    # A retry whose answer was lost must get its jobs back, not a refusal its own jobs now cause
+    # (they count against the pending cap).
+    from gpuq.service import spec, submitting
+    from gpuq.service.errors import DuplicateSubmission
+
+    capped = settings.with_overrides(max_pending_per_user=3, place_at_submit=False)
+    make = lambda extra: spec.command_spec(["true"], user="ann", cwd="/")  # noqa: E731
+    specs = spec.expand(make, spec.Scheduling(hold=True), "0-2", [])
+    key = uuid.uuid4().hex
+    ids = [j.id for j in submitting.submit_all(capped, specs, key=key, record_code=False)]
+    with pytest.raises(DuplicateSubmission) as again:
+        submitting.submit_all(capped, specs, key=key, record_code=False)
+    assert again.value.job_ids == ids
+    assert _job_count(settings) == 3 and _submissions(settings) == [(key, ids)]
+
+
+def test_another_users_key_is_refused_and_nothing_is_written(settings):
+    from gpuq.service import spec, submitting
+    from gpuq.service.errors import NotAllowed
+
+    def specs(user: str) -> list:
+        return spec.expand(lambda extra: spec.command_spec(["true"], user=user, cwd="/"),
+                           spec.Scheduling(hold=True), None, [])
+
+    key = uuid.uuid4().hex
+    ids = [j.id for j in submitting.submit_all(settings, specs("ann"), key=key, record_code=False)]
+    with pytest.raises(NotAllowed, match="another user"):
+        submitting.submit_all(settings, specs("bob"), key=key, record_code=False)
+    assert _job_count(settings) == 1 and _submissions(settings) == [(key, ids)]
