@@ -3,12 +3,13 @@ usage summary, the start of the GPU's next listed job and the GPU's allocation p
 one statement.
 
 Under a flood of short jobs a job's end and the next one's start are most of the CPU a job costs
-the workers and the database, and they cost it statement by statement, on both sides of the
-socket: psycopg's Python on the worker, the protocol's work for each statement in PostgreSQL.
-Apart they are seven statements (``BEGIN``, the success with its GPUs freed, the usage summary,
-``SAVEPOINT``, the take with its allocation, ``RELEASE``, ``COMMIT``); here the middle five are one,
-built of the same moves (``lifecycle.SUCCEEDED_ID``, ``next_up.taking_first_unlocked``) as data-modifying
-``WITH`` clauses, which SQLite lacks (it keeps the statements apart, in its one write lock).
+the workers and the database. Apart they are seven statements (``BEGIN``, the success with its
+GPUs freed, the usage summary, ``SAVEPOINT``, the take with its allocation, ``RELEASE``,
+``COMMIT``), and the worker pays psycopg's and SQLAlchemy's Python for each; here the middle five
+are one, built of the same moves (``lifecycle.SUCCEEDED_ID``, ``next_up.taking_first_unlocked``) as
+data-modifying ``WITH`` clauses, which SQLite lacks (it keeps the statements apart, in its one
+write lock). Measured in isolation: the worker's CPU for an end and a take 0.53 ms before, 0.28
+after; PostgreSQL's 0.72 and 0.61, most of it the rows' own work.
 
 One statement sees one snapshot: the take cannot see the ended job's allocation go, so it asks
 instead that the GPU be held by that job alone, and the allocation row is passed to the taken
