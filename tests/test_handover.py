@@ -71,15 +71,18 @@ def _listed(settings, gpu: int, *job_ids: int) -> None:
         session.add_all(NextUp(gpu_id=gpu, job_id=j, rank=r) for r, j in enumerate(job_ids))
 
 
-def _hand_over(settings, job_id: int, token: str, gpu: int, summary: bool = True):
+def _hand_over(settings, job_id: int, token: str, gpu: int, summary: bool = True, session=None):
+    """``end_and_take`` in a transaction of its own, or in ``session``'s (left open)."""
     now = utcnow()
     totals = usage.summary(usage.Ended(job_id, 1, now - timedelta(seconds=2), now, False), usage.Totals())
-    with write_scope(settings) as session:
-        return handover.end_and_take(
-            session, job_id=job_id, token=token, now=now, exit_code=0, result=None, reason=None,
-            summary=totals if summary else None,
-            take={"gpu_id": gpu, "node": "a", "worker": "gpu0@a", "next_token": uuid.uuid4().hex,
-                  "expires": now + timedelta(seconds=60)})
+    if session is None:
+        with write_scope(settings) as session:
+            return _hand_over(settings, job_id, token, gpu, summary, session)
+    return handover.end_and_take(
+        session, job_id=job_id, token=token, now=now, exit_code=0, result=None, reason=None,
+        summary=totals if summary else None,
+        take={"gpu_id": gpu, "node": "a", "worker": "gpu0@a", "next_token": uuid.uuid4().hex,
+              "expires": now + timedelta(seconds=60)})
 
 
 def _held(settings) -> list[tuple[int, int]]:
@@ -164,6 +167,33 @@ def test_a_job_of_two_gpus_hands_over_the_gpu_of_its_worker_and_frees_the_other(
     ended, taken = _hand_over(settings, ending, token, first)
     assert ended and taken.id == following
     assert _held(settings) == [(first, following)]
+
+
+def test_two_gpus_handed_over_at_once_from_lists_that_share_jobs_take_different_ones_without_waiting(settings):
+    # A node's GPUs list the same jobs, and their workers end and take at once: the second passes
+    # over the job the first one's open transaction is taking (SKIP LOCKED) instead of waiting.
+    import threading
+
+    gpus = _gpus(settings, 2)
+    ending = [_submit(settings) for _ in gpus]
+    tokens = [_running(settings, job, [gpu]) for job, gpu in zip(ending, gpus, strict=True)]
+    listed = [_submit(settings) for _ in range(3)]
+    for gpu in gpus:
+        _listed(settings, gpu, *listed)
+    got = {}
+    with write_scope(settings) as first:
+        got[gpus[0]] = _hand_over(settings, ending[0], tokens[0], gpus[0], session=first)[1].id  # left open
+
+        def second() -> None:
+            got[gpus[1]] = _hand_over(settings, ending[1], tokens[1], gpus[1])[1].id
+
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "the second handover waited for the first one's transaction"
+    assert got == {gpus[0]: listed[0], gpus[1]: listed[1]}
+    assert _states(settings, *ending, *listed) == [State.SUCCEEDED] * 2 + [State.RUNNING] * 2 + [State.PENDING]
+    assert _held(settings) == [(gpus[0], listed[0]), (gpus[1], listed[1])]
 
 
 def test_a_summary_the_database_refuses_fails_the_whole_statement(settings):
