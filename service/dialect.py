@@ -32,6 +32,14 @@ def is_sqlite(bind: Connection | Engine | Session) -> bool:
     return bind.dialect.name == SQLITE
 
 
+def on_psycopg(bind: Connection | Engine | Session) -> bool:
+    """Whether a connection, an engine or a session's connection is PostgreSQL's through psycopg:
+    where ``Prepared`` statements run on the driver's own cursor and its pipeline mode serves."""
+    if isinstance(bind, Session):
+        bind = bind.connection()
+    return bind.dialect.driver == "psycopg"
+
+
 def sqlite_file(url: str) -> str | None:
     """The file of a sqlite:/// URL; None for another database, one in memory, or a file: URI."""
     if not is_sqlite_url(url):
@@ -62,7 +70,7 @@ def savepoint(session: Session, *, on_sqlite: bool = False) -> Iterator[None]:
     if is_sqlite(conn) and not on_sqlite:
         yield
         return
-    if is_sqlite(conn) or conn.dialect.driver != "psycopg" or PIPELINE in conn.info:
+    if not on_psycopg(conn) or PIPELINE in conn.info:
         with session.begin_nested():
             # SQLAlchemy sends the SAVEPOINT only once the nested transaction asks the session for
             # its connection. A Prepared statement (service/prepared.py) runs on the driver's cursor
@@ -140,7 +148,7 @@ def draws_ids(conn: Connection) -> bool:
     of a thousand rows' VALUES, whose tens of thousands of binds psycopg parses out of the query text
     (two thirds of an array submission's time there); drawn first, the rows go in as one prepared
     INSERT in the driver's pipeline. SQLite's ``RETURNING`` batch costs nothing of the kind."""
-    return not is_sqlite(conn) and conn.dialect.driver == "psycopg"
+    return on_psycopg(conn)
 
 
 def draw_ids(conn: Connection, table: Any, n: int) -> list[int]:

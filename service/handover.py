@@ -21,12 +21,14 @@ written (the worker still held the job's lease).
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Integer, bindparam, column, exists, func, not_, select, true, values
 from sqlalchemy.orm import Session
 
-from gpuq.service.dialect import is_sqlite
+from gpuq.service.dialect import on_psycopg
 from gpuq.service.lifecycle import SUCCEEDED_ID
 from gpuq.service.models import Allocation, JobUsage, table
 from gpuq.service.next_up import taking_first_unlocked
@@ -61,23 +63,26 @@ _WITHOUT_SUMMARY = Prepared(_OUTCOME.add_cte(_PASSED, _FREED))
 
 def hands_over(session: Session) -> bool:
     """Whether ``end_and_take`` runs here: on PostgreSQL through psycopg (``Prepared``'s cursor)."""
-    conn = session.connection()
-    return not is_sqlite(conn) and conn.dialect.driver == "psycopg"
+    return on_psycopg(session)
 
 
-def end_and_take(session: Session, *, job_id: int, token: str, now: Any, exit_code: int | None, result: Any,
-                 reason: str | None, summary: dict[str, Any] | None, take: dict[str, Any]) -> tuple[bool, Any | None]:
+def end_and_take(session: Session, *, job_id: int, token: str, now: datetime, exit_code: int | None, result: Any,
+                 reason: str | None, summary: dict[str, Any] | None, gpu_id: int, worker: str, node: str,
+                 lease_s: float) -> tuple[bool, tuple[Any, str] | None]:
     """End job ``job_id`` succeeded under lease ``token``, with its usage ``summary`` (a
-    ``usage.summary`` row; None: none stored), and start the first job of the GPU's next-up list
-    that may start there, the GPU passed to it: ``take`` holds the GPU's ``gpu_id`` and the
-    ``node``, ``worker``, ``next_token`` and ``expires`` of the next job's lease. In the caller's
-    transaction; a row the database refuses (the summary) fails the whole statement.
+    ``usage.summary`` row; None: none stored), and start the first job of GPU ``gpu_id``'s next-up
+    list that may start there, on this ``worker`` with a lease of ``lease_s`` seconds, the GPU
+    passed to it. In the caller's transaction; a row the database refuses (the summary) fails the
+    whole statement.
 
     Returns whether the end was written (False: the worker no longer held the lease, and nothing
-    was written) and the job started (its row as ``leases.STARTED_COLUMNS``; None: none)."""
+    was written) and, as ``next_up.take_next`` does, the job started (its row as
+    ``leases.STARTED_COLUMNS`` and its lease token; None: none)."""
+    next_token = uuid.uuid4().hex
     params: dict[str, Any] = {"job_id": job_id, "token": token, "now": now, "exit_code": exit_code,
-                              "result": result, "reason": reason, **take}
+                              "result": result, "reason": reason, "gpu_id": gpu_id, "node": node, "worker": worker,
+                              "next_token": next_token, "expires": now + timedelta(seconds=lease_s)}
     if summary is not None:
         params.update({f"usage_{name}": summary[name] for name in _USAGE_COLUMNS})
     row = (_WITH_SUMMARY if summary is not None else _WITHOUT_SUMMARY).run(session.connection(), params)[0]
-    return row.ended == 1, (row if row.id is not None else None)
+    return row.ended == 1, ((row, next_token) if row.id is not None else None)

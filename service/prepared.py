@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, exc
 
-from gpuq.service.dialect import PIPELINE, is_sqlite
+from gpuq.service.dialect import PIPELINE, is_sqlite, on_psycopg
 
 
 class Prepared:
@@ -52,7 +52,7 @@ class Prepared:
             # One row: psycopg runs a batch in a pipeline of its own, with a sync, even for one.
             params = params[0]
         batch = isinstance(params, list)
-        if not (is_sqlite(conn) or (conn.dialect.driver == "psycopg" and not (batch and self.returns))):
+        if not (is_sqlite(conn) or (on_psycopg(conn) and not (batch and self.returns))):
             result = conn.execute(self.statement, params)
             return result.all() if self.returns else result.rowcount
         first: dict[str, Any] = params[0] if isinstance(params, list) else params

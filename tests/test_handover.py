@@ -5,7 +5,6 @@ end on both)."""
 
 from __future__ import annotations
 
-import uuid
 from datetime import timedelta
 
 import pytest
@@ -78,11 +77,10 @@ def _hand_over(settings, job_id: int, token: str, gpu: int, summary: bool = True
     if session is None:
         with write_scope(settings) as session:
             return _hand_over(settings, job_id, token, gpu, summary, session)
-    return handover.end_and_take(
+    ended, taken = handover.end_and_take(
         session, job_id=job_id, token=token, now=now, exit_code=0, result=None, reason=None,
-        summary=totals if summary else None,
-        take={"gpu_id": gpu, "node": "a", "worker": "gpu0@a", "next_token": uuid.uuid4().hex,
-              "expires": now + timedelta(seconds=60)})
+        summary=totals if summary else None, gpu_id=gpu, worker="gpu0@a", node="a", lease_s=60)
+    return ended, (taken[0] if taken is not None else None)
 
 
 def _held(settings) -> list[tuple[int, int]]:

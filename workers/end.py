@@ -5,8 +5,7 @@ transaction, retried while the database is away."""
 from __future__ import annotations
 
 import logging
-import uuid
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -79,17 +78,22 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
             samples.record(session, state.gpu_id, readings)
         now = utcnow()
         if _hands_over(state, session, job, end, last_words, in_hand):
-            return _hand_over(state, session, job, lease, end, now, in_hand if last_words else None, mark)
-        done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
-                      now=now, **end)
+            done, taken = _hand_over(state, session, job, lease, end, now, in_hand if last_words else None)
+        else:
+            done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
+                               now=now, **end)
+            if done and last_words:
+                # No savepoint of its own (two statements fewer at every end on PostgreSQL): a summary
+                # the database refuses fails this try, and the end is written again without it.
+                _store_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
+                                                         job.ran_before), in_hand)
+            taken = _take_next(state, session) if done else None
         if not done:
             return False, None, True
-        if last_words:
-            # No savepoint of its own (two statements fewer at every end on PostgreSQL): a summary
-            # the database refuses fails this try, and the end is written again without it.
-            _store_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
-                                                     job.ran_before), in_hand)
-        following = _take_next(state, session, mark)
+        following = None
+        if taken is not None:
+            row, token = taken
+            following = Started.read(session, job_run(row, (state.gpu_index,), (state.queue,)), token, mark)
         # A GPU that fell free wakes the scheduler only if some job waits: a pass over
         # an empty queue would just hold up the next submit's message. A GPU that runs
         # on wakes it, now and then, when its next-up list runs short.
@@ -108,8 +112,8 @@ def _hands_over(state: WorkerState, session: Session, job: JobRun, end: dict[str
 
 
 def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, end: dict[str, Any],
-               now: datetime, in_hand: usage.Totals | None, mark: int | None) -> tuple[bool, Started | None, bool]:
-    """``_end_transaction``'s end and take as one statement; returns what it returns."""
+               now: datetime, in_hand: usage.Totals | None) -> tuple[bool, tuple[Any, str] | None]:
+    """The end and the take as one statement: whether the end was written, and what was taken."""
     summary = None
     if in_hand is not None:
         try:
@@ -117,31 +121,20 @@ def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, 
                                                 job.ran_before), in_hand)
         except Exception:  # as ``_store_usage``: a summary that cannot be made is no reason to lose the end
             log.exception("%s: job %s: could not sum its usage", state.name, job.id)
-    token = uuid.uuid4().hex
-    take = {"gpu_id": state.gpu_id, "node": state.node, "worker": state.name, "next_token": token,
-            "expires": now + timedelta(seconds=state.settings.lease_timeout)}
-    done, row = handover.end_and_take(session, job_id=lease.job_id, token=lease.token, now=now,
-                                      exit_code=end.get("exit_code"), result=end.get("result"),
-                                      reason=end.get("reason"), summary=summary, take=take)
-    if not done:
-        return False, None, True
-    if row is None:
-        return True, None, anything_waits(session)
-    following = Started.read(session, job_run(row, (state.gpu_index,), (state.queue,)), token, mark)
-    return True, following, state.wake_due() and list_runs_short(session, state.gpu_id)
+    return handover.end_and_take(session, job_id=lease.job_id, token=lease.token, now=now,
+                                 exit_code=end.get("exit_code"), result=end.get("result"), reason=end.get("reason"),
+                                 summary=summary, gpu_id=state.gpu_id, worker=state.name, node=state.node,
+                                 lease_s=state.settings.lease_timeout)
 
 
-def _take_next(state: WorkerState, session: Session, mark: int | None) -> Started | None:
-    """Start this GPU's next job from its next-up list, in the transaction that ends the last one;
-    None if the worker stops taking jobs or the list has none that may start."""
+def _take_next(state: WorkerState, session: Session) -> tuple[Any, str] | None:
+    """Start this GPU's next job from its next-up list, in the transaction that ends the last one
+    (its row and lease token); None if the worker stops taking jobs or the list has none that may
+    start."""
     if not state.may_take_next():
         return None
-    taken = take_next(session, state.gpu_id, state.name, state.node,
-                      state.settings.lease_timeout, state.settings.user_gpu_limit)
-    if taken is None:
-        return None
-    row, token = taken
-    return Started.read(session, job_run(row, (state.gpu_index,), (state.queue,)), token, mark)
+    return take_next(session, state.gpu_id, state.name, state.node,
+                     state.settings.lease_timeout, state.settings.user_gpu_limit)
 
 
 def gave_up_waiting(state: WorkerState, lease: Lease, readings: list[dict[str, Any]], delay: float,
