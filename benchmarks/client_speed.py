@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.stack import stop_on_sigterm  # noqa: E402
 
 GOAL_MS = 150.0
 RUN_GOAL_MS = 300.0  # `gpuq run -- true`, a whole job's round trip
@@ -110,6 +111,7 @@ def main() -> int:
     ap.add_argument("--cwd", help="where the commands run (default: the temporary directory, outside any git "
                                   "work tree; a command submit inside one also runs git there)")
     args = ap.parse_args()
+    stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
 
 
     from gpuq.service import db

@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+from benchmarks.stack import stop_on_sigterm  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -424,6 +426,7 @@ def main() -> int:
     ap.add_argument("--database", help="a PostgreSQL server's URL (the script makes and drops a database of its own "
                                        "there), or an empty SQLite database's (default: a new SQLite file)")
     args = ap.parse_args()
+    stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
     home = Path(tempfile.mkdtemp(prefix="gpuq-speed-"))
     broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.stack import stop_on_sigterm  # noqa: E402
 
 GPU_MIB = 16384
 GPUS = 2
@@ -74,6 +75,7 @@ def main() -> int:
     ap.add_argument("--mem-mib", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
+    stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
 
 
     from gpuq.cli.client import Client

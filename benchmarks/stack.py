@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, a killed CI step) unwind like Ctrl-C, so the benchmark's ``finally``
+    takes its stack down: by default Python dies at once and a detached stack outlives it, holding
+    a GPU, a port and, as root, the machine's socket (seen on a lent GPU machine)."""
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def tear_down(stack: Any, settings: Any, socket: str, tmp: Path) -> None:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.stack import stop_on_sigterm
 
 COLD = """
 import time, torch
@@ -37,10 +41,13 @@ def main() -> int:
     ap.add_argument("--products", type=int, default=100)
     ap.add_argument("--redis-port", type=int, default=0, help="0: a free port, with a Redis gpuq starts")
     args = ap.parse_args()
+    stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
 
     home = Path(tempfile.mkdtemp(prefix="gpuq-bench-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
+    # The server's socket in the temporary home: as root the default is the machine's /run/gpuq.
     env.update(GPUQ_HOME=str(home), GPUQ_CONFIG=str(home / "none.toml"), GPUQ_WARM_START="true",
+               GPUQ_SOCKET=str(home / "gpuq.sock"),
                GPUQ_REDIS_PORT=str(args.redis_port or _free_port()), GPUQ_SCHEDULER_INTERVAL="0.5")
     if not (_has("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0):
         env["GPUQ_FAKE_GPUS"] = "1"
@@ -73,6 +80,7 @@ def main() -> int:
             cold.append(time.perf_counter() - t0)
     finally:
         subprocess.run([*gpuq, "down", "--grace", "5"], env=env)
+        shutil.rmtree(home, ignore_errors=True)
     device = j.result["device"]
     print(f"device: {device}; {args.products} products of {args.size}x{args.size}, {args.repeats} runs each")
     print(f"first job on a fresh worker:        {warm[0] * 1000:8.1f} ms submit->ended")
