@@ -32,6 +32,7 @@ def run(name: str, params: dict, gpus: int = 1) -> dict:
     return result
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: see the GPU test below")
 def test_device_info_on_a_cpu_node_says_it_fell_back_and_nvml_is_absent():
     result = run("device-info", {}, gpus=2)
     assert result["fell_back_to_cpu"] is True and result["cuda_available"] is False
@@ -40,6 +41,19 @@ def test_device_info_on_a_cpu_node_says_it_fell_back_and_nvml_is_absent():
     assert result["driver_version"] is None
     assert result["devices"][0]["device"] == "cpu" and result["devices"][0]["total_mib"] > 0
     assert {"torch_version", "torch_cuda_version", "cuda_driver_version", "cuda_device_count"} <= set(result)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_info_on_a_gpu_reports_it_from_both_torch_and_nvml():
+    w = get_workload("device-info")
+    module, function = w.entry.split(":")
+    lines: list[str] = []
+    ctx = WorkloadContext(1, w.validate({}, 1), [torch.device("cuda", 0)], log=lines.append)
+    result = getattr(importlib.import_module(module), function)(ctx)
+    assert result["fell_back_to_cpu"] is False and result["cuda_available"] is True
+    assert result["job_devices"] == ["cuda:0"] and result["cuda_device_count"] >= 1
+    assert result["nvml"]["available"] is True and result["driver_version"]
+    assert torch.cuda.get_device_name(0) in json.dumps(result)
 
 
 def test_matmul_reports_its_speed_and_the_cpu_baseline():

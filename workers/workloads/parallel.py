@@ -68,13 +68,15 @@ class Single:
 class DataParallel(Single):
     """``nn.DataParallel`` as seed 001 uses it: scatter the batch, replicate, gather the outputs.
 
-    Without CUDA, DataParallel simply runs the module, so the step is the single-device one.
+    On simulated GPUs (CPU devices) the step is the single-device one. The module is then not
+    wrapped at all: ``nn.DataParallel`` without device ids takes every GPU the process sees, and on a
+    machine with CUDA it refuses a module on the CPU (found on a lent H100).
     """
 
     def __init__(self, model: nn.Module, devices: list[torch.device], lr: float) -> None:
         super().__init__(model, devices, lr)
-        ids = [d.index or 0 for d in devices] if self.device.type == "cuda" else None
-        self.net = nn.DataParallel(self.model, device_ids=ids)
+        if self.device.type == "cuda":
+            self.net = nn.DataParallel(self.model, device_ids=[d.index or 0 for d in devices])
         self.shards = len(devices)
 
 
