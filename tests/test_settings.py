@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -15,7 +16,11 @@ from gpuq.service.settings import load_settings, mask_url
 def test_defaults_are_sqlite_in_the_data_dir_and_the_local_redis(tmp_path):
     s = load_settings({"XDG_DATA_HOME": str(tmp_path), "GPUQ_CONFIG": str(tmp_path / "none.toml")})
     assert s.database == f"sqlite:///{Path(s.home) / 'gpuq.db'}"
-    assert s.broker == "redis://127.0.0.1:6379/0" and s.broker_is_managed
+    # The local Redis; with the password of the Redis a stack of this home made, if one did (root's
+    # home is the machine's /var/lib/gpuq, whatever XDG_DATA_HOME says).
+    secret = s.redis_secret.read_text().strip() if s.redis_secret.exists() else None
+    assert s.broker == (f"redis://:{quote(secret, safe='')}@127.0.0.1:6379/0" if secret else "redis://127.0.0.1:6379/0")
+    assert s.broker_is_managed
 
 
 def test_environment_overrides_the_file(tmp_path):
