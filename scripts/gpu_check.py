@@ -1,0 +1,285 @@
+"""gpuq on this node's GPUs, end to end: the check to run on a new GPU node (or one lent for half an
+hour) before people queue work on it.
+
+    python scripts/gpu_check.py [--out DIR] [--size 8192]
+
+It starts a stack of its own in a temporary home (its own socket, Redis port and SQLite file; a
+stack already on the machine is left alone), runs `gpuq` as whole processes the way users do,
+and prints a line per check, PASS, FAIL or SKIP, with what it measured:
+
+1. devices: the GPUs as NVML lists them, with a reading of each;
+2. workloads: device-info, matmul in fp32, tf32, fp16 and bf16, norm-log, copy, and LeNet and
+   ResNet-18 for an epoch, each a job (on a GPU, none may fall back to the CPU);
+3. a command job using torch on its GPU;
+4. two `--shared --mem` jobs on one GPU at once;
+5. a shared job using three times its share, stopped as `gpu_mem_exceeded`;
+6. as root, a job of another user (made for the check and removed), run with that user's uid;
+7. `gpuq run` and `gpuq alloc`;
+8. a job's statistics (samples, energy) and the dashboard's /metrics.
+
+The exit status is 1 if any check failed. The figures (results.json), the summary and the
+stack's logs are kept in --out. Without an NVIDIA GPU the same checks run on one simulated GPU
+with small sizes: tests/test_gpu_check.py runs it so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GPUQ = str(Path(sys.executable).with_name("gpuq"))
+PY = sys.executable
+RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"  # found here: a user's PATH lacks /usr/sbin
+END = ("succeeded", "failed", "cancelled", "timed_out")
+
+
+class Check:
+    """The stack the checks run against and what they found."""
+
+    def __init__(self, home: Path, env: dict[str, str], real: bool, size: int) -> None:
+        self.home, self.env, self.real, self.size = home, env, real, size
+        self.results: list[dict[str, Any]] = []
+        self.jobs: dict[str, int] = {}
+
+    def gpuq(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
+             user: str | None = None) -> subprocess.CompletedProcess[str]:
+        argv = [GPUQ, *args] if user is None else [RUNUSER, "-u", user, "--", GPUQ, *args]
+        return subprocess.run(argv, env=env or self.env, capture_output=True, text=True, timeout=timeout,
+                              cwd=str(self.home.parent))
+
+    def submit(self, *args: str, **kw: Any) -> int:
+        done = self.gpuq("submit", *args, **kw)
+        found = re.search(r"submitted job (\d+)", done.stdout)
+        if done.returncode != 0 or not found:
+            raise RuntimeError(f"gpuq submit {' '.join(args)}: {(done.stderr or done.stdout).strip()}")
+        return int(found.group(1))
+
+    def show(self, job_id: int) -> dict[str, Any]:
+        return json.loads(self.gpuq("show", str(job_id), "--json").stdout)
+
+    def wait(self, ids: list[int], timeout: float) -> list[dict[str, Any]]:
+        self.gpuq("wait", *map(str, ids), "--timeout", str(timeout), timeout=timeout + 30)
+        return [self.show(i) for i in ids]
+
+    def output(self, job_id: int) -> str:
+        return json.loads(self.gpuq("logs", str(job_id), "--json").stdout).get("output", "")
+
+    def run(self, name: str, body: Callable[[Check], tuple[str, str]]) -> None:
+        t0 = time.monotonic()
+        try:
+            verdict, detail = body(self)
+        except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check, and the rest go on
+            verdict, detail = "FAIL", f"{type(exc).__name__}: {exc}"
+        took = time.monotonic() - t0
+        self.results.append({"check": name, "verdict": verdict, "detail": detail, "seconds": round(took, 1)})
+        print(f"{verdict:4}  {name:10} {detail}  ({took:.1f} s)", flush=True)
+
+
+def _gpu_command(real: bool, mib: int, seconds: float) -> list[str]:
+    """A command holding ``mib`` of GPU memory for ``seconds``: torch on a GPU, declared memory on
+    a simulated one (the worker reads it as it reads NVML's process list)."""
+    if real:
+        return ["--", PY, "-c", f"import torch, time; x = torch.empty({mib} << 20, dtype=torch.uint8, "
+                f"device='cuda'); print('holding {mib} MiB', flush=True); time.sleep({seconds})"]
+    return ["--", PY, "-m", "gpuq.workers.simulated_memory", "--mib", str(mib), "--seconds", str(seconds)]
+
+
+def devices(c: Check) -> tuple[str, str]:
+    gpus = json.loads(c.gpuq("devices", "--json").stdout)
+    if not gpus or any(not g.get("memory_total_mib") for g in gpus):
+        return "FAIL", f"no GPU with its memory listed: {gpus}"
+    g = gpus[0]
+    detail = (f"{len(gpus)} x {g['name']}, {g['memory_total_mib']} MiB; GPU 0 at {g.get('temperature_c')} C, "
+              f"{g.get('power_w')} W, {g.get('utilization')}% busy, {g.get('memory_used_mib')} MiB used")
+    return "PASS", detail
+
+
+def workloads(c: Check) -> tuple[str, str]:
+    s, small = c.size, c.size <= 1024
+    epoch = ["--epochs", "1"] + (["--train-size", "512", "--test-size", "128"] if small else [])
+    submits = {"device-info": ["device-info"],
+               **{f"matmul-{d}": ["matmul", "--size", str(s), "--repeat", "20", "--dtype", d]
+                  for d in ("fp32", "tf32", "fp16", "bf16")},
+               "norm-log": ["norm-log"], "copy": ["copy", "--mib", "64" if small else "1024"],
+               "lenet": ["train", "--model", "lenet", *epoch],
+               "resnet18": ["train", "--model", "resnet18", *epoch]}
+    c.jobs |= {name: c.submit(*args, "--name", f"check-{name}") for name, args in submits.items()}
+    rows = c.wait(list(c.jobs.values()), timeout=600)
+    figures, bad = [], []
+    for (name, _), row in zip(c.jobs.items(), rows, strict=True):
+        result = row.get("result") or {}
+        if row["state"] != "succeeded":
+            bad.append(f"{name} {row['state']}: {row.get('reason') or row.get('failure')}")
+        elif c.real and result.get("fell_back_to_cpu"):
+            bad.append(f"{name} ran on the CPU")
+        if "tflops" in result:
+            figures.append(f"{name} {result['tflops']:.1f} TFLOP/s")
+        elif "examples_per_s" in result:
+            figures.append(f"{name} {result['examples_per_s']:.0f} examples/s")
+        elif "host_to_device_gbps" in result:
+            figures.append(f"copy h2d {result['host_to_device_gbps']:.1f}, d2h {result['device_to_host_gbps']:.1f}, "
+                           f"d2d {result['device_to_device_gbps']:.1f} GB/s")
+        elif "ratio" in result:
+            figures.append(f"norm-log on-device/item {result['ratio']:.2f}")
+    return ("FAIL", "; ".join(bad)) if bad else ("PASS", "; ".join(figures))
+
+
+def command(c: Check) -> tuple[str, str]:
+    job = c.submit("--", PY, "-c", "import os, torch; print('GPU', os.environ.get('CUDA_VISIBLE_DEVICES'), "
+                   "'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() "
+                   "else 'cpu')")
+    row, out = c.wait([job], 120)[0], c.output(job).strip()
+    if row["state"] != "succeeded" or "GPU " not in out or (c.real and "cuda True" not in out):
+        return "FAIL", f"{row['state']}: {out[-300:]}"
+    return "PASS", out.splitlines()[-1]
+
+
+def shared(c: Check) -> tuple[str, str]:
+    ids = [c.submit("--shared", "--mem", "1G", *_gpu_command(c.real, 512, 6)) for _ in range(2)]
+    rows = c.wait(ids, 180)
+    if any(r["state"] != "succeeded" for r in rows):
+        return "FAIL", "; ".join(f"{r['id']} {r['state']}: {r.get('reason')}" for r in rows)
+    a, b = rows
+    overlap = min(a["ended_at"], b["ended_at"]) > max(a["started_at"], b["started_at"])
+    verdict = "PASS" if overlap else "FAIL"
+    return verdict, f"jobs {a['id']} and {b['id']} {'ran' if overlap else 'did not run'} at once"
+
+
+def watchdog(c: Check) -> tuple[str, str]:
+    job = c.submit("--shared", "--mem", "1G", *_gpu_command(c.real, 3072, 60))
+    row = c.wait([job], 120)[0]
+    ok = row["state"] == "failed" and row.get("failure") == "gpu_mem_exceeded"
+    return ("PASS" if ok else "FAIL"), f"{row['state']} ({row.get('failure')}): {row.get('reason')}"
+
+
+def other_user(c: Check) -> tuple[str, str]:
+    if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(RUNUSER):
+        return "SKIP", "needs root, useradd and runuser"
+    name = f"gpuqchk{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return "SKIP", f"useradd: {made.stderr.strip()}"
+    try:
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": f"/home/{name}", "GPUQ_SOCKET": c.env["GPUQ_SOCKET"]}
+        if c.gpuq("--help", env=env, user=name).returncode != 0:
+            return "SKIP", f"{GPUQ} is not reachable by other users here (install gpuq where they can run it)"
+        job = c.submit("--", PY, "-c", "import os, torch; print(os.getuid(), torch.cuda.is_available())",
+                       env=env, user=name)
+        row, out = c.wait([job], 120)[0], c.output(job).strip()
+        uid = pwd.getpwnam(name).pw_uid
+        ok = row["state"] == "succeeded" and row.get("user") == name and out.startswith(str(uid))
+        return ("PASS" if ok else "FAIL"), f"job {job} of {name}: {row['state']}, printed {out[-200:]!r} (uid {uid})"
+    finally:
+        subprocess.run(["userdel", "-r", "-f", name], capture_output=True)
+
+
+def interactive(c: Check) -> tuple[str, str]:
+    ran = c.gpuq("run", "--", PY, "-c", "print('ran here')")
+    held = c.gpuq("alloc", "--", "sh", "-c", 'echo "held GPU $CUDA_VISIBLE_DEVICES"')
+    ok = ran.returncode == 0 and "ran here" in ran.stdout and held.returncode == 0 and "held GPU " in held.stdout
+    detail = (f"run: {ran.returncode} {ran.stdout.strip()[-60:]!r}; "
+              f"alloc: {held.returncode} {held.stdout.strip()[-60:]!r}")
+    return ("PASS" if ok else "FAIL"), detail
+
+
+def stats_and_metrics(c: Check) -> tuple[str, str]:
+    job = c.jobs.get("resnet18")
+    if job is None:
+        return "SKIP", "no workload job to read"
+    summary = json.loads(c.gpuq("stats", str(job), "--json").stdout)
+    port = _free_port()
+    dash = subprocess.Popen([GPUQ, "dashboard", "--port", str(port)], env=c.env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        text, deadline = "", time.monotonic() + 30
+        while time.monotonic() < deadline and "gpuq_gpu_up" not in text:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.3)
+    finally:
+        dash.terminate()
+        dash.wait(10)
+    gauges = sorted({ln.split("{")[0] for ln in text.splitlines() if ln.startswith("gpuq_gpu")})
+    ok = "gpuq_gpu_up" in text and summary.get("wall_s", 0) > 0
+    energy, util = summary.get("energy_j"), summary.get("utilization_mean")
+    detail = (f"job {job}: {summary.get('samples')} samples, energy {'n/a' if energy is None else f'{energy:.0f}'} J, "
+              f"peak {summary.get('memory_peak_mib')} MiB, "
+              f"mean utilisation {'n/a' if util is None else f'{util:.0f}'}%; "
+              f"/metrics: {', '.join(gauges) or 'nothing'}")
+    return ("PASS" if ok else "FAIL"), detail
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _has_gpu() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="where the figures and logs are kept")
+    ap.add_argument("--size", type=int, help="matrix side of the matmul jobs (default 8192 on a GPU, 256 simulated)")
+    args = ap.parse_args()
+    # SIGTERM (a `timeout`) unwinds like Ctrl-C, so the stack is taken down.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    real = _has_gpu()
+    base = Path(tempfile.mkdtemp(prefix="gpuq-check-", dir="/tmp"))
+    os.chmod(base, 0o711)  # other users traverse to the stack's socket; they never list it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
+    env |= {"GPUQ_HOME": str(base / "home"), "GPUQ_SOCKET": str(base / "gpuq.sock"),
+            "GPUQ_REDIS_PORT": str(_free_port()), "GPUQ_CONFIG": str(base / "none.toml"),
+            "GPUQ_SAMPLE_INTERVAL": "0.5", "GPUQ_SHARED_MEM_GRACE": "2"}
+    if not real:
+        env |= {"GPUQ_FAKE_GPUS": "1", "GPUQ_WARM_START": "false"}
+    check = Check(base / "home", env, real, args.size or (8192 if real else 256))
+    print(f"gpu check: {'NVIDIA GPUs (NVML)' if real else 'no NVIDIA GPU here: one simulated GPU'}; stack in {base}",
+          flush=True)
+    try:
+        t0 = time.monotonic()
+        up = check.gpuq("up", "--timeout", "300", timeout=330)
+        print(f"{'PASS' if up.returncode == 0 else 'FAIL':4}  {'up':10} {(up.stdout or up.stderr).strip()[:200]} "
+              f"({time.monotonic() - t0:.1f} s)", flush=True)
+        check.results.append({"check": "up", "verdict": "PASS" if up.returncode == 0 else "FAIL",
+                              "detail": (up.stdout or up.stderr).strip(), "seconds": round(time.monotonic() - t0, 1)})
+        if up.returncode == 0:
+            for name, body in (("devices", devices), ("workloads", workloads), ("command", command),
+                               ("shared", shared), ("watchdog", watchdog), ("other-user", other_user),
+                               ("run-alloc", interactive), ("stats", stats_and_metrics)):
+                check.run(name, body)
+    finally:
+        check.gpuq("down", "--grace", "5", timeout=120)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(check.results, indent=1) + "\n")
+        shutil.copytree(base / "home" / "logs", args.out / "logs", dirs_exist_ok=True)
+        shutil.rmtree(base, ignore_errors=True)
+    failed = [r["check"] for r in check.results if r["verdict"] == "FAIL"]
+    print(f"{len(check.results) - len(failed)} of {len(check.results)} checks passed or skipped"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f"; figures and logs in {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""scripts/gpu_check.py, the check to run on a new GPU node, passes every check here (on one
+simulated GPU where there is no NVIDIA GPU) and leaves no process or file behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import venv_reachable_by_everyone
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+CHECKS = {"up", "devices", "workloads", "command", "shared", "watchdog", "other-user", "run-alloc", "stats"}
+
+
+def test_the_gpu_check_passes_every_check_and_leaves_nothing_behind(tmp_path):
+    if os.geteuid() == 0:
+        venv_reachable_by_everyone()  # the other user's job runs this venv's gpuq and python
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=560)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {r["check"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
+    assert set(results) == CHECKS
+    skipped = {"other-user"} if os.geteuid() != 0 else set()
+    assert {k for k, r in results.items() if r["verdict"] != "PASS"} == skipped, done.stdout
+    assert "gpu_mem_exceeded" in results["watchdog"]["detail"]
+    assert "TFLOP/s" in results["workloads"]["detail"] and "gpuq_gpu_up" in results["stats"]["detail"]
+    assert (tmp_path / "out" / "logs" / "worker-gpu0.log").exists()
+    base = re.search(r"stack in (/tmp/gpuq-check-\S+)", done.stdout)
+    assert base and not Path(base.group(1)).exists()
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("GPUQ_HOME", "").startswith(base.group(1)):
+                left.append(p)
+        except psutil.Error:
+            continue
+    assert left == []
