@@ -199,8 +199,7 @@ def _tail(path: Path, lines: int = 1) -> str:
 
 def _last_words(path: Path) -> str:
     """The supervisor log's last line without its time, level and logger: what made it stop."""
-    line = _tail(path)
-    return line.split(": ", 1)[1] if " gpuq.stack: " in line else line
+    return _tail(path).split(" gpuq.stack: ", 1)[-1]
 
 
 def down(settings: Settings, grace: float = 30.0) -> bool:
