@@ -34,6 +34,10 @@ def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the work
     url = mask_url(st.broker or settings.broker)
     typer.echo(f"gpuq is up: {st.workers} worker(s), the scheduler, {redis} at {url} and "
                f"the server on {settings.server_socket} (supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
+    for index, why in sorted(st.left_out.items()):
+        # Up, with the other GPUs: one GPU that fails must not keep a node's others from the queue.
+        typer.echo(f"gpuq: GPU {index} left out, drained: {why}; fix it, then `gpuq resume {settings.node}` "
+                   f"starts its worker again (log: {st.log_dir / f'worker-gpu{index}.log'})", err=True)
 
 
 @app.command()

@@ -39,6 +39,8 @@ def status(
     typer.echo(render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
                       frozenset({"GPU", "UTIL"}), colour) if gpus else
                "no GPUs registered: start the workers with `gpuq up`")
+    for why in _drain_reasons(gpus):
+        typer.echo(why)
 
 
 def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:
@@ -52,6 +54,17 @@ def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:
     state = _state(_gpu_state(g))
     return [[*head, f"{mib(s['used_mib'])} of {mib(s['share_mib'])} share", util, state,
              f"{s['job_id']} ({s['user'] or ''})"] for s in shares]
+
+
+def _drain_reasons(gpus: list[dict[str, Any]]) -> list[str]:
+    """Why each drained node or GPU is drained, a line each under the table (as `sinfo -R`)."""
+    lines: dict[str, None] = {}
+    for g in gpus:
+        if g["drained"]:
+            # A node's reason is every GPU's of it: one line for the node.
+            where = f"node {g['node']}" if g.get("node_drained") else f"{g['node']} GPU {g['index']}"
+            lines[f"drained: {where}: {one_line(g['drain_reason'] or 'no reason given', 160)}"] = None
+    return list(lines)
 
 
 def _gpu_state(g: dict[str, Any]) -> str:

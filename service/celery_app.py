@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from celery import Celery
+from typing import TYPE_CHECKING
 
 from gpuq.service import constants as c
 from gpuq.service.settings import Settings
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 def queue_name(settings: Settings, node: str, index: int) -> str:
@@ -14,6 +17,10 @@ def queue_name(settings: Settings, node: str, index: int) -> str:
 
 
 def make_app(settings: Settings) -> Celery:
+    # Celery is imported here, not above: a queue's name is all that the supervisor (which leaves a
+    # GPU out under its queue's name) and the server's reads need of this module.
+    from celery import Celery
+
     app = Celery("gpuq", broker=settings.broker, set_as_current=False)
     app.conf.update(
         # JSON only: a pickle pushed into Redis is refused, not unpickled.

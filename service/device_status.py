@@ -42,6 +42,9 @@ class DeviceStatus:
     foreign: list[dict[str, Any]] = field(default_factory=list)  # processes gpuq did not start
     # Shared jobs on it (job_id is then None): [{"job_id", "job_name", "user", "share_mib", "used_mib"}].
     shares: list[dict[str, Any]] = field(default_factory=list)
+    # Why this one GPU is given out no more (lost, or its worker did not start); a drained node's
+    # reason is the answer's ``drained``.
+    drain_reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__) | {"sampled_at": self.sampled_at.isoformat() if self.sampled_at else None}
@@ -71,6 +74,6 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
             sm_clock_mhz=s.sm_clock_mhz if s else None, job_id=job_id, job_name=job_name, user=user,
             sampled_at=s.sampled_at if s else None,
             processes=[p for p in procs if p.get("gpuq")], foreign=[p for p in procs if not p.get("gpuq")],
-            shares=list(held.shares),
+            shares=list(held.shares), drain_reason=gpu.drain_reason,
         ))
     return out

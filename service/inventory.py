@@ -21,17 +21,45 @@ def live_cutoff(settings: Settings) -> datetime:
     return utcnow() - timedelta(seconds=settings.worker_timeout)
 
 
-def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str, pid: int) -> int:
-    """Record (or refresh) the GPU a worker serves; returns its row id."""
+# How the drain reason of a GPU that `gpuq up`'s supervisor left out begins: its worker could not
+# start. A worker that registers it later has started, so its registration lifts that drain (and
+# only that one: a GPU drained as lost stays drained until an admin resumes its node).
+WORKER_DID_NOT_START = "its worker did not start"
+
+
+def _row(session: Session, node: str, info: GpuInfo, queue: str) -> Gpu:
     gpu = session.scalar(select(Gpu).where(Gpu.node == node, Gpu.index == info.index))
     if gpu is None:
         gpu = Gpu(node=node, index=info.index)
         session.add(gpu)
     gpu.uuid, gpu.name, gpu.memory_total_mib = info.uuid, info.name, info.memory_total_mib
-    gpu.simulated, gpu.queue, gpu.worker, gpu.worker_pid = info.simulated, queue, worker, pid
+    gpu.simulated, gpu.queue = info.simulated, queue
+    return gpu
+
+
+def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str, pid: int) -> int:
+    """Record (or refresh) the GPU a worker serves; returns its row id."""
+    gpu = _row(session, node, info, queue)
+    gpu.worker, gpu.worker_pid = worker, pid
     gpu.heartbeat_at = utcnow()
+    if gpu.drain_reason is not None and gpu.drain_reason.startswith(WORKER_DID_NOT_START):
+        gpu.drain_reason = None
     session.flush()
     return gpu.id
+
+
+def leave_out(session: Session, node: str, info: GpuInfo, queue: str, why: str) -> None:
+    """The GPU whose worker could not start: offline and drained, ``why`` its reason (after
+    ``WORKER_DID_NOT_START``), listed by `gpuq status` with the others, until its worker starts."""
+    gpu = _row(session, node, info, queue)
+    gpu.worker = gpu.worker_pid = gpu.heartbeat_at = gpu.utilization = gpu.memory_used_mib = None
+    gpu.drain_reason = f"{WORKER_DID_NOT_START}: {why}"
+    session.flush()
+
+
+def drain_reason(session: Session, node: str, index: int) -> str | None:
+    """Why GPU ``index`` of ``node`` is drained on its own (None: it is not, or is not known)."""
+    return session.scalar(select(Gpu.drain_reason).where(Gpu.node == node, Gpu.index == index))
 
 
 def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
@@ -74,6 +102,7 @@ class GpuView:
     drained: bool = False
     foreign_mib: int | None = None
     drain_reason: str | None = None
+    node_drained: bool = False  # drained with its node (drain_reason is the node's)
     # The shared jobs on it (``Holders.shares``; job_id is then None).
     shares: tuple[dict[str, Any], ...] = ()
 
@@ -117,7 +146,8 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
                 online=g.heartbeat_at is not None and g.heartbeat_at >= cutoff, worker=g.worker,
                 job_id=held.whole[0], job_user=held.whole[2], heartbeat_at=g.heartbeat_at,
                 drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
-                drain_reason=drained.get(g.node) or g.drain_reason, shares=held.shares)
+                drain_reason=drained.get(g.node) or g.drain_reason, node_drained=g.node in drained,
+                shares=held.shares)
         for g, held in holders(session)
     ]
 

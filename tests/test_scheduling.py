@@ -179,6 +179,33 @@ def test_a_drained_node_starts_nothing_new_until_resumed(settings):
     assert state_of(settings, job)[0] == State.DISPATCHED
 
 
+def test_a_gpu_whose_worker_did_not_start_gets_nothing_until_a_worker_registers_it_and_a_lost_one_stays_drained(
+        settings):
+    """`gpuq up`'s supervisor leaves out a GPU whose worker cannot start: drained with the reason,
+    offline, nothing placed there. A worker that registers it has started, which lifts that drain;
+    a GPU drained for another reason (lost) stays drained until its node is resumed."""
+    (gpu_a,) = register(settings, "a", 1)
+    info = open_devices(settings.with_overrides(fake_gpus=1)).list()[0]
+    with write_scope(settings) as session:
+        inventory.leave_out(session, "a", info, queue_name(settings, "a", 0), "worker-gpu0 exited 3 times at start")
+    job = submit(settings, node="a")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == State.PENDING
+    with write_scope(settings) as session:
+        (view,) = inventory.view(session, settings)
+        assert not view.online and view.drained and not view.node_drained
+        assert view.drain_reason == f"{inventory.WORKER_DID_NOT_START}: worker-gpu0 exited 3 times at start"
+    assert register(settings, "a", 1) == [gpu_a]
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == State.DISPATCHED
+    with write_scope(settings) as session:
+        assert inventory.drain_reason(session, "a", 0) is None
+        inventory.drain_gpu(session, gpu_a, "GPU lost (planted)")
+    register(settings, "a", 1)
+    with write_scope(settings) as session:
+        assert inventory.drain_reason(session, "a", 0) == "GPU lost (planted)"
+
+
 def test_an_array_makes_one_job_per_index_sharing_one_array_id(settings, tmp_path):
     register(settings, "a", 1)
     make = lambda extra: spec.command_spec(["echo", "{index}"], cwd=str(tmp_path))  # noqa: E731

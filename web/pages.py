@@ -68,7 +68,7 @@ def queue(api: Client) -> str:
         shares = getattr(d, "shares", None) or []
         label = ("offline" if not d.online else "busy" if d.job_id else f"shared by {len(shares)}" if shares
                  else "idle")
-        if d.node in drained:
+        if d.node in drained or getattr(d, "drain_reason", None):
             label += " (drained)"
         mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
         gpu_rows.append([escape(d.node), str(d.index), escape(d.name), state(label), svg.bar(d.utilization),
@@ -87,8 +87,17 @@ def queue(api: Client) -> str:
             + "<h2>GPUs</h2>"
             + (table(["node", "GPU", "name", "state", "utilisation", "memory", "temp", "power", "job", "user",
                       "foreign processes"], gpu_rows, numeric={1, 6, 7}, cls="gpus") if devices
-               else "<p>no GPUs registered: start the workers (<code>gpuq up</code>)</p>"))
+               else "<p>no GPUs registered: start the workers (<code>gpuq up</code>)</p>")
+            + _drain_reasons(devices, drained))
     return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
+
+
+def _drain_reasons(devices: list[Any], drained: dict[str, str | None]) -> str:
+    """Why each drained node or GPU is drained, under the GPUs (as `gpuq status` and `sinfo -R`)."""
+    lines = [f"node {escape(node)}: {escape(why or 'no reason given')}" for node, why in sorted(drained.items())]
+    lines += [f"{escape(d.node)} GPU {d.index}: {escape(d.drain_reason)}" for d in devices
+              if getattr(d, "drain_reason", None) and d.node not in drained]
+    return "".join(f'<p class="muted">drained: {line}</p>' for line in lines)
 
 
 def job(api: Client, job_id: int) -> str:
