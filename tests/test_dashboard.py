@@ -13,7 +13,6 @@ from datetime import timedelta
 from html import escape
 
 import pytest
-
 from sqlalchemy import select, update
 
 from gpuq.service import accounting, inventory, jobs
