@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpuq.cli.client import Client
-from gpuq.cli.render import job, mib, print_json
+from gpuq.cli.render import drain_reasons, job, mib, print_json
 from gpuq.service import constants as c
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ def _shares(shares: list[dict[str, Any]] | None) -> str:
     return ", ".join(f"{s['job_id']} {mib(s['used_mib'])}/{mib(s['share_mib'])}" for s in shares or []) or "-"
 
 
-def table(devices: list[dict[str, Any]]) -> Table:
-    """The Rich table of the GPUs."""
+def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None = None) -> Table:
+    """The Rich table of the GPUs (``drained``: the drained nodes, each with its reason)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -54,7 +54,10 @@ def table(devices: list[dict[str, Any]]) -> Table:
     for d in rows:
         mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
         memory = f"{bar(mem_pct)} {mib(d.memory_used_mib)}/{mib(d.memory_total_mib)}" if mem_pct is not None else "n/a"
-        t.add_row(escape(d.node) + ("" if d.online else " [red](offline)[/]"), str(d.index), escape(d.name),
+        where = escape(d.node) + ("" if d.online else " [red](offline)[/]")
+        if d.node in (drained or {}) or getattr(d, "drain_reason", None):
+            where += " [yellow](drained)[/]"
+        t.add_row(where, str(d.index), escape(d.name),
                   bar(d.utilization),
                   memory, "n/a" if d.temperature_c is None else f"{d.temperature_c}C",
                   "n/a" if d.power_w is None else f"{d.power_w:.0f}W",
@@ -64,8 +67,10 @@ def table(devices: list[dict[str, Any]]) -> Table:
     return t
 
 
-def _read(client: Client) -> list[dict[str, Any]]:
-    return client.get("/devices")["devices"]
+def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
+    """Every GPU, and the drained nodes with their reasons."""
+    answer = client.get("/devices")
+    return answer["devices"], answer.get("drained") or {}
 
 
 @app.command()
@@ -78,11 +83,11 @@ def devices(
     """Every GPU now: utilisation, memory, temperature, power, the job and user on it, foreign processes."""
     client = Client()
     if not watch:
-        rows = _read(client)
+        rows, drained = _read(client)
         if as_json:
             print_json(rows)
             return
-        _print(rows)
+        _print(rows, drained)
         return
     from rich.console import Console
     from rich.live import Live
@@ -91,31 +96,33 @@ def devices(
     try:
         if as_json or not sys.stdout.isatty():
             while count is None or shown < count:
-                rows = _read(client)
+                rows, drained = _read(client)
                 if as_json:
                     typer.echo(json.dumps(rows, default=str))
                 else:
-                    _print(rows)
+                    _print(rows, drained)
                 shown += 1
                 if count is None or shown < count:
                     time.sleep(interval)
             return
-        with Live(table(_read(client)), console=Console(), auto_refresh=False) as live:
+        with Live(table(*_read(client)), console=Console(), auto_refresh=False) as live:
             shown = 1
             while count is None or shown < count:
                 time.sleep(interval)
-                live.update(table(_read(client)), refresh=True)
+                live.update(table(*_read(client)), refresh=True)
                 shown += 1
     except KeyboardInterrupt:
         pass
 
 
-def _print(rows: list[dict[str, Any]]) -> None:
+def _print(rows: list[dict[str, Any]], drained: dict[str, str | None]) -> None:
     from rich.console import Console
 
     # Piped output gets whole lines instead of columns squeezed into 80.
     console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 220)
     if rows:
-        console.print(table(rows))
+        console.print(table(rows, drained))
+        for line in drain_reasons(rows, drained):
+            console.print(line, markup=False, highlight=False)
     else:
         console.print("no GPUs registered: start the workers with `gpuq up`")

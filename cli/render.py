@@ -59,3 +59,12 @@ def one_line(text: str, width: int = 60) -> str:
     """Text made safe for a table cell: control characters shown, long text cut."""
     flat = printable(text)
     return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def drain_reasons(gpus: list[dict[str, Any]], drained: dict[str, str | None]) -> list[str]:
+    """Why each drained node (``drained``: name -> reason) or GPU (its ``drain_reason``) is drained,
+    a line each, as `sinfo -R` lists them: under the GPUs of `gpuq status` and `gpuq devices`."""
+    lines = [f"drained: node {node}: {one_line(why or 'no reason given', 160)}"
+             for node, why in sorted(drained.items())]
+    return lines + [f"drained: {g['node']} GPU {g['index']}: {one_line(g['drain_reason'], 160)}" for g in gpus
+                    if g.get("drain_reason") and g["node"] not in drained]

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuq.cli.client import Client
-from gpuq.cli.render import duration, job, mib, one_line, print_json, result_summary, seconds
+from gpuq.cli.render import drain_reasons, duration, job, mib, one_line, print_json, result_summary, seconds
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
 
@@ -39,7 +39,8 @@ def status(
     typer.echo(render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
                       frozenset({"GPU", "UTIL"}), colour) if gpus else
                "no GPUs registered: start the workers with `gpuq up`")
-    for why in _drain_reasons(gpus):
+    # A drained node's GPUs carry its reason: one line for the node.
+    for why in drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")}):
         typer.echo(why)
 
 
@@ -54,17 +55,6 @@ def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:
     state = _state(_gpu_state(g))
     return [[*head, f"{mib(s['used_mib'])} of {mib(s['share_mib'])} share", util, state,
              f"{s['job_id']} ({s['user'] or ''})"] for s in shares]
-
-
-def _drain_reasons(gpus: list[dict[str, Any]]) -> list[str]:
-    """Why each drained node or GPU is drained, a line each under the table (as `sinfo -R`)."""
-    lines: dict[str, None] = {}
-    for g in gpus:
-        if g["drained"]:
-            # A node's reason is every GPU's of it: one line for the node.
-            where = f"node {g['node']}" if g.get("node_drained") else f"{g['node']} GPU {g['index']}"
-            lines[f"drained: {where}: {one_line(g['drain_reason'] or 'no reason given', 160)}"] = None
-    return list(lines)
 
 
 def _gpu_state(g: dict[str, Any]) -> str:

@@ -65,6 +65,22 @@ def test_devices_shows_utilisation_memory_job_user_and_foreign_processes(recorde
     assert watched.exit_code == 0 and watched.output.count("xorg[99]") == 2
 
 
+def test_devices_marks_drained_gpus_and_says_why_under_the_table_as_status_does(recorded, use_settings):
+    with write_scope(use_settings) as session:
+        session.query(Gpu).filter(Gpu.index == 1).update({Gpu.drain_reason: "GPU lost: Xid 79 (planted)"})
+    out = invoke("devices")
+    assert out.exit_code == 0, out.output
+    lines = out.output.rstrip().splitlines()
+    assert lines[-1] == "drained: testnode GPU 1: GPU lost: Xid 79 (planted)"
+    assert sum("(drained)" in line for line in lines) == 1
+    assert json.loads(invoke("devices", "--json").output)[1]["drain_reason"] == "GPU lost: Xid 79 (planted)"
+    assert lines[-1] in invoke("status").output
+    assert invoke("drain", "testnode", "--reason", "driver update").exit_code == 0
+    lines = invoke("devices").output.rstrip().splitlines()
+    assert lines[-1] == "drained: node testnode: driver update"
+    assert sum("(drained)" in line for line in lines) == 2
+
+
 def test_stats_reports_users_and_nodes_as_json_and_csv(recorded):
     data = json.loads(invoke("stats", "--since", "1h", "--json").output)
     users = {u["name"]: u for u in data["users"]}
