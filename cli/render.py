@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from gpuq.service.display import duration, result_summary  # noqa: F401 - the CLI's names for them
+from gpuq.service.display import drained, duration, result_summary  # noqa: F401 - the CLI's names for them
 
 
 def mib(v: int | float | None) -> str:
@@ -61,10 +61,7 @@ def one_line(text: str, width: int = 60) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def drain_reasons(gpus: list[dict[str, Any]], drained: dict[str, str | None]) -> list[str]:
-    """Why each drained node (``drained``: name -> reason) or GPU (its ``drain_reason``) is drained,
-    a line each, as `sinfo -R` lists them: under the GPUs of `gpuq status` and `gpuq devices`."""
-    lines = [f"drained: node {node}: {one_line(why or 'no reason given', 160)}"
-             for node, why in sorted(drained.items())]
-    return lines + [f"drained: {g['node']} GPU {g['index']}: {one_line(g['drain_reason'], 160)}" for g in gpus
-                    if g.get("drain_reason") and g["node"] not in drained]
+def drain_reasons(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[str]:
+    """Why each drained node or GPU is drained (``display.drained``), a line each: under the GPUs of
+    `gpuq status` and `gpuq devices`."""
+    return [f"drained: {where}: {one_line(why, 160)}" for where, why in drained(gpus, nodes)]

@@ -43,3 +43,12 @@ def result_summary(job: Job | Any) -> str:
     if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:
         return "interactive (gpuq alloc)"
     return job.reason or ""
+
+
+def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tuple[str, str]]:
+    """What is drained and why, as `sinfo -R` lists it under the GPUs of every front-end: each
+    drained node (``nodes``: name -> reason), then each GPU drained on its own (its ``drain_reason``,
+    in the server's JSON), as (where, why)."""
+    out = [(f"node {node}", why or "no reason given") for node, why in sorted(nodes.items())]
+    return out + [(f"{g['node']} GPU {g['index']}", g["drain_reason"]) for g in gpus
+                  if g.get("drain_reason") and g["node"] not in nodes]

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from gpuq.service import broker, inventory, system_home
+from gpuq.service.celery_app import queue_name
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import StackError
@@ -209,8 +210,6 @@ class Supervisor:
 
     def _leave_out(self, child: Child, why: str) -> None:
         """Stop restarting this GPU's worker and drain its GPU, ``why`` its reason."""
-        from gpuq.service.celery_app import queue_name
-
         gpu = child.gpu
         assert gpu is not None
         child.left_out = why

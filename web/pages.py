@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuq.cli.client import Client
 from gpuq.service import constants as c
+from gpuq.service import display
 from gpuq.service.display import duration, result_summary
 from gpuq.web import svg
 from gpuq.web.html import facts, mib, page, state, table, value, when
@@ -88,16 +89,9 @@ def queue(api: Client) -> str:
             + (table(["node", "GPU", "name", "state", "utilisation", "memory", "temp", "power", "job", "user",
                       "foreign processes"], gpu_rows, numeric={1, 6, 7}, cls="gpus") if devices
                else "<p>no GPUs registered: start the workers (<code>gpuq up</code>)</p>")
-            + _drain_reasons(devices, drained))
+            + "".join(f'<p class="muted">drained: {escape(where)}: {escape(why)}</p>'
+                      for where, why in display.drained(gpus["devices"], drained)))
     return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
-
-
-def _drain_reasons(devices: list[Any], drained: dict[str, str | None]) -> str:
-    """Why each drained node or GPU is drained, under the GPUs (as `gpuq status` and `sinfo -R`)."""
-    lines = [f"node {escape(node)}: {escape(why or 'no reason given')}" for node, why in sorted(drained.items())]
-    lines += [f"{escape(d.node)} GPU {d.index}: {escape(d.drain_reason)}" for d in devices
-              if getattr(d, "drain_reason", None) and d.node not in drained]
-    return "".join(f'<p class="muted">drained: {line}</p>' for line in lines)
 
 
 def job(api: Client, job_id: int) -> str:
