@@ -1,12 +1,30 @@
-"""What the benchmarks that start a stack of their own share: taking it down without a trace."""
+"""What the benchmarks and scripts/gpu_check.py, which start a stack of their own, share: a free
+port and whether a real GPU is here to start it with, and taking it down without a trace."""
 
 from __future__ import annotations
 
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the stack's Redis)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def has_gpu() -> bool:
+    """Whether nvidia-smi lists a GPU here (else the stack runs on simulated GPUs)."""
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def stop_on_sigterm() -> None:

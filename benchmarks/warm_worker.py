@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.stack import stop_on_sigterm
+from benchmarks.stack import free_port, has_gpu, stop_on_sigterm
 
 COLD = """
 import time, torch
@@ -48,8 +48,8 @@ def main() -> int:
     # The server's socket in the temporary home: as root the default is the machine's /run/gpuq.
     env.update(GPUQ_HOME=str(home), GPUQ_CONFIG=str(home / "none.toml"), GPUQ_WARM_START="true",
                GPUQ_SOCKET=str(home / "gpuq.sock"),
-               GPUQ_REDIS_PORT=str(args.redis_port or _free_port()), GPUQ_SCHEDULER_INTERVAL="0.5")
-    if not (_has("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0):
+               GPUQ_REDIS_PORT=str(args.redis_port or free_port()), GPUQ_SCHEDULER_INTERVAL="0.5")
+    if not has_gpu():
         env["GPUQ_FAKE_GPUS"] = "1"
     os.environ.update(env)
     from gpuq.service import jobs, spec, submitting
@@ -90,20 +90,6 @@ def main() -> int:
     print(f"ratio fresh/warm:                   {c / w:8.2f}x")
     print(f"gpuq's overhead over the products:  {(w - wi) * 1000:8.1f} ms (queue, SQL, dispatch)")
     return 0
-
-
-def _has(cmd: str) -> bool:
-    from shutil import which
-
-    return which(cmd) is not None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stack import free_port, has_gpu, stop_on_sigterm
 
 GPUQ = str(Path(sys.executable).with_name("gpuq"))
 PY = sys.executable
@@ -202,7 +203,7 @@ def stats_and_metrics(c: Check) -> tuple[str, str]:
     if job is None:
         return "SKIP", "no workload job to read"
     summary = json.loads(c.gpuq("stats", str(job), "--json").stdout)
-    port = _free_port()
+    port = free_port()
     dash = subprocess.Popen([GPUQ, "dashboard", "--port", str(port)], env=c.env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -225,32 +226,18 @@ def stats_and_metrics(c: Check) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), detail
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _has_gpu() -> bool:
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="where the figures and logs are kept")
     ap.add_argument("--size", type=int, help="matrix side of the matmul jobs (default 8192 on a GPU, 256 simulated)")
     args = ap.parse_args()
-    # SIGTERM (a `timeout`) unwinds like Ctrl-C, so the stack is taken down.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    real = _has_gpu()
+    stop_on_sigterm()  # a `timeout` still takes the stack down
+    real = has_gpu()
     base = Path(tempfile.mkdtemp(prefix="gpuq-check-", dir="/tmp"))
     os.chmod(base, 0o711)  # other users traverse to the stack's socket; they never list it
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
     env |= {"GPUQ_HOME": str(base / "home"), "GPUQ_SOCKET": str(base / "gpuq.sock"),
-            "GPUQ_REDIS_PORT": str(_free_port()), "GPUQ_CONFIG": str(base / "none.toml"),
+            "GPUQ_REDIS_PORT": str(free_port()), "GPUQ_CONFIG": str(base / "none.toml"),
             "GPUQ_SAMPLE_INTERVAL": "0.5", "GPUQ_SHARED_MEM_GRACE": "2"}
     if not real:
         env |= {"GPUQ_FAKE_GPUS": "1", "GPUQ_WARM_START": "false"}
