@@ -92,7 +92,9 @@ def _lines(j: Any) -> list[tuple[str, str]]:
         lines.append(("commit", (j.git_commit or "none yet") + (f" (dirty: `gpuq show --diff {j.id}`)"
                                                                 if j.git_dirty else "")))
     if j.snapshot:
-        lines.append(("snapshot", j.snapshot))
+        removed = getattr(j, "snapshot_removed_at", None)  # a server from before retention sends none
+        lines.append(("snapshot", j.snapshot + (f" (removed {timestamp(removed)}, past its retention)"
+                                                if removed else "")))
     for n, attempt in enumerate(j.attempts or [], 1):
         kind = f" [{attempt['failure']}]" if attempt.get("failure") else ""
         lines.append((f"attempt {n}",
@@ -213,7 +215,7 @@ def _until_ended(client: Client, job_ids: list[int], timeout: float | None,
 @app.command()
 def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
          array: Annotated[int | None, typer.Option(help="Every job of this array.")] = None,
-         timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds.")] = None,
+         timeout: Annotated[float | None, typer.Option(min=0, help="Give up after this many seconds.")] = None,
          quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
          progress: Annotated[bool | None, typer.Option("--progress/--no-progress", show_default=False,
                                                        help="A bar of jobs ended (default: on a terminal).")]

@@ -21,7 +21,7 @@ db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=Tru
 
 
 @app.command()
-def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers.")] = 120.0) -> None:
+def up(timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the workers.")] = 120.0) -> None:
     """Start the local stack in the background: Redis if needed, the server, the scheduler, one
     worker per GPU. Run as root, it serves every user of the machine: its state is root's alone
     (the home 0711, the database 0600) and the Redis it starts needs a password it generates."""
@@ -41,7 +41,7 @@ def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the work
 
 
 @app.command()
-def down(grace: Annotated[float, typer.Option(help="Seconds running jobs get to finish before they are "
+def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs get to finish before they are "
                                                     "interrupted.")] = 30.0) -> None:
     """Stop the local stack; no process of it is left behind."""
     from gpuq.service import stack

@@ -27,7 +27,8 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "submitted_at": iso(j.submitted_at), "dispatched_at": iso(j.dispatched_at),
         "started_at": iso(j.started_at), "ended_at": iso(j.ended_at),
         "git_commit": j.git_commit, "git_dirty": j.git_dirty, "git_diff_cut": j.git_diff_cut,
-        "snapshot": j.snapshot, "cancel_requested_at": iso(j.cancel_requested_at),
+        "snapshot": j.snapshot, "snapshot_removed_at": iso(j.snapshot_removed_at),
+        "cancel_requested_at": iso(j.cancel_requested_at),
     }
 
 

@@ -126,6 +126,8 @@ IDLE_UTILIZATION = 10
 IDLE_SHARE = 0.9
 # How often each worker rolls its own GPU's samples past retention into minute aggregates, seconds.
 ROLLUP_EVERY = 3600.0
+# How often the scheduler removes snapshots past GPUQ_SNAPSHOT_RETENTION_DAYS, seconds (and at start).
+SNAPSHOT_PRUNE_EVERY = 3600.0
 # Width of an aggregate row, seconds: raw samples past retention become one row per GPU, job and minute.
 AGGREGATE_SECONDS = 60
 # Raw samples are rolled up a day at a time, each day in its own transaction.

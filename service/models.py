@@ -137,6 +137,8 @@ class Job(Base):
     git_diff: Mapped[str | None] = mapped_column(Text)
     git_diff_cut: Mapped[bool | None] = mapped_column()
     snapshot: Mapped[str | None] = mapped_column(Text)
+    # When gpuq removed that copy, past GPUQ_SNAPSHOT_RETENTION_DAYS (service/snapshot_retention.py).
+    snapshot_removed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # An allocation (kind interactive): when its client (`gpuq alloc`) last said it is alive, and
     # the exit code of the shell or command it ran, once the client has ended it.
     keepalive_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -39,6 +39,10 @@ def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) 
             raise InvalidSpec(f"job {job_id} is an allocation: its shell ran in its client's terminal; "
                               "run gpuq alloc again")
         spec = spec_of(job, caller.user)
+        removed = job.snapshot_removed_at
+    if removed is not None:
+        raise InvalidSpec(f"job {job_id}'s snapshot was removed on {removed:%Y-%m-%d}, past its retention "
+                          "(GPUQ_SNAPSHOT_RETENTION_DAYS); it cannot run as it was")
     if spec.snapshot and not os.path.isdir(spec.cwd):
         raise InvalidSpec(f"job {job_id}'s snapshot {spec.snapshot} is gone; it cannot run as it was")
     # The code is the one recorded with the old job (and its snapshot, reused): not asked of git again.

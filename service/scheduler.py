@@ -18,7 +18,7 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, packing, policy
+from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, packing, policy, snapshot_retention
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.dialect import savepoint
@@ -282,12 +282,28 @@ class Scheduler:
             except ValueError:
                 log.warning("dropped a malformed dispatch entry: %r", entry[:100])
 
+    def _prune_snapshots(self, stop: threading.Event) -> None:
+        """Remove snapshots past their retention at start and then every SNAPSHOT_PRUNE_EVERY
+        seconds, beside the passes: removing a large tree takes seconds no pass should wait for."""
+        while True:
+            try:
+                done = snapshot_retention.prune(self.settings, utcnow())
+                if done.removed or done.incoming:
+                    log.info("removed %d snapshot(s) past %g days and %d half-made copies: %.1f MiB freed",
+                             len(done.removed), self.settings.snapshot_retention_days, done.incoming,
+                             done.freed_bytes / 2**20)
+            except Exception:
+                log.exception("removing snapshots past their retention failed; trying again later")
+            if stop.wait(c.SNAPSHOT_PRUNE_EVERY):
+                return
+
     def run(self, stop: threading.Event) -> None:
         """Schedule until ``stop`` is set: a quick pass after every wake-up (a submit, a job's end,
         a new worker), and a whole pass at least every interval, which also writes why each job
         waits. A whole pass over a long queue is spaced to at most a tenth of the time. Jobs
         placed at submit are sent as soon as they are handed over, with no pass before or after."""
         log.info("scheduler started (node %s)", self.settings.node)
+        threading.Thread(target=self._prune_snapshots, args=(stop,), name="snapshots", daemon=True).start()
         why, last_pass, last_checkpoint = broker.TIMEOUT, -math.inf, time.monotonic()
         while not stop.is_set():
             try:

@@ -121,6 +121,9 @@ class Settings:
     # Where `gpuq submit --snapshot` keeps each job's copy of the work tree; empty: ``home/snapshots``.
     # With workers on several nodes it must be storage they all see at the same path (NFS and such).
     snapshot_dir: str = ""
+    # Days a job's snapshot is kept after the last job that runs from it ended (a resubmit reuses
+    # it); then the scheduler removes it, with whatever the job wrote inside. 0: kept for ever.
+    snapshot_retention_days: float = 0.0
     # A work tree bigger than this (the files git would list, bytes) is not snapshotted.
     snapshot_max_bytes: int = 256 * 1024 * 1024
     # The uncommitted diff kept with a command job, bytes; past it the diff is cut, and marked so.

@@ -51,6 +51,21 @@ def test_show_completion_prints_a_bash_script_and_the_protocol_completes_command
     assert options.stdout.split() == ["--snapshot"]
 
 
+@pytest.mark.parametrize("args,option", [(["wait", "--timeout", "-1", "1"], "--timeout"),
+                                         (["up", "--timeout", "0"], "--timeout"),
+                                         (["down", "--grace", "-1"], "--grace")])
+def test_a_negative_wait_or_grace_is_refused_as_bad_input_before_anything_runs(tmp_path, args, option):
+    # Refused by the option itself: `wait --timeout -1` used to wait once and report a timeout
+    # (exit 5), and no stack is started or stopped with a limit that makes no sense.
+    env = {**os.environ, "GPUQ_HOME": str(tmp_path), "GPUQ_CONFIG": "/nonexistent/gpuq.toml",
+           "GPUQ_SOCKET": str(tmp_path / "none.sock")}
+    done = gpuq(args, env)
+    assert done.returncode == c.EXIT_USAGE, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0], done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
 _ORPHAN = """
 import os, subprocess, sys, time
 if os.fork():

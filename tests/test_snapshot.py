@@ -8,10 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from gpuq.service import constants as c
@@ -19,8 +22,10 @@ from gpuq.service import jobs, spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec, NotAllowed
-from gpuq.service.models import Job
+from gpuq.service.models import Job, utcnow
 from gpuq.service.resubmit import resubmit
+from gpuq.service.scheduler import Scheduler
+from gpuq.service.snapshot_retention import INCOMING_MAX_AGE_S, prune
 from tests.conftest import ThreadServer, run_cli, serving
 from tests.test_end_to_end import output_of, wait_for_state
 
@@ -210,3 +215,102 @@ def test_the_tasks_of_an_array_share_one_snapshot_named_after_the_first(settings
     assert {(t.snapshot, t.cwd) for t in tasks} == {(first.snapshot, os.path.join(first.snapshot, "sub"))}
     assert snapshot_entries(settings) == [str(first.id)]
     assert (Path(first.cwd) / "code.txt").read_text() == "version 1\n"
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+def ended(settings, job_ids: list[int], ago: timedelta) -> None:
+    """Mark the jobs succeeded, ended ``ago``."""
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id.in_(job_ids)).values(state=State.SUCCEEDED,
+                                                                      ended_at=utcnow() - ago))
+
+
+def test_a_snapshot_goes_once_every_job_that_runs_from_it_ended_longer_ago_than_the_retention(settings, tmp_path):
+    settings = settings.with_overrides(snapshot_retention_days=1.0)
+    repo = make_repo(tmp_path)
+    old, recent = (submitting.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo))], snapshot=True)[0]
+                   for _ in range(2))
+    again = resubmit(settings, old.id)  # runs from old's copy: it keeps it while it may still run
+    ended(settings, [old.id], timedelta(days=2))
+    ended(settings, [recent.id], timedelta(hours=2))
+    assert prune(settings, utcnow()).removed == []
+    assert snapshot_entries(settings) == sorted([str(old.id), str(recent.id)])
+
+    ended(settings, [again.id], timedelta(days=1, minutes=1))
+    done = prune(settings, utcnow())
+    assert done.removed == [old.snapshot] and done.freed_bytes > 0
+    assert snapshot_entries(settings) == [str(recent.id)]
+    assert all(get(settings, j).snapshot_removed_at is not None for j in (old.id, again.id))
+    assert get(settings, recent.id).snapshot_removed_at is None
+    assert prune(settings, utcnow()).removed == []  # once
+    with pytest.raises(InvalidSpec, match=r"snapshot was removed on .* past its retention"):
+        resubmit(settings, old.id)
+
+
+def test_show_says_a_snapshot_was_removed_past_its_retention(served, tmp_path):
+    settings = served
+    repo = make_repo(tmp_path)
+    job = submitting.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo))], snapshot=True)[0]
+    ended(settings, [job.id], timedelta(days=3))
+    prune(settings.with_overrides(snapshot_retention_days=2.0), utcnow())
+    out = run_cli(["show", str(job.id)], settings)
+    assert out.returncode == 0, out.stderr
+    assert f"snapshot  {job.snapshot} (removed " in out.stdout and "past its retention)" in out.stdout
+    refused = run_cli(["resubmit", str(job.id)], settings)
+    assert refused.returncode == c.EXIT_USAGE and refused.stderr.count("\n") == 1
+    assert "GPUQ_SNAPSHOT_RETENTION_DAYS" in refused.stderr
+    assert job_count(settings) == 1
+
+
+def test_without_a_retention_snapshots_stay_and_only_half_made_copies_older_than_a_day_go(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    job = submitting.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo))], snapshot=True)[0]
+    ended(settings, [job.id], timedelta(days=400))
+    stale, fresh = settings.snapshots / ".incoming-dead", settings.snapshots / ".incoming-live"
+    for copy in (stale, fresh):
+        (copy / "sub").mkdir(parents=True)
+        (copy / "sub" / "code.txt").write_text("half\n")
+    day_ago = time.time() - INCOMING_MAX_AGE_S - 60
+    os.utime(stale, (day_ago, day_ago))
+    done = prune(settings, utcnow())
+    assert (done.removed, done.incoming) == ([], 1)
+    assert snapshot_entries(settings) == [".incoming-live", str(job.id)]
+
+
+def test_a_snapshot_path_outside_the_snapshot_directory_is_never_removed(settings, tmp_path):
+    settings = settings.with_overrides(snapshot_retention_days=1.0)
+    repo = make_repo(tmp_path)
+    elsewhere = tmp_path / "elsewhere" / "7"
+    elsewhere.mkdir(parents=True)
+    link = settings.snapshots / "8"
+    settings.snapshots.mkdir(parents=True)
+    link.symlink_to(repo)  # a job directory replaced by a link: nothing behind it is followed
+    ids = []
+    for path in (str(elsewhere), str(link), str(repo)):
+        job = submitting.submit(settings, spec.command_spec(["true"], cwd=str(repo)))
+        with write_scope(settings) as session:
+            session.execute(update(Job).where(Job.id == job.id).values(snapshot=path))
+        ids.append(job.id)
+    ended(settings, ids, timedelta(days=2))
+    assert prune(settings, utcnow()).removed == []
+    assert elsewhere.is_dir() and link.is_symlink() and (repo / "sub" / "code.txt").is_file()
+
+
+def test_the_scheduler_removes_snapshots_past_their_retention_when_it_starts(settings, tmp_path):
+    settings = settings.with_overrides(snapshot_retention_days=1.0)
+    repo = make_repo(tmp_path)
+    job = submitting.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo))], snapshot=True)[0]
+    ended(settings, [job.id], timedelta(days=2))
+    stop = threading.Event()
+    runner = threading.Thread(target=Scheduler(settings).run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while os.path.exists(job.snapshot) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(job.snapshot)
+        assert get(settings, job.id).snapshot_removed_at is not None
+    finally:
+        stop.set()
+        runner.join(30)

@@ -1,1 +1,1 @@
-HEAD = "0011"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0012"  # the newest revision; tests/test_migrations.py checks it against Alembic
