@@ -21,10 +21,12 @@ db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=Tru
 
 
 @app.command()
-def up(timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the workers.")] = 120.0) -> None:
+def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers.")] = 120.0) -> None:
     """Start the local stack in the background: Redis if needed, the server, the scheduler, one
     worker per GPU. Run as root, it serves every user of the machine: its state is root's alone
     (the home 0711, the database 0600) and the Redis it starts needs a password it generates."""
+    if timeout <= 0:
+        raise typer.BadParameter(f"{timeout:g} is not a number of seconds above 0", param_hint="'--timeout'")
     from gpuq.service import stack
 
     settings = get_settings()
