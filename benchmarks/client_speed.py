@@ -1,7 +1,7 @@
 """How long a user's `gpuq` command takes, as a whole process, now that it is a thin client of
 `gpuq server`; beside a bare `python -c pass` of the same venv, measured in one run.
 
-    python benchmarks/client_speed.py [--runs 20] [--loop 12] [--cwd DIR]
+    python benchmarks/client_speed.py [--runs 20] [--loop 12] [--deep 9000] [--cwd DIR]
 
 It starts its own stack (a server on a Unix socket in /tmp, a scheduler, 2 workers on simulated
 GPUs, warm start off) in a temporary home with its own SQLite file, on the local Redis
@@ -9,7 +9,9 @@ GPUs, warm start off) in a temporary home with its own SQLite file, on the local
 user runs it: the venv's `gpuq` script in a new process whose environment holds PATH, HOME and
 GPUQ_SOCKET and GPUQ_NODE only. For each: p50 and p90 wall time over --runs runs, and its ratio to
 `python -c pass`; then --loop `gpuq submit -- true` one after the other (a script's loop), in all;
-then which heavy modules a `gpuq status` process imported (`python -X importtime`).
+then `gpuq status` and `gpuq status -r` with a held array of --deep tasks pending (one line for
+the array, and a line for each task); then which heavy modules a `gpuq status` process imported
+(`python -X importtime`).
 
 Goals: `gpuq status` and `gpuq submit` p50 at most 150 ms; twelve submits at most 12 x 150 ms; a
 no-op `gpuq run -- true` (queued, run and followed to its end) at most 300 ms; no sqlalchemy,
@@ -108,6 +110,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20, help="runs of each command")
     ap.add_argument("--loop", type=int, default=12, help="`gpuq submit -- true` one after the other")
+    ap.add_argument("--deep", type=int, default=9000,
+                    help="then `gpuq status` with an array of this many tasks pending (0: not timed)")
     ap.add_argument("--cwd", help="where the commands run (default: the temporary directory, outside any git "
                                   "work tree; a command submit inside one also runs git there)")
     args = ap.parse_args()
@@ -173,6 +177,17 @@ def main() -> int:
 
         # Last: each of these jobs starts a fresh process that imports torch (warm start is off).
         results["gpuq submit matmul --size 64"], _ = runs([gpuq, "submit", "matmul", "--size", "64"])
+
+        if args.deep:
+            # A deep queue: one user's held array. `gpuq status` shows its pending tasks as one line
+            # (as squeue does), `status -r` a line each, which the server, the JSON and the table pay for.
+            waited += wait_idle(settings)
+            timed([gpuq, "submit", "--hold", "--array", f"0-{args.deep - 1}", "--", "true"], user_env, cwd)
+            deep = max(3, args.runs // 4)
+            for label, argv in ((f"gpuq status, {args.deep} pending", [gpuq, "status"]),
+                                (f"gpuq status -r, {args.deep} pending", [gpuq, "status", "-r"])):
+                timed(argv, user_env, cwd)
+                results[label] = [timed(argv, user_env, cwd)[0] for _ in range(deep)]
 
         heavy, import_s, costliest = imported_by_status(py, user_env, cwd)
 

@@ -61,6 +61,17 @@ def one_line(text: str, width: int = 60) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+def job_name(name: str, width: int = 30) -> str:
+    """A job's name for a table cell: an array task's ``[index]`` (or a collapsed array's
+    ``[5-9999]``) is kept whole, and the name before it is cut instead."""
+    flat = printable(name)
+    cut = flat.rfind("[")
+    if len(flat) <= width or not flat.endswith("]") or cut <= 0 or len(flat) - cut > width // 2:
+        return one_line(name, width)
+    tail = flat[cut:]
+    return flat[: width - len(tail) - 1] + "…" + tail
+
+
 def drain_reasons(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[str]:
     """Why each drained node or GPU is drained (``display.drained``), a line each: under the GPUs of
     `gpuq status` and `gpuq devices`."""

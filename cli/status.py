@@ -7,9 +7,10 @@ from typing import Annotated, Any
 import typer
 
 from gpuq.cli.client import Client
-from gpuq.cli.render import drain_reasons, duration, job, mib, one_line, print_json, result_summary, seconds
+from gpuq.cli.render import drain_reasons, duration, job, job_name, mib, one_line, print_json, result_summary, seconds
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
+from gpuq.service.display import in_queue_order, with_tasks
 
 app = typer.Typer()
 
@@ -18,10 +19,14 @@ app = typer.Typer()
 def status(
     ended: Annotated[int, typer.Option("--ended", "-n", min=0, help="How many ended jobs to show.")] = 10,
     mine: Annotated[bool, typer.Option("--me", help="Only my jobs.")] = False,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    every_task: Annotated[bool, typer.Option("--array-tasks", "-r", help="A line for each pending task of an array "
+                                             "(by default they are one line for each reason they wait, as in squeue).")]
+    = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
 ) -> None:
     """The queue (waiting, running and recently ended jobs) and the GPUs."""
-    answer = Client().get("/jobs", ended=ended, mine=1 if mine else None)
+    collapsed = not (every_task or as_json)
+    answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, arrays="collapsed" if collapsed else None)
     rows, gpus = answer["jobs"], answer["gpus"]
     if as_json:
         print_json({"jobs": rows, "gpus": gpus})
@@ -29,12 +34,13 @@ def status(
     colour = colours_wanted()
     idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
                  "yellow")
-    queue = [[str(j["id"]), j["user"], one_line(j["name"], 30), _state(j["state"]), str(j["gpus"]), j["node"] or "-",
-              duration(seconds(j["elapsed_s"])), idle_note if j["idle"] else one_line(result_summary(job(j)), 50)]
-             for j in rows]
+    queue = [[j.get("ids") or str(j["id"]), j["user"], job_name(j["name"]), _state(j["state"]), str(j["gpus"]),
+              j["node"] or "-", duration(seconds(j["elapsed_s"])),
+              idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)]
+             for j in in_queue_order(rows, answer.get("arrays") or [])]
     devices = [row for g in gpus for row in _gpu_rows(g)]
     typer.echo(render("jobs", ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"), queue,
-                      frozenset({"ID", "GPUS"}), colour) if rows else "no jobs")
+                      frozenset({"ID", "GPUS"}), colour) if queue else "no jobs")
     typer.echo()
     typer.echo(render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
                       frozenset({"GPU", "UTIL"}), colour) if gpus else

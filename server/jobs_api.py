@@ -78,17 +78,24 @@ async def queue(request: web.Request) -> web.Response:
     settings, caller = context(request)
     ended = _int(request, "ended", 10)
     mine = request.query.get("mine") in ("1", "true")
-    return web.json_response(await call(_queue, settings, caller.user if mine else None, max(ended, 0)))
+    # arrays=collapsed: an array's pending tasks come as entries of "arrays", one for each reason
+    # they wait, not as thousands of jobs (`gpuq status` and the dashboard ask for it).
+    collapsed = request.query.get("arrays") == "collapsed"
+    return web.json_response(await call(_queue, settings, caller.user if mine else None, max(ended, 0), collapsed))
 
 
-def _queue(settings: Settings, user: str | None, ended: int) -> dict[str, Any]:
+def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = False) -> dict[str, Any]:
     now = utcnow()
     with reading(settings) as session:
-        rows = jobs.list_jobs(session, ended_limit=ended, user=user)
+        rows = jobs.list_jobs(session, ended_limit=ended, user=user, but_pending_tasks=collapsed)
+        tasks = jobs.pending_tasks(session, user=user) if collapsed else []
         gpus = inventory.view(session, settings)
         idle = usage.idle_jobs(session, settings)
         listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j, now)), "idle": j.id in idle} for j in rows]
-    return {"jobs": listed, "gpus": [views.plain(g.__dict__) for g in gpus], "idle_window_s": settings.idle_window}
+    answer = {"jobs": listed, "gpus": [views.plain(g.__dict__) for g in gpus], "idle_window_s": settings.idle_window}
+    if collapsed:
+        answer["arrays"] = [views.pending_tasks(g) for g in tasks]
+    return answer
 
 
 def _secs(d: Any) -> float | None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from gpuq.service import display
+from gpuq.service.constants import State
+from gpuq.service.jobs import PendingTasks
 from gpuq.service.models import Job
 
 
@@ -30,6 +33,15 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "snapshot": j.snapshot, "snapshot_removed_at": iso(j.snapshot_removed_at),
         "cancel_requested_at": iso(j.cancel_requested_at),
     }
+
+
+def pending_tasks(g: PendingTasks) -> dict[str, Any]:
+    """An array's pending tasks that wait for one reason, as one entry of the queue's ``arrays``:
+    what a job's line in `gpuq status` shows, with ``ids`` written as ranges and their ``count``."""
+    return {"array_id": g.array_id, "first_id": g.ids[0], "ids": display.ranges(g.ids), "count": len(g.ids),
+            "user": g.user, "name": g.name, "state": State.PENDING, "gpus": g.gpus, "held": g.held,
+            "reason": g.reason, "submitted_at": iso(g.submitted_at), "node": None, "elapsed_s": None,
+            "idle": False, "result": None, "kind": None, "cancel_requested_at": None}
 
 
 def iso(t: datetime | None) -> str | None:

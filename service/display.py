@@ -52,3 +52,31 @@ def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tu
     out = [(f"node {node}", why or "no reason given") for node, why in sorted(nodes.items())]
     return out + [(f"{g['node']} GPU {g['index']}", g["drain_reason"]) for g in gpus
                   if g.get("drain_reason") and g["node"] not in nodes]
+
+
+def ranges(numbers: list[int], most: int = 4) -> str:
+    """Sorted whole numbers as squeue writes an array's tasks: runs as ``a-b``, the rest by commas,
+    at most ``most`` pieces and then ``…`` (``0-3,7,9-12``)."""
+    pieces: list[str] = []
+    start = prev = None
+    for n in [*sorted(numbers), None]:
+        if n is not None and prev is not None and n == prev + 1:
+            prev = n
+            continue
+        if start is not None:
+            pieces.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = n
+    return ",".join(pieces[:most]) + (",…" if len(pieces) > most else "")
+
+
+def in_queue_order(rows: list[dict[str, Any]], arrays: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The server's queue (active jobs by id, then the ended ones) with its collapsed arrays'
+    entries (``arrays``, see ``jobs.pending_tasks``) among the active jobs, each at its first task's place."""
+    active = [j for j in rows if j["state"] in c.ACTIVE_STATES]
+    merged = sorted([*active, *arrays], key=lambda j: j.get("first_id") or j["id"])
+    return merged + [j for j in rows if j["state"] not in c.ACTIVE_STATES]
+
+
+def with_tasks(j: dict[str, Any], why: str) -> str:
+    """A collapsed array's reason with how many of its tasks wait for it; a job's as it is."""
+    return why if "count" not in j else f"{why} ({j['count']} task{'s' if j['count'] != 1 else ''})"

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, lifecycle
+from gpuq.service import broker, display, lifecycle
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
@@ -35,17 +35,58 @@ def get_job(session: Session, job_id: int) -> Job:
     return job
 
 
-def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = None) -> list[Job]:
-    """Active jobs (oldest first), then the ``ended_limit`` most recently ended ones."""
+def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = None,
+              but_pending_tasks: bool = False) -> list[Job]:
+    """Active jobs (oldest first), then the ``ended_limit`` most recently ended ones; with
+    ``but_pending_tasks``, not the pending tasks of arrays (``pending_tasks`` has them)."""
     base = select(Job)
     if user:
         base = base.where(Job.user == user)
-    rows = list(session.scalars(base.where(Job.state.in_(c.ACTIVE_STATES)).order_by(Job.id)))
+    active = base.where(Job.state.in_(c.ACTIVE_STATES))
+    if but_pending_tasks:
+        active = active.where(~((Job.state == State.PENDING) & Job.array_id.is_not(None)))
+    rows = list(session.scalars(active.order_by(Job.id)))
     if ended_limit:
         ended = session.scalars(base.where(Job.state.in_(c.END_STATES))
                                 .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
         rows.extend(sorted(ended, key=lambda j: j.id))
     return rows
+
+
+@dataclass(frozen=True)
+class PendingTasks:
+    """Pending tasks of one array that wait for the same reason: one line of `gpuq status`, as
+    squeue shows an array's pending tasks (``1234_[5-9999]``) rather than thousands of lines."""
+
+    array_id: int
+    user: str
+    name: str  # the array's name with the tasks' indices: train[5-9999]
+    ids: list[int]  # the tasks' job ids, in order
+    gpus: int
+    held: bool
+    reason: str | None
+    submitted_at: datetime  # the first task's: an array's tasks are submitted together
+
+
+def pending_tasks(session: Session, *, user: str | None = None) -> list[PendingTasks]:
+    """The pending tasks of every array (or ``user``'s), grouped by array and by why they wait; the
+    few columns a line needs, not whole rows: 10,000 tasks are 10,000 small tuples."""
+    query = (select(Job.id, Job.array_id, Job.array_index, Job.user, Job.name, Job.gpus, Job.held, Job.reason,
+                    Job.submitted_at)
+             .where(Job.state == State.PENDING, Job.array_id.is_not(None)).order_by(Job.id))
+    if user:
+        query = query.where(Job.user == user)
+    groups: dict[tuple[int, bool, str | None], list[Any]] = {}
+    for row in session.execute(query):
+        groups.setdefault((row.array_id, row.held, row.reason), []).append(row)
+    out = []
+    for (array_id, held, reason), rows in groups.items():
+        first = rows[0]
+        # A task's name is the array's with its index or sweep values: train[5], train[lr=0.1].
+        base = first.name[:first.name.rindex("[")] if first.name.endswith("]") and "[" in first.name else first.name
+        out.append(PendingTasks(array_id, first.user, f"{base}[{display.ranges([r.array_index for r in rows])}]",
+                                [r.id for r in rows], first.gpus, held, reason, first.submitted_at))
+    return sorted(out, key=lambda g: g.ids[0])
 
 
 def job_gpus(session: Session, job_id: int) -> list[Gpu]:

@@ -13,11 +13,11 @@ from datetime import timedelta
 from html import escape
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, update
 
-from gpuq.service import accounting, inventory, jobs
+from gpuq.service import accounting, inventory, jobs, spec, submitting
 from gpuq.service.db import write_scope
-from gpuq.service.models import Gpu, utcnow
+from gpuq.service.models import Gpu, Job, utcnow
 from tests.conftest import run_cli, serving
 from tests.dashboard_stack import TRAIN_EPOCHS, XSS_NAME, Dashboard, stack_with_jobs
 
@@ -331,3 +331,22 @@ def test_the_cli_loads_no_web_server_or_prometheus_client_until_the_dashboard_ru
              "print(sorted(m for m in sys.modules if m.startswith(('prometheus_client', 'gpuq.web', 'wsgiref'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_queue_page_shows_an_arrays_pending_tasks_as_one_row_linked_to_the_first(ran, dash):
+    st, _ = ran
+    tasks = submitting.submit_all(st.settings, spec.expand(lambda extra: spec.command_spec(["true"], cwd="/"),
+                                                           spec.Scheduling(hold=True), "0-3", []))
+    ids = [t.id for t in tasks]
+    try:
+        _, _, html = dash.get("/")
+        row = re.search(rf'<tr><td class="num"><a href="/jobs/{ids[0]}">{ids[0]}-{ids[-1]}</a></td>.*?</tr>', html)
+        assert row, html
+        assert "true[0-3]" in row.group(0) and "held (4 tasks)" in row.group(0)
+        assert not any(f'<a href="/jobs/{i}">{i}</a>' in html for i in ids)  # no row of its own
+        with write_scope(st.settings) as session:  # the summary counts each task, not the row
+            pending = session.scalar(select(func.count()).select_from(Job).where(Job.state == "pending"))
+        assert f"{pending} pending" in html.split("<table", 1)[0]
+    finally:
+        with write_scope(st.settings) as session:  # gone, not ended: the other tests count the ended rows
+            session.execute(delete(Job).where(Job.id.in_(ids)))

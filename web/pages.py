@@ -52,17 +52,23 @@ def _job_link(job_id: int | None, text: str | None = None) -> str:
 def queue(api: Client) -> str:
     """The queue (active jobs, then the newest ended ones) and every GPU with its bars."""
     now = datetime.now(UTC)
-    answer = api.get("/jobs", ended=ENDED_SHOWN)
+    answer = api.get("/jobs", ended=ENDED_SHOWN, arrays="collapsed")
     gpus = api.get("/devices")
-    rows = [obj(j) for j in answer["jobs"]]
+    # An array's pending tasks are one row for each reason they wait (linked to the first task).
+    listed = display.in_queue_order(answer["jobs"], answer.get("arrays") or [])
+    rows = [obj(j) for j in listed]
     devices = [obj(d) for d in gpus["devices"]]
     drained = gpus.get("drained") or {}
-    counts = Counter(j.state for j in rows if j.state in c.ACTIVE_STATES)
+    counts: Counter[str] = Counter()
+    for j in listed:
+        if j["state"] in c.ACTIVE_STATES:
+            counts[j["state"]] += j.get("count", 1)
     window = answer.get("idle_window_s") or 0
-    job_rows = [[_job_link(j.id), escape(j.user), escape(j.name), state(j.state), str(j.gpus), escape(j.node or "-"),
-                 when(j.submitted_at), duration(seconds(j.elapsed_s)),
+    job_rows = [[_job_link(getattr(j, "first_id", None) or j.id, getattr(j, "ids", None)), escape(j.user),
+                 escape(j.name), state(j.state), str(j.gpus), escape(j.node or "-"), when(j.submitted_at),
+                 duration(seconds(j.elapsed_s)),
                  (f'<span class="s-cancelled">idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last '
-                  f'{window / 60:g} min</span>' if j.idle else escape(result_summary(j)))]
+                  f'{window / 60:g} min</span>' if j.idle else escape(display.with_tasks(vars(j), result_summary(j))))]
                 for j in rows]
     gpu_rows = []
     for d in devices:
