@@ -184,7 +184,7 @@ def _selected(client: Client, job_ids: list[int] | None, array: int | None, mine
     """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs."""
     chosen = list(job_ids or [])
     if chosen:
-        client.get("/jobs/states", ids=",".join(map(str, chosen)))  # every id must exist
+        states_of(client, chosen)  # every id must exist
     if array is not None:
         chosen += [r["id"] for r in client.get(f"/arrays/{array}")["jobs"]]
     if mine:
@@ -194,14 +194,32 @@ def _selected(client: Client, job_ids: list[int] | None, array: int | None, mine
     return list(dict.fromkeys(chosen))
 
 
+# Jobs `gpuq wait` names when it gives up: the line stays one line for an array of 10,000.
+WAITING_SHOWN = 5
+# Job ids asked about in one request: a query string of 500 ids stays under the server's 8 KiB
+# request line (an array of 10,000 tasks is 20 requests a look).
+STATES_PER_REQUEST = 500
+
+
+def states_of(client: Client, job_ids: list[int]) -> dict[int, str]:
+    """Each job's state; Refused (exit 3) if one does not exist."""
+    states: dict[int, str] = {}
+    for start in range(0, len(job_ids), STATES_PER_REQUEST):
+        chunk = job_ids[start:start + STATES_PER_REQUEST]
+        answer = client.get("/jobs/states", ids=",".join(map(str, chunk)))["states"]
+        states.update((int(k), v) for k, v in answer.items())
+    return states
+
+
 def _until_ended(client: Client, job_ids: list[int], timeout: float | None,
                  advance: Callable[[int, str], None] | None = None) -> dict[int, str]:
     """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out;
     ``advance(ended, text)`` is told how many have ended after each look."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    ids = ",".join(map(str, job_ids))
+    states: dict[int, str] = {}
     while True:
-        states = {int(k): v for k, v in client.get("/jobs/states", ids=ids)["states"].items()}
+        # An end state is final: each look asks only about the jobs that had not ended.
+        states.update(states_of(client, [j for j in job_ids if states.get(j) not in c.END_STATES]))
         if advance is not None:
             ended = sum(s in c.END_STATES for s in states.values())
             advance(ended, f"{ended} of {len(job_ids)} jobs ended")
@@ -230,8 +248,9 @@ def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", mi
     if as_json:
         print_json({str(j): states.get(j) for j in job_ids})
     if not all(s in c.END_STATES for s in states.values()):
-        waiting = ", ".join(f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES)
-        typer.echo(f"gpuq: still waiting after {timeout:g} s: job {waiting}", err=True)
+        left = [f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES]
+        more = f" and {len(left) - WAITING_SHOWN} more" if len(left) > WAITING_SHOWN else ""
+        typer.echo(f"gpuq: still waiting after {timeout:g} s: job {', '.join(left[:WAITING_SHOWN])}{more}", err=True)
         raise typer.Exit(c.EXIT_TIMEOUT)
     if not quiet and not as_json:
         for job_id in job_ids:
@@ -252,18 +271,17 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
     if not targets:
         typer.echo("no active jobs to cancel")
         return
+    # One request for them all: the server checks every job before it cancels any.
+    answer = client.post("/jobs/cancel", {"ids": targets})
+    grace = answer["kill_grace_s"]
     stopping = []
-    grace = 0.0
-    for job_id in targets:
-        try:
-            outcome = client.post(f"/jobs/{job_id}/cancel")
-        except Refused as exc:
-            if exc.exit_code != c.EXIT_CONFLICT or len(targets) == 1:
-                raise
-            typer.echo(f"job {job_id}: {exc}")  # in an array, ended tasks are no error
-            continue
-        grace = outcome["kill_grace_s"]
-        if outcome["state"] == State.CANCELLED:
+    for outcome in answer["jobs"]:
+        job_id, state = outcome["id"], outcome["state"]
+        if outcome["ended"]:
+            if len(targets) == 1:
+                raise Refused(f"job {job_id} already ended ({state})", c.EXIT_CONFLICT)
+            typer.echo(f"job {job_id}: already ended ({state})")  # in an array, ended tasks are no error
+        elif state == State.CANCELLED:
             typer.echo(f"job {job_id} cancelled")
         else:
             stopping.append(job_id)

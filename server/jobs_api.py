@@ -23,6 +23,7 @@ routes = web.RouteTableDef()
 T = TypeVar("T")
 P = c.API_PREFIX
 JOB = P + r"/jobs/{id:\d+}"
+MAX_IDS = 100_000  # job ids one request may name
 
 
 def _job_id(request: web.Request) -> int:
@@ -53,8 +54,8 @@ def _ids(text: str) -> list[int]:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise InvalidSpec(f"ids must be job ids separated by commas, got {text[:60]!r}") from None
-    if not ids or len(ids) > 100_000:
-        raise InvalidSpec("name between 1 and 100,000 job ids")
+    if not ids or len(ids) > MAX_IDS:
+        raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
     return ids
 
 
@@ -244,6 +245,22 @@ async def cancel(request: web.Request) -> web.Response:
     settings, caller = context(request)
     outcome = await call(jobs.cancel, settings, _job_id(request), caller)
     return web.json_response({"id": outcome.job_id, "state": outcome.state, "kill_grace_s": settings.kill_grace})
+
+
+@routes.post(P + "/jobs/cancel")
+async def cancel_all(request: web.Request) -> web.Response:
+    """Cancel the jobs of ``{"ids": [...]}`` in one request (`gpuq cancel` of an array, of all of
+    mine): all or none, if one may not be cancelled by the caller or does not exist."""
+    settings, caller = context(request)
+    body = await body_of(request)
+    ids = body.get("ids")
+    if set(body) != {"ids"} or not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise InvalidSpec('the body must be {"ids": [job ids]}')
+    if not 1 <= len(ids) <= MAX_IDS:
+        raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
+    outcomes = await call(jobs.cancel_all, settings, ids, caller)
+    return web.json_response({"jobs": [{"id": o.job_id, "state": o.state, "ended": o.ended} for o in outcomes],
+                              "kill_grace_s": settings.kill_grace})
 
 
 @routes.post(JOB + "/hold")

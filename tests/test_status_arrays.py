@@ -1,16 +1,22 @@
-"""`gpuq status` shows an array's pending tasks as one line for each reason they wait (as squeue
-writes ``1234_[5-9999]``), `-r` shows each task, and --json every job."""
+"""Large arrays from the command line: `gpuq status` shows an array's pending tasks as one line for
+each reason they wait (as squeue writes ``1234_[5-9999]``), `-r` shows each task and --json every
+job; `gpuq wait --array` asks about any number of tasks, and `gpuq cancel` of many jobs is one
+request that cancels all of them or, if one may not be, none."""
 
 import json
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
+from gpuq.cli.client import Client, Refused
+from gpuq.service import constants as c
+from gpuq.service import jobs, spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.display import ranges
+from gpuq.service.errors import JobNotFound, NotAllowed
 from gpuq.service.models import Job, utcnow
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,3 +69,49 @@ def test_a_long_array_name_is_cut_before_the_tasks_brackets(use_settings):
     assert invoke(["submit", "--array", "0-3", "--hold", "--name", name, "--", "true"]).exit_code == 0
     cell = job_lines(invoke(["status"]).output)[0][2]
     assert cell == name[:24] + "…[0-3]" and len(cell) == 30  # the column's width
+
+
+def states(settings, ids) -> list[str]:
+    with write_scope(settings) as session:
+        return list(session.scalars(select(Job.state).where(Job.id.in_(ids)).order_by(Job.id)))
+
+
+def test_wait_and_cancel_of_an_array_of_2000_tasks_each_work_in_one_line_and_cancel_in_one_request(use_settings):
+    # 2,000 ids in one query string (12 KB) passed the server's 8 KiB request line: `wait --array` failed.
+    assert invoke(["submit", "--hold", "--array", "0-1999", "--", "true"]).exit_code == 0
+    waited = invoke(["wait", "--array", "1", "--timeout", "0"])
+    assert waited.exit_code == c.EXIT_TIMEOUT, waited.output
+    assert waited.output.strip() == ("gpuq: still waiting after 0 s: job 1 (pending), 2 (pending), 3 (pending), "
+                                     "4 (pending), 5 (pending) and 1995 more")
+    with write_scope(use_settings) as session:
+        session.execute(update(Job).where(Job.id == 7).values(state=State.SUCCEEDED, ended_at=utcnow()))
+    cancelled = invoke(["cancel", "--array", "1"])
+    assert cancelled.exit_code == 0, cancelled.output
+    lines = cancelled.output.splitlines()
+    assert len(lines) == 2000 and lines[6] == "job 7: already ended (succeeded)" and lines[0] == "job 1 cancelled"
+    assert set(states(use_settings, range(1, 2001))) == {State.CANCELLED, State.SUCCEEDED}
+    assert invoke(["wait", "--array", "1"]).exit_code == c.EXIT_JOB_FAILED
+
+
+def test_cancelling_many_jobs_cancels_none_when_one_is_anothers_or_missing(settings, tmp_path):
+    mine = submitting.submit_all(settings, [spec.command_spec(["true"], cwd="/", user="ann")] * 3)
+    theirs = submitting.submit(settings, spec.command_spec(["true"], cwd="/", user="bob"))
+    ids = [j.id for j in mine]
+    with pytest.raises(NotAllowed, match=f"job {theirs.id} belongs to bob"):
+        jobs.cancel_all(settings, [*ids, theirs.id], user="ann")
+    with pytest.raises(JobNotFound, match="no job 999"):
+        jobs.cancel_all(settings, [*ids, 999], user="ann")
+    assert states(settings, [*ids, theirs.id]) == [State.PENDING] * 4
+    outcomes = jobs.cancel_all(settings, ids + ids[:1], user="ann")  # each once
+    assert [(o.job_id, o.state, o.ended) for o in outcomes] == [(i, State.CANCELLED, False) for i in ids]
+    assert states(settings, [*ids, theirs.id]) == [State.CANCELLED] * 3 + [State.PENDING]
+
+
+@pytest.mark.parametrize("body", [{"ids": "1,2"}, {"ids": [1, "2"]}, {"ids": []}, {"ids": [1], "user": "bob"},
+                                  {"ids": [True]}])
+def test_a_malformed_cancel_request_is_bad_input_and_changes_nothing(use_settings, body):
+    assert invoke(["submit", "--", "true"]).exit_code == 0
+    with pytest.raises(Refused) as refused:
+        Client(str(use_settings.server_socket)).post("/jobs/cancel", body)
+    assert refused.value.exit_code == c.EXIT_USAGE and "\n" not in str(refused.value)
+    assert states(use_settings, [1]) == [State.PENDING]
