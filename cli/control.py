@@ -7,12 +7,15 @@ from typing import Annotated
 
 import typer
 
-from gpuq.cli.client import Client
+from gpuq.cli.client import Client, Refused
+from gpuq.cli.jobs import selected
 from gpuq.cli.render import print_json
+from gpuq.service import constants as c
 
 app = typer.Typer()
 
-JobIds = Annotated[list[int], typer.Argument(help="Job ids.", min=1)]
+JobIds = Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)]
+Array = Annotated[int | None, typer.Option(help="Every job of this array.")]
 
 
 @app.command()
@@ -27,21 +30,30 @@ def why(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)],
 
 
 @app.command()
-def hold(job_ids: JobIds) -> None:
+def hold(job_ids: JobIds = None, array: Array = None) -> None:
     """Keep pending jobs from starting until `gpuq release`."""
-    client = Client()
-    for job_id in job_ids:
-        client.post(f"/jobs/{job_id}/hold")
-        typer.echo(f"job {job_id} held")
+    _set_held(job_ids, array, "hold", "held")
 
 
 @app.command()
-def release(job_ids: JobIds) -> None:
+def release(job_ids: JobIds = None, array: Array = None) -> None:
     """Let held jobs start again."""
+    _set_held(job_ids, array, "release", "released")
+
+
+def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str) -> None:
+    """One request for all the jobs (an array's too): a job named alone that cannot be held (it
+    runs, or is held already) is an error; in a list, a line that says so."""
     client = Client()
-    for job_id in job_ids:
-        client.post(f"/jobs/{job_id}/release")
-        typer.echo(f"job {job_id} released")
+    targets = selected(client, job_ids, array)
+    answer = client.post(f"/jobs/{move}", {"ids": targets})["jobs"]
+    for outcome in answer:
+        if outcome["not"] is None:
+            typer.echo(f"job {outcome['id']} {done}")
+        elif len(targets) == 1:
+            raise Refused(outcome["not"], c.EXIT_CONFLICT)
+        else:
+            typer.echo(outcome["not"])
 
 
 @app.command()

@@ -180,7 +180,7 @@ def _print_output(client: Client, job_id: int, answer: dict[str, Any], follow: b
         answer = client.get(f"/jobs/{job_id}/output", after=seq, wait=c.FOLLOW_WAIT_SECONDS, state=answer["state"])
 
 
-def _selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False) -> list[int]:
+def selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False) -> list[int]:
     """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs."""
     chosen = list(job_ids or [])
     if chosen:
@@ -241,7 +241,7 @@ def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", mi
          as_json: Annotated[bool, typer.Option("--json", help="The jobs' end states as JSON.")] = False) -> None:
     """Block until the jobs end; exit 0 only if all of them succeeded."""
     client = Client()
-    job_ids = _selected(client, job_ids, array)
+    job_ids = selected(client, job_ids, array)
     show = not quiet and not as_json and wanted(progress, sys.stderr)
     with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
         states = _until_ended(client, job_ids, timeout, advance)
@@ -267,7 +267,7 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
            ) -> None:
     """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree."""
     client = Client()
-    targets = _selected(client, job_ids, array, user)
+    targets = selected(client, job_ids, array, user)
     if not targets:
         typer.echo("no active jobs to cancel")
         return

@@ -252,15 +252,38 @@ async def cancel_all(request: web.Request) -> web.Response:
     """Cancel the jobs of ``{"ids": [...]}`` in one request (`gpuq cancel` of an array, of all of
     mine): all or none, if one may not be cancelled by the caller or does not exist."""
     settings, caller = context(request)
+    outcomes = await call(jobs.cancel_all, settings, await _ids_of(request), caller)
+    return web.json_response({"jobs": [{"id": o.job_id, "state": o.state, "ended": o.ended} for o in outcomes],
+                              "kill_grace_s": settings.kill_grace})
+
+
+@routes.post(P + "/jobs/hold")
+async def hold_all(request: web.Request) -> web.Response:
+    """Hold the pending jobs of ``{"ids": [...]}`` (all checked first, as a cancel); for each, null
+    where it was held, else why not (running, already held)."""
+    return await _set_held_all(request, True)
+
+
+@routes.post(P + "/jobs/release")
+async def release_all(request: web.Request) -> web.Response:
+    return await _set_held_all(request, False)
+
+
+async def _set_held_all(request: web.Request, held: bool) -> web.Response:
+    settings, caller = context(request)
+    outcome = await call(jobs.set_held_all, settings, await _ids_of(request), held, caller)
+    return web.json_response({"jobs": [{"id": job_id, "not": why} for job_id, why in outcome.items()]})
+
+
+async def _ids_of(request: web.Request) -> list[int]:
+    """The job ids of a request on many jobs, ``{"ids": [...]}``; InvalidSpec for anything else."""
     body = await body_of(request)
     ids = body.get("ids")
     if set(body) != {"ids"} or not isinstance(ids, list) or not all(type(i) is int for i in ids):
         raise InvalidSpec('the body must be {"ids": [job ids]}')
     if not 1 <= len(ids) <= MAX_IDS:
         raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
-    outcomes = await call(jobs.cancel_all, settings, ids, caller)
-    return web.json_response({"jobs": [{"id": o.job_id, "state": o.state, "ended": o.ended} for o in outcomes],
-                              "kill_grace_s": settings.kill_grace})
+    return ids
 
 
 @routes.post(JOB + "/hold")

@@ -122,22 +122,13 @@ def cancel_all(settings: Settings, job_ids: Sequence[int], user: Caller | str | 
     tasks is one request): JobNotFound or NotAllowed for any of them and none is cancelled; a job
     that already ended is reported so (``ended``), not an error."""
     require_schema(settings)
-    caller = Caller.of(user)
     now = utcnow()
     ids = list(dict.fromkeys(job_ids))
     with write_scope(settings) as session:
-        found: dict[int, tuple[str, str]] = {}
-        for start in range(0, len(ids), _CHUNK):
-            chunk = ids[start:start + _CHUNK]
-            found.update((r.id, (r.user, r.state)) for r in session.execute(
-                select(Job.id, Job.user, Job.state).where(Job.id.in_(chunk))))
-        for job_id in ids:  # every one is checked before any is changed
-            if job_id not in found:
-                raise JobNotFound(f"no job {job_id}")
-            check_change(settings, job_id, found[job_id][0], caller)
+        found = _changeable(session, settings, ids, Caller.of(user))
         outcomes = []
         for job_id in ids:
-            state = found[job_id][1]
+            state = found[job_id].state
             if state in c.END_STATES:
                 outcomes.append(CancelOutcome(job_id, state, ended=True))
             elif rows_changed(session.execute(lifecycle.CANCEL_WAITING, {"job_id": job_id, "now": now})):
@@ -152,20 +143,50 @@ def cancel_all(settings: Settings, job_ids: Sequence[int], user: Caller | str | 
     return outcomes
 
 
+def _changeable(session: Session, settings: Settings, ids: list[int], caller: Caller) -> dict[int, Any]:
+    """Each job's user, state and held flag, by id; JobNotFound or NotAllowed for the first of
+    ``ids`` that is missing or not the caller's to change: all are checked before any is changed."""
+    found: dict[int, Any] = {}
+    for start in range(0, len(ids), _CHUNK):
+        found.update((r.id, r) for r in session.execute(
+            select(Job.id, Job.user, Job.state, Job.held).where(Job.id.in_(ids[start:start + _CHUNK]))))
+    for job_id in ids:
+        if job_id not in found:
+            raise JobNotFound(f"no job {job_id}")
+        check_change(settings, job_id, found[job_id].user, caller)
+    return found
+
+
 def set_held(settings: Settings, job_id: int, held: bool, user: Caller | str | None = None) -> None:
-    """Hold a pending job (it will not start) or release it."""
+    """Hold a pending job (it will not start) or release it; StateConflict if it cannot be."""
+    why = set_held_all(settings, [job_id], held, user)[job_id]
+    if why is not None:
+        raise StateConflict(why)
+
+
+def set_held_all(settings: Settings, job_ids: Sequence[int], held: bool, user: Caller | str | None = None
+                 ) -> dict[int, str | None]:
+    """Hold pending jobs or release them, in one transaction (an array's tasks in one request):
+    JobNotFound or NotAllowed for any of them and none changes. For each job, None where it was
+    held (released), else why not: it is not pending, or already held (not held)."""
     require_schema(settings)
+    ids = list(dict.fromkeys(job_ids))
+    outcome: dict[int, str | None] = {}
     with write_scope(settings) as session:
-        job = get_job(session, job_id)
-        check_change(settings, job_id, job.user, Caller.of(user))
-        if job.state != State.PENDING:
-            raise StateConflict(f"job {job_id} is {job.state}; only a pending job can be "
-                                f"{'held' if held else 'released'}")
-        if job.held == held:
-            raise StateConflict(f"job {job_id} is {'already held' if held else 'not held'}")
-        session.execute(lifecycle.HOLD, {"job_id": job_id, "held": held, "reason": "held" if held else None})
-    if not held:
+        found = _changeable(session, settings, ids, Caller.of(user))
+        for job_id in ids:
+            job = found[job_id]
+            if job.state != State.PENDING:
+                outcome[job_id] = (f"job {job_id} is {job.state}; only a pending job can be "
+                                   f"{'held' if held else 'released'}")
+            elif job.held == held:
+                outcome[job_id] = f"job {job_id} is {'already held' if held else 'not held'}"
+            else:
+                session.execute(lifecycle.HOLD, {"job_id": job_id, "held": held, "reason": "held" if held else None})
+                outcome[job_id] = None
+    if not held and None in outcome.values():
         broker.wake_scheduler(settings)
+    return outcome
 
 
 def array_jobs(session: Session, array_id: int) -> list[int]:

@@ -115,3 +115,29 @@ def test_a_malformed_cancel_request_is_bad_input_and_changes_nothing(use_setting
         Client(str(use_settings.server_socket)).post("/jobs/cancel", body)
     assert refused.value.exit_code == c.EXIT_USAGE and "\n" not in str(refused.value)
     assert states(use_settings, [1]) == [State.PENDING]
+
+
+def test_hold_and_release_take_an_array_in_one_request_and_say_which_tasks_they_left(use_settings):
+    assert invoke(["submit", "--hold", "--array", "0-3", "--", "true"]).exit_code == 0  # jobs 1-4
+    with write_scope(use_settings) as session:
+        session.execute(update(Job).where(Job.id == 2).values(state=State.RUNNING, started_at=utcnow()))
+    released = invoke(["release", "--array", "1"])
+    assert released.exit_code == 0, released.output
+    assert released.output.splitlines() == ["job 1 released", "job 2 is running; only a pending job can be released",
+                                            "job 3 released", "job 4 released"]
+    again = invoke(["release", "3"])  # named alone, a job that cannot be released is an error
+    assert again.exit_code == c.EXIT_CONFLICT and again.output.strip() == "gpuq: job 3 is not held"
+    held = invoke(["hold", "1", "3"])
+    assert held.output.splitlines() == ["job 1 held", "job 3 held"]
+    with write_scope(use_settings) as session:
+        flags = list(session.scalars(select(Job.held).order_by(Job.id)))
+    assert flags == [True, True, True, False]  # job 2 ran as it was, held when it was set running
+
+
+def test_holding_many_jobs_holds_none_when_one_is_anothers(settings):
+    mine = submitting.submit_all(settings, [spec.command_spec(["true"], cwd="/", user="ann")] * 2)
+    theirs = submitting.submit(settings, spec.command_spec(["true"], cwd="/", user="bob"))
+    with pytest.raises(NotAllowed, match=f"job {theirs.id} belongs to bob"):
+        jobs.set_held_all(settings, [mine[0].id, theirs.id, mine[1].id], True, user="ann")
+    with write_scope(settings) as session:
+        assert not any(session.scalars(select(Job.held)))
