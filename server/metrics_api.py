@@ -12,12 +12,13 @@ from collections import defaultdict
 from typing import Any
 
 from aiohttp import web
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from gpuq.server.request import call, context, reading
 from gpuq.service import constants as c
 from gpuq.service.constants import State
+from gpuq.service.dialect import seconds_between
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
 from gpuq.service.settings import Settings
@@ -57,20 +58,19 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float])
         by_state_user = session.execute(select(Job.state, Job.user, func.count()).group_by(Job.state, Job.user)).all()
         pending = session.execute(select(Job.reason, func.count()).where(Job.state == State.PENDING)
                                   .group_by(Job.reason)).all()
-        times = session.execute(select(Job.state, Job.submitted_at, Job.started_at, Job.ended_at)
-                                .where(Job.started_at.is_not(None))).all()
+        wait = _histogram(session, seconds_between(Job.started_at, Job.submitted_at, session),
+                          Job.started_at.is_not(None), wait_le)
+        duration = _histogram(session, seconds_between(Job.ended_at, Job.started_at, session),
+                              Job.started_at.is_not(None) & Job.ended_at.is_not(None) & Job.state.in_(c.END_STATES),
+                              duration_le)
     out_gpus = []
     for d in devices:
         gpu_id, uuid = ids.get((d.node, d.index), (None, None))
         out_gpus.append(d.as_dict() | {"uuid": uuid, "energy_j": None if gpu_id is None else energy.get(gpu_id)})
-    # Every row has started_at (the query's condition); its type does not say so.
-    waits = [(start - sub).total_seconds() for _, sub, start, _ in times if start is not None]
-    runs = [(end - start).total_seconds() for state, _, start, end in times
-            if start is not None and end is not None and state in c.END_STATES]
     return {"gpus": out_gpus,
             "jobs": [{"state": s, "user": u, "count": n} for s, u, n in by_state_user],
             "pending": [{"reason": r, "count": n} for r, n in pending],
-            "wait": _histogram(waits, wait_le), "duration": _histogram(runs, duration_le)}
+            "wait": wait, "duration": duration}
 
 
 def _energy_by_gpu(session: Session) -> dict[int, float]:
@@ -82,7 +82,14 @@ def _energy_by_gpu(session: Session) -> dict[int, float]:
     return dict(out)
 
 
-def _histogram(values: list[float], bounds: list[float]) -> dict[str, Any]:
-    """Cumulative counts at each bound (Prometheus's ``le``), the count and the sum."""
-    return {"le": bounds, "counts": [sum(1 for v in values if v <= b) for b in bounds], "count": len(values),
-            "sum": sum(values)}
+def _histogram(session: Session, seconds: Any, where: Any, bounds: list[float]) -> dict[str, Any]:
+    """Cumulative counts of ``seconds`` at each bound (Prometheus's ``le``), the count and the sum,
+    over the jobs ``where`` says, summed by the database in one statement: a scrape reads every job
+    ever run, which as rows turned into Python objects took 0.9 s at 200,000 jobs on SQLite."""
+    # Each job's seconds worked out once (MATERIALIZED: inlined, SQLite parsed the timestamps again
+    # for every bound), then counted at each bound.
+    each = select(seconds.label("s")).where(where).cte("each").prefix_with("MATERIALIZED")
+    counts = [func.coalesce(func.sum(case((each.c.s <= b, 1), else_=0)), 0) for b in bounds]
+    row = session.execute(select(func.count(), func.coalesce(func.sum(each.c.s), 0.0), *counts)
+                          .select_from(each)).one()
+    return {"le": bounds, "counts": [int(n) for n in row[2:]], "count": int(row[0]), "sum": float(row[1])}

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, literal, or_, select
 from sqlalchemy.orm import Session
 
-from gpuq.service.dialect import epoch_seconds
+from gpuq.service.dialect import earlier_of, epoch_seconds, is_sqlite, later_of, seconds_between
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.models import DeviceMinute, DeviceSample, Job, utcnow
+from gpuq.service.models import DeviceMinute, DeviceSample, Job, UTCDateTime, utcnow
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -61,30 +61,31 @@ class UsageRow:
         return dict(self.__dict__)
 
 
-def _overlap(job: Job, since: datetime, until: datetime, now: datetime) -> float:
-    start, end = max(job.started_at or now, since), min(job.ended_at or now, until)
-    return max((end - start).total_seconds(), 0.0)
-
-
 def report(session: Session, since: datetime, until: datetime, now: datetime | None = None
            ) -> dict[str, list[UsageRow]]:
     """Per user and per node over [since, until): ``{"users": [...], "nodes": [...]}``, busiest first."""
     now = now or utcnow()
-    ran = session.scalars(select(Job).where(Job.started_at.is_not(None), Job.started_at < until,
-                                            or_(Job.ended_at.is_(None), Job.ended_at > since)))
-    alloc: dict[str, dict[str, list[float]]] = {"users": defaultdict(list), "nodes": defaultdict(list)}
-    for job in ran:
-        gpu_s = _overlap(job, since, until, now) * job.gpus * (job.gpu_share or 1.0)  # a shared job: its share
-        alloc["users"][job.user].append(gpu_s)
-        alloc["nodes"][job.node or "-"].append(gpu_s)
+    # A job's GPU-seconds in the period: its time run inside it, times its GPUs (a shared job's
+    # share of them), summed per user and per node by the database (as rows, 200,000 jobs in a
+    # week took `gpuq stats` 6.5 s on SQLite).
+    at_now, at_since, at_until = (literal(t, UTCDateTime()) for t in (now, since, until))  # stored as the columns
+    start = later_of(func.coalesce(Job.started_at, at_now), at_since, session)
+    end = earlier_of(func.coalesce(Job.ended_at, at_now), at_until, session)
+    gpu_s = (func.max(seconds_between(end, start, session), 0.0) if is_sqlite(session) else
+             func.greatest(seconds_between(end, start, session), 0.0)) * Job.gpus * func.coalesce(Job.gpu_share, 1.0)
+    ran = (Job.started_at.is_not(None), Job.started_at < until, or_(Job.ended_at.is_(None), Job.ended_at > since))
+    alloc: dict[str, dict[str, tuple[int, float]]] = {}
+    for part, key in (("users", Job.user), ("nodes", func.coalesce(Job.node, "-"))):
+        alloc[part] = {name: (jobs, float(seconds or 0.0)) for name, jobs, seconds in session.execute(
+            select(key, func.count(), func.sum(gpu_s)).where(*ran).group_by(key))}
     out = {}
     for part, group in (("users", by_user), ("nodes", by_node)):
         sampled = totals(session, group, since=since, until=until)
         rows = []
         for name in sorted(set(alloc[part]) | set(sampled)):
             t = sampled.get(name, Totals())
-            rows.append(UsageRow(name=name, jobs=len(alloc[part].get(name, [])),
-                                 gpu_hours=sum(alloc[part].get(name, [])) / 3600.0,
+            jobs, seconds = alloc[part].get(name, (0, 0.0))
+            rows.append(UsageRow(name=name, jobs=jobs, gpu_hours=seconds / 3600.0,
                                  utilization_mean=t.utilization_mean, energy_j=t.energy_j,
                                  idle_hours=t.idle_seconds / 3600.0))
         out[part] = sorted(rows, key=lambda r: (-r.gpu_hours, r.name))

@@ -163,3 +163,27 @@ def epoch_seconds(column: Any, bind: Connection | Engine | Session) -> Any:
     if is_sqlite(bind):
         return sql_cast(func.strftime("%s", column), Integer)
     return sql_cast(func.floor(func.extract("epoch", column)), Integer)
+
+
+def seconds_between(later: Any, earlier: Any, bind: Connection | Engine | Session) -> Any:
+    """Seconds from ``earlier`` to ``later`` (UTC timestamp columns), fractions kept, in the
+    database's own SQL: what a histogram over every job ever run is summed from, in the database
+    rather than as a row a job in Python."""
+    if is_sqlite(bind):
+        # SQLite's date functions keep milliseconds: whole seconds from strftime, and the
+        # microseconds from the stored text ("YYYY-MM-DD HH:MM:SS.ffffff"), exact as Python's.
+        def micro(t: Any) -> Any:
+            return sql_cast(func.substr(t, 21, 6), Integer)
+
+        return (epoch_seconds(later, bind) - epoch_seconds(earlier, bind)) + (micro(later) - micro(earlier)) / 1e6
+    return func.extract("epoch", later - earlier)
+
+
+def later_of(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
+    """The later of two timestamps (SQLite's two-argument max, PostgreSQL's GREATEST)."""
+    return func.max(a, b) if is_sqlite(bind) else func.greatest(a, b)
+
+
+def earlier_of(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
+    """The earlier of two timestamps (SQLite's two-argument min, PostgreSQL's LEAST)."""
+    return func.min(a, b) if is_sqlite(bind) else func.least(a, b)

@@ -47,8 +47,13 @@ def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = Non
         active = active.where(~((Job.state == State.PENDING) & Job.array_id.is_not(None)))
     rows = list(session.scalars(active.order_by(Job.id)))
     if ended_limit:
-        ended = session.scalars(base.where(Job.state.in_(c.END_STATES))
-                                .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
+        # The newest ended jobs, read down the index on ended_at (set when a job ends, and only
+        # then): asked by state, both databases took the queue-order index (state first) and
+        # sorted every job ever ended, 130 ms at 200,000 jobs.
+        newest = (select(Job.id).where(Job.ended_at.is_not(None), *([Job.user == user] if user else []))
+                  .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
+        ended = session.scalars(select(Job).where(Job.id.in_(newest.scalar_subquery()),
+                                                  Job.state.in_(c.END_STATES)))
         rows.extend(sorted(ended, key=lambda j: j.id))
     return rows
 

@@ -4,6 +4,7 @@ job; `gpuq wait --array` asks about any number of tasks, and `gpuq cancel` of ma
 request that cancels all of them or, if one may not be, none."""
 
 import json
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import select, update
@@ -141,3 +142,18 @@ def test_holding_many_jobs_holds_none_when_one_is_anothers(settings):
         jobs.set_held_all(settings, [mine[0].id, theirs.id, mine[1].id], True, user="ann")
     with write_scope(settings) as session:
         assert not any(session.scalars(select(Job.held)))
+
+
+def test_the_queue_lists_the_newest_ended_jobs_by_when_they_ended_and_only_the_asking_users(settings):
+    made = submitting.submit_all(settings, [spec.command_spec(["true"], cwd="/", user=u) for u in "abab"] +
+                                 [spec.command_spec(["true"], cwd="/", user="a")])
+    ids = [j.id for j in made]
+    now = utcnow()
+    with write_scope(settings) as session:  # ended in the order 3, 1, 4, 2; the last still waits
+        for job_id, ago in zip(ids[:4], (30, 10, 40, 20), strict=True):
+            session.execute(update(Job).where(Job.id == job_id).values(state=State.SUCCEEDED,
+                                                                       ended_at=now - timedelta(seconds=ago)))
+    with write_scope(settings) as session:
+        assert [j.id for j in jobs.list_jobs(session, ended_limit=2)] == [ids[4], ids[1], ids[3]]
+        assert [j.id for j in jobs.list_jobs(session, ended_limit=9, user="a")] == [ids[4], ids[0], ids[2]]
+        assert [j.id for j in jobs.list_jobs(session, ended_limit=0)] == [ids[4]]

@@ -1,0 +1,115 @@
+"""What a long history costs the commands that read it: `gpuq status`, `gpuq stats` and a
+Prometheus scrape of `GET /v1/metrics`, with --jobs ended jobs (default 200,000) behind the queue,
+as a lab's database holds after months of arrays.
+
+    python benchmarks/long_history.py [--jobs 200000] [--runs 5] [--database URL]
+
+It writes the jobs straight into a new database (SQLite in a temporary directory, or with
+--database a PostgreSQL server's URL, on which it makes and drops a database of its own), as
+succeeded jobs of seven users spread over the last six days, then starts a stack (a server, a
+scheduler, 2 workers on simulated GPUs) and times each command as a whole process, as a user runs
+it (p50 of --runs), and the scrape as one request over the server's socket. `gpuq stats` covers
+the last seven days, so every job. Figures are printed; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.client_speed import timed, venv_bin  # noqa: E402
+from benchmarks.queue_speed import own_database  # noqa: E402
+from benchmarks.stack import stop_on_sigterm, tear_down  # noqa: E402
+
+USERS = 7
+DAYS = 6
+
+
+def fill(settings, n: int) -> float:
+    """``n`` succeeded jobs, the newest ending now; the seconds it took."""
+    from sqlalchemy import insert
+
+    from gpuq.service.db import write_scope
+    from gpuq.service.models import Job, utcnow
+
+    t0 = time.perf_counter()
+    now, step = utcnow(), timedelta(days=DAYS) / n
+    for start in range(0, n, 5000):
+        rows = []
+        for i in range(start, min(n, start + 5000)):
+            ended = now - step * (n - i)
+            rows.append(dict(name=f"task[{i}]", user=f"user{i % USERS}", kind="command", argv=["true"], cwd="/",
+                             params={}, gpus=1, priority=0, state="succeeded", node="benchnode",
+                             submitted_at=ended - timedelta(seconds=5), started_at=ended - timedelta(seconds=3),
+                             ended_at=ended, exit_code=0, attempts=[]))
+        with write_scope(settings) as session:
+            session.execute(insert(Job), rows)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=200_000)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--database", help="a PostgreSQL server's URL (a database of the script's own is made there "
+                                       "and dropped); default: a new SQLite file")
+    args = ap.parse_args()
+    stop_on_sigterm()
+
+    from gpuq.cli.client import Client
+    from gpuq.service import db
+    from gpuq.service.settings import Settings
+    from tests.conftest import start_stack
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpuq-history-"))
+    tag = uuid.uuid4().hex[:8]
+    sock = f"/tmp/gpuqh-{tag}.sock"
+    url, drop = own_database(args.database) if args.database else (f"sqlite:///{tmp / 'gpuq.db'}", lambda: None)
+    settings = Settings(home=tmp / "home", database_url=url,
+                        broker_url=os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12"), socket=sock,
+                        key_prefix=f"bench-history-{tag}", node="benchnode", fake_gpus=2, warm_start=False,
+                        fake_gpu_memory_dir=str(tmp / "simulated-gpu-memory"))
+    stack = None
+    try:
+        db.upgrade(settings)
+        took = fill(settings, args.jobs)
+        where = "SQLite" if url.startswith("sqlite") else "PostgreSQL"
+        print(f"{args.jobs} ended jobs of {USERS} users over {DAYS} days written to {where} in {took:.1f} s")
+        stack = start_stack(settings, tmp / "logs")
+        gpuq = str(venv_bin() / "gpuq")
+        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", str(tmp)),
+               "GPUQ_SOCKET": sock}
+        api = Client(sock)
+        bounds = ",".join(str(b) for b in (0.1, 1, 10, 60, 600, 3600, 86400))
+
+        def scrape() -> float:
+            t0 = time.perf_counter()
+            api.get("/metrics", wait_le=bounds, duration_le=bounds)
+            return time.perf_counter() - t0
+
+        figures = {
+            "gpuq status": lambda: timed([gpuq, "status"], env, str(tmp))[0],
+            "gpuq stats (the last 7 days)": lambda: timed([gpuq, "stats"], env, str(tmp))[0],
+            "GET /v1/metrics (a scrape)": scrape,
+        }
+        print(f"\n{'':32} {'p50':>9}  (of {args.runs} runs)")
+        for name, run in figures.items():
+            run()  # once untimed
+            print(f"{name:32} {statistics.median(run() for _ in range(args.runs)) * 1000:6.0f} ms")
+        return 0
+    finally:
+        tear_down(stack, settings, sock, tmp)
+        drop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
