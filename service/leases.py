@@ -120,6 +120,20 @@ def reap(session: Session, settings: Settings) -> list[int]:
     return [j for j, _, _ in expired] + [j for j, _ in stranded]
 
 
+# The ranks (1 and up) of running jobs whose ranks' meeting point is set: what rank 0 asked other
+# workers to run.
+_RANKS = (select(Job.id, Allocation.rank, Gpu.queue).join(Allocation, Allocation.job_id == Job.id)
+          .join(Gpu, Gpu.id == Allocation.gpu_id)
+          .where(Job.state == State.RUNNING, Job.rendezvous.is_not(None), Allocation.rank >= 1))
+
+
+def ranks_to_send_again(session: Session) -> list[tuple[int, int, str]]:
+    """After Redis restarted empty: the rank messages of running multi-GPU jobs, (job id, rank,
+    queue) each, which may have been lost with it (rank 0 would wait at the meeting point until
+    its timeout). A rank that runs already, or ran, drops the second message (``workers/ranks.py``)."""
+    return [(r.id, r.rank, r.queue) for r in session.execute(_RANKS)]
+
+
 def take_unclaimed(session: Session, settings: Settings, everything: bool = False) -> list[tuple[int, str]]:
     """Dispatched jobs whose message may be lost (Redis restarted empty, a send that vanished):
     those dispatched over ``resend_after`` seconds ago, or all of them; (job id, queue) each.

@@ -217,8 +217,11 @@ class Scheduler:
             leases.reap(session, self.settings)
             lost = leases.take_unclaimed(session, self.settings, everything=restarted)
             allocations.abandon_waiting(session, self.settings, utcnow())
+            ranks = leases.ranks_to_send_again(session) if restarted else []
         for job_id, queue in lost:
             self._send(job_id, queue, again=True)
+        for job_id, rank, queue in ranks:
+            self._send_rank(job_id, rank, queue)
 
     def _write(self, queue: QueueRead, decision: policy.Decision, lists: dict[int, list[int]],
                changes: next_up.Changes, quick: bool) -> list[policy.Placement]:
@@ -270,6 +273,15 @@ class Scheduler:
             log.warning("job %s: could not send to %s (%s); back to pending", job_id, queue, exc)
             with write_scope(self.settings) as session:
                 lifecycle.undispatch(session, job_id)
+
+    def _send_rank(self, job_id: int, rank: int, queue: str) -> None:
+        from gpuq.service.celery_app import send_run_rank
+
+        try:
+            send_run_rank(self.app, queue, job_id, rank)
+            log.info("job %s: rank %s sent again to %s (Redis restarted)", job_id, rank, queue)
+        except Exception as exc:  # noqa: BLE001 - Redis down again: rank 0 times out, the job may retry
+            log.warning("job %s: could not send rank %s to %s again (%s)", job_id, rank, queue, exc)
 
     def send_dispatched(self, entries: list[str]) -> None:
         """Send the messages of jobs placed at submit (``place_at_submit``), as the submitter

@@ -251,6 +251,33 @@ def test_redis_restarted_empty_loses_no_job_and_runs_none_twice(tmp_path):
         broker.stop()
 
 
+def test_a_ddp_ranks_message_lost_when_redis_restarted_empty_is_sent_again_and_the_job_succeeds(tmp_path):
+    # GPU 1's worker is stopped (SIGSTOP) while rank 0 asks it to run rank 1, and Redis restarts
+    # empty before it reads the message: rank 0 then waited at the meeting point for its timeout
+    # (300 s). The scheduler sees Redis's new run id and sends the running jobs' ranks again.
+    broker = PrivateRedis(tmp_path)
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", broker.url, worker_timeout=30.0,
+                    lease_timeout=30.0)
+    second = psutil.Process(st.procs[f"worker-{st.settings.node}-1"].pid)
+    try:
+        second.suspend()
+        job_id = cli_submit(st.settings, ["--gpus", "2", "train", "--strategy", "ddp", "--epochs", "1",
+                                          "--batch-size", "64", "--train-size", "256", "--test-size", "64"])
+        wait_for(lambda: job(st.settings, job_id).rendezvous is not None, 60, "rank 0 to ask for rank 1")
+        broker.restart_empty()
+        second.resume()
+        done = wait_state(st.settings, job_id, c.END_STATES, 90)
+        assert done.state == State.SUCCEEDED and done.result["world_size"] == 2, (done.state, done.reason)
+        log = (tmp_path / "logs" / f"worker-{st.settings.node}-1.log").read_text()
+        assert log.count(f"job {job_id} rank 1/2 started") == 1  # once, however many messages came
+        assert_settled(st.settings)
+    finally:
+        if second.is_running() and second.status() == psutil.STATUS_STOPPED:
+            second.resume()
+        st.stop()
+        broker.stop()
+
+
 # ---- the database restarted ---------------------------------------------------------------------
 
 def test_postgresql_restarted_while_jobs_run_loses_nothing_and_nobody_restarts(tmp_path, redis_url):

@@ -55,6 +55,12 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
             return False
         # A rank's job is a built-in workload whose ranks met (rank_to_run asks both).
         workload, params, gpus, meet = cast(str, job.workload), dict(job.params), job.gpus, cast(str, job.rendezvous)
+    # Each attempt has a meeting point of its own: the same rank of the same attempt runs once here,
+    # whatever the scheduler sent again after a Redis restart (``leases.ranks_to_send_again``).
+    if (job_id, rank, meet) in state.ranks_run:
+        log.info("%s: rank %s of job %s already ran here; message dropped", state.name, rank, job_id)
+        return False
+    state.ranks_run.add((job_id, rank, meet))
     log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
     state.job_started(job_id)
     watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt))

@@ -39,7 +39,7 @@ class WorkerState:
       reading, and may tag one with a job that just ended, or leave one untagged as a job starts
       (its end counts that one by its time: ``end._totals_in_hand``). The heartbeat thread reads
       ``lease`` once per beat, and marks it lost only if ``state.lease`` is still that lease.
-      ``_woke`` is the task thread's alone.
+      ``_woke`` and ``ranks_run`` are the task thread's alone.
     - The Events are thread-safe: ``interrupt`` and ``stopping`` are set by the shutdown handler in
       ``workers/main.py`` (or its grace timer's thread), ``gpu_lost`` by the heartbeat thread; the
       task thread reads them, and the watch thread ``interrupt`` and ``gpu_lost``.
@@ -68,6 +68,9 @@ class WorkerState:
     devices: Any = None
     # The lease of the job running here; the heartbeat renews it.
     lease: Lease | None = None
+    # The ranks this worker ran, (job id, rank, meeting point): a rank message sent again (after
+    # Redis restarted empty) for a rank that already ran here is dropped. The task thread's alone.
+    ranks_run: set[tuple[int, int, str]] = field(default_factory=set)
     # Set by the heartbeat when NVML says this GPU is lost: the running job stops.
     gpu_lost: threading.Event = field(default_factory=threading.Event)
     # Set on the first shutdown request: the running job finishes, and no next one is taken.
