@@ -49,7 +49,9 @@ def prune(settings: Settings, now: datetime) -> Pruned:
     retention of 0) and the half-made copies older than a day, under ``settings.snapshots``."""
     done = Pruned()
     root = settings.snapshots
-    if settings.snapshot_retention_days > 0:
+    # Where this process does not see the snapshot directory (a scheduler on another node or in
+    # a container without that storage), the copies are not its to judge gone: nothing is marked.
+    if settings.snapshot_retention_days > 0 and root.is_dir():
         for path in _expire(settings, now, now - timedelta(days=settings.snapshot_retention_days)):
             target = _inside(root, path)
             if target is None:

@@ -314,3 +314,12 @@ def test_the_scheduler_removes_snapshots_past_their_retention_when_it_starts(set
     finally:
         stop.set()
         runner.join(30)
+
+
+def test_a_scheduler_that_does_not_see_the_snapshot_directory_marks_nothing_removed(settings, tmp_path):
+    repo = make_repo(tmp_path)
+    job = submitting.submit_all(settings, [spec.command_spec(["true"], cwd=str(repo))], snapshot=True)[0]
+    ended(settings, [job.id], timedelta(days=2))
+    elsewhere = settings.with_overrides(snapshot_retention_days=1.0, snapshot_dir=str(tmp_path / "not-mounted"))
+    assert prune(elsewhere, utcnow()).removed == []
+    assert get(settings, job.id).snapshot_removed_at is None and os.path.isdir(job.snapshot)
