@@ -104,18 +104,28 @@ class Client:
         self.address = address or server_address()
         self.timeout = timeout
         self.headers = dict(headers or {})  # sent with every request (the dashboard's public view)
+        self.tls = False
         if self.address.startswith(("http://", "https://")):
             parts = urlsplit(self.address)
-            if parts.scheme != "http" or not parts.hostname:
-                raise Unreachable(f"GPUQ_SERVER {self.address}: use http://host:port (MUNGE), a socket path or "
+            if not parts.hostname:
+                raise Unreachable(f"GPUQ_SERVER {self.address}: use http(s)://host:port (MUNGE), a socket path or "
                                   "unix:PATH")
-            self.tcp: tuple[str, int] | None = (parts.hostname, parts.port or 80)
+            self.tls = parts.scheme == "https"
+            if self.tls:
+                import ssl  # noqa: F401 - before http.client, which then offers HTTPS (see _http)
+            self.tcp: tuple[str, int] | None = (parts.hostname, parts.port or (443 if self.tls else 80))
             self.socket_path = ""
         else:
             self.tcp = None
             self.socket_path = self.address.removeprefix("unix:")
 
     def _connection(self) -> http.client.HTTPConnection:
+        if self.tcp is not None and self.tls:
+            import ssl
+
+            # The server's certificate, checked against the lab's CA (GPUQ_TLS_CA) or the system's.
+            context = ssl.create_default_context(cafile=load_settings().tls_ca or None)
+            return _http().HTTPSConnection(*self.tcp, timeout=self.timeout, context=context)
         if self.tcp is not None:
             return _http().HTTPConnection(*self.tcp, timeout=self.timeout)
         return unix_connection(self.socket_path, self.timeout)
@@ -145,6 +155,9 @@ class Client:
                 # No server there at the first try: say so at once. A connection lost mid-request
                 # (a server restarting) is tried again, for a request that is safe to repeat.
                 never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
+                if self.tls and _tls_failed(exc):
+                    raise Unreachable(f"the gpuq server at {self.address} failed TLS: {_reason(exc)} (GPUQ_TLS_CA "
+                                      "names the CA that signed its certificate)") from None
                 if attempt == retries or never_there:
                     raise Unreachable(f"no gpuq server answers at {self.address}: {_reason(exc)} (start one with "
                                       "`gpuq up`, or set GPUQ_SERVER)") from None
@@ -175,6 +188,13 @@ class Client:
                 raise Refused(str(answer["error"]), int(answer.get("exit_code", c.EXIT_SOFTWARE)))
             raise Refused(f"the server answered {response.status}", c.EXIT_SOFTWARE)
         return answer
+
+
+def _tls_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is TLS's own failure (an unverified certificate, a handshake), not the network's."""
+    import ssl  # imported already where TLS was spoken
+
+    return isinstance(exc, ssl.SSLError)
 
 
 def _reason(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -102,8 +103,25 @@ def _listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The TCP listener's TLS (GPUQ_TLS_CERT, GPUQ_TLS_KEY), or None for plain HTTP; ConfigError,
+    one line, for a certificate or key that cannot be loaded."""
+    if not settings.tls_cert:
+        if settings.tls_key:
+            raise ConfigError("GPUQ_TLS_KEY is set without GPUQ_TLS_CERT")
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"GPUQ_TLS_CERT {settings.tls_cert}: cannot load the certificate and key: "
+                          f"{' '.join(str(exc).split())}") from None
+    return context
+
+
 async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], None] | None = None) -> None:
     """Serve until ``stop`` is set: on the Unix socket, and on TCP with MUNGE if GPUQ_LISTEN says so."""
+    tls = _tls_context(settings) if settings.listen else None  # a bad certificate: nothing starts
     runner = web.AppRunner(make_app(settings), access_log=None, handle_signals=False)
     await runner.setup()
     path = settings.server_socket
@@ -113,8 +131,8 @@ async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], Non
         where = [str(path)]
         if settings.listen:
             host, port = _listen_address(settings.listen)
-            await web.TCPSite(runner, host, port, reuse_address=True).start()
-            where.append(f"{host}:{port} (MUNGE)")
+            await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls).start()
+            where.append(f"{host}:{port} (MUNGE{', TLS' if tls else ''})")
         log.info("gpuq server listening on %s", ", ".join(where))
         if ready is not None:
             ready()

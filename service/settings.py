@@ -138,6 +138,12 @@ class Settings:
     # host:port the server also listens on for other nodes, each request carrying a MUNGE
     # credential; empty: no TCP.
     listen: str = ""
+    # The TCP listener's certificate chain and private key (PEM files): with them it speaks HTTPS,
+    # so outputs, diffs and credentials cross the network encrypted; empty: plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The client's CA bundle for an https:// GPUQ_SERVER (a lab's own CA); empty: the system's.
+    tls_ca: str = ""
     # munged's socket, for the client's credentials and the server's decoding (Debian's default).
     munge_socket: str = "/run/munge/munge.socket.2"
     # Jobs one user may have pending at once; past it a submit is refused whole.

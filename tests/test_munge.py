@@ -68,12 +68,13 @@ def munged():
         shutil.rmtree(top, ignore_errors=True)
 
 
-def start_server(home: Path, redis_url: str, munge_socket: str):
+def start_server(home: Path, redis_url: str, munge_socket: str, **overrides):
     """A `gpuq server` on its own SQLite database, listening on 127.0.0.1 with MUNGE; its stack and
-    the GPUQ_SERVER address. Two simulated GPUs on its node make submits possible without workers."""
+    the GPUQ_SERVER address (https:// with ``tls_cert`` among ``overrides``). Two simulated GPUs on
+    its node make submits possible without workers."""
     port = free_port()
     settings = make_settings(home / "home", f"sqlite:///{home / 'gpuq.db'}", redis_url)
-    settings = settings.with_overrides(listen=f"127.0.0.1:{port}", munge_socket=munge_socket)
+    settings = settings.with_overrides(listen=f"127.0.0.1:{port}", munge_socket=munge_socket, **overrides)
     db.upgrade(settings)
     stack = Stack(settings, home / "logs")
     stack.start_server()
@@ -87,7 +88,7 @@ def start_server(home: Path, redis_url: str, munge_socket: str):
                 stack.stop()
                 raise AssertionError(f"no TCP listener on {port}:\n{stack.log('server')}") from None
             time.sleep(0.05)
-    return stack, f"http://127.0.0.1:{port}"
+    return stack, f"{'https' if settings.tls_cert else 'http'}://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +273,63 @@ def test_a_server_whose_munged_is_down_answers_69_not_77(munged, tmp_path_factor
     finally:
         stack.stop()
         db.dispose_engines()
+
+
+# --- TLS on the TCP listener --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (its own CA) and its key, made with openssl."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "2", "-subj", "/CN=gpuq-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls_server(munged, certificate, tmp_path_factory, redis_url):
+    cert, key = certificate
+    stack, address = start_server(tmp_path_factory.mktemp("tls-server"), redis_url, munged, tls_cert=str(cert),
+                                  tls_key=str(key))
+    yield stack.settings, address
+    stack.stop()
+    db.dispose_engines()
+
+
+def test_over_tls_the_cli_submits_and_reads_with_the_labs_ca_and_the_credential_still_names_the_caller(
+        tls_server, certificate):
+    assert tls_server[1].startswith("https://")
+    ca = {"GPUQ_TLS_CA": str(certificate[0])}
+    made = gpuq(tls_server, ["submit", "--json", "--hold", "--", "true"], env=ca)
+    assert made.returncode == 0, made.stderr
+    assert owner_of(tls_server[0], json.loads(made.stdout)["id"]) == "root"
+    status = gpuq(tls_server, ["status", "--json"], env=ca)
+    assert status.returncode == 0 and json.loads(status.stdout)["jobs"], status.stderr
+
+
+def test_over_tls_a_server_the_client_cannot_verify_or_plain_http_is_one_line_and_nothing_written(
+        tls_server, certificate, tmp_path):
+    before = job_count(tls_server[0])
+    other_ca = tmp_path / "other.pem"  # a CA that did not sign the server's certificate
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "k.pem"),
+                    "-out", str(other_ca), "-days", "2", "-subj", "/CN=other"], check=True, capture_output=True,
+                   timeout=60)
+    refused = gpuq(tls_server, ["submit", "--", "true"], env={"GPUQ_TLS_CA": str(other_ca)})
+    assert refused.returncode == c.EXIT_UNAVAILABLE and refused.stderr.count("\n") == 1, refused.stderr
+    assert "failed TLS" in refused.stderr and "CERTIFICATE_VERIFY_FAILED" in refused.stderr
+    plain = gpuq(tls_server, ["submit", "--", "true"], env={"GPUQ_SERVER": tls_server[1].replace("https", "http")})
+    assert plain.returncode != 0 and plain.stderr.count("\n") == 1, plain.stderr
+    assert job_count(tls_server[0]) == before
+
+
+def test_a_server_whose_certificate_cannot_be_loaded_says_so_in_one_line_and_listens_nowhere(munged, tmp_path,
+                                                                                              redis_url):
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url).with_overrides(
+        listen=f"127.0.0.1:{free_port()}", munge_socket=munged, tls_cert=str(tmp_path / "missing.pem"))
+    db.upgrade(settings)
+    done = subprocess.run([sys.executable, "-m", "gpuq.cli", "server"], env=settings_env(settings),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == c.EXIT_CONFIG and done.stderr.count("\n") == 1, done.stderr
+    assert "GPUQ_TLS_CERT" in done.stderr and not settings.server_socket.exists()
