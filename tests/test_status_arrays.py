@@ -60,7 +60,8 @@ def test_an_arrays_pending_tasks_are_one_line_per_reason_among_the_jobs_and_r_li
 
     every = invoke(["status", "-r"])
     assert [r[0].strip() for r in job_lines(every.output)] == [str(i) for i in range(1, 10)], every.output
-    assert job_lines(invoke(["status", "--me"]).output) == rows
+    mine = job_lines(invoke(["status", "--me"]).output)
+    assert [r[:4] for r in mine] == [r[:4] for r in rows]  # the running job's elapsed time moves on
     document = json.loads(invoke(["status", "--json"]).output)
     assert [j["id"] for j in document["jobs"]] == list(range(1, 10)) and "arrays" not in document
 
