@@ -26,6 +26,11 @@ def _num(v: float | None, fmt: str) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+def _percent(v: float | None, fmt: str) -> str:
+    """A share in percent, or n/a where nothing was sampled (not "n/a%")."""
+    return "n/a" if v is None else format(v, fmt) + "%"
+
+
 @app.command()
 def stats(
     job_id: Annotated[int | None, typer.Argument(help="One job's summary instead of the report.", min=1)] = None,
@@ -84,7 +89,7 @@ def _report_tables(rep: dict[str, list[SimpleNamespace]], start: datetime | None
         for col in (title, "JOBS", "GPU-HOURS", "MEAN UTIL", "ENERGY kWh", "IDLE GPU-HOURS"):
             t.add_column(col, justify="left" if col == title else "right")
         for r in rep[part]:
-            t.add_row(r.name, str(r.jobs), f"{r.gpu_hours:.2f}", _num(r.utilization_mean, ".0f") + "%",
+            t.add_row(r.name, str(r.jobs), f"{r.gpu_hours:.2f}", _percent(r.utilization_mean, ".0f"),
                       f"{r.energy_j / 3.6e6:.3f}", f"{r.idle_hours:.2f}")
         console.print()
         console.print(t if rep[part] else f"no {part} with GPU use in this period")
@@ -111,7 +116,7 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
         lines = [("job", f"{job_id}  {u.name}  ({u.user}, {u.state})"),
                  ("wall time", duration(timedelta(seconds=u.wall_s))),
                  ("GPU-hours", f"{u.gpu_hours:.4f}  ({u.gpus} GPU{'s' if u.gpus > 1 else ''})"),
-                 ("mean util", _num(u.utilization_mean, ".1f") + "%"),
+                 ("mean util", _percent(u.utilization_mean, ".1f")),
                  ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB"
                   + (f" of its {u.share_mib} MiB share" if getattr(u, "share_mib", None) else "")
                   + f", mean {_num(u.memory_mean_mib, '.0f')} MiB"),

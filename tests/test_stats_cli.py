@@ -92,6 +92,16 @@ def test_stats_reports_users_and_nodes_as_json_and_csv(recorded):
     assert "GPU-HOURS" in invoke("stats").output
 
 
+def test_a_user_whose_jobs_were_never_sampled_reads_n_a_not_a_percent(recorded, use_settings):
+    now = utcnow()
+    with write_scope(use_settings) as s:
+        add_job(s, "cy", "testnode", now - timedelta(minutes=3), now - timedelta(minutes=2))
+    table = invoke("stats", "--since", "1h").output
+    cy = next(line for line in table.splitlines() if " cy " in f" {line} ")
+    assert "n/a" in cy.split() and "n/a%" not in table, table
+    assert "85%" in next(line for line in table.splitlines() if " bob " in f" {line} ")
+
+
 def test_stats_of_one_job_summarises_it(recorded):
     out = invoke("stats", str(recorded["bob"]), "--json")
     assert out.exit_code == 0, out.output
