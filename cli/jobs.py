@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -59,7 +60,8 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
 
 
 def _lines(j: Any) -> list[tuple[str, str]]:
-    what = j.workload + " " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in j.params.items()) \
+    # As a shell would take it back: an empty value reads '' (not two spaces), a space stays in one word.
+    what = j.workload + " " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in j.params.items()) \
         if j.kind == c.KIND_WORKLOAD else " ".join(j.argv or [])
     gpus = j.gpu_indices or []
     lines = [

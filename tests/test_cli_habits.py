@@ -234,3 +234,14 @@ def test_wait_shows_a_bar_of_jobs_ended_on_a_terminal_and_plain_lines_in_a_pipe(
     assert piped.stdout == "".join(f"job {i} succeeded\n" for i in ids) and piped.stderr == ""
     forced = run_cli(["wait", "--progress", *map(str, ids)], s)
     assert "2 of 2 jobs ended" in forced.stderr
+
+
+def test_show_writes_a_workloads_empty_or_spaced_parameters_as_a_shell_would_take_them(use_settings, tmp_path):
+    (tmp_path / "my runs").mkdir()
+    runner = CliRunner()
+    made = runner.invoke(app, ["submit", "--hold", "--gpus", "2", "train", "--strategy", "ddp",
+                               "--checkpoint", str(tmp_path / "my runs" / "a.pt")], prog_name="gpuq")
+    assert made.exit_code == 0, made.output
+    runs = next(line for line in runner.invoke(app, ["show", "1"]).output.splitlines() if "runs" in line)
+    assert "--data-dir ''" in runs and "  --" not in runs
+    assert f"--checkpoint '{tmp_path}/my runs/a.pt'" in runs
