@@ -161,7 +161,9 @@ def draw_ids(conn: Connection, table: Any, n: int) -> list[int]:
 def epoch_seconds(column: Any, bind: Connection | Engine | Session) -> Any:
     """Whole seconds since 1970 of a UTC timestamp column, in the database's own SQL."""
     if is_sqlite(bind):
-        return sql_cast(func.strftime("%s", column), Integer)
+        # The text cut to whole seconds first: SQLite reads fractions to the millisecond, rounding,
+        # so "12:00:59.9996" would count as 12:01:00 (PostgreSQL's floor below does not).
+        return sql_cast(func.strftime("%s", func.substr(column, 1, 19)), Integer)
     return sql_cast(func.floor(func.extract("epoch", column)), Integer)
 
 
@@ -170,8 +172,9 @@ def seconds_between(later: Any, earlier: Any, bind: Connection | Engine | Sessio
     database's own SQL: what a histogram over every job ever run is summed from, in the database
     rather than as a row a job in Python."""
     if is_sqlite(bind):
-        # SQLite's date functions keep milliseconds: whole seconds from strftime, and the
-        # microseconds from the stored text ("YYYY-MM-DD HH:MM:SS.ffffff"), exact as Python's.
+        # SQLite's date functions keep milliseconds: whole seconds from strftime (of the text cut
+        # to seconds), and the microseconds from the stored text ("YYYY-MM-DD HH:MM:SS.ffffff"),
+        # exact as Python's.
         def micro(t: Any) -> Any:
             return sql_cast(func.substr(t, 21, 6), Integer)
 

@@ -186,3 +186,22 @@ def test_readings_summed_in_hand_are_what_sql_sums_from_them(settings, readings)
     for field, value in in_sql.as_dict().items():
         mine = getattr(in_hand, field)
         assert mine == value if value is None else mine == pytest.approx(value, rel=1e-9, abs=1e-9), field
+
+
+@pytest.mark.parametrize("start,end", [
+    (datetime(2026, 1, 1, 12, 0, 0, 1, tzinfo=UTC), datetime(2026, 1, 1, 12, 0, 1, 999999, tzinfo=UTC)),
+    (datetime(2026, 1, 1, 12, 0, 59, 999700, tzinfo=UTC), datetime(2026, 1, 1, 12, 1, 0, 200, tzinfo=UTC)),
+    (datetime(2026, 1, 1, 23, 59, 59, 999999, tzinfo=UTC), datetime(2026, 1, 2, 0, 0, 0, tzinfo=UTC)),
+])
+def test_the_databases_seconds_between_two_times_are_pythons_to_the_microsecond(settings, start, end):
+    # SQLite reads fractions of a second to the millisecond, rounding: 59.9997 s read as 60.000
+    # put a whole second into a metrics histogram's sum (seen once in CI).
+    from gpuq.service.dialect import epoch_seconds, seconds_between
+
+    with write_scope(settings) as s:
+        job_id = add_job(s, "ann", "n1", start, end)
+        s.flush()
+        between, whole = s.execute(select(seconds_between(Job.ended_at, Job.started_at, s),
+                                          epoch_seconds(Job.started_at, s)).where(Job.id == job_id)).one()
+    assert float(between) == pytest.approx((end - start).total_seconds(), abs=1e-9)
+    assert whole == int(start.timestamp())  # whole seconds, never rounded up
