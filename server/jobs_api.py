@@ -54,7 +54,12 @@ def _ids(text: str) -> list[int]:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise InvalidSpec(f"ids must be job ids separated by commas, got {text[:60]!r}") from None
-    if not ids or len(ids) > MAX_IDS:
+    return _bounded(ids)
+
+
+def _bounded(ids: list[int]) -> list[int]:
+    """``ids``, if a request may name that many; InvalidSpec otherwise."""
+    if not 1 <= len(ids) <= MAX_IDS:
         raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
     return ids
 
@@ -281,9 +286,7 @@ async def _ids_of(request: web.Request) -> list[int]:
     ids = body.get("ids")
     if set(body) != {"ids"} or not isinstance(ids, list) or not all(type(i) is int for i in ids):
         raise InvalidSpec('the body must be {"ids": [job ids]}')
-    if not 1 <= len(ids) <= MAX_IDS:
-        raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
-    return ids
+    return _bounded(ids)
 
 
 @routes.post(JOB + "/hold")

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import func, literal, or_, select
 from sqlalchemy.orm import Session
 
-from gpuq.service.dialect import earlier_of, epoch_seconds, is_sqlite, later_of, seconds_between
+from gpuq.service.dialect import epoch_seconds, greatest, least, seconds_between
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, Job, UTCDateTime, utcnow
 from gpuq.service.usage import Totals, by_node, by_user, totals
@@ -69,10 +69,9 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     # share of them), summed per user and per node by the database (as rows, 200,000 jobs in a
     # week took `gpuq stats` 6.5 s on SQLite).
     at_now, at_since, at_until = (literal(t, UTCDateTime()) for t in (now, since, until))  # stored as the columns
-    start = later_of(func.coalesce(Job.started_at, at_now), at_since, session)
-    end = earlier_of(func.coalesce(Job.ended_at, at_now), at_until, session)
-    gpu_s = (func.max(seconds_between(end, start, session), 0.0) if is_sqlite(session) else
-             func.greatest(seconds_between(end, start, session), 0.0)) * Job.gpus * func.coalesce(Job.gpu_share, 1.0)
+    start = greatest(func.coalesce(Job.started_at, at_now), at_since, session)
+    end = least(func.coalesce(Job.ended_at, at_now), at_until, session)
+    gpu_s = greatest(seconds_between(end, start, session), 0.0, session) * Job.gpus * func.coalesce(Job.gpu_share, 1.0)
     ran = (Job.started_at.is_not(None), Job.started_at < until, or_(Job.ended_at.is_(None), Job.ended_at > since))
     alloc: dict[str, dict[str, tuple[int, float]]] = {}
     for part, key in (("users", Job.user), ("nodes", func.coalesce(Job.node, "-"))):

@@ -182,11 +182,11 @@ def seconds_between(later: Any, earlier: Any, bind: Connection | Engine | Sessio
     return func.extract("epoch", later - earlier)
 
 
-def later_of(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
-    """The later of two timestamps (SQLite's two-argument max, PostgreSQL's GREATEST)."""
+def greatest(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
+    """The greater of two values, timestamps or numbers (SQLite's two-argument max, PostgreSQL's GREATEST)."""
     return func.max(a, b) if is_sqlite(bind) else func.greatest(a, b)
 
 
-def earlier_of(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
-    """The earlier of two timestamps (SQLite's two-argument min, PostgreSQL's LEAST)."""
+def least(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
+    """The lesser of two values (SQLite's two-argument min, PostgreSQL's LEAST)."""
     return func.min(a, b) if is_sqlite(bind) else func.least(a, b)

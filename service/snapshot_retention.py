@@ -103,9 +103,9 @@ def _inside(root: Path, path: str) -> Path | None:
     target = Path(path)
     if not target.name.isdigit() or os.path.realpath(target.parent) != os.path.realpath(root):
         return None
-    if target.is_symlink() or not target.is_dir():
-        return None if target.exists() or target.is_symlink() else target  # gone already: nothing to do
-    return target
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        return None
+    return target  # a directory, or gone already (nothing left to remove)
 
 
 def _remove(target: Path) -> int | None:
