@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gpuq.cli.client import Client, Refused
+from gpuq.cli.client import Client
 from gpuq.cli.jobs import selected
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
@@ -42,18 +42,26 @@ def release(job_ids: JobIds = None, array: Array = None) -> None:
 
 
 def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str) -> None:
-    """One request for all the jobs (an array's too): a job named alone that cannot be held (it
-    runs, or is held already) is an error; in a list, a line that says so."""
+    """One request for all the jobs (an array's too). A job named by its id that cannot be held
+    (it runs, or is held already) is an error: a line on stderr and, once the others are done,
+    exit 4, as scontrol exits non-zero when one job of its list fails. An array's task that cannot
+    is a line of the output and no error: its running and ended tasks are expected."""
     client = Client()
     targets = selected(client, job_ids, array)
+    named = set(job_ids or [])
     answer = client.post(f"/jobs/{move}", {"ids": targets})["jobs"]
+    refused = []
     for outcome in answer:
         if outcome["not"] is None:
             typer.echo(f"job {outcome['id']} {done}")
-        elif len(targets) == 1:
-            raise Refused(outcome["not"], c.EXIT_CONFLICT)
+        elif outcome["id"] in named:
+            refused.append(outcome["not"])
         else:
             typer.echo(outcome["not"])
+    for why in refused:
+        typer.echo(f"gpuq: {why}", err=True)
+    if refused:
+        raise typer.Exit(c.EXIT_CONFLICT)
 
 
 @app.command()

@@ -119,7 +119,7 @@ def test_a_malformed_cancel_request_is_bad_input_and_changes_nothing(use_setting
     assert states(use_settings, [1]) == [State.PENDING]
 
 
-def test_hold_and_release_take_an_array_in_one_request_and_say_which_tasks_they_left(use_settings):
+def test_hold_and_release_take_an_array_in_one_request_and_a_named_job_they_cannot_change_exits_4(use_settings):
     assert invoke(["submit", "--hold", "--array", "0-3", "--", "true"]).exit_code == 0  # jobs 1-4
     with write_scope(use_settings) as session:
         session.execute(update(Job).where(Job.id == 2).values(state=State.RUNNING, started_at=utcnow()))
@@ -130,10 +130,15 @@ def test_hold_and_release_take_an_array_in_one_request_and_say_which_tasks_they_
     again = invoke(["release", "3"])  # named alone, a job that cannot be released is an error
     assert again.exit_code == c.EXIT_CONFLICT and again.output.strip() == "gpuq: job 3 is not held"
     held = invoke(["hold", "1", "3"])
-    assert held.output.splitlines() == ["job 1 held", "job 3 held"]
+    assert held.exit_code == 0 and held.output.splitlines() == ["job 1 held", "job 3 held"]
+    # Named by id in a list, a job that cannot be held is an error once the others are held.
+    some = invoke(["hold", "4", "2", "3"])
+    assert some.exit_code == c.EXIT_CONFLICT
+    assert some.output.splitlines() == ["job 4 held", "gpuq: job 2 is running; only a pending job can be held",
+                                        "gpuq: job 3 is already held"]
     with write_scope(use_settings) as session:
         flags = list(session.scalars(select(Job.held).order_by(Job.id)))
-    assert flags == [True, True, True, False]  # job 2 ran as it was, held when it was set running
+    assert flags == [True, True, True, True]  # job 2 ran as it was, held when it was set running
 
 
 def test_holding_many_jobs_holds_none_when_one_is_anothers(settings):
