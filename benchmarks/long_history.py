@@ -1,4 +1,4 @@
-"""What a long history costs the commands that read it: `gpuq status`, `gpuq stats` and a
+"""What a long history costs the commands that read it: `gpuq status`, `gpuq stats`, `gpuq history` and a
 Prometheus scrape of `GET /v1/metrics`, with --jobs ended jobs (default 200,000) behind the queue,
 as a lab's database holds after months of arrays.
 
@@ -99,12 +99,17 @@ def main() -> int:
         figures = {
             "gpuq status": lambda: timed([gpuq, "status"], env, str(tmp))[0],
             "gpuq stats (the last 7 days)": lambda: timed([gpuq, "stats"], env, str(tmp))[0],
+            "gpuq history --all (a day)": lambda: timed([gpuq, "history", "--all"], env, str(tmp))[0],
+            "gpuq history (a user, 7 days, failed)": lambda: timed(
+                [gpuq, "history", "--user", "user3", "--since", "7d", "--state", "failed"], env, str(tmp))[0],
+            "gpuq history (a name pattern, 7 days)": lambda: timed(
+                [gpuq, "history", "--all", "--since", "7d", "--name", "task?1*"], env, str(tmp))[0],
             "GET /v1/metrics (a scrape)": scrape,
         }
-        print(f"\n{'':32} {'p50':>9}  (of {args.runs} runs)")
+        print(f"\n{'':40} {'p50':>9}  (of {args.runs} runs)")
         for name, run in figures.items():
             run()  # once untimed
-            print(f"{name:32} {statistics.median(run() for _ in range(args.runs)) * 1000:6.0f} ms")
+            print(f"{name:40} {statistics.median(run() for _ in range(args.runs)) * 1000:6.0f} ms")
         return 0
     finally:
         tear_down(stack, settings, sock, tmp)

@@ -31,7 +31,8 @@ COMMANDS = {
     "show": ("jobs", "app"), "logs": ("jobs", "app"), "wait": ("jobs", "app"), "cancel": ("jobs", "app"),
     "resubmit": ("jobs", "app"), "why": ("control", "app"), "hold": ("control", "app"),
     "release": ("control", "app"), "drain": ("control", "app"), "resume": ("control", "app"),
-    "devices": ("devices", "app"), "stats": ("stats", "app"), "up": ("stack", "app"), "down": ("stack", "app"),
+    "devices": ("devices", "app"), "stats": ("stats", "app"), "history": ("history", "app"),
+    "up": ("stack", "app"), "down": ("stack", "app"),
     "server": ("stack", "app"), "worker": ("stack", "app"), "scheduler": ("stack", "app"),
     "config": ("config", "app"), "dashboard": ("dashboard", "app"), "db": ("stack", "db_app"),
 }

@@ -64,8 +64,7 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
 def _check_public(request: web.Request) -> None:
     """NotAllowed for what a public view cannot ask: any change (it is nobody, so owns nothing and
     may submit nothing), and the reads that are about the caller in person."""
-    personal = (request.path == c.API_PREFIX + "/jobs/active"
-                or (request.path == c.API_PREFIX + "/jobs" and request.query.get("mine") in ("1", "true")))
+    personal = request.path == c.API_PREFIX + "/jobs/active" or request.query.get("mine") in ("1", "true")
     if request.method not in ("GET", "HEAD") or personal:
         raise NotAllowed(f"{request.method} {request.path} acts as a user, and this request asked for the "
                          f"public view ({c.VIEW_HEADER}: {c.PUBLIC_VIEW})")

@@ -13,7 +13,9 @@ from aiohttp import web
 from gpuq.server import dispatch, submission, views
 from gpuq.server.request import body_of, call, context, reading
 from gpuq.service import constants as c
+from gpuq.service import history as history_of
 from gpuq.service import inventory, jobs, rights, usage
+from gpuq.service.accounting import parse_when
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import utcnow
 from gpuq.service.rights import Caller
@@ -124,6 +126,31 @@ def _states(settings: Settings, ids: list[int]) -> dict[int, str]:
         if job_id not in found:
             raise jobs.JobNotFound(f"no job {job_id}")
     return found
+
+
+@routes.get(P + "/jobs/history")
+async def history(request: web.Request) -> web.Response:
+    """Ended jobs over a period (`gpuq history`, as sacct): ``since`` and ``until`` (a date, a time,
+    an age such as 12h, or now), ``mine=1`` or ``user``, ``state`` (end states, comma-separated),
+    ``name`` (a name or a pattern with * and ?), ``array`` and ``limit``; newest end first, with
+    how many jobs of each state the whole period holds. What everyone may see, no output."""
+    settings, caller = context(request)
+    q = request.query
+    now = utcnow()
+    states = tuple(s.strip() for s in q["state"].split(",") if s.strip()) if "state" in q else c.END_STATES
+    query = history_of.HistoryQuery(
+        since=parse_when(q.get("since", "1d"), "--since", now), until=parse_when(q.get("until", "now"), "--until", now),
+        user=caller.user if q.get("mine") in ("1", "true") else q.get("user") or None, states=states,
+        name=q.get("name") or None, array_id=_int(request, "array", 0) or None, limit=_int(request, "limit", 100))
+    return web.json_response(await call(_history, settings, query))
+
+
+def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, Any]:
+    with reading(settings) as session:
+        found = history_of.ended_jobs(session, query)
+        listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j))} for j in found.jobs]
+    return {"since": query.since.isoformat(), "until": query.until.isoformat(), "jobs": listed,
+            "counts": found.counts, "total": found.total}
 
 
 @routes.get(P + "/jobs/active")

@@ -17,6 +17,8 @@ from sqlalchemy import Connection, Engine, Integer, func, select
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import operators
+from sqlalchemy.sql.elements import UnaryExpression
 
 SQLITE = "sqlite"
 
@@ -190,3 +192,24 @@ def greatest(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
 def least(a: Any, b: Any, bind: Connection | Engine | Session) -> Any:
     """The lesser of two values (SQLite's two-argument min, PostgreSQL's LEAST)."""
     return func.min(a, b) if is_sqlite(bind) else func.least(a, b)
+
+
+def matches_glob(column: Any, pattern: str, bind: Connection | Engine | Session) -> Any:
+    """Whether ``column`` matches a shell-style ``pattern`` (``*`` any run of characters, ``?`` one;
+    every other character only itself), case-sensitive on both: SQLite's LIKE ignores case, so
+    there it is GLOB with ``[`` quoted (a task's name holds its index in brackets); PostgreSQL's
+    LIKE, with its own wildcards escaped."""
+    if is_sqlite(bind):
+        return column.op("GLOB")("".join("[[]" if ch == "[" else ch for ch in pattern))
+    like = "".join({"*": "%", "?": "_"}.get(ch, "\\" + ch if ch in "%_\\" else ch) for ch in pattern)
+    return column.like(like, escape="\\")
+
+
+def not_for_an_index(column: Any, bind: Connection | Engine | Session) -> Any:
+    """``column``, on SQLite with its unary ``+``: the planner then will not pick an index for the
+    condition on it (SQLite's own advice for steering its planner), and chooses among the others.
+    SQLite keeps no statistics here (nothing runs ANALYZE) and guesses; PostgreSQL's planner has
+    its statistics and is left to choose."""
+    if is_sqlite(bind):
+        return UnaryExpression(column.expression, operator=operators.custom_op("+"), type_=column.type)
+    return column

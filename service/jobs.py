@@ -18,6 +18,7 @@ from gpuq.service import broker, display, lifecycle
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
+from gpuq.service.dialect import not_for_an_index
 from gpuq.service.errors import JobNotFound, StateConflict
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, table, utcnow
@@ -50,7 +51,10 @@ def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = Non
         # The newest ended jobs, read down the index on ended_at (set when a job ends, and only
         # then): asked by state, both databases took the queue-order index (state first) and
         # sorted every job ever ended, 130 ms at 200,000 jobs.
-        newest = (select(Job.id).where(Job.ended_at.is_not(None), *([Job.user == user] if user else []))
+        # A user's (`--me`): SQLite took the user's index and sorted all they ever ran; the index on
+        # ended_at carries the user.
+        mine = [not_for_an_index(Job.user, session) == user] if user else []
+        newest = (select(Job.id).where(Job.ended_at.is_not(None), *mine)
                   .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
         ended = session.scalars(select(Job).where(Job.id.in_(newest.scalar_subquery()),
                                                   Job.state.in_(c.END_STATES)))

@@ -74,8 +74,9 @@ class Job(Base):
         CheckConstraint(f"state IN ({_STATES})", name="state"),
         CheckConstraint(f"kind IN ('{c.KIND_WORKLOAD}', '{c.KIND_COMMAND}', '{c.KIND_INTERACTIVE}')", name="kind"),
         CheckConstraint("gpus >= 1", name="gpus_positive"),
-        # Fair share reads the jobs that ended since its last pass.
-        Index("ix_jobs_ended_at", "ended_at"),
+        # Fair share reads the jobs that ended since its last pass, `gpuq status` the newest ended
+        # ones; `gpuq history` counts a period's jobs by state and user from the index alone.
+        Index("ix_jobs_ended_at_state_user", "ended_at", "state", "user"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -311,6 +311,9 @@ def test_a_public_view_request_may_change_nothing_nor_ask_about_itself(ran):
     for target in (f"/jobs/{j.held}/release", f"/jobs/{j.held}/cancel"):
         assert api("POST", target, public=True)[0] == 403
     assert api("GET", "/jobs?mine=1", public=True)[0] == 403
+    assert api("GET", "/jobs/history?mine=1", public=True)[0] == 403
+    status, answer = api("GET", "/jobs/history?user=nobody-here", public=True)
+    assert status == 200 and (answer["jobs"], answer["counts"], answer["total"]) == ([], {}, 0)
     assert api("GET", "/jobs/active", public=True)[0] == 403
     with write_scope(st.settings) as session:
         assert jobs.get_job(session, j.held).state == "pending" and jobs.get_job(session, j.held).held

@@ -1,0 +1,66 @@
+"""`gpuq history`: the jobs that ended over a period, as sacct lists them: yours by default, any
+user's or everyone's, narrowed by end state, name or array, with a count of each state."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from gpuq.cli.client import Client
+from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp, when
+from gpuq.cli.table import colours_wanted, render
+from gpuq.service.errors import InvalidSpec
+
+app = typer.Typer()
+
+_TONE = {"succeeded": "bold green", "failed": "red", "timed_out": "red", "cancelled": "yellow"}
+
+
+@app.command()
+def history(
+    since: Annotated[str, typer.Option(help="Start: a date, a time or an age (12h, 7d).")] = "1d",
+    until: Annotated[str, typer.Option(help="End: a date, a time, an age or now.")] = "now",
+    user: Annotated[str | None, typer.Option(help="This user's jobs (default: yours).")] = None,
+    everyone: Annotated[bool, typer.Option("--all", "-a", help="Every user's jobs.")] = False,
+    state: Annotated[list[str] | None, typer.Option(
+        "--state", "-s", help="Only jobs that ended so: succeeded, failed, cancelled, timed_out (repeat, or "
+                              "separate by commas).")] = None,
+    name: Annotated[str | None, typer.Option(help="Only jobs of this name (an array's tasks too), or a "
+                                                  "pattern with * and ?.")] = None,
+    array: Annotated[int | None, typer.Option(help="Only the tasks of this array.", min=1)] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="List at most this many, newest first.")] = 100,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The jobs that ended over a period, newest first: how each ended, where, how long it waited and ran."""
+    if everyone and user:
+        raise InvalidSpec("--all and --user cannot be used together: pick one")
+    states = ",".join(s for part in state or [] for s in part.split(",")) or None
+    answer = Client().get("/jobs/history", since=since, until=until, state=states, name=name, array=array,
+                          limit=limit, user=user, mine=None if everyone or user else 1)
+    rows = answer["jobs"]
+    if as_json:
+        print_json(answer)
+        return
+    period = f"from {timestamp(answer['since'])} to {timestamp(answer['until'])}"
+    if not rows:
+        typer.echo(f"no job ended {period}")
+        return
+    table = [[str(j["id"]), j["user"], job_name(j["name"]), (j["state"], _TONE.get(j["state"])),
+              "-" if j["exit_code"] is None else str(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
+              timestamp(j["ended_at"]), _waited(j), duration(seconds(j["elapsed_s"])),
+              one_line(result_summary(job(j)), 50)]
+             for j in rows]
+    typer.echo(render("ended jobs", ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED",
+                                     "RAN", "RESULT / REASON"), table, frozenset({"ID", "EXIT", "GPUS"}),
+                      colours_wanted()))
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(answer["counts"].items(), key=lambda kv: (-kv[1], kv[0])))
+    total = answer["total"]
+    typer.echo(f"\n{total} job{'s' if total != 1 else ''} ended {period}: {counts}"
+               + (f" (the {len(rows)} newest listed: -n for more)" if total > len(rows) else ""))
+
+
+def _waited(j: dict[str, Any]) -> str:
+    """From submit to start; "-" for a job that never started (cancelled while it waited)."""
+    started, submitted = when(j["started_at"]), when(j["submitted_at"])
+    return duration(started - submitted) if started and submitted else "-"

@@ -1,0 +1,139 @@
+"""`gpuq history`: the jobs that ended over a period, as sacct lists them, on both databases: the
+caller's own by default, narrowed by state, name (an array's tasks too, shell patterns matched
+case-sensitively with SQL's own wildcards taken literally) and array, newest first, with counts
+over the whole period; bad input one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
+from typer.testing import CliRunner
+
+from gpuq.cli.app import app
+from gpuq.service import constants as c
+from gpuq.service import history, spec, submitting
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import Job, utcnow
+
+pytestmark = pytest.mark.timeout(120)
+
+DAY = timedelta(days=1)
+
+
+def ended(settings, user: str, name: str, state: str, ago: timedelta, tasks: int = 0) -> list[int]:
+    """Submit a job (or an array of ``tasks``) of ``user``'s and mark it ended ``ago``; its ids."""
+    one = spec.command_spec(["true"], cwd="/", user=user, name=name)
+    made = submitting.submit_all(settings, [replace(one, name=f"{name}[{i}]", array_index=i) for i in range(tasks)]
+                                 if tasks else [one])
+    ids = [j.id for j in made]
+    now = utcnow()
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id.in_(ids)).values(
+            state=state, submitted_at=now - ago - timedelta(seconds=90), started_at=now - ago - timedelta(seconds=30),
+            ended_at=now - ago, exit_code=0 if state == State.SUCCEEDED else 1))
+    return ids
+
+
+def query(**fields) -> history.HistoryQuery:
+    now = utcnow()
+    return history.HistoryQuery(since=fields.pop("since", now - DAY), until=fields.pop("until", now), **fields)
+
+
+def listed(settings, **fields) -> list[int]:
+    with write_scope(settings) as session:
+        return [j.id for j in history.ended_jobs(session, query(**fields)).jobs]
+
+
+def test_ended_jobs_are_those_of_the_period_newest_first_narrowed_by_user_state_name_and_array(settings):
+    old = ended(settings, "ann", "train", State.SUCCEEDED, timedelta(days=3))
+    a = ended(settings, "ann", "train", State.FAILED, timedelta(hours=5))
+    b = ended(settings, "ann", "eval", State.SUCCEEDED, timedelta(hours=2))
+    sweep = ended(settings, "ann", "train", State.TIMED_OUT, timedelta(hours=1), tasks=3)
+    bob = ended(settings, "bob", "train", State.SUCCEEDED, timedelta(hours=3))
+    submitting.submit(settings, spec.command_spec(["true"], cwd="/", user="ann", name="train"))  # waits: not history
+    assert listed(settings) == [*sorted(sweep, reverse=True), *b, *bob, *a]
+    assert listed(settings, user="ann", states=(State.FAILED, State.TIMED_OUT)) == [*sorted(sweep, reverse=True), *a]
+    # A name is the job of that name and the tasks of the array of that name (train[0] ...).
+    assert listed(settings, user="ann", name="train") == [*sorted(sweep, reverse=True), *a]
+    assert listed(settings, array_id=sweep[0]) == sorted(sweep, reverse=True)
+    assert listed(settings, since=utcnow() - timedelta(days=4)) == [*sorted(sweep, reverse=True), *b, *bob, *a, *old]
+    assert listed(settings, since=utcnow() - timedelta(hours=4), until=utcnow() - timedelta(minutes=90)) == [*b, *bob]
+    with write_scope(settings) as session:
+        found = history.ended_jobs(session, query(user="ann", limit=2))
+    assert [j.id for j in found.jobs] == sorted(sweep, reverse=True)[:2]
+    assert found.counts == {State.TIMED_OUT: 3, State.SUCCEEDED: 1, State.FAILED: 1} and found.total == 5
+
+
+def test_a_name_pattern_takes_star_and_question_mark_case_sensitively_and_sqls_wildcards_literally(settings):
+    lr = ended(settings, "ann", "lr_0.1", State.SUCCEEDED, timedelta(hours=1))
+    other = ended(settings, "ann", "lrX0.1", State.SUCCEEDED, timedelta(hours=1))
+    upper = ended(settings, "ann", "LR-big", State.SUCCEEDED, timedelta(hours=1))
+    pct = ended(settings, "ann", "50%", State.SUCCEEDED, timedelta(hours=1))
+    assert sorted(listed(settings, name="lr*")) == sorted(lr + other)
+    assert listed(settings, name="lr_*") == lr  # "_" is not LIKE's one character here
+    assert listed(settings, name="lr_0.1") == lr
+    assert listed(settings, name="L*") == upper  # SQLite's LIKE would take lr_0.1 too
+    assert listed(settings, name="5?%") == pct and listed(settings, name="%") == []
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"states": ("running",)}, "an ended job's state is one of"),
+    ({"states": ()}, "an ended job's state is one of"),
+    ({"limit": 0}, "--limit must be from 1"),
+    ({"limit": history.MAX_LISTED + 1}, "--limit must be from 1"),
+])
+def test_a_query_that_makes_no_sense_is_refused_before_it_reads(fields, message):
+    with pytest.raises(InvalidSpec, match=message):
+        query(**fields)
+    with pytest.raises(InvalidSpec, match="--since must be before --until"):
+        query(since=utcnow(), until=utcnow() - DAY)
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_gpuq_history_lists_my_ended_jobs_with_counts_and_everyones_with_all(use_settings):
+    import getpass
+
+    me = getpass.getuser()
+    mine = ended(use_settings, me, "train", State.FAILED, timedelta(hours=1), tasks=3)
+    ended(use_settings, me, "eval", State.SUCCEEDED, timedelta(hours=2))
+    theirs = ended(use_settings, "bob", "bobs", State.SUCCEEDED, timedelta(minutes=30))
+    out = invoke("history", "-n", "2")
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[1].split() == ["ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED", "RAN",
+                                "RESULT", "/", "REASON"]
+    rows = [line.split() for line in lines[2:4]]
+    assert [r[0] for r in rows] == [str(i) for i in sorted(mine, reverse=True)[:2]]
+    # ENDED is a date and a time: two words
+    assert rows[0][1:5] == [me, "train[2]", "failed", "1"] and rows[0][9:11] == ["1:00", "30.0s"]
+    assert lines[-1].startswith("4 jobs ended from ") and lines[-1].endswith(
+        ": 3 failed, 1 succeeded (the 2 newest listed: -n for more)")
+    everyone = json.loads(invoke("history", "--all", "--json").output)
+    assert [j["id"] for j in everyone["jobs"]][0] == theirs[0] and everyone["total"] == 5
+    assert "output" not in everyone["jobs"][0] and "env" not in everyone["jobs"][0]
+    named = json.loads(invoke("history", "--user", "bob", "--json", "--state", "succeeded,failed").output)
+    assert [j["id"] for j in named["jobs"]] == theirs
+    assert invoke("history", "--user", "carol").output.startswith("no job ended from ")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--state", "running"], "an ended job's state is one of"),
+    (["--since", "soon"], "bad --since 'soon'"),
+    (["--since", "1d", "--until", "2d"], "--since must be before --until"),
+    (["--all", "--user", "bob"], "--all and --user cannot be used together"),
+    (["--limit", "0"], "--limit"),
+    (["--array", "x"], "--array"),
+])
+def test_bad_history_input_is_one_line_and_exit_2(use_settings, args, words):
+    out = invoke("history", *args)
+    assert out.exit_code == c.EXIT_USAGE, out.output
+    assert words in out.output and len(out.output.strip().splitlines()) == 1, out.output
