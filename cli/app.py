@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 import typer
@@ -74,9 +76,25 @@ class LazyGroup(GpuqGroup):
                 text = inspect.getdoc(info.callback) if info.help is None else inspect.cleandoc(info.help)
                 return click.Command(name, help=text, short_help=info.short_help, hidden=info.hidden,
                                      deprecated=info.deprecated)
-            return typer.main.get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
-                                                    rich_markup_mode=app.rich_markup_mode)
+            command = typer.main.get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                                       rich_markup_mode=app.rich_markup_mode)
+            for param in command.params:
+                if isinstance(param.type, click.types.FloatParamType):
+                    param.callback = _finite(param.callback)
+            return command
         return None
+
+
+def _finite(then: Callable[..., Any] | None) -> Callable[..., Any]:
+    """A float option's callback that refuses NaN first: click's ranges let it through (no
+    comparison holds for it), and `gpuq wait --timeout nan` never timed out."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if isinstance(value, float) and value != value:
+            raise click.BadParameter("nan is not a number", ctx, param)
+        return then(ctx, param, value) if then is not None else value
+
+    return check
 
 
 app = typer.Typer(cls=LazyGroup, help="gpuq: the job queue in front of your lab's GPUs.",

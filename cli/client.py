@@ -106,14 +106,18 @@ class Client:
         self.headers = dict(headers or {})  # sent with every request (the dashboard's public view)
         self.tls = False
         if self.address.startswith(("http://", "https://")):
-            parts = urlsplit(self.address)
-            if not parts.hostname:
-                raise Unreachable(f"GPUQ_SERVER {self.address}: use http(s)://host:port (MUNGE), a socket path or "
-                                  "unix:PATH")
+            try:  # urlsplit and .port raise ValueError on a bracket left open or a port past 65535
+                parts = urlsplit(self.address)
+                hostname, port = parts.hostname, parts.port
+            except ValueError:
+                hostname = port = None
+            if not hostname:
+                raise Unreachable(f"GPUQ_SERVER {self.address[:200]}: use http(s)://host:port (MUNGE), a socket "
+                                  "path or unix:PATH")
             self.tls = parts.scheme == "https"
             if self.tls:
                 import ssl  # noqa: F401 - before http.client, which then offers HTTPS (see _http)
-            self.tcp: tuple[str, int] | None = (parts.hostname, parts.port or (443 if self.tls else 80))
+            self.tcp: tuple[str, int] | None = (hostname, port or (443 if self.tls else 80))
             self.socket_path = ""
         else:
             self.tcp = None
@@ -182,6 +186,10 @@ class Client:
         try:
             answer = json.loads(raw or b"null")
         except ValueError:
+            if 400 <= response.status < 500:  # refused by the HTTP layer before gpuq saw it (aiohttp's limits)
+                said = raw.decode("utf-8", "replace").strip().splitlines()[:1] or [""]
+                raise Refused(f"the server refused the request ({response.status} {said[0][:60]}): "
+                              "a value too long?", c.EXIT_USAGE) from None
             raise Refused(f"the server gave a non-JSON answer ({response.status})", c.EXIT_SOFTWARE) from None
         if response.status >= 400:
             if isinstance(answer, dict) and "error" in answer:

@@ -15,7 +15,7 @@ from gpuq.service import constants as c
 app = typer.Typer()
 
 JobIds = Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)]
-Array = Annotated[int | None, typer.Option(help="Every job of this array.")]
+Array = Annotated[int | None, typer.Option(help="Every job of this array.", min=1)]
 
 
 @app.command()

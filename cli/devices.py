@@ -76,7 +76,8 @@ def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
 @app.command()
 def devices(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until interrupted.")] = False,
-    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = c.DEVICES_WATCH_SECONDS,
+    interval: Annotated[float, typer.Option(min=0.1, max=86400, help="Seconds between refreshes.")
+                        ] = c.DEVICES_WATCH_SECONDS,
     count: Annotated[int | None, typer.Option(min=1, help="With --watch: stop after this many.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON (with --watch: one document a line).")] = False,
 ) -> None:

@@ -26,7 +26,7 @@ JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
 
 @app.command()
 def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=1)] = None,
-         array: Annotated[int | None, typer.Option(help="A line for each job of this array.")] = None,
+         array: Annotated[int | None, typer.Option(help="A line for each job of this array.", min=1)] = None,
          as_json: Annotated[bool, typer.Option("--json")] = False,
          diff: Annotated[bool, typer.Option("--diff", help="Print the uncommitted changes recorded at submit.")]
          = False) -> None:
@@ -184,6 +184,9 @@ def _print_output(client: Client, job_id: int, answer: dict[str, Any], follow: b
 
 def selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False) -> list[int]:
     """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs."""
+    if mine and (job_ids or array is not None):
+        # scancel -u USER ID narrows to that user's; a union here would cancel every job of theirs.
+        raise InvalidSpec("--user cancels all your jobs: give it alone, without job ids or --array")
     chosen = list(job_ids or [])
     if chosen:
         states_of(client, chosen)  # every id must exist
@@ -234,7 +237,7 @@ def _until_ended(client: Client, job_ids: list[int], timeout: float | None,
 
 @app.command()
 def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
-         array: Annotated[int | None, typer.Option(help="Every job of this array.")] = None,
+         array: Annotated[int | None, typer.Option(help="Every job of this array.", min=1)] = None,
          timeout: Annotated[float | None, typer.Option(min=0, help="Give up after this many seconds.")] = None,
          quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
          progress: Annotated[bool | None, typer.Option("--progress/--no-progress", show_default=False,
@@ -263,7 +266,7 @@ def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", mi
 
 @app.command()
 def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
-           array: Annotated[int | None, typer.Option(help="Every job of this array.")] = None,
+           array: Annotated[int | None, typer.Option(help="Every job of this array.", min=1)] = None,
            user: Annotated[bool, typer.Option("--user", help="All my waiting and running jobs.")] = False,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
            ) -> None:

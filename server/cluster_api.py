@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from gpuq.server import views
-from gpuq.server.request import call, context, reading
+from gpuq.server.request import call, context, job_id_of, reading
 from gpuq.service import accounting, rights, samples, usage
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
@@ -98,7 +98,7 @@ async def job_stats(request: web.Request) -> web.Response:
     """One job's usage summary (`gpuq stats ID`); ``plot=1`` adds its samples, and the node and
     index of each GPU they name (``gpus``, by the samples' ``gpu_id``)."""
     settings, _ = context(request)
-    return web.json_response(await call(_job_stats, settings, int(request.match_info["id"]),
+    return web.json_response(await call(_job_stats, settings, job_id_of(request),
                                         request.query.get("plot") in ("1", "true")))
 
 

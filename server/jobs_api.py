@@ -5,13 +5,14 @@ Rights are checked here, with service/rights.py, before anything private leaves 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from gpuq.server import dispatch, submission, views
-from gpuq.server.request import body_of, call, context, reading
+from gpuq.server.request import body_of, call, context, job_id_of, reading
 from gpuq.service import constants as c
 from gpuq.service import history as history_of
 from gpuq.service import inventory, jobs, rights, usage
@@ -20,16 +21,13 @@ from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
+from gpuq.service.units import MAX_JOB_ID
 
 routes = web.RouteTableDef()
 T = TypeVar("T")
 P = c.API_PREFIX
 JOB = P + r"/jobs/{id:\d+}"
 MAX_IDS = 100_000  # job ids one request may name
-
-
-def _job_id(request: web.Request) -> int:
-    return int(request.match_info["id"])
 
 
 def _int(request: web.Request, name: str, default: int) -> int:
@@ -60,9 +58,13 @@ def _ids(text: str) -> list[int]:
 
 
 def _bounded(ids: list[int]) -> list[int]:
-    """``ids``, if a request may name that many; InvalidSpec otherwise."""
+    """``ids``, if a request may name that many; InvalidSpec otherwise, and JobNotFound for one
+    no job can have."""
     if not 1 <= len(ids) <= MAX_IDS:
         raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
+    for job_id in ids:
+        if not 1 <= job_id <= MAX_JOB_ID:
+            raise jobs.JobNotFound(f"no job {job_id}")
     return ids
 
 
@@ -84,7 +86,7 @@ async def submit(request: web.Request) -> web.Response:
 async def queue(request: web.Request) -> web.Response:
     """The queue as `gpuq status` shows it: active jobs, the newest ended ones, the GPUs."""
     settings, caller = context(request)
-    ended = _int(request, "ended", 10)
+    ended = min(_int(request, "ended", 10), history_of.MAX_LISTED)
     mine = request.query.get("mine") in ("1", "true")
     # arrays=collapsed: an array's pending tasks come as entries of "arrays", one for each reason
     # they wait, not as thousands of jobs (`gpuq status` and the dashboard ask for it).
@@ -168,7 +170,7 @@ def _active(settings: Settings, user: str) -> list[int]:
 @routes.get(P + r"/arrays/{id:\d+}")
 async def array(request: web.Request) -> web.Response:
     settings, _ = context(request)
-    return web.json_response({"jobs": await call(_array, settings, _job_id(request))})
+    return web.json_response({"jobs": await call(_array, settings, job_id_of(request))})
 
 
 def _array(settings: Settings, array_id: int) -> list[dict[str, Any]]:
@@ -183,7 +185,7 @@ async def show(request: web.Request) -> web.Response:
     """One job (`gpuq show`): what everyone may see, and its last output lines if it failed and
     the caller may read its output."""
     settings, caller = context(request)
-    return web.json_response(await call(_show, settings, caller, _job_id(request)))
+    return web.json_response(await call(_show, settings, caller, job_id_of(request)))
 
 
 def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
@@ -202,7 +204,7 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
 async def diff(request: web.Request) -> web.Response:
     """The uncommitted changes recorded at submit (`gpuq show --diff`): the owner's and admins' only."""
     settings, caller = context(request)
-    return web.json_response(await call(_diff, settings, caller, _job_id(request)))
+    return web.json_response(await call(_diff, settings, caller, job_id_of(request)))
 
 
 def _diff(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
@@ -223,8 +225,9 @@ async def output(request: web.Request) -> web.Response:
     seconds, for news: new output, or a state other than X. A follower then learns of a line or
     of the job's end as soon as SQL has it, without asking many times a second itself."""
     settings, caller = context(request)
-    job_id, after = _job_id(request), _int(request, "after", -1)
-    wait = min(max(_float(request, "wait", 0.0), 0.0), 60.0)
+    job_id, after = job_id_of(request), min(max(_int(request, "after", -1), -1), MAX_JOB_ID)
+    wait = _float(request, "wait", 0.0)
+    wait = min(max(wait, 0.0), 60.0) if math.isfinite(wait) else 0.0
     seen = request.query.get("state")
     loop = asyncio.get_running_loop()
     began = loop.time()
@@ -260,7 +263,7 @@ def _epochs_done(metrics: list[dict[str, Any]]) -> int:
 @routes.get(JOB + "/why")
 async def why(request: web.Request) -> web.Response:
     settings, _ = context(request)
-    return web.json_response(await call(_why, settings, _job_id(request)))
+    return web.json_response(await call(_why, settings, job_id_of(request)))
 
 
 def _why(settings: Settings, job_id: int) -> dict[str, Any]:
@@ -275,7 +278,7 @@ def _why(settings: Settings, job_id: int) -> dict[str, Any]:
 @routes.post(JOB + "/cancel")
 async def cancel(request: web.Request) -> web.Response:
     settings, caller = context(request)
-    outcome = await call(jobs.cancel, settings, _job_id(request), caller)
+    outcome = await call(jobs.cancel, settings, job_id_of(request), caller)
     return web.json_response({"id": outcome.job_id, "state": outcome.state, "kill_grace_s": settings.kill_grace})
 
 
@@ -319,15 +322,15 @@ async def _ids_of(request: web.Request) -> list[int]:
 @routes.post(JOB + "/hold")
 async def hold(request: web.Request) -> web.Response:
     settings, caller = context(request)
-    await call(jobs.set_held, settings, _job_id(request), True, caller)
-    return web.json_response({"id": _job_id(request), "held": True})
+    await call(jobs.set_held, settings, job_id_of(request), True, caller)
+    return web.json_response({"id": job_id_of(request), "held": True})
 
 
 @routes.post(JOB + "/release")
 async def release(request: web.Request) -> web.Response:
     settings, caller = context(request)
-    await call(jobs.set_held, settings, _job_id(request), False, caller)
-    return web.json_response({"id": _job_id(request), "held": False})
+    await call(jobs.set_held, settings, job_id_of(request), False, caller)
+    return web.json_response({"id": job_id_of(request), "held": False})
 
 
 @routes.post(JOB + "/resubmit")
@@ -335,7 +338,7 @@ async def resubmit(request: web.Request) -> web.Response:
     from gpuq.service.resubmit import resubmit as again
 
     settings, caller = context(request)
-    job = await call(again, settings, _job_id(request), caller)
+    job = await call(again, settings, job_id_of(request), caller)
     return web.json_response({"job": views.job(job)})
 
 
@@ -346,7 +349,7 @@ async def keepalive(request: web.Request) -> web.Response:
     from gpuq.service.allocations import keep_alive
 
     settings, caller = context(request)
-    held = await call(keep_alive, settings, _job_id(request), caller)
+    held = await call(keep_alive, settings, job_id_of(request), caller)
     return web.json_response(held.as_json())
 
 
@@ -361,5 +364,5 @@ async def end(request: web.Request) -> web.Response:
     code = body.get("exit_code")
     if not isinstance(code, int) or isinstance(code, bool):
         raise InvalidSpec("exit_code must be a whole number")
-    await call(end_by_client, settings, _job_id(request), code, caller)
-    return web.json_response({"id": _job_id(request), "exit_code": code})
+    await call(end_by_client, settings, job_id_of(request), code, caller)
+    return web.json_response({"id": job_id_of(request), "exit_code": code})

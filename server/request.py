@@ -13,9 +13,10 @@ from aiohttp import web
 from sqlalchemy.orm import Session
 
 from gpuq.service.db import read_scope, require_schema
-from gpuq.service.errors import InvalidSpec
+from gpuq.service.errors import InvalidSpec, JobNotFound
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
+from gpuq.service.units import MAX_JOB_ID
 
 SETTINGS = web.AppKey("settings", Settings)
 T = TypeVar("T")
@@ -49,3 +50,13 @@ def reading(settings: Settings) -> Iterator[Session]:
     require_schema(settings)
     with read_scope(settings) as session:
         yield session
+
+
+def job_id_of(request: web.Request) -> int:
+    """The job or array id in the path (digits, by the route). One larger than any id can be is
+    no job, not a number the database cannot take (SQLite's 64 bits, PostgreSQL's 32)."""
+    found = int(request.match_info["id"])
+    if found > MAX_JOB_ID:
+        what = "array" if "/arrays/" in request.path else "job"
+        raise JobNotFound(f"no {what} {found}")
+    return found

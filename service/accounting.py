@@ -26,6 +26,12 @@ _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+# The bounds of a period (a date before the first job, an age of 99999999d, is from the start): both
+# databases take them, which year 1 and 9999 are not, each side of a time zone.
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+
+
 def parse_when(text: str, flag: str, now: datetime | None = None) -> datetime:
     """An ISO date or time (local time unless it names a zone), ``now``, or an age such as
     ``90m``, ``12h``, ``7d``; raises InvalidSpec naming ``flag`` otherwise."""
@@ -35,12 +41,17 @@ def parse_when(text: str, flag: str, now: datetime | None = None) -> datetime:
         return now
     age = _AGE.match(text)
     if age:
-        return now - timedelta(seconds=float(age.group(1)) * _UNIT[age.group(2)])
+        try:
+            return max(now - timedelta(seconds=float(age.group(1)) * _UNIT[age.group(2)]), EARLIEST)
+        except OverflowError:  # an age longer than a time can go back: from the start
+            return EARLIEST
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise InvalidSpec(f"bad {flag} {text!r}: use a date or time (2026-01-31, 2026-01-31T14:00) "
+        raise InvalidSpec(f"bad {flag} {text[:40]!r}: use a date or time (2026-01-31, 2026-01-31T14:00) "
                           "or an age (90m, 12h, 7d)") from None
+    if when.year < EARLIEST.year + 1 or when.year > LATEST.year - 1:  # no time zone moves it past a bound
+        return EARLIEST if when.year < EARLIEST.year + 1 else LATEST
     if when.tzinfo is None:
         when = when.astimezone()  # the user's local time
     return when.astimezone(UTC)

@@ -59,7 +59,7 @@ def ranges(numbers: list[int], most: int = 4) -> str:
     at most ``most`` pieces and then ``…`` (``0-3,7,9-12``)."""
     pieces: list[str] = []
     start = prev = None
-    for n in [*sorted(numbers), None]:
+    for n in [*sorted(set(numbers)), None]:  # an array swept has each index once per combination
         if n is not None and prev is not None and n == prev + 1:
             prev = n
             continue

@@ -17,8 +17,9 @@ from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
 from gpuq.service.dialect import matches_glob, not_for_an_index
-from gpuq.service.errors import InvalidSpec
+from gpuq.service.errors import InvalidSpec, JobNotFound
 from gpuq.service.models import Job
+from gpuq.service.units import MAX_JOB_ID
 
 # The most jobs one answer lists (the counts by state still cover the whole period).
 MAX_LISTED = 10_000
@@ -45,6 +46,8 @@ class HistoryQuery:
                               f"{', '.join(c.END_STATES)} (waiting and running jobs are in `gpuq status`)")
         if not 1 <= self.limit <= MAX_LISTED:
             raise InvalidSpec(f"--limit must be from 1 to {MAX_LISTED:,}")
+        if self.array_id is not None and not 1 <= self.array_id <= MAX_JOB_ID:
+            raise JobNotFound(f"no array {self.array_id}")
 
 
 @dataclass(frozen=True)

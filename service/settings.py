@@ -231,8 +231,9 @@ def _coerce(name: str, raw: Any, kind: type) -> Any:
         value = kind(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {name} must be {kind.__name__}, got {raw!r}") from None
-    if kind in (int, float) and value < 0:
-        raise ConfigError(f"setting {name} must not be negative, got {raw!r}")
+    if kind in (int, float) and not value >= 0:  # NaN too: no comparison holds for it
+        raise ConfigError(f"setting {name} must not be negative, got {raw!r}" if value < 0 else
+                          f"setting {name} must be a number, got {raw!r}")
     return value
 
 

@@ -100,6 +100,11 @@ ADMIN_MAX_PRIORITY = 1000
 MAX_RETRIES = 100
 
 
+def sweep_variable(name: str) -> str:
+    """The variable a command's job finds a sweep's value in: GPUQ_SWEEP_BATCH_SIZE for batch-size."""
+    return f"GPUQ_SWEEP_{name.upper().replace('-', '_')}"
+
+
 def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str | None,
            sweeps: list[str]) -> list[JobSpec]:
     """The jobs one submission makes: one, or an array (``--array``) and/or the cross product of
@@ -113,6 +118,8 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
     names = [n for n, _ in axes]
     if len(set(names)) != len(names):
         raise InvalidSpec("a --sweep name is given twice")
+    if len({sweep_variable(n) for n in names}) != len(names):  # lr and LR, a-b and a_b
+        raise InvalidSpec(f"--sweep names {', '.join(names)} set the same GPUQ_SWEEP_ variable: name them apart")
     indices = parse_indices(array) if array is not None else None
     combos = list(itertools.product(*[[(n, v) for v in vals] for n, vals in axes]))
     if indices is None and not axes:
@@ -128,11 +135,13 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
         argv = spec.argv
         if spec.kind == c.KIND_COMMAND and spec.argv is not None:
             if combo:
-                env.update({f"GPUQ_SWEEP_{n.upper().replace('-', '_')}": v for n, v in combo})
+                env.update({sweep_variable(n): v for n, v in combo})
                 argv = [_fill(a, dict(combo)) for a in spec.argv]
-            elif indices is not None:
-                argv = [a.replace("{index}", str(task)) for a in spec.argv]
-        label = ",".join(f"{n}={v}" for n, v in combo) if combo else str(task)
+            if indices is not None:
+                argv = [a.replace("{index}", str(task)) for a in argv or []]
+        # An array swept: each of its indices with each combination, named by both (train[3,lr=0.1]).
+        label = ",".join([*([str(task)] if indices is not None or not combo else []),
+                          *(f"{n}={v}" for n, v in combo)])
         out.append(replace(spec, **extra, env=env, array_index=task, argv=argv,
                            name=check_name(f"{spec.name}[{label}]"[: c.MAX_NAME_LENGTH])))
     return out

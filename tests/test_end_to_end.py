@@ -77,6 +77,43 @@ def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
     assert output_of(s, job_id) == "bye\n"
 
 
+def test_output_with_a_nul_character_is_kept_with_the_nul_shown_and_the_rest_after_it(stack, tmp_path):
+    # PostgreSQL's text refuses NUL: the chunk, and at the job's end its usage summary, were lost.
+    s = stack.settings
+    code = "import sys; sys.stdout.buffer.write(b'ok\\x00end\\n'); sys.stdout.flush(); print('after')"
+    job_id = submit(s, ["--", sys.executable, "-c", code], cwd=tmp_path)
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, stack.logs()
+    assert output_of(s, job_id) == "ok\u2400end\nafter\n"
+
+
+@pytest.mark.parametrize("make,code,why", [
+    (lambda d: d.joinpath("plain.sh").write_text("echo hi\n"), 126,
+     "./plain.sh: not a program this machine runs (a script needs a #! line)"),
+    (lambda d: d.joinpath("plain.sh").write_text("#!/nonexistent/interp\necho hi\n"), 127,
+     "./plain.sh: its interpreter /nonexistent/interp is not found"),
+    (lambda d: None, 127, "./plain.sh: no such file or command (it was there at submit)"),
+])
+def test_a_command_that_cannot_start_fails_with_one_line_and_the_exit_code_a_shell_gives(stack, tmp_path, make,
+                                                                                          code, why):
+    s = stack.settings
+    script = tmp_path / "plain.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    held = submit(s, ["--hold", "--", "./plain.sh"], cwd=tmp_path)  # it passes the submit's checks
+    script.unlink()
+    make(tmp_path)
+    if script.exists():
+        script.chmod(0o755)
+    assert run_cli(["release", str(held)], s).returncode == 0
+    followed = run_cli(["attach", str(held)], s, timeout=90)
+    assert followed.returncode == code, followed.stderr
+    assert followed.stderr == f"gpuq: cannot start the command: {why}\n"  # no traceback
+    with write_scope(s) as session:
+        job = jobs.get_job(session, held)
+        assert (job.state, job.failure, job.exit_code, job.reason) == (State.FAILED, c.FAILURE_EXIT, code,
+                                                                       f"cannot start: {why}")
+
+
 def test_cancel_kills_a_running_jobs_whole_process_tree_and_frees_the_gpu(stack, tmp_path):
     s = stack.settings
     pid_file = tmp_path / "pids"

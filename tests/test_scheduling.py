@@ -279,6 +279,17 @@ def test_a_sweep_makes_the_cross_product_with_each_jobs_parameters(settings):
         spec.expand(make, spec.Scheduling(), None, ["bs=1,2"])
 
 
+def test_an_array_swept_gives_each_index_with_each_value_its_own_name_and_fills_in_both():
+    make = lambda extra: spec.command_spec(["echo", "{index}", "{lr}"], cwd="/", user="ann", name="run")  # noqa: E731
+    made = spec.expand(make, spec.Scheduling(), "0-1", ["lr=a,b"])
+    assert [(j.name, j.argv, j.env["GPUQ_ARRAY_INDEX"], j.env["GPUQ_SWEEP_LR"]) for j in made] == [
+        ("run[0,lr=a]", ["echo", "0", "a"], "0", "a"), ("run[0,lr=b]", ["echo", "0", "b"], "0", "b"),
+        ("run[1,lr=a]", ["echo", "1", "a"], "1", "a"), ("run[1,lr=b]", ["echo", "1", "b"], "1", "b")]
+    # Two names that would set one variable (GPUQ_SWEEP_LR) are refused, not one value lost.
+    with pytest.raises(InvalidSpec, match="set the same GPUQ_SWEEP_ variable"):
+        spec.expand(make, spec.Scheduling(), None, ["lr=1", "LR=2"])
+
+
 def claim_and_run(settings, job_id) -> str:
     Scheduler(settings).schedule_once()
     with write_scope(settings) as session:

@@ -34,6 +34,7 @@ def test_environment_overrides_the_file(tmp_path):
 @pytest.mark.parametrize("env,match", [
     ({"GPUQ_FAKE_GPUS": "two"}, "fake_gpus must be int"),
     ({"GPUQ_KILL_GRACE": "-1"}, "must not be negative"),
+    ({"GPUQ_HEARTBEAT_INTERVAL": "nan"}, "heartbeat_interval must be a number"),
     ({"GPUQ_BROKER_URL": "amqp://guest@localhost//"}, "redis:// or rediss://"),
     ({"GPUQ_DATABASE_URL": "gpuq.db"}, "not a database URL"),
     ({"GPUQ_WARM_START": "maybe"}, "warm_start must be bool"),

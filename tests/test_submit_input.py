@@ -1,5 +1,6 @@
 """Bad input gets one line that says what to change, a non-zero exit, and nothing written."""
 
+import json
 import os
 import shlex
 import shutil
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 
 from gpuq.cli.app import app
 from gpuq.service import constants as c
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
 from tests.conftest import ThreadServer, settings_env, venv_reachable_by_everyone
@@ -206,6 +208,46 @@ def test_an_array_is_cancelled_by_its_id_and_cancel_user_takes_all_of_mine(use_s
     assert result.exit_code == 0 and result.output.strip() == "job 4 cancelled"
     assert invoke(["cancel", "--user"]).output.strip() == "no active jobs to cancel"
     assert invoke(["wait", "--array", "1"]).exit_code == c.EXIT_JOB_FAILED
+
+
+def test_cancel_user_with_job_ids_or_an_array_is_refused_and_cancels_nothing(use_settings):
+    # It took the union: `gpuq cancel --user 5` cancelled every job of the caller's, not job 5.
+    assert invoke(["submit", "--array", "0-1", "--hold", "--", "true"]).exit_code == 0  # jobs 1-2
+    assert invoke(["submit", "--hold", "--", "true"]).exit_code == 0  # job 3
+    for args in (["cancel", "--user", "1"], ["cancel", "--user", "--array", "1"]):
+        result = invoke(args)
+        assert result.exit_code == c.EXIT_USAGE
+        assert result.output.strip() == "gpuq: --user cancels all your jobs: give it alone, without job ids or --array"
+    with write_scope(use_settings) as session:
+        assert set(session.scalars(select(Job.state))) == {State.PENDING}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["show", str(2**63)], f"no job {2**63}"),  # past SQLite's integers (and PostgreSQL's from 2**31)
+    (["show", str(2**31)], f"no job {2**31}"),
+    (["logs", str(10**30)], f"no job {10**30}"),
+    (["stats", str(2**40)], f"no job {2**40}"),
+    (["cancel", "1", str(2**63)], f"no job {2**63}"),
+    (["show", "--array", str(2**63)], f"no array {2**63}"),
+    (["history", "--array", str(2**40)], f"no array {2**40}"),
+    (["show", "--array", "-1"], "-1 is not in the range x>=1"),
+    (["stats", "--since", "x" * 9000], "the server refused the request (400"),  # past aiohttp's request line
+    (["wait", "1", "--timeout", "nan"], "nan is not a number"),
+])
+def test_ids_and_values_past_any_a_job_can_have_are_one_line_not_a_server_failure(use_settings, args, message):
+    # They reached the database as numbers it cannot take: the server failed (exit 70, "see its log").
+    assert invoke(["submit", "--hold", "--", "true"]).exit_code == 0
+    result = invoke(args)
+    assert result.exit_code in (c.EXIT_NOT_FOUND, c.EXIT_USAGE), result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+
+
+@pytest.mark.parametrize("since", ["99999999d", "0001-01-01", str(10**30) + "d"])
+def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use_settings, since):
+    result = invoke(["stats", "--since", since, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["since"].startswith("1970-01-01")
 
 
 @pytest.mark.parametrize("args,message", [

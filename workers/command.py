@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import errno
 import functools
 import os
 import signal
@@ -36,6 +37,43 @@ class CommandOutcome:
     leftover: tuple[int, ...] = ()
 
 
+class CannotStart(Exception):
+    """The command could not be started (its file, interpreter or directory is gone, or it is not
+    a program): ``why`` in a line, and the exit code a shell gives for it (127 not found, 126
+    found but not run)."""
+
+    def __init__(self, why: str, exit_code: int) -> None:
+        super().__init__(why)
+        self.why = why
+        self.exit_code = exit_code
+
+
+def _why_not_started(exc: OSError, program: str, cwd: str) -> tuple[str, int]:
+    """What a failed exec means to the user, as a line, and the shell's exit code for it."""
+    if exc.filename == cwd or not os.path.isdir(cwd):
+        return f"its directory {cwd} is gone (it was there at submit)", 126
+    where = program if os.path.isabs(program) else os.path.join(cwd, program)
+    if isinstance(exc, FileNotFoundError):
+        interpreter = _interpreter(where) if os.path.exists(where) else None
+        if interpreter is not None:  # the kernel says ENOENT for a script whose #! names nothing
+            return f"{program}: its interpreter {interpreter} is not found", 127
+        return f"{program}: no such file or command (it was there at submit)", 127
+    if exc.errno == errno.ENOEXEC:
+        return f"{program}: not a program this machine runs (a script needs a #! line)", 126
+    return f"{program}: {os.strerror(exc.errno) if exc.errno else exc}", 126
+
+
+def _interpreter(path: str) -> str | None:
+    """The program a script's ``#!`` line names, or None."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return None
+    words = first[2:].split() if first.startswith(b"#!") else []
+    return words[0].decode("utf-8", "replace") if words else None
+
+
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
@@ -50,9 +88,12 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
-    proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=functools.partial(_in_child, cgroup, run_as))
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=functools.partial(_in_child, cgroup, run_as))
+    except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
+        raise CannotStart(*_why_not_started(exc, argv[0], cwd)) from None
     found = _Finder(proc.pid, cgroup, run_id)
     if on_start is not None:
         on_start(proc.pid)

@@ -23,9 +23,9 @@ from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.command import run_command
+from gpuq.workers.command import CannotStart, run_command
 from gpuq.workers.end import drain_if_left, stopped_end
-from gpuq.workers.identity import Identity, run_as
+from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.output import OutputSink
 from gpuq.workers.ranks import start_ranks
@@ -71,7 +71,11 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
 def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
                      on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     assert job.argv is not None and job.cwd is not None
-    identity = run_as(job.user, state.node)  # UnknownUser fails the job with its reason
+    try:
+        identity = run_as(job.user, state.node)
+    except UnknownUser as exc:  # nothing of the job can run here: its line, not a traceback
+        sink.note(f"gpuq: {exc}")
+        return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}
     cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
                               job.host_mem_mib)
     try:
@@ -79,6 +83,12 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
         outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
                               run_as=identity, on_start=on_start)
+    except CannotStart as exc:
+        # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
+        # told the user nothing, and an exit of 1 read as the command's own.
+        sink.note(f"gpuq: cannot start the command: {exc.why}")
+        return {"state": State.FAILED, "failure": c.FAILURE_EXIT, "exit_code": exc.exit_code,
+                "reason": f"cannot start: {exc.why}"}
     finally:
         if cgroup is not None:
             cgroup.remove()

@@ -14,6 +14,8 @@ from gpuq.service.jobs import append_output
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.worker")
+# What a NUL character of a job's output is stored as.
+NUL_SHOWN = "\u2400"
 
 
 class OutputSink:
@@ -49,6 +51,9 @@ class OutputSink:
     def write(self, text: str, stream: int = c.STDOUT) -> None:
         if not text:
             return
+        # PostgreSQL's text refuses NUL: the chunk and, at the job's end, the rest of its end were
+        # lost with it. Shown as U+2400 (␀) on both databases, as a terminal would show nothing.
+        text = text.replace("\x00", NUL_SHOWN)
         with self._lock:
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._flush_loop, name=f"output-{self.job_id}", daemon=True)
