@@ -31,6 +31,9 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
          diff: Annotated[bool, typer.Option("--diff", help="Print the uncommitted changes recorded at submit.")]
          = False) -> None:
     """Everything about one job: its spec, state, GPUs, timing and result (or an array's jobs)."""
+    if array is not None and (job_id is not None or diff):
+        raise InvalidSpec("give a job id or --array ID, not both" if job_id is not None else
+                          "--diff is one job's: give its id, not --array")
     client = Client()
     if array is not None:
         _show_array(client, array, as_json)

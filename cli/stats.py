@@ -45,6 +45,8 @@ def stats(
     """GPU-hours, jobs, mean utilisation and energy per user and node; or one job's summary."""
     if as_json and as_csv:
         raise InvalidSpec("--json and --csv cannot be used together: pick one")
+    if rollup and (job_id is not None or as_json or as_csv or plot):
+        raise InvalidSpec("--rollup does only the roll-up: give it alone")
     client = Client()
     if rollup:
         done = client.post("/stats/rollup")

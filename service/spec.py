@@ -71,7 +71,7 @@ class Scheduling:
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
-        if self.after and self.after_any:
+        if self.after is not None and self.after_any is not None:
             raise InvalidSpec("give --after or --after-any, not both")
         if self.shared and self.mem is None:
             raise InvalidSpec("--shared needs --mem: the GPU memory the job may use on each GPU (its share)")
@@ -81,7 +81,7 @@ class Scheduling:
             raise InvalidSpec(f"--retries must be between 0 and {MAX_RETRIES}; got {self.retries}")
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
-        deps = self.after or self.after_any
+        deps = self.after if self.after is not None else self.after_any  # "" is a mistake, not none
         return {
             "priority": self.priority,
             "mem_mib": parse_mem(self.mem) if self.mem is not None else None,
@@ -89,8 +89,9 @@ class Scheduling:
             "time_limit_s": parse_duration(self.time) if self.time is not None else None,
             "max_retries": self.retries,
             "held": self.hold,
-            "after": parse_job_ids(deps, "--after" if self.after else "--after-any") if deps else None,
-            "after_any": bool(self.after_any),
+            "after": parse_job_ids(deps, "--after" if self.after is not None else "--after-any")
+            if deps is not None else None,
+            "after_any": self.after_any is not None,
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
             "shared": self.shared,
         }

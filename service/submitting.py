@@ -29,6 +29,7 @@ from gpuq.service.scheduler import place_at_submit
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
+from gpuq.service.units import MAX_JOB_ID
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING
@@ -148,7 +149,7 @@ def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> bool:
             if first.kind == c.KIND_INTERACTIVE and first.on_node is not None:
                 check_node(session, first.on_node)
             _check_resources(session, settings, first)
-            _check_dependencies(session, first.after)
+            _check_dependencies(session, first.after, first.after_any)
             near_cap = _check_pending_limit(session, settings, first.user, len(specs))
             _check_priority(settings, first)
             if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
@@ -315,10 +316,13 @@ def _check_priority(settings: Settings, spec: JobSpec) -> None:
         raise InvalidSpec(f"--priority {spec.priority} is above the users' limit of {settings.max_priority}")
 
 
-def _check_dependencies(session: Session, after: list[int] | None) -> None:
+def _check_dependencies(session: Session, after: list[int] | None, after_any: bool = False) -> None:
     if not after:
         return
+    option = "--after-any" if after_any else "--after"
+    if any(not 1 <= i <= MAX_JOB_ID for i in after):
+        raise InvalidSpec(f"{option}: no job {next(i for i in after if not 1 <= i <= MAX_JOB_ID)}")
     found = set(session.scalars(select(Job.id).where(Job.id.in_(after))))
     missing = [i for i in after if i not in found]
     if missing:
-        raise InvalidSpec(f"--after: no job {missing[0]}")
+        raise InvalidSpec(f"{option}: no job {missing[0]}")

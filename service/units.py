@@ -24,7 +24,8 @@ def parse_mem(text: str, option: str = "--mem") -> int:
         raise InvalidSpec(f"{option} takes a size like 20G or 512M; got {text!r}")
     value = float(m.group(1)) * _MEM_SCALE[m.group(2).lower()]
     if value > MAX_MEM_MIB:  # before int(): a 400-digit number is inf as a float
-        raise InvalidSpec(f"{option} {text.strip()[:40]} is more than any GPU has")
+        what = "machine" if option == "--host-mem" else "GPU"
+        raise InvalidSpec(f"{option} {text.strip()[:40]} is more than any {what} has")
     mib = int(value)
     if mib < 1:
         raise InvalidSpec(f"{option} must be at least 1M; got {text!r}")
@@ -39,7 +40,8 @@ def parse_duration(text: str) -> int:
     """``90s``, ``30m``, ``2h``, ``1d``, ``1:30:00`` or a number of minutes (as SLURM), in seconds."""
     if ":" in text:
         parts = text.strip().split(":")
-        if len(parts) <= 3 and all(p.isascii() and p.isdigit() for p in parts):
+        if (len(parts) <= 3 and all(p.isascii() and p.isdigit() for p in parts)
+                and all(int(p) < 60 for p in parts[1:])):  # 1:99:99 is a typo, not 2:40:39
             seconds = 0
             for p in parts:
                 seconds = seconds * 60 + int(p)
@@ -89,7 +91,7 @@ def parse_indices(text: str) -> list[int]:
 def parse_job_ids(text: str, option: str) -> list[int]:
     """``12`` or ``12,13`` as job ids."""
     try:
-        ids = [int(p) for p in text.split(",") if p.strip()]
+        ids = [int(p) for p in text.split(",")]  # an empty one (1,,2 or "") is a mistake to name
     except ValueError:
         raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}") from None
     if not ids or any(not 1 <= i <= MAX_JOB_ID for i in ids):

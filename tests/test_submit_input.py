@@ -253,14 +253,23 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
 @pytest.mark.parametrize("args,message", [
     (["submit", "--mem", "lots", "--", "true"], "--mem takes a size like 20G"),
     (["submit", "--time", "forever", "--", "true"], "--time takes 2h, 30m, 90s, 1d or H:MM:SS"),
+    (["submit", "--time", "1:99:99", "--", "true"], "--time takes 2h, 30m, 90s, 1d or H:MM:SS"),
     (["submit", "--array", "5-1", "--", "true"], "--array range '5-1' is empty"),
     (["submit", "--array", "0-20000", "--", "true"], "more than 10000 tasks"),
     (["submit", "--sweep", "lr", "--", "true"], "--sweep takes name=value,value"),
     (["submit", "--after", "1", "--after-any", "2", "--", "true"], "give --after or --after-any, not both"),
+    (["submit", "--after", "", "--", "true"], "--after takes job ids like 12 or 12,13"),  # was: no dependency
+    (["submit", "--after", "1,,2", "--", "true"], "--after takes job ids like 12 or 12,13"),
+    (["submit", "--after-any", "99", "--", "true"], "--after-any: no job 99"),
+    (["submit", "--host-mem", "99999999999G", "--", "true"], "is more than any machine has"),
     (["submit", "--priority", "99", "--", "true"], "above the users' limit of 10"),
     (["submit", "--mem", "64G", "--", "true"], "more than any GPU has (8192 MiB)"),
     (["submit", "--node", "elsewhere", "--", "true"], "--node elsewhere: no such node"),
     (["hold", "5"], "no job 5"),
+    (["show", "5", "--array", "1"], "give a job id or --array ID, not both"),  # the id was dropped
+    (["show", "--diff", "--array", "1"], "--diff is one job's"),
+    (["stats", "5", "--rollup"], "--rollup does only the roll-up: give it alone"),
+    (["stats", "--rollup", "--json"], "--rollup does only the roll-up: give it alone"),
     (["drain", "elsewhere"], "no node elsewhere is known to gpuq"),
 ])
 def test_bad_scheduling_requests_are_refused_in_one_line_and_write_nothing(use_settings, args, message):
