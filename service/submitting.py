@@ -21,7 +21,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
-from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit
+from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit, StateConflict
 from gpuq.service.lifecycle import Actor, check, move
 from gpuq.service.models import Gpu, Job, Submission, table, utcnow
 from gpuq.service.prepared import Prepared
@@ -322,7 +322,14 @@ def _check_dependencies(session: Session, after: list[int] | None, after_any: bo
     option = "--after-any" if after_any else "--after"
     if any(not 1 <= i <= MAX_JOB_ID for i in after):
         raise InvalidSpec(f"{option}: no job {next(i for i in after if not 1 <= i <= MAX_JOB_ID)}")
-    found = set(session.scalars(select(Job.id).where(Job.id.in_(after))))
+    found = {job_id: state for job_id, state in session.execute(select(Job.id, Job.state).where(Job.id.in_(after)))}
     missing = [i for i in after if i not in found]
     if missing:
         raise InvalidSpec(f"{option}: no job {missing[0]}")
+    # A job after one that already failed would be cancelled at once (`gpuq run` said 130, as if
+    # the user had pressed Ctrl-C): refused here instead, as sbatch refuses a dependency that can
+    # never be satisfied. One that fails later still cancels it, with its reason.
+    doomed = [i for i in after if not after_any and found[i] in c.END_STATES and found[i] != State.SUCCEEDED]
+    if doomed:
+        raise StateConflict(f"--after {doomed[0]}: job {doomed[0]} {found[doomed[0]]}, so this job would never "
+                            "start (--after-any starts it after any end)")

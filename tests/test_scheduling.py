@@ -144,6 +144,17 @@ def test_after_a_job_that_does_not_exist_is_refused(settings):
         submit(settings, after="999")
 
 
+def test_after_a_job_that_already_failed_is_refused_at_submit_and_after_any_is_not(settings):
+    # It was accepted and cancelled at once, which `gpuq run` reported as 130, as for a Ctrl-C.
+    register(settings, "a", 1)
+    failed, done = submit(settings, hold=True), submit(settings, hold=True)
+    end(settings, failed, State.FAILED)
+    end(settings, done, State.SUCCEEDED)
+    with pytest.raises(StateConflict, match=f"--after {failed}: job {failed} failed, so this job would never start"):
+        submit(settings, after=f"{done},{failed}")
+    assert submit(settings, after=str(done)) and submit(settings, after_any=str(failed))
+
+
 def test_priority_is_bounded_for_users_and_not_for_admins(settings):
     register(settings, "a", 1)
     with pytest.raises(InvalidSpec, match="above the users' limit of 10"):
