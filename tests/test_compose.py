@@ -123,7 +123,7 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
         assert services[name]["healthcheck"]["test"], name
     # Named volumes; the server's bind mounts of host paths are checked below.
     used = {v.split(":", 1)[0] for s in services.values() for v in s.get("volumes", []) if not v.startswith("/")}
-    assert used == set(doc["volumes"]) == {"redis-data", "postgres-data"}
+    assert used == set(doc["volumes"]) == {"redis-data", "postgres-data", "snapshots"}
     assert services["postgres"]["volumes"] == ["postgres-data:/var/lib/postgresql/data"]
     assert services["redis"]["volumes"] == ["redis-data:/data"]
     # Warm shutdown: a worker's running job gets minutes to finish, and is interrupted cleanly
@@ -153,7 +153,8 @@ def test_the_server_runs_as_root_on_the_hosts_run_gpuq_socket_and_names_uids_as_
     assert server["command"] == ["gpuq", "server"]
     # Root: the caller is the socket peer's uid (SO_PEERCRED), the host's uid without a user namespace.
     assert server["user"] == "root"
-    assert all("user" not in s for n, s in services.items() if n != "server")
+    # (and the workers, which run each command as its owner: the next test)
+    assert all("user" not in s for n, s in services.items() if n != "server" and not n.startswith("worker-gpu"))
     assert server["environment"]["GPUQ_SOCKET"] == SERVER_SOCKET
     assert "GPUQ_LISTEN" not in server["environment"]  # TCP with MUNGE is the admin's choice (commented out)
     assert "ports" not in server
@@ -171,6 +172,24 @@ def test_the_server_runs_as_root_on_the_hosts_run_gpuq_socket_and_names_uids_as_
     assert kind == "CMD" and check[:2] == ["python", "-c"] and SERVER_SOCKET in check[2]
     text = COMPOSE.read_text()
     assert "# GPUQ_LISTEN:" in text and "/run/munge:/run/munge" in text
+
+
+def test_workers_run_commands_as_their_owner_where_they_were_submitted_and_share_snapshots_with_the_server():
+    # As the image's `gpuq` user, without the host's homes, every user's command ran as one uid, and
+    # a command submitted from a home directory was refused at submit (the server saw no such directory).
+    services = load()["services"]
+    server = services["server"]
+    assert "/home:/home:ro" in server["volumes"]
+    snapshots = server["environment"]["GPUQ_SNAPSHOT_DIR"]
+    assert f"snapshots:{snapshots}" in server["volumes"] and "snapshots" in load()["volumes"]
+    for name, worker in services.items():
+        if not name.startswith("worker-gpu"):
+            continue
+        assert worker["user"] == "root"
+        assert {"/etc/passwd:/etc/passwd:ro", "/etc/group:/etc/group:ro", "/home:/home",
+                f"snapshots:{snapshots}"} <= set(worker["volumes"])
+        assert worker["environment"]["GPUQ_SNAPSHOT_DIR"] == snapshots
+        assert worker["environment"]["GPUQ_DATABASE_URL"] == server["environment"]["GPUQ_DATABASE_URL"]
 
 
 def test_without_passwords_the_file_refuses_to_resolve():
@@ -247,6 +266,8 @@ def _service_env(service: dict, settings) -> dict[str, str]:
     env.update({k: str(v) for k, v in service["environment"].items()})
     if env.get("GPUQ_SOCKET") == SERVER_SOCKET:
         env["GPUQ_SOCKET"] = str(settings.server_socket)
+    if "GPUQ_SNAPSHOT_DIR" in env:  # the volume's path in the containers; the test's own here
+        env["GPUQ_SNAPSHOT_DIR"] = str(settings.home / "snapshots")
     return env
 
 
