@@ -19,6 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gpuq.server import cluster_api, identity, jobs_api, metrics_api
+from gpuq.server.histograms import Settled
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
 from gpuq.service import stack, system_home
@@ -73,6 +74,7 @@ def _check_public(request: web.Request) -> None:
 def make_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[_answers], client_max_size=c.MAX_REQUEST_BYTES)
     app[SETTINGS] = settings
+    app[metrics_api.SETTLED] = Settled()
     app.add_routes(jobs_api.routes)
     app.add_routes(cluster_api.routes)
     app.add_routes(metrics_api.routes)

@@ -1,0 +1,108 @@
+"""The queue-wait and run-time histograms of `/metrics`, summed once for the jobs long ended.
+
+A Prometheus histogram counts from the start, so a scrape counts every job that ever started: read
+whole each time, that grew with the history (737 ms a scrape at 200,000 jobs on SQLite here, every
+15 s a scrape). A job that ended no longer changes (an end state is final: service/lifecycle.py),
+so the server keeps each histogram's sums over the jobs that ended before a moving line
+(``Settled``) and each scrape reads only the jobs past it: those still waiting or running, and
+those that ended since. The line trails the clock by ``SETTLE``: a job's end is written with its
+worker's clock, in a transaction that may commit a little later, and one whose end lands behind
+the line after the line has moved would never be counted (until the server restarts).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from gpuq.service import constants as c
+from gpuq.service.dialect import not_for_an_index, seconds_between
+from gpuq.service.models import Job
+
+# How far behind the clock the line of settled jobs stays.
+SETTLE = timedelta(minutes=10)
+# Sets of bounds remembered (the dashboard asks with one each; a caller trying many evicts).
+MAX_REMEMBERED = 8
+
+
+@dataclass
+class Sums:
+    """A histogram's cumulative counts at its bounds, its count and its sum."""
+
+    counts: list[int]
+    count: int = 0
+    total: float = 0.0
+
+    def plus(self, other: Sums) -> Sums:
+        return Sums([a + b for a, b in zip(self.counts, other.counts, strict=True)], self.count + other.count,
+                    self.total + other.total)
+
+    def as_dict(self, bounds: list[float]) -> dict[str, Any]:
+        return {"le": bounds, "counts": self.counts, "count": self.count, "sum": self.total}
+
+
+@dataclass
+class _Line:
+    upto: datetime  # the jobs that ended before this are in ``sums``
+    sums: Sums
+
+
+@dataclass
+class Settled:
+    """Each histogram's sums over the jobs that ended before its line, by kind and bounds (one
+    server's memory: a restart sums them again, once)."""
+
+    lines: dict[tuple[str, tuple[float, ...]], _Line] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def histogram(self, session: Session, kind: str, bounds: list[float], now: datetime) -> dict[str, Any]:
+        """``kind`` ("wait": submit to start of every job that started; "duration": start to end
+        of every job that ended) at ``bounds``: the settled sums brought up to ``now - SETTLE``,
+        plus the jobs past the line, read afresh."""
+        key, upto = (kind, tuple(bounds)), now - SETTLE
+        with self.lock:
+            line = self.lines.get(key)
+            if line is None:
+                line = _Line(upto, _sums(session, kind, bounds, Job.ended_at < upto))
+                if len(self.lines) >= MAX_REMEMBERED:
+                    self.lines.pop(next(iter(self.lines)))
+                self.lines[key] = line
+            elif upto > line.upto:  # the jobs that ended between the old line and the new
+                line.sums = line.sums.plus(_sums(session, kind, bounds,
+                                                 Job.ended_at >= line.upto, Job.ended_at < upto))
+                line.upto = upto
+            settled, since = line.sums, line.upto
+        # Past the line: the jobs that ended since, and (for the wait) those still active. An ended
+        # job without an end time, which gpuq does not write, would be in neither: counted here.
+        fresh = _sums(session, kind, bounds, Job.ended_at >= since).plus(
+            _sums(session, kind, bounds, Job.ended_at.is_(None)))
+        if kind == "wait":
+            fresh = fresh.plus(_sums(session, kind, bounds, active=True))
+        return settled.plus(fresh).as_dict(bounds)
+
+
+def _sums(session: Session, kind: str, bounds: list[float], *where: Any, active: bool = False) -> Sums:
+    """The histogram over the ended jobs ``where`` says (or, with ``active``, the jobs still
+    waiting or running that started), summed by the database in one statement."""
+    if kind == "wait":
+        seconds = seconds_between(Job.started_at, Job.submitted_at, session)
+        base = [Job.started_at.is_not(None)]
+    else:
+        seconds = seconds_between(Job.ended_at, Job.started_at, session)
+        base = [Job.started_at.is_not(None), Job.ended_at.is_not(None)]
+    # Ended jobs are read down the index on ended_at: SQLite, without statistics, took the queue
+    # order's (state first) for the end states, and read every job ever run.
+    states = (Job.state.in_(c.ACTIVE_STATES) if active else
+              not_for_an_index(Job.state, session).in_(c.END_STATES))
+    # Each job's seconds worked out once (MATERIALIZED: inlined, SQLite parsed the timestamps again
+    # for every bound), then counted at each bound.
+    each = select(seconds.label("s")).where(states, *base, *where).cte("each").prefix_with("MATERIALIZED")
+    counts = [func.coalesce(func.sum(case((each.c.s <= b, 1), else_=0)), 0) for b in bounds]
+    row = session.execute(select(func.count(), func.coalesce(func.sum(each.c.s), 0.0), *counts)
+                          .select_from(each)).one()
+    return Sums([int(n) for n in row[2:]], int(row[0]), float(row[1]))

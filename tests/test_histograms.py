@@ -1,0 +1,90 @@
+"""The `/metrics` histograms kept between scrapes (server/histograms.py), on both databases: what the
+server sums once for the jobs long ended, plus what it reads afresh, is always what summing every
+job would give, as jobs start and end and the line of settled jobs moves."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+from sqlalchemy import select, update
+
+from gpuq.server.histograms import SETTLE, Settled
+from gpuq.service import constants as c
+from gpuq.service import spec, submitting
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.models import Job, utcnow
+
+pytestmark = pytest.mark.timeout(120)
+
+BOUNDS = [1.0, 10.0, 60.0, 600.0]
+
+
+def job(settings, *, submitted: datetime, started: datetime | None, ended: datetime | None,
+        state: str = State.SUCCEEDED) -> int:
+    made = submitting.submit(settings, spec.command_spec(["true"], cwd="/", user="ann"))
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == made.id).values(
+            state=state, submitted_at=submitted, started_at=started, ended_at=ended))
+    return made.id
+
+
+def expected(settings, kind: str) -> dict:
+    """The histogram summed from every job in Python, as /metrics summed it before."""
+    with write_scope(settings) as session:
+        rows = session.execute(select(Job.state, Job.submitted_at, Job.started_at, Job.ended_at)).all()
+    if kind == "wait":
+        values = [(start - sub).total_seconds() for _, sub, start, _ in rows if start is not None]
+    else:
+        values = [(end - start).total_seconds() for state, _, start, end in rows
+                  if start is not None and end is not None and state in c.END_STATES]
+    return {"le": BOUNDS, "counts": [sum(1 for v in values if v <= b) for b in BOUNDS], "count": len(values),
+            "sum": pytest.approx(sum(values))}
+
+
+def scrape(settings, settled: Settled, now: datetime) -> tuple[dict, dict]:
+    with write_scope(settings) as session:
+        return (settled.histogram(session, "wait", BOUNDS, now), settled.histogram(session, "duration", BOUNDS, now))
+
+
+def test_the_settled_sums_and_the_fresh_ones_are_always_what_every_job_sums_to(settings):
+    now = utcnow()
+    ago = lambda **kw: now - timedelta(**kw)  # noqa: E731
+    job(settings, submitted=ago(hours=3), started=ago(hours=3) + timedelta(seconds=5), ended=ago(hours=2))
+    job(settings, submitted=ago(hours=2), started=ago(hours=2) + timedelta(seconds=0.5), ended=ago(hours=1),
+        state=State.FAILED)
+    running = job(settings, submitted=ago(minutes=3), started=ago(minutes=2), ended=None, state=State.RUNNING)
+    job(settings, submitted=ago(minutes=1), started=None, ended=None, state=State.PENDING)
+    job(settings, submitted=ago(hours=5), started=None, ended=ago(hours=4), state=State.CANCELLED)  # never ran
+    settled = Settled()
+    assert scrape(settings, settled, now) == (expected(settings, "wait"), expected(settings, "duration"))
+    line = settled.lines[("duration", tuple(BOUNDS))]
+    assert line.upto == now - SETTLE and line.sums.count == 2  # the two long ended, summed once
+
+    # The running job ends, another starts and ends, one ends whose end was written a few minutes
+    # late (inside SETTLE): each is counted by the next scrape.
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == running).values(state=State.SUCCEEDED, ended_at=now))
+    job(settings, submitted=now, started=now + timedelta(seconds=20), ended=now + timedelta(seconds=700))
+    job(settings, submitted=ago(minutes=9), started=ago(minutes=8), ended=ago(minutes=6))
+    later = now + timedelta(seconds=30)
+    assert scrape(settings, settled, later) == (expected(settings, "wait"), expected(settings, "duration"))
+
+    # Hours later the line has moved past them all: they are settled sums now, and still counted once.
+    hours = now + timedelta(hours=2)
+    assert scrape(settings, settled, hours) == (expected(settings, "wait"), expected(settings, "duration"))
+    assert settled.lines[("duration", tuple(BOUNDS))].sums.count == 5
+    # A server started now sums the same from nothing.
+    assert scrape(settings, Settled(), hours) == (expected(settings, "wait"), expected(settings, "duration"))
+
+
+def test_other_bounds_are_summed_on_their_own_and_only_a_few_sets_are_kept(settings):
+    now = utcnow()
+    job(settings, submitted=now - timedelta(hours=2), started=now - timedelta(hours=2), ended=now - timedelta(hours=1))
+    settled = Settled()
+    with write_scope(settings) as session:
+        for top in range(12):
+            h = settled.histogram(session, "duration", [float(top + 1), 7200.0], now)
+            assert h["counts"] == [0, 1] and h["count"] == 1
+    assert len(settled.lines) == 8
