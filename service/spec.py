@@ -234,7 +234,15 @@ def check_name(name: str) -> str:
         raise InvalidSpec("--name must be one line of text")
     if any(_is_control(ch) for ch in name):
         raise InvalidSpec("--name must not contain control characters (escape sequences, tabs)")
+    if any(ch in _BIDI for ch in name):
+        # They reorder what follows them on a page or a terminal: a name could show as another.
+        raise InvalidSpec("--name must not contain bidirectional formatting characters (U+202A-U+202E, "
+                          "U+2066-U+2069, U+200E, U+200F, U+061C)")
     return name
+
+
+# Unicode's explicit bidirectional formatting characters (the "Trojan Source" set).
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
 
 
 def _is_control(ch: str) -> bool:

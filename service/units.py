@@ -103,7 +103,10 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     """``lr=0.1,0.01`` as (``lr``, [``0.1``, ``0.01``])."""
     name, eq, values = text.partition("=")
     name = name.strip().lstrip("-")
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", name) or not items:
-        raise InvalidSpec(f"--sweep takes name=value,value; got {text!r}")
+    items = [v.strip() for v in values.split(",")]
+    if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", name) or not all(items):
+        # An empty value (lr=1,,2) is a typo to name, not one value fewer.
+        raise InvalidSpec(f"--sweep takes name=value,value; got {text[:200]!r}")
+    if any(not ch.isprintable() for v in items for ch in v):  # it goes into the tasks' names
+        raise InvalidSpec(f"--sweep {name}: a value holds a control character; got {text[:200]!r}")
     return name, items

@@ -257,6 +257,9 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "--array", "5-1", "--", "true"], "--array range '5-1' is empty"),
     (["submit", "--array", "0-20000", "--", "true"], "more than 10000 tasks"),
     (["submit", "--sweep", "lr", "--", "true"], "--sweep takes name=value,value"),
+    (["submit", "--sweep", "lr=1,,2", "--", "true"], "--sweep takes name=value,value"),  # was: 2 jobs
+    (["submit", "--sweep", "lr=a\x01b", "--", "true"], "--sweep lr: a value holds a control character"),
+    (["submit", "--name", "evil\u202egnp.sh", "--", "true"], "bidirectional formatting characters"),
     (["submit", "--after", "1", "--after-any", "2", "--", "true"], "give --after or --after-any, not both"),
     (["submit", "--after", "", "--", "true"], "--after takes job ids like 12 or 12,13"),  # was: no dependency
     (["submit", "--after", "1,,2", "--", "true"], "--after takes job ids like 12 or 12,13"),
