@@ -161,7 +161,7 @@ def test_no_page_shows_a_recorded_diff_or_environment_values_even_with_shared_lo
         session.execute(update(Job).where(Job.id == j.held).values(git_diff=diff, git_dirty=True, env=env))
     try:
         for d in (dash, shared_dash):
-            for path in (f"/jobs/{j.held}", "/", "/usage", "/metrics"):
+            for path in (f"/jobs/{j.held}", "/", "/usage", "/history?period=week", "/metrics"):
                 status, _, body = d.get(path)
                 assert status == 200, path
                 assert "SECRET_DIFF_LINE" not in body and "hunter2-env-value" not in body, path
@@ -200,6 +200,28 @@ def test_usage_page_shows_each_users_gpu_hours_over_the_last_day_and_week(ran, d
             # The running job adds GPU-hours between the report and the page.
             assert abs(float(shown.group(2)) - row.gpu_hours) < 0.01
         assert 'aria-label="GPUs kept busy' in html
+
+
+def test_history_page_lists_the_jobs_that_ended_with_their_counts_narrowed_by_user_and_state(ran, dash):
+    st, _ = ran
+    with write_scope(st.settings) as session:
+        ended = session.execute(select(Job.id, Job.user, Job.state).where(Job.ended_at.is_not(None))
+                                .order_by(Job.ended_at.desc(), Job.id.desc())).all()
+    status, _, html = dash.get("/history")
+    assert status == 200 and "<h1>History</h1>" in html
+    listed = html.split('class="history"', 1)[1].split("</table>", 1)[0]
+    assert [int(i) for i in re.findall(r'<td class="num"><a href="/jobs/(\d+)">', listed)] == [r.id for r in ended]
+    assert f"{len(ended)} jobs ended " in html
+    failed = [r.id for r in ended if r.state == "failed"]
+    status, _, html = dash.get("/history?period=week&state=failed")
+    listed = html.split('class="history"', 1)[1].split("</table>", 1)[0]
+    assert [int(i) for i in re.findall(r'<a href="/jobs/(\d+)">', listed)] == failed and failed
+    assert "<script>" not in html and escape(XSS_NAME) in listed  # a failed job's name, escaped
+    user = ended[0].user
+    status, _, html = dash.get(f"/history?user={user}")
+    assert f"jobs of {user} ended" in html and '<a href="/history?period=day">everyone</a>' in html
+    for bad in ("/history?period=year", "/history?state=running", "/history?user=" + "x" * 65):
+        assert dash.get(bad)[0] == 400, bad
 
 
 def test_unknown_pages_and_jobs_are_404_bad_periods_400(dash):
@@ -250,7 +272,8 @@ def test_the_dashboard_needs_no_database_it_serves_every_page_with_a_bogus_datab
                                 broker_url="redis://127.0.0.1:1/0")
     d = Dashboard(blind, tmp_path / "dashboard.log")
     try:
-        for path in ("/", f"/jobs/{j.train}", f"/jobs/{j.held}", "/usage", "/usage?period=week", "/metrics"):
+        for path in ("/", f"/jobs/{j.train}", f"/jobs/{j.held}", "/usage", "/usage?period=week", "/history",
+                     "/metrics"):
             status, _, body = d.get(path)
             assert status == 200, (path, body[-500:])
         assert "tiny-train" in d.get("/")[2] and "gpuq_jobs{" in d.get("/metrics")[2]

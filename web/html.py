@@ -32,7 +32,7 @@ def page(title: str, body: str, refresh: int | None = None) -> str:
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">{meta}'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{escape(title)} - gpuq</title><style>{CSS}</style></head><body>"
-            '<header><b>gpuq</b><a href="/">queue and GPUs</a><a href="/usage">usage</a>'
+            '<header><b>gpuq</b><a href="/">queue and GPUs</a><a href="/history">history</a><a href="/usage">usage</a>'
             '<a href="/metrics">metrics</a></header>'
             f"<main>{body}</main></body></html>")
 

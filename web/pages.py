@@ -1,5 +1,5 @@
 """The dashboard's pages, each read from the server's API, the same routes and answers the CLI
-renders (`gpuq status`, `devices`, `show`, `why`, `stats`), so page and command never disagree.
+renders (`gpuq status`, `devices`, `show`, `why`, `stats`, `history`), so page and command never disagree.
 
 Every request asks for the public view (web/read.py): the server answers as for nobody in
 particular (``rights.ANYONE``), so a page shows what every user may see (states, names, users,
@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from html import escape
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlencode
 
 from gpuq.cli.client import Client
 from gpuq.service import constants as c
@@ -32,6 +33,8 @@ OUTPUT_TAIL_LINES = 200
 PERIODS = {"day": "1d", "week": "7d"}
 # Slices of the usage page's busy-GPU chart (a quarter of an hour each over a day).
 USAGE_BUCKETS = 96
+# Ended jobs the history page lists at most (its counts cover the whole period); `gpuq history -n`.
+HISTORY_SHOWN = 200
 
 
 def _shares(shares: list[dict[str, Any]]) -> str:
@@ -209,3 +212,34 @@ def usage_page(api: Client, period: str) -> str:
         f"GPUs kept busy, last {period}", {u: list(zip(hours, v, strict=False)) for u, v in sorted(by_user.items())},
         x_label="hours from now", y_label="GPUs"))
     return page(f"usage, last {period}", "".join(body))
+
+
+def history_page(api: Client, period: str, user: str | None, ended: str | None) -> str:
+    """The jobs that ended over the last day or week (`gpuq history --all`), newest first, with a
+    count of each end state; narrowed to one ``user`` or one end state (``ended``) by the links."""
+    answer = api.get("/jobs/history", since=PERIODS[period], user=user, state=ended, limit=HISTORY_SHOWN)
+    since, until = parse_when(answer["since"]), parse_when(answer["until"])
+    rows = [obj(j) for j in answer["jobs"]]
+
+    def link(**change: str | None) -> str:
+        chosen = {"period": period, "user": user, "state": ended} | change
+        return "/history?" + urlencode({k: v for k, v in chosen.items() if v})
+
+    job_rows = [[_job_link(j.id), f'<a href="{escape(link(user=j.user))}">{escape(j.user)}</a>', escape(j.name),
+                 state(j.state), "-" if j.exit_code is None else str(j.exit_code), str(j.gpus), escape(j.node or "-"),
+                 when(j.ended_at), duration(j.started_at - j.submitted_at) if j.started_at else "-",
+                 duration(seconds(j.elapsed_s)), escape(result_summary(j))] for j in rows]
+    periods = " | ".join(f"<b>last {p}</b>" if p == period else f'<a href="{escape(link(period=p))}">last {p}</a>'
+                         for p in PERIODS)
+    states = " | ".join(f"<b>{s}</b>" if s == (ended or "") else f'<a href="{escape(link(state=s))}">{s or "all"}</a>'
+                        for s in ("", *c.END_STATES))
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(answer["counts"].items(), key=lambda kv: (-kv[1], kv[0])))
+    who = f"of {escape(user)} " if user else ""
+    shown = f" (the {len(rows)} newest listed)" if answer["total"] > len(rows) else ""
+    body = (f"<h1>History</h1><p>{periods} &nbsp; {states}"
+            + (f' &nbsp; user {escape(user)} (<a href="{escape(link(user=None))}">everyone</a>)' if user else "")
+            + f"</p><p>{answer['total']} jobs {who}ended {when(since)} to {when(until)}"
+            + (f": {escape(counts)}" if counts else "") + f"{shown}</p>"
+            + (table(["ID", "user", "name", "state", "exit", "GPUs", "node", "ended", "waited", "ran",
+                      "result / reason"], job_rows, numeric={0, 4, 5}, cls="history") if rows else ""))
+    return page(f"history, last {period}", body)

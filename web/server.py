@@ -62,6 +62,12 @@ class App:
             if period not in pages.PERIODS:
                 return "400 Bad Request", HTML, page("bad period", "<p>period is day or week</p>").encode()
             return "200 OK", HTML, pages.usage_page(self.api, period).encode()
+        if path in ("/history", "/history/"):
+            period, user, ended = (query.get(k, [d])[0] for k, d in (("period", "day"), ("user", ""), ("state", "")))
+            if period not in pages.PERIODS or (ended and ended not in c.END_STATES) or len(user) > 64:
+                return "400 Bad Request", HTML, page("bad request", "<p>period is day or week; state an end "
+                                                                    "state; user a user's name</p>").encode()
+            return "200 OK", HTML, pages.history_page(self.api, period, user or None, ended or None).encode()
         match = _JOB.match(path)
         if match:
             return "200 OK", HTML, pages.job(self.api, int(match.group(1))).encode()
