@@ -3,13 +3,14 @@ user's or everyone's, narrowed by end state, name or array, with a count of each
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from gpuq.cli.client import Client
-from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp, when
+from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp
 from gpuq.cli.table import colours_wanted, render
+from gpuq.service.display import state_counts
 from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
@@ -48,19 +49,13 @@ def history(
         return
     table = [[str(j["id"]), j["user"], job_name(j["name"]), (j["state"], _TONE.get(j["state"])),
               "-" if j["exit_code"] is None else str(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
-              timestamp(j["ended_at"]), _waited(j), duration(seconds(j["elapsed_s"])),
+              timestamp(j["ended_at"]), duration(seconds(j["waited_s"])), duration(seconds(j["elapsed_s"])),
               one_line(result_summary(job(j)), 50)]
              for j in rows]
     typer.echo(render("ended jobs", ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED",
                                      "RAN", "RESULT / REASON"), table, frozenset({"ID", "EXIT", "GPUS"}),
                       colours_wanted()))
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(answer["counts"].items(), key=lambda kv: (-kv[1], kv[0])))
+    counts = state_counts(answer["counts"])
     total = answer["total"]
     typer.echo(f"\n{total} job{'s' if total != 1 else ''} ended {period}: {counts}"
                + (f" (the {len(rows)} newest listed: -n for more)" if total > len(rows) else ""))
-
-
-def _waited(j: dict[str, Any]) -> str:
-    """From submit to start; "-" for a job that never started (cancelled while it waited)."""
-    started, submitted = when(j["started_at"]), when(j["submitted_at"])
-    return duration(started - submitted) if started and submitted else "-"

@@ -77,10 +77,9 @@ class Settled:
                                                  Job.ended_at >= line.upto, Job.ended_at < upto))
                 line.upto = upto
             settled, since = line.sums, line.upto
-        # Past the line: the jobs that ended since, and (for the wait) those still active. An ended
-        # job without an end time, which gpuq does not write, would be in neither: counted here.
-        fresh = _sums(session, kind, bounds, Job.ended_at >= since).plus(
-            _sums(session, kind, bounds, Job.ended_at.is_(None)))
+        # Past the line: the jobs that ended since, and (for the wait) those still active. Every
+        # move to an end state writes ended_at (service/lifecycle.py), so no ended job is in neither.
+        fresh = _sums(session, kind, bounds, Job.ended_at >= since)
         if kind == "wait":
             fresh = fresh.plus(_sums(session, kind, bounds, active=True))
         return settled.plus(fresh).as_dict(bounds)

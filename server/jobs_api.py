@@ -150,7 +150,10 @@ async def history(request: web.Request) -> web.Response:
 def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, Any]:
     with reading(settings) as session:
         found = history_of.ended_jobs(session, query)
-        listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j))} for j in found.jobs]
+        # How long each waited and ran, worked out here once for every front-end ("-" where it never started).
+        listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j)),
+                                  "waited_s": _secs(j.started_at - j.submitted_at) if j.started_at else None}
+                  for j in found.jobs]
     return {"since": query.since.isoformat(), "until": query.until.isoformat(), "jobs": listed,
             "counts": found.counts, "total": found.total}
 

@@ -45,6 +45,11 @@ def result_summary(job: Job | Any) -> str:
     return job.reason or ""
 
 
+def state_counts(counts: dict[str, int]) -> str:
+    """How many jobs ended each way, the most first: "3 failed, 2 succeeded" (`gpuq history`)."""
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tuple[str, str]]:
     """What is drained and why, as `sinfo -R` lists it under the GPUs of every front-end: each
     drained node (``nodes``: name -> reason), then each GPU drained on its own (its ``drain_reason``,

@@ -29,7 +29,6 @@ from gpuq.service.scheduler import place_at_submit
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
-from gpuq.service.units import MAX_JOB_ID
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING
@@ -320,8 +319,6 @@ def _check_dependencies(session: Session, after: list[int] | None, after_any: bo
     if not after:
         return
     option = "--after-any" if after_any else "--after"
-    if any(not 1 <= i <= MAX_JOB_ID for i in after):
-        raise InvalidSpec(f"{option}: no job {next(i for i in after if not 1 <= i <= MAX_JOB_ID)}")
     found = {job_id: state for job_id, state in session.execute(select(Job.id, Job.state).where(Job.id.in_(after)))}
     missing = [i for i in after if i not in found]
     if missing:
@@ -329,7 +326,7 @@ def _check_dependencies(session: Session, after: list[int] | None, after_any: bo
     # A job after one that already failed would be cancelled at once (`gpuq run` said 130, as if
     # the user had pressed Ctrl-C): refused here instead, as sbatch refuses a dependency that can
     # never be satisfied. One that fails later still cancels it, with its reason.
-    doomed = [i for i in after if not after_any and found[i] in c.END_STATES and found[i] != State.SUCCEEDED]
+    doomed = [] if after_any else [i for i in after if found[i] in c.END_STATES and found[i] != State.SUCCEEDED]
     if doomed:
         raise StateConflict(f"--after {doomed[0]}: job {doomed[0]} {found[doomed[0]]}, so this job would never "
                             "start (--after-any starts it after any end)")

@@ -227,13 +227,13 @@ def history_page(api: Client, period: str, user: str | None, ended: str | None) 
 
     job_rows = [[_job_link(j.id), f'<a href="{escape(link(user=j.user))}">{escape(j.user)}</a>', escape(j.name),
                  state(j.state), "-" if j.exit_code is None else str(j.exit_code), str(j.gpus), escape(j.node or "-"),
-                 when(j.ended_at), duration(j.started_at - j.submitted_at) if j.started_at else "-",
+                 when(j.ended_at), duration(seconds(j.waited_s)),
                  duration(seconds(j.elapsed_s)), escape(result_summary(j))] for j in rows]
     periods = " | ".join(f"<b>last {p}</b>" if p == period else f'<a href="{escape(link(period=p))}">last {p}</a>'
                          for p in PERIODS)
     states = " | ".join(f"<b>{s}</b>" if s == (ended or "") else f'<a href="{escape(link(state=s))}">{s or "all"}</a>'
                         for s in ("", *c.END_STATES))
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(answer["counts"].items(), key=lambda kv: (-kv[1], kv[0])))
+    counts = display.state_counts(answer["counts"])
     who = f"of {escape(user)} " if user else ""
     shown = f" (the {len(rows)} newest listed)" if answer["total"] > len(rows) else ""
     body = (f"<h1>History</h1><p>{periods} &nbsp; {states}"
