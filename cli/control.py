@@ -1,9 +1,11 @@
-"""Steering the queue: `gpuq why`, `gpuq hold` and `gpuq release` (through the server), `gpuq drain`
-and `gpuq resume` (admin commands on the database, like the services they steer)."""
+"""Steering the queue: `gpuq why`, `gpuq hold`, `gpuq release` and `gpuq update` (through the
+server), `gpuq drain` and `gpuq resume` (admin commands on the database, like the services they steer)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Annotated, Any
 
 import typer
 
@@ -11,6 +13,8 @@ from gpuq.cli.client import Client
 from gpuq.cli.jobs import selected
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
+from gpuq.service.display import duration
+from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
 
@@ -42,18 +46,57 @@ def release(job_ids: JobIds = None, array: Array = None) -> None:
 
 
 def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str) -> None:
-    """One request for all the jobs (an array's too). A job named by its id that cannot be held
-    (it runs, or is held already) is an error: a line on stderr and, once the others are done,
-    exit 4, as scontrol exits non-zero when one job of its list fails. An array's task that cannot
-    is a line of the output and no error: its running and ended tasks are expected."""
     client = Client()
     targets = selected(client, job_ids, array)
-    named = set(job_ids or [])
     answer = client.post(f"/jobs/{move}", {"ids": targets})["jobs"]
+    _report(answer, set(job_ids or []), lambda outcome: f"job {outcome['id']} {done}")
+
+
+@app.command()
+def update(job_ids: JobIds = None, array: Array = None,
+           priority: Annotated[int | None, typer.Option(help="A pending job's new priority (higher first).")] = None,
+           time: Annotated[str | None, typer.Option("--time", help="The new time limit (2h, 30m, 1:30:00); a "
+                                                   "started job's may only be lowered, but by an admin.")] = None,
+           name: Annotated[str | None, typer.Option(help="A new name (one job at a time).")] = None,
+           retries: Annotated[int | None, typer.Option(help="How many times a failure runs it again.")] = None,
+           ) -> None:
+    """Change jobs after their submit: a pending job's priority, a time limit, a name, retries (as
+    `scontrol update job`)."""
+    changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries))
+               if v is not None}
+    if not changes:
+        raise InvalidSpec("give something to change: --priority, --time, --name or --retries")
+    client = Client()
+    targets = selected(client, job_ids, array)
+    answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]
+    _report(answer, set(job_ids or []), _changed)
+
+
+def _limit(seconds: int | None) -> str:
+    return "none" if seconds is None else duration(timedelta(seconds=seconds))
+
+
+# How `gpuq update` names each field it changed, and writes its values.
+_FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "priority": ("priority", str), "time_limit_s": ("time limit", _limit), "name": ("name", str),
+    "max_retries": ("retries", str)}
+
+
+def _changed(outcome: dict[str, Any]) -> str:
+    parts = [f"{_FIELDS[f][0]} {_FIELDS[f][1](old)} → {_FIELDS[f][1](new)}"
+             for f, (old, new) in outcome["changed"].items()]
+    return f"job {outcome['id']}: " + (", ".join(parts) if parts else "unchanged (it has these values already)")
+
+
+def _report(answer: list[dict[str, Any]], named: set[int], done: Callable[[dict[str, Any]], str]) -> None:
+    """Each job's outcome of one request on many. A job named by its id that refused the change (it
+    runs, or is held already) is an error: a line on stderr and, once the others are done, exit 4,
+    as scontrol exits non-zero when one job of its list fails. An array's task that refused is a
+    line of the output and no error: its running and ended tasks are expected."""
     refused = []
     for outcome in answer:
         if outcome["not"] is None:
-            typer.echo(f"job {outcome['id']} {done}")
+            typer.echo(done(outcome))
         elif outcome["id"] in named:
             refused.append(outcome["not"])
         else:

@@ -313,6 +313,22 @@ async def _set_held_all(request: web.Request, held: bool) -> web.Response:
     return web.json_response({"jobs": [{"id": job_id, "not": why} for job_id, why in outcome.items()]})
 
 
+@routes.post(P + "/jobs/update")
+async def update_all(request: web.Request) -> web.Response:
+    """Change the jobs of ``{"ids": [...], "priority": P, "time": "2h", "name": N, "retries": R}``
+    (any of the four; `gpuq update`): all checked first, as a cancel; for each, what changed
+    (``{field: [old, new]}``) or why not."""
+    from gpuq.service import update
+
+    settings, caller = context(request)
+    body = await body_of(request)
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise InvalidSpec('the body must have "ids": [job ids]')
+    outcomes = await call(update.update_all, settings, _bounded(ids), update.Changes.of(body), caller)
+    return web.json_response({"jobs": [o.as_json() for o in outcomes]})
+
+
 async def _ids_of(request: web.Request) -> list[int]:
     """The job ids of a request on many jobs, ``{"ids": [...]}``; InvalidSpec for anything else."""
     body = await body_of(request)

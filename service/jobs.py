@@ -227,9 +227,14 @@ def rank_to_run(session: Session, job_id: int, gpu_id: int, rank: int) -> Job | 
     )
 
 
-def cancel_requested(session: Session, job_id: int) -> bool:
-    row = session.execute(select(Job.state, Job.cancel_requested_at).where(Job.id == job_id)).one_or_none()
-    return row is None or row.state != State.RUNNING or row.cancel_requested_at is not None
+def stop_asked(session: Session, job_id: int) -> tuple[bool, int | None]:
+    """What a running job's watch reads at each look: whether its worker must stop it (a cancel
+    was asked, or it is no longer running), and its time limit now (`gpuq update --time`)."""
+    row = session.execute(select(Job.state, Job.cancel_requested_at, Job.time_limit_s)
+                          .where(Job.id == job_id)).one_or_none()
+    if row is None:
+        return True, None
+    return row.state != State.RUNNING or row.cancel_requested_at is not None, row.time_limit_s
 
 
 def next_output_seq(session: Session, job_id: int) -> int:

@@ -102,7 +102,7 @@ MOVES: dict[str, Move] = {}
 
 
 def move(name: str, actors: Actor | tuple[Actor, ...], sources: State | tuple[State, ...],
-         target: State | None, *where: Any, **values: Any) -> Update:
+         target: State | None, /, *where: Any, **values: Any) -> Update:
     """``UPDATE jobs SET state = target, values WHERE state IN sources AND where``, once the table
     allows each of ``actors`` each of those moves (with ``target`` None the state stays: a change
     to a job in ``sources`` that the table must allow as a move to the same state)."""

@@ -73,7 +73,7 @@ def is_admin(settings: Settings, caller: Caller | None) -> bool:
 
 
 def may_change(settings: Settings, owner: str, caller: Caller | None) -> bool:
-    """Whether ``caller`` may cancel, hold, release or resubmit a job of ``owner``."""
+    """Whether ``caller`` may cancel, hold, release, update or resubmit a job of ``owner``."""
     return caller is not None and (caller.user == owner or is_admin(settings, caller))
 
 

@@ -50,8 +50,8 @@ def snapshot(settings) -> tuple:
     """Everything a refused request must leave as it was: the jobs and their states, output, and
     gpuq's Redis keys with their lengths."""
     with write_scope(settings) as session:
-        rows = tuple(session.execute(select(Job.id, Job.state, Job.held, Job.user, Job.cancel_requested_at)
-                                     .order_by(Job.id)).all())
+        rows = tuple(session.execute(select(Job.id, Job.state, Job.held, Job.user, Job.cancel_requested_at,
+                                            Job.priority).order_by(Job.id)).all())
         output = session.scalar(select(func.count()).select_from(JobOutput))
     r = broker.client(settings)
     keys = {k: r.llen(k) if r.type(k) == b"list" else r.type(k) for k in r.scan_iter(f"{settings.key_prefix}*")}
@@ -171,10 +171,11 @@ def roots_job(pg):
 
 
 @needs_root
-@pytest.mark.parametrize("command", ["cancel", "hold", "release", "logs"])
-def test_another_users_cancel_hold_release_or_logs_is_refused(pg, roots_job, shared_dir, command):
+@pytest.mark.parametrize("command", ["cancel", "hold", "release", "logs", "update --priority 1"])
+def test_another_users_cancel_hold_release_update_or_logs_is_refused(pg, roots_job, shared_dir, command):
     before = snapshot(pg)
-    result = run_as_nobody([command, str(roots_job)], pg, shared_dir)
+    name, *options = command.split()
+    result = run_as_nobody([name, str(roots_job), *options], pg, shared_dir)
     assert result.returncode == c.EXIT_NOT_ALLOWED, result.stdout + result.stderr
     assert result.stdout == "" and result.stderr.startswith(f"gpuq: job {roots_job} belongs to root; only they or")
     assert len(result.stderr.splitlines()) == 1

@@ -141,8 +141,9 @@ def _sql_state(settings: Settings) -> tuple:
     Not the reason a pending job waits: the scheduler writes that on its own time (a new held job's
     "held" may land after the snapshot)."""
     with write_scope(settings) as session:
-        rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.priority,
-                                      Job.cancel_requested_at, Job.ended_at).order_by(Job.id)).all()
+        rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.priority, Job.time_limit_s,
+                                      Job.name, Job.max_retries, Job.cancel_requested_at, Job.ended_at)
+                               .order_by(Job.id)).all()
         subs = session.scalar(select(func.count()).select_from(Submission))
     return tuple(tuple(r) for r in rows), subs
 
@@ -203,6 +204,7 @@ def test_a_user_cannot_change_or_read_another_users_job(box):
     before = _sql_state(box.settings)
     for args in (["cancel", str(held)], ["cancel", str(waiting)], ["hold", str(waiting)],
                  ["release", str(held)], ["resubmit", str(failed)], ["resubmit", str(held)],
+                 ["update", str(waiting), "--priority", "5"], ["update", str(held), "--time", "1m", "--name", "x"],
                  ["logs", str(failed)], ["show", "--diff", str(failed)], ["show", "--diff", "--json", str(failed)]):
         line = _refused(box.gpuq(b, *args))
         assert f"belongs to {a}" in line, line
@@ -220,6 +222,21 @@ def test_a_user_cannot_change_or_read_another_users_job(box):
 
     for job_id in (waiting, held):
         assert box.gpuq(a, "cancel", str(job_id)).returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_user_may_lower_their_running_jobs_time_limit_and_its_root_worker_stops_it_there(box):
+    a = box.a
+    job = _submitted(box.gpuq(a, "submit", "--time", "1h", "--", "sleep", "120"))
+    assert wait_for_state(box.settings, job, [State.RUNNING]) == State.RUNNING
+    line = _refused(box.gpuq(a, "update", str(job), "--time", "2h"), c.EXIT_CONFLICT)
+    assert line == (f"gpuq: job {job} is running; only root or an admin may raise a started job's time limit "
+                    "(you may lower it)")
+    line = _refused(box.gpuq(a, "update", str(job), "--priority", "11"), c.EXIT_USAGE)
+    assert "above the users' limit" in line
+    lowered = box.gpuq(a, "update", str(job), "--time", "2s")
+    assert lowered.returncode == 0 and "time limit 1:00:00 → 2.0s" in lowered.stdout, lowered.stderr
+    assert wait_for_state(box.settings, job, c.END_STATES, timeout=30) == State.TIMED_OUT
 
 
 _FORGE = r"""

@@ -49,6 +49,11 @@ class JobRun:
     # What it is charged of each GPU, as its dispatch wrote it (``jobs.gpu_share``); None: whole GPUs.
     gpu_share: float | None = None
 
+    @property
+    def started_s(self) -> float | None:
+        """When it started, in epoch seconds (what a time limit counts from)."""
+        return self.started_at.timestamp() if self.started_at else None
+
 
 @dataclass(frozen=True)
 class Started:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope
-from gpuq.service.jobs import cancel_requested
+from gpuq.service.jobs import stop_asked
 from gpuq.service.settings import Settings
 
 if TYPE_CHECKING:
@@ -27,9 +27,13 @@ class StopWatcher:
 
     def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
                  deadline: float | None = None, lease: Lease | None = None,
-                 gpu_lost: threading.Event | None = None) -> None:
+                 gpu_lost: threading.Event | None = None, started: float | None = None,
+                 time_limit_s: int | None = None) -> None:
         self.settings, self.job_id, self.interrupt, self.deadline = settings, job_id, interrupt, deadline
         self.lease, self.gpu_lost = lease, gpu_lost
+        # When the job started (epoch seconds) and its time limit as last read: with a start, each
+        # look reads the limit again and moves ``deadline`` with it (`gpuq update --time`).
+        self.started, self.time_limit_s = started, time_limit_s
         self.stopped = threading.Event()
         self.why = ""
         self.detail = ""  # the figures behind ``why``, where there are some (a share's overrun)
@@ -57,15 +61,18 @@ class StopWatcher:
             return c.FAILURE_WORKER_LOST
         if self.gpu_lost is not None and self.gpu_lost.is_set():
             return c.FAILURE_GPU_LOST
-        if self.deadline is not None and time.time() >= self.deadline:
-            return c.FAILURE_TIMEOUT
+        cancelled = False
         try:
             with read_scope(self.settings) as session:
-                if cancel_requested(session, self.job_id):
-                    return c.FAILURE_CANCELLED
+                cancelled, limit = stop_asked(session, self.job_id)
+            if self.started is not None and limit != self.time_limit_s and not cancelled:
+                self.time_limit_s, self.deadline = limit, (self.started + limit if limit else None)
+                log.info("job %s: its time limit is now %s s", self.job_id, limit)
         except Exception:  # noqa: BLE001 - a database blip must not stop the job
             log.warning("job %s: could not check for a cancel request", self.job_id)
-        return ""
+        if self.deadline is not None and time.time() >= self.deadline:
+            return c.FAILURE_TIMEOUT
+        return c.FAILURE_CANCELLED if cancelled else ""
 
 
 class Watch:

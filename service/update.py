@@ -1,0 +1,167 @@
+"""Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
+limit, name and retries.
+
+What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
+of the four; a job that started (dispatched or running) keeps its priority, which only ordered the
+queue, and its owner may lower its time limit but only root or an admin may raise it (a user who
+could would hold the GPUs past what the backfill promised the jobs behind). A running job's worker
+reads the new limit within a look of its watch (workers/watch.py); one below the time it has run
+stops it there, timed out. Its name changes in the queue, not in the ``GPUQ_JOB_NAME`` it started with.
+
+Resources (GPUs, memory, node, sharing) do not change here: a pending job may sit on a GPU's
+next-up list, and its worker would start it with what it asked for when listed. Cancel and submit
+again, or `gpuq resubmit`, for those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Integer, String, bindparam, func, select
+
+from gpuq.service import broker, spec
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.db import require_schema, rows_changed, write_scope
+from gpuq.service.errors import InvalidSpec, JobNotFound
+from gpuq.service.lifecycle import Actor, move
+from gpuq.service.models import Job, table
+from gpuq.service.rights import Caller, check_change, is_admin
+from gpuq.service.settings import Settings
+from gpuq.service.units import parse_duration
+
+_JOBS = table(Job)
+_ID = _JOBS.c.id == bindparam("job_id")
+_CHUNK = 500  # ids in one IN list: SQLite's and psycopg's limits on bound values stay far off
+
+
+def _kept(name: str, kind: Any) -> Any:
+    """The value bound as ``new_<name>``, or the column's own where none is given (null: unchanged).
+    (A bound name may not be a column's: SQLAlchemy keeps those for the SET clause's own.)"""
+    return func.coalesce(bindparam(f"new_{name}", type_=kind), _JOBS.c[name])
+
+
+_LATER = dict(time_limit_s=_kept("time_limit_s", Integer), name=_kept("name", String),
+              max_retries=_kept("max_retries", Integer))
+_CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
+                       priority=_kept("priority", Integer), **_LATER)
+_CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
+                       **_LATER)
+# What a change reads of each job: its owner and state, and the values it may change.
+_COLUMNS = (_JOBS.c.id, _JOBS.c.user, _JOBS.c.state, _JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name,
+            _JOBS.c.max_retries)
+# The columns a change names, as the API and the answer name them.
+FIELDS = ("priority", "time_limit_s", "name", "max_retries")
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What `gpuq update` changes; None leaves a value as it is."""
+
+    priority: int | None = None
+    time_limit_s: int | None = None
+    name: str | None = None
+    max_retries: int | None = None
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Changes:
+        """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
+        ``retries``); InvalidSpec for anything malformed or for no change at all."""
+        unknown = set(body) - {"ids", "priority", "time", "name", "retries"}
+        if unknown:
+            raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries)")
+        priority, time, name, retries = (body.get(k) for k in ("priority", "time", "name", "retries"))
+        for option, value in (("--priority", priority), ("--retries", retries)):
+            if value is not None and (type(value) is not int):
+                raise InvalidSpec(f"{option} must be a whole number")
+        for option, value in (("--time", time), ("--name", name)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidSpec(f"{option} must be text")
+        if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
+            raise InvalidSpec(f"--priority must be between -{spec.ADMIN_MAX_PRIORITY} and {spec.ADMIN_MAX_PRIORITY}")
+        if retries is not None and not 0 <= retries <= spec.MAX_RETRIES:
+            raise InvalidSpec(f"--retries must be between 0 and {spec.MAX_RETRIES}; got {retries}")
+        changes = cls(priority=priority, time_limit_s=parse_duration(time) if time is not None else None,
+                      name=spec.check_name(name) if name is not None else None, max_retries=retries)
+        if changes.empty:
+            raise InvalidSpec("give something to change: --priority, --time, --name or --retries")
+        return changes
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in FIELDS)
+
+
+@dataclass
+class Outcome:
+    """One job's part of an update: what changed (field → [old, new]) or why nothing did."""
+
+    job_id: int
+    changed: dict[str, list[Any]] = field(default_factory=dict)
+    refused: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.job_id, "changed": self.changed, "not": self.refused}
+
+
+def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, caller: Caller) -> list[Outcome]:
+    """Change jobs in one transaction: JobNotFound or NotAllowed for any of them, or a priority
+    above the caller's limit, and none changes. A job that cannot take the change (it ended; it
+    started, and the change is to its priority or raises its time limit without the right) is
+    refused alone, with why, and the others change."""
+    require_schema(settings)
+    admin = is_admin(settings, caller)
+    if changes.priority is not None and changes.priority > settings.max_priority and not admin:
+        raise InvalidSpec(f"--priority {changes.priority} is above the users' limit of {settings.max_priority}")
+    if changes.name is not None and len(job_ids) > 1:
+        # Each of an array's tasks carries its index in its name: one name for all would lose them.
+        raise InvalidSpec("--name changes one job at a time")
+    ids = list(dict.fromkeys(job_ids))
+    outcomes: list[Outcome] = []
+    with write_scope(settings) as session:
+        found: dict[int, Any] = {}
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start:start + _CHUNK]
+            found.update((r.id, r) for r in session.execute(select(*_COLUMNS).where(_JOBS.c.id.in_(chunk))))
+        for job_id in ids:
+            if job_id not in found:
+                raise JobNotFound(f"no job {job_id}")
+            check_change(settings, job_id, found[job_id].user, caller)
+        for job_id in ids:
+            outcome = _change(session, found[job_id], changes, admin)
+            outcomes.append(outcome)
+    if any(o.changed for o in outcomes):
+        # A pending job's new priority or time limit reorders the queue and its backfill now,
+        # not at the next timed pass.
+        broker.wake_scheduler(settings)
+    return outcomes
+
+
+def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
+    outcome = Outcome(job.id)
+    if job.state in c.END_STATES:
+        outcome.refused = f"job {job.id} {job.state}; an ended job cannot be changed"
+        return outcome
+    started = job.state != State.PENDING
+    if started and changes.priority is not None:
+        outcome.refused = f"job {job.id} is {job.state}; only a pending job's priority can be changed"
+        return outcome
+    if (started and not admin and changes.time_limit_s is not None
+            and (job.time_limit_s is None or changes.time_limit_s > job.time_limit_s)):
+        outcome.refused = (f"job {job.id} is {job.state}; only root or an admin may raise a started job's "
+                           "time limit (you may lower it)")
+        return outcome
+    values = {f: getattr(changes, f) for f in FIELDS}
+    outcome.changed = {f: [getattr(job, f), v] for f, v in values.items() if v is not None and v != getattr(job, f)}
+    if not outcome.changed:
+        return outcome
+    if started:
+        del values["priority"]
+    bound = {f"new_{f}": v for f, v in values.items()}
+    if not rows_changed(session.execute(_CHANGE_STARTED if started else _CHANGE_WAITING, {"job_id": job.id, **bound})):
+        # PostgreSQL: it started or ended between the read and this write (SQLite's write lock
+        # keeps both in one moment).
+        outcome.changed, outcome.refused = {}, f"job {job.id} changed state meanwhile; run the update again"
+    return outcome

@@ -1,0 +1,107 @@
+"""A job script's ``#GPUQ`` lines (cli/script.py): `gpuq submit` options read from the script, as
+sbatch reads ``#SBATCH``, below the command line's, and refused in one line naming the script's line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from gpuq.cli.app import app
+from gpuq.cli.script import directive_lines
+from gpuq.service import constants as c
+from gpuq.service.db import write_scope
+from gpuq.service.models import Job
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = """#!/bin/bash
+# Train the small model.
+#GPUQ --gpus 2 --time 30m
+#GPUQ --name from-script   # a comment after the options
+#GPUQ --env A=1
+#GPUQ --env B=2
+#GPUQ --hold
+
+#SBATCH --gres=gpu:8
+echo training
+#GPUQ --priority 9
+"""
+
+
+def invoke(args):
+    return CliRunner().invoke(app, args, prog_name="gpuq")
+
+
+def script(tmp_path, text: str, name: str = "job.sh"):
+    path = tmp_path / name
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def jobs_in(settings) -> int:
+    with write_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+def submitted(args) -> dict:
+    result = invoke(["submit", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_only_the_leading_comment_blocks_gpuq_lines_are_read(tmp_path):
+    lines = directive_lines(str(script(tmp_path, SCRIPT)))
+    assert [n for n, _ in lines] == [3, 4, 5, 6, 7]
+    assert lines[1] == (4, "--name from-script   # a comment after the options")
+    assert directive_lines(str(tmp_path / "missing.sh")) == []
+    (tmp_path / "program").write_bytes(b"\x7fELF\0\0#GPUQ --gpus 2\n")
+    assert directive_lines(str(tmp_path / "program")) == []
+
+
+def test_a_scripts_options_apply_and_the_command_lines_win(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, SCRIPT)
+    job = submitted(["--name", "from-cli", "--", "./job.sh"])
+    assert job["argv"] == ["./job.sh"] and job["gpus"] == 2 and job["time_limit_s"] == 1800
+    assert job["name"] == "from-cli" and job["priority"] == 0  # the line after the first command is not read
+    with write_scope(use_settings) as session:
+        row = session.get(Job, job["id"])
+        assert row.held and row.env["A"] == "1" and row.env["B"] == "2"
+    # Run by an interpreter, the script named second is read the same; --env on the command line
+    # replaces the script's (as sbatch's command line replaces its #SBATCH lines).
+    job = submitted(["--env", "C=3", "--", "bash", "job.sh"])
+    assert job["gpus"] == 2 and job["name"] == "from-script"
+    with write_scope(use_settings) as session:
+        env = session.get(Job, job["id"]).env
+        assert env["C"] == "3" and "A" not in env
+
+
+@pytest.mark.parametrize("line,message", [
+    ("#GPUQ --gpus many", "job.sh line 2: Invalid value for '--gpus': 'many' is not a valid integer"),
+    ("#GPUQ --gpsu 2", "job.sh line 2: '--gpsu': a #GPUQ line takes gpuq submit's options only"),
+    ("#GPUQ matmul", "job.sh line 2: 'matmul': a #GPUQ line takes gpuq submit's options only"),
+    ("#GPUQ -- true", "job.sh line 2: '--': a #GPUQ line takes gpuq submit's options only"),
+    ("#GPUQ --user root", "job.sh line 2: --user is given on the command line, not in a script"),
+    ("#GPUQ --json", "job.sh line 2: --json is given on the command line, not in a script"),
+    ("#GPUQ --name 'unclosed", "job.sh line 2: #GPUQ --name 'unclosed: No closing quotation"),
+    ("#GPUQ --time 1:99:99", "--time takes 2h, 30m, 90s, 1d or H:MM:SS"),
+])
+def test_a_bad_gpuq_line_is_refused_in_one_line_naming_it_and_nothing_is_written(use_settings, tmp_path,
+                                                                                monkeypatch, line, message):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, f"#!/bin/sh\n{line}\ntrue\n")
+    result = invoke(["submit", "--", "./job.sh"])
+    assert result.exit_code == c.EXIT_USAGE, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("gpuq: ")
+    assert message in result.output
+    assert jobs_in(use_settings) == 0
+
+
+def test_a_command_that_is_no_script_here_reads_nothing(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = submitted(["--", "true"])
+    assert job["gpus"] == 1 and job["name"] == "true"

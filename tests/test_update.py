@@ -1,0 +1,172 @@
+"""`gpuq update`: a job's priority, time limit, name and retries changed after its submit, with
+SLURM's rules for what may change where, checked in the server; a running job's worker taking
+its new time limit."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from sqlalchemy import select
+
+from gpuq.service import constants as c
+from gpuq.service import db, jobs
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed
+from gpuq.service.models import Job
+from gpuq.service.rights import Caller
+from gpuq.service.scheduler import Scheduler
+from gpuq.service.update import Changes, update_all
+from tests.conftest import cli_submit, make_settings, run_cli, start_stack, wait_for_state
+from tests.test_scheduling import end, register, state_of, submit
+
+pytestmark = pytest.mark.timeout(120)
+ANN, MALLORY, BOSS = Caller(5001, "ann"), Caller(5002, "mallory"), Caller(5003, "boss")
+
+
+@pytest.fixture
+def settings(settings):
+    """As tests/test_scheduling.py's: the passes place, not the submit; boss is an admin."""
+    return settings.with_overrides(place_at_submit=False, admins="boss")
+
+
+def row(settings, job_id):
+    with write_scope(settings) as session:
+        return session.execute(select(Job.priority, Job.time_limit_s, Job.name, Job.max_retries)
+                               .where(Job.id == job_id)).one()
+
+
+def test_a_pending_jobs_new_priority_starts_it_before_one_submitted_earlier(settings):
+    register(settings, "a", 1)
+    first, second = submit(settings), submit(settings)
+    [outcome] = update_all(settings, [second], Changes(priority=5), ANN)
+    assert outcome.changed == {"priority": [0, 5]} and outcome.refused is None
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, second)[0] == State.DISPATCHED
+    assert state_of(settings, first)[0] == State.PENDING
+
+
+def test_another_users_job_a_missing_one_or_a_priority_over_the_limit_changes_nothing(settings):
+    mine, other = submit(settings, user="mallory"), submit(settings)
+    before = row(settings, mine), row(settings, other)
+    with pytest.raises(NotAllowed, match=f"job {other} belongs to ann"):
+        update_all(settings, [mine, other], Changes(priority=3), MALLORY)
+    with pytest.raises(JobNotFound, match="no job 999"):
+        update_all(settings, [mine, 999], Changes(priority=3), MALLORY)
+    with pytest.raises(InvalidSpec, match="--priority 11 is above the users' limit of 10"):
+        update_all(settings, [mine], Changes(priority=11), MALLORY)
+    assert (row(settings, mine), row(settings, other)) == before
+    # An admin may change anyone's, past the users' limit.
+    [outcome] = update_all(settings, [other], Changes(priority=50), BOSS)
+    assert outcome.changed == {"priority": [0, 50]} and row(settings, other).priority == 50
+
+
+def test_a_started_job_keeps_its_priority_and_only_an_admin_raises_its_time_limit(settings):
+    register(settings, "a", 1)
+    job = submit(settings, time="1h")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == State.DISPATCHED
+    [refused] = update_all(settings, [job], Changes(priority=5), ANN)
+    assert refused.refused == f"job {job} is dispatched; only a pending job's priority can be changed"
+    [refused] = update_all(settings, [job], Changes(time_limit_s=7200), ANN)
+    assert "only root or an admin may raise a started job's time limit" in refused.refused
+    assert row(settings, job).time_limit_s == 3600
+    [lowered] = update_all(settings, [job], Changes(time_limit_s=1800, max_retries=2), ANN)
+    assert lowered.changed == {"time_limit_s": [3600, 1800], "max_retries": [0, 2]}
+    [raised] = update_all(settings, [job], Changes(time_limit_s=7200), BOSS)
+    assert raised.changed == {"time_limit_s": [1800, 7200]}
+    # A job started without a limit has none to lower: giving it one is raising, an admin's to do.
+    unlimited = submit(settings)
+    end(settings, job, State.SUCCEEDED)
+    with write_scope(settings) as session:
+        session.execute(Job.__table__.update().where(Job.id == unlimited).values(state=State.RUNNING))
+    [refused] = update_all(settings, [unlimited], Changes(time_limit_s=60), ANN)
+    assert refused.refused is not None and row(settings, unlimited).time_limit_s is None
+    [ended] = update_all(settings, [job], Changes(max_retries=1), ANN)
+    assert ended.refused == f"job {job} succeeded; an ended job cannot be changed"
+
+
+def test_one_refusal_among_many_leaves_the_others_changed(settings):
+    register(settings, "a", 1)
+    running, waiting = submit(settings), submit(settings)
+    Scheduler(settings).schedule_once()
+    outcomes = update_all(settings, [running, waiting], Changes(priority=2), ANN)
+    assert [o.refused is None for o in outcomes] == [False, True]
+    assert row(settings, waiting).priority == 2 and row(settings, running).priority == 0
+
+
+def test_changes_are_checked_as_submit_checks_them(settings):
+    job = submit(settings)
+    for body, message in [({}, "give something to change"), ({"priority": 1001}, "--priority must be between"),
+                          ({"priority": "5"}, "--priority must be a whole number"),
+                          ({"priority": True}, "--priority must be a whole number"),
+                          ({"retries": -1}, "--retries must be between 0 and 100"),
+                          ({"time": "1:99:99"}, "--time takes 2h"), ({"time": 7200}, "--time must be text"),
+                          ({"name": " "}, "--name must not be empty"),
+                          ({"name": "a\x1b[2Jb"}, "--name must not contain control characters"),
+                          ({"owner": "root"}, "no such change: 'owner'")]:
+        with pytest.raises(InvalidSpec, match=message):
+            Changes.of(body)
+    with pytest.raises(InvalidSpec, match="--name changes one job at a time"):
+        update_all(settings, [job, submit(settings)], Changes(name="x"), ANN)
+    [same] = update_all(settings, [job], Changes(priority=0), ANN)
+    assert same.changed == {} and same.refused is None
+    [named] = update_all(settings, [job], Changes(name="renamed", time_limit_s=90), ANN)
+    assert named.changed == {"name": ["true", "renamed"], "time_limit_s": [None, 90]}
+    assert row(settings, job)[1:3] == (90, "renamed")
+
+
+# --- through the server and a real worker -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory, redis_url):
+    home = tmp_path_factory.mktemp("update")
+    settings = make_settings(home / "home", f"sqlite:///{home / 'gpuq.db'}", redis_url, fake_gpus=1)
+    db.upgrade(settings)
+    st = start_stack(settings, home / "logs")
+    yield st
+    st.stop()
+    db.dispose_engines()
+
+
+def test_a_running_jobs_lowered_time_limit_stops_it_timed_out_at_the_new_limit(one_gpu):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--time", "1h", "--", sys.executable, "-c", "import time; time.sleep(120)"])
+    assert wait_for_state(s, job, [State.RUNNING]) == State.RUNNING
+    # Root (this test) may raise it; an ordinary user's raise is refused (tests/test_multiuser.py).
+    raised = run_cli(["update", str(job), "--time", "2h"], s)
+    assert raised.returncode == 0 and raised.stdout.strip() == f"job {job}: time limit 1:00:00 → 2:00:00"
+    lowered = run_cli(["update", str(job), "--time", "3s"], s)
+    assert lowered.returncode == 0, lowered.stderr
+    assert lowered.stdout.strip() == f"job {job}: time limit 2:00:00 → 3.0s"
+    assert wait_for_state(s, job, c.END_STATES, timeout=30) == State.TIMED_OUT, one_gpu.logs()
+    assert "time limit of 0:00:03 reached" in run_cli(["why", str(job)], s).stdout
+    with write_scope(s) as session:
+        ran = jobs.get_job(session, job)
+        assert 3 <= (ran.ended_at - ran.started_at).total_seconds() < 3 + 2 * c.CANCEL_POLL_SECONDS + 5
+
+
+def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
+    s = one_gpu.settings
+    blocker = cli_submit(s, ["--", sys.executable, "-c", "import time; time.sleep(120)"])
+    wait_for_state(s, blocker, [State.RUNNING])
+    first = cli_submit(s, ["--name", "first", "--", "true"])
+    second = cli_submit(s, ["--name", "second", "--", "true"])
+    out = run_cli(["update", str(second), "--priority", "3", "--name", "urgent", "--retries", "1"], s)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"job {second}: priority 0 → 3, name second → urgent, retries 0 → 1"
+    refused = run_cli(["update", str(blocker), str(first), "--priority", "2"], s)
+    assert refused.returncode == c.EXIT_CONFLICT
+    assert refused.stdout.strip() == f"job {first}: priority 0 → 2"
+    assert refused.stderr.strip() == f"gpuq: job {blocker} is running; only a pending job's priority can be changed"
+    nothing = run_cli(["update", str(first)], s)
+    assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
+    assert nothing.stderr.strip() == "gpuq: give something to change: --priority, --time, --name or --retries"
+    assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
+    assert run_cli(["cancel", str(blocker)], s).returncode == 0
+    for job in (first, second):
+        assert wait_for_state(s, job, c.END_STATES) == State.SUCCEEDED
+    with write_scope(s) as session:
+        started = {j: jobs.get_job(session, j).started_at for j in (first, second)}
+    assert started[second] < started[first]
