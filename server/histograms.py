@@ -1,4 +1,5 @@
-"""The queue-wait and run-time histograms of `/metrics`, summed once for the jobs long ended.
+"""What `/metrics` counts over all of history (the queue-wait and run-time histograms, and the
+jobs by state and user), summed once for the jobs long ended.
 
 A Prometheus histogram counts from the start, so a scrape counts every job that ever started: read
 whole each time, that grew with the history (737 ms a scrape at 200,000 jobs on SQLite here, every
@@ -7,12 +8,15 @@ so the server keeps each histogram's sums over the jobs that ended before a movi
 (``Settled``) and each scrape reads only the jobs past it: those still waiting or running, and
 those that ended since. The line trails the clock by ``SETTLE``: a job's end is written with its
 worker's clock, in a transaction that may commit a little later, and one whose end lands behind
-the line after the line has moved would never be counted (until the server restarts).
+the line after the line has moved would never be counted (until the server restarts). The jobs by state and
+user are kept the same way (``Settled.jobs``): a GROUP BY over every job was 70 ms a scrape at
+200,000 jobs on SQLite.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -53,12 +57,35 @@ class _Line:
 
 
 @dataclass
+class _Counted:
+    upto: datetime  # the jobs that ended before this are in ``counts``
+    counts: Counter[tuple[str, str]]
+
+
+@dataclass
 class Settled:
-    """Each histogram's sums over the jobs that ended before its line, by kind and bounds (one
-    server's memory: a restart sums them again, once)."""
+    """Each histogram's sums over the jobs that ended before its line, by kind and bounds, and the
+    count of those jobs by end state and user (one server's memory: a restart sums them again, once)."""
 
     lines: dict[tuple[str, tuple[float, ...]], _Line] = field(default_factory=dict)
+    counted: _Counted | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def jobs(self, session: Session, now: datetime) -> dict[tuple[str, str], int]:
+        """Every job, counted by (state, user): the settled count brought up to ``now - SETTLE``,
+        plus the jobs that ended since and those still active, read afresh."""
+        upto = now - SETTLE
+        with self.lock:
+            if self.counted is None:
+                self.counted = _Counted(upto, _by_state_user(session, Job.ended_at < upto))
+            elif upto > self.counted.upto:
+                self.counted.counts += _by_state_user(session, Job.ended_at >= self.counted.upto,
+                                                      Job.ended_at < upto)
+                self.counted.upto = upto
+            counts, since = Counter(self.counted.counts), self.counted.upto
+        counts += _by_state_user(session, Job.ended_at >= since)
+        counts += _by_state_user(session, active=True)
+        return dict(counts)
 
     def histogram(self, session: Session, kind: str, bounds: list[float], now: datetime) -> dict[str, Any]:
         """``kind`` ("wait": submit to start of every job that started; "duration": start to end
@@ -105,3 +132,18 @@ def _sums(session: Session, kind: str, bounds: list[float], *where: Any, active:
     row = session.execute(select(func.count(), func.coalesce(func.sum(each.c.s), 0.0), *counts)
                           .select_from(each)).one()
     return Sums([int(n) for n in row[2:]], int(row[0]), float(row[1]))
+
+
+def _by_state_user(session: Session, *where: Any, active: bool = False) -> Counter[tuple[str, str]]:
+    """The ended jobs ``where`` says (or, with ``active``, the jobs still waiting or running),
+    counted by state and user: for the ended, from the index on ended_at, state and user alone."""
+    if active:
+        state, user = Job.state, Job.user
+        states = state.in_(c.ACTIVE_STATES)
+    else:
+        # Grouped by the columns as they are, SQLite walked the queue-order index (state first)
+        # over every job to skip the grouping's sort: 150 ms at 200,000 jobs, for a few hundred.
+        state, user = not_for_an_index(Job.state, session), not_for_an_index(Job.user, session)
+        states = state.in_(c.END_STATES)
+    rows = session.execute(select(state, user, func.count()).where(states, *where).group_by(state, user))
+    return Counter({(state, user): n for state, user, n in rows})

@@ -62,7 +62,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
         devices = device_status(session, settings)
         ids = {(g.node, g.index): (g.id, g.uuid) for g in session.scalars(select(Gpu))}
         energy = _energy_by_gpu(session)
-        by_state_user = session.execute(select(Job.state, Job.user, func.count()).group_by(Job.state, Job.user)).all()
+        by_state_user = sorted(settled.jobs(session, now).items())
         pending = session.execute(select(Job.reason, func.count()).where(Job.state == State.PENDING)
                                   .group_by(Job.reason)).all()
         wait = settled.histogram(session, "wait", wait_le, now)
@@ -72,7 +72,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
         gpu_id, uuid = ids.get((d.node, d.index), (None, None))
         out_gpus.append(d.as_dict() | {"uuid": uuid, "energy_j": None if gpu_id is None else energy.get(gpu_id)})
     return {"gpus": out_gpus,
-            "jobs": [{"state": s, "user": u, "count": n} for s, u, n in by_state_user],
+            "jobs": [{"state": s, "user": u, "count": n} for (s, u), n in by_state_user],
             "pending": [{"reason": r, "count": n} for r, n in pending],
             "wait": wait, "duration": duration}
 

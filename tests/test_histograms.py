@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from gpuq.server.histograms import SETTLE, Settled
 from gpuq.service import constants as c
@@ -88,3 +88,34 @@ def test_other_bounds_are_summed_on_their_own_and_only_a_few_sets_are_kept(setti
             h = settled.histogram(session, "duration", [float(top + 1), 7200.0], now)
             assert h["counts"] == [0, 1] and h["count"] == 1
     assert len(settled.lines) == 8
+
+
+def every_job_by_state_and_user(settings) -> dict:
+    with write_scope(settings) as session:
+        return {(s, u): n for s, u, n in session.execute(select(Job.state, Job.user, func.count())
+                                                         .group_by(Job.state, Job.user))}
+
+
+def counted(settings, settled: Settled, now: datetime) -> dict:
+    with write_scope(settings) as session:
+        return settled.jobs(session, now)
+
+
+def test_the_jobs_by_state_and_user_are_always_what_counting_every_job_gives(settings):
+    now = utcnow()
+    ago = lambda **kw: now - timedelta(**kw)  # noqa: E731
+    job(settings, submitted=ago(hours=3), started=ago(hours=3), ended=ago(hours=2))
+    job(settings, submitted=ago(hours=3), started=ago(hours=3), ended=ago(hours=2), state=State.FAILED)
+    running = job(settings, submitted=ago(minutes=3), started=ago(minutes=2), ended=None, state=State.RUNNING)
+    job(settings, submitted=ago(minutes=1), started=None, ended=None, state=State.PENDING)
+    settled = Settled()
+    assert counted(settings, settled, now) == every_job_by_state_and_user(settings)
+    assert settled.counted.counts == {(State.SUCCEEDED, "ann"): 1, (State.FAILED, "ann"): 1}
+    # The running job ends and one more ends late (inside SETTLE); then the line passes them all.
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == running).values(state=State.TIMED_OUT, ended_at=now))
+    job(settings, submitted=ago(minutes=9), started=ago(minutes=8), ended=ago(minutes=6))
+    for when in (now + timedelta(seconds=30), now + timedelta(hours=2)):
+        assert counted(settings, settled, when) == every_job_by_state_and_user(settings)
+    assert sum(settled.counted.counts.values()) == 4
+    assert counted(settings, Settled(), now + timedelta(hours=2)) == every_job_by_state_and_user(settings)
