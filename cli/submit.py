@@ -104,6 +104,7 @@ def submit(
     if stray and (command is not None or workload is None or workload.startswith("-")):
         # Before `--` only gpuq's own options go (a workload's come after its name): a mistyped one.
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
+    cwd = _cwd()
     options: dict[str, Any] = {
         "gpus": gpus, "name": name, "priority": priority, "mem": mem, "shared": shared, "node": node,
         "host_mem": host_mem, "time": time, "retries": retries, "hold": hold, "after": after, "after_any": after_any,
@@ -112,16 +113,16 @@ def submit(
         from gpuq.cli.script import script_options
 
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
-        options.update(script_options(ctx, command, _cwd()))
+        options.update(script_options(ctx, command, cwd))
     body: dict[str, Any] = {
-        "workload": workload, "args": extra, "command": command, **options, "cwd": _cwd(), "user": user,
+        "workload": workload, "args": extra, "command": command, **options, "cwd": cwd, "user": user,
         # The same key on every try: a server that restarted mid-submit makes the jobs once.
         "key": uuid.uuid4().hex,
     }
     array, sweep = body["array"], body["sweep"]
     if command is not None:
         body["environ"] = _environ(body["env"])
-        body["git"] = _git_state(body["cwd"])
+        body["git"] = _git_state(cwd)
     running = ctx.command.name == "run"
     if running and (array is not None or sweep):
         raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit")

@@ -322,19 +322,25 @@ async def update_all(request: web.Request) -> web.Response:
 
     settings, caller = context(request)
     body = await body_of(request)
-    ids = body.get("ids")
-    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-        raise InvalidSpec('the body must have "ids": [job ids]')
-    outcomes = await call(update.update_all, settings, _bounded(ids), update.Changes.of(body), caller)
+    ids = _ids_in(body, 'the body must have "ids": [job ids]')
+    outcomes = await call(update.update_all, settings, ids, update.Changes.of(body), caller)
     return web.json_response({"jobs": [o.as_json() for o in outcomes]})
 
 
 async def _ids_of(request: web.Request) -> list[int]:
     """The job ids of a request on many jobs, ``{"ids": [...]}``; InvalidSpec for anything else."""
     body = await body_of(request)
+    shape = 'the body must be {"ids": [job ids]}'
+    if set(body) != {"ids"}:
+        raise InvalidSpec(shape)
+    return _ids_in(body, shape)
+
+
+def _ids_in(body: dict[str, Any], shape: str) -> list[int]:
+    """The job ids of a body's ``"ids"``, bounded; InvalidSpec(``shape``) unless a list of ids."""
     ids = body.get("ids")
-    if set(body) != {"ids"} or not isinstance(ids, list) or not all(type(i) is int for i in ids):
-        raise InvalidSpec('the body must be {"ids": [job ids]}')
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise InvalidSpec(shape)
     return _bounded(ids)
 
 

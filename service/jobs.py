@@ -134,7 +134,7 @@ def cancel_all(settings: Settings, job_ids: Sequence[int], user: Caller | str | 
     now = utcnow()
     ids = list(dict.fromkeys(job_ids))
     with write_scope(settings) as session:
-        found = _changeable(session, settings, ids, Caller.of(user))
+        found = changeable(session, settings, ids, Caller.of(user))
         outcomes = []
         for job_id in ids:
             state = found[job_id].state
@@ -152,13 +152,16 @@ def cancel_all(settings: Settings, job_ids: Sequence[int], user: Caller | str | 
     return outcomes
 
 
-def _changeable(session: Session, settings: Settings, ids: list[int], caller: Caller) -> dict[int, Any]:
-    """Each job's user, state and held flag, by id; JobNotFound or NotAllowed for the first of
-    ``ids`` that is missing or not the caller's to change: all are checked before any is changed."""
+def changeable(session: Session, settings: Settings, ids: list[int], caller: Caller, *columns: Any
+               ) -> dict[int, Any]:
+    """Each job's user, state and held flag (and ``columns``), by id; JobNotFound or NotAllowed for
+    the first of ``ids`` that is missing or not the caller's to change: all are checked before any
+    is changed."""
     found: dict[int, Any] = {}
     for start in range(0, len(ids), _CHUNK):
         found.update((r.id, r) for r in session.execute(
-            select(Job.id, Job.user, Job.state, Job.held).where(Job.id.in_(ids[start:start + _CHUNK]))))
+            select(Job.id, Job.user, Job.state, Job.held, *columns)
+            .where(Job.id.in_(ids[start:start + _CHUNK]))))
     for job_id in ids:
         if job_id not in found:
             raise JobNotFound(f"no job {job_id}")
@@ -182,7 +185,7 @@ def set_held_all(settings: Settings, job_ids: Sequence[int], held: bool, user: C
     ids = list(dict.fromkeys(job_ids))
     outcome: dict[int, str | None] = {}
     with write_scope(settings) as session:
-        found = _changeable(session, settings, ids, Caller.of(user))
+        found = changeable(session, settings, ids, Caller.of(user))
         for job_id in ids:
             job = found[job_id]
             if job.state != State.PENDING:

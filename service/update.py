@@ -19,22 +19,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Integer, String, bindparam, func, select
+from sqlalchemy import Integer, String, bindparam, func
 
 from gpuq.service import broker, spec
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
-from gpuq.service.errors import InvalidSpec, JobNotFound
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.jobs import changeable
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, table
-from gpuq.service.rights import Caller, check_change, is_admin
+from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.units import parse_duration
 
 _JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
-_CHUNK = 500  # ids in one IN list: SQLite's and psycopg's limits on bound values stay far off
 
 
 def _kept(name: str, kind: Any) -> Any:
@@ -49,9 +49,8 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                        priority=_kept("priority", Integer), **_LATER)
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
-# What a change reads of each job: its owner and state, and the values it may change.
-_COLUMNS = (_JOBS.c.id, _JOBS.c.user, _JOBS.c.state, _JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name,
-            _JOBS.c.max_retries)
+# What a change reads of each job beside its owner and state: the values it may change.
+_VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries")
 
@@ -119,19 +118,9 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
         # Each of an array's tasks carries its index in its name: one name for all would lose them.
         raise InvalidSpec("--name changes one job at a time")
     ids = list(dict.fromkeys(job_ids))
-    outcomes: list[Outcome] = []
     with write_scope(settings) as session:
-        found: dict[int, Any] = {}
-        for start in range(0, len(ids), _CHUNK):
-            chunk = ids[start:start + _CHUNK]
-            found.update((r.id, r) for r in session.execute(select(*_COLUMNS).where(_JOBS.c.id.in_(chunk))))
-        for job_id in ids:
-            if job_id not in found:
-                raise JobNotFound(f"no job {job_id}")
-            check_change(settings, job_id, found[job_id].user, caller)
-        for job_id in ids:
-            outcome = _change(session, found[job_id], changes, admin)
-            outcomes.append(outcome)
+        found = changeable(session, settings, ids, caller, *_VALUES)
+        outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
     if any(o.changed for o in outcomes):
         # A pending job's new priority or time limit reorders the queue and its backfill now,
         # not at the next timed pass.

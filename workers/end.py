@@ -194,7 +194,7 @@ def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[s
     or cancelled."""
     why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
     if why == c.FAILURE_TIMEOUT:
-        limit = _hms(watcher.time_limit_s or job.time_limit_s or 0)  # as `gpuq update` may have left it
+        limit = _hms(watcher.time_limit_s or 0)  # as the watch last read it: `gpuq update` may have changed it
         return {"state": State.TIMED_OUT, "failure": why, "reason": f"time limit of {limit} reached"}
     if why == c.FAILURE_INTERRUPTED:
         return {"state": State.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}

@@ -33,8 +33,6 @@ class JobRun:
     gpu_indices: tuple[int, ...]
     gpu_queues: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
-    # When the job must be stopped (its start plus its --time), epoch seconds; None: no limit.
-    deadline: float | None = None
     time_limit_s: int | None = None
     host_mem_mib: int | None = None
     user: str = ""
@@ -88,10 +86,9 @@ def claimed(session: Session, row: Any, gpu_index: int, queue: str) -> JobRun:
 
 def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...], memory_total_mib: int = 0) -> JobRun:
     """A JobRun from a job row with ``leases.STARTED_COLUMNS`` (a claim's or a take's RETURNING)."""
-    deadline = job.started_at.timestamp() + job.time_limit_s if job.time_limit_s and job.started_at else None
     return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                   argv=job.argv, cwd=job.cwd, gpu_indices=gpu_indices, gpu_queues=gpu_queues,
-                  env=dict(job.env or {}), deadline=deadline, time_limit_s=job.time_limit_s,
+                  env=dict(job.env or {}), time_limit_s=job.time_limit_s,
                   host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
                   memory_total_mib=memory_total_mib, gpu_share=job.gpu_share)

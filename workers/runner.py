@@ -59,8 +59,8 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     state.job_started(job.id)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or (job.argv or ["?"])[0])
     sink = OutputSink(settings, job.id, started.output_seq)
-    watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, job.deadline, lease,
-                                            state.gpu_lost, job.started_s, job.time_limit_s))
+    watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost,
+                                            job.started_s, job.time_limit_s))
     try:
         end = end_of(state, job, sink, watcher, lambda: execute(state, job, sink, watcher))
     finally:

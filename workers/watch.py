@@ -26,18 +26,23 @@ class StopWatcher:
     CANCEL_POLL_SECONDS until ``done`` is set."""
 
     def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
-                 deadline: float | None = None, lease: Lease | None = None,
-                 gpu_lost: threading.Event | None = None, started: float | None = None,
-                 time_limit_s: int | None = None) -> None:
-        self.settings, self.job_id, self.interrupt, self.deadline = settings, job_id, interrupt, deadline
+                 lease: Lease | None = None, gpu_lost: threading.Event | None = None,
+                 started: float | None = None, time_limit_s: int | None = None) -> None:
+        self.settings, self.job_id, self.interrupt = settings, job_id, interrupt
         self.lease, self.gpu_lost = lease, gpu_lost
         # When the job started (epoch seconds) and its time limit as last read: with a start, each
-        # look reads the limit again and moves ``deadline`` with it (`gpuq update --time`).
+        # look reads the limit again (`gpuq update --time` may have changed it), and ``deadline``
+        # follows it.
         self.started, self.time_limit_s = started, time_limit_s
         self.stopped = threading.Event()
         self.why = ""
         self.detail = ""  # the figures behind ``why``, where there are some (a share's overrun)
         self.done = threading.Event()
+
+    @property
+    def deadline(self) -> float | None:
+        """When the job must stop (its start plus its time limit), epoch seconds; None: no limit."""
+        return self.started + self.time_limit_s if self.started is not None and self.time_limit_s else None
 
     def stop(self, why: str, detail: str = "") -> None:
         """Stop the job for a reason found outside ``look`` (the share watchdog's)."""
@@ -66,7 +71,7 @@ class StopWatcher:
             with read_scope(self.settings) as session:
                 cancelled, limit = stop_asked(session, self.job_id)
             if self.started is not None and limit != self.time_limit_s and not cancelled:
-                self.time_limit_s, self.deadline = limit, (self.started + limit if limit else None)
+                self.time_limit_s = limit
                 log.info("job %s: its time limit is now %s s", self.job_id, limit)
         except Exception:  # noqa: BLE001 - a database blip must not stop the job
             log.warning("job %s: could not check for a cancel request", self.job_id)
