@@ -84,10 +84,15 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     end = least(func.coalesce(Job.ended_at, at_now), at_until, session)
     gpu_s = greatest(seconds_between(end, start, session), 0.0, session) * Job.gpus * func.coalesce(Job.gpu_share, 1.0)
     ran = (Job.started_at.is_not(None), Job.started_at < until, or_(Job.ended_at.is_(None), Job.ended_at > since))
-    alloc: dict[str, dict[str, tuple[int, float]]] = {}
-    for part, key in (("users", Job.user), ("nodes", func.coalesce(Job.node, "-"))):
-        alloc[part] = {name: (jobs, float(seconds or 0.0)) for name, jobs, seconds in session.execute(
-            select(key, func.count(), func.sum(gpu_s)).where(*ran).group_by(key))}
+    # One pass grouped by user and node together (a few rows), added up each way here: a pass per
+    # grouping worked out every job's seconds twice.
+    alloc: dict[str, dict[str, tuple[int, float]]] = {"users": {}, "nodes": {}}
+    node = func.coalesce(Job.node, "-")
+    for user, node_name, jobs, seconds in session.execute(
+            select(Job.user, node, func.count(), func.sum(gpu_s)).where(*ran).group_by(Job.user, node)):
+        for part, name in (("users", user), ("nodes", node_name)):
+            had_jobs, had_seconds = alloc[part].get(name, (0, 0.0))
+            alloc[part][name] = (had_jobs + jobs, had_seconds + float(seconds or 0.0))
     out = {}
     for part, group in (("users", by_user), ("nodes", by_node)):
         sampled = totals(session, group, since=since, until=until)

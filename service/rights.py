@@ -118,4 +118,11 @@ def submitter(caller: Caller, requested: str | None) -> str:
         raise NotAllowed(f"only root may submit as another user (--user {requested}); you are {caller.user}")
     if not _USER_NAME.fullmatch(requested):
         raise InvalidSpec(f"--user {requested!r} is not a user name")
+    # As sbatch --uid: a name this node does not know is a typo, refused now rather than queued to
+    # fail on its node (a root worker refuses an owner its node does not know, for a node whose
+    # accounts differ from the server's).
+    try:
+        pwd.getpwnam(requested)
+    except KeyError:
+        raise InvalidSpec(f"--user {requested}: no such user on this node") from None
     return requested

@@ -21,7 +21,7 @@ import redis
 from sqlalchemy import create_engine, inspect, text
 
 from gpuq.service import constants as c
-from gpuq.service import db, jobs
+from gpuq.service import db, jobs, spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from tests.conftest import cli_submit as submit
@@ -145,10 +145,27 @@ def test_a_job_running_as_another_user_is_still_cancelled_whole(stack, shared_di
 
 @needs_root
 def test_a_job_whose_owner_has_no_account_on_the_node_fails_with_that_reason(stack, shared_dir):
-    job_id, state, out = run_to_end(stack, ["--user", "gpuq-no-such-user", "--", "true"], cwd=shared_dir)
+    # The server refuses such a --user (below); a node whose accounts differ from the server's is
+    # what leaves a worker with an owner it does not know: the row is written as the server would.
+    job_id = submitting.submit(stack.settings, spec.command_spec(["true"], cwd=str(shared_dir),
+                                                                 user="gpuq-no-such-user")).id
+    state = wait_for_state(stack.settings, job_id, c.END_STATES)
     with write_scope(stack.settings) as session:
         job = jobs.get_job(session, job_id)
     assert state == State.FAILED and "user gpuq-no-such-user is not known on node testnode" in job.reason
+
+
+@needs_root
+def test_roots_submit_as_a_user_unknown_here_is_refused_with_nothing_queued(stack, shared_dir):
+    def all_jobs() -> int:
+        with write_scope(stack.settings) as session:
+            return session.scalar(text("SELECT count(*) FROM jobs"))
+
+    before = all_jobs()
+    result = run_cli(["submit", "--user", "gpuq-no-such-user", "--", "true"], stack.settings, cwd=shared_dir)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "gpuq: --user gpuq-no-such-user: no such user on this node"
+    assert all_jobs() == before
 
 
 def run_as_nobody(args, settings, cwd, extra_env=None) -> subprocess.CompletedProcess:

@@ -93,13 +93,16 @@ def test_report_counts_gpu_hours_in_the_period_per_user_and_node(settings):
         add_samples(s, a, j1, NOW - timedelta(hours=2), [60, 80])
         add_samples(s, b, j2, NOW - timedelta(minutes=30), [10, 10, 10])
         add_samples(s, b, None, NOW - timedelta(minutes=10), [0])  # an idle GPU counts for its node
+        add_job(s, "ann", "n2", NOW - timedelta(minutes=50), NOW - timedelta(minutes=20))  # a user on two nodes
     with write_scope(settings) as s:
         rep = accounting.report(s, NOW - timedelta(hours=2), NOW, NOW)
     users = {r.name: r for r in rep["users"]}
-    assert users["ann"].gpu_hours == pytest.approx(1.0) and users["ann"].jobs == 1
+    assert users["ann"].gpu_hours == pytest.approx(1.5) and users["ann"].jobs == 2
     assert users["ann"].utilization_mean == pytest.approx(70) and users["ann"].energy_j == pytest.approx(200)
     assert users["bob"].gpu_hours == pytest.approx(2.0) and users["bob"].utilization_mean == pytest.approx(10)
     nodes = {r.name: r for r in rep["nodes"]}
+    assert (nodes["n1"].jobs, nodes["n2"].jobs) == (1, 2)  # a node used by two users
+    assert (nodes["n1"].gpu_hours, nodes["n2"].gpu_hours) == (pytest.approx(1.0), pytest.approx(2.5))
     assert nodes["n2"].utilization_mean == pytest.approx(30 / 4) and nodes["n2"].energy_j == pytest.approx(400)
     assert [r.name for r in rep["users"]] == ["bob", "ann"]  # most GPU-hours first
 
