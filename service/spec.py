@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import pwd
 import re
@@ -122,12 +123,15 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
     if len({sweep_variable(n) for n in names}) != len(names):  # lr and LR, a-b and a_b
         raise InvalidSpec(f"--sweep names {', '.join(names)} set the same GPUQ_SWEEP_ variable: name them apart")
     indices = parse_indices(array) if array is not None else None
-    combos = list(itertools.product(*[[(n, v) for v in vals] for n, vals in axes]))
     if indices is None and not axes:
         return [replace(make([]), **extra)]
+    # Counted before it is built: ten sweeps of ten values are 10^10 jobs, which the server would
+    # otherwise try to hold in memory before refusing them.
+    count = math.prod([len(indices) if indices is not None else 1, *(len(vals) for _, vals in axes)])
+    if count > MAX_ARRAY_TASKS:
+        raise InvalidSpec(f"this submission makes {count:,} jobs; at most {MAX_ARRAY_TASKS:,}")
+    combos = list(itertools.product(*[[(n, v) for v in vals] for n, vals in axes]))
     tasks = list(itertools.product(indices if indices is not None else [None], combos))
-    if len(tasks) > MAX_ARRAY_TASKS:
-        raise InvalidSpec(f"this submission makes {len(tasks)} jobs; at most {MAX_ARRAY_TASKS}")
     out = []
     for position, (index, combo) in enumerate(tasks):
         task = index if index is not None else position

@@ -259,6 +259,10 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "--sweep", "lr", "--", "true"], "--sweep takes name=value,value"),
     (["submit", "--sweep", "lr=1,,2", "--", "true"], "--sweep takes name=value,value"),  # was: 2 jobs
     (["submit", "--sweep", "lr=a\x01b", "--", "true"], "--sweep lr: a value holds a control character"),
+    # Counted before the jobs are made: the server built 10^10 of them in memory before refusing.
+    (["submit", *[a for n in "abcdefghij" for a in ("--sweep", f"{n}=" + ",".join(map(str, range(10))))], "--", "true"],
+     "this submission makes 10,000,000,000 jobs; at most 10,000"),
+    (["submit", "--array", "0-9999", "--sweep", "lr=1,2", "--", "true"], "makes 20,000 jobs; at most 10,000"),
     (["submit", "--name", "evil\u202egnp.sh", "--", "true"], "bidirectional formatting characters"),
     (["submit", "--after", "1", "--after-any", "2", "--", "true"], "give --after or --after-any, not both"),
     (["submit", "--after", "", "--", "true"], "--after takes job ids like 12 or 12,13"),  # was: no dependency
