@@ -92,9 +92,9 @@ def _wait_for_start(client: Client, job_id: int) -> dict[str, Any]:
             waiting.clear()
             _cancel_quietly(client, job_id)
             raise typer.Exit(c.EXIT_RUN_CANCELLED) from None
-        except HangUp:
+        except HangUp as hung:
             _cancel_quietly(client, job_id)
-            raise typer.Exit(128 + signal.SIGHUP) from None
+            raise typer.Exit(hung.exit_code) from None
 
 
 def _cancel_quietly(client: Client, job_id: int) -> None:

@@ -39,6 +39,15 @@ GPUQ_ENDS = (*c.INFRA_FAILURES, c.FAILURE_CLIENT_LOST, c.FAILURE_GPU_MEM_EXCEEDE
 class HangUp(Exception):
     """The terminal closed (SIGHUP), or the client was asked to stop (SIGTERM)."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """A shell's code for a process ended by that signal: 129 for SIGHUP, 143 for SIGTERM."""
+        return 128 + self.signum
+
 
 def exit_code_of(end: dict[str, Any]) -> int:
     """The code `gpuq run` exits with for a job's end (the output route's answer once it ended)."""
@@ -111,7 +120,7 @@ def say(stream: TextIO, text: str) -> None:
 
 
 def _hang_up(signum: int, frame: FrameType | None) -> None:
-    raise HangUp(signal.Signals(signum).name)
+    raise HangUp(signum)
 
 
 @contextmanager
@@ -166,10 +175,14 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                 say(sys.stderr, f"\ngpuq: cancelling job {job_id} (Ctrl-C again to leave without waiting)\n")
                 if not _cancel(client, job_id):
                     return c.EXIT_RUN_CANCELLED
-            except HangUp:
+            except HangUp as hung:
+                waiting.clear()
                 if cancel_on_interrupt:
                     _cancel(client, job_id)
-                return 128 + signal.SIGHUP
+                    say(sys.stderr, f"\ngpuq: {hung}: cancelled job {job_id}\n")  # nowhere if the terminal is gone
+                else:
+                    say(sys.stderr, f"\ngpuq: {hung}: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
+                return hung.exit_code
 
 
 def _cancel(client: Client, job_id: int) -> bool:

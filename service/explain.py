@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -85,7 +87,7 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
             ends = ""
             if holder.time_limit_s and holder.started_at:
                 left = holder.time_limit_s - (now - holder.started_at).total_seconds()
-                ends = f", ends within {max(left, 0) / 60:.0f} min"
+                ends = f", ends within {_within(left)}"
             text = f"GPU {gpu.index} runs job {holder.id} of {holder.user}{ends}"
         else:
             free = gpu.memory_total_mib - max(gpu.memory_used_mib or 0, gpu.foreign_mib or 0)
@@ -99,3 +101,10 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
         prefix = f"node {node}" + (" (drained)" if node in drained else "")
         lines.append(f"{prefix} has " + ", ".join(texts))
     return lines or ["no GPU is known to gpuq"]
+
+
+def _within(seconds: float) -> str:
+    """A time left, rounded up (a job 16 s from its limit ends within 16 s, not 0 min)."""
+    if seconds < 60:
+        return f"{max(math.ceil(seconds), 0)} s"
+    return f"{math.ceil(seconds / 60)} min"

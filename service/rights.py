@@ -68,8 +68,14 @@ ANYONE = None
 
 
 def is_admin(settings: Settings, caller: Caller | None) -> bool:
-    """Root and the users named in ``GPUQ_ADMINS`` (read from the server's own settings)."""
-    return caller is not None and (caller.is_root or caller.user in settings.admin_users)
+    """Root, the users named in ``GPUQ_ADMINS`` (read from the server's own settings), and on a
+    user's own stack (a server not run by root) that user, who can drain it and take it down anyway."""
+    return caller is not None and (caller.is_root or caller.uid == os.geteuid() or caller.user in settings.admin_users)
+
+
+def is_admin_user(settings: Settings, user: str) -> bool:
+    """``is_admin`` for a user named in a job (its owner), with the uid that name has here."""
+    return is_admin(settings, Caller.of(user))
 
 
 def may_change(settings: Settings, owner: str, caller: Caller | None) -> bool:

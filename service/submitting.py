@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, false, func, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker
+from gpuq.service import broker, rights
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
 from gpuq.service.allocations import check_node
@@ -311,7 +311,7 @@ def submitted_with(session: Session, key: str, user: str) -> list[int] | None:
 
 
 def _check_priority(settings: Settings, spec: JobSpec) -> None:
-    if spec.priority > settings.max_priority and spec.user not in settings.admin_users:
+    if spec.priority > settings.max_priority and not rights.is_admin_user(settings, spec.user):
         raise InvalidSpec(f"--priority {spec.priority} is above the users' limit of {settings.max_priority}")
 
 

@@ -138,7 +138,8 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = f"job {job.id} is {job.state}; only a pending job's priority can be changed"
         return outcome
     if (started and not admin and changes.time_limit_s is not None
-            and (job.time_limit_s is None or changes.time_limit_s > job.time_limit_s)):
+            and job.time_limit_s is not None and changes.time_limit_s > job.time_limit_s):
+        # No limit is the longest there is: a user may give one to a started job that had none.
         outcome.refused = (f"job {job.id} is {job.state}; only root or an admin may raise a started job's "
                            "time limit (you may lower it)")
         return outcome

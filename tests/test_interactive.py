@@ -209,6 +209,21 @@ def test_a_closed_terminal_cancels_the_run(stack, terminals):
     wait_until(lambda: job_of(stack.settings, job_id)[0].state == State.CANCELLED, what="cancelled")
 
 
+def test_a_terminated_run_cancels_its_job_says_so_and_exits_as_sigterm_would(stack):
+    marker = unique_sleep()
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--", "sh", "-c", f"echo started; sleep {marker}"],
+                           env=stack.env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout.readline().strip() == "started"
+    job_id = newest_job(stack.settings)
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
+    assert err.strip().splitlines()[-1] == f"gpuq: SIGTERM: cancelled job {job_id}"
+    wait_until(lambda: job_of(stack.settings, job_id)[0].state == State.CANCELLED, what="cancelled")
+    wait_until(lambda: processes_with(f"sleep {marker}") == [], what="its processes gone")
+
+
 def test_detach_leaves_a_running_job_and_attach_follows_it_to_its_exit_status(stack):
     detached = run_cli(["run", "--detach", "--", "sh", "-c", "echo one; sleep 2; echo two >&2; exit 5"],
                        stack.settings)

@@ -469,6 +469,8 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         job_id = _submitted(as_(owner, "submit", "--", "id", "-un"))
         assert as_(owner, "wait", str(job_id)).returncode == 0
         assert as_(owner, "logs", str(job_id)).stdout.strip() == owner
+        # The stack's owner is its admin, as root is the machine's: past the users' priority cap.
+        assert as_(owner, "submit", "--hold", "--priority", "50", "--", "true").returncode == 0
         settings = load_settings(env)
         with write_scope(settings) as session:
             jobs_before = session.scalar(select(func.count()).select_from(Job))

@@ -76,13 +76,16 @@ def test_a_started_job_keeps_its_priority_and_only_an_admin_raises_its_time_limi
     assert lowered.changed == {"time_limit_s": [3600, 1800], "max_retries": [0, 2]}
     [raised] = update_all(settings, [job], Changes(time_limit_s=7200), BOSS)
     assert raised.changed == {"time_limit_s": [1800, 7200]}
-    # A job started without a limit has none to lower: giving it one is raising, an admin's to do.
+    # A job started without a limit has the longest there is: giving it one lowers it (as SLURM's
+    # UNLIMITED to a time), a user's right.
     unlimited = submit(settings)
     end(settings, job, State.SUCCEEDED)
     with write_scope(settings) as session:
         session.execute(Job.__table__.update().where(Job.id == unlimited).values(state=State.RUNNING))
-    [refused] = update_all(settings, [unlimited], Changes(time_limit_s=60), ANN)
-    assert refused.refused is not None and row(settings, unlimited).time_limit_s is None
+    [limited] = update_all(settings, [unlimited], Changes(time_limit_s=60), ANN)
+    assert limited.changed == {"time_limit_s": [None, 60]} and row(settings, unlimited).time_limit_s == 60
+    [refused] = update_all(settings, [unlimited], Changes(time_limit_s=61), ANN)
+    assert refused.refused is not None and row(settings, unlimited).time_limit_s == 60
     [ended] = update_all(settings, [job], Changes(max_retries=1), ANN)
     assert ended.refused == f"job {job} succeeded; an ended job cannot be changed"
 
