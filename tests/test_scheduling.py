@@ -876,7 +876,7 @@ def test_one_watch_thread_serves_every_job_a_worker_runs_and_still_stops_a_cance
     assert run_job(state, last) == State.SUCCEEDED and state.watch.thread.is_alive()
 
 
-@pytest.mark.parametrize("left,text", [(16.2, "16 s"), (0.4, "1 s"), (-3, "0 s"), (60, "1 min"), (89, "2 min")])
+@pytest.mark.parametrize("left,text", [(15.2, "16 s"), (0.4, "1 s"), (-3, "0 s"), (60, "1 min"), (89, "2 min")])
 def test_why_rounds_a_running_jobs_time_left_up(left, text):
     from gpuq.service.explain import _within
 
