@@ -38,8 +38,9 @@ def _save(fig: Figure, path: Path) -> None:
         _pyplot().close(fig)
 
 
-def job_plot(series: list[dict[str, Any]], path: Path, title: str) -> None:
-    """A job's utilisation (%), memory (MiB) and power (W) over time, one line per GPU."""
+def job_plot(series: list[dict[str, Any]], path: Path, title: str, names: dict[int, str] | None = None) -> None:
+    """A job's utilisation (%), memory (MiB) and power (W) over time, one line per GPU, named by
+    ``names`` (a sample's ``gpu_id`` is its GPU's row, not its index on the node)."""
     plt = _pyplot()
     fig, axes = plt.subplots(3, 1, figsize=FIGSIZE, sharex=True)
     by_gpu: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -49,7 +50,7 @@ def job_plot(series: list[dict[str, Any]], path: Path, title: str) -> None:
                               ("utilisation %", "memory MiB", "power W"), strict=True):
         for gpu_id, points in sorted(by_gpu.items()):
             ax.plot([p["at"] for p in points], [p[key] if p[key] is not None else float("nan") for p in points],
-                    label=f"GPU {gpu_id}")
+                    label=(names or {}).get(gpu_id, f"GPU {gpu_id}"))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(0, 105)

@@ -8,7 +8,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -97,14 +97,22 @@ def _report_tables(rep: dict[str, list[SimpleNamespace]], start: datetime | None
         console.print(t if rep[part] else f"no {part} with GPU use in this period")
 
 
+def gpu_names(gpus: dict[str, dict[str, Any]]) -> dict[int, str]:
+    """A plot's name for each GPU its samples name by row id: ``GPU 2`` (its index on its node, as
+    nvidia-smi numbers it), with the node where the job's GPUs are on several."""
+    nodes = {g["node"] for g in gpus.values()}
+    return {int(i): f"GPU {g['index']}" + (f" ({g['node']})" if len(nodes) > 1 else "") for i, g in gpus.items()}
+
+
 def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | None) -> None:
     data = client.get(f"/jobs/{job_id}/stats", plot=1 if plot else None)
     series = data.pop("series", None)
-    data.pop("series_gpus", None)  # which GPU each point is of: for the dashboard's legend
+    gpus = data.pop("series_gpus", None) or {}  # which GPU each point is of, by its row's id: the legend's
     if plot:
         from gpuq.cli.plots import job_plot
 
-        job_plot([p | {"at": when(p["at"])} for p in series], plot, f"job {job_id} ({data['name']}, {data['user']})")
+        job_plot([p | {"at": when(p["at"])} for p in series], plot, f"job {job_id} ({data['name']}, {data['user']})",
+                 gpu_names(gpus))
     if as_json:
         print_json(data)
     elif as_csv:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -32,14 +33,30 @@ async def call(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
+# What a body's field is to a user, for the line that refuses it.
+_FIELD_WORDS = {"cwd": "the current directory's path", "command": "the command", "args": "a workload parameter",
+                "env": "an --env value", "name": "--name"}
+# JSON's escape for half of a UTF-16 pair: a lone one (what Python's json writes for bytes of another
+# encoding in an argument) decodes to text that no database or pipe can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 async def body_of(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object; InvalidSpec for anything else."""
+    """The request's JSON object; InvalidSpec for anything else, or for text that is not UTF-8."""
+    raw = await request.read() or b"{}"
     try:
-        data = json.loads(await request.read() or b"{}")
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise InvalidSpec("the request body is not JSON") from None
     if not isinstance(data, dict):
         raise InvalidSpec("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: checked in full only then
+        for key, value in data.items():
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidSpec(f"{_FIELD_WORDS.get(key, key)} is not valid UTF-8 text "
+                                  "(bytes of another encoding)") from None
     return data
 
 

@@ -1,4 +1,8 @@
-"""`gpuq resubmit`: the same job again, as a new job of the caller's."""
+"""`gpuq resubmit`: the same job again, as a new job of its owner's.
+
+The copy is the old job's owner's whoever asks (as SLURM's requeue keeps a job's user): a command
+one user chose, from a directory and with a PATH they control, never runs as another. Root's
+resubmit of a user's job ran it as root, and an admin's of root's job as the admin."""
 
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
 
 
-def spec_of(job: Job, user: str) -> JobSpec:
+def spec_of(job: Job) -> JobSpec:
     """A spec for running ``job`` again: its command or workload and parameters, scheduling options,
-    environment, directory (its snapshot, if it had one) and recorded git state; owned by ``user``.
+    environment, directory (its snapshot, if it had one) and recorded git state, and its owner.
     An array or sweep task comes back as a job of its own, with the same index in its environment."""
-    return JobSpec(kind=job.kind, name=job.name, user=user, gpus=job.gpus, cwd=job.cwd or "/", workload=job.workload,
+    return JobSpec(kind=job.kind, name=job.name, user=job.user, gpus=job.gpus, cwd=job.cwd or "/",
+                   workload=job.workload,
                    params=dict(job.params or {}), argv=list(job.argv) if job.argv is not None else None,
                    priority=job.priority, mem_mib=job.mem_mib, on_node=job.on_node, time_limit_s=job.time_limit_s,
                    max_retries=job.max_retries, held=job.held, after=job.after, after_any=job.after_any,
@@ -28,8 +33,8 @@ def spec_of(job: Job, user: str) -> JobSpec:
 
 
 def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) -> Job:
-    """Queue job ``job_id`` again (see ``spec_of``). Only its owner or an admin may, since the new
-    job inherits the old one's environment. JobNotFound, NotAllowed, or submit's errors."""
+    """Queue job ``job_id`` again, as its owner's (see ``spec_of``). Only its owner or an admin may,
+    since the new job inherits the old one's environment. JobNotFound, NotAllowed, or submit's errors."""
     require_schema(settings)
     caller = Caller.of(user)
     with read_scope(settings) as session:
@@ -38,7 +43,7 @@ def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) 
         if job.kind == c.KIND_INTERACTIVE:
             raise InvalidSpec(f"job {job_id} is an allocation: its shell ran in its client's terminal; "
                               "run gpuq alloc again")
-        spec = spec_of(job, caller.user)
+        spec = spec_of(job)
         removed = job.snapshot_removed_at
     if removed is not None:
         raise InvalidSpec(f"job {job_id}'s snapshot was removed on {removed:%Y-%m-%d}, past its retention "

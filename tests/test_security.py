@@ -125,6 +125,67 @@ def test_a_root_worker_runs_a_job_for_nobody_as_nobody_with_only_nobodys_groups(
 
 
 @needs_root
+def test_roots_resubmit_of_a_users_job_runs_it_as_that_user_not_as_root(stack, shared_dir):
+    job_id, state, out = run_to_end(stack, ["--user", "nobody", "--", "id", "-un"], cwd=shared_dir)
+    assert state == State.SUCCEEDED and out.strip() == "nobody"
+    again = run_cli(["resubmit", "--json", str(job_id)], stack.settings, cwd=shared_dir)
+    assert again.returncode == 0, again.stderr
+    copy = json.loads(again.stdout)["id"]
+    assert wait_for_state(stack.settings, copy, c.END_STATES) == State.SUCCEEDED
+    assert output_of(stack.settings, copy).strip() == "nobody"
+
+
+@needs_root
+def test_a_command_enters_its_directory_as_its_owner_not_as_the_root_worker(stack, shared_dir):
+    # Popen enters the directory before the child becomes the owner: a user could run (and read)
+    # in a directory only root may enter.
+    closed = shared_dir / "roots-only"
+    closed.mkdir(mode=0o700)
+    (closed / "secret.txt").write_text("root's")
+    job_id, state, out = run_to_end(stack, ["--user", "nobody", "--", "cat", "secret.txt"], cwd=closed)
+    with write_scope(stack.settings) as session:
+        job = jobs.get_job(session, job_id)
+    assert state == State.FAILED and job.exit_code == 126, out
+    assert "root's" not in out
+    assert out.strip() == f"gpuq: cannot start the command: cannot enter its directory {closed} as nobody: " \
+                          "Permission denied"
+
+
+TINY_TRAIN = ["train", "--epochs", "1", "--train-size", "64", "--test-size", "16", "--batch-size", "16"]
+
+
+@needs_root
+def test_a_train_jobs_checkpoint_is_written_and_read_with_its_owners_rights(stack, shared_dir):
+    # The workload runs inside the root worker: a checkpoint path was opened as root (a file
+    # written into /root, another user's weights read and replaced).
+    closed = shared_dir / "roots-only"
+    closed.mkdir(mode=0o700)
+    job_id, state, out = run_to_end(stack, ["--user", "nobody", *TINY_TRAIN, "--checkpoint", str(closed / "ck.pt")],
+                                    cwd=shared_dir)
+    with write_scope(stack.settings) as session:
+        job = jobs.get_job(session, job_id)
+    assert state == State.FAILED and f"{closed / 'ck.pt'}: Permission denied (as nobody)" in job.reason, out
+    assert list(closed.iterdir()) == []
+    open_dir = shared_dir / "everyones"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    ck = open_dir / "ck.pt"
+    _, state, out = run_to_end(stack, ["--user", "nobody", *TINY_TRAIN, "--checkpoint", str(ck)], cwd=shared_dir)
+    assert state == State.SUCCEEDED, out + stack.logs()
+    assert ck.stat().st_uid == 65534 and sorted(p.name for p in open_dir.iterdir()) == ["ck.pt"]
+    # Root's own checkpoint beside it, unreadable to nobody: nobody's job cannot resume from it.
+    ck.unlink()
+    _, state, _ = run_to_end(stack, [*TINY_TRAIN, "--checkpoint", str(ck)], cwd=shared_dir)
+    assert state == State.SUCCEEDED and ck.stat().st_uid == 0
+    ck.chmod(0o600)
+    job_id, state, out = run_to_end(stack, ["--user", "nobody", *TINY_TRAIN, "--checkpoint", str(ck)], cwd=shared_dir)
+    with write_scope(stack.settings) as session:
+        job = jobs.get_job(session, job_id)
+    assert state == State.FAILED and "Permission denied (as nobody)" in job.reason
+    assert ck.stat().st_uid == 0  # not replaced
+
+
+@needs_root
 def test_a_job_running_as_another_user_is_still_cancelled_whole(stack, shared_dir):
     s = stack.settings
     job_id = submit(s, ["--user", "nobody", "--", SYSTEM_PYTHON, "-c",
@@ -238,9 +299,9 @@ def test_an_admin_named_in_the_servers_settings_may_hold_release_resubmit_and_ca
         assert again.returncode == 0, again.stderr
         assert run_as_nobody(["cancel", str(job_id)], admin_settings, shared_dir).returncode == 0
     assert state()[0] == State.CANCELLED
-    with write_scope(stack.settings) as session:  # the copy is the admin's own job, not root's
+    with write_scope(stack.settings) as session:  # the copy is root's, as a requeue: never the asker's
         copy = jobs.get_job(session, json.loads(again.stdout)["id"])
-        assert copy.user == "nobody" and copy.argv == ["true"]
+        assert copy.user == "root" and copy.argv == ["true"]
     for done in (copy.id, first):
         jobs.cancel(stack.settings, done)
 

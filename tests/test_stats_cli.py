@@ -133,3 +133,12 @@ def test_rollup_command_leaves_recent_samples_alone(recorded):
 def test_bad_input_is_one_line_and_a_named_exit_code(recorded, args, code, words):
     out = invoke(*args)
     assert out.exit_code == code and words in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_a_jobs_plot_names_its_gpus_by_their_index_on_the_node_not_their_row():
+    from gpuq.cli.stats import gpu_names
+
+    one_node = {"3": {"node": "vm", "index": 1, "name": "x"}, "4": {"node": "vm", "index": 3, "name": "x"}}
+    assert gpu_names(one_node) == {3: "GPU 1", 4: "GPU 3"}  # the legend said "GPU 4" for index 3
+    two = {"3": {"node": "a", "index": 0, "name": "x"}, "9": {"node": "b", "index": 0, "name": "x"}}
+    assert gpu_names(two) == {3: "GPU 0 (a)", 9: "GPU 0 (b)"}

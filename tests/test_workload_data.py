@@ -8,6 +8,7 @@ import struct
 import pytest
 import torch
 
+from gpuq.workers.owner_files import OwnerFiles
 from gpuq.workers.workloads import data
 
 
@@ -39,29 +40,29 @@ def fake_fashion_mnist(root, n_train: int = 12, n_test: int = 5, gz_labels: bool
 def test_read_idx_returns_the_tensor_written_plain_or_gzipped(tmp_path, name):
     images = torch.arange(3 * 4 * 5, dtype=torch.uint8).reshape(3, 4, 5)
     write_idx(tmp_path / name, images)
-    out = data.read_idx(str(tmp_path / name))
+    out = data.read_idx(name, (tmp_path / name).read_bytes())
     assert out.dtype == torch.uint8 and torch.equal(out, images)
 
 
 def test_read_idx_reads_big_endian_wide_types(tmp_path):
     values = torch.tensor([[1, -2, 70000], [3, 4, -5]], dtype=torch.int32)
     write_idx(tmp_path / "ints-idx2-int", values, type_byte=0x0C)
-    assert torch.equal(data.read_idx(str(tmp_path / "ints-idx2-int")), values)
+    assert torch.equal(data.read_idx("ints-idx2-int", (tmp_path / "ints-idx2-int").read_bytes()), values)
 
 
 def test_read_idx_rejects_a_file_that_is_not_idx_or_is_truncated(tmp_path):
     (tmp_path / "junk").write_bytes(b"PK\x03\x04 not an idx file")
     with pytest.raises(ValueError, match="not an IDX file"):
-        data.read_idx(str(tmp_path / "junk"))
+        data.read_idx("junk", (tmp_path / "junk").read_bytes())
     write_idx(tmp_path / "short", torch.zeros(4, 4, dtype=torch.uint8))
     (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-3])
     with pytest.raises(ValueError, match="holds"):
-        data.read_idx(str(tmp_path / "short"))
+        data.read_idx("short", (tmp_path / "short").read_bytes())
 
 
 def test_load_fashion_mnist_gives_images_and_labels_in_training_shape(tmp_path):
     sets = fake_fashion_mnist(tmp_path)
-    train, test = data.load_fashion_mnist(str(tmp_path))
+    train, test = data.load_fashion_mnist(OwnerFiles(), str(tmp_path))
     assert train.images.shape == (12, 1, 28, 28) and test.images.shape == (5, 1, 28, 28)
     assert train.labels.dtype == torch.int64
     assert torch.equal(train.images[:, 0], sets["train"][0])
@@ -74,7 +75,7 @@ def test_load_names_the_missing_file(tmp_path):
     fake_fashion_mnist(tmp_path)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
-        data.load_fashion_mnist(str(tmp_path))
+        data.load_fashion_mnist(OwnerFiles(), str(tmp_path))
 
 
 def test_synthetic_data_is_the_same_for_the_same_seed_and_has_every_class():

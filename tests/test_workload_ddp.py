@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -39,7 +40,10 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def ddp_steps(rank: int, world: int, init_method: str) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s parameters after two DDP steps on the global batch."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    # A bounded wait: gloo's own is 30 minutes, in C, where the test's timeout cannot reach it
+    # (a rank that died left the other waiting out a whole session once).
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=40))
     try:
         torch.manual_seed(rank)  # different initial parameters per rank: DDP must broadcast rank 0's
         trainer = parallel.make("ddp", nets.build("lenet"), [CPU], lr=0.5)

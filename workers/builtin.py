@@ -12,6 +12,7 @@ import torch
 
 from gpuq.service.workloads import get_workload
 from gpuq.workers.context import WorkloadContext
+from gpuq.workers.owner_files import OwnerFiles
 from gpuq.workers.workloads.common import peak_memory, release_memory, reset_peak_memory
 
 
@@ -43,13 +44,14 @@ class Rank:
 def run_workload(job_id: int, workload: str, params: dict[str, Any], gpus: int,
                  log: Callable[[str], None], cancelled: threading.Event,
                  on_metric: Callable[[dict[str, Any]], None] | None = None,
-                 rank: Rank | None = None) -> dict[str, Any]:
+                 rank: Rank | None = None, *, files: OwnerFiles) -> dict[str, Any]:
     """Run the workload (or one rank of it, on this worker's GPU) and return its result, with the
-    peak memory it held added."""
+    peak memory it held added. The paths it is given are opened through ``files``, with the job
+    owner's rights (``owner_files``)."""
     w = get_workload(workload)
     devices = job_devices(gpus if rank is None else 1)
     ctx = WorkloadContext(job_id=job_id, params=params, devices=devices, log=log, cancelled=cancelled,
-                          on_metric=on_metric)
+                          on_metric=on_metric, files=files)
     reset_peak_memory(devices)
     try:
         if rank is None:

@@ -19,6 +19,8 @@ from gpuq.service.db import write_scope
 from gpuq.service.jobs import get_job, record_metric
 from gpuq.service.settings import get_settings
 from gpuq.workers.builtin import run_workload
+from gpuq.workers.identity import run_as
+from gpuq.workers.owner_files import OwnerFiles
 
 
 def main(argv: list[str]) -> int:
@@ -27,6 +29,7 @@ def main(argv: list[str]) -> int:
     with write_scope(settings) as session:
         job = get_job(session, job_id)
         workload, params, gpus = cast(str, job.workload), dict(job.params), job.gpus  # a workload job names one
+        owner = job.user
     cancelled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: cancelled.set())
     fraction = os.environ.get(c.MEMORY_FRACTION_VARIABLE)
@@ -37,7 +40,10 @@ def main(argv: list[str]) -> int:
         with write_scope(settings) as session:
             record_metric(session, job_id, values)
 
-    result = run_workload(job_id, workload, params, gpus, lambda s: print(s, flush=True), cancelled, on_metric)
+    # Its worker (root on a machine's stack) started it as itself: the user's paths, as the user.
+    files = OwnerFiles(run_as(owner, settings.node))
+    result = run_workload(job_id, workload, params, gpus, lambda s: print(s, flush=True), cancelled, on_metric,
+                          files=files)
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0

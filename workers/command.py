@@ -89,9 +89,12 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
     try:
-        proc = subprocess.Popen(argv, cwd=cwd, env={**env, "GPUQ_RUN_ID": run_id}, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=functools.partial(_in_child, cgroup, run_as))
+        # Popen enters ``cwd`` before it calls preexec_fn, as the worker (root): a command to run as
+        # another user enters it in _in_child instead, as that user, or a user could run a job in a
+        # directory only root may enter.
+        proc = subprocess.Popen(argv, cwd="/" if run_as is not None else cwd, env={**env, "GPUQ_RUN_ID": run_id},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         raise CannotStart(*_why_not_started(exc, argv[0], cwd)) from None
     found = _Finder(proc.pid, cgroup, run_id)
@@ -124,17 +127,24 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
-def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None) -> None:
+def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None) -> None:
     """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
     worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
-    become ``run_as``: its groups only, its gid, its uid, in that order (each needs root). Only raw
-    system calls here: another thread may have held a lock at the fork."""
+    become ``run_as``: its groups only, its gid, its uid, in that order (each needs root), and
+    enter ``cwd`` as them. Only raw system calls here: another thread may have held a lock at the fork."""
     if cgroup is not None:
         cgroup.join()
     if run_as is not None:
         os.setgroups(list(run_as.groups))
         os.setgid(run_as.gid)
         os.setuid(run_as.uid)
+        if cwd is not None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:  # as a shell's cd: said on the job's stderr, 126, nothing ran
+                os.write(2, (f"gpuq: cannot start the command: cannot enter its directory {cwd} as {run_as.name}: "
+                             f"{os.strerror(exc.errno or 0)}\n").encode("utf-8", "replace"))
+                os._exit(126)
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 

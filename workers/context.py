@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuq.service.errors import JobCancelled
+from gpuq.workers.owner_files import OwnerFiles
 
 
 @dataclass
@@ -25,6 +26,9 @@ class WorkloadContext:
     log: Callable[[str], None] = print
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_metric: Callable[[dict[str, Any]], None] | None = None
+    # The paths a user names (a checkpoint, a data directory) are opened through this, with the
+    # job owner's rights: the worker may be root.
+    files: OwnerFiles = field(default_factory=OwnerFiles)
 
     @property
     def device(self) -> Any:

@@ -28,6 +28,7 @@ from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.output import OutputSink
+from gpuq.workers.owner_files import OwnerFiles
 from gpuq.workers.ranks import start_ranks
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
@@ -113,11 +114,17 @@ def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher
 
     gpus = len(job.gpu_indices)
     workload = cast(str, job.workload)  # a workload job names one (service/spec.py)
+    try:
+        files = OwnerFiles(run_as(job.user, state.node))
+    except UnknownUser as exc:
+        sink.note(f"gpuq: {exc}")
+        return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}
     if gpus == 1:
-        result = run_workload(job.id, workload, job.params, 1, sink.line, watcher.stopped, on_metric)
+        result = run_workload(job.id, workload, job.params, 1, sink.line, watcher.stopped, on_metric, files=files)
     elif get_workload(workload).runs_rank_per_gpu(job.params, gpus):
         rank0 = start_ranks(state, job)
-        result = run_workload(job.id, workload, job.params, gpus, sink.line, watcher.stopped, on_metric, rank0)
+        result = run_workload(job.id, workload, job.params, gpus, sink.line, watcher.stopped, on_metric, rank0,
+                              files=files)
     else:
         return execute_in_child(state, job, sink, watcher)
     return {"state": State.SUCCEEDED, "result": result}

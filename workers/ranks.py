@@ -15,7 +15,9 @@ from gpuq.service.db import write_scope
 from gpuq.service.errors import JobCancelled
 from gpuq.service.jobs import rank_to_run, set_rendezvous
 from gpuq.service.settings import Settings
+from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
+from gpuq.workers.owner_files import OwnerFiles
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
 
@@ -55,6 +57,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
             return False
         # A rank's job is a built-in workload whose ranks met (rank_to_run asks both).
         workload, params, gpus, meet = cast(str, job.workload), dict(job.params), job.gpus, cast(str, job.rendezvous)
+        owner = job.user
     # Each attempt has a meeting point of its own: the same rank of the same attempt runs once here,
     # whatever the scheduler sent again after a Redis restart (``leases.ranks_to_send_again``).
     if (job_id, rank, meet) in state.ranks_run:
@@ -66,7 +69,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
     watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt))
     try:
         run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),
-                     watcher.stopped, None, Rank(rank, gpus, meet))
+                     watcher.stopped, None, Rank(rank, gpus, meet), files=OwnerFiles(run_as(owner, state.node)))
     except JobCancelled:
         log.info("%s: job %s rank %s stopped: job cancelled or ended", state.name, job_id, rank)
     except Exception:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpuq.workers.owner_files import OwnerFiles
+
 # The four files of Fashion-MNIST (and MNIST), each found plain or with .gz appended.
 TRAIN_IMAGES = "train-images-idx3-ubyte"
 TRAIN_LABELS = "train-labels-idx1-ubyte"
@@ -43,11 +45,10 @@ class Dataset:
         return int(self.labels.shape[0])
 
 
-def read_idx(path: str) -> torch.Tensor:
-    """The tensor stored in the IDX file at ``path`` (gzip-compressed when it ends in .gz)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+def read_idx(path: str, raw: bytes) -> torch.Tensor:
+    """The tensor stored in ``raw``, the IDX file at ``path`` (gzip-compressed when it ends in .gz)."""
+    if path.endswith(".gz"):
+        raw = gzip.decompress(raw)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number)")
     dtype, width = _IDX_TYPES[raw[2]]
@@ -68,23 +69,25 @@ def read_idx(path: str) -> torch.Tensor:
     return data.reshape(shape)
 
 
-def find_idx(data_dir: str, name: str) -> str | None:
-    """The path of IDX file ``name`` in ``data_dir``, plain or .gz; None when neither is there."""
+def find_idx(files: OwnerFiles, data_dir: str, name: str) -> tuple[str, bytes] | None:
+    """The path and bytes of IDX file ``name`` in ``data_dir``, plain or .gz, read with the job
+    owner's rights; None when neither is there."""
     for candidate in (name, name + ".gz"):
         path = os.path.join(data_dir, candidate)
-        if os.path.isfile(path):
-            return path
+        raw = files.read(path)
+        if raw is not None:
+            return path, raw
     return None
 
 
-def load_fashion_mnist(data_dir: str) -> tuple[Dataset, Dataset]:
+def load_fashion_mnist(files: OwnerFiles, data_dir: str) -> tuple[Dataset, Dataset]:
     """The training and test sets from the four IDX files in ``data_dir``."""
     tensors = []
     for name in IDX_FILES:
-        path = find_idx(data_dir, name)
-        if path is None:
+        found = find_idx(files, data_dir, name)
+        if found is None:
             raise FileNotFoundError(f"{data_dir} lacks {name} (or {name}.gz)")
-        tensors.append(read_idx(path))
+        tensors.append(read_idx(*found))
     train_x, train_y, test_x, test_y = tensors
     return (Dataset(train_x.reshape(-1, 1, SIDE, SIDE), train_y.long()),
             Dataset(test_x.reshape(-1, 1, SIDE, SIDE), test_y.long()))
@@ -118,10 +121,10 @@ def synthetic(seed: int, train_size: int, test_size: int) -> tuple[Dataset, Data
     return make(train_size), make(test_size)
 
 
-def load(params: dict) -> tuple[Dataset, Dataset, str]:
+def load(files: OwnerFiles, params: dict) -> tuple[Dataset, Dataset, str]:
     """The training set, the test set and a word for where they came from, per the job's params."""
     if params.get("data_dir"):
-        train, test = load_fashion_mnist(params["data_dir"])
+        train, test = load_fashion_mnist(files, params["data_dir"])
         return train, test, params["data_dir"]
     train, test = synthetic(params["seed"], params["train_size"], params["test_size"])
     return train, test, "synthetic"

@@ -48,9 +48,9 @@ def fit(ctx: WorkloadContext, strategy: str, devices: list[torch.device]) -> dic
     trainer = parallel.make(strategy, nets.build(p["model"]), devices, p["lr"])
     reporter = trainer.rank == 0
     say = ctx.log if reporter else (lambda line: None)
-    train_set, test_set, source = data.load(p)
+    train_set, test_set, source = data.load(ctx.files, p)
     start = 0
-    state = checkpoint.load(p["checkpoint"], p["model"], trainer.device)
+    state = checkpoint.load(ctx.files, p["checkpoint"], p["model"], trainer.device)
     if state is not None:
         trainer.load(state)
         start = state["epoch"]
@@ -71,7 +71,7 @@ def fit(ctx: WorkloadContext, strategy: str, devices: list[torch.device]) -> dic
                 f"train acc {row['train_acc']:.3f}, test acc {row['test_acc']:.3f}, "
                 f"{row['examples_per_s']:.0f} examples/s, {row['seconds']:.2f} s")
             if p["checkpoint"]:
-                checkpoint.save(p["checkpoint"], trainer.state(), p["model"], epoch + 1)
+                checkpoint.save(ctx.files, p["checkpoint"], trainer.state(), p["model"], epoch + 1)
     if not row:  # the checkpoint had already done every epoch asked for
         row = {"epoch": start, "test_acc": evaluate(trainer, test_set)}
     return {

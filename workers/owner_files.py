@@ -1,0 +1,75 @@
+"""A job's own files (a train job's ``--checkpoint`` and ``--data-dir``), read and written with its
+owner's rights, never the worker's.
+
+A built-in workload runs inside the warm worker, which is root on a machine's stack: opened there, a
+path the user names is opened as root (a checkpoint written into /root, another user's weights
+read and overwritten). So a root worker hands each such read and write to a short process run as
+the job's owner (their uid, gid and groups, as their command would run), and the kernel checks the
+owner's rights. A worker that is not root, or a job of root's, opens them itself: the rights are
+the same. A process of coreutils a file: a few milliseconds, once an epoch for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+
+from gpuq.workers.identity import Identity
+
+# Run as the owner: coreutils, which every user can run (the worker's interpreter may live where
+# they cannot, a root-only pyenv). Messages in the C locale, so that "no such file" can be told apart.
+_READ = ["cat", "--"]
+# Written beside the file, then renamed over it: a crash mid-write leaves the previous one.
+_WRITE = ["sh", "-c", 'tmp="$1.tmp.$$"; cat > "$tmp" && mv -f -- "$tmp" "$1" || { rm -f -- "$tmp"; exit 1; }', "sh"]
+_ENV = {"LC_ALL": "C", "PATH": "/usr/bin:/bin"}
+
+
+class OwnerFileError(OSError):
+    """A job's file could not be read or written with its owner's rights: the path and the reason."""
+
+
+@dataclass(frozen=True)
+class OwnerFiles:
+    """Reads and writes a job's files as ``identity`` (None: as this process, whose rights are the
+    owner's already)."""
+
+    identity: Identity | None = None
+
+    def read(self, path: str) -> bytes | None:
+        """The file's bytes; None when there is no such file."""
+        if self.identity is None:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+        done = self._as_owner(_READ, path, None)
+        if done.returncode != 0 and done.stderr.rstrip().endswith(b"No such file or directory"):
+            return None
+        self._check(done, path)
+        return done.stdout
+
+    def write(self, path: str, data: bytes) -> None:
+        """Replace the file with ``data``, atomically."""
+        if self.identity is None:
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            return
+        self._check(self._as_owner(_WRITE, path, data), path)
+
+    def _as_owner(self, argv: list[str], path: str, data: bytes | None) -> subprocess.CompletedProcess[bytes]:
+        who = self.identity
+        assert who is not None
+        return subprocess.run([*argv, path], input=data if data is not None else b"", capture_output=True, cwd="/",
+                              env=_ENV, user=who.uid, group=who.gid, extra_groups=list(who.groups), umask=0o022,
+                              check=False)
+
+    def _check(self, done: subprocess.CompletedProcess[bytes], path: str) -> None:
+        if done.returncode != 0:
+            # "cat: PATH: Permission denied": its last words are the reason.
+            last = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            why = last[0].rsplit(": ", 1)[-1]
+            raise OwnerFileError(f"{path}: {why} (as {self.identity.name if self.identity else 'this worker'})")
