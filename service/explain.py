@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import policy
+from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
@@ -33,8 +33,8 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if job.held:
         return f"{head}: it is held; `gpuq release {job.id}` lets it start"
     if reason == policy.DEPENDENCY and job.after:
-        states = dict(session.execute(select(Job.id, Job.state).where(Job.id.in_(job.after))).all())
-        pending = ", ".join(f"job {d} ({states.get(d, 'gone')})" for d in job.after)
+        deps, states = dependencies.look_up(session, job.after)
+        pending = ", ".join(deps[d].describe(states.get(d)) if d in deps else f"job {d} (gone)" for d in job.after)
         need = "to end" if job.after_any else "to succeed"
         return f"{head}: it waits for {pending} {need}"
     if reason == policy.USER_LIMIT:

@@ -15,8 +15,7 @@ from typing import Any
 from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
-from gpuq.service import constants as c
-from gpuq.service import policy
+from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.fair_share import FairShare
 from gpuq.service.inventory import live_cutoff
@@ -50,7 +49,6 @@ _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at,
 _g = table(Gpu).c
 _LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
                              _g.foreign_mib).where(_g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None)))
-_STATES_OF = select(_t.id, _t.state).where(_t.id.in_(bindparam("ids", expanding=True)))
 
 
 def _users_waiting() -> Select[Any]:
@@ -120,20 +118,21 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     users = {row.user for row in pending}
     hours = (fair_share or FairShare(settings)).gpu_hours(session, now) if head is None or len(users) > 1 else {}
     cut = min((policy.order_key(_request(r), hours) for r in last), default=None) if head is not None else None
-    deps = {d for row in pending for d in (row.after or [])}
-    dep_state = dict(conn.execute(_STATES_OF, {"ids": list(deps)}).all()) if deps else {}
+    deps, _ = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
     for row in pending:
         if row.held:
             not_eligible[row.id] = policy.HELD
             continue
         if row.after:
-            states = [(d, dep_state.get(d, State.CANCELLED)) for d in row.after]
-            failed = [(d, st) for d, st in states if st in c.END_STATES and st != State.SUCCEEDED]
-            if failed and not row.after_any:
-                doomed[row.id] = f"dependency never satisfied: job {failed[0][0]} {failed[0][1]}"
+            # A job (or array) gone from the table counts as cancelled: it will never succeed.
+            gone = [d for d in row.after if d not in deps]
+            failed = [deps[d] for d in row.after if d in deps and deps[d].failed is not None]
+            if (gone or failed) and not row.after_any:
+                why = f"job {gone[0]} cancelled" if gone else failed[0].never_met()
+                doomed[row.id] = f"dependency never satisfied: {why}"
                 continue
-            if any(st not in c.END_STATES for _, st in states):
+            if any(not deps[d].done for d in row.after if d in deps):
                 not_eligible[row.id] = policy.DEPENDENCY
                 continue
         if row.on_node in drained:

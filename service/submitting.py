@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, false, func, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, rights
+from gpuq.service import broker, dependencies, rights
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
 from gpuq.service.allocations import check_node
@@ -319,14 +319,15 @@ def _check_dependencies(session: Session, after: list[int] | None, after_any: bo
     if not after:
         return
     option = "--after-any" if after_any else "--after"
-    found = {job_id: state for job_id, state in session.execute(select(Job.id, Job.state).where(Job.id.in_(after)))}
+    found, _ = dependencies.look_up(session, after)
     missing = [i for i in after if i not in found]
     if missing:
         raise InvalidSpec(f"{option}: no job {missing[0]}")
     # A job after one that already failed would be cancelled at once (`gpuq run` said 130, as if
     # the user had pressed Ctrl-C): refused here instead, as sbatch refuses a dependency that can
-    # never be satisfied. One that fails later still cancels it, with its reason.
-    doomed = [] if after_any else [i for i in after if found[i] in c.END_STATES and found[i] != State.SUCCEEDED]
+    # never be satisfied. One that fails later still cancels it, with its reason. An array's id
+    # is every task of it (service/dependencies.py).
+    doomed = [] if after_any else [found[i] for i in after if found[i].failed is not None]
     if doomed:
-        raise StateConflict(f"--after {doomed[0]}: job {doomed[0]} {found[doomed[0]]}, so this job would never "
+        raise StateConflict(f"--after {doomed[0].id}: {doomed[0].never_met()}, so this job would never "
                             "start (--after-any starts it after any end)")

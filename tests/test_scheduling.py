@@ -138,6 +138,36 @@ def test_after_waits_for_success_and_a_failed_dependency_cancels_with_the_reason
     assert state_of(settings, regardless)[0] == State.DISPATCHED
 
 
+def submit_array(settings, tasks: int) -> list[int]:
+    make = lambda extra: spec.command_spec(["true"], user="ann")  # noqa: E731
+    return [j.id for j in submitting.submit_all(settings, spec.expand(make, spec.Scheduling(hold=True),
+                                                                      f"0-{tasks - 1}", []))]
+
+
+def test_after_an_arrays_id_waits_for_every_task_and_any_failed_task_cancels_it(settings):
+    # As SLURM's afterok on an array job: it waited for the first task alone, and ran after a
+    # sweep whose other tasks had failed.
+    register(settings, "a", 1)
+    tasks = submit_array(settings, 3)
+    then, regardless = submit(settings, after=str(tasks[0])), submit(settings, after_any=str(tasks[0]))
+    only_second = submit(settings, after=str(tasks[1]))  # a later task's id is that task alone
+    end(settings, tasks[0], State.SUCCEEDED)
+    end(settings, tasks[1], State.SUCCEEDED)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, then)[:2] == (State.PENDING, "dependency")
+    assert state_of(settings, regardless)[:2] == (State.PENDING, "dependency")
+    with write_scope(settings) as session:
+        assert f"it waits for array {tasks[0]} (2 of 3 tasks ended) to succeed" in why(session, settings, then)
+    end(settings, tasks[2], State.FAILED)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, then)[:2] == (
+        State.CANCELLED, f"dependency never satisfied: job {tasks[2]} failed (a task of array {tasks[0]})")
+    assert state_of(settings, regardless)[0] == State.DISPATCHED or state_of(settings, only_second)[0] == \
+        State.DISPATCHED  # one GPU: one of the two goes first
+    with pytest.raises(StateConflict, match=f"--after {tasks[0]}: job {tasks[2]} failed \\(a task of array"):
+        submit(settings, after=str(tasks[0]))
+
+
 def test_after_a_job_that_does_not_exist_is_refused(settings):
     register(settings, "a", 1)
     with pytest.raises(InvalidSpec, match="--after: no job 999"):

@@ -1,0 +1,72 @@
+"""Where a job's dependencies (``--after``, ``--after-any``) stand.
+
+An id that is an array's (its first task's id, which `gpuq submit` prints as "submitted array N")
+stands for every task of the array, as SLURM's ``afterok:<array job id>`` waits for all of them: a
+sweep's summary job runs once the whole sweep is done. A later task's own id is that task alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import bindparam, or_, select
+
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.models import Job, table
+
+_t = table(Job)
+_ROWS = select(_t.c.id, _t.c.array_id, _t.c.state).where(or_(
+    _t.c.id.in_(bindparam("ids", expanding=True)), _t.c.array_id.in_(bindparam("ids", expanding=True))))
+
+
+@dataclass(frozen=True)
+class Dependency:
+    """One id a job waits for: a job, or an array's every task."""
+
+    id: int
+    tasks: int  # 1 for a job, the array's tasks for an array
+    ended: int  # how many of them ended
+    failed: tuple[int, str] | None  # the first of them that ended other than succeeded: its id and state
+
+    @property
+    def done(self) -> bool:
+        return self.ended == self.tasks
+
+    @property
+    def succeeded(self) -> bool:
+        return self.done and self.failed is None
+
+    def describe(self, state: str | None = None) -> str:
+        """"job 7 (running)", or "array 7 (2 of 3 tasks ended)"."""
+        if self.tasks == 1:
+            return f"job {self.id} ({state or ('ended' if self.done else 'not ended')})"
+        return f"array {self.id} ({self.ended} of {self.tasks} tasks ended)"
+
+    def never_met(self) -> str:
+        """Why ``--after`` this can no longer be satisfied (``failed`` is set)."""
+        assert self.failed is not None
+        task, state = self.failed
+        return f"job {task} {state}" if task == self.id and self.tasks == 1 else \
+            f"job {task} {state} (a task of array {self.id})"
+
+
+def look_up(conn: Any, ids: Iterable[int]) -> tuple[dict[int, Dependency], dict[int, str]]:
+    """Each of ``ids`` that exists, and the state of each job among them (``conn``: a session's
+    connection or a session)."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return {}, {}
+    rows = conn.execute(_ROWS, {"ids": wanted}).all()
+    states = {job_id: state for job_id, _, state in rows}
+    out = {}
+    for d in wanted:
+        if d not in states:
+            continue
+        tasks = sorted((job_id, state) for job_id, array_id, state in rows if job_id == d or array_id == d)
+        ended = [(job_id, state) for job_id, state in tasks if state in c.END_STATES]
+        failed = next(((j, s) for j, s in ended if s != State.SUCCEEDED), None)
+        out[d] = Dependency(id=d, tasks=len(tasks), ended=len(ended), failed=failed)
+    return out, states
