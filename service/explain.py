@@ -43,9 +43,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return (f"{head}: {job.user} holds {held} GPUs and the limit is {settings.user_gpu_limit} at once; "
                 f"this job needs {job.gpus} more")
     if reason == policy.NODE_DRAINED:
-        why_drained = drained_nodes(session).get(job.on_node or "")
-        drained = f" ({why_drained})" if why_drained else ""
-        return f"{head}: it asked for node {job.on_node}, which is drained{drained}"
+        drained = drained_nodes(session)
+        if job.on_node is None:
+            nodes = ", ".join(f"{n} ({why})" if why else n for n, why in sorted(drained.items()))
+            return f"{head}: the nodes with {job.gpus} GPU{'s' if job.gpus != 1 else ''} for it are drained: {nodes}"
+        why_drained = drained.get(job.on_node)
+        return f"{head}: it asked for node {job.on_node}, which is drained{f' ({why_drained})' if why_drained else ''}"
     need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}"
     if job.mem_mib:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"

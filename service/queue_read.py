@@ -7,7 +7,7 @@ Prepared."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict, namedtuple
+from collections import Counter, defaultdict, namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,12 +106,17 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         shared_mib[gpu_id] += share_mib
         shared_jobs[gpu_id] += 1
         shared_until[gpu_id] = max(shared_until.get(gpu_id, ends), ends)
+    live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shared_mib=shared_mib.get(g.id, 0),
                             shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id))
-            for g in _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
-            if g.node not in drained]
+            for g in live if g.node not in drained]
+    # A job too big for every node in service but not for a drained one waits for the drain to
+    # end, not for "resources" (every node drained, the usual case, left every job reading so).
+    per_node = Counter(g.node for g in live)
+    in_service = max((n for node, n in per_node.items() if node not in drained), default=0)
+    in_drained = max((n for node, n in per_node.items() if node in drained), default=0)
     pending, last = _pending(session, head) if only is None else _heads(only, head)
     # Fair share orders users against each other: a quick pass over one user's queue needs none
     # (the whole pass, which also explains every wait, always reads it).
@@ -135,7 +140,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
             if any(not deps[d].done for d in row.after if d in deps):
                 not_eligible[row.id] = policy.DEPENDENCY
                 continue
-        if row.on_node in drained:
+        if row.on_node in drained or (row.on_node is None and in_service < row.gpus <= in_drained):
             not_eligible[row.id] = policy.NODE_DRAINED
             continue
         job = _request(row)

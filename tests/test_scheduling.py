@@ -220,6 +220,28 @@ def test_a_drained_node_starts_nothing_new_until_resumed(settings):
     assert state_of(settings, job)[0] == State.DISPATCHED
 
 
+def test_a_job_that_only_a_drained_node_could_run_waits_for_the_node_not_for_resources(settings):
+    # With every node drained, each waiting job read "resources", and the README's reason never showed.
+    register(settings, "a", 1)
+    register(settings, "b", 2)
+    with write_scope(settings) as session:
+        inventory.set_drained(session, "b", True, "maintenance")
+    small, pair = submit(settings), submit(settings, gpus=2)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, small)[0] == State.DISPATCHED  # a fits: no drain in its way
+    assert state_of(settings, pair)[:2] == (State.PENDING, "node drained")
+    with write_scope(settings) as session:
+        assert why(session, settings, pair).endswith("the nodes with 2 GPUs for it are drained: b (maintenance)")
+        inventory.set_drained(session, "a", True, "maintenance")
+    waiting = submit(settings)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, waiting)[:2] == (State.PENDING, "node drained")
+    with write_scope(settings) as session:
+        inventory.set_drained(session, "b", False)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, pair)[0] == State.DISPATCHED
+
+
 def test_a_gpu_whose_worker_did_not_start_gets_nothing_until_a_worker_registers_it_and_a_lost_one_stays_drained(
         settings):
     """`gpuq up`'s supervisor leaves out a GPU whose worker cannot start: drained with the reason,
