@@ -22,11 +22,11 @@ from gpuq.service import constants as c
 from gpuq.service import simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
-from gpuq.service.errors import InvalidSpec, StateConflict
+from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.jobs import get_job, job_gpus
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Gpu, Job, table, utcnow
-from gpuq.service.rights import Caller, check_read_private
+from gpuq.service.rights import Caller, may_change
 from gpuq.service.settings import Settings
 
 _JOBS = table(Job)
@@ -141,7 +141,8 @@ def client_state(session: Session, job_id: int) -> ClientState:
 
 def _own_allocation(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:
     job = get_job(session, job_id)
-    check_read_private(settings, job_id, job.user, caller)
+    if not may_change(settings, job.user, caller):  # its client's calls: keepalive, end
+        raise NotAllowed(f"job {job_id} is {job.user}'s allocation; only they or an admin may keep it alive or end it")
     if job.kind != c.KIND_INTERACTIVE:
         raise StateConflict(f"job {job_id} is not an allocation (gpuq alloc)")
     return job

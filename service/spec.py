@@ -176,7 +176,10 @@ _REFUSED_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT", "LD_PROFILE", "LD_DEBUG", "L
                           "LD_USE_LOAD_BIAS", "GLIBC_TUNABLES", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS",
                           "PS4", "IFS", "PERL5OPT", "RUBYOPT", "NODE_OPTIONS", "PYTHONSTARTUP", "PYTHONINSPECT",
                           "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES",
-                          "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"})
+                          "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                          # Set from the owner's account where the job runs (a root worker): accepted,
+                          # they were silently replaced.
+                          "HOME", "USER", "LOGNAME", "SHELL"})
 _REFUSED_ENV_PREFIXES = ("GPUQ_", "LD_", "DYLD_", "BASH_FUNC_")
 _ENV_ALLOWED_LD = frozenset({"LD_LIBRARY_PATH"})  # a conda or CUDA install may need it; a plain path list
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -53,6 +53,7 @@ def invoke(args):
     (["submit", "--name", "x" * 201, "--", "true"], "at most 200"),
     # Bytes of another encoding, as a shell passes them (surrogateescape): a server failure before.
     (["submit", "--name", "caf\udce9", "--", "true"], "--name is not valid UTF-8 text"),
+    (["submit", "--env", "HOME=/tmp", "--", "true"], "--env HOME: this variable may not be set"),  # was ignored
     (["submit", "matmul", "--dtype", "fp\udce9"], "a workload parameter is not valid UTF-8 text"),
 ])
 def test_bad_submissions_are_refused_in_one_line_and_write_nothing(use_settings, args, message):
