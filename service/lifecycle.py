@@ -25,7 +25,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite
 from gpuq.service.errors import BugError
-from gpuq.service.models import Allocation, Job, table, utcnow
+from gpuq.service.models import Allocation, Job, JobMetric, table, utcnow
 from gpuq.service.prepared import Prepared
 
 _JOBS = table(Job)
@@ -132,6 +132,7 @@ def waiting(table: Any = _JOBS) -> tuple[Any, Any]:
 
 
 _ID = _JOBS.c.id == bindparam("job_id")
+_CLEAR_METRICS = table(JobMetric).delete().where(table(JobMetric).c.job_id == bindparam("job_id"))
 _IDS = _JOBS.c.id.in_(bindparam("ids", expanding=True))
 
 # ---- the user's moves ----------------------------------------------------------------------------
@@ -241,6 +242,10 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     done = conn.execute(statement, {"job_id": job_id, "token": token, "expired_before": expired_before}).rowcount == 1
     if done:
         free_gpus(session, job_id)
+        if again is not None:
+            # Its progress rows start again with the next attempt (a retried train job listed epochs
+            # 1-4 of the lost attempt, then 1-6): the attempt that ends it is the one they describe.
+            conn.execute(_CLEAR_METRICS, {"job_id": job_id})
     return done
 
 
