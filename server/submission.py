@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpuq.service import allocations, jobs, spec, submitting
+from gpuq.service import allocations, jobs, reach, spec, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
 from gpuq.service.models import Job
@@ -63,8 +63,14 @@ def _fields(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def specs_of(settings: Settings, caller: Caller, f: dict[str, Any]) -> list[spec.JobSpec]:
-    """The jobs the request asks for, owned by the caller (or, for root, the user it names)."""
+    """The jobs the request asks for, owned by the caller (or, for root, the user it names), their
+    paths checked with the owner's rights (service/reach.py)."""
     owner = submitter(caller, f["user"])
+    with reach.as_owner(owner):
+        return _specs_of(f, owner)
+
+
+def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
     command, workload = f["command"], f["workload"]
     cwd = f["cwd"]
     if cwd is None or not os.path.isabs(cwd):

@@ -8,12 +8,12 @@ import math
 import os
 import pwd
 import re
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuq.service import constants as c
+from gpuq.service import reach
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.settings import secret_env_names
 from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_indices, parse_job_ids, parse_mem, parse_sweep
@@ -288,14 +288,15 @@ def command_spec(argv: list[str], *, gpus: int = 1, name: str | None = None, cwd
         raise InvalidSpec(f"the command line is longer than {c.MAX_ARGV_BYTES // 1024} KiB")
     env = job_env([]) if env is None else env  # the job looks its program up on this PATH
     workdir = os.path.abspath(cwd or os.getcwd())
-    if not os.path.isdir(workdir):
-        raise InvalidSpec(f"working directory {workdir} does not exist")
+    # As the job's owner meets them (service/reach.py): the server may be root.
+    if not reach.is_dir(workdir):
+        raise InvalidSpec(f"working directory {workdir} does not exist{reach.closed()}")
     program = argv[0]
     if os.sep in program:
         target = program if os.path.isabs(program) else os.path.join(workdir, program)
-        if not (os.path.isfile(target) and os.access(target, os.X_OK)):
-            raise InvalidSpec(f"{program} is not an executable file (from {workdir})")
-    elif shutil.which(program, path=path if path is not None else env.get("PATH", os.defpath)) is None:
+        if not reach.is_executable(target):
+            raise InvalidSpec(f"{program} is not an executable file (from {workdir}){reach.closed()}")
+    elif reach.which(program, path if path is not None else env.get("PATH", os.defpath)) is None:
         raise InvalidSpec(f"command not found: {program} (not on PATH)")
     if any(_has_surrogate(a) for a in argv):
         raise InvalidSpec("the command is not valid UTF-8 text")

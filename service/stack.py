@@ -30,7 +30,7 @@ from sqlalchemy import select
 from gpuq.service import broker, system_home
 from gpuq.service.db import upgrade, write_scope
 from gpuq.service.devices import open_devices
-from gpuq.service.errors import StackError
+from gpuq.service.errors import StackError, StateConflict
 from gpuq.service.models import Gpu
 from gpuq.service.settings import Settings
 
@@ -84,7 +84,8 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     As root, the home and its files get the modes that let every user of the machine use the
     stack and none read its state (see the module's docstring), before anything starts."""
     if (sup := running_supervisor(settings)) is not None:
-        raise StackError(f"gpuq is already up (supervisor pid {sup.pid}); `gpuq down` stops it")
+        # Exit 4, as for any request the state refuses: 69 read as "cannot reach the server".
+        raise StateConflict(f"gpuq is already up (supervisor pid {sup.pid}); `gpuq down` stops it")
     if _answers(settings):
         # Another home's stack (or a `gpuq server` run by hand) holds the socket: this stack's
         # server could not listen there, and every `gpuq` command would talk to the other one.

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuq.service import reach
 from gpuq.service.errors import InvalidSpec
 
 _TRUE = ("1", "true", "yes", "on")
@@ -260,11 +261,12 @@ def _check_train(params: dict[str, Any], gpus: int) -> None:
     if params["lr"] <= 0:
         raise InvalidSpec(f"--lr must be greater than 0; got {params['lr']}")
     data_dir = params["data_dir"]
+    # The paths as the job's owner meets them (service/reach.py): the server may be root.
     if data_dir:
-        if not os.path.isdir(data_dir):
-            raise InvalidSpec(f"--data-dir {data_dir} is not a directory")
+        if not reach.is_dir(data_dir):
+            raise InvalidSpec(f"--data-dir {data_dir} is not a directory{reach.closed()}")
         missing = [f for f in _IDX_FILES if not any(
-            os.path.isfile(os.path.join(data_dir, f + gz)) for gz in ("", ".gz"))]
+            reach.is_file(os.path.join(data_dir, f + gz)) for gz in ("", ".gz"))]
         if missing:
             raise InvalidSpec(f"--data-dir {data_dir} lacks {', '.join(missing)} (plain or .gz); "
                               f"leave --data-dir out to train on synthetic data")
@@ -272,11 +274,11 @@ def _check_train(params: dict[str, Any], gpus: int) -> None:
         raise InvalidSpec(f"--train-size {params['train_size']} is smaller than --gpus {gpus}")
     path = params["checkpoint"]
     if path:
-        if os.path.isdir(path):
-            raise InvalidSpec(f"--checkpoint {path} is a directory; give a file path")
         parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise InvalidSpec(f"--checkpoint {path}: directory {parent} does not exist")
+        if not reach.is_dir(parent):
+            raise InvalidSpec(f"--checkpoint {path}: directory {parent} does not exist{reach.closed()}")
+        if reach.is_dir(path):
+            raise InvalidSpec(f"--checkpoint {path} is a directory; give a file path")
 
 
 TRAIN = Workload(

@@ -10,6 +10,7 @@ import psutil
 import pytest
 import redis
 
+from gpuq.service import constants as c
 from gpuq.service import stack as stack_module
 from gpuq.service import supervisor
 from tests.conftest import free_port, make_settings, run_cli
@@ -62,7 +63,7 @@ def test_up_starts_redis_scheduler_and_a_worker_per_gpu_and_down_leaves_no_proce
         assert redis.Redis(port=port, password=settings.redis_secret.read_text().strip()).ping()
 
         again = run_cli(["up"], settings)
-        assert again.returncode != 0 and "already up" in again.stderr
+        assert again.returncode == c.EXIT_CONFLICT and "already up" in again.stderr  # was 69, "unavailable"
 
         job = run_cli(["submit", "--", "true"], settings)
         assert job.returncode == 0

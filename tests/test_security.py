@@ -142,13 +142,42 @@ def test_a_command_enters_its_directory_as_its_owner_not_as_the_root_worker(stac
     closed = shared_dir / "roots-only"
     closed.mkdir(mode=0o700)
     (closed / "secret.txt").write_text("root's")
-    job_id, state, out = run_to_end(stack, ["--user", "nobody", "--", "cat", "secret.txt"], cwd=closed)
+    # The server refuses such a directory (below); one closed after the submit is what a worker meets.
+    job_id = submitting.submit(stack.settings, spec.command_spec(["cat", "secret.txt"], cwd=str(closed),
+                                                                 user="nobody")).id
+    state = wait_for_state(stack.settings, job_id, c.END_STATES)
+    out = output_of(stack.settings, job_id)
     with write_scope(stack.settings) as session:
         job = jobs.get_job(session, job_id)
     assert state == State.FAILED and job.exit_code == 126, out
     assert "root's" not in out
     assert out.strip() == f"gpuq: cannot start the command: cannot enter its directory {closed} as nobody: " \
                           "Permission denied"
+
+
+@needs_root
+def test_a_submits_paths_are_checked_with_its_owners_rights_so_they_reveal_nothing_of_roots(stack, shared_dir):
+    # The server is root: its checks told a user what existed where they may not look.
+    closed = shared_dir / "roots-only"
+    closed.mkdir(mode=0o700)
+    (closed / "tool.sh").write_text("#!/bin/sh\ntrue\n")
+    (closed / "tool.sh").chmod(0o755)
+    (closed / "data").mkdir()
+    for args, cwd, line in [
+        (["--", "true"], closed, f"working directory {closed} does not exist or is closed to nobody"),
+        (["--", str(closed / "tool.sh")], shared_dir, f"{closed}/tool.sh is not an executable file (from "
+                                                      f"{shared_dir}) or is closed to nobody"),
+        (["--", str(closed / "gone.sh")], shared_dir, f"{closed}/gone.sh is not an executable file (from "
+                                                      f"{shared_dir}) or is closed to nobody"),
+        (["train", "--data-dir", str(closed / "data")], shared_dir,
+         f"--data-dir {closed}/data is not a directory or is closed to nobody"),
+        (["train", "--checkpoint", str(closed / "ck.pt")], shared_dir,
+         f"--checkpoint {closed}/ck.pt: directory {closed} does not exist or is closed to nobody"),
+    ]:
+        refused = run_cli(["submit", "--user", "nobody", *args], stack.settings, cwd=cwd)
+        assert refused.returncode == 2 and refused.stderr.strip() == f"gpuq: {line}", (args, refused.stderr)
+    # Root's own submit of the same is root's to make.
+    assert run_cli(["submit", "--hold", "--", str(closed / "tool.sh")], stack.settings, cwd=closed).returncode == 0
 
 
 TINY_TRAIN = ["train", "--epochs", "1", "--train-size", "64", "--test-size", "16", "--batch-size", "16"]
@@ -160,8 +189,11 @@ def test_a_train_jobs_checkpoint_is_written_and_read_with_its_owners_rights(stac
     # written into /root, another user's weights read and replaced).
     closed = shared_dir / "roots-only"
     closed.mkdir(mode=0o700)
-    job_id, state, out = run_to_end(stack, ["--user", "nobody", *TINY_TRAIN, "--checkpoint", str(closed / "ck.pt")],
-                                    cwd=shared_dir)
+    # Past the server's check of the path (as the owner, above): a directory closed after the submit.
+    job_id = submitting.submit(stack.settings, spec.workload_spec(
+        "train", [*TINY_TRAIN[1:], "--checkpoint", str(closed / "ck.pt")], cwd=str(shared_dir), user="nobody")).id
+    state = wait_for_state(stack.settings, job_id, c.END_STATES)
+    out = output_of(stack.settings, job_id)
     with write_scope(stack.settings) as session:
         job = jobs.get_job(session, job_id)
     assert state == State.FAILED and f"{closed / 'ck.pt'}: Permission denied (as nobody)" in job.reason, out
@@ -177,7 +209,7 @@ def test_a_train_jobs_checkpoint_is_written_and_read_with_its_owners_rights(stac
     ck.unlink()
     _, state, _ = run_to_end(stack, [*TINY_TRAIN, "--checkpoint", str(ck)], cwd=shared_dir)
     assert state == State.SUCCEEDED and ck.stat().st_uid == 0
-    ck.chmod(0o600)
+    ck.chmod(0o600)  # the server cannot see a file's rights it was not asked about: the worker's open is the check
     job_id, state, out = run_to_end(stack, ["--user", "nobody", *TINY_TRAIN, "--checkpoint", str(ck)], cwd=shared_dir)
     with write_scope(stack.settings) as session:
         job = jobs.get_job(session, job_id)

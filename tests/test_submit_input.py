@@ -273,7 +273,6 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "--after", "1,,2", "--", "true"], "--after takes job ids like 12 or 12,13"),
     (["submit", "--after-any", "99", "--", "true"], "--after-any: no job 99"),
     (["submit", "--host-mem", "99999999999G", "--", "true"], "is more than any machine has"),
-    (["submit", "--priority", "99", "--", "true"], "above the users' limit of 10"),
     (["submit", "--mem", "64G", "--", "true"], "more than any GPU has (8192 MiB)"),
     (["submit", "--node", "elsewhere", "--", "true"], "--node elsewhere: no such node"),
     (["hold", "5"], "no job 5"),

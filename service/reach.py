@@ -1,0 +1,133 @@
+"""What a job's owner can reach on this node, for the checks a submit makes of its paths.
+
+The server checks a submit's directory, program and workload paths (a typo is one line now, not a
+failed job later). On a machine's stack it runs as root, and root's checks answer for every path:
+"is not an executable file" for one in a directory the user may not enter told them it existed.
+So the checks run ``as_owner``: a path counts only if the owner could reach it, by the mode bits of
+every directory on the way and of the path itself (the owner's uid, primary group and groups).
+That is the kernel's rule without ACLs, which the job itself meets in full: a path an ACL opens
+to a user reads as closed here (said in the message), never the other way round.
+
+A server not run by root checks with its own rights, which are its one user's.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+_R, _W, _X = 4, 2, 1
+
+
+@dataclass(frozen=True)
+class _Owner:
+    name: str
+    uid: int
+    gids: frozenset[int]
+
+
+_OWNER: ContextVar[_Owner | None] = ContextVar("gpuq_path_owner", default=None)
+
+
+@contextmanager
+def as_owner(user: str) -> Iterator[None]:
+    """Meanwhile, this module's checks answer for ``user`` (root's answers for root, or when this
+    process is not root)."""
+    owner = None
+    if os.geteuid() == 0:
+        try:
+            entry = pwd.getpwnam(user)
+            if entry.pw_uid != 0:
+                owner = _Owner(user, entry.pw_uid, frozenset(os.getgrouplist(user, entry.pw_gid)))
+        except KeyError:  # no account here (a MUNGE caller's uidN): what everyone may reach
+            owner = _Owner(user, -1, frozenset())
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
+
+
+def closed() -> str:
+    """For a message after "does not exist": " or is closed to alice" while checking as a user (a
+    path they may not reach reads the same as one that is not there), else nothing."""
+    owner = _OWNER.get()
+    return f" or is closed to {owner.name}" if owner is not None else ""
+
+
+def _allows(st: os.stat_result, owner: _Owner, bit: int) -> bool:
+    if st.st_uid == owner.uid:
+        return bool((st.st_mode >> 6) & bit)
+    if st.st_gid in owner.gids:
+        return bool((st.st_mode >> 3) & bit)
+    return bool(st.st_mode & bit)
+
+
+def _on_the_way(path: str, owner: _Owner) -> bool:
+    """Whether ``owner`` may search every directory above ``path``, as written and as resolved."""
+    for form in {os.path.abspath(path), os.path.realpath(path)}:
+        parent = os.path.dirname(form)
+        while True:
+            try:
+                if not _allows(os.stat(parent), owner, _X):
+                    return False
+            except OSError:
+                return False
+            if parent == os.path.dirname(parent):
+                break
+            parent = os.path.dirname(parent)
+    return True
+
+
+def _stat(path: str, bit: int) -> os.stat_result | None:
+    """The path's stat if it is there for the owner, with ``bit`` of its mode theirs; else None."""
+    owner = _OWNER.get()
+    if owner is not None and not _on_the_way(path, owner):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if owner is None:
+        return st if bit == 0 or os.access(path, {_R: os.R_OK, _W: os.W_OK, _X: os.X_OK}[bit]) else None
+    return st if bit == 0 or _allows(st, owner, bit) else None
+
+
+def is_dir(path: str) -> bool:
+    """A directory the owner may enter."""
+    st = _stat(path, _X)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def is_file(path: str) -> bool:
+    """A file the owner may read."""
+    st = _stat(path, _R)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def exists(path: str) -> bool:
+    """Anything at ``path`` that the owner can see (directories above it searchable)."""
+    return _stat(path, 0) is not None
+
+
+def is_executable(path: str) -> bool:
+    """A file the owner may run."""
+    st = _stat(path, _X)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def which(program: str, path: str) -> str | None:
+    """``program`` on ``path`` as the owner's shell would find it."""
+    if _OWNER.get() is None:
+        return shutil.which(program, path=path)
+    for directory in path.split(os.pathsep):
+        candidate = os.path.join(directory or ".", program)
+        if is_executable(candidate):
+            return candidate
+    return None
