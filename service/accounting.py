@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from gpuq.service.dialect import epoch_seconds, greatest, least, seconds_between
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.models import DeviceMinute, DeviceSample, Job, UTCDateTime, utcnow
+from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Job, UTCDateTime, utcnow
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -85,11 +85,17 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     gpu_s = greatest(seconds_between(end, start, session), 0.0, session) * Job.gpus * func.coalesce(Job.gpu_share, 1.0)
     ran = (Job.started_at.is_not(None), Job.started_at < until, or_(Job.ended_at.is_(None), Job.ended_at > since))
     # One pass grouped by user and node together (a few rows), added up each way here: a pass per
-    # grouping worked out every job's seconds twice.
+    # grouping worked out every job's seconds twice. The earlier attempts of jobs that ran again
+    # add their GPU time (not a job each).
     alloc: dict[str, dict[str, tuple[int, float]]] = {"users": {}, "nodes": {}}
     node = func.coalesce(Job.node, "-")
-    for user, node_name, jobs, seconds in session.execute(
-            select(Job.user, node, func.count(), func.sum(gpu_s)).where(*ran).group_by(Job.user, node)):
+    a = EarlierAttempt
+    a_start, a_end = greatest(a.started_at, at_since, session), least(a.ended_at, at_until, session)
+    a_seconds = greatest(seconds_between(a_end, a_start, session), 0.0, session) * a.charged
+    by_job = select(Job.user, node, func.count(), func.sum(gpu_s)).where(*ran).group_by(Job.user, node)
+    by_attempt = (select(a.user, func.coalesce(a.node, "-"), literal(0), func.sum(a_seconds))
+                  .where(a.started_at < until, a.ended_at > since).group_by(a.user, a.node))
+    for user, node_name, jobs, seconds in [*session.execute(by_job), *session.execute(by_attempt)]:
         for part, name in (("users", user), ("nodes", node_name)):
             had_jobs, had_seconds = alloc[part].get(name, (0, 0.0))
             alloc[part][name] = (had_jobs + jobs, had_seconds + float(seconds or 0.0))

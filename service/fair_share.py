@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service.constants import State
-from gpuq.service.models import Job
+from gpuq.service.models import EarlierAttempt, Job
 from gpuq.service.settings import Settings
 
 # What a job is charged per hour it runs: its GPUs, each times its share of the GPU's memory for a
@@ -48,9 +48,15 @@ class FairShare:
 
     @staticmethod
     def _ended(session: Session, since: datetime, before: datetime | None = None) -> list[Any]:
-        query = select(Job.user, _CHARGED, Job.started_at, Job.ended_at).where(
-            Job.ended_at >= since, Job.started_at.is_not(None))
-        return list(session.execute(query.where(Job.ended_at < before) if before is not None else query))
+        """The jobs, and the earlier attempts of jobs that ran again, that ended in [since, before)."""
+        out: list[Any] = []
+        for query, ended in ((select(Job.user, _CHARGED, Job.started_at, Job.ended_at).where(
+                                 Job.ended_at >= since, Job.started_at.is_not(None)), Job.ended_at),
+                             (select(EarlierAttempt.user, EarlierAttempt.charged, EarlierAttempt.started_at,
+                                     EarlierAttempt.ended_at).where(EarlierAttempt.ended_at >= since),
+                              EarlierAttempt.ended_at)):
+            out += session.execute(query.where(ended < before) if before is not None else query)
+        return out
 
     def gpu_hours(self, session: Session, now: datetime) -> dict[str, float]:
         """Each user's decayed GPU-hours at ``now``: the policy's order between users."""

@@ -25,7 +25,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite
 from gpuq.service.errors import BugError
-from gpuq.service.models import Allocation, Job, JobMetric, table, utcnow
+from gpuq.service.models import Allocation, EarlierAttempt, Job, JobMetric, table, utcnow
 from gpuq.service.prepared import Prepared
 
 _JOBS = table(Job)
@@ -132,6 +132,7 @@ def waiting(table: Any = _JOBS) -> tuple[Any, Any]:
 
 
 _ID = _JOBS.c.id == bindparam("job_id")
+_EARLIER = table(EarlierAttempt)
 _CLEAR_METRICS = table(JobMetric).delete().where(table(JobMetric).c.job_id == bindparam("job_id"))
 _IDS = _JOBS.c.id.in_(bindparam("ids", expanding=True))
 
@@ -188,7 +189,7 @@ _FREED = table(Allocation).delete().where(table(Allocation).c.job_id.in_(select(
 _SUCCEED_AND_FREE = Prepared(select(func.count()).select_from(_ENDED).add_cte(_FREED))
 _SUCCEED = Prepared(_SUCCEED_MOVE)
 _RUN_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
-                   _JOBS.c.max_retries).where(_ID)
+                   _JOBS.c.max_retries, _JOBS.c.user, _JOBS.c.node, _JOBS.c.gpus, _JOBS.c.gpu_share).where(_ID)
 # The other ends, and the way back to pending: their values depend on the row, so the statement
 # is built when it runs, by ``_end_statement``, checked against the table there.
 _LEASE_HOLDER = _JOBS.c.lease_token == bindparam("token")
@@ -246,6 +247,10 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
             # Its progress rows start again with the next attempt (a retried train job listed epochs
             # 1-4 of the lost attempt, then 1-6): the attempt that ends it is the one they describe.
             conn.execute(_CLEAR_METRICS, {"job_id": job_id})
+            if job.started_at is not None:  # the GPU time it held, which its row will no longer show
+                conn.execute(_EARLIER.insert(), {
+                    "job_id": job_id, "user": job.user, "node": job.node, "started_at": job.started_at,
+                    "charged": job.gpus * (job.gpu_share if job.gpu_share is not None else 1.0), "ended_at": now})
     return done
 
 

@@ -357,6 +357,23 @@ class JobUsage(Base):
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class EarlierAttempt(Base):
+    """The GPU time an attempt of a job held before the job ran again (retried or requeued): the
+    job's own ``started_at``/``ended_at`` are its last attempt's, so fair share and `gpuq stats`
+    read these too (a job retried a hundred times after an hour each held the GPUs a hundred hours,
+    and was charged one)."""
+
+    __tablename__ = "earlier_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    user: Mapped[str] = mapped_column(String(64))
+    node: Mapped[str | None] = mapped_column(String(255))
+    charged: Mapped[float] = mapped_column(Float)  # its GPUs, each times its share of a shared GPU
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
 class Submission(Base):
     """A submit's idempotency key and the jobs it made: a client that lost the answer (the server
     restarted mid-submit) asks again with the same key and gets these jobs, never a second copy."""

@@ -208,3 +208,27 @@ def test_the_databases_seconds_between_two_times_are_pythons_to_the_microsecond(
                                           epoch_seconds(Job.started_at, s)).where(Job.id == job_id)).one()
     assert float(between) == pytest.approx((end - start).total_seconds(), abs=1e-9)
     assert whole == int(start.timestamp())  # whole seconds, never rounded up
+
+
+def test_an_attempt_before_a_retry_is_charged_to_its_user_in_the_report_and_in_fair_share(settings):
+    # A job's row holds its last attempt: a job retried after an hour on 2 GPUs was charged nothing
+    # for that hour, so --retries bought GPU time free of fair share.
+    from gpuq.service import lifecycle
+    from gpuq.service.fair_share import FairShare
+    from gpuq.service.models import utcnow
+
+    now = utcnow()
+    with write_scope(settings) as s:
+        job = add_job(s, "ann", "n1", now - timedelta(hours=1), None, gpus=2)
+        s.execute(Job.__table__.update().where(Job.id == job).values(lease_token="t", max_retries=1))
+    with write_scope(settings) as s:
+        assert lifecycle.end_attempt(s, job, State.FAILED, token="t", failure=c.FAILURE_EXIT, exit_code=1,
+                                     reason="exited with status 1", now=now)
+    with write_scope(settings) as s:
+        assert s.get(Job, job).state == State.PENDING and s.get(Job, job).started_at is None
+        rep = accounting.report(s, now - timedelta(hours=2), now + timedelta(seconds=1), now)
+        hours = FairShare(settings).gpu_hours(s, now + timedelta(seconds=5))
+    users = {r.name: r for r in rep["users"]}
+    assert users["ann"].gpu_hours == pytest.approx(2.0, rel=1e-3) and users["ann"].jobs == 0
+    assert {r.name: r.gpu_hours for r in rep["nodes"]}["n1"] == pytest.approx(2.0, rel=1e-3)
+    assert 1.0 < hours["ann"] <= 2.0  # two GPU-hours, decayed by the half-life
