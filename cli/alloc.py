@@ -30,7 +30,7 @@ from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_rai
 from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd
 from gpuq.service import constants as c
 from gpuq.service.constants import State
-from gpuq.service.errors import GpuqError
+from gpuq.service.errors import GpuqError, InvalidSpec
 from gpuq.service.settings import load_settings
 
 app = typer.Typer()
@@ -63,15 +63,37 @@ def alloc(
     command = ctx.meta.get(COMMAND_KEY)
     if command is not None and not command:
         raise GpuqError("no command given after --")
+    cwd = _cwd()
+    _check_program(command, cwd)
     body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "mem": mem, "shared": shared,
                             "time": time_limit, "name": name, "priority": priority, "node": load_settings().node,
-                            "cwd": _cwd(), "key": uuid.uuid4().hex}
+                            "cwd": cwd, "key": uuid.uuid4().hex}
     client = Client()
     job_id = client.post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"][0]["id"]
     held = _wait_for_start(client, job_id)
     if held["state"] != State.RUNNING:
         raise typer.Exit(_report(client, job_id))
     raise typer.Exit(_hold(client, held, command))
+
+
+def _check_program(command: list[str] | None, cwd: str) -> None:
+    """Refuse, before anything is asked of the server, a command (or a shell) that could not start
+    here: with the check and the line `gpuq submit` gives a command (service/spec.py), since this
+    process runs it as a job's worker would, on this PATH, from ``cwd``. InvalidSpec (exit 2)."""
+    from gpuq.service.spec import command_spec
+
+    argv = command or [_shell()]
+    try:  # a fixed name: the name the spec would make of the command is not the allocation's
+        command_spec(argv, name="alloc", cwd=cwd, path=os.environ.get("PATH", os.defpath))
+    except InvalidSpec as exc:
+        if command:
+            raise
+        raise InvalidSpec(f"cannot run your shell: {exc}; set SHELL, or give a command after --") from None
+
+
+def _shell() -> str:
+    """The shell an allocation without a command runs: $SHELL, else the login shell."""
+    return os.environ.get("SHELL") or _login_shell()
 
 
 def _wait_for_start(client: Client, job_id: int) -> dict[str, Any]:
@@ -111,7 +133,7 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
     env = dict(os.environ, **held.get("env", {}), CUDA_VISIBLE_DEVICES=gpus, CUDA_DEVICE_ORDER="PCI_BUS_ID",
                GPUQ_JOB_ID=str(job_id), GPUQ_RUN_ID=held["run_id"], GPUQ_ALLOC=str(job_id),
                GPUQ_GPUS=str(len(held["gpu_indices"])), GPUQ_NODE=held["node"] or "")
-    argv = command or [os.environ.get("SHELL") or _login_shell()]
+    argv = command or [_shell()]
     until = f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else ""
     say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"
                     + ("; exit the shell to free it" if command is None else "") + "\n")

@@ -37,6 +37,14 @@ class Refused(GpuqError):
 # Set by the `gpuq` command itself (cli/app.main): its one process may do without ssl.
 LEAN = False
 
+# A command that follows a job (`gpuq run`, `attach`, `wait`, `logs -f`) rides out a restart of the
+# server it has been talking to (the stack's supervisor brings it back within about 2 s): a read
+# that finds the server gone is asked again this often, for at most this long, before exit 69;
+# quietly at first, then with one line on stderr.
+RIDE_OUT_SECONDS = 30.0
+RIDE_OUT_QUIET_SECONDS = 5.0
+RIDE_OUT_RETRY_SECONDS = 0.25
+
 
 @functools.lru_cache(maxsize=1)
 def _http() -> ModuleType:
@@ -104,6 +112,7 @@ class Client:
         self.address = address or server_address()
         self.timeout = timeout
         self.headers = dict(headers or {})  # sent with every request (the dashboard's public view)
+        self.answered = False  # whether the server has answered this client once: a later loss is a restart
         self.tls = False
         if self.address.startswith(("http://", "https://")):
             try:  # urlsplit and .port raise ValueError on a bracket left open or a port past 65535
@@ -134,16 +143,19 @@ class Client:
             return _http().HTTPConnection(*self.tcp, timeout=self.timeout)
         return unix_connection(self.socket_path, self.timeout)
 
-    def get(self, path: str, **query: Any) -> Any:
-        return self.request("GET", path, query=query)
+    def get(self, path: str, *, ride_out: bool = False, **query: Any) -> Any:
+        """``ride_out``: a server that answered this client before and is gone now (restarting) is
+        asked again for up to RIDE_OUT_SECONDS, as a command that follows a job needs."""
+        return self.request("GET", path, query=query, ride_out=ride_out)
 
     def post(self, path: str, body: dict[str, Any] | None = None, *, retries: int = 0) -> Any:
         return self.request("POST", path, body=body, retries=retries)
 
     def request(self, method: str, path: str, *, body: dict[str, Any] | None = None,
-                query: dict[str, Any] | None = None, retries: int = 0) -> Any:
+                query: dict[str, Any] | None = None, retries: int = 0, ride_out: bool = False) -> Any:
         """The answer's JSON; Refused for an error answer, Unreachable when no server answers
-        (after ``retries`` more tries, for a request that is safe to send again)."""
+        (after ``retries`` more tries, for a request that is safe to send again, or, with
+        ``ride_out``, after RIDE_OUT_SECONDS of a server that answered before and went away)."""
         target = c.API_PREFIX + path
         q = {k: v for k, v in (query or {}).items() if v is not None}
         if q:
@@ -152,6 +164,7 @@ class Client:
         # the escape it is, and the server names it, rather than an undecodable body.
         data = b"" if body is None else json.dumps(body).encode("ascii")
         attempt = 0
+        outage = _Outage(self.address) if ride_out else None
         while True:
             try:
                 return self._once(method, target, data)
@@ -162,6 +175,8 @@ class Client:
                 if self.tls and _tls_failed(exc):
                     raise Unreachable(f"the gpuq server at {self.address} failed TLS: {_reason(exc)} (GPUQ_TLS_CA "
                                       "names the CA that signed its certificate)") from None
+                if outage is not None and self.answered and _server_gone(exc) and outage.wait(exc):
+                    continue
                 if attempt == retries or never_there:
                     raise Unreachable(f"no gpuq server answers at {self.address}: {_reason(exc)} (start one with "
                                       "`gpuq up`, or set GPUQ_SERVER)") from None
@@ -180,6 +195,7 @@ class Client:
         try:
             conn.request(method, target, body=data or None, headers=headers)
             response = conn.getresponse()
+            self.answered = True
             raw = response.read()
         finally:
             conn.close()
@@ -196,6 +212,43 @@ class Client:
                 raise Refused(str(answer["error"]), int(answer.get("exit_code", c.EXIT_SOFTWARE)))
             raise Refused(f"the server answered {response.status}", c.EXIT_SOFTWARE)
         return answer
+
+
+class _Outage:
+    """One read's wait for a server that went away: how long it has lasted, and whether it was said."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.began: float | None = None
+        self.said = False
+
+    def wait(self, exc: BaseException) -> bool:
+        """Sleep before the next try and return True, or False once RIDE_OUT_SECONDS have passed.
+        Past RIDE_OUT_QUIET_SECONDS, says once on stderr that the server is not answering."""
+        now = time.monotonic()
+        if self.began is None:
+            self.began = now
+        if now - self.began >= RIDE_OUT_SECONDS:
+            return False
+        if not self.said and now - self.began >= RIDE_OUT_QUIET_SECONDS:
+            self.said = True
+            # On a terminal, below whatever line is being rewritten (a waiting job's, a bar).
+            try:
+                sys.stderr.write(("\n" if sys.stderr.isatty() else "") + f"gpuq: the server at {self.address} is "
+                                 f"not answering ({_reason(exc)}); trying again for up to {RIDE_OUT_SECONDS:g} s\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):  # the terminal is gone: nothing to tell it
+                pass
+        time.sleep(RIDE_OUT_RETRY_SECONDS)
+        return True
+
+
+def _server_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a server that stopped or restarts looks like: the connection refused,
+    reset or closed without an answer, its socket missing. Not a timeout (a server that hangs), not
+    a permission refused."""
+    http = _http()
+    return isinstance(exc, (ConnectionError, FileNotFoundError, http.BadStatusLine, http.IncompleteRead))
 
 
 def _tls_failed(exc: BaseException) -> bool:

@@ -4,7 +4,6 @@ server), `gpuq drain` and `gpuq resume` (admin commands on the database, like th
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Annotated, Any
 
 import typer
@@ -13,7 +12,6 @@ from gpuq.cli.client import Client
 from gpuq.cli.jobs import selected
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
-from gpuq.service.display import duration
 from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
@@ -73,7 +71,12 @@ def update(job_ids: JobIds = None, array: Array = None,
 
 
 def _limit(seconds: int | None) -> str:
-    return "none" if seconds is None else duration(timedelta(seconds=seconds))
+    """A time limit as `--time` takes it back and the worker's end reason writes it: H:MM:SS (hours
+    past a day go on counting), or "none"."""
+    if seconds is None:
+        return "none"
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 # How `gpuq update` names each field it changed, and writes its values.

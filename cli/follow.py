@@ -148,7 +148,8 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
             try:
                 wait = WAITING_LOOK_SECONDS if state in (None, State.PENDING, State.DISPATCHED) else \
                     c.FOLLOW_WAIT_SECONDS
-                answer = client.get(f"/jobs/{job_id}/output", after=seq, wait=wait, state=state)
+                # A server that restarts meanwhile is waited for (client.RIDE_OUT_SECONDS): the job goes on.
+                answer = client.get(f"/jobs/{job_id}/output", ride_out=True, after=seq, wait=wait, state=state)
                 state = answer["state"]
                 if state in (State.PENDING, State.DISPATCHED):
                     waiting.show(state, answer["reason"])

@@ -182,7 +182,9 @@ def _print_output(client: Client, job_id: int, answer: dict[str, Any], follow: b
         if not follow or (answer["state"] in c.END_STATES and not answer["chunks"]):
             return
         # The server answers as soon as there is news (a line, the job's end), or after the wait.
-        answer = client.get(f"/jobs/{job_id}/output", after=seq, wait=c.FOLLOW_WAIT_SECONDS, state=answer["state"])
+        # A server that restarts meanwhile is waited for (client.RIDE_OUT_SECONDS): the job goes on.
+        answer = client.get(f"/jobs/{job_id}/output", ride_out=True, after=seq, wait=c.FOLLOW_WAIT_SECONDS,
+                            state=answer["state"])
 
 
 def selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False) -> list[int]:
@@ -209,12 +211,13 @@ WAITING_SHOWN = 5
 STATES_PER_REQUEST = 500
 
 
-def states_of(client: Client, job_ids: list[int]) -> dict[int, str]:
-    """Each job's state; Refused (exit 3) if one does not exist."""
+def states_of(client: Client, job_ids: list[int], ride_out: bool = False) -> dict[int, str]:
+    """Each job's state; Refused (exit 3) if one does not exist. ``ride_out``: wait for a server
+    that restarts (``Client.get``)."""
     states: dict[int, str] = {}
     for start in range(0, len(job_ids), STATES_PER_REQUEST):
         chunk = job_ids[start:start + STATES_PER_REQUEST]
-        answer = client.get("/jobs/states", ids=",".join(map(str, chunk)))["states"]
+        answer = client.get("/jobs/states", ride_out=ride_out, ids=",".join(map(str, chunk)))["states"]
         states.update((int(k), v) for k, v in answer.items())
     return states
 
@@ -222,12 +225,13 @@ def states_of(client: Client, job_ids: list[int]) -> dict[int, str]:
 def _until_ended(client: Client, job_ids: list[int], timeout: float | None,
                  advance: Callable[[int, str], None] | None = None) -> dict[int, str]:
     """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out;
-    ``advance(ended, text)`` is told how many have ended after each look."""
+    ``advance(ended, text)`` is told how many have ended after each look. A server that restarts
+    meanwhile is waited for (client.RIDE_OUT_SECONDS): the jobs go on without it."""
     deadline = None if timeout is None else time.monotonic() + timeout
     states: dict[int, str] = {}
     while True:
         # An end state is final: each look asks only about the jobs that had not ended.
-        states.update(states_of(client, [j for j in job_ids if states.get(j) not in c.END_STATES]))
+        states.update(states_of(client, [j for j in job_ids if states.get(j) not in c.END_STATES], ride_out=True))
         if advance is not None:
             ended = sum(s in c.END_STATES for s in states.values())
             advance(ended, f"{ended} of {len(job_ids)} jobs ended")

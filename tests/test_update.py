@@ -142,12 +142,27 @@ def test_a_running_jobs_lowered_time_limit_stops_it_timed_out_at_the_new_limit(o
     assert raised.returncode == 0 and raised.stdout.strip() == f"job {job}: time limit 1:00:00 → 2:00:00"
     lowered = run_cli(["update", str(job), "--time", "3s"], s)
     assert lowered.returncode == 0, lowered.stderr
-    assert lowered.stdout.strip() == f"job {job}: time limit 2:00:00 → 3.0s"
+    assert lowered.stdout.strip() == f"job {job}: time limit 2:00:00 → 0:00:03"
     assert wait_for_state(s, job, c.END_STATES, timeout=30) == State.TIMED_OUT, one_gpu.logs()
     assert "time limit of 0:00:03 reached" in run_cli(["why", str(job)], s).stdout
     with write_scope(s) as session:
         ran = jobs.get_job(session, job)
         assert 3 <= (ran.ended_at - ran.started_at).total_seconds() < 3 + 2 * c.CANCEL_POLL_SECONDS + 5
+
+
+def test_update_prints_both_sides_of_a_time_limit_as_h_mm_ss_and_no_limit_as_none(one_gpu):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--hold", "--", "true"])
+    try:
+        said = [run_cli(["update", str(job), "--time", t], s) for t in ("30m", "90s", "1d", "2:30")]
+        assert [(r.returncode, r.stdout) for r in said] == [
+            (0, f"job {job}: time limit none → 0:30:00\n"), (0, f"job {job}: time limit 0:30:00 → 0:01:30\n"),
+            (0, f"job {job}: time limit 0:01:30 → 24:00:00\n"), (0, f"job {job}: time limit 24:00:00 → 2:30:00\n")]
+        # What it prints, `--time` takes back: the same limit, so nothing changes.
+        again = run_cli(["update", str(job), "--time", "2:30:00"], s)
+        assert again.stdout == f"job {job}: unchanged (it has these values already)\n"
+    finally:
+        run_cli(["cancel", str(job)], s)
 
 
 def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):

@@ -1,0 +1,62 @@
+"""`gpuq alloc` checks the command it will run (or the shell) before it asks the server for
+anything, as `gpuq submit` checks a job's command: a program that could not start is one line on
+stderr, exit 2, and nothing queued, not an allocation granted and then failed with 127."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from gpuq.service import constants as c
+from gpuq.service import db
+from gpuq.service.db import read_scope
+from gpuq.service.models import Job
+from tests.conftest import make_settings, run_cli, start_stack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory, redis_url):
+    """A stack with a free GPU: an allocation asked for would be granted at once."""
+    home = tmp_path_factory.mktemp("alloc")
+    settings = make_settings(home / "home", f"sqlite:///{home / 'gpuq.db'}", redis_url, fake_gpus=1)
+    db.upgrade(settings)
+    st = start_stack(settings, home / "logs")
+    yield st
+    st.stop()
+    db.dispose_engines()
+
+
+def _jobs(settings) -> int:
+    with read_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+def test_alloc_of_a_command_that_cannot_start_is_refused_as_submit_refuses_it_and_queues_nothing(one_gpu, tmp_path):
+    s = one_gpu.settings
+    before = _jobs(s)
+    (tmp_path / "notes.txt").write_text("not a program\n")
+    for command in (["gpuq-no-such-command", "--flag"], ["./no-such-script.sh"], ["./notes.txt"]):
+        submitted = run_cli(["submit", "--", *command], s, cwd=tmp_path)
+        allocated = run_cli(["alloc", "--", *command], s, cwd=tmp_path)
+        assert allocated.returncode == submitted.returncode == c.EXIT_USAGE, allocated.stderr
+        assert allocated.stderr == submitted.stderr, (allocated.stderr, submitted.stderr)
+        assert allocated.stderr.count("\n") == 1 and allocated.stdout == ""
+    assert "gpuq: command not found: gpuq-no-such-command (not on PATH)\n" == \
+        run_cli(["alloc", "--", "gpuq-no-such-command"], s).stderr
+    assert _jobs(s) == before
+
+
+def test_alloc_of_a_shell_that_cannot_start_says_to_set_shell_and_queues_nothing(one_gpu, tmp_path):
+    s = one_gpu.settings
+    before = _jobs(s)
+    out = run_cli(["alloc"], s, cwd=tmp_path, extra_env={"SHELL": "/nonexistent/bin/zsh"})
+    assert out.returncode == c.EXIT_USAGE and out.stdout == ""
+    assert out.stderr == (f"gpuq: cannot run your shell: /nonexistent/bin/zsh is not an executable file (from "
+                          f"{tmp_path}); set SHELL, or give a command after --\n")
+    assert _jobs(s) == before
+    # A shell that can start still gets its allocation.
+    ran = run_cli(["alloc"], s, cwd=tmp_path, extra_env={"SHELL": "true"})
+    assert ran.returncode == 0, ran.stderr
+    assert _jobs(s) == before + 1
