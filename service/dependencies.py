@@ -61,12 +61,15 @@ def look_up(conn: Any, ids: Iterable[int]) -> tuple[dict[int, Dependency], dict[
         return {}, {}
     rows = conn.execute(_ROWS, {"ids": wanted}).all()
     states = {job_id: state for job_id, _, state in rows}
+    # Each row to the ids it answers for, in one pass: the scheduler asks this every pass, for
+    # every waiting job's dependencies at once.
+    tasks: dict[int, list[tuple[int, str]]] = {d: [] for d in wanted if d in states}
+    for job_id, array_id, state in rows:
+        for d in {job_id, array_id} & tasks.keys():
+            tasks[d].append((job_id, state))
     out = {}
-    for d in wanted:
-        if d not in states:
-            continue
-        tasks = sorted((job_id, state) for job_id, array_id, state in rows if job_id == d or array_id == d)
-        ended = [(job_id, state) for job_id, state in tasks if state in c.END_STATES]
+    for d, of_d in tasks.items():
+        ended = sorted((job_id, state) for job_id, state in of_d if state in c.END_STATES)
         failed = next(((j, s) for j, s in ended if s != State.SUCCEEDED), None)
-        out[d] = Dependency(id=d, tasks=len(tasks), ended=len(ended), failed=failed)
+        out[d] = Dependency(id=d, tasks=len(of_d), ended=len(ended), failed=failed)
     return out, states

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-_R, _W, _X = 4, 2, 1
+_R, _X = 4, 1
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def _stat(path: str, bit: int) -> os.stat_result | None:
     except OSError:
         return None
     if owner is None:
-        return st if bit == 0 or os.access(path, {_R: os.R_OK, _W: os.W_OK, _X: os.X_OK}[bit]) else None
-    return st if bit == 0 or _allows(st, owner, bit) else None
+        return st if os.access(path, os.R_OK if bit == _R else os.X_OK) else None
+    return st if _allows(st, owner, bit) else None
 
 
 def is_dir(path: str) -> bool:
@@ -109,11 +109,6 @@ def is_file(path: str) -> bool:
     """A file the owner may read."""
     st = _stat(path, _R)
     return st is not None and stat.S_ISREG(st.st_mode)
-
-
-def exists(path: str) -> bool:
-    """Anything at ``path`` that the owner can see (directories above it searchable)."""
-    return _stat(path, 0) is not None
 
 
 def is_executable(path: str) -> bool:

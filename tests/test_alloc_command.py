@@ -8,24 +8,17 @@ import pytest
 from sqlalchemy import func, select
 
 from gpuq.service import constants as c
-from gpuq.service import db
 from gpuq.service.db import read_scope
 from gpuq.service.models import Job
-from tests.conftest import make_settings, run_cli, start_stack
+from tests.conftest import run_cli, stack_on_database
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def one_gpu(tmp_path_factory, redis_url):
+@pytest.fixture(scope="module", params=["sqlite"])
+def one_gpu(request, tmp_path_factory, redis_url):
     """A stack with a free GPU: an allocation asked for would be granted at once."""
-    home = tmp_path_factory.mktemp("alloc")
-    settings = make_settings(home / "home", f"sqlite:///{home / 'gpuq.db'}", redis_url, fake_gpus=1)
-    db.upgrade(settings)
-    st = start_stack(settings, home / "logs")
-    yield st
-    st.stop()
-    db.dispose_engines()
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1)
 
 
 def _jobs(settings) -> int:

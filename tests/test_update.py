@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from gpuq.service import constants as c
-from gpuq.service import db, jobs
+from gpuq.service import jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed
@@ -18,7 +18,7 @@ from gpuq.service.models import Job
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
 from gpuq.service.update import Changes, update_all
-from tests.conftest import cli_submit, make_settings, run_cli, start_stack, wait_for_state
+from tests.conftest import cli_submit, run_cli, stack_on_database, wait_for_state
 from tests.test_scheduling import end, register, state_of, submit
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,15 +122,9 @@ def test_changes_are_checked_as_submit_checks_them(settings):
 
 # --- through the server and a real worker -------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def one_gpu(tmp_path_factory, redis_url):
-    home = tmp_path_factory.mktemp("update")
-    settings = make_settings(home / "home", f"sqlite:///{home / 'gpuq.db'}", redis_url, fake_gpus=1)
-    db.upgrade(settings)
-    st = start_stack(settings, home / "logs")
-    yield st
-    st.stop()
-    db.dispose_engines()
+@pytest.fixture(scope="module", params=["sqlite"])
+def one_gpu(request, tmp_path_factory, redis_url):
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1)
 
 
 def test_a_running_jobs_lowered_time_limit_stops_it_timed_out_at_the_new_limit(one_gpu):
