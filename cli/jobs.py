@@ -287,16 +287,21 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
     answer = client.post("/jobs/cancel", {"ids": targets})
     grace = answer["kill_grace_s"]
     stopping = []
+    ended = [o for o in answer["jobs"] if o["ended"]]
+    if len(targets) == 1 and ended:
+        raise Refused(f"job {ended[0]['id']} already ended ({ended[0]['state']})", c.EXIT_CONFLICT)
     for outcome in answer["jobs"]:
         job_id, state = outcome["id"], outcome["state"]
         if outcome["ended"]:
-            if len(targets) == 1:
-                raise Refused(f"job {job_id} already ended ({state})", c.EXIT_CONFLICT)
-            typer.echo(f"job {job_id}: already ended ({state})")  # in an array, ended tasks are no error
+            typer.echo(f"job {job_id}: already ended ({state})")
         elif state == State.CANCELLED:
             typer.echo(f"job {job_id} cancelled")
         else:
             stopping.append(job_id)
+    # Jobs named by id that had all ended: nothing was cancelled, as for one such job (exit 4). An
+    # array's or a user's ended jobs are not named, and some ended among others is no error either.
+    if job_ids and len(ended) == len(targets):
+        raise typer.Exit(c.EXIT_CONFLICT)
     if not stopping:
         return
     if no_wait:

@@ -30,9 +30,13 @@ def from_exit(exit_code: int | None, oom_killed: bool, output_tail: str) -> str:
     return c.FAILURE_EXIT
 
 
-def explain(failure: str, exit_code: int | None, limit_mib: int | None = None) -> str:
-    """The sentence that goes with a command's failure class."""
+def explain(failure: str, exit_code: int | None, limit_mib: int | None = None,
+            held_mib: int | None = None) -> str:
+    """The sentence that goes with a command's failure class. ``held_mib``: the worker, not the
+    kernel, stopped the job, holding that much past its limit (no memory cgroup on its node)."""
     if failure == c.FAILURE_HOST_OOM:
+        if held_mib is not None:
+            return f"out of host memory: stopped by gpuq holding {held_mib} MiB, past its limit of {limit_mib} MiB"
         limit = f" (its limit: {limit_mib} MiB)" if limit_mib else ""
         return f"out of host memory: killed by the kernel's OOM killer{limit}"
     if failure == c.FAILURE_CUDA_OOM:

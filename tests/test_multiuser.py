@@ -476,6 +476,12 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         job_id = _submitted(as_(owner, "submit", "--", "id", "-un"))
         assert as_(owner, "wait", str(job_id)).returncode == 0
         assert as_(owner, "logs", str(job_id)).stdout.strip() == owner
+        # No memory cgroup for a user's workers: they hold a command to --host-mem by polling its size.
+        hog = _submitted(as_(owner, "submit", "--host-mem", "64M", "--", "python3", "-c",
+                             "import time; x = bytearray(512 * 2**20); time.sleep(30)"))
+        assert as_(owner, "wait", str(hog)).returncode != 0
+        shown = as_(owner, "show", str(hog)).stdout
+        assert "host_oom" in shown and "stopped by gpuq" in shown and "past its limit of 64 MiB" in shown, shown
         # The stack's owner is its admin, as root is the machine's: past the users' priority cap.
         assert as_(owner, "submit", "--hold", "--priority", "50", "--", "true").returncode == 0
         settings = load_settings(env)

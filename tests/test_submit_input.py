@@ -190,6 +190,17 @@ def test_cancelling_a_pending_job_ends_it_at_once_and_twice_is_a_conflict(use_se
     assert invoke(["wait", "1"]).exit_code == c.EXIT_JOB_FAILED
 
 
+def test_cancelling_several_named_jobs_that_all_ended_is_a_conflict_and_some_ended_is_not(use_settings):
+    for _ in range(3):
+        assert invoke(["submit", "--", "true"]).exit_code == 0
+    assert invoke(["cancel", "1", "2"]).exit_code == 0
+    both = invoke(["cancel", "1", "2"])
+    assert both.exit_code == c.EXIT_CONFLICT, both.output
+    assert "job 1: already ended (cancelled)" in both.output and "job 2: already ended (cancelled)" in both.output
+    some = invoke(["cancel", "2", "3"])
+    assert some.exit_code == 0 and "job 2: already ended" in some.output and "job 3 cancelled" in some.output
+
+
 def test_relative_paths_in_workload_parameters_are_stored_from_the_submit_directory(tmp_path, monkeypatch):
     from gpuq.service.spec import workload_spec
 

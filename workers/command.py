@@ -25,14 +25,19 @@ from gpuq.workers.output import OutputSink
 
 # Seconds between looks at the child and at the cancel flag.
 POLL_SECONDS = 0.05
+# Seconds between looks at a job's host memory where no memory cgroup holds it to --host-mem.
+MEMORY_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
 class CommandOutcome:
     exit_code: int | None
     cancelled: bool
-    # The kernel's OOM killer killed one of its processes (its memory cgroup counted it).
+    # Out of host memory: the kernel's OOM killer killed one of its processes (its memory cgroup
+    # counted it), or, without a cgroup, the worker stopped it past its limit (``over_limit_mib``).
     oom_killed: bool = False
+    # Without a memory cgroup: the MiB the job's processes held when the worker stopped them.
+    over_limit_mib: int | None = None
     # Processes of the job still alive after everything was done to stop them (their pids).
     leftover: tuple[int, ...] = ()
 
@@ -77,7 +82,7 @@ def _interpreter(path: str) -> str | None:
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
-                on_start: Callable[[int], None] | None = None) -> CommandOutcome:
+                on_start: Callable[[int], None] | None = None, limit_mib: int | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -85,6 +90,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     cgroup where there is one, else the process tree and the random ``GPUQ_RUN_ID`` each process
     of the job inherits in its environment. ``run_as`` switches the child to that user (after it
     joined the cgroup, which takes root); the pipe and the signals stay the worker's, root then.
+    ``limit_mib`` (``--host-mem``) is the cgroup's to enforce; without a cgroup the worker holds the
+    job to it by polling (_MemoryWatch).
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
@@ -98,6 +105,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         raise CannotStart(*_why_not_started(exc, argv[0], cwd)) from None
     found = _Finder(proc.pid, cgroup, run_id)
+    memory = _MemoryWatch(found, limit_mib) if cgroup is None and limit_mib is not None else None
     if on_start is not None:
         on_start(proc.pid)
     assert proc.stdout is not None and proc.stderr is not None
@@ -106,12 +114,20 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     for reader in readers:
         reader.start()
     was_cancelled = False
+    over_limit: int | None = None
     while proc.poll() is None:
         if cancelled.wait(POLL_SECONDS):
             was_cancelled = True
             sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
             stop_tree(proc.pid, kill_grace, found)
             break
+        if memory is not None and over_limit is None and (over_limit := memory.over()) is not None:
+            # As the OOM killer would: SIGKILL, no grace (a job past its memory has no time to
+            # spare), and the job is host_oom. The loop goes on to reap the main process itself, so
+            # its status is the SIGKILL (stop_tree's wait would reap it first and leave Popen a 0).
+            sink.note(f"[gpuq: the job's processes hold {over_limit} MiB of host memory, past its --host-mem "
+                      f"of {limit_mib} MiB: stopped with SIGKILL]")
+            _signal(proc.pid, found(), signal.SIGKILL)
     # The job is over when its main process is: anything it left behind is stopped too (SLURM
     # does the same), or it would hold the GPU while gpuq hands it to the next job.
     stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
@@ -119,8 +135,9 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     for reader in readers:
         reader.join(timeout=5)
     leftover = verify_gone(found, verify_within, found.pid, cgroup)
-    oom = cgroup is not None and cgroup.oom_kills() > oom_before
-    return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, leftover=tuple(leftover))
+    oom = over_limit is not None or (cgroup is not None and cgroup.oom_kills() > oom_before)
+    return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, over_limit_mib=over_limit,
+                          leftover=tuple(leftover))
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -196,6 +213,33 @@ class _Finder:
             return p.environ().get("GPUQ_RUN_ID") == self.run_id
         except (ProcessLookupError, PermissionError, psutil.Error, OSError):
             return False
+
+
+class _MemoryWatch:
+    """A job's host memory limit where no memory cgroup enforces it (a user's own stack, a
+    container without a delegated cgroup): every MEMORY_POLL_SECONDS the resident memory of all of
+    the job's processes, summed, against the limit, as SLURM's OverMemoryKill does without cgroups.
+    Pages two processes share are counted in each, so the sum errs high; and a job that grows past
+    its limit and further between two looks is seen only at the next (the kernel's OOM killer, not
+    the worker, stops a job that exhausts the machine in that time)."""
+
+    def __init__(self, found: Callable[[], list[psutil.Process]], limit_mib: int) -> None:
+        self.found, self.limit = found, limit_mib * 2**20
+        self.next_look = time.monotonic() + MEMORY_POLL_SECONDS
+
+    def over(self) -> int | None:
+        """The MiB the job holds if that is past its limit, else None (and None between looks)."""
+        now = time.monotonic()
+        if now < self.next_look:
+            return None
+        self.next_look = now + MEMORY_POLL_SECONDS
+        held = 0
+        for p in self.found():
+            try:
+                held += p.memory_info().rss
+            except psutil.Error:  # gone since it was found
+                pass
+        return held // 2**20 if held > self.limit else None
 
 
 def verify_gone(found: Callable[[], list[psutil.Process]], within: float, pgid: int | None,

@@ -83,7 +83,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         env = job_env(job, state.node, identity, state.settings)
         env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
         outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
-                              run_as=identity, on_start=on_start)
+                              run_as=identity, on_start=on_start, limit_mib=job.host_mem_mib)
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.
@@ -100,7 +100,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         return {"state": State.SUCCEEDED, "exit_code": 0}
     failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
     return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
-            "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib)}
+            "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib, outcome.over_limit_mib)}
 
 
 def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
