@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from gpuq.service.display import drained, duration, result_summary  # noqa: F401 - the CLI's names for them
+from gpuq.service.display import drained, duration, result_summary, time_limit  # noqa: F401 - the CLI's names for them
 
 
 def mib(v: int | float | None) -> str:

@@ -25,6 +25,13 @@ def duration(d: timedelta | None) -> str:
     return (f"{days}-" if days else "") + (f"{h}:{m:02d}:{sec:02d}" if h or days else f"{m}:{sec:02d}")
 
 
+def time_limit(seconds: int) -> str:
+    """A time limit as `--time` takes it back and every front-end and end reason writes it:
+    H:MM:SS, hours past a day going on counting (100:00:00)."""
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
 def result_summary(job: Job | Any) -> str:
     """One cell's worth of what a job produced, or why it waits or failed."""
     r = job.result or {}

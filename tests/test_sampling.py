@@ -163,3 +163,29 @@ def test_a_jobs_end_reads_its_gpu_unless_it_was_read_a_moment_ago(settings, monk
     monkeypatch.setattr(c, "END_READING_GAP", 30.0)
     time.sleep(0.02)
     assert [r["job_id"] for r in sampler.end_rows(5)] == [5]
+
+
+def test_a_jobs_first_reading_charges_it_only_the_time_since_it_started(settings):
+    # The reading after a job's start spans time before it too: that part is the GPU's own (an idle
+    # second charged to every job's summary otherwise), with its share of the energy.
+    with write_scope(settings) as s:
+        gpu = add_gpu(s, "n", 0)
+        job = add_job(s, "ann", "n", utcnow(), None)
+    running: list[int] = []
+    sampler = Sampler(settings.with_overrides(sample_interval=600.0), gpu, GpuProbe(CounterGpu(), 0),
+                      lambda: running[0] if running else None)
+    sampler.sample()
+    time.sleep(0.4)
+    running.append(job)
+    sampler.job_started(job)
+    time.sleep(0.2)
+    sampler.sample()
+    sampler.sample()  # the one after: all the job's
+    sampler.flush()
+    with write_scope(settings) as s:
+        rows = [(r.job_id, r.interval_s, r.energy_j) for r in s.scalars(select(DeviceSample).order_by(DeviceSample.id))]
+    (_, _, _), (gap_job, gap, gap_energy), (first_job, first, first_energy), (then_job, _, then_energy) = rows
+    assert gap_job is None and first_job == then_job == job
+    assert 0.35 <= gap <= 0.5 and 0.15 <= first <= 0.3
+    assert abs(gap_energy + first_energy - 3.0) < 1e-9 and then_energy == 3.0
+    assert abs(gap_energy / first_energy - gap / first) < 1e-6

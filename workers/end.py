@@ -16,6 +16,7 @@ from gpuq.service import handover, samples, usage
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.dialect import savepoint
+from gpuq.service.display import time_limit
 from gpuq.service.errors import Unreachable
 from gpuq.service.inventory import drain_gpu
 from gpuq.service.leases import Lease
@@ -194,7 +195,7 @@ def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[s
     or cancelled."""
     why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
     if why == c.FAILURE_TIMEOUT:
-        limit = _hms(watcher.time_limit_s or 0)  # as the watch last read it: `gpuq update` may have changed it
+        limit = time_limit(watcher.time_limit_s or 0)  # as the watch last read it: `gpuq update` may have changed it
         return {"state": State.TIMED_OUT, "failure": why, "reason": f"time limit of {limit} reached"}
     if why == c.FAILURE_INTERRUPTED:
         return {"state": State.FAILED, "failure": why, "reason": "interrupted: the worker was shut down"}
@@ -205,11 +206,6 @@ def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[s
     if why == c.FAILURE_GPU_MEM_EXCEEDED:
         return {"state": State.FAILED, "failure": why, "reason": watcher.detail or "over its GPU memory share"}
     return {"state": State.CANCELLED, "failure": why, "reason": "cancelled by user"}
-
-
-def _hms(seconds: int) -> str:
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 def drain_if_left(state: WorkerState, job: JobRun, leftover: tuple[int, ...]) -> None:

@@ -40,6 +40,9 @@ class Sampler(threading.Thread):
         self._pending: list[dict[str, Any]] = []
         self._last_at: float | None = None
         self._last_energy_mj: int | None = None
+        # The job that started since the last reading, and when (``job_started``): the next reading's
+        # interval reaches back past that start, and only the part after it is the job's.
+        self._job_start: tuple[int, float] | None = None
         # How many batches it has taken to write: a job that started when this stood where it
         # stands at its end has every reading of its own in the sampler's hands (``end_rows``).
         self.flushes = 0
@@ -76,9 +79,34 @@ class Sampler(threading.Thread):
                 energy = reading.power_w * interval
             self._last_energy_mj = reading.energy_mj
             job = job_id if job_id is not None else self.current_job()
-            self._pending.append(samples.sample_row(self.gpu_id, job, utcnow(), interval, reading, energy))
+            at = utcnow()
+            before = self._before_start(job, now, interval)
+            if before > 0:
+                # The GPU's own time before the job began (between jobs, or before the first), read
+                # with the same values: charged to the job, it was an idle interval in every job's
+                # summary (utilisation 0 until its first kernel).
+                share = before / interval
+                self._pending.append(samples.sample_row(self.gpu_id, None, at, before, reading,
+                                                        None if energy is None else energy * share))
+                interval -= before
+                energy = None if energy is None else energy * (1 - share)
+            self._pending.append(samples.sample_row(self.gpu_id, job, at, interval, reading, energy))
             del self._pending[:-MAX_PENDING]
             return len(self._pending)
+
+    def job_started(self, job_id: int) -> None:
+        """The worker started ``job_id`` just now (no reading: a flood of short jobs would read the
+        GPU hundreds of times a second)."""
+        with self._lock:
+            self._job_start = (job_id, time.monotonic())
+
+    def _before_start(self, job: int | None, now: float, interval: float) -> float:
+        """Of a reading of ``job`` over ``interval`` seconds to ``now``, the seconds before the job
+        started (the first reading after its start only). Called under the lock."""
+        started, self._job_start = self._job_start, None
+        if started is None or job is None or started[0] != job:
+            return 0.0
+        return min(max(interval - (now - started[1]), 0.0), interval)
 
     def flush(self) -> None:
         """Write the readings taken so far in one transaction; kept for the next try if it fails."""

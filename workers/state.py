@@ -102,6 +102,8 @@ class WorkerState:
 
     def job_started(self, job_id: int) -> None:
         self.job_id = job_id
+        if self.sampler is not None:
+            self.sampler.job_started(job_id)
 
     def job_ended(self, job_id: int) -> None:
         """The job's last device readings are written before anything reads them for its summary."""
