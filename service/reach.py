@@ -3,20 +3,23 @@
 The server checks a submit's directory, program and workload paths (a typo is one line now, not a
 failed job later). On a machine's stack it runs as root, and root's checks answer for every path:
 "is not an executable file" for one in a directory the user may not enter told them it existed.
-So the checks run ``as_owner``: a path counts only if the owner could reach it, by the mode bits of
-every directory on the way and of the path itself (the owner's uid, primary group and groups).
-That is the kernel's rule without ACLs, which the job itself meets in full: a path an ACL opens
-to a user reads as closed here (said in the message), never the other way round.
+So the checks run ``as_owner``: a path counts only if the owner could reach it, by the kernel's rule
+for every directory on the way and for the path itself (the owner's uid, primary group and groups):
+its POSIX ACL where it has one (``setfacl``: a lab's shared project directory often opens to a
+group or a colleague that way), else its mode bits. The job itself meets the kernel's check in
+full; what this cannot see (a mount's own rules, SELinux) can only close a path the check opened.
 
 A server not run by root checks with its own rights, which are its one user's.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import shutil
 import stat
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -61,12 +64,52 @@ def closed() -> str:
     return f" or is closed to {owner.name}" if owner is not None else ""
 
 
-def _allows(st: os.stat_result, owner: _Owner, bit: int) -> bool:
+def _allows(path: str, st: os.stat_result, owner: _Owner, bit: int) -> bool:
+    acl = _acl(path)
+    if acl is not None:
+        return _acl_allows(acl, st, owner, bit)
     if st.st_uid == owner.uid:
         return bool((st.st_mode >> 6) & bit)
     if st.st_gid in owner.gids:
         return bool((st.st_mode >> 3) & bit)
     return bool(st.st_mode & bit)
+
+
+# The tags of a POSIX ACL's entries, as Linux stores them (linux/posix_acl_xattr.h).
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_ACL_VERSION = 2
+_ENTRY = struct.Struct("<HHI")  # tag, permissions (rwx as in a mode), uid or gid
+
+
+def _acl(path: str) -> list[tuple[int, int, int]] | None:
+    """The path's access ACL as (tag, perm, id) entries; None where it has none (its mode bits say
+    it all) or the file system keeps none."""
+    try:
+        raw = os.getxattr(path, "system.posix_acl_access")
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+    if len(raw) < 4 or struct.unpack_from("<I", raw)[0] != _ACL_VERSION:
+        return None
+    return [_ENTRY.unpack_from(raw, at) for at in range(4, len(raw) - _ENTRY.size + 1, _ENTRY.size)]
+
+
+def _acl_allows(acl: list[tuple[int, int, int]], st: os.stat_result, owner: _Owner, bit: int) -> bool:
+    """The kernel's ACL check (acl(5), "access check algorithm"): the owner's entry; else a named
+    user's, within the mask; else the groups' (the file's group and named groups the owner is in),
+    any of which may grant within the mask, and matching one that does not is a refusal; else other."""
+    mask = next((perm for tag, perm, _ in acl if tag == _MASK), 7)
+    if st.st_uid == owner.uid:
+        return any(tag == _USER_OBJ and perm & bit for tag, perm, _ in acl)
+    for tag, perm, uid in acl:
+        if tag == _USER and uid == owner.uid:
+            return bool(perm & mask & bit)
+    groups = [perm for tag, perm, gid in acl
+              if (tag == _GROUP_OBJ and st.st_gid in owner.gids) or (tag == _GROUP and gid in owner.gids)]
+    if groups:
+        return any(perm & mask & bit for perm in groups)
+    return any(tag == _OTHER and perm & bit for tag, perm, _ in acl)
 
 
 def _on_the_way(path: str, owner: _Owner) -> bool:
@@ -75,7 +118,7 @@ def _on_the_way(path: str, owner: _Owner) -> bool:
         parent = os.path.dirname(form)
         while True:
             try:
-                if not _allows(os.stat(parent), owner, _X):
+                if not _allows(parent, os.stat(parent), owner, _X):
                     return False
             except OSError:
                 return False
@@ -92,11 +135,11 @@ def _stat(path: str, bit: int) -> os.stat_result | None:
         return None
     try:
         st = os.stat(path)
+        if owner is None:
+            return st if os.access(path, os.R_OK if bit == _R else os.X_OK) else None
+        return st if _allows(path, st, owner, bit) else None
     except OSError:
         return None
-    if owner is None:
-        return st if os.access(path, os.R_OK if bit == _R else os.X_OK) else None
-    return st if _allows(st, owner, bit) else None
 
 
 def is_dir(path: str) -> bool:
