@@ -12,7 +12,7 @@ from sqlalchemy import event, select
 from gpuq.service import constants as c
 from gpuq.service.db import get_engine, write_scope
 from gpuq.service.devices import GpuInfo, GpuReading, NoDevices, SimulatedDevices
-from gpuq.service.models import DeviceSample, utcnow
+from gpuq.service.models import Allocation, DeviceSample, utcnow
 from gpuq.workers.probe import SIM_IDLE_W, GpuProbe
 from gpuq.workers.sampler import Sampler
 from tests.test_usage import add_gpu, add_job
@@ -170,14 +170,17 @@ def test_a_jobs_first_reading_charges_it_only_the_time_since_it_started(settings
     # second charged to every job's summary otherwise), with its share of the energy.
     with write_scope(settings) as s:
         gpu = add_gpu(s, "n", 0)
-        job = add_job(s, "ann", "n", utcnow(), None)
     running: list[int] = []
     sampler = Sampler(settings.with_overrides(sample_interval=600.0), gpu, GpuProbe(CounterGpu(), 0),
                       lambda: running[0] if running else None)
     sampler.sample()
     time.sleep(0.4)
+    with write_scope(settings) as s:  # running, on this GPU: the writes tag its GPU's readings after its start
+        started_at = utcnow()
+        job = add_job(s, "ann", "n", started_at, None)
+        s.add(Allocation(job_id=job, gpu_id=gpu, rank=0))
     running.append(job)
-    sampler.job_started(job)
+    sampler.job_started(job, started_at)
     time.sleep(0.2)
     sampler.sample()
     sampler.sample()  # the one after: all the job's

@@ -57,7 +57,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
             return False
         # A rank's job is a built-in workload whose ranks met (rank_to_run asks both).
         workload, params, gpus, meet = cast(str, job.workload), dict(job.params), job.gpus, cast(str, job.rendezvous)
-        owner = job.user
+        owner, started_at = job.user, job.started_at
     # Each attempt has a meeting point of its own: the same rank of the same attempt runs once here,
     # whatever the scheduler sent again after a Redis restart (``leases.ranks_to_send_again``).
     if (job_id, rank, meet) in state.ranks_run:
@@ -65,7 +65,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
         return False
     state.ranks_run.add((job_id, rank, meet))
     log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
-    state.job_started(job_id)
+    state.job_started(job_id, started_at)
     watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt))
     try:
         run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),

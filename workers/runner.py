@@ -56,7 +56,7 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     """Run one started job to its end; returns its end state and the next job started here."""
     settings, job = state.settings, started.job
     lease = state.lease = started.lease
-    state.job_started(job.id)
+    state.job_started(job.id, job.started_at)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or (job.argv or ["?"])[0])
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost,

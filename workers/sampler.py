@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 from gpuq.service import constants as c
@@ -40,9 +41,11 @@ class Sampler(threading.Thread):
         self._pending: list[dict[str, Any]] = []
         self._last_at: float | None = None
         self._last_energy_mj: int | None = None
-        # The job that started since the last reading, and when (``job_started``): the next reading's
-        # interval reaches back past that start, and only the part after it is the job's.
-        self._job_start: tuple[int, float] | None = None
+        # The job that started since the last reading, when (the monotonic clock's) and its row's
+        # started_at (``job_started``): the next reading's interval reaches back past that start,
+        # and only the part after it is the job's.
+        self._job_start: tuple[int, float, datetime | None] | None = None
+        self._started_at: datetime | None = None
         # How many batches it has taken to write: a job that started when this stood where it
         # stands at its end has every reading of its own in the sampler's hands (``end_rows``).
         self.flushes = 0
@@ -84,9 +87,12 @@ class Sampler(threading.Thread):
             if before > 0:
                 # The GPU's own time before the job began (between jobs, or before the first), read
                 # with the same values: charged to the job, it was an idle interval in every job's
-                # summary (utilisation 0 until its first kernel).
+                # summary (utilisation 0 until its first kernel). Stamped just before the job's
+                # start, as the span it stands for ends there: ``samples.record`` and the end's
+                # totals in hand give an untagged reading stamped after the start to the job.
                 share = before / interval
-                self._pending.append(samples.sample_row(self.gpu_id, None, at, before, reading,
+                stamp = (self._started_at - timedelta(microseconds=1)) if self._started_at else at
+                self._pending.append(samples.sample_row(self.gpu_id, None, stamp, before, reading,
                                                         None if energy is None else energy * share))
                 interval -= before
                 energy = None if energy is None else energy * (1 - share)
@@ -94,18 +100,21 @@ class Sampler(threading.Thread):
             del self._pending[:-MAX_PENDING]
             return len(self._pending)
 
-    def job_started(self, job_id: int) -> None:
-        """The worker started ``job_id`` just now (no reading: a flood of short jobs would read the
-        GPU hundreds of times a second)."""
+    def job_started(self, job_id: int, started_at: datetime | None) -> None:
+        """The worker started ``job_id`` just now, its row stamped ``started_at`` (no reading: a
+        flood of short jobs would read the GPU hundreds of times a second)."""
         with self._lock:
-            self._job_start = (job_id, time.monotonic())
+            self._job_start = (job_id, time.monotonic(), started_at)
 
     def _before_start(self, job: int | None, now: float, interval: float) -> float:
         """Of a reading of ``job`` over ``interval`` seconds to ``now``, the seconds before the job
-        started (the first reading after its start only). Called under the lock."""
+        started (the first reading after its start only; ``_started_at`` is then its stamp).
+        Called under the lock."""
         started, self._job_start = self._job_start, None
+        self._started_at = None
         if started is None or job is None or started[0] != job:
             return 0.0
+        self._started_at = started[2]
         return min(max(interval - (now - started[1]), 0.0), interval)
 
     def flush(self) -> None:

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from gpuq.service import constants as c
@@ -100,10 +101,11 @@ class WorkerState:
         without a sampler."""
         return self.sampler.flushes if self.sampler is not None else None
 
-    def job_started(self, job_id: int) -> None:
+    def job_started(self, job_id: int, started_at: datetime | None) -> None:
+        """``started_at``: the job's row's, for the device sampler's first reading of it."""
         self.job_id = job_id
         if self.sampler is not None:
-            self.sampler.job_started(job_id)
+            self.sampler.job_started(job_id, started_at)
 
     def job_ended(self, job_id: int) -> None:
         """The job's last device readings are written before anything reads them for its summary."""
