@@ -194,7 +194,7 @@ async def show(request: web.Request) -> web.Response:
 def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
     with reading(settings) as session:
         job = jobs.get_job(session, job_id)
-        gpus = [g.index for g in jobs.job_gpus(session, job_id)]
+        gpus = jobs.gpu_indices(session, job_id)
         metrics = jobs.read_metrics(session, job_id)
         explains = job.failure not in (None, c.FAILURE_CANCELLED, c.FAILURE_TIMEOUT)
         readable = rights.may_read_output(settings, job.user, caller)

@@ -21,7 +21,7 @@ from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.dialect import not_for_an_index
 from gpuq.service.errors import JobNotFound, StateConflict
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, table, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, JobUsage, table, utcnow
 from gpuq.service.rights import Caller, check_change
 from gpuq.service.settings import Settings
 
@@ -102,6 +102,15 @@ def job_gpus(session: Session, job_id: int) -> list[Gpu]:
     """The GPUs allocated to the job, in rank order."""
     return list(session.scalars(select(Gpu).join(Allocation).where(Allocation.job_id == job_id)
                                 .order_by(Allocation.rank)))
+
+
+def gpu_indices(session: Session, job_id: int) -> list[int]:
+    """The indices of the GPUs the job holds, or, once it ended, those it ran on (its usage
+    summary's), in rank order; none for a job that never ran."""
+    held = [g.index for g in job_gpus(session, job_id)]
+    if held:
+        return held
+    return session.scalar(select(JobUsage.gpu_indices).where(JobUsage.job_id == job_id)) or []
 
 
 @dataclass(frozen=True)

@@ -355,6 +355,9 @@ class JobUsage(Base):
     idle_s: Mapped[float] = mapped_column(Float)  # GPU-seconds below IDLE_UTILIZATION
     samples: Mapped[int] = mapped_column(Integer)
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # The GPUs it ran on (their indices on its node, rank order), as sacct keeps a job's: its
+    # allocation rows go when it ends. None where its worker did not say (a summary summed later).
+    gpu_indices: Mapped[list[int] | None] = mapped_column(JSON)
 
 
 class EarlierAttempt(Base):

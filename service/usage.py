@@ -175,7 +175,7 @@ def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]
                 memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
                 memory_mean_mib=t.memory_mean, utilization_mean=t.utilization_mean,
                 energy_j=t.energy_j if t.samples else None, idle_s=t.idle_seconds, samples=t.samples,
-                recorded_at=utcnow())
+                gpu_indices=list(getattr(job, "gpu_indices", ())) or None, recorded_at=utcnow())
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,9 @@ class Ended:
     ran_before: bool = True
     # A shared job's share of each GPU (what it is charged); None: whole GPUs.
     gpu_share: float | None = None
+    # The GPUs it ran on, by index on its node, in rank order (kept in its summary: its allocation
+    # goes with its end).
+    gpu_indices: tuple[int, ...] = ()
 
 
 def record_usage(session: Session, job_id: int, ended: Ended | None = None,

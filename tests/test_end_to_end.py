@@ -64,6 +64,10 @@ def test_a_command_runs_without_a_shell_in_its_directory_with_its_gpus_and_keeps
     assert "args ['--lr', '0.1', '$HOME;', 'a b']" in out  # no shell: nothing expanded or split
     assert f"job {job_id}" in out and "to stderr" in out
     assert "secret None None" in out  # the worker's database and broker URLs stay with the worker
+    # Its GPUs are told after its end too (its allocation went with it), as sacct keeps them.
+    shown = json.loads(run_cli(["show", "--json", str(job_id)], s).stdout)
+    assert shown["gpu_indices"] == [0, 1], shown
+    assert f"2 on {shown['node']}: 0, 1" in run_cli(["show", str(job_id)], s).stdout
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):

@@ -73,7 +73,8 @@ def _listed(settings, gpu: int, *job_ids: int) -> None:
 def _hand_over(settings, job_id: int, token: str, gpu: int, summary: bool = True, session=None):
     """``end_and_take`` in a transaction of its own, or in ``session``'s (left open)."""
     now = utcnow()
-    totals = usage.summary(usage.Ended(job_id, 1, now - timedelta(seconds=2), now, False), usage.Totals())
+    totals = usage.summary(usage.Ended(job_id, 1, now - timedelta(seconds=2), now, False, gpu_indices=(0,)),
+                           usage.Totals())
     if session is None:
         with write_scope(settings) as session:
             return _hand_over(settings, job_id, token, gpu, summary, session)
@@ -114,6 +115,7 @@ def test_a_success_hands_its_gpu_to_the_first_waiting_listed_job_with_its_summar
         assert job.worker == "gpu0@a" and job.node == "a" and job.lease_token is not None
         assert job.started_at == job.dispatched_at == session.get(Job, ending).ended_at
         assert session.get(JobUsage, ending).wall_s == pytest.approx(2.0)
+        assert session.get(JobUsage, ending).gpu_indices == [0]  # what `gpuq show` tells of it now
         assert session.get(JobUsage, following) is None
 
 

@@ -86,8 +86,7 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
             if done and last_words:
                 # No savepoint of its own (two statements fewer at every end on PostgreSQL): a summary
                 # the database refuses fails this try, and the end is written again without it.
-                _store_usage(state, session, usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
-                                                         job.ran_before), in_hand)
+                _store_usage(state, session, ended_of(job, now), in_hand)
             taken = _take_next(state, session) if done else None
         if not done:
             return False, None, True
@@ -118,14 +117,19 @@ def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, 
     summary = None
     if in_hand is not None:
         try:
-            summary = usage.summary(usage.Ended(job.id, len(job.gpu_indices), job.started_at, now,
-                                                job.ran_before), in_hand)
+            summary = usage.summary(ended_of(job, now), in_hand)
         except Exception:  # as ``_store_usage``: a summary that cannot be made is no reason to lose the end
             log.exception("%s: job %s: could not sum its usage", state.name, job.id)
     return handover.end_and_take(session, job_id=lease.job_id, token=lease.token, now=now,
                                  exit_code=end.get("exit_code"), result=end.get("result"), reason=end.get("reason"),
                                  summary=summary, gpu_id=state.gpu_id, worker=state.name, node=state.node,
                                  lease_s=state.settings.lease_timeout)
+
+
+def ended_of(job: JobRun, now: datetime) -> usage.Ended:
+    """What this worker knows of a job it ended, for its usage summary."""
+    return usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before, job.gpu_share,
+                       job.gpu_indices)
 
 
 def _take_next(state: WorkerState, session: Session) -> tuple[Any, str] | None:

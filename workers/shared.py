@@ -28,7 +28,7 @@ from gpuq.service.errors import Unreachable
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
-from gpuq.workers.end import gave_up_waiting, record_usage
+from gpuq.workers.end import ended_of, gave_up_waiting, record_usage
 from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import JobRun, Started
 from gpuq.workers.output import OutputSink
@@ -141,8 +141,7 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
                 done = end_attempt(session, job.id, token=lease.token, max_requeues=settings.max_requeues, now=now,
                                    **end)
                 if done:
-                    ended = usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before,
-                                        job.gpu_share)
+                    ended = ended_of(job, now)
                     record_usage(state, session, ended, usage.Totals(memory_used_max=peak_mib))
             sink.rest_stored()
             return done

@@ -1,1 +1,1 @@
-HEAD = "0014"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0015"  # the newest revision; tests/test_migrations.py checks it against Alembic
