@@ -84,6 +84,14 @@ def sign_off(session: Session, gpu_id: int) -> None:
         heartbeat_at=None, worker=None, worker_pid=None, utilization=None, memory_used_mib=None))
 
 
+def worker_gone(session: Session, gpu_id: int, pid: int) -> None:
+    """The worker process ``pid`` of the GPU is gone (seen by a job's rank 0 on its node): the GPU
+    is offline at once, not after the heartbeat's timeout, in which the scheduler would place jobs
+    on it again. Nothing changes if another worker registered it since."""
+    session.execute(update(Gpu).where(Gpu.id == gpu_id, Gpu.worker_pid == pid).values(
+        heartbeat_at=None, worker=None, worker_pid=None, utilization=None, memory_used_mib=None))
+
+
 @dataclass(frozen=True)
 class GpuView:
     """A GPU as `gpuq status` shows it."""

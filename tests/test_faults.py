@@ -278,6 +278,39 @@ def test_a_ddp_ranks_message_lost_when_redis_restarted_empty_is_sent_again_and_t
         broker.stop()
 
 
+@pytest.mark.timeout(180)
+def test_a_ddp_job_whose_peer_ranks_worker_is_killed_is_requeued_as_worker_lost_not_failed_by_its_workload(
+        tmp_path, redis_url):
+    # Rank 0's collectives fail the moment rank 1's worker dies ("connection reset"): that read as
+    # the workload's own error and used up a retry.
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url)
+    try:
+        job_id = cli_submit(st.settings, ["--gpus", "2", "--retries", "1", "train", "--strategy", "ddp",
+                                          "--epochs", "50", "--batch-size", "64", "--train-size", "2048",
+                                          "--test-size", "64", "--checkpoint", ""])
+        wait_for(lambda: job(st.settings, job_id).worker is not None, 60, "the job to start")
+        _, rank0_index, _ = worker_of(st, job_id)
+        peer = f"worker-{st.settings.node}-{1 - rank0_index}"
+        wait_for(lambda: f"job {job_id} rank 1/2 started" in (tmp_path / "logs" / f"{peer}.log").read_text(), 60,
+                 "rank 1 to start")
+        time.sleep(2)  # training: the ranks are in their collectives
+        st.procs[peer].kill()
+        j = wait_for(lambda: (j := job(st.settings, job_id)).attempts and j, 60, "the first attempt's end")
+        attempt = j.attempts[0]
+        assert attempt["failure"] == c.FAILURE_WORKER_LOST and attempt["requeue"], attempt
+        assert "rank 1's worker" in attempt["reason"] and "was lost" in attempt["reason"], attempt
+        # Its retry kept, it waits for two GPUs again: the lost worker's is offline at once (placed
+        # there again before its heartbeat ran out, it burnt its requeues in a second).
+        time.sleep(2)
+        j = job(st.settings, job_id)
+        assert j.state == State.PENDING and j.requeues == 1, (j.state, j.requeues, j.attempts)
+        with write_scope(st.settings) as session:
+            offline = session.scalar(select(Gpu).where(Gpu.index == 1 - rank0_index))
+            assert offline.worker is None and offline.heartbeat_at is None
+    finally:
+        st.stop()
+
+
 # ---- the database restarted ---------------------------------------------------------------------
 
 def test_postgresql_restarted_while_jobs_run_loses_nothing_and_nobody_restarts(tmp_path, redis_url):

@@ -29,7 +29,7 @@ from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.output import OutputSink
 from gpuq.workers.owner_files import OwnerFiles
-from gpuq.workers.ranks import start_ranks
+from gpuq.workers.ranks import Peer, lost_peers, mark_lost, start_ranks
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
 
@@ -103,6 +103,17 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib, outcome.over_limit_mib)}
 
 
+def _peer_lost(state: WorkerState, sink: OutputSink, lost: list[Peer], when: str) -> dict[str, Any]:
+    """The end of a job whose peer ranks' workers were lost: the workers' failure, not the job's
+    (requeued without using a retry, as for its own worker's loss), and their GPUs offline until
+    those workers are back, so it is not placed there again meanwhile."""
+    mark_lost(state.settings, lost)
+    peer = lost[0]
+    sink.note(f"gpuq: rank {peer.rank}'s worker {peer.worker} was lost {when}")
+    return {"state": State.FAILED, "failure": c.FAILURE_WORKER_LOST,
+            "reason": f"rank {peer.rank}'s worker {peer.worker} was lost"}
+
+
 def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher) -> dict[str, Any]:
     from gpuq.workers.builtin import run_workload  # torch: imported where it runs
 
@@ -122,9 +133,20 @@ def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher
     if gpus == 1:
         result = run_workload(job.id, workload, job.params, 1, sink.line, watcher.stopped, on_metric, files=files)
     elif get_workload(workload).runs_rank_per_gpu(job.params, gpus):
-        rank0 = start_ranks(state, job)
-        result = run_workload(job.id, workload, job.params, gpus, sink.line, watcher.stopped, on_metric, rank0,
-                              files=files)
+        rank0, peers = start_ranks(state, job)
+        # A peer's worker already gone (killed before its heartbeat went stale, so the job was
+        # placed on its GPU): rank 0 would wait out the meeting's timeout for a rank nobody runs.
+        if lost := lost_peers(peers, within=0):
+            return _peer_lost(state, sink, lost, "before the ranks met")
+        try:
+            result = run_workload(job.id, workload, job.params, gpus, sink.line, watcher.stopped, on_metric, rank0,
+                                  files=files)
+        except JobCancelled:
+            raise
+        except Exception as exc:
+            if not (lost := lost_peers(peers)):
+                raise
+            return _peer_lost(state, sink, lost, f"mid-job (rank 0: {type(exc).__name__}: {str(exc)[:200]})")
     else:
         return execute_in_child(state, job, sink, watcher)
     return {"state": State.SUCCEEDED, "result": result}

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
+
+import psutil
 
 from gpuq.service.celery_app import send_run_rank
 from gpuq.service.db import write_scope
 from gpuq.service.errors import JobCancelled
-from gpuq.service.jobs import rank_to_run, set_rendezvous
+from gpuq.service.inventory import worker_gone
+from gpuq.service.jobs import job_gpus, rank_to_run, set_rendezvous
 from gpuq.service.settings import Settings
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
@@ -26,9 +31,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuq.worker")
 
+# Seconds rank 0 looks for a lost peer worker after its workload failed.
+PEER_LOOK_SECONDS = 2.0
 
-def start_ranks(state: WorkerState, job: JobRun) -> Rank:
-    """Set where the job's ranks meet and ask each of its other GPUs' workers to run its rank.
+
+@dataclass(frozen=True)
+class Peer:
+    """Another rank of a job this worker runs rank 0 of, and the worker process that runs it."""
+
+    rank: int
+    gpu_id: int
+    worker: str | None
+    pid: int | None
+
+
+def start_ranks(state: WorkerState, job: JobRun) -> tuple[Rank, list[Peer]]:
+    """Set where the job's ranks meet and ask each of its other GPUs' workers to run its rank; this
+    worker's rank, and the others' workers as they were then (``lost_peers``).
 
     Each rank then runs in the warm worker pinned to its own GPU; this worker runs rank 0.
     """
@@ -37,9 +56,42 @@ def start_ranks(state: WorkerState, job: JobRun) -> Rank:
     init_method = f"tcp://{advertise_addr(state.settings)}:{free_port()}"
     with write_scope(state.settings) as session:
         set_rendezvous(session, job.id, init_method)
+        peers = [Peer(rank, gpu.id, gpu.worker, gpu.worker_pid)
+                 for rank, gpu in enumerate(job_gpus(session, job.id)) if rank]
     for rank, queue in enumerate(job.gpu_queues[1:], start=1):
         send_run_rank(state.app, queue, job.id, rank)
-    return Rank(0, len(job.gpu_queues), init_method)
+    return Rank(0, len(job.gpu_queues), init_method), peers
+
+
+def lost_peers(peers: list[Peer], within: float = PEER_LOOK_SECONDS) -> list[Peer]:
+    """The peers whose worker process is gone (dead, or a zombie its parent has not reaped yet).
+
+    Rank 0's collectives fail the moment a peer's worker dies ("connection reset"), which reads
+    as the workload's own error and would use up one of its retries; it is the worker that was
+    lost, as when a one-GPU job's worker dies. A job's ranks run on one node, so the peers'
+    pids are this node's to look at. A peer that failed on its own (its rank raised) has a live
+    worker: looked at for up to ``within`` seconds, as the dying process may still be exiting."""
+    deadline = time.monotonic() + within
+    while True:
+        lost = [p for p in peers if p.pid is not None and not _alive(p.pid)]
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.1)
+
+
+def mark_lost(settings: Settings, peers: list[Peer]) -> None:
+    """Take the lost peers' GPUs offline until their workers register again (``inventory.worker_gone``)."""
+    with write_scope(settings) as session:
+        for peer in peers:
+            if peer.pid is not None:
+                worker_gone(session, peer.gpu_id, peer.pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
