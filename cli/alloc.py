@@ -103,13 +103,16 @@ def _wait_for_start(client: Client, job_id: int) -> dict[str, Any]:
     with hang_up_raises():
         try:
             while True:
-                held = client.post(f"/jobs/{job_id}/keepalive")
+                # A server that restarts meanwhile is waited for (client.RIDE_OUT_SECONDS), as `gpuq
+                # run` waits: the allocation keeps its place. A keepalive is safe to send again.
+                held = client.post(f"/jobs/{job_id}/keepalive", ride_out=True)
                 if held["state"] not in (State.PENDING, State.DISPATCHED):
                     waiting.clear()
                     return held
                 waiting.show(held["state"], held["reason"])
                 # Until the state changes, or it is time to say we are alive again.
-                client.get(f"/jobs/{job_id}/output", wait=min(held["keepalive_s"], 2.0), state=held["state"])
+                client.get(f"/jobs/{job_id}/output", ride_out=True, wait=min(held["keepalive_s"], 2.0),
+                           state=held["state"])
         except KeyboardInterrupt:
             waiting.clear()
             _cancel_quietly(client, job_id)
@@ -166,8 +169,8 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
             signal.signal(s, handler)
     code = 128 - code if code < 0 else code
     if not keeper.ended.is_set():
-        try:
-            client.post(f"/jobs/{job_id}/end", {"exit_code": code})
+        try:  # safe to send again: the server ignores an end of an ended allocation
+            client.post(f"/jobs/{job_id}/end", {"exit_code": code}, ride_out=True)
         except Refused as exc:
             if exc.exit_code != c.EXIT_CONFLICT:
                 raise
@@ -191,7 +194,8 @@ def _report(client: Client, job_id: int, code: int | None = None) -> int:
     deadline = time.monotonic() + END_WAIT_SECONDS
     state = None
     while True:
-        end = client.get(f"/jobs/{job_id}/output", after=2**31 - 1, wait=min(5.0, END_WAIT_SECONDS), state=state)
+        end = client.get(f"/jobs/{job_id}/output", ride_out=True, after=2**31 - 1, wait=min(5.0, END_WAIT_SECONDS),
+                         state=state)
         state = end["state"]
         if state in c.END_STATES:
             break

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 from gpuq.service import constants as c
-from gpuq.service.errors import GpuqError, Unreachable
+from gpuq.service.errors import ConfigError, GpuqError, Unreachable
 from gpuq.service.settings import SYSTEM_SOCKET, load_settings
 
 if TYPE_CHECKING:
@@ -34,16 +36,24 @@ class Refused(GpuqError):
         self.exit_code = exit_code
 
 
+class Overdue(Unreachable):
+    """A read riding out a server that went away reached its caller's deadline (`gpuq wait
+    --timeout`) with the server still away; the caller ends as its deadline says."""
+
+
 # Set by the `gpuq` command itself (cli/app.main): its one process may do without ssl.
 LEAN = False
 
-# A command that follows a job (`gpuq run`, `attach`, `wait`, `logs -f`) rides out a restart of the
-# server it has been talking to (the stack's supervisor brings it back within about 2 s): a read
-# that finds the server gone is asked again this often, for at most this long, before exit 69;
-# quietly at first, then with one line on stderr.
+# A command that follows a job (`gpuq run`, `attach`, `wait`, `logs -f`, `alloc`) rides out a restart
+# of its server (the stack's supervisor brings it back within about 2 s): a read that finds the
+# server gone is asked again this often, for at most this long (or until the command's own
+# deadline), before exit 69; quietly at first, then with one line on stderr.
 RIDE_OUT_SECONDS = 30.0
 RIDE_OUT_QUIET_SECONDS = 5.0
 RIDE_OUT_RETRY_SECONDS = 0.25
+# Seconds instead of RIDE_OUT_SECONDS: longer for a server slow to come back, 0 for none, a few
+# for tests. The client's own knob, read by each request that may ride out: not a server setting.
+RIDE_OUT_ENV = "GPUQ_RIDE_OUT"
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,19 +153,24 @@ class Client:
             return _http().HTTPConnection(*self.tcp, timeout=self.timeout)
         return unix_connection(self.socket_path, self.timeout)
 
-    def get(self, path: str, *, ride_out: bool = False, **query: Any) -> Any:
-        """``ride_out``: a server that answered this client before and is gone now (restarting) is
-        asked again for up to RIDE_OUT_SECONDS, as a command that follows a job needs."""
-        return self.request("GET", path, query=query, ride_out=ride_out)
+    def get(self, path: str, *, ride_out: bool = False, deadline: float | None = None, **query: Any) -> Any:
+        """``ride_out``: a server restarting (see ``request``) is asked again for up to
+        RIDE_OUT_SECONDS, as a command that follows a job needs; ``deadline`` (time.monotonic())
+        ends that sooner, with Overdue."""
+        return self.request("GET", path, query=query, ride_out=ride_out, deadline=deadline)
 
-    def post(self, path: str, body: dict[str, Any] | None = None, *, retries: int = 0) -> Any:
-        return self.request("POST", path, body=body, retries=retries)
+    def post(self, path: str, body: dict[str, Any] | None = None, *, retries: int = 0,
+             ride_out: bool = False) -> Any:
+        """``ride_out`` as for ``get``: only for a post that is safe to send again (a keepalive)."""
+        return self.request("POST", path, body=body, retries=retries, ride_out=ride_out)
 
     def request(self, method: str, path: str, *, body: dict[str, Any] | None = None,
-                query: dict[str, Any] | None = None, retries: int = 0, ride_out: bool = False) -> Any:
+                query: dict[str, Any] | None = None, retries: int = 0, ride_out: bool = False,
+                deadline: float | None = None) -> Any:
         """The answer's JSON; Refused for an error answer, Unreachable when no server answers
         (after ``retries`` more tries, for a request that is safe to send again, or, with
-        ``ride_out``, after RIDE_OUT_SECONDS of a server that answered before and went away)."""
+        ``ride_out``, after RIDE_OUT_SECONDS of a server restarting), Overdue when ``deadline``
+        came first."""
         target = c.API_PREFIX + path
         q = {k: v for k, v in (query or {}).items() if v is not None}
         if q:
@@ -164,24 +179,40 @@ class Client:
         # the escape it is, and the server names it, rather than an undecodable body.
         data = b"" if body is None else json.dumps(body).encode("ascii")
         attempt = 0
-        outage = _Outage(self.address) if ride_out else None
+        outage = _Outage(self.address, deadline) if ride_out else None
         while True:
             try:
                 return self._once(method, target, data)
             except (OSError, _http().HTTPException) as exc:
-                # No server there at the first try: say so at once. A connection lost mid-request
-                # (a server restarting) is tried again, for a request that is safe to repeat.
-                never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
                 if self.tls and _tls_failed(exc):
                     raise Unreachable(f"the gpuq server at {self.address} failed TLS: {_reason(exc)} (GPUQ_TLS_CA "
                                       "names the CA that signed its certificate)") from None
-                if outage is not None and self.answered and _server_gone(exc) and outage.wait(exc):
-                    continue
+                # A follower's read waits for a server on its way back, until its ride-out or its
+                # caller's deadline is over.
+                if outage is not None and self._restarting(exc):
+                    if outage.wait(exc):
+                        continue
+                    if outage.overdue:
+                        raise Overdue(f"no gpuq server answers at {self.address}: {_reason(exc)}") from None
+                # No server there at the first try: say so at once. A connection lost mid-request
+                # (a server restarting) is tried again, for a request that is safe to repeat.
+                never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
                 if attempt == retries or never_there:
                     raise Unreachable(f"no gpuq server answers at {self.address}: {_reason(exc)} (start one with "
                                       "`gpuq up`, or set GPUQ_SERVER)") from None
                 attempt += 1
                 time.sleep(c.SUBMIT_RETRY_SECONDS)
+
+    def _restarting(self, exc: BaseException) -> bool:
+        """Whether ``exc`` looks like a server on its way back, which a ride-out waits for: one that
+        answered this client before and is gone now; or, before any answer, a Unix socket that is
+        there but refuses, since a server that dies (or is starting) leaves its socket and one
+        that stops removes it (server/app.py). No socket at all, or TCP refused (a restart and a
+        wrong port look alike), is no server: said at once."""
+        if not _server_gone(exc):
+            return False
+        return self.answered or (isinstance(exc, ConnectionRefusedError) and self.tcp is None
+                                 and _is_socket(self.socket_path))
 
     def _once(self, method: str, target: str, data: bytes) -> Any:
         headers = {**self.headers, "Content-Type": "application/json", "Content-Length": str(len(data))}
@@ -214,32 +245,58 @@ class Client:
         return answer
 
 
-class _Outage:
-    """One read's wait for a server that went away: how long it has lasted, and whether it was said."""
+def ride_out_seconds() -> float:
+    """How long a ride-out lasts: GPUQ_RIDE_OUT if set, else RIDE_OUT_SECONDS; ConfigError for a
+    value that is not a number of seconds."""
+    raw = os.environ.get(RIDE_OUT_ENV, "").strip()
+    if not raw:
+        return RIDE_OUT_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ConfigError(f"{RIDE_OUT_ENV} must be seconds (0 or more), got {raw[:40]!r}")
+    return seconds
 
-    def __init__(self, address: str) -> None:
+
+class _Outage:
+    """One read's wait for a server that went away: how long it has lasted, whether it was said,
+    and whether the caller's deadline is what ended it."""
+
+    def __init__(self, address: str, deadline: float | None = None) -> None:
         self.address = address
+        self.deadline = deadline
+        self.limit = ride_out_seconds()
         self.began: float | None = None
         self.said = False
+        self.overdue = False
 
     def wait(self, exc: BaseException) -> bool:
-        """Sleep before the next try and return True, or False once RIDE_OUT_SECONDS have passed.
-        Past RIDE_OUT_QUIET_SECONDS, says once on stderr that the server is not answering."""
+        """Sleep before the next try and return True, or False once the ride-out's time has passed
+        (``overdue`` if the deadline came before it). Past RIDE_OUT_QUIET_SECONDS, says once on
+        stderr that the server is not answering."""
         now = time.monotonic()
         if self.began is None:
             self.began = now
-        if now - self.began >= RIDE_OUT_SECONDS:
+        until = self.began + self.limit
+        by_deadline = self.deadline is not None and self.deadline < until
+        if self.deadline is not None and by_deadline:
+            until = self.deadline
+        if now >= until:
+            self.overdue = by_deadline
             return False
         if not self.said and now - self.began >= RIDE_OUT_QUIET_SECONDS:
             self.said = True
             # On a terminal, below whatever line is being rewritten (a waiting job's, a bar).
             try:
                 sys.stderr.write(("\n" if sys.stderr.isatty() else "") + f"gpuq: the server at {self.address} is "
-                                 f"not answering ({_reason(exc)}); trying again for up to {RIDE_OUT_SECONDS:g} s\n")
+                                 f"not answering ({_reason(exc)}); trying again for up to "
+                                 f"{round(until - self.began, 1):g} s\n")
                 sys.stderr.flush()
             except (OSError, ValueError):  # the terminal is gone: nothing to tell it
                 pass
-        time.sleep(RIDE_OUT_RETRY_SECONDS)
+        time.sleep(min(RIDE_OUT_RETRY_SECONDS, until - now))
         return True
 
 
@@ -249,6 +306,14 @@ def _server_gone(exc: BaseException) -> bool:
     a permission refused."""
     http = _http()
     return isinstance(exc, (ConnectionError, FileNotFoundError, http.BadStatusLine, http.IncompleteRead))
+
+
+def _is_socket(path: str) -> bool:
+    """Whether a socket file is at ``path`` (not a file named by mistake, which refuses too)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _tls_failed(exc: BaseException) -> bool:

@@ -1,42 +1,75 @@
-"""`gpuq config`: the effective settings, where each came from, secrets masked."""
+"""`gpuq config`: the settings that matter, where each came from, secrets masked.
+
+With a server answering: the settings it runs the queue with (``GET /v1/config``, what this user
+may see of them), and this client's own that say which server that is. A user's own settings (a
+home, a SQLite file in it) are not what the machine's queue runs with, and printing them as if they
+were misled. With no server answering: this client's own settings, said to be only that.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from gpuq.cli.client import Client
 from gpuq.cli.render import print_json
-from gpuq.service.settings import ENV_PREFIX, Settings, masked, setting_sources
+from gpuq.service.errors import Unreachable
+from gpuq.service.settings import setting_sources, shown_settings
 
 app = typer.Typer()
 
-# Fields whose empty default means "derived": shown as the value gpuq really uses.
-_EFFECTIVE = {"database_url": "database", "broker_url": "broker", "snapshot_dir": "snapshots"}
-
-
-def _value(settings: Settings, name: str) -> Any:
-    value = getattr(settings, _EFFECTIVE.get(name, name))
-    return str(value) if isinstance(value, Path) else value
+# The client's own settings that matter beside a server's: which server it talks to, and how.
+CLIENT_SETTINGS = ("server", "socket", "tls_ca", "munge_socket")
+# What a setting the server keeps from this caller shows in its place.
+WITHHELD = "(root and admins only)"
 
 
 @app.command()
 def config(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Every setting as gpuq sees it, and where it came from: env (GPUQ_*), file, or default.
+    """The settings of the gpuq server this client talks to (what the queue runs with) and this
+    client's own that find it; with no server answering, this client's local settings.
 
-    Passwords in URLs, and settings named like a password, secret or token, are masked.
+    Each with where it came from: env (GPUQ_*), file, or default. Passwords in URLs, and settings
+    named like a password, secret or token, are masked; where the database and the broker are is
+    shown to root and the admins only.
     """
     settings, path, sources = setting_sources()
-    rows = [(f.name, ENV_PREFIX + f.name.upper(), masked(f.name, _value(settings, f.name)), sources[f.name])
-            for f in dataclasses.fields(settings)]
-    if as_json:
-        print_json({"config_file": str(path), "config_file_exists": path.is_file(),
-                    "settings": {name: {"value": value, "source": source, "env": env}
-                                 for name, env, value, source in rows}})
+    local: dict[str, Any] = {"config_file": str(path), "config_file_exists": path.is_file(),
+                             "settings": shown_settings(settings, sources)}
+    try:
+        client = Client()
+        served = client.get("/config")
+    except Unreachable as exc:
+        _local_view(local, exc, as_json)
         return
-    typer.echo(f"config file: {path}" + ("" if path.is_file() else " (none there)"))
-    width = max(len(env) for _, env, _, _ in rows)
-    for _, env, value, source in rows:
-        typer.echo(f"{env:<{width}}  {source:<7}  {value}")
+    mine: dict[str, Any] = {**local, "settings": {name: local["settings"][name] for name in CLIENT_SETTINGS}}
+    if as_json:
+        print_json({"view": "server", "server": client.address, **served, "client": mine})
+        return
+    width = max(len(s["env"]) for s in [*served["settings"].values(), *mine["settings"].values()])
+    typer.echo(f"gpuq server at {client.address}: the settings the queue runs with ({_file(served)})")
+    _rows(served["settings"], width)
+    typer.echo(f"this client: how it finds the server ({_file(mine)})")
+    _rows(mine["settings"], width)
+
+
+def _local_view(local: dict[str, Any], why: Unreachable, as_json: bool) -> None:
+    """This client's own settings, said to be only that: no server answered to say its own."""
+    typer.echo(f"gpuq: {why}; so this is the local view: this client's own settings, not those a server runs "
+               "the queue with", err=True)
+    if as_json:
+        print_json({"view": "local", "unreachable": str(why), **local})
+        return
+    typer.echo(f"config file: {local['config_file']}" + ("" if local["config_file_exists"] else " (none there)"))
+    _rows(local["settings"], max(len(s["env"]) for s in local["settings"].values()))
+
+
+def _file(view: dict[str, Any]) -> str:
+    return f"config file: {view['config_file']}" + ("" if view["config_file_exists"] else ", none there")
+
+
+def _rows(shown: dict[str, dict[str, Any]], width: int) -> None:
+    for s in shown.values():
+        source, value = ("-", WITHHELD) if s.get("withheld") else (s["source"], s["value"])
+        typer.echo(f"{s['env']:<{width}}  {source:<7}  {value}".rstrip())

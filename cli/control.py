@@ -10,7 +10,7 @@ import typer
 
 from gpuq.cli.client import Client
 from gpuq.cli.jobs import selected
-from gpuq.cli.render import print_json
+from gpuq.cli.render import print_json, time_limit
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 
@@ -71,12 +71,8 @@ def update(job_ids: JobIds = None, array: Array = None,
 
 
 def _limit(seconds: int | None) -> str:
-    """A time limit as `--time` takes it back and the worker's end reason writes it: H:MM:SS (hours
-    past a day go on counting), or "none"."""
-    if seconds is None:
-        return "none"
-    h, rest = divmod(int(seconds), 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+    """A time limit as every front-end writes it (``display.time_limit``), or "none"."""
+    return "none" if seconds is None else time_limit(seconds)
 
 
 # How `gpuq update` names each field it changed, and writes its values.
@@ -127,11 +123,11 @@ def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> Non
 
 
 def _set_drained(node: str, drained: bool, reason: str | None) -> None:
+    from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, inventory
     from gpuq.service.db import require_schema, write_scope
-    from gpuq.service.settings import get_settings
 
-    settings = get_settings()
+    settings = admin_settings("drain" if drained else "resume")
     require_schema(settings)
     with write_scope(settings) as session:
         inventory.set_drained(session, node, drained, reason)

@@ -7,14 +7,23 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
-from gpuq.cli.client import Client, Refused
+from gpuq.cli.client import Client, Overdue, Refused
 from gpuq.cli.progress import bar, wanted
-from gpuq.cli.render import duration, job, print_json, printable, result_lines, result_summary, seconds, timestamp
+from gpuq.cli.render import (
+    duration,
+    job,
+    print_json,
+    printable,
+    result_lines,
+    result_summary,
+    seconds,
+    time_limit,
+    timestamp,
+)
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
@@ -83,7 +92,7 @@ def _lines(j: Any) -> list[tuple[str, str]]:
     ]
     asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib else "",
             f"node {j.on_node}" if j.on_node else "",
-            f"time limit {duration(timedelta(seconds=j.time_limit_s))}" if j.time_limit_s else "",
+            f"time limit {time_limit(j.time_limit_s)}" if j.time_limit_s else "",
             f"{j.max_retries} retries" if j.max_retries else "",
             (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
              .replace("  ", " ") if j.after else ""),
@@ -156,7 +165,8 @@ def logs(job_id: JobId,
          ) -> None:
     """A job's output (stdout and stderr as written)."""
     client = Client()
-    first = client.get(f"/jobs/{job_id}/output", after=-1)
+    # -f waits by nature: its first read, too, rides out a server restarting (client.Client._restarting).
+    first = client.get(f"/jobs/{job_id}/output", ride_out=follow, after=-1)
     if as_json and not follow:
         print_json({"id": job_id, "state": first["state"], "output": "".join(ch[1] for ch in first["chunks"])})
         return
@@ -187,16 +197,18 @@ def _print_output(client: Client, job_id: int, answer: dict[str, Any], follow: b
                             state=answer["state"])
 
 
-def selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False) -> list[int]:
-    """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs."""
+def selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False,
+             ride_out: bool = False, deadline: float | None = None) -> list[int]:
+    """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs.
+    ``ride_out`` and ``deadline`` as for ``Client.get``."""
     if mine and (job_ids or array is not None):
         # scancel -u USER ID narrows to that user's; a union here would cancel every job of theirs.
         raise InvalidSpec("--user cancels all your jobs: give it alone, without job ids or --array")
     chosen = list(job_ids or [])
     if chosen:
-        states_of(client, chosen)  # every id must exist
+        states_of(client, chosen, ride_out, deadline)  # every id must exist
     if array is not None:
-        chosen += [r["id"] for r in client.get(f"/arrays/{array}")["jobs"]]
+        chosen += [r["id"] for r in client.get(f"/arrays/{array}", ride_out=ride_out, deadline=deadline)["jobs"]]
     if mine:
         chosen += client.get("/jobs/active")["ids"]
     if not chosen and not mine:
@@ -211,27 +223,33 @@ WAITING_SHOWN = 5
 STATES_PER_REQUEST = 500
 
 
-def states_of(client: Client, job_ids: list[int], ride_out: bool = False) -> dict[int, str]:
+def states_of(client: Client, job_ids: list[int], ride_out: bool = False,
+              deadline: float | None = None) -> dict[int, str]:
     """Each job's state; Refused (exit 3) if one does not exist. ``ride_out``: wait for a server
-    that restarts (``Client.get``)."""
+    that restarts, until ``deadline`` at most (``Client.get``)."""
     states: dict[int, str] = {}
     for start in range(0, len(job_ids), STATES_PER_REQUEST):
         chunk = job_ids[start:start + STATES_PER_REQUEST]
-        answer = client.get("/jobs/states", ride_out=ride_out, ids=",".join(map(str, chunk)))["states"]
+        answer = client.get("/jobs/states", ride_out=ride_out, deadline=deadline,
+                            ids=",".join(map(str, chunk)))["states"]
         states.update((int(k), v) for k, v in answer.items())
     return states
 
 
-def _until_ended(client: Client, job_ids: list[int], timeout: float | None,
+def _until_ended(client: Client, job_ids: list[int], deadline: float | None,
                  advance: Callable[[int, str], None] | None = None) -> dict[int, str]:
-    """The jobs' states once all have ended, or as they are when ``timeout`` seconds ran out;
-    ``advance(ended, text)`` is told how many have ended after each look. A server that restarts
-    meanwhile is waited for (client.RIDE_OUT_SECONDS): the jobs go on without it."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    """The jobs' states once all have ended, or as last seen when ``deadline`` (time.monotonic())
+    passed; ``advance(ended, text)`` is told how many have ended after each look. A server that
+    restarts meanwhile is waited for (client.RIDE_OUT_SECONDS), but not past the deadline: the
+    jobs go on without it, and the caller's timeout is its own. A job never seen has no state."""
     states: dict[int, str] = {}
     while True:
         # An end state is final: each look asks only about the jobs that had not ended.
-        states.update(states_of(client, [j for j in job_ids if states.get(j) not in c.END_STATES], ride_out=True))
+        try:
+            states.update(states_of(client, [j for j in job_ids if states.get(j) not in c.END_STATES],
+                                    ride_out=True, deadline=deadline))
+        except Overdue:
+            return states
         if advance is not None:
             ended = sum(s in c.END_STATES for s in states.values())
             advance(ended, f"{ended} of {len(job_ids)} jobs ended")
@@ -252,23 +270,43 @@ def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", mi
          = None,
          as_json: Annotated[bool, typer.Option("--json", help="The jobs' end states as JSON.")] = False) -> None:
     """Block until the jobs end; exit 0 only if all of them succeeded."""
+    # The timeout is the whole command's: a server away meanwhile does not stretch it.
+    deadline = None if timeout is None else time.monotonic() + timeout
     client = Client()
-    job_ids = selected(client, job_ids, array)
+    try:
+        # A wait is a follower from its first read: a server restarting as it begins is waited for.
+        job_ids = selected(client, job_ids, array, ride_out=True, deadline=deadline)
+    except Overdue:
+        # Timed out before the server answered once: the jobs, if named, with no state seen.
+        if as_json:
+            print_json({str(j): None for j in job_ids or []})
+        _timed_out(timeout or 0.0, _still_waiting(list(job_ids or []), {}) or f"the jobs of array {array}")
     show = not quiet and not as_json and wanted(progress, sys.stderr)
     with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
-        states = _until_ended(client, job_ids, timeout, advance)
+        states = _until_ended(client, job_ids, deadline, advance)
     if as_json:
         print_json({str(j): states.get(j) for j in job_ids})
-    if not all(s in c.END_STATES for s in states.values()):
-        left = [f"{j} ({s})" for j, s in states.items() if s not in c.END_STATES]
-        more = f" and {len(left) - WAITING_SHOWN} more" if len(left) > WAITING_SHOWN else ""
-        typer.echo(f"gpuq: still waiting after {timeout:g} s: job {', '.join(left[:WAITING_SHOWN])}{more}", err=True)
-        raise typer.Exit(c.EXIT_TIMEOUT)
+    left = _still_waiting(job_ids, states)
+    if left:
+        _timed_out(timeout or 0.0, left)
     if not quiet and not as_json:
         for job_id in job_ids:
             typer.echo(f"job {job_id} {states[job_id]}")
     if any(s != State.SUCCEEDED for s in states.values()):
         raise typer.Exit(c.EXIT_JOB_FAILED)
+
+
+def _still_waiting(job_ids: list[int], states: dict[int, str]) -> str:
+    """The jobs not ended, as the timed-out line names them ("job 4 (running), 5 (unknown)"); "" if none."""
+    left = [f"{j} ({states.get(j, 'unknown')})" for j in job_ids if states.get(j) not in c.END_STATES]
+    more = f" and {len(left) - WAITING_SHOWN} more" if len(left) > WAITING_SHOWN else ""
+    return f"job {', '.join(left[:WAITING_SHOWN])}{more}" if left else ""
+
+
+def _timed_out(timeout: float, left: str) -> NoReturn:
+    """End as a wait whose --timeout ran out ends: one line naming what it still waited for, exit 5."""
+    typer.echo(f"gpuq: still waiting after {timeout:g} s: {left}", err=True)
+    raise typer.Exit(c.EXIT_TIMEOUT)
 
 
 @app.command()
@@ -309,7 +347,7 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
             typer.echo(f"job {job_id} cancelling")
         return
     # The worker sends SIGTERM, waits kill_grace, then SIGKILLs: wait a little longer than that.
-    states = _until_ended(client, stopping, grace + 15)
+    states = _until_ended(client, stopping, time.monotonic() + grace + 15)
     for job_id in stopping:
         state = states.get(job_id)
         typer.echo(f"job {job_id} {state}" if state in c.END_STATES else

@@ -1,7 +1,9 @@
 """Running gpuq itself: `gpuq up`, `gpuq down`, `gpuq server`, `gpuq worker`, `gpuq scheduler`, `gpuq db`.
 
 These are the admin commands that use the database and the broker directly; each imports what it
-runs inside its own body, so the users' commands never load it."""
+runs inside its own body, so the users' commands never load it. Every admin command (`gpuq drain`
+and `resume` too) takes its settings from ``admin_settings``, which refuses, in one line, a user
+who cannot use the database the command would open."""
 
 from __future__ import annotations
 
@@ -10,14 +12,92 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gpuq.service.settings import get_settings, mask_url
+from gpuq.service.errors import NotAllowed
+from gpuq.service.settings import Settings, get_settings, mask_url
 
 app = typer.Typer()
 db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=True, add_completion=False)
+
+# What an admin command does with gpuq's database, for the line that refuses it; the rest open it.
+_DOES = {"down": "stops the stack that keeps gpuq's database"}
+# The admin commands that start and stop a user's own stack: one beside root's is theirs to run.
+_OWN_STACK = ("up", "down")
+
+
+def admin_settings(command: str) -> Settings:
+    """The settings of admin command ``command`` (`gpuq drain`, `gpuq db upgrade`, ...), which opens
+    gpuq's database itself rather than asking a server. NotAllowed (77), before anything is opened
+    or written, where this user (not root) cannot use the SQLite database it would open:
+
+    - its file, or the folder it would be made in, is another user's and closed to this one (root's
+      /var/lib/gpuq/gpuq.db, named by GPUQ_HOME or a copied config file);
+    - this user has no database at all, and the server this client talks to is another user's
+      (root's machine stack): the command would make an empty database of this user's, and steer
+      nothing of the queue they use. `gpuq up` and `gpuq down` are not refused that way: they
+      start and stop a user's own stack, which may run beside root's.
+
+    A database server (PostgreSQL) says itself, in one line, whom it lets in."""
+    settings = get_settings()
+    if os.geteuid() == 0:
+        return settings
+    from gpuq.service.dialect import sqlite_file
+
+    path = sqlite_file(settings.database)
+    if path is None:
+        return settings
+    database = Path(path).absolute()
+    found, owner = _nearest(database)
+    rights = os.R_OK | os.W_OK if found == database else os.W_OK | os.X_OK
+    if owner != os.geteuid() and not os.access(found, rights):
+        does = _DOES.get(command, "opens gpuq's database")
+        raise NotAllowed(f"gpuq {command} is an admin command: it {does}, which only {_whom(owner)} can read "
+                         f"({database})")
+    served = None if found == database or command in _OWN_STACK else _server_owner()
+    if served is not None and served[1] != os.geteuid():
+        raise NotAllowed(f"gpuq {command} is an admin command: it opens gpuq's database, and the queue you use (the "
+                         f"server at {served[0]}) is {_name(served[1])}'s, whose database only {_whom(served[1])} "
+                         "can read")
+    return settings
+
+
+def _nearest(path: Path) -> tuple[Path, int]:
+    """``path`` if this user can see it, else the nearest folder above it they can (where it would
+    be made), with its owner's uid."""
+    for candidate in (path, *path.parents):
+        try:
+            return candidate, os.stat(candidate).st_uid
+        except OSError:  # not there, or behind a folder closed to this user
+            continue
+    return Path("/"), 0
+
+
+def _server_owner() -> tuple[str, int] | None:
+    """The Unix socket of the server this client talks to and the uid that made it (the server's
+    own); None for a server over TCP, or no socket there."""
+    from gpuq.cli.client import server_address
+
+    address = server_address()
+    if address.startswith(("http://", "https://")):
+        return None
+    try:
+        return address, os.stat(address.removeprefix("unix:")).st_uid
+    except OSError:
+        return None
+
+
+def _name(uid: int) -> str:
+    from gpuq.service.rights import Caller
+
+    return Caller.of_uid(uid).user
+
+
+def _whom(uid: int) -> str:
+    return "root and gpuq's own services" if uid == 0 else _name(uid)
 
 
 @app.command()
@@ -29,7 +109,7 @@ def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the work
         raise typer.BadParameter(f"{timeout:g} is not a number of seconds above 0", param_hint="'--timeout'")
     from gpuq.service import stack
 
-    settings = get_settings()
+    settings = admin_settings("up")
     st = stack.up(settings, timeout=timeout)
     redis = "a Redis of its own" if st.managed_redis else "its Redis"
     # st.broker, not settings.broker: a root stack's broker has the password `up` just generated.
@@ -48,7 +128,7 @@ def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
     """Stop the local stack; no process of it is left behind."""
     from gpuq.service import stack
 
-    if stack.down(get_settings(), grace=grace):
+    if stack.down(admin_settings("down"), grace=grace):
         typer.echo("gpuq is down")
     else:
         typer.echo("gpuq was not up")
@@ -58,6 +138,7 @@ def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
 def worker(gpu: Annotated[int, typer.Option("--gpu", min=0, help="The GPU to serve (NVML index).")],
            loglevel: Annotated[str, typer.Option()] = "INFO") -> None:
     """Run one GPU's worker in the foreground, pinned with CUDA_VISIBLE_DEVICES."""
+    admin_settings("worker")  # the worker reads its settings itself
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     sys.stdout.flush()
@@ -73,7 +154,7 @@ def server() -> None:
     from gpuq.server.app import run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(get_settings())
+    run(admin_settings("server"))
 
 
 @app.command()
@@ -85,7 +166,7 @@ def scheduler() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    Scheduler(get_settings()).run(stop)
+    Scheduler(admin_settings("scheduler")).run(stop)
 
 
 @db_app.command("upgrade")
@@ -93,7 +174,7 @@ def db_upgrade() -> None:
     """Apply the migrations: bring the database to this gpuq's schema."""
     from gpuq.service import db
 
-    settings = get_settings()
+    settings = admin_settings("db upgrade")
     db.upgrade(settings)
     typer.echo(f"database at {mask_url(settings.database)} is at revision {db.current_revision(settings)}")
 
@@ -103,5 +184,5 @@ def db_current() -> None:
     """The database's schema revision."""
     from gpuq.service import db
 
-    settings = get_settings()
+    settings = admin_settings("db current")
     typer.echo(db.current_revision(settings) or "none (run `gpuq db upgrade`)")

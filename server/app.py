@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gpuq.server import cluster_api, identity, jobs_api, metrics_api
+from gpuq.server import cluster_api, config_api, identity, jobs_api, metrics_api
 from gpuq.server.histograms import Settled
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
@@ -78,6 +78,7 @@ def make_app(settings: Settings) -> web.Application:
     app.add_routes(jobs_api.routes)
     app.add_routes(cluster_api.routes)
     app.add_routes(metrics_api.routes)
+    app.add_routes(config_api.routes)
     return app
 
 

@@ -320,3 +320,19 @@ def masked(name: str, value: Any) -> Any:
     if isinstance(value, str) and "://" in value:
         return mask_url(value)
     return value
+
+
+# Fields whose empty default means "derived": shown as the value gpuq really uses.
+_EFFECTIVE = {"database_url": "database", "broker_url": "broker", "snapshot_dir": "snapshots"}
+
+
+def shown_settings(settings: Settings, sources: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Every setting fit to print (`gpuq config`, ``GET /v1/config``), by field name: ``value``, the
+    one gpuq really uses (a derived default resolved) masked as ``masked`` masks it; ``source``,
+    where it came from (``sources``); ``env``, the variable that sets it."""
+    shown = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, _EFFECTIVE.get(f.name, f.name))
+        value = str(value) if isinstance(value, Path) else value
+        shown[f.name] = {"value": masked(f.name, value), "source": sources[f.name], "env": ENV_PREFIX + f.name.upper()}
+    return shown

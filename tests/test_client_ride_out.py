@@ -1,0 +1,193 @@
+"""The ride-out's edges (cli/client.py): it keeps `gpuq wait --timeout`'s deadline, it begins at a
+wait's first read when the server's socket is there but refuses (a server killed or restarting),
+a server that is not there at all is still one line and exit 69 at once, and `gpuq alloc` waiting
+for its GPU rides out a restart as `gpuq run` does.
+
+Real `gpuq server` processes, killed with SIGKILL (which leaves their socket behind, as a crash
+does) and started again on it; the client's behaviour does not depend on the database, so SQLite
+only.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpuq.cli import client as client_module
+from gpuq.cli.client import Client, Overdue
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.errors import ConfigError, Unreachable
+from tests.conftest import Stack, cli_submit, run_cli, start_stack, wait_for_state
+from tests.test_follow_restart import RESTART_GAP, _newest_job, _until
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
+
+NO_SERVER = "gpuq: no gpuq server answers at {}: {} (start one with `gpuq up`, or set GPUQ_SERVER)\n"
+
+
+def _server_with_a_held_job(settings, tmp_path: Path) -> tuple[Stack, int]:
+    """A `gpuq server` alone (no scheduler, no worker) and a held job of the test's, which waits
+    until it is cancelled."""
+    st = Stack(settings, tmp_path / "logs")
+    st.start_server()
+    return st, cli_submit(settings, ["--hold", "--", "true"])
+
+
+def _kill_server(st: Stack) -> None:
+    """SIGKILL the server: its socket stays, refusing connections, as after a crash."""
+    server = st.procs["server"]
+    server.send_signal(signal.SIGKILL)
+    server.wait(10)
+    assert st.settings.server_socket.is_socket()
+
+
+def _gpuq(st: Stack, args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gpuq.cli", *args], env={**st.env, **env}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ended(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def test_wait_timeout_is_kept_while_the_server_is_away_and_the_wait_ends_as_a_timed_out_one(settings, tmp_path):
+    st, job = _server_with_a_held_job(settings, tmp_path)
+    try:
+        started = time.monotonic()
+        waiter = _gpuq(st, ["wait", str(job), "--timeout", "4"])
+        time.sleep(2.0)  # it has looked at the job by now (or rides out from its first look: the same end)
+        assert waiter.poll() is None
+        _kill_server(st)
+        code, out, err = _ended(waiter)
+        took = time.monotonic() - started
+        # Its 4 s, plus its own start: not the 30 s a ride-out would take.
+        assert 4.0 <= took < 4.0 + 4.0, took
+        assert code == c.EXIT_TIMEOUT and out == "", (code, err)
+        assert err.startswith(f"gpuq: still waiting after 4 s: job {job} (") and err.count("\n") == 1, err
+    finally:
+        st.stop()
+
+
+def test_wait_and_logs_f_started_while_the_server_restarts_ride_it_out_to_the_jobs_end(settings, tmp_path):
+    st, job = _server_with_a_held_job(settings, tmp_path)
+    try:
+        _kill_server(st)
+        waiter = _gpuq(st, ["wait", str(job)])
+        follower = _gpuq(st, ["logs", "-f", str(job)])
+        time.sleep(RESTART_GAP)
+        # Their first read found the socket refusing: a server on its way back, not none.
+        assert waiter.poll() is None and follower.poll() is None
+        st.start_server()  # on the socket the dead one left behind
+        cancelled = run_cli(["cancel", str(job)], settings)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert _ended(waiter) == (c.EXIT_JOB_FAILED, f"job {job} cancelled\n", "")
+        assert _ended(follower) == (0, "", "")
+    finally:
+        st.stop()
+
+
+def test_a_wait_with_no_server_there_at_all_still_fails_at_once_naming_where_it_looked(settings, tmp_path):
+    nowhere = f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock"
+    for args in (["wait", "1"], ["wait", "1", "--timeout", "60"], ["logs", "-f", "1"], ["attach", "1"]):
+        began = time.monotonic()
+        out = run_cli(args, settings, extra_env={"GPUQ_SERVER": nowhere})
+        assert out.returncode == c.EXIT_UNAVAILABLE == 69, (args, out.stderr)
+        assert out.stderr == NO_SERVER.format(nowhere, "no socket there"), args
+        assert time.monotonic() - began < 10.0, args  # the command's start, not a 30 s ride-out
+    # A file that is not a socket refuses too, but no server left it: no ride-out either.
+    (tmp_path / "not-a-socket").write_text("")
+    began = time.monotonic()
+    with pytest.raises(Unreachable, match="connection refused"):
+        Client(str(tmp_path / "not-a-socket")).get("/whoami", ride_out=True)
+    assert time.monotonic() - began < 1.0
+
+
+def test_a_wait_whose_restarting_server_never_comes_back_gives_up_after_gpuq_ride_out_with_exit_69(
+        settings, tmp_path):
+    st, job = _server_with_a_held_job(settings, tmp_path)
+    try:
+        _kill_server(st)
+        began = time.monotonic()
+        code, out, err = _ended(_gpuq(st, ["wait", str(job)], GPUQ_RIDE_OUT="1.5"))
+        assert 1.5 <= time.monotonic() - began < 1.5 + 8.0
+        assert (code, out, err) == (69, "", NO_SERVER.format(settings.server_socket, "connection refused"))
+        bad = _ended(_gpuq(st, ["wait", str(job)], GPUQ_RIDE_OUT="soon"))
+        assert bad == (c.EXIT_CONFIG, "", "gpuq: GPUQ_RIDE_OUT must be seconds (0 or more), got 'soon'\n")
+    finally:
+        st.stop()
+
+
+def test_a_wait_whose_timeout_passes_before_a_restarting_server_answers_ends_as_timed_out(settings, tmp_path):
+    st, job = _server_with_a_held_job(settings, tmp_path)
+    try:
+        _kill_server(st)
+        code, out, err = _ended(_gpuq(st, ["wait", str(job), "--timeout", "1"]))
+        assert (code, out, err) == (c.EXIT_TIMEOUT, "", f"gpuq: still waiting after 1 s: job {job} (unknown)\n")
+        code, out, err = _ended(_gpuq(st, ["wait", str(job), "--timeout", "0.5", "--json"]))
+        assert code == c.EXIT_TIMEOUT and json.loads(out) == {str(job): None}, err
+        code, out, err = _ended(_gpuq(st, ["wait", "--array", "7", "--timeout", "1"]))
+        assert (code, out, err) == (c.EXIT_TIMEOUT, "", "gpuq: still waiting after 1 s: the jobs of array 7\n")
+    finally:
+        st.stop()
+
+
+def test_a_ride_out_stops_at_its_callers_deadline_and_says_that_bound_not_the_whole_ride_out(
+        settings, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(client_module, "RIDE_OUT_QUIET_SECONDS", 0.3)
+    st, _ = _server_with_a_held_job(settings, tmp_path)
+    try:
+        client = Client(str(settings.server_socket))
+        assert client.get("/whoami")["uid"] is not None
+        _kill_server(st)
+        began = time.monotonic()
+        with pytest.raises(Overdue, match="no gpuq server answers at") as overdue:
+            client.get("/whoami", ride_out=True, deadline=began + 1.0)
+        assert 1.0 <= time.monotonic() - began < 1.5
+        assert overdue.value.exit_code == c.EXIT_UNAVAILABLE  # uncaught, it is the usual line and exit 69
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith("; trying again for up to 1 s\n"), err
+        # Without a deadline, the ride-out's own time: the usual Unreachable, not Overdue.
+        monkeypatch.setenv("GPUQ_RIDE_OUT", "0.5")
+        with pytest.raises(Unreachable) as gone:
+            client.get("/whoami", ride_out=True)
+        assert not isinstance(gone.value, Overdue)
+        monkeypatch.setenv("GPUQ_RIDE_OUT", "-1")
+        with pytest.raises(ConfigError):
+            client.get("/whoami", ride_out=True)
+    finally:
+        st.stop()
+
+
+def test_alloc_waiting_for_its_gpu_rides_out_a_server_restart_and_then_gets_the_gpu(settings, tmp_path):
+    st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
+    alloc = None
+    try:
+        busy = cli_submit(settings, ["--", "sleep", "6"])
+        wait_for_state(settings, busy, {State.RUNNING})
+        alloc = _gpuq(st, ["alloc", "--", sys.executable, "-c", "print('held')"])
+        _until(lambda: _newest_job(settings) != busy, 30, "gpuq alloc queued its allocation")
+        held = _newest_job(settings)
+        time.sleep(1.0)  # it is waiting: keepalive and a look at its state
+        assert alloc.poll() is None and wait_for_state(settings, held, {State.PENDING}, timeout=1) == State.PENDING
+        _kill_server(st)
+        time.sleep(RESTART_GAP)
+        assert alloc.poll() is None
+        st.start_server()
+        code, out, err = _ended(alloc)
+        assert code == 0 and out == "held\n", (code, err, st.logs())
+        assert "no gpuq server answers" not in err and f"gpuq: allocation {held}: GPU 0 on" in err, err
+        assert wait_for_state(settings, held, c.END_STATES) == State.SUCCEEDED
+    finally:
+        if alloc is not None and alloc.poll() is None:
+            alloc.kill()
+            alloc.wait(10)
+        st.stop()
