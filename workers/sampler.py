@@ -45,7 +45,6 @@ class Sampler(threading.Thread):
         # started_at (``job_started``): the next reading's interval reaches back past that start,
         # and only the part after it is the job's.
         self._job_start: tuple[int, float, datetime | None] | None = None
-        self._started_at: datetime | None = None
         # How many batches it has taken to write: a job that started when this stood where it
         # stands at its end has every reading of its own in the sampler's hands (``end_rows``).
         self.flushes = 0
@@ -83,7 +82,7 @@ class Sampler(threading.Thread):
             self._last_energy_mj = reading.energy_mj
             job = job_id if job_id is not None else self.current_job()
             at = utcnow()
-            before = self._before_start(job, now, interval)
+            before, started_at = self._before_start(job, now, interval)
             if before > 0:
                 # The GPU's own time before the job began (between jobs, or before the first), read
                 # with the same values: charged to the job, it was an idle interval in every job's
@@ -91,7 +90,7 @@ class Sampler(threading.Thread):
                 # start, as the span it stands for ends there: ``samples.record`` and the end's
                 # totals in hand give an untagged reading stamped after the start to the job.
                 share = before / interval
-                stamp = (self._started_at - timedelta(microseconds=1)) if self._started_at else at
+                stamp = started_at - timedelta(microseconds=1) if started_at else at
                 self._pending.append(samples.sample_row(self.gpu_id, None, stamp, before, reading,
                                                         None if energy is None else energy * share))
                 interval -= before
@@ -106,16 +105,14 @@ class Sampler(threading.Thread):
         with self._lock:
             self._job_start = (job_id, time.monotonic(), started_at)
 
-    def _before_start(self, job: int | None, now: float, interval: float) -> float:
+    def _before_start(self, job: int | None, now: float, interval: float) -> tuple[float, datetime | None]:
         """Of a reading of ``job`` over ``interval`` seconds to ``now``, the seconds before the job
-        started (the first reading after its start only; ``_started_at`` is then its stamp).
+        started, and its row's start (the first reading after its start only; else 0 and None).
         Called under the lock."""
         started, self._job_start = self._job_start, None
-        self._started_at = None
         if started is None or job is None or started[0] != job:
-            return 0.0
-        self._started_at = started[2]
-        return min(max(interval - (now - started[1]), 0.0), interval)
+            return 0.0, None
+        return min(max(interval - (now - started[1]), 0.0), interval), started[2]
 
     def flush(self) -> None:
         """Write the readings taken so far in one transaction; kept for the next try if it fails."""
