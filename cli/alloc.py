@@ -69,7 +69,7 @@ def alloc(
                             "time": time_limit, "name": name, "priority": priority, "node": load_settings().node,
                             "cwd": cwd, "key": uuid.uuid4().hex}
     client = Client()
-    job_id = client.post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"][0]["id"]
+    job_id = client.post("/jobs", body, retries=c.SUBMIT_RETRIES, ride_out=True)["jobs"][0]["id"]
     held = _wait_for_start(client, job_id)
     if held["state"] != State.RUNNING:
         raise typer.Exit(_report(client, job_id))

@@ -161,7 +161,8 @@ class Client:
 
     def post(self, path: str, body: dict[str, Any] | None = None, *, retries: int = 0,
              ride_out: bool = False) -> Any:
-        """``ride_out`` as for ``get``: only for a post that is safe to send again (a keepalive)."""
+        """``ride_out`` as for ``get``: only for a post that is safe to send again (a keepalive, a
+        submit with its idempotency key)."""
         return self.request("POST", path, body=body, retries=retries, ride_out=ride_out)
 
     def request(self, method: str, path: str, *, body: dict[str, Any] | None = None,

@@ -129,7 +129,9 @@ def submit(
     if running and as_json:
         raise InvalidSpec("--json is for gpuq submit; gpuq run prints the job's own output")
     client = Client()
-    made = client.post("/jobs", body, retries=c.SUBMIT_RETRIES)["jobs"]
+    # A server restarting meanwhile is waited for, as `gpuq wait` waits (the same key on every try:
+    # a lab's submit loop goes on through a restart, each job made once).
+    made = client.post("/jobs", body, retries=c.SUBMIT_RETRIES, ride_out=True)["jobs"]
     if running:
         from gpuq.cli.follow import follow
 

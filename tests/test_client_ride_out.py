@@ -95,6 +95,25 @@ def test_wait_and_logs_f_started_while_the_server_restarts_ride_it_out_to_the_jo
         st.stop()
 
 
+def test_a_submit_made_while_the_server_restarts_waits_for_it_and_makes_its_job_once(settings, tmp_path):
+    # A lab's submit loop met a server restarting (its socket refusing) with exit 69 and a lost job;
+    # the submit's idempotency key makes asking again safe.
+    st, held = _server_with_a_held_job(settings, tmp_path)
+    try:
+        _kill_server(st)
+        submit = _gpuq(st, ["submit", "--hold", "--name", "through-a-restart", "--", "true"])
+        time.sleep(RESTART_GAP)
+        assert submit.poll() is None
+        st.start_server()
+        code, out, err = _ended(submit)
+        assert code == 0 and out.startswith("submitted job "), (code, out, err)
+        listed = run_cli(["status", "--json"], settings)
+        names = [j["name"] for j in json.loads(listed.stdout)["jobs"]]
+        assert names.count("through-a-restart") == 1, names
+    finally:
+        st.stop()
+
+
 def test_a_wait_with_no_server_there_at_all_still_fails_at_once_naming_where_it_looked(settings, tmp_path):
     nowhere = f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock"
     for args in (["wait", "1"], ["wait", "1", "--timeout", "60"], ["logs", "-f", "1"], ["attach", "1"]):
