@@ -187,9 +187,10 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
 
 
 def _cancel(client: Client, job_id: int) -> bool:
-    """Ask for the job's cancel; False if a second Ctrl-C came meanwhile."""
+    """Ask for the job's cancel, through a server restart too (a cancel is safe to ask twice);
+    False if a second Ctrl-C came meanwhile."""
     try:
-        client.post(f"/jobs/{job_id}/cancel")
+        client.post(f"/jobs/{job_id}/cancel", ride_out=True)
     except Refused as exc:
         if exc.exit_code != c.EXIT_CONFLICT:  # ended meanwhile: its end is what we report
             raise

@@ -210,3 +210,26 @@ def test_alloc_waiting_for_its_gpu_rides_out_a_server_restart_and_then_gets_the_
             alloc.kill()
             alloc.wait(10)
         st.stop()
+
+
+def test_ctrl_c_on_gpuq_run_while_the_server_restarts_still_cancels_the_job(settings, tmp_path):
+    st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
+    run = None
+    try:
+        run = _gpuq(st, ["run", "--", "sleep", "60"])
+        _until(lambda: _newest_job(settings) is not None, 30, "gpuq run submitted its job")
+        job = _newest_job(settings)
+        wait_for_state(settings, job, {State.RUNNING})
+        _kill_server(st)
+        run.send_signal(signal.SIGINT)  # its cancel meets the refusing socket: asked again, not given up
+        time.sleep(RESTART_GAP)
+        assert run.poll() is None
+        st.start_server()
+        code, _, err = _ended(run)
+        assert code == 130 and "cancelling job" in err, (code, err)
+        assert wait_for_state(settings, job, c.END_STATES) == State.CANCELLED
+    finally:
+        if run is not None and run.poll() is None:
+            run.kill()
+            run.wait(10)
+        st.stop()
