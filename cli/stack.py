@@ -130,6 +130,13 @@ def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
 
     if stack.down(admin_settings("down"), grace=grace):
         typer.echo("gpuq is down")
+        return
+    # Nothing of this user's was up: say whose stack the queue they use is, if another user's
+    # (root's machine stack stays up; "was not up" alone read as if it had stopped).
+    served = _server_owner() if os.geteuid() != 0 else None
+    if served is not None and served[1] != os.geteuid():
+        typer.echo(f"gpuq was not up (no stack of yours; the server at {served[0]} is {_name(served[1])}'s "
+                   "and stays up)")
     else:
         typer.echo("gpuq was not up")
 

@@ -67,6 +67,10 @@ def test_admin_commands_of_a_user_with_no_database_name_the_root_stack_they_use_
                         "can read"), line
     assert not Path(box.home_of(box.b), ".local", "share", "gpuq").exists()  # no database made
     assert _drained(box) == drained
+    # `gpuq down` has nothing of theirs to stop, and says whose stack stays up.
+    down = box.gpuq(box.b, "down")
+    assert down.returncode == 0 and down.stdout.strip() == (
+        f"gpuq was not up (no stack of yours; the server at {box.socket} is root's and stays up)"), down
     # Root's own are not refused: root drains and resumes its node.
     for args, says in ((("drain", box.settings.node), "drained"), (("resume", box.settings.node), "resumed")):
         done = multiuser._run([multiuser.GPUQ, *args], env=box.env)
