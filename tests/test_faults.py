@@ -25,6 +25,7 @@ from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
+from gpuq.workers.command import worker_mark
 from tests.conftest import cli_submit, make_settings, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, wait_for
 
@@ -147,10 +148,25 @@ def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_pa
     proc.wait(10)
     orphan = int(child.read_text())
     assert psutil.pid_exists(orphan)  # the grandchild outlived the worker and the job's main process
-    stack.procs.pop(name)
-    stack.start_worker(index)
-    wait_for(lambda: not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE,
-             30, "the restarted worker to kill the orphan")
+    # A job of another stack's worker of the same name (same key prefix, same node: root's stack and
+    # a user's own on one machine), which only its queue's database tells apart: not this one's.
+    other = stack.settings.with_overrides(database_url=f"sqlite:///{tmp_path / 'another-queue.db'}")
+    neighbour = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                 env={**os.environ, "GPUQ_WORKER": worker_mark(other, j_name(stack, job_id))})
+    try:
+        stack.procs.pop(name)
+        stack.start_worker(index)
+        wait_for(lambda: not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE,
+                 30, "the restarted worker to kill the orphan")
+        assert neighbour.poll() is None, "the restarted worker killed another stack's job"
+    finally:
+        neighbour.kill()
+        neighbour.wait(10)
+
+
+def j_name(stack, job_id) -> str:
+    """The name of the worker that ran the job (gpu<index>@<node>)."""
+    return job(stack.settings, job_id).worker
 
 
 def test_sigterm_lets_the_running_job_finish_then_the_worker_exits(stack, tmp_path):

@@ -6,6 +6,7 @@ import codecs
 import ctypes
 import errno
 import functools
+import hashlib
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from typing import IO
 import psutil
 
 from gpuq.service import constants as c
+from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
 from gpuq.workers.output import OutputSink
@@ -164,6 +166,16 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
                 os._exit(126)
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker_mark(settings: Settings, worker: str) -> str:
+    """What every process of a worker's jobs carries in GPUQ_WORKER, so a restarted worker finds its
+    predecessor's leftovers and nobody else's: the worker's name, its installation's key prefix, and
+    its queue's database (a digest of its URL, password masked). Two stacks on one machine (root's
+    and a user's own, both prefix "gpuq" on the node's name) share the first two: a worker of one
+    that restarted killed the other's jobs."""
+    queue = hashlib.sha256(mask_url(settings.database).encode()).hexdigest()[:12]
+    return f"{settings.key_prefix}/{queue}/{worker}"
 
 
 def kill_leftovers(worker: str) -> list[int]:

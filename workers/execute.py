@@ -24,6 +24,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import CannotStart, run_command
+from gpuq.workers.command import worker_mark as command_worker_mark
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
@@ -207,6 +208,5 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
 
 
 def worker_mark(state: WorkerState) -> str:
-    """What every process of this worker's jobs carries in GPUQ_WORKER: the installation (its key
-    prefix) and the worker, so a restarted worker finds its predecessor's leftovers and nobody else's."""
-    return f"{state.settings.key_prefix}/{state.name}"
+    """What every process of this worker's jobs carries in GPUQ_WORKER (``command.worker_mark``)."""
+    return command_worker_mark(state.settings, state.name)

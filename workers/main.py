@@ -69,9 +69,9 @@ def serve(index: int, loglevel: str) -> int:
         from gpuq.workers.builtin import warm_up
 
         log.info("%s: warm on %s", name, warm_up())
-    from gpuq.workers.command import kill_leftovers
+    from gpuq.workers.command import kill_leftovers, worker_mark
 
-    left = kill_leftovers(f"{settings.key_prefix}/{name}")  # as execute.worker_mark
+    left = kill_leftovers(worker_mark(settings, name))
     if left:
         log.warning("%s: killed %d processes an earlier run of this worker left: %s", name, len(left), left)
     probe = GpuProbe(devices, index)
