@@ -57,6 +57,11 @@ def leave_out(session: Session, node: str, info: GpuInfo, queue: str, why: str) 
     session.flush()
 
 
+def gpu_drain_reason(session: Session, gpu_id: int) -> str | None:
+    """Why the GPU (by its row id) is drained on its own; None if it is not."""
+    return session.scalar(select(Gpu.drain_reason).where(Gpu.id == gpu_id))
+
+
 def drain_reason(session: Session, node: str, index: int) -> str | None:
     """Why GPU ``index`` of ``node`` is drained on its own (None: it is not, or is not known)."""
     return session.scalar(select(Gpu.drain_reason).where(Gpu.node == node, Gpu.index == index))

@@ -489,6 +489,11 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
     assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0
     with write_scope(stack.settings) as session:
         assert session.scalar(select(Gpu.drain_reason).where(Gpu.index == index)) is None
+    # And it runs jobs again: a job of both GPUs (so one on it) that lives past the watch's first
+    # looks. Its worker still took every job as on a lost GPU (gpu_lost, at once) until restarted.
+    both = cli_submit(stack.settings, ["--gpus", "2", "--", "sleep", "2"], cwd=tmp_path)
+    done = wait_state(stack.settings, both, c.END_STATES, 60)
+    assert done.state == State.SUCCEEDED, (done.state, done.reason)
 
 
 def test_a_retried_job_keeps_the_output_of_every_attempt(stack, tmp_path):

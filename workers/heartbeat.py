@@ -51,12 +51,20 @@ class Heartbeat(threading.Thread):
             with write_scope(self.settings) as session:
                 inventory.beat(session, self.gpu_id, reading)
                 if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):
-                    log.error("GPU %s lost (%s): drained until an admin resumes its node", self.gpu_id, reading.lost)
+                    log.error("GPU %s lost (%s): drained until an admin resumes its node", self.probe.index,
+                              reading.lost)
+                # Back: NVML reads it again and an admin resumed it (`gpuq resume`, which clears the
+                # drain). Until then every job it took failed as gpu_lost at once.
+                back = (not reading.lost and self.state is not None and self.state.gpu_lost.is_set()
+                        and inventory.gpu_drain_reason(session, self.gpu_id) is None)
                 renewed = [renew(session, h.job_id, h.token, self.settings.lease_timeout) for h in held]
                 if runs:
                     inventory.record_share_use(session, self.gpu_id, {r.lease.job_id: r.used_mib for r in runs})
             if reading.lost and self.state is not None:
                 self.state.gpu_lost.set()
+            elif back and self.state is not None:
+                log.warning("GPU %s is back (it reads again and was resumed): taking jobs again", self.probe.index)
+                self.state.gpu_lost.clear()
             for lease, kept in zip(held, renewed, strict=True):
                 if kept:
                     lease.renewed = time.monotonic()
