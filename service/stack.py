@@ -202,12 +202,19 @@ def down(settings: Settings, grace: float = 30.0) -> bool:
     return True
 
 
+# Seconds between `gpuq down`'s two stop requests at least.
+STOP_SIGNAL_GAP = 0.5
+
+
 def _stop(settings: Settings, sup: psutil.Process, grace: float) -> None:
     """Stop supervisor ``sup`` and everything it started (its process group)."""
     pgid = os.getpgid(sup.pid)
     sup.terminate()
     try:
-        sup.wait(grace)
+        # Two SIGTERMs close together are one (the kernel and Python's handler keep one pending):
+        # the second, which interrupts running jobs, waits until the supervisor has taken the first.
+        # With --grace 0 they merged, and the stack took kill_grace + 30 s to be killed whole.
+        sup.wait(max(grace, STOP_SIGNAL_GAP))
     except psutil.TimeoutExpired:
         sup.terminate()  # the second request interrupts running jobs
         try:

@@ -13,7 +13,9 @@ import redis
 from gpuq.service import constants as c
 from gpuq.service import stack as stack_module
 from gpuq.service import supervisor
-from tests.conftest import free_port, make_settings, run_cli
+from gpuq.service.db import write_scope
+from gpuq.service.models import Job
+from tests.conftest import free_port, make_settings, run_cli, wait_for_state
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -239,3 +241,22 @@ def test_up_leaves_out_a_gpu_whose_worker_cannot_start_and_resume_starts_it_agai
         down = run_cli(["down", "--grace", "10"], settings, timeout=120)
     assert down.returncode == 0 and "gpuq is down" in down.stdout
     assert _processes_of(settings) == []
+
+
+def test_down_with_no_grace_interrupts_running_jobs_and_records_it(tmp_path):
+    # `gpuq down --grace 0` sent its two stop requests back to back: they merged into one, the
+    # supervisor waited kill_grace + 30 s for jobs that were never told to stop, then the stack was
+    # SIGKILLed whole and its jobs left `running`, to be reaped as worker_lost at the next `up`.
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                             redis_port=free_port(), fake_gpus=1, kill_grace=1.0)
+    up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        job_id = run_cli(["submit", "--", "sleep", "120"], settings).stdout.split()[-1]
+        wait_for_state(settings, int(job_id), {"running"})
+    finally:
+        down = run_cli(["down", "--grace", "0"], settings, timeout=120)
+    assert down.returncode == 0 and "gpuq is down" in down.stdout, down.stderr
+    with write_scope(settings) as session:
+        job = session.get(Job, int(job_id))
+        assert job.state == "failed" and job.failure == c.FAILURE_INTERRUPTED, (job.state, job.failure, job.reason)
