@@ -9,6 +9,7 @@ nothing is recorded; only ``--snapshot`` makes that an error.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.settings import Settings
+
+log = logging.getLogger("gpuq.snapshot")
 
 GIT_TIMEOUT_S = 30.0  # a git call on a huge or network-mounted tree; past it, nothing is recorded
 DIFF_CUT_NOTE = "\n[gpuq: diff cut at {limit} bytes]\n"
@@ -74,6 +77,13 @@ class Staged:
     def place(self, job_id: int) -> Path:
         """Rename the copy to the job's own directory; returns it."""
         final = self.path.parent / str(job_id)
+        if final.exists():
+            # Not this queue's: left by an earlier database whose ids this one uses again (a fresh
+            # `gpuq up` over the same snapshot directory). Renaming onto it failed every snapshot
+            # submit of this id, the server's "see its log" to the user. Kept, under another name.
+            aside = final.with_name(f"{job_id}.earlier-{uuid.uuid4().hex[:8]}")
+            os.rename(final, aside)
+            log.warning("snapshot directory %s was there already (an earlier queue's?): moved to %s", final, aside)
         os.rename(self.path, final)  # atomic on one filesystem: the job's directory is whole or absent
         self.path = final
         return final

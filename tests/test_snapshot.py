@@ -139,6 +139,19 @@ def test_a_failed_insert_removes_the_copied_snapshot(settings, tmp_path):
     assert job_count(settings) == 0 and snapshot_entries(settings) == []
 
 
+def test_a_snapshot_directory_an_earlier_queue_left_under_the_new_jobs_id_is_moved_aside(served, tmp_path):
+    # A fresh database over the same snapshot directory numbers its jobs from 1 again: the rename
+    # onto the old job 1's copy failed every snapshot submit of that id ("the server failed").
+    repo = make_repo(tmp_path)
+    left = served.snapshots / "1"
+    (left / "x").mkdir(parents=True)
+    out = run_cli(["submit", "--hold", "--snapshot", "--json", "--", "true"], served, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    assert Path(json.loads(out.stdout)["snapshot"]) == left and (left / "sub" / "code.txt").exists()
+    aside = [e for e in snapshot_entries(served) if e.startswith("1.earlier-")]
+    assert len(aside) == 1 and (served.snapshots / aside[0] / "x").is_dir()
+
+
 def test_a_snapshot_job_runs_the_code_as_it_was_without_ignored_files(stack, tmp_path):
     s = stack.settings
     repo = make_repo(tmp_path)
