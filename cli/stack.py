@@ -167,13 +167,16 @@ def server() -> None:
 @app.command()
 def scheduler() -> None:
     """Run the scheduler in the foreground."""
+    from gpuq.service.db import require_schema
     from gpuq.service.scheduler import Scheduler
 
+    settings = admin_settings("scheduler")
+    require_schema(settings)  # one line and 78, as the server and a worker say it, not a traceback a second
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    Scheduler(admin_settings("scheduler")).run(stop)
+    Scheduler(settings).run(stop)
 
 
 @db_app.command("upgrade")

@@ -6,10 +6,11 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from gpuq.migrations.versions import HEAD
+from gpuq.service import constants as c
 from gpuq.service import db
 from gpuq.service.errors import SchemaOutOfDate
 from gpuq.service.models import Base
-from tests.conftest import make_settings
+from tests.conftest import make_settings, run_cli
 
 
 def test_migrations_upgrade_an_empty_database_to_exactly_the_models(database_url, tmp_path):
@@ -30,6 +31,14 @@ def test_a_database_without_the_schema_is_refused_with_the_command_that_fixes_it
     settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'empty.db'}", "redis://127.0.0.1:6379/13")
     with pytest.raises(SchemaOutOfDate, match="gpuq db upgrade"):
         db.require_schema(settings)
+
+
+def test_the_scheduler_on_a_database_without_the_schema_stops_in_one_line_with_exit_78(tmp_path):
+    # It ran on, logging "no such table: jobs" with a traceback every second.
+    settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'empty.db'}", "redis://127.0.0.1:6379/13")
+    done = run_cli(["scheduler"], settings, timeout=60)
+    assert done.returncode == c.EXIT_CONFIG, done.stderr
+    assert done.stderr.count("\n") == 1 and "gpuq db upgrade" in done.stderr, done.stderr
 
 
 def test_downgrade_to_base_removes_every_table(database_url, tmp_path):
