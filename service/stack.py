@@ -196,10 +196,59 @@ def down(settings: Settings, grace: float = 30.0) -> bool:
     """
     sup = running_supervisor(settings)
     if sup is None:
+        orphans = _orphans(settings)
         pid_file(settings).unlink(missing_ok=True)
-        return False
+        if not orphans:
+            return False
+        _stop_orphans(settings, orphans, grace)
+        return True
     _stop(settings, sup, grace)
     return True
+
+
+def _orphans(settings: Settings) -> list[psutil.Process]:
+    """What a supervisor that died (SIGKILLed) left running: the processes of its group, which
+    carry this home. Without this, `gpuq down` said "was not up" and `gpuq up` refused the server
+    still answering on the socket: the stack could be stopped only by pid."""
+    try:
+        group = int(pid_file(settings).read_text().strip())
+    except (OSError, ValueError):
+        return []
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if (p.pid != os.getpid() and os.getpgid(p.pid) == group and p.status() != psutil.STATUS_ZOMBIE
+                    and (p.environ().get("GPUQ_HOME") == str(settings.home) or _its_redis(settings, p))):
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _its_redis(settings: Settings, p: psutil.Process) -> bool:
+    """The stack's own Redis: its process title (which redis-server writes over its environment,
+    so that cannot tell) names the stack's port."""
+    return p.name() == "redis-server" and f":{settings.redis_port}" in " ".join(p.cmdline())
+
+
+def _stop_orphans(settings: Settings, procs: list[psutil.Process], grace: float) -> None:
+    """Stop a dead supervisor's children as it would have: SIGTERM (the workers let their jobs
+    finish for ``grace`` seconds), SIGTERM again (they interrupt them), then SIGKILL."""
+    for wait in (max(grace, STOP_SIGNAL_GAP), settings.kill_grace + 10):
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=wait)
+        if not procs:
+            return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
 
 
 # Seconds between `gpuq down`'s two stop requests at least.

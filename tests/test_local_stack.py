@@ -260,3 +260,26 @@ def test_down_with_no_grace_interrupts_running_jobs_and_records_it(tmp_path):
     with write_scope(settings) as session:
         job = session.get(Job, int(job_id))
         assert job.state == "failed" and job.failure == c.FAILURE_INTERRUPTED, (job.state, job.failure, job.reason)
+
+
+def test_down_stops_what_a_killed_supervisor_left_and_up_then_starts_again(tmp_path):
+    # With its supervisor SIGKILLed, the stack's Redis, server, scheduler and workers ran on: `gpuq
+    # down` said "was not up" and `gpuq up` refused the server still answering on its socket.
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                             redis_port=free_port(), fake_gpus=1, kill_grace=1.0)
+    up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        sup = psutil.Process(int((settings.run_dir / "supervisor.pid").read_text()))
+        left = sup.children(recursive=True)
+        sup.kill()
+        sup.wait(10)
+        assert all(p.is_running() for p in left)
+        down = run_cli(["down", "--grace", "0"], settings, timeout=120)
+        assert down.returncode == 0 and down.stdout.strip() == "gpuq is down", down.stdout + down.stderr
+        gone, alive = psutil.wait_procs(left, timeout=10)
+        assert alive == [] and _processes_of(settings) == []
+        again = run_cli(["up", "--timeout", "150"], settings, timeout=180)
+        assert again.returncode == 0, again.stdout + again.stderr
+    finally:
+        run_cli(["down", "--grace", "0"], settings, timeout=120)
