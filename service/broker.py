@@ -44,6 +44,21 @@ def reachable(settings: Settings, timeout: float = 1.0) -> bool:
         return False
 
 
+def asks_no_password(settings: Settings, timeout: float = 1.0) -> bool:
+    """Whether the Redis on the managed port answers a client that gives a wrong password: one that
+    asks for none, so not a stack's own (each guards its Redis with a generated password). redis-py
+    takes a Redis without a password for one that accepted any it was given."""
+    import uuid
+
+    import redis
+
+    try:
+        return bool(redis.Redis(host="127.0.0.1", port=settings.redis_port, password=uuid.uuid4().hex,
+                                socket_connect_timeout=timeout, socket_timeout=timeout).ping())
+    except redis.RedisError:
+        return False
+
+
 # When this process last heard from each broker (time.monotonic()): a long-lived process (the
 # server) that did within BROKER_TRUSTED_SECONDS skips the ping, one Redis round trip a submit.
 _heard: dict[str, float] = {}

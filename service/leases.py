@@ -120,6 +120,26 @@ def reap(session: Session, settings: Settings) -> list[int]:
     return [j for j, _, _ in expired] + [j for j, _ in stranded]
 
 
+def reap_predecessor(session: Session, settings: Settings, worker: str) -> list[int]:
+    """End what the earlier run of worker ``worker`` held when it died: a worker that starts under a
+    name knows the jobs running under it are no one's (it killed what was left of them,
+    ``command.kill_leftovers``). Ended as the reaper ends a lost worker's (requeued if they asked
+    for retries), at once rather than when their leases run out: the GPU stood idle, its jobs shown
+    running, for up to the lease's 30 s. Ended under the dead run's own lease tokens."""
+    ended = []
+    for job_id, token in session.execute(_HELD_BY, {"worker": worker}).all():
+        why = f"worker lost: {worker} died and was started again"
+        if token is not None and lifecycle.end_attempt(session, job_id, State.FAILED, token=token,
+                                                       failure=c.FAILURE_WORKER_LOST, reason=why,
+                                                       max_requeues=settings.max_requeues):
+            log.warning("job %s: %s", job_id, why)
+            ended.append(job_id)
+    return ended
+
+
+_HELD_BY = select(Job.id, Job.lease_token).where(Job.worker == bindparam("worker"), Job.state == State.RUNNING)
+
+
 # The ranks (1 and up) of running jobs whose ranks' meeting point is set: what rank 0 asked other
 # workers to run.
 _RANKS = (select(Job.id, Allocation.rank, Gpu.queue).join(Allocation, Allocation.job_id == Job.id)

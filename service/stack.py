@@ -107,6 +107,14 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     except OSError as exc:
         raise StackError(f"cannot prepare gpuq's home {settings.home}: {exc.strerror or exc} "
                          f"({exc.filename or settings.home}); set GPUQ_HOME to a folder of your own") from None
+    if settings.broker_is_managed and broker.asks_no_password(settings):
+        # Someone's Redis without a password on the port (a system one on 6379): taken for the
+        # stack's own, it carried every user's job messages where any local user could read and
+        # write them, and a user's own stack on the same port joined it and took root's messages.
+        raise StackError(f"a Redis that asks no password answers on port {settings.redis_port}: gpuq will not put "
+                         "its queue where every local user can read and write it; set GPUQ_REDIS_PORT to a free "
+                         "port (gpuq starts its own Redis there, with a password), or GPUQ_BROKER_URL to a Redis "
+                         "to use")
     starts_redis = settings.broker_is_managed and not broker.reachable(settings)
     if starts_redis and _port_taken(settings):
         raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "

@@ -164,6 +164,32 @@ def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_pa
         neighbour.wait(10)
 
 
+@pytest.mark.timeout(120)
+def test_a_killed_workers_job_is_taken_back_as_soon_as_the_worker_is_started_again_not_at_its_lease(
+        tmp_path, redis_url):
+    # The restarted worker killed what was left of the job, yet the job showed running, and its GPU
+    # stood idle, until the lease (30 s by default) ran out.
+    st = make_stack(tmp_path, f"sqlite:///{tmp_path / 'gpuq.db'}", redis_url, lease_timeout=90.0,
+                    worker_timeout=90.0)
+    try:
+        argv, marker = marker_job(tmp_path, "restarted", 60)
+        job_id = submit(st.settings, argv, tmp_path, max_retries=1)
+        wait_runs(marker, 1)
+        name, index, proc = worker_of(st, job_id)
+        proc.kill()
+        proc.wait(10)
+        st.procs.pop(name)
+        st.start_worker(index)
+        j = wait_for(lambda: (j := job(st.settings, job_id)).attempts and j, 30, "the job taken back")
+        attempt = j.attempts[0]
+        assert attempt["failure"] == c.FAILURE_WORKER_LOST and attempt["requeue"], attempt
+        assert "died and was started again" in attempt["reason"], attempt
+        wait_runs(marker, 2)  # and it runs again, well before a lease of 90 s would have run out
+        assert runs(marker).overlaps == 0
+    finally:
+        st.stop()
+
+
 def j_name(stack, job_id) -> str:
     """The name of the worker that ran the job (gpu<index>@<node>)."""
     return job(stack.settings, job_id).worker

@@ -16,6 +16,7 @@ from gpuq.service import supervisor
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
 from tests.conftest import free_port, make_settings, run_cli, wait_for_state
+from tests.faults import PrivateRedis
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -135,6 +136,25 @@ def test_up_refuses_while_another_server_answers_on_its_socket_and_starts_nothin
     assert not (settings.run_dir / "supervisor.pid").exists() and _processes_of(settings) == []
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=port, socket_connect_timeout=1).ping()
+
+
+def test_up_refuses_a_redis_without_a_password_on_its_port_and_starts_nothing(tmp_path):
+    # A system Redis on 6379 that asks no password answered the stack's ping (redis-py takes a
+    # password-less Redis for one that accepted any), so root's stack put every user's job messages
+    # where any local user could read and write them, and a user's own stack joined it too.
+    open_redis = PrivateRedis(tmp_path)
+    try:
+        settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                                 redis_port=open_redis.port)
+        result = run_cli(["up", "--timeout", "60"], settings, timeout=90)
+        assert result.returncode != 0
+        assert result.stderr.count("\n") == 1 and (
+            f"a Redis that asks no password answers on port {open_redis.port}: gpuq will not put its queue where "
+            "every local user can read and write it") in result.stderr, result.stderr
+        assert not (settings.run_dir / "supervisor.pid").exists() and _processes_of(settings) == []
+        assert redis.Redis(port=open_redis.port).dbsize() == 0  # nothing of gpuq's written there
+    finally:
+        open_redis.stop()
 
 
 def test_up_stops_a_stack_whose_processes_cannot_start_and_quotes_the_error(tmp_path):

@@ -20,6 +20,7 @@ from gpuq.service.celery_app import make_app, queue_name
 from gpuq.service.db import require_schema, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import GpuqError
+from gpuq.service.leases import reap_predecessor
 from gpuq.service.settings import get_settings
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ def serve(index: int, loglevel: str) -> int:
         # With its first reading in the same transaction: the GPU is never live to the scheduler
         # without its foreign processes known (it could go to a job that does not fit beside them).
         inventory.beat(session, gpu_id, first)
+        reap_predecessor(session, settings, name)
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, queue=queue,
                         app=app, devices=devices)
