@@ -174,7 +174,11 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                     return c.EXIT_RUN_CANCELLED
                 cancelling = True
                 say(sys.stderr, f"\ngpuq: cancelling job {job_id} (Ctrl-C again to leave without waiting)\n")
-                if not _cancel(client, job_id):
+                sent, late = _cancel(client, job_id)
+                if late is not None:  # the terminal closed meanwhile: the cancel went, and so do we
+                    say(sys.stderr, f"\ngpuq: {late}: cancelled job {job_id}\n")
+                    return late.exit_code
+                if not sent:
                     return c.EXIT_RUN_CANCELLED
             except HangUp as hung:
                 waiting.clear()
@@ -186,17 +190,24 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                 return hung.exit_code
 
 
-def _cancel(client: Client, job_id: int) -> bool:
-    """Ask for the job's cancel, through a server restart too (a cancel is safe to ask twice);
-    False if a second Ctrl-C came meanwhile."""
+def _cancel(client: Client, job_id: int) -> tuple[bool, HangUp | None]:
+    """Ask for the job's cancel, through a server restart too (a cancel is safe to ask twice).
+    Whether it was sent (False: a second Ctrl-C came meanwhile), and the hang-up that came
+    meanwhile, if one did: a closed ssh session sends SIGHUP then SIGTERM, and the second, raised
+    inside the request, left a traceback and the job running. Now the request is seen through."""
+    late: list[int] = []
+    before = {s: signal.signal(s, lambda signum, _: late.append(signum)) for s in (signal.SIGHUP, signal.SIGTERM)}
     try:
         client.post(f"/jobs/{job_id}/cancel", ride_out=True)
     except Refused as exc:
         if exc.exit_code != c.EXIT_CONFLICT:  # ended meanwhile: its end is what we report
             raise
     except KeyboardInterrupt:
-        return False
-    return True
+        return False, HangUp(late[0]) if late else None
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return True, HangUp(late[0]) if late else None
 
 
 def _ended(job_id: int, end: dict[str, Any]) -> int:

@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpuq.cli import client as client_module
@@ -229,6 +230,36 @@ def test_ctrl_c_on_gpuq_run_while_the_server_restarts_still_cancels_the_job(sett
         assert code == 130 and "cancelling job" in err, (code, err)
         assert wait_for_state(settings, job, c.END_STATES) == State.CANCELLED
     finally:
+        if run is not None and run.poll() is None:
+            run.kill()
+            run.wait(10)
+        st.stop()
+
+
+def test_a_second_hang_up_while_gpuq_run_cancels_its_job_still_cancels_it_and_leaves_with_129(settings, tmp_path):
+    # A closed ssh session sends SIGHUP, then SIGTERM: the second, raised inside the cancel's
+    # request, left a traceback (exit 1) and the job running.
+    st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
+    run = None
+    server = psutil.Process(st.procs["server"].pid)
+    try:
+        run = _gpuq(st, ["run", "--", "sleep", "60"])
+        _until(lambda: _newest_job(settings) is not None, 30, "gpuq run submitted its job")
+        job = _newest_job(settings)
+        wait_for_state(settings, job, {State.RUNNING})
+        time.sleep(0.5)  # following its output
+        server.suspend()  # the cancel's request waits for an answer
+        run.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        run.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        server.resume()
+        code, _, err = _ended(run)
+        assert code == 129 and "Traceback" not in err and f"SIGHUP: cancelled job {job}" in err, (code, err)
+        assert wait_for_state(settings, job, c.END_STATES) == State.CANCELLED
+    finally:
+        if server.is_running() and server.status() == psutil.STATUS_STOPPED:
+            server.resume()
         if run is not None and run.poll() is None:
             run.kill()
             run.wait(10)
