@@ -27,6 +27,8 @@ db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=Tru
 _DOES = {"down": "stops the stack that keeps gpuq's database"}
 # The admin commands that start and stop a user's own stack: one beside root's is theirs to run.
 _OWN_STACK = ("up", "down")
+# The admin commands that steer the queue the client uses.
+_STEERS = ("drain", "resume")
 
 
 def admin_settings(command: str) -> Settings:
@@ -57,12 +59,23 @@ def admin_settings(command: str) -> Settings:
         does = _DOES.get(command, "opens gpuq's database")
         raise NotAllowed(f"gpuq {command} is an admin command: it {does}, which only {_whom(owner)} can read "
                          f"({database})")
-    served = None if found == database or command in _OWN_STACK else _server_owner()
+    # The queue's steering commands (drain, resume) check whose queue the client talks to even for
+    # a user with a database of their own, unless a stack of theirs runs on it: one left by a
+    # stack of theirs that is down was drained, "drained" said, and root's queue, which their
+    # `gpuq status` shows, ran on.
+    steers = command in _STEERS and not _own_stack_up(settings)
+    served = None if (found == database and not steers) or command in _OWN_STACK else _server_owner()
     if served is not None and served[1] != os.geteuid():
         raise NotAllowed(f"gpuq {command} is an admin command: it opens gpuq's database, and the queue you use (the "
                          f"server at {served[0]}) is {_name(served[1])}'s, whose database only {_whom(served[1])} "
                          "can read")
     return settings
+
+
+def _own_stack_up(settings: Settings) -> bool:
+    from gpuq.service.stack import running_supervisor
+
+    return running_supervisor(settings) is not None
 
 
 def _nearest(path: Path) -> tuple[Path, int]:

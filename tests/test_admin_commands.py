@@ -99,8 +99,13 @@ def test_a_users_own_stack_beside_roots_still_starts_and_its_admin_commands_stee
             done = gpuq(*args)
             assert done.returncode == 0 and says in done.stdout, (args, done.stdout, done.stderr)
         assert "own" not in _drained(box)  # root's queue never heard of it
-    finally:
         down = gpuq("down", "--grace", "5", timeout=120)
+        assert down.returncode == 0 and down.stdout.strip() == "gpuq is down", down.stderr
+        # Their stack down, its database left: drain steered that one, said "drained", and root's
+        # queue, the one their client uses, ran on.
+        line = multiuser._refused(gpuq("drain", "vm"))
+        assert "the queue you use (the server at " in line and "is root's" in line, line
+    finally:
+        gpuq("down", "--grace", "5", timeout=120)
         Path(env["GPUQ_SOCKET"]).unlink(missing_ok=True)
         shutil.rmtree(home, ignore_errors=True)
-    assert down.returncode == 0 and down.stdout.strip() == "gpuq is down", down.stderr
