@@ -39,6 +39,12 @@ class OutputSink:
         # retried (``jobs.next_output_seq``, read in the transaction that started the job).
         self._seq = seq
         self._truncated = False
+        # Past the cap: the last OUTPUT_TAIL_CHARS of what was dropped, (stream, text) pieces, and how
+        # many bytes were dropped in all. Kept for the job's end, where an error is: the cap kept
+        # the start and lost the traceback that said why the job failed.
+        self._dropped: list[tuple[int, str]] = []
+        self._dropped_chars = 0
+        self._dropped_bytes = 0
         self._lock = threading.Lock()
         # One flush at a time, so a chunk that failed to reach SQL is retried under its own number.
         self._flushing = threading.Lock()
@@ -63,11 +69,14 @@ class OutputSink:
                 if not self._truncated:
                     self._truncated = True
                     self._buffer.append((c.STDERR, f"\n[gpuq: output past {self.settings.max_output_bytes} bytes "
-                                                   "dropped]\n"))
+                                                   "dropped, but for its end, kept for the job's end]\n"))
+                self._drop(text, stream)
                 return
             encoded = len(text.encode("utf-8", "replace"))
             if encoded > room:
-                text = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
+                raw = text.encode("utf-8", "replace")
+                text = raw[:room].decode("utf-8", "ignore")
+                self._drop(raw[room:].decode("utf-8", "ignore"), stream)
                 encoded = room
             if self._buffer and self._buffer[-1][0] == stream:
                 self._buffer[-1] = (stream, self._buffer[-1][1] + text)
@@ -77,6 +86,25 @@ class OutputSink:
             self.tail = (self.tail + text)[-c.OUTPUT_TAIL_CHARS:]
         if self._buffered >= c.OUTPUT_CHUNK_BYTES:
             self.flush()
+
+    def _drop(self, text: str, stream: int) -> None:
+        """Keep ``text``, past the cap, among the dropped output's last characters. Under the lock."""
+        self._dropped_bytes += len(text.encode("utf-8", "replace"))
+        self.tail = (self.tail + text)[-c.OUTPUT_TAIL_CHARS:]  # a CUDA OOM message at the end still counts
+        if self._dropped and self._dropped[-1][0] == stream:
+            self._dropped[-1] = (stream, self._dropped[-1][1] + text)
+        else:
+            self._dropped.append((stream, text))
+        self._dropped_chars += len(text)
+        while self._dropped_chars > c.OUTPUT_TAIL_CHARS:
+            over = self._dropped_chars - c.OUTPUT_TAIL_CHARS
+            first_stream, first = self._dropped[0]
+            if len(first) <= over:
+                self._dropped.pop(0)
+                self._dropped_chars -= len(first)
+            else:
+                self._dropped[0] = (first_stream, first[over:])
+                self._dropped_chars -= over
 
     def line(self, text: str, stream: int = c.STDOUT) -> None:
         self.write(text if text.endswith("\n") else text + "\n", stream)
@@ -116,9 +144,20 @@ class OutputSink:
             self.flush()
 
     def stop(self) -> None:
-        """Stop the flusher; what is left is written by ``store_rest`` in the job's end transaction."""
+        """Stop the flusher; what is left is written by ``store_rest`` in the job's end transaction,
+        with the end of what the cap dropped."""
         with self._lock:
             self._stop.set()
+            if self._dropped:
+                kept = self._dropped_chars
+                self._buffer.append((c.STDERR, f"\n[gpuq: {self._dropped_bytes} bytes of output dropped past the "
+                                               f"cap; its last {kept} characters follow]\n"))
+                for stream, text in self._dropped:
+                    if self._buffer[-1][0] == stream:
+                        self._buffer[-1] = (stream, self._buffer[-1][1] + text)
+                    else:
+                        self._buffer.append((stream, text))
+                self._dropped, self._dropped_chars = [], 0
         if self._thread is not None:
             self._thread.join()
 
