@@ -36,23 +36,35 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 _SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86400}
 
 
+# SLURM's forms (sbatch --time): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds.
+_SLURM_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$")
+TIME_FORMS = "2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"
+
+
 def parse_duration(text: str) -> int:
-    """``90s``, ``30m``, ``2h``, ``1d``, ``1:30:00`` or a number of minutes (as SLURM), in seconds."""
-    if ":" in text:
-        parts = text.strip().split(":")
-        if (len(parts) <= 3 and all(p.isascii() and p.isdigit() for p in parts)
-                and all(int(p) < 60 for p in parts[1:])):  # 1:99:99 is a typo, not 2:40:39
-            seconds = 0
-            for p in parts:
-                seconds = seconds * 60 + int(p)
-            if len(parts) == 2:
-                seconds *= 60  # H:MM
-            if seconds >= 1:
-                return _check_time(seconds, text)
-        raise InvalidSpec(f"--time takes 2h, 30m, 90s, 1d or H:MM:SS; got {text!r}")
+    """A time limit in seconds: ``90s``, ``30m``, ``2h``, ``1d``, or any of SLURM's forms (a bare
+    number is minutes, ``1:00`` one minute, ``1:30:00`` an hour and a half, ``2-00:00:00`` two days)."""
+    slurm = _SLURM_TIME.match(text.strip()) if text.strip().isascii() else None
+    if slurm and ("-" in text or ":" in text):
+        days, d_hours, d_minutes, d_seconds, first, second, third = slurm.groups()
+        if days is not None:
+            parts = [int(d_hours), int(d_minutes or 0), int(d_seconds or 0)]
+            seconds = int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+            limits = [24, 60, 60]
+        elif third is not None:
+            parts = [int(first), int(second), int(third)]
+            seconds, limits = parts[0] * 3600 + parts[1] * 60 + parts[2], [None, 60, 60]
+        else:
+            parts = [int(first), int(second)]
+            seconds, limits = parts[0] * 60 + parts[1], [None, 60]
+        # 1:99:99 is a typo, not 2:40:39.
+        if all(limit is None or part < limit for part, limit in zip(parts, limits, strict=True)) and seconds >= 1:
+            return _check_time(seconds, text)
+        raise InvalidSpec(f"--time takes {TIME_FORMS}; got {text!r}")
     m = _DURATION.match(text)
     if not m:
-        raise InvalidSpec(f"--time takes 2h, 30m, 90s, 1d or H:MM:SS; got {text!r}")
+        raise InvalidSpec(f"--time takes {TIME_FORMS}; got {text!r}")
     value = float(m.group(1)) * _SECONDS[m.group(2).lower()]
     if value > MAX_TIME_S:
         raise InvalidSpec(f"--time {text.strip()[:40]} is more than {MAX_TIME_S // 86400} days")

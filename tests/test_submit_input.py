@@ -267,8 +267,8 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
 
 @pytest.mark.parametrize("args,message", [
     (["submit", "--mem", "lots", "--", "true"], "--mem takes a size like 20G"),
-    (["submit", "--time", "forever", "--", "true"], "--time takes 2h, 30m, 90s, 1d or H:MM:SS"),
-    (["submit", "--time", "1:99:99", "--", "true"], "--time takes 2h, 30m, 90s, 1d or H:MM:SS"),
+    (["submit", "--time", "forever", "--", "true"], "--time takes 2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"),
+    (["submit", "--time", "1:99:99", "--", "true"], "--time takes 2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"),
     (["submit", "--array", "5-1", "--", "true"], "--array range '5-1' is empty"),
     (["submit", "--array", "0-20000", "--", "true"], "more than 10000 tasks"),
     (["submit", "--sweep", "lr", "--", "true"], "--sweep takes name=value,value"),
@@ -337,3 +337,14 @@ def test_two_submissions_racing_near_the_pending_cap_never_take_the_user_past_it
     assert sorted(outcomes)[1] == "queued" and "ann has 4 jobs pending and the limit is 4" in sorted(outcomes)[0]
     with write_scope(s) as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.state == "pending")) == 4
+
+
+@pytest.mark.parametrize("given,seconds", [
+    ("90", 90 * 60), ("1:00", 60), ("0:30", 30), ("90:00", 90 * 60), ("1:30:00", 5400), ("100:00:00", 360000),
+    ("2-00:00:00", 2 * 86400), ("2-3", 2 * 86400 + 3 * 3600), ("1-2:30", 86400 + 2 * 3600 + 1800), ("2h", 7200),
+    ("30m", 1800), ("90s", 90), ("1d", 86400)])
+def test_time_limits_take_slurms_forms_as_slurm_reads_them(given, seconds):
+    # `--time 1:00` was an hour here and a minute in SLURM; `2-00:00:00` was refused.
+    from gpuq.service.units import parse_duration
+
+    assert parse_duration(given) == seconds

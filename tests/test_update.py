@@ -148,7 +148,7 @@ def test_update_prints_both_sides_of_a_time_limit_as_h_mm_ss_and_no_limit_as_non
     s = one_gpu.settings
     job = cli_submit(s, ["--hold", "--", "true"])
     try:
-        said = [run_cli(["update", str(job), "--time", t], s) for t in ("30m", "90s", "1d", "2:30")]
+        said = [run_cli(["update", str(job), "--time", t], s) for t in ("30m", "90s", "1d", "2:30:00")]
         assert [(r.returncode, r.stdout) for r in said] == [
             (0, f"job {job}: time limit none → 0:30:00\n"), (0, f"job {job}: time limit 0:30:00 → 0:01:30\n"),
             (0, f"job {job}: time limit 0:01:30 → 24:00:00\n"), (0, f"job {job}: time limit 24:00:00 → 2:30:00\n")]
