@@ -48,8 +48,9 @@ def alloc(
                                                  "the allocation's share).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
     = False,
-    time_limit: Annotated[str | None, typer.Option("--time", help="Time limit (2h, 30m, or as SLURM: 90 minutes, 1:30:00, 2-00:00:00): warned of 5 "
-                                                                  "minutes before, then everything is stopped.")]
+    time_limit: Annotated[str | None, typer.Option("--time", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
+                                                                  "2-0:00): warned of 5 minutes before, then "
+                                                                  "everything is stopped.")]
     = None,
     name: Annotated[str | None, typer.Option("--name", help="A name to know the allocation by.")] = None,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,

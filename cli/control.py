@@ -53,8 +53,9 @@ def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str
 @app.command()
 def update(job_ids: JobIds = None, array: Array = None,
            priority: Annotated[int | None, typer.Option(help="A pending job's new priority (higher first).")] = None,
-           time: Annotated[str | None, typer.Option("--time", help="The new time limit (2h, 30m, or as SLURM: 90 minutes, 1:30:00, 2-00:00:00); a "
-                                                   "started job's may only be lowered, but by an admin.")] = None,
+           time: Annotated[str | None, typer.Option("--time", help="The new time limit (2h, 30m, or SLURM's 90, "
+                                                   "1:30:00, 2-0:00); a started job's may only be lowered, but by an "
+                                                   "admin.")] = None,
            name: Annotated[str | None, typer.Option(help="A new name (one job at a time).")] = None,
            retries: Annotated[int | None, typer.Option(help="How many times a failure runs it again.")] = None,
            ) -> None:

@@ -78,7 +78,8 @@ def submit(
     node: Annotated[str | None, typer.Option(help="Run on this node only.")] = None,
     host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
                                                       "8G (past it the OOM killer stops the job).")] = None,
-    time: Annotated[str | None, typer.Option(help="Time limit (2h, 30m, or as SLURM: 90 minutes, 1:30:00, 2-00:00:00); stopped past it.")] = None,
+    time: Annotated[str | None, typer.Option(help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, 2-0:00); stopped "
+                                             "past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.")] = 0,
     hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,

@@ -14,6 +14,7 @@ from gpuq.cli.script import directive_lines
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
+from gpuq.service.units import TIME_FORMS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,7 +89,7 @@ def test_a_scripts_options_apply_and_the_command_lines_win(use_settings, tmp_pat
     ("#GPUQ --user root", "job.sh line 2: --user is given on the command line, not in a script"),
     ("#GPUQ --json", "job.sh line 2: --json is given on the command line, not in a script"),
     ("#GPUQ --name 'unclosed", "job.sh line 2: #GPUQ --name 'unclosed: No closing quotation"),
-    ("#GPUQ --time 1:99:99", "--time takes 2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"),
+    ("#GPUQ --time 1:99:99", "--time takes " + TIME_FORMS),
 ])
 def test_a_bad_gpuq_line_is_refused_in_one_line_naming_it_and_nothing_is_written(use_settings, tmp_path,
                                                                                 monkeypatch, line, message):

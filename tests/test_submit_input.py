@@ -17,6 +17,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
+from gpuq.service.units import TIME_FORMS
 from tests.conftest import ThreadServer, settings_env, venv_reachable_by_everyone
 
 
@@ -267,8 +268,8 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
 
 @pytest.mark.parametrize("args,message", [
     (["submit", "--mem", "lots", "--", "true"], "--mem takes a size like 20G"),
-    (["submit", "--time", "forever", "--", "true"], "--time takes 2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"),
-    (["submit", "--time", "1:99:99", "--", "true"], "--time takes 2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"),
+    (["submit", "--time", "forever", "--", "true"], "--time takes " + TIME_FORMS),
+    (["submit", "--time", "1:99:99", "--", "true"], "--time takes " + TIME_FORMS),
     (["submit", "--array", "5-1", "--", "true"], "--array range '5-1' is empty"),
     (["submit", "--array", "0-20000", "--", "true"], "more than 10000 tasks"),
     (["submit", "--sweep", "lr", "--", "true"], "--sweep takes name=value,value"),
