@@ -96,6 +96,10 @@ def test_output_with_a_nul_character_is_kept_with_the_nul_shown_and_the_rest_aft
     (lambda d: d.joinpath("plain.sh").write_text("#!/nonexistent/interp\necho hi\n"), 127,
      "./plain.sh: its interpreter /nonexistent/interp is not found"),
     (lambda d: None, 127, "./plain.sh: no such file or command (it was there at submit)"),
+    # Saved on Windows: "its interpreter /bin/sh is not found" named the one program every machine has.
+    (lambda d: d.joinpath("plain.sh").write_bytes(b"#!/bin/sh\r\necho hi\r\n"), 127,
+     "./plain.sh: its #! line ends in a carriage return (Windows line endings), so the kernel looks for "
+     "'/bin/sh\\r': convert it (dos2unix ./plain.sh)"),
 ])
 def test_a_command_that_cannot_start_fails_with_one_line_and_the_exit_code_a_shell_gives(stack, tmp_path, make,
                                                                                           code, why):

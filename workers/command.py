@@ -62,6 +62,11 @@ def _why_not_started(exc: OSError, program: str, cwd: str) -> tuple[str, int]:
     where = program if os.path.isabs(program) else os.path.join(cwd, program)
     if isinstance(exc, FileNotFoundError):
         interpreter = _interpreter(where) if os.path.exists(where) else None
+        if interpreter is not None and interpreter.endswith("\r"):
+            # Windows line endings: the kernel looks for "/bin/sh\r", which "/bin/sh is not found"
+            # hid, the one program every machine has.
+            return (f"{program}: its #! line ends in a carriage return (Windows line endings), so the kernel "
+                    f"looks for {interpreter!r}: convert it (dos2unix {program})"), 127
         if interpreter is not None:  # the kernel says ENOENT for a script whose #! names nothing
             return f"{program}: its interpreter {interpreter} is not found", 127
         return f"{program}: no such file or command (it was there at submit)", 127
@@ -77,7 +82,9 @@ def _interpreter(path: str) -> str | None:
             first = f.readline(256)
     except OSError:
         return None
-    words = first[2:].split() if first.startswith(b"#!") else []
+    # Split on spaces and tabs, as the kernel does: a carriage return stays part of the name.
+    words = first[2:].rstrip(b"\n").replace(b"\t", b" ").split(b" ") if first.startswith(b"#!") else []
+    words = [w for w in words if w]
     return words[0].decode("utf-8", "replace") if words else None
 
 
