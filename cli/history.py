@@ -10,7 +10,7 @@ import typer
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp
 from gpuq.cli.table import colours_wanted, render
-from gpuq.service.display import state_counts
+from gpuq.service.display import exit_status, state_counts
 from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
@@ -48,7 +48,7 @@ def history(
         typer.echo(f"no job ended {period}")
         return
     table = [[str(j["id"]), j["user"], job_name(j["name"]), (j["state"], _TONE.get(j["state"])),
-              "-" if j["exit_code"] is None else str(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
+              exit_status(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
               timestamp(j["ended_at"]), duration(seconds(j["waited_s"])), duration(seconds(j["elapsed_s"])),
               one_line(result_summary(job(j)), 50)]
              for j in rows]

@@ -15,6 +15,7 @@ from gpuq.cli.client import Client, Overdue, Refused
 from gpuq.cli.progress import bar, wanted
 from gpuq.cli.render import (
     duration,
+    exit_status,
     job,
     print_json,
     printable,
@@ -116,7 +117,7 @@ def _lines(j: Any) -> list[tuple[str, str]]:
     if j.failure:
         lines.append(("failure", j.failure))
     if j.exit_code is not None:
-        lines.append(("exit code", str(j.exit_code)))
+        lines.append(("exit code", exit_status(j.exit_code)))
     return lines
 
 

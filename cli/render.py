@@ -10,7 +10,13 @@ from typing import Any
 
 import typer
 
-from gpuq.service.display import drained, duration, result_summary, time_limit  # noqa: F401 - the CLI's names for them
+from gpuq.service.display import (  # noqa: F401 - the CLI's names for them
+    drained,
+    duration,
+    exit_status,
+    result_summary,
+    time_limit,
+)
 
 
 def mib(v: int | float | None) -> str:

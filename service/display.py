@@ -32,6 +32,22 @@ def time_limit(seconds: int) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
+def exit_status(code: int | None) -> str:
+    """A command's exit as a shell and `gpuq run` give it: its status, or for one killed by a
+    signal 128+N and the signal's name (-9 is "137 (SIGKILL)"; Python's -N read as a bug)."""
+    if code is None:
+        return "-"
+    if code >= 0:
+        return str(code)
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"{128 - code} ({name})"
+
+
 def result_summary(job: Job | Any) -> str:
     """One cell's worth of what a job produced, or why it waits or failed."""
     r = job.result or {}

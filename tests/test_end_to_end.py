@@ -282,3 +282,13 @@ def test_a_submit_is_answered_once_its_job_is_written_and_its_message_is_publish
     assert answered < paused_until, "the answer waited for the broker"
     job_id = int(done.stdout.split()[-1])
     assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
+
+
+def test_a_job_killed_by_a_signal_shows_its_exit_as_a_shell_does_not_as_a_negative_number(stack, tmp_path):
+    # `gpuq show` and `gpuq history` printed -9, where `gpuq run` exits 137 and a shell says 137.
+    s = stack.settings
+    job_id = submit(s, ["--", "/bin/sh", "-c", "kill -KILL $$"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, c.END_STATES) == State.FAILED
+    assert "exit code  137 (SIGKILL)" in run_cli(["show", str(job_id)], s).stdout
+    listed = run_cli(["history", "--since", "1h"], s).stdout
+    assert any(line.split()[0] == str(job_id) and "137 (SIGKILL)" in line for line in listed.splitlines()), listed
