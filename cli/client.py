@@ -199,8 +199,8 @@ class Client:
                 # (a server restarting) is tried again, for a request that is safe to repeat.
                 never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
                 if attempt == retries or never_there:
-                    raise Unreachable(f"no gpuq server answers at {self.address}: {_reason(exc)} (start one with "
-                                      "`gpuq up`, or set GPUQ_SERVER)") from None
+                    raise Unreachable(f"no gpuq server answers at {self.address}: {_reason(exc)} "
+                                      f"{_what_to_do(self.address)}") from None
                 attempt += 1
                 time.sleep(c.SUBMIT_RETRY_SECONDS)
 
@@ -307,6 +307,19 @@ def _server_gone(exc: BaseException) -> bool:
     a permission refused."""
     http = _http()
     return isinstance(exc, (ConnectionError, FileNotFoundError, http.BadStatusLine, http.IncompleteRead))
+
+
+def _what_to_do(address: str) -> str:
+    """The advice after "no gpuq server answers": start one, unless this is a machine whose queue
+    is root's (its socket's folder is there) and this user's own socket was looked at only because
+    the machine's was missing a moment: then that queue is down or restarting, and a stack of one's
+    own (what "start one with `gpuq up`" led to) is not the queue the others use."""
+    settings = load_settings()
+    if address != SYSTEM_SOCKET and os.path.isdir(os.path.dirname(SYSTEM_SOCKET)) and not (
+            settings.server or settings.socket):
+        return (f"(nor at the machine's {SYSTEM_SOCKET}: its gpuq is down or restarting; try again in a moment, or "
+                "ask whoever runs it)")
+    return "(start one with `gpuq up`, or set GPUQ_SERVER)"
 
 
 def _is_socket(path: str) -> bool:

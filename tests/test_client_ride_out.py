@@ -11,6 +11,7 @@ only.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -264,3 +265,30 @@ def test_a_second_hang_up_while_gpuq_run_cancels_its_job_still_cancels_it_and_le
             run.kill()
             run.wait(10)
         st.stop()
+
+
+def test_with_the_machines_socket_gone_a_moment_a_user_is_told_its_queue_is_down_not_to_start_their_own(
+        database_url, shared_dir):
+    # Root's socket missing (a restart, a `gpuq down`): the client looked at the user's own socket
+    # and said "start one with `gpuq up`", which made a second queue beside the machine's.
+    if os.geteuid() != 0:
+        pytest.skip("makes the machine's socket folder and runs the client as another user")
+    from gpuq.service.settings import SYSTEM_SOCKET
+
+    folder = Path(SYSTEM_SOCKET).parent
+    made = not folder.exists()
+    if Path(SYSTEM_SOCKET).exists():
+        pytest.skip("a machine stack is up here")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        env = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME={shared_dir}", f"GPUQ_HOME={shared_dir / 'home'}",
+               "GPUQ_CONFIG=/nonexistent/gpuq-test.toml"]
+        done = subprocess.run(["runuser", "-u", "nobody", "--", *env, sys.executable, "-m", "gpuq.cli", "status"],
+                              capture_output=True, text=True, timeout=60, cwd=shared_dir)
+        assert done.returncode == c.EXIT_UNAVAILABLE, done.stderr
+        assert done.stderr == (f"gpuq: no gpuq server answers at {shared_dir / 'home' / 'gpuq.sock'}: no socket "
+                               f"there (nor at the machine's {SYSTEM_SOCKET}: its gpuq is down or restarting; try "
+                               "again in a moment, or ask whoever runs it)\n"), done.stderr
+    finally:
+        if made:
+            folder.rmdir()
