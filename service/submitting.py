@@ -273,6 +273,10 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
             raise InvalidSpec(f"--gpus {spec.gpus} is more than node {spec.on_node} has ({n})")
     elif spec.gpus > most:
         raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
+    if settings.user_gpu_limit and spec.gpus > settings.user_gpu_limit:
+        # Accepted, it waited for ever ("user limit"), as one past any node's GPUs would.
+        raise InvalidSpec(f"--gpus {spec.gpus} is more than the {settings.user_gpu_limit} a user may hold at once "
+                          "(GPUQ_USER_GPU_LIMIT): it would never start")
     if spec.mem_mib is not None:
         biggest = session.scalar(select(func.max(Gpu.memory_total_mib))) or 0
         here = max((g.memory_total_mib for g in local), default=0)

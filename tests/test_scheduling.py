@@ -434,6 +434,15 @@ def test_a_node_request_for_an_unknown_node_or_too_many_gpus_there_is_refused(se
         submit(settings, node="a", gpus=3)
 
 
+def test_a_job_of_more_gpus_than_a_user_may_hold_at_once_is_refused_not_left_waiting_for_ever(settings):
+    register(settings, "a", 4)
+    limited = settings.with_overrides(user_gpu_limit=2)
+    with pytest.raises(InvalidSpec, match=r"--gpus 3 is more than the 2 a user may hold at once "
+                                          r"\(GPUQ_USER_GPU_LIMIT\): it would never start"):
+        submit(limited, gpus=3)
+    assert state_of(limited, submit(limited, gpus=2))[0] in (State.PENDING, State.DISPATCHED)
+
+
 def worker_on(settings, job_id) -> WorkerState:
     with write_scope(settings) as session:
         gpu = jobs.job_gpus(session, job_id)[0]
