@@ -55,7 +55,10 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
         return error(str(exc), exc.exit_code)
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return error(f"{request.method} {request.path}: {exc.reason}", c.EXIT_USAGE)
+            # With aiohttp's own status (404 no such path, 405 wrong method, 413 too large): a
+            # client of the API, curl or a script, reads that, and the exit code is a usage error.
+            return web.json_response({"error": f"{request.method} {request.path}: {exc.reason}",
+                                      "exit_code": c.EXIT_USAGE}, status=exc.status)
         raise
     except Exception:  # a bug: logged in full, one line to the client
         log.exception("%s %s failed", request.method, request.path_qs)

@@ -349,3 +349,20 @@ def test_time_limits_take_slurms_forms_as_slurm_reads_them(given, seconds):
     from gpuq.service.units import parse_duration
 
     assert parse_duration(given) == seconds
+
+
+def test_an_unknown_api_path_or_method_gets_aiohttps_own_status_with_the_json_error(use_settings):
+    # Every refusal of the HTTP layer was a 400: a script calling the API could not tell a path that
+    # does not exist (404) or a wrong method (405) from bad input.
+    from gpuq.cli.client import unix_connection
+
+    for method, path, status in (("GET", "/v1/nope", 404), ("DELETE", "/v1/jobs", 405)):
+        conn = unix_connection(str(use_settings.server_socket), 30)
+        try:
+            conn.request(method, path)
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            conn.close()
+        assert response.status == status and answer["exit_code"] == c.EXIT_USAGE, (method, path, answer)
+        assert answer["error"].startswith(f"{method} {path}: "), answer
