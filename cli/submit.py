@@ -123,6 +123,7 @@ def submit(
     array, sweep = body["array"], body["sweep"]
     if command is not None:
         body["environ"] = _environ(body["env"])
+        body["umask"] = _umask()
         body["git"] = _git_state(cwd)
     running = ctx.command.name == "run"
     if running and (array is not None or sweep):
@@ -151,6 +152,13 @@ def _cwd() -> str:
         return os.getcwd()
     except FileNotFoundError:
         raise InvalidSpec("the current directory no longer exists") from None
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _environ(requests: list[str]) -> dict[str, str]:

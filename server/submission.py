@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuq.service import allocations, jobs, reach, spec, submitting
+from gpuq.service import constants as c
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
 from gpuq.service.models import Job
@@ -37,7 +38,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
-    "shared": (bool, False)}
+    "shared": (bool, False), "umask": (int, None)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +58,8 @@ def _fields(body: dict[str, Any]) -> dict[str, Any]:
             raise InvalidSpec(f"submit field {name!r} must be a list of strings")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in out["environ"].items()):
         raise InvalidSpec("submit field 'environ' must map names to strings")
+    if out["umask"] is not None and not 0 <= out["umask"] <= 0o777:
+        raise InvalidSpec("submit field 'umask' must be a file mode creation mask, 0 to 0777")
     if out["key"] is not None and not _KEY.fullmatch(out["key"]):
         raise InvalidSpec("submit field 'key' must be 8 to 64 letters, digits, - or _")
     return out
@@ -81,6 +84,10 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
         if workload is not None or f["args"]:
             raise InvalidSpec("give either a workload or a command after --, not both")
         variables = spec.job_env(f["env"], f["environ"])
+        if f["umask"] is not None:
+            # The submitter's umask, which the job's files are made with (SLURM's SLURM_UMASK): a
+            # root worker's 022 made a user's 077 outputs readable by all on shared storage.
+            variables[c.UMASK_VARIABLE] = f"{f['umask']:04o}"
 
         def make(extra: list[str]) -> spec.JobSpec:
             return spec.command_spec(command, gpus=f["gpus"], name=f["name"], user=owner, env=variables, cwd=cwd)

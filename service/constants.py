@@ -165,6 +165,8 @@ FULL_PASS_SHARE = 10.0
 DEFAULT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
                "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "PYTHONPATH")
 DEFAULT_ENV_PREFIXES = ("LC_",)
+# In a command job's environment: the submitter's umask (octal), which its worker gives the job.
+UMASK_VARIABLE = "GPUQ_UMASK"
 
 # The server's API: its version prefix, the largest request body it reads (a 128 KiB command,
 # 256 KiB of environment and a 1 MiB diff fit), and what a client waits for an answer.

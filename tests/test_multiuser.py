@@ -179,6 +179,19 @@ def test_each_users_command_runs_as_that_user_and_status_shows_both(box):
 
 
 @pytest.mark.timeout(300)
+def test_a_users_command_makes_its_files_with_the_umask_it_was_submitted_with(box):
+    # The root worker's 022 made a user's umask 077 outputs readable by everyone on shared storage;
+    # SLURM carries the submitter's umask (SLURM_UMASK), and so does gpuq now.
+    made = Path(box.home_of(box.a)) / f"from-job-{uuid.uuid4().hex[:6]}"
+    submitted = box.as_user(box.a, "/bin/sh", "-c",
+                            f"umask 077; exec {GPUQ} submit -- /bin/sh -c 'umask; touch {made}'")
+    job_id = _submitted(submitted)
+    assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED
+    assert _output(box, box.a, job_id).strip() == "0077"
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600 and made.owner() == box.a
+
+
+@pytest.mark.timeout(300)
 def test_a_user_cannot_change_or_read_another_users_job(box):
     a, b = box.a, box.b
     secret, code_secret = f"TOPSECRET_{uuid.uuid4().hex}", f"DIFFSECRET_{uuid.uuid4().hex}"

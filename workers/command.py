@@ -110,7 +110,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         # directory only root may enter.
         proc = subprocess.Popen(argv, cwd="/" if run_as is not None else cwd, env={**env, "GPUQ_RUN_ID": run_id},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd))
+                                start_new_session=True,
+                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, _umask_of(env)))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         raise CannotStart(*_why_not_started(exc, argv[0], cwd)) from None
     found = _Finder(proc.pid, cgroup, run_id)
@@ -153,13 +154,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
-def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None) -> None:
+def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None,
+              umask: int | None = None) -> None:
     """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
     worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
     become ``run_as``: its groups only, its gid, its uid, in that order (each needs root), and
     enter ``cwd`` as them. Only raw system calls here: another thread may have held a lock at the fork."""
     if cgroup is not None:
         cgroup.join()
+    if umask is not None:
+        os.umask(umask)
     if run_as is not None:
         os.setgroups(list(run_as.groups))
         os.setgid(run_as.gid)
@@ -173,6 +177,15 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
                 os._exit(126)
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _umask_of(env: Mapping[str, str]) -> int | None:
+    """The umask the job was submitted with (``c.UMASK_VARIABLE``), None without one (or a bad one)."""
+    try:
+        mask = int(env.get(c.UMASK_VARIABLE, ""), 8)
+    except ValueError:
+        return None
+    return mask if 0 <= mask <= 0o777 else None
 
 
 def worker_mark(settings: Settings, worker: str) -> str:
