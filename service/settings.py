@@ -18,8 +18,17 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from gpuq.service.errors import ConfigError
-
-ENV_PREFIX = "GPUQ_"
+from gpuq.service.setting_checks import (  # noqa: F401 - OTHER_ENV and the rest: settings' names too
+    ADMIN_MAX_PRIORITY,
+    ENV_PREFIX,
+    OTHER_ENV,
+    OTHER_ENV_PREFIXES,
+    check_env_names,
+    check_urls,
+    check_values,
+    coerce,
+    origin,
+)
 
 
 def _data_home() -> Path:
@@ -215,28 +224,6 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-def _coerce(name: str, raw: Any, kind: type) -> Any:
-    try:
-        if kind is bool:
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError(raw)
-        if kind is Path:
-            return Path(str(raw)).expanduser()
-        value = kind(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"setting {name} must be {kind.__name__}, got {raw!r}") from None
-    if kind in (int, float) and not value >= 0:  # NaN too: no comparison holds for it
-        raise ConfigError(f"setting {name} must not be negative, got {raw!r}" if value < 0 else
-                          f"setting {name} must be a number, got {raw!r}")
-    return value
-
-
 _TYPES = {"Path": Path, "str": str, "int": int, "float": float, "bool": bool}
 
 
@@ -255,6 +242,10 @@ def _load(environ: Mapping[str, str] | None) -> tuple[Settings, Path, dict[str, 
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     path = config_file(env)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory" + (" (GPUQ_CONFIG)" if env.get("GPUQ_CONFIG") else ""))
+    # A GPUQ_CONFIG naming no file is no file, like the default path: the tests, benchmarks and
+    # scripts say "no file" that way (GPUQ_CONFIG=/nonexistent/...); `gpuq config` says "(none there)".
     if path.is_file():
         import tomllib  # only with a file: every `gpuq` command reads the settings
 
@@ -266,24 +257,23 @@ def _load(environ: Mapping[str, str] | None) -> tuple[Settings, Path, dict[str, 
     for key in list(values):
         if key not in known:
             raise ConfigError(f"unknown setting {key!r} in {path}")
+    check_env_names(env, known)
     sources = {name: "file" if name in values else "default" for name in known}
     for name in known:
         env_name = ENV_PREFIX + name.upper()
         if env_name in env:
             values[name] = env[env_name]
             sources[name] = "env"
-    typed = {name: _coerce(name, raw, _TYPES[str(known[name].type)]) for name, raw in values.items()}
+    typed = {}
+    for name, raw in values.items():
+        try:
+            typed[name] = coerce(name, raw, _TYPES[str(known[name].type)])
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({origin(name, sources, path)})") from None
     settings = Settings(**typed)
-    _check_urls(settings)
+    check_values(settings, sources, path)
+    check_urls(settings)
     return settings, path, sources
-
-
-def _check_urls(settings: Settings) -> None:
-    scheme = urlsplit(settings.broker).scheme
-    if scheme not in ("redis", "rediss"):
-        raise ConfigError(f"GPUQ_BROKER_URL must be a redis:// or rediss:// URL, got {mask_url(settings.broker)}")
-    if "://" not in settings.database:
-        raise ConfigError(f"GPUQ_DATABASE_URL is not a database URL: {mask_url(settings.database)}")
 
 
 def mask_url(url: str) -> str:

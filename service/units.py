@@ -48,6 +48,7 @@ def parse_duration(text: str) -> int:
     slurm = _SLURM_TIME.match(text.strip()) if text.strip().isascii() else None
     if slurm and ("-" in text or ":" in text):
         days, d_hours, d_minutes, d_seconds, first, second, third = slurm.groups()
+        limits: list[int | None]
         if days is not None:
             parts = [int(d_hours), int(d_minutes or 0), int(d_seconds or 0)]
             seconds = int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
