@@ -11,7 +11,7 @@ import importlib
 import inspect
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import click
 import typer
@@ -102,8 +102,17 @@ app = typer.Typer(cls=LazyGroup, help="gpuq: the job queue in front of your lab'
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=True)
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        from gpuq import __version__
+
+        typer.echo(f"gpuq {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def gpuq() -> None:
+def gpuq(version: Annotated[bool, typer.Option("--version", help="Print gpuq's version and exit.",
+                                               callback=_version, is_eager=True)] = False) -> None:
     """gpuq: the job queue in front of your lab's GPUs."""
 
 

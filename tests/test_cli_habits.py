@@ -245,3 +245,10 @@ def test_show_writes_a_workloads_empty_or_spaced_parameters_as_a_shell_would_tak
     runs = next(line for line in runner.invoke(app, ["show", "1"]).output.splitlines() if "runs" in line)
     assert "--data-dir ''" in runs and "  --" not in runs
     assert f"--checkpoint '{tmp_path}/my runs/a.pt'" in runs
+
+
+def test_version_prints_gpuqs_version_and_exits_0():
+    from gpuq import __version__
+
+    done = subprocess.run([sys.executable, "-m", "gpuq.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"gpuq {__version__}\n", "")
