@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import psutil
+from kombu.exceptions import OperationalError
 
 from gpuq.service.celery_app import send_run_rank
 from gpuq.service.db import write_scope
@@ -59,7 +60,15 @@ def start_ranks(state: WorkerState, job: JobRun) -> tuple[Rank, list[Peer]]:
         peers = [Peer(rank, gpu.id, gpu.worker, gpu.worker_pid)
                  for rank, gpu in enumerate(job_gpus(session, job.id)) if rank]
     for rank, queue in enumerate(job.gpu_queues[1:], start=1):
-        send_run_rank(state.app, queue, job.id, rank)
+        try:
+            send_run_rank(state.app, queue, job.id, rank)
+        except (OperationalError, OSError) as exc:
+            # The broker restarting as rank 0 asks (the message is lost with it either way): the
+            # scheduler sends every running job's ranks again once it sees the broker restarted
+            # (``leases.ranks_to_send_again``), and rank 0 waits at the meeting point meanwhile.
+            # Raised here, it failed the job.
+            log.warning("%s: job %s: rank %s's message not sent (%s); the scheduler sends it again",
+                        state.name, job.id, rank, exc)
     return Rank(0, len(job.gpu_queues), init_method), peers
 
 
