@@ -36,8 +36,10 @@ _STATUS = {c.EXIT_USAGE: 400, c.EXIT_NOT_FOUND: 404, c.EXIT_CONFLICT: 409, c.EXI
            c.EXIT_NOT_ALLOWED: 403, c.EXIT_UNAVAILABLE: 503, c.EXIT_CONFIG: 500, c.EXIT_SOFTWARE: 500}
 
 
-def error(message: str, exit_code: int) -> web.Response:
-    return web.json_response({"error": message, "exit_code": exit_code}, status=_STATUS.get(exit_code, 500))
+def error(message: str, exit_code: int, status: int | None = None) -> web.Response:
+    """gpuq's JSON error; ``status`` where the HTTP layer gave its own, else the exit code's."""
+    return web.json_response({"error": message, "exit_code": exit_code},
+                             status=status or _STATUS.get(exit_code, 500))
 
 
 @web.middleware
@@ -57,8 +59,7 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
         if exc.status >= 400:
             # With aiohttp's own status (404 no such path, 405 wrong method, 413 too large): a
             # client of the API, curl or a script, reads that, and the exit code is a usage error.
-            return web.json_response({"error": f"{request.method} {request.path}: {exc.reason}",
-                                      "exit_code": c.EXIT_USAGE}, status=exc.status)
+            return error(f"{request.method} {request.path}: {exc.reason}", c.EXIT_USAGE, exc.status)
         raise
     except Exception:  # a bug: logged in full, one line to the client
         log.exception("%s %s failed", request.method, request.path_qs)

@@ -39,13 +39,9 @@ def exit_status(code: int | None) -> str:
         return "-"
     if code >= 0:
         return str(code)
-    import signal
+    from gpuq.service.failures import signal_name
 
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    return f"{128 - code} ({name})"
+    return f"{128 - code} ({signal_name(-code)})"
 
 
 def result_summary(job: Job | Any) -> str:

@@ -46,10 +46,15 @@ def explain(failure: str, exit_code: int | None, limit_mib: int | None = None,
 
 def exit_reason(code: int | None) -> str:
     if code is not None and code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return f"killed by {signal_name(-code)}"
     return f"exited with status {code}"
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL for 9; "signal N" for a number no signal has."""
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -188,13 +190,44 @@ def test_a_ride_out_stops_at_its_callers_deadline_and_says_that_bound_not_the_wh
         st.stop()
 
 
-def test_alloc_waiting_for_its_gpu_rides_out_a_server_restart_and_then_gets_the_gpu(settings, tmp_path):
+@contextmanager
+def _one_gpu_stack(settings, tmp_path: Path) -> Iterator[tuple[Stack, Callable[[list[str]], subprocess.Popen]]]:
+    """A stack of one GPU, and a way to start `gpuq` processes on it: they and the stack are gone
+    after (the server resumed first if a test stopped it)."""
     st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
-    alloc = None
+    started: list[subprocess.Popen] = []
+
+    def start(args: list[str]) -> subprocess.Popen:
+        started.append(_gpuq(st, args))
+        return started[-1]
+
     try:
+        yield st, start
+    finally:
+        server = psutil.Process(st.procs["server"].pid)
+        if server.is_running() and server.status() == psutil.STATUS_STOPPED:
+            server.resume()
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        st.stop()
+
+
+def _run_until_running(settings, start: Callable[[list[str]], subprocess.Popen]) -> tuple[subprocess.Popen, int]:
+    """`gpuq run -- sleep 60` started and its job running: the process and the job's id."""
+    run = start(["run", "--", "sleep", "60"])
+    _until(lambda: _newest_job(settings) is not None, 30, "gpuq run submitted its job")
+    job = _newest_job(settings)
+    wait_for_state(settings, job, {State.RUNNING})
+    return run, job
+
+
+def test_alloc_waiting_for_its_gpu_rides_out_a_server_restart_and_then_gets_the_gpu(settings, tmp_path):
+    with _one_gpu_stack(settings, tmp_path) as (st, start):
         busy = cli_submit(settings, ["--", "sleep", "6"])
         wait_for_state(settings, busy, {State.RUNNING})
-        alloc = _gpuq(st, ["alloc", "--", sys.executable, "-c", "print('held')"])
+        alloc = start(["alloc", "--", sys.executable, "-c", "print('held')"])
         _until(lambda: _newest_job(settings) != busy, 30, "gpuq alloc queued its allocation")
         held = _newest_job(settings)
         time.sleep(1.0)  # it is waiting: keepalive and a look at its state
@@ -207,21 +240,11 @@ def test_alloc_waiting_for_its_gpu_rides_out_a_server_restart_and_then_gets_the_
         assert code == 0 and out == "held\n", (code, err, st.logs())
         assert "no gpuq server answers" not in err and f"gpuq: allocation {held}: GPU 0 on" in err, err
         assert wait_for_state(settings, held, c.END_STATES) == State.SUCCEEDED
-    finally:
-        if alloc is not None and alloc.poll() is None:
-            alloc.kill()
-            alloc.wait(10)
-        st.stop()
 
 
 def test_ctrl_c_on_gpuq_run_while_the_server_restarts_still_cancels_the_job(settings, tmp_path):
-    st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
-    run = None
-    try:
-        run = _gpuq(st, ["run", "--", "sleep", "60"])
-        _until(lambda: _newest_job(settings) is not None, 30, "gpuq run submitted its job")
-        job = _newest_job(settings)
-        wait_for_state(settings, job, {State.RUNNING})
+    with _one_gpu_stack(settings, tmp_path) as (st, start):
+        run, job = _run_until_running(settings, start)
         _kill_server(st)
         run.send_signal(signal.SIGINT)  # its cancel meets the refusing socket: asked again, not given up
         time.sleep(RESTART_GAP)
@@ -230,25 +253,15 @@ def test_ctrl_c_on_gpuq_run_while_the_server_restarts_still_cancels_the_job(sett
         code, _, err = _ended(run)
         assert code == 130 and "cancelling job" in err, (code, err)
         assert wait_for_state(settings, job, c.END_STATES) == State.CANCELLED
-    finally:
-        if run is not None and run.poll() is None:
-            run.kill()
-            run.wait(10)
-        st.stop()
 
 
 def test_a_second_hang_up_while_gpuq_run_cancels_its_job_still_cancels_it_and_leaves_with_129(settings, tmp_path):
     # A closed ssh session sends SIGHUP, then SIGTERM: the second, raised inside the cancel's
     # request, left a traceback (exit 1) and the job running.
-    st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
-    run = None
-    server = psutil.Process(st.procs["server"].pid)
-    try:
-        run = _gpuq(st, ["run", "--", "sleep", "60"])
-        _until(lambda: _newest_job(settings) is not None, 30, "gpuq run submitted its job")
-        job = _newest_job(settings)
-        wait_for_state(settings, job, {State.RUNNING})
+    with _one_gpu_stack(settings, tmp_path) as (st, start):
+        run, job = _run_until_running(settings, start)
         time.sleep(0.5)  # following its output
+        server = psutil.Process(st.procs["server"].pid)
         server.suspend()  # the cancel's request waits for an answer
         run.send_signal(signal.SIGHUP)
         time.sleep(0.5)
@@ -258,13 +271,6 @@ def test_a_second_hang_up_while_gpuq_run_cancels_its_job_still_cancels_it_and_le
         code, _, err = _ended(run)
         assert code == 129 and "Traceback" not in err and f"SIGHUP: cancelled job {job}" in err, (code, err)
         assert wait_for_state(settings, job, c.END_STATES) == State.CANCELLED
-    finally:
-        if server.is_running() and server.status() == psutil.STATUS_STOPPED:
-            server.resume()
-        if run is not None and run.poll() is None:
-            run.kill()
-            run.wait(10)
-        st.stop()
 
 
 def test_with_the_machines_socket_gone_a_moment_a_user_is_told_its_queue_is_down_not_to_start_their_own(

@@ -263,14 +263,20 @@ def test_up_leaves_out_a_gpu_whose_worker_cannot_start_and_resume_starts_it_agai
     assert _processes_of(settings) == []
 
 
-def test_down_with_no_grace_interrupts_running_jobs_and_records_it(tmp_path):
-    # `gpuq down --grace 0` sent its two stop requests back to back: they merged into one, the
-    # supervisor waited kill_grace + 30 s for jobs that were never told to stop, then the stack was
-    # SIGKILLed whole and its jobs left `running`, to be reaped as worker_lost at the next `up`.
+def _up_on_one_gpu(tmp_path):
+    """`gpuq up` of a stack of one GPU (and a short kill grace) in ``tmp_path``; its settings."""
     settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
                              redis_port=free_port(), fake_gpus=1, kill_grace=1.0)
     up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
     assert up.returncode == 0, up.stdout + up.stderr
+    return settings
+
+
+def test_down_with_no_grace_interrupts_running_jobs_and_records_it(tmp_path):
+    # `gpuq down --grace 0` sent its two stop requests back to back: they merged into one, the
+    # supervisor waited kill_grace + 30 s for jobs that were never told to stop, then the stack was
+    # SIGKILLed whole and its jobs left `running`, to be reaped as worker_lost at the next `up`.
+    settings = _up_on_one_gpu(tmp_path)
     try:
         job_id = run_cli(["submit", "--", "sleep", "120"], settings).stdout.split()[-1]
         wait_for_state(settings, int(job_id), {"running"})
@@ -285,10 +291,7 @@ def test_down_with_no_grace_interrupts_running_jobs_and_records_it(tmp_path):
 def test_down_stops_what_a_killed_supervisor_left_and_up_then_starts_again(tmp_path):
     # With its supervisor SIGKILLed, the stack's Redis, server, scheduler and workers ran on: `gpuq
     # down` said "was not up" and `gpuq up` refused the server still answering on its socket.
-    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
-                             redis_port=free_port(), fake_gpus=1, kill_grace=1.0)
-    up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
-    assert up.returncode == 0, up.stdout + up.stderr
+    settings = _up_on_one_gpu(tmp_path)
     try:
         sup = psutil.Process(int((settings.run_dir / "supervisor.pid").read_text()))
         left = sup.children(recursive=True)

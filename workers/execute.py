@@ -23,8 +23,7 @@ from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.command import CannotStart, run_command
-from gpuq.workers.command import worker_mark as command_worker_mark
+from gpuq.workers.command import CannotStart, run_command, worker_mark
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
@@ -82,7 +81,8 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
                               job.host_mem_mib)
     try:
         env = job_env(job, state.node, identity, state.settings)
-        env["GPUQ_WORKER"] = worker_mark(state)  # a restarted worker finds what an earlier run left
+        # A restarted worker finds what an earlier run left by it.
+        env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
         outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
                               run_as=identity, on_start=on_start, limit_mib=job.host_mem_mib)
     except CannotStart as exc:
@@ -161,7 +161,7 @@ def execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         result_path = os.path.join(tmp, "result.json")
         env = dict(os.environ)  # gpuq's own code: it keeps the worker's settings
         env.update(job_env(job, state.node, settings=state.settings))
-        env["GPUQ_WORKER"] = worker_mark(state)
+        env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
         if job.shared and job.mem_mib is not None and job.memory_total_mib:
             env[c.MEMORY_FRACTION_VARIABLE] = f"{job.mem_mib / job.memory_total_mib:.6f}"
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
@@ -207,6 +207,3 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     return env
 
 
-def worker_mark(state: WorkerState) -> str:
-    """What every process of this worker's jobs carries in GPUQ_WORKER (``command.worker_mark``)."""
-    return command_worker_mark(state.settings, state.name)
