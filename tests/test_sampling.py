@@ -90,12 +90,31 @@ def test_sampler_writes_batches_tagged_with_the_running_job(settings):
     with write_scope(settings) as s:
         rows = list(s.scalars(select(DeviceSample).order_by(DeviceSample.sampled_at)))
     assert len(rows) >= 10 and {r.job_id for r in rows} == {job}
-    # A transaction per batch, plus the last partial batch, the start-up roll-up and this test's
-    # read: never one per sample.
-    assert len(commits) <= len(rows) / c.SAMPLE_BATCH + 3
+    # A transaction per batch, plus the first reading, the last partial batch, the start-up
+    # roll-up and this test's read: never one per sample.
+    assert len(commits) <= len(rows) / c.SAMPLE_BATCH + 4
     assert sum(r.interval_s for r in rows) <= took + settings.sample_interval
     assert all(r.utilization is not None and r.power_w is not None and r.processes for r in rows)
 
+
+
+def test_a_gpus_first_reading_is_in_sql_at_once_so_devices_shows_its_temperature_and_power(settings):
+    # A 10-minute interval: a batch of SAMPLE_BATCH readings would take 50 minutes.
+    settings = settings.with_overrides(sample_interval=600.0)
+    with write_scope(settings) as s:
+        gpu = add_gpu(s, "n", 0)
+    sampler = Sampler(settings, gpu, GpuProbe(SimulatedDevices(1, 1024, "n"), 0), lambda: None)
+    sampler.start()
+    try:
+        deadline, rows = time.monotonic() + 10, []
+        while not rows and time.monotonic() < deadline:
+            time.sleep(0.1)
+            with write_scope(settings) as s:
+                rows = list(s.scalars(select(DeviceSample)))
+    finally:
+        sampler.stop()
+        sampler.join(5)
+    assert len(rows) == 1 and rows[0].temperature_c is not None and rows[0].power_w is not None
 
 
 def test_a_jobs_end_waits_for_a_batch_being_written_so_its_summary_sees_every_reading(tmp_path, redis_url):

@@ -57,7 +57,9 @@ class Sampler(threading.Thread):
             # Keep the beat on a fixed grid: a slow flush does not push every later sample back.
             next_sample = max(next_sample + interval, time.monotonic())
             try:
-                if self.sample() >= c.SAMPLE_BATCH:
+                # The first reading is written at once: `gpuq devices` on a stack just up shows
+                # the GPU's temperature and power (only samples carry them), not n/a for 5 s.
+                if self.sample() >= c.SAMPLE_BATCH or self.flushes == 0:
                     self.flush()
                 if time.monotonic() >= next_rollup:
                     next_rollup = time.monotonic() + c.ROLLUP_EVERY
