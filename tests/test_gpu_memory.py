@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -242,7 +243,7 @@ def test_a_real_job_that_grows_past_its_share_is_reported_after_the_grace(tmp_pa
     assert over_at is not None and now - over_at >= grace
 
 
-def test_mps_is_seen_by_its_control_pipe_and_pins_a_shared_jobs_memory_on_each_gpu(tmp_path):
+def test_mps_is_seen_by_its_control_pipe_or_socket_and_pins_a_shared_jobs_memory_on_each_gpu(tmp_path):
     from gpuq.workers import mps
 
     assert not mps.running(str(tmp_path))  # no daemon: no pipe
@@ -251,4 +252,22 @@ def test_mps_is_seen_by_its_control_pipe_and_pins_a_shared_jobs_memory_on_each_g
     (tmp_path / "control").unlink()
     os.mkfifo(tmp_path / "control")
     assert mps.running(str(tmp_path))
+    (tmp_path / "control").unlink()
+    # Driver 580 (the lent H100) makes its control a Unix socket, not a pipe.
+    with socket.socket(socket.AF_UNIX) as control:
+        control.bind(str(tmp_path / "control"))
+        assert mps.running(str(tmp_path))
     assert mps.memory_limit_env(2, 3072) == {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M,1=3072M"}
+
+
+def test_under_mps_a_shared_job_is_pinned_to_its_share_and_context_reserve(tmp_path, monkeypatch):
+    # The room it was placed with and the watchdog's limit: under MPS the CUDA context itself counts
+    # against the pinned limit (seen on the lent H100: pinned to 1 GiB, 510 MiB were left for a job).
+    with socket.socket(socket.AF_UNIX) as control:
+        control.bind(str(tmp_path / "control"))
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+        settings = Settings(home=tmp_path / "home", node="mpsnode", shared_context_mib=500)
+        job = JobRun(id=7, name="hold", kind=c.KIND_COMMAND, workload=None, params={}, argv=None, cwd=None,
+                     gpu_indices=(1, 3), gpu_queues=("q", "q"), shared=True, mem_mib=1024)
+        env = job_env(job, settings.node, settings=settings)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1524M,1=1524M"

@@ -201,9 +201,12 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     if settings is not None and settings.fake_gpus:
         # Simulated GPUs: where the job says what simulated GPU memory it holds (workers/simulated_memory.py).
         env[simulated_memory.ENV_VARIABLE] = str(simulated_memory.memory_dir(settings))
-    elif job.shared and job.mem_mib is not None and mps.running():
-        # The driver refuses what a shared job allocates past its share (workers/mps.py).
-        env.update(mps.memory_limit_env(len(job.gpu_indices), job.mem_mib))
+    elif settings is not None and job.shared and job.mem_mib is not None and mps.running():
+        # The driver refuses what a shared job allocates past the room it was placed with, its
+        # share and context reserve, as the watchdog counts (workers/mps.py). The client's CUDA
+        # context counts against MPS's limit: pinned to the share alone, a 1 GiB job on the lent
+        # H100 had 510 MiB left and failed to allocate 512.
+        env.update(mps.memory_limit_env(len(job.gpu_indices), job.mem_mib + settings.shared_context_mib))
     return env
 
 

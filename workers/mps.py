@@ -20,10 +20,12 @@ DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
 def running(pipe_directory: str | None = None) -> bool:
-    """Whether an MPS control daemon listens here: its ``control`` named pipe exists."""
+    """Whether an MPS control daemon listens here: its ``control`` exists, a named pipe in older
+    drivers and a Unix socket in newer ones (driver 580 on the lent H100)."""
     directory = Path(pipe_directory or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
     try:
-        return stat.S_ISFIFO((directory / "control").stat().st_mode)
+        mode = (directory / "control").stat().st_mode
+        return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
     except OSError:
         return False
 
