@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gpuq.server import dispatch, submission, views
+from gpuq.server.audit import audited
 from gpuq.server.request import body_of, call, context, job_id_of, reading
 from gpuq.service import constants as c
 from gpuq.service import history as history_of
@@ -71,7 +72,11 @@ def _bounded(ids: list[int]) -> list[int]:
 @routes.post(P + "/jobs")
 async def submit(request: web.Request) -> web.Response:
     settings, caller = context(request)
-    made, placed = await call(submission.submit, settings, caller, await body_of(request))
+    body = await body_of(request)
+    user = body.get("user")
+    made, placed = await audited(request, "submit", submission.submit, settings, caller, body,
+                                 acted=lambda done: {j.id: j.user for j in done[0]},
+                                 via_user=user if isinstance(user, str) else None)
     response = web.json_response({"jobs": [views.job(j) for j in made]})
     if placed:
         # The answer first: the client (the next submit of a loop, `gpuq run`) goes on while the
@@ -185,8 +190,9 @@ def _array(settings: Settings, array_id: int) -> list[dict[str, Any]]:
 
 @routes.get(JOB)
 async def show(request: web.Request) -> web.Response:
-    """One job (`gpuq show`): what everyone may see, and its last output lines if it failed and
-    the caller may read its output."""
+    """One job (`gpuq show`): what everyone may see, its last output lines if it failed and the
+    caller may read its output, and its environment (``env``, the variables it was submitted with)
+    if the caller may read its private data (its owner, root, the admins), else ``env`` null."""
     settings, caller = context(request)
     return web.json_response(await call(_show, settings, caller, job_id_of(request)))
 
@@ -199,8 +205,10 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
         explains = job.failure not in (None, c.FAILURE_CANCELLED, c.FAILURE_TIMEOUT)
         readable = rights.may_read_output(settings, job.user, caller)
         tail = jobs.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains and readable else []
+        # Not opened by GPUQ_SHARED_LOGS, as output is: the values may be the owner's secrets.
+        env = dict(job.env or {}) if rights.may_read_private(settings, job.user, caller) else None
         data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
-    return data | {"metrics": views.plain(metrics), "last_output": tail, "output_readable": readable}
+    return data | {"env": env, "metrics": views.plain(metrics), "last_output": tail, "output_readable": readable}
 
 
 @routes.get(JOB + "/diff")
@@ -281,7 +289,8 @@ def _why(settings: Settings, job_id: int) -> dict[str, Any]:
 @routes.post(JOB + "/cancel")
 async def cancel(request: web.Request) -> web.Response:
     settings, caller = context(request)
-    outcome = await call(jobs.cancel, settings, job_id_of(request), caller)
+    job_id = job_id_of(request)
+    outcome = await audited(request, "cancel", jobs.cancel, settings, job_id, caller, ids=[job_id])
     return web.json_response({"id": outcome.job_id, "state": outcome.state, "kill_grace_s": settings.kill_grace})
 
 
@@ -290,7 +299,9 @@ async def cancel_all(request: web.Request) -> web.Response:
     """Cancel the jobs of ``{"ids": [...]}`` in one request (`gpuq cancel` of an array, of all of
     mine): all or none, if one may not be cancelled by the caller or does not exist."""
     settings, caller = context(request)
-    outcomes = await call(jobs.cancel_all, settings, await _ids_of(request), caller)
+    ids = await _ids_of(request)
+    outcomes = await audited(request, "cancel", jobs.cancel_all, settings, ids, caller, ids=ids,
+                             acted=lambda done: [o.job_id for o in done if not o.ended])
     return web.json_response({"jobs": [{"id": o.job_id, "state": o.state, "ended": o.ended} for o in outcomes],
                               "kill_grace_s": settings.kill_grace})
 
@@ -309,7 +320,9 @@ async def release_all(request: web.Request) -> web.Response:
 
 async def _set_held_all(request: web.Request, held: bool) -> web.Response:
     settings, caller = context(request)
-    outcome = await call(jobs.set_held_all, settings, await _ids_of(request), held, caller)
+    ids = await _ids_of(request)
+    outcome = await audited(request, "hold" if held else "release", jobs.set_held_all, settings, ids, held, caller,
+                            ids=ids, acted=lambda done: [i for i, why in done.items() if why is None])
     return web.json_response({"jobs": [{"id": job_id, "not": why} for job_id, why in outcome.items()]})
 
 
@@ -323,7 +336,10 @@ async def update_all(request: web.Request) -> web.Response:
     settings, caller = context(request)
     body = await body_of(request)
     ids = _ids_in(body, 'the body must have "ids": [job ids]')
-    outcomes = await call(update.update_all, settings, ids, update.Changes.of(body), caller)
+    changes = update.Changes.of(body)
+    asked = ", ".join(f"{f}={getattr(changes, f)!r}" for f in update.FIELDS if getattr(changes, f) is not None)
+    outcomes = await audited(request, "update", update.update_all, settings, ids, changes, caller, ids=ids,
+                             acted=lambda done: [o.job_id for o in done if o.changed], note=lambda _: asked)
     return web.json_response({"jobs": [o.as_json() for o in outcomes]})
 
 
@@ -346,16 +362,19 @@ def _ids_in(body: dict[str, Any], shape: str) -> list[int]:
 
 @routes.post(JOB + "/hold")
 async def hold(request: web.Request) -> web.Response:
-    settings, caller = context(request)
-    await call(jobs.set_held, settings, job_id_of(request), True, caller)
-    return web.json_response({"id": job_id_of(request), "held": True})
+    return await _set_held(request, True)
 
 
 @routes.post(JOB + "/release")
 async def release(request: web.Request) -> web.Response:
+    return await _set_held(request, False)
+
+
+async def _set_held(request: web.Request, held: bool) -> web.Response:
     settings, caller = context(request)
-    await call(jobs.set_held, settings, job_id_of(request), False, caller)
-    return web.json_response({"id": job_id_of(request), "held": False})
+    job_id = job_id_of(request)
+    await audited(request, "hold" if held else "release", jobs.set_held, settings, job_id, held, caller, ids=[job_id])
+    return web.json_response({"id": job_id, "held": held})
 
 
 @routes.post(JOB + "/resubmit")
@@ -363,7 +382,9 @@ async def resubmit(request: web.Request) -> web.Response:
     from gpuq.service.resubmit import resubmit as again
 
     settings, caller = context(request)
-    job = await call(again, settings, job_id_of(request), caller)
+    job_id = job_id_of(request)
+    job = await audited(request, "resubmit", again, settings, job_id, caller, ids=[job_id],
+                        acted=lambda new: {job_id: new.user}, note=lambda new: f"as job {new.id}")
     return web.json_response({"job": views.job(job)})
 
 
@@ -389,5 +410,7 @@ async def end(request: web.Request) -> web.Response:
     code = body.get("exit_code")
     if not isinstance(code, int) or isinstance(code, bool):
         raise InvalidSpec("exit_code must be a whole number")
-    await call(end_by_client, settings, job_id_of(request), code, caller)
-    return web.json_response({"id": job_id_of(request), "exit_code": code})
+    job_id = job_id_of(request)
+    await audited(request, "end", end_by_client, settings, job_id, code, caller, ids=[job_id],
+                  note=lambda _: f"its client's exit code {code}")
+    return web.json_response({"id": job_id, "exit_code": code})

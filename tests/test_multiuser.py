@@ -238,6 +238,42 @@ def test_a_user_cannot_change_or_read_another_users_job(box):
 
 
 @pytest.mark.timeout(300)
+def test_a_jobs_env_values_are_shown_to_its_owner_and_not_to_another_user(box):
+    a, b = box.a, box.b
+    secret = f"ENVSECRET_{uuid.uuid4().hex}"
+    job_id = _submitted(box.gpuq(a, "submit", "--hold", "--env", f"MY_TOKEN={secret}", "--", "true"))
+    mine = box.gpuq(a, "show", "--json", str(job_id))
+    assert mine.returncode == 0, mine.stderr
+    assert json.loads(mine.stdout)["env"]["MY_TOKEN"] == secret
+    for args in (["show", "--json", str(job_id)], ["show", str(job_id)]):
+        theirs = box.gpuq(b, *args)
+        assert theirs.returncode == 0, theirs.stderr
+        assert secret not in theirs.stdout and secret not in theirs.stderr
+    assert json.loads(box.gpuq(b, "show", "--json", str(job_id)).stdout)["env"] is None
+    assert box.gpuq(a, "cancel", str(job_id)).returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_the_servers_log_names_who_changed_whose_job_and_who_was_refused(box):
+    from tests.test_audit import logged
+
+    a, b = box.a, box.b
+    log = box.settings.log_dir / "server.log"
+    who_a, who_b = (f"{u} (uid {pwd.getpwnam(u).pw_uid})" for u in (a, b))
+    job_id = _submitted(box.gpuq(a, "submit", "--hold", "--", "true"))
+    logged(log, f"submit by {who_a}: job {job_id}")
+    refusal = f"job {job_id} belongs to {a}; only they or an admin may change it"
+    for move in ("cancel", "release", "hold"):
+        _refused(box.gpuq(b, move, str(job_id)))
+        logged(log, f"refused {move} by {who_b}: job {job_id} of {a} ({refusal})", "WARNING")
+    _refused(box.gpuq(b, "submit", "--user", a, "--", "true"))
+    logged(log, f"refused submit by {who_b} on behalf of {a} via --user: no job "
+                f"(only root may submit as another user (--user {a}); you are {b})", "WARNING")
+    assert box.gpuq(a, "cancel", str(job_id)).returncode == 0
+    logged(log, f"cancel by {who_a}: job {job_id}")
+
+
+@pytest.mark.timeout(300)
 def test_a_user_may_lower_their_running_jobs_time_limit_and_its_root_worker_stops_it_there(box):
     a = box.a
     job = _submitted(box.gpuq(a, "submit", "--time", "1h", "--", "sleep", "120"))
