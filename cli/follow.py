@@ -50,14 +50,18 @@ class HangUp(Exception):
 
 
 def exit_code_of(end: dict[str, Any]) -> int:
-    """The code `gpuq run` exits with for a job's end (the output route's answer once it ended)."""
+    """The code `gpuq run` exits with for a job's end (the output route's answer once it ended).
+
+    A cancel is `gpuq wait`'s code for a job that did not succeed (EXIT_JOB_FAILED): `gpuq cancel`
+    from elsewhere, or a dependency that failed. 130 is a shell's Ctrl-C, and `follow` gives it
+    only for the interrupt typed in its own terminal."""
     state, failure, code = end["state"], end.get("failure"), end.get("exit_code")
     if state == State.SUCCEEDED:
         return 0
     if state == State.TIMED_OUT:
         return c.EXIT_RUN_TIMED_OUT
     if state == State.CANCELLED or failure == c.FAILURE_CANCELLED:
-        return c.EXIT_RUN_CANCELLED
+        return c.EXIT_JOB_FAILED
     if failure in GPUQ_ENDS:
         return c.EXIT_RUN_GPUQ
     if code is None:
@@ -72,8 +76,10 @@ def end_line(job_id: int, end: dict[str, Any]) -> str | None:
     if state == State.SUCCEEDED or (failure == c.FAILURE_EXIT and (end.get("exit_code") or 0) > 0):
         return None
     what = failure if failure and failure != state else state
-    return f"gpuq: job {job_id} {state}" + (f" [{what}]" if what != state else "") + \
-        (f": {end['reason']}" if end.get("reason") else "")
+    reason = end.get("reason") or ""
+    if state == State.CANCELLED and reason.startswith("cancelled "):  # once, not "cancelled: cancelled by user"
+        return f"gpuq: job {job_id} {reason}"
+    return f"gpuq: job {job_id} {state}" + (f" [{what}]" if what != state else "") + (f": {reason}" if reason else "")
 
 
 # A waiting job's reason (policy's REASON words), as the end of "queued and waiting for ...".
@@ -159,7 +165,7 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                     say(sys.stderr if stream == c.STDERR else sys.stdout, data)
                 seq = answer["chunks"][-1][0] if answer["chunks"] else seq
                 if state in c.END_STATES and not answer["chunks"]:
-                    return _ended(job_id, answer)
+                    return _ended(job_id, answer, interrupted=cancelling)
                 if detach and state == State.RUNNING:
                     say(sys.stderr, f"gpuq: job {job_id} is running; `gpuq attach {job_id}` follows it, "
                                     f"`gpuq cancel {job_id}` stops it\n")
@@ -210,13 +216,17 @@ def _cancel(client: Client, job_id: int) -> tuple[bool, HangUp | None]:
     return True, HangUp(late[0]) if late else None
 
 
-def _ended(job_id: int, end: dict[str, Any]) -> int:
+def _ended(job_id: int, end: dict[str, Any], interrupted: bool = False) -> int:
+    """Say how the job ended and return its exit code; ``interrupted``: this terminal's Ctrl-C
+    asked for its cancel, so a cancelled end is the user's own interrupt (130)."""
     sys.stdout.flush()
     if end.get("kind") == c.KIND_WORKLOAD and end.get("result"):
         say(sys.stdout, "\n".join(result_lines(end["result"])) + "\n")
     line = end_line(job_id, end)
     if line:
         say(sys.stderr, line + "\n")
+    if interrupted and end["state"] == State.CANCELLED:
+        return c.EXIT_RUN_CANCELLED
     return exit_code_of(end)
 
 

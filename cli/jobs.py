@@ -6,6 +6,7 @@ import json
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Annotated, Any, NoReturn
 
@@ -312,7 +313,8 @@ def _timed_out(timeout: float, left: str) -> NoReturn:
 
 @app.command()
 def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
-           array: Annotated[int | None, typer.Option(help="Every job of this array.", min=1)] = None,
+           array: Annotated[int | None, typer.Option(help="Every job of this array (one summary line).", min=1)]
+           = None,
            user: Annotated[bool, typer.Option("--user", help="All my waiting and running jobs.")] = False,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
            ) -> None:
@@ -325,31 +327,65 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
     # One request for them all: the server checks every job before it cancels any.
     answer = client.post("/jobs/cancel", {"ids": targets})
     grace = answer["kill_grace_s"]
-    stopping = []
     ended = [o for o in answer["jobs"] if o["ended"]]
     if len(targets) == 1 and ended:
         raise Refused(f"job {ended[0]['id']} already ended ({ended[0]['state']})", c.EXIT_CONFLICT)
+    # An array's tasks are counted in one line (10,000 of them were 10,000 lines); jobs named by id,
+    # or --user's, a line each.
+    named = set(targets) if array is None else set(job_ids or [])
+    tasks: dict[int, str] = {}  # an array's task → what became of it: its state, or "ended" before the cancel
+    stopping = []
     for outcome in answer["jobs"]:
         job_id, state = outcome["id"], outcome["state"]
-        if outcome["ended"]:
+        if job_id not in named:
+            tasks[job_id] = "ended" if outcome["ended"] else state
+        elif outcome["ended"]:
             typer.echo(f"job {job_id}: already ended ({state})")
         elif state == State.CANCELLED:
             typer.echo(f"job {job_id} cancelled")
-        else:
+        if not outcome["ended"] and state != State.CANCELLED:
             stopping.append(job_id)
     # Jobs named by id that had all ended: nothing was cancelled, as for one such job (exit 4). An
     # array's or a user's ended jobs are not named, and some ended among others is no error either.
-    if job_ids and len(ended) == len(targets):
-        raise typer.Exit(c.EXIT_CONFLICT)
-    if not stopping:
-        return
-    if no_wait:
+    conflict = bool(job_ids) and len(ended) == len(targets)
+    if stopping and no_wait:
         for job_id in stopping:
-            typer.echo(f"job {job_id} cancelling")
-        return
-    # The worker sends SIGTERM, waits kill_grace, then SIGKILLs: wait a little longer than that.
-    states = _until_ended(client, stopping, time.monotonic() + grace + 15)
-    for job_id in stopping:
-        state = states.get(job_id)
-        typer.echo(f"job {job_id} {state}" if state in c.END_STATES else
-                   f"job {job_id} still stopping: its worker has not confirmed yet")
+            if job_id in named:
+                typer.echo(f"job {job_id} cancelling")
+    elif stopping:
+        # The worker sends SIGTERM, waits kill_grace, then SIGKILLs: wait a little longer than that.
+        states = _until_ended(client, stopping, time.monotonic() + grace + 15)
+        for job_id in stopping:
+            state = states.get(job_id)
+            if job_id not in named:
+                tasks[job_id] = state if state in c.END_STATES else "stopping"
+            else:
+                typer.echo(f"job {job_id} {state}" if state in c.END_STATES else
+                           f"job {job_id} still stopping: its worker has not confirmed yet")
+    if array is not None:
+        typer.echo(array_cancelled(array, list(tasks.values())))
+    if conflict:
+        raise typer.Exit(c.EXIT_CONFLICT)
+
+
+def array_cancelled(array: int, outcomes: list[str]) -> str:
+    """The line `gpuq cancel --array` prints: how many of the array's tasks were cancelled, and
+    what became of the others. ``outcomes``: each task's state after the cancel, "ended" for one
+    that had ended before it, "stopping" for one whose worker has not confirmed its stop."""
+    counts = Counter(outcomes)
+    if counts["ended"] == len(outcomes):
+        which = "its job" if len(outcomes) == 1 else f"all {len(outcomes):,} of its jobs"
+        return f"nothing to cancel in array {array}: {which} had already ended"
+    cancelled = counts.pop(State.CANCELLED, 0)
+    line = f"cancelled {cancelled:,} job{'' if cancelled == 1 else 's'} of array {array}"
+    others = []
+    if counts[c.CANCELLING]:
+        others.append(f"{counts.pop(c.CANCELLING):,} running, being stopped")
+    if counts["stopping"]:
+        others.append(f"{counts.pop('stopping'):,} still stopping: their worker has not confirmed yet")
+    before = counts.pop("ended", 0)
+    # A running task that ended on its own while its worker was being asked to stop it.
+    others += [f"{n:,} {state} meanwhile" for state, n in sorted(counts.items()) if n]
+    if before:
+        others.append(f"{before:,} had already ended")
+    return "; ".join([line, *others])

@@ -1,4 +1,5 @@
-"""PNG plots for `gpuq stats --plot`, drawn with matplotlib's Agg backend (no display needed).
+"""Plots for `gpuq stats --plot`, drawn with matplotlib's Agg backend (no display needed), in the
+format the file's suffix names (x.svg, x.pdf; PNG for a file without one).
 
 Imported only when a plot is asked for: matplotlib takes a second to import.
 """
@@ -29,11 +30,32 @@ def _pyplot() -> ModuleType:
     return plt
 
 
+def plot_format(path: Path) -> str:
+    """The format ``path``'s suffix names, as matplotlib calls it (``x.SVG``: svg; png for a name
+    without a suffix). InvalidSpec (exit 2) for a suffix matplotlib cannot write: asked before
+    anything is drawn, and no file is made."""
+    suffix = path.suffix[1:].lower()
+    if not suffix:
+        return "png"
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise InvalidSpec(f"--plot {path}: cannot draw a .{suffix} file; name it .png, .svg, .pdf or another "
+                          f"suffix matplotlib writes ({', '.join(sorted(formats))})")
+    return suffix
+
+
 def _save(fig: Figure, path: Path) -> None:
+    there = path.exists()
     try:
-        fig.savefig(path, dpi=DPI, format="png")
+        fig.savefig(path, dpi=DPI, format=plot_format(path))
     except OSError as exc:
         raise InvalidSpec(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+    except RuntimeError as exc:  # a format that needs a program missing here: .pgf without LaTeX
+        if not there:
+            path.unlink(missing_ok=True)
+        raise InvalidSpec(f"cannot write the plot to {path}: {exc}") from None
     finally:
         _pyplot().close(fig)
 

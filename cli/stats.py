@@ -38,7 +38,8 @@ def stats(
     until: Annotated[str, typer.Option(help="End: a date, a time, an age or now.")] = "now",
     as_json: Annotated[bool, typer.Option("--json")] = False,
     as_csv: Annotated[bool, typer.Option("--csv")] = False,
-    plot: Annotated[Path | None, typer.Option(help="Also draw it to this PNG file.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also draw it to this file, in the format its suffix "
+                                                   "names: .png, .svg, .pdf...")] = None,
     rollup: Annotated[bool, typer.Option("--rollup", help="Roll raw samples past retention into "
                                                           "1-minute aggregates, and do nothing else.")] = False,
 ) -> None:
@@ -47,6 +48,10 @@ def stats(
         raise InvalidSpec("--json and --csv cannot be used together: pick one")
     if rollup and (job_id is not None or as_json or as_csv or plot):
         raise InvalidSpec("--rollup does only the roll-up: give it alone")
+    if plot:
+        from gpuq.cli.plots import plot_format
+
+        plot_format(plot)  # a suffix it cannot draw is refused before anything is asked or drawn
     client = Client()
     if rollup:
         done = client.post("/stats/rollup")

@@ -55,7 +55,8 @@ class RunCommand(SubmitCommand):
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 RUN_HELP = """Queue a job and follow it here, as srun does: why it waits, then its stdout and stderr as
-they come, and its exit code as this command's (124: timed out, 125: ended by gpuq, 130: cancelled).
+they come, and its exit code as this command's (124: timed out, 125: ended by gpuq, 130: cancelled by
+your Ctrl-C, 1: cancelled otherwise, as by `gpuq cancel` or a failed --after dependency).
 
 Ctrl-C cancels the job (twice: leave at once); a closed terminal cancels it too.
 `gpuq run matmul --size 500`, `gpuq run --gpus 2 -- python train.py`."""
@@ -67,7 +68,9 @@ def submit(
     ctx: typer.Context,
     workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`).",
                                                    show_default=False)] = None,
-    gpus: Annotated[int, typer.Option("--gpus", help="GPUs the job needs, all on one node.")] = 1,
+    gpus: Annotated[int | None, typer.Option(
+        "--gpus", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes).",
+        show_default=False)] = None,
     name: Annotated[str | None, typer.Option("--name", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,

@@ -29,10 +29,11 @@ from gpuq.service.models import Job
 from gpuq.service.rights import Caller, submitter
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import DIFF_CUT_NOTE, GitState, Staged, Stager
+from gpuq.service.workloads import get_workload
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,64}")
 _OPTIONS: dict[str, tuple[type, Any]] = {
-    "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, 1),
+    "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, None),
     "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None),
     "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
     "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
@@ -78,6 +79,9 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
     cwd = f["cwd"]
     if cwd is None or not os.path.isabs(cwd):
         raise InvalidSpec("submit field 'cwd' must be an absolute path")
+    if f["gpus"] is None:
+        # Not asked for: one GPU, or as many as a built-in workload takes at least (multi-matmul's 2).
+        f = f | {"gpus": get_workload(workload).min_gpus if workload is not None and command is None else 1}
     if f["interactive"]:
         return [_allocation(f, owner, command)]
     if command is not None:

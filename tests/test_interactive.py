@@ -307,11 +307,11 @@ def test_gpuq_cancel_ends_an_allocation_stops_its_command_and_its_gpu_time_is_sa
         time.sleep(1.5)  # a few of the worker's samples (every 0.5 s here)
         cancel = run_cli(["cancel", str(job_id)], stack.settings)
         assert cancel.returncode == 0, cancel.stderr
-        assert client.wait(30) == c.EXIT_RUN_CANCELLED
+        assert client.wait(30) == c.EXIT_JOB_FAILED  # as `gpuq wait`'s: 130 is the user's own Ctrl-C
     finally:
         if client.poll() is None:
             client.kill()
-    assert "cancelled" in client.stderr.read()
+    assert f"gpuq: job {job_id} cancelled by user" in client.stderr.read()
     assert job_of(stack.settings, job_id)[0].state == State.CANCELLED
     assert processes_with(f"sleep {marker}") == []
     with read_scope(stack.settings) as session:
@@ -403,7 +403,8 @@ def test_exit_codes_of_each_kind_of_end():
     assert exit_code_of({"state": "failed", "failure": "exit", "exit_code": -15}) == 143
     assert exit_code_of({"state": "failed", "failure": "error", "exit_code": None}) == 1
     assert exit_code_of({"state": "timed_out", "failure": "timeout"}) == c.EXIT_RUN_TIMED_OUT
-    assert exit_code_of({"state": "cancelled", "failure": "cancelled"}) == c.EXIT_RUN_CANCELLED
+    # Cancelled, not by this terminal's Ctrl-C (130, which follow() gives): `gpuq wait`'s code.
+    assert exit_code_of({"state": "cancelled", "failure": "cancelled"}) == c.EXIT_JOB_FAILED
     for lost in (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST,
                  c.FAILURE_GPU_MEM_EXCEEDED):
         assert exit_code_of({"state": "failed", "failure": lost}) == c.EXIT_RUN_GPUQ

@@ -119,6 +119,36 @@ def test_plots_are_real_pngs_of_the_expected_size(recorded, tmp_path):
         assert png_size(tmp_path / name) == expected
 
 
+def test_a_plot_is_written_in_the_format_its_suffix_names(recorded, tmp_path):
+    # `--plot x.svg` wrote PNG data under an .svg name.
+    for suffix, head in (("svg", b"<?xml"), ("SVG", b"<?xml"), ("pdf", b"%PDF-"), ("png", b"\x89PNG")):
+        for args in ([str(recorded["ann"])], []):
+            path = tmp_path / f"plot{len(args)}.{suffix}"
+            out = invoke("stats", *args, "--plot", str(path))
+            assert out.exit_code == 0, out.output
+            data = path.read_bytes()
+            assert data.startswith(head), (suffix, data[:80])
+            assert (b"<svg" in data[:2000]) == (suffix.lower() == "svg")
+
+
+def test_a_plot_suffix_matplotlib_cannot_write_is_refused_in_one_line_before_anything_is_drawn(
+        recorded, tmp_path, monkeypatch):
+    from gpuq.cli import plots
+
+    def never(*args, **kwargs):
+        raise AssertionError("drawn")
+
+    monkeypatch.setattr(plots, "job_plot", never)
+    monkeypatch.setattr(plots, "cluster_plot", never)
+    path = tmp_path / "usage.pnng"
+    for args in ([str(recorded["ann"])], []):
+        out = invoke("stats", *args, "--plot", str(path))
+        assert out.exit_code == c.EXIT_USAGE, out.output
+        assert out.output.startswith(f"gpuq: --plot {path}: cannot draw a .pnng file; name it .png, .svg, .pdf")
+        assert out.output.count("\n") == 1 and " svg, " in out.output, out.output
+        assert not path.exists()
+
+
 def test_rollup_command_leaves_recent_samples_alone(recorded):
     out = invoke("stats", "--rollup")
     assert out.exit_code == 0 and out.output.startswith("rolled 0 raw samples")

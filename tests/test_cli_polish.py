@@ -1,0 +1,137 @@
+"""Small things a user meets at the terminal: `gpuq run` of a job cancelled by someone else or by
+its dependency exits as `gpuq wait` does (130 is only their own Ctrl-C), `gpuq cancel --array` is
+one line however many tasks had ended, and a usage error of `gpuq` itself is one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import update
+from typer.testing import CliRunner
+
+from gpuq.cli.app import app
+from gpuq.service import constants as c
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.models import Job, utcnow
+from tests.conftest import cli_submit, run_cli, settings_env, wait_for_state
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def start_run(settings, args: list[str]) -> tuple[subprocess.Popen, int]:
+    """`gpuq run ARGS` as a process of its own, once its job waits: the process and the job's id
+    (from its first line, `gpuq: job 12 queued and waiting for ...`)."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", *args], env=settings_env(settings),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    found = re.match(r"gpuq: job (\d+) queued and waiting for ", first)
+    assert found, first
+    return proc, int(found[1])
+
+
+def ended(proc: subprocess.Popen) -> tuple[int, list[str]]:
+    """The run's exit code and the lines it wrote on stderr after its first."""
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err.splitlines()
+
+
+# ---- gpuq run of a job it did not cancel ---------------------------------------------------------
+
+def test_run_of_a_job_cancelled_because_its_dependency_failed_exits_as_wait_does_and_says_why(stack):
+    first = cli_submit(stack.settings, ["--hold", "--", "false"])
+    proc, job_id = start_run(stack.settings, ["--after", str(first), "--", "true"])
+    assert run_cli(["release", str(first)], stack.settings).returncode == 0
+    code, lines = ended(proc)
+    # Not 130, the code of a Ctrl-C: the user interrupted nothing.
+    assert code == c.EXIT_JOB_FAILED, lines
+    assert lines[-1] == f"gpuq: job {job_id} cancelled: dependency never satisfied: job {first} failed", lines
+    assert run_cli(["wait", str(job_id)], stack.settings).returncode == code
+
+
+def test_run_of_a_job_cancelled_by_gpuq_cancel_elsewhere_exits_as_wait_does_and_says_so(stack):
+    proc, job_id = start_run(stack.settings, ["--hold", "--", "true"])
+    assert run_cli(["cancel", str(job_id)], stack.settings).returncode == 0
+    code, lines = ended(proc)
+    assert code == c.EXIT_JOB_FAILED, lines
+    assert lines[-1] == f"gpuq: job {job_id} cancelled by user", lines
+    assert run_cli(["wait", str(job_id)], stack.settings).returncode == code
+
+
+# ---- gpuq cancel --array -------------------------------------------------------------------------
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+def end_jobs(settings, ids) -> None:
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id.in_(ids)).values(state=State.SUCCEEDED, ended_at=utcnow()))
+
+
+def test_cancel_of_an_array_whose_tasks_mostly_ended_is_one_summary_line_and_named_jobs_a_line_each(use_settings):
+    assert invoke(["submit", "--hold", "--array", "0-9", "--", "true"]).exit_code == 0  # jobs 1-10
+    end_jobs(use_settings, range(1, 8))
+    cancelled = invoke(["cancel", "--array", "1"])
+    assert cancelled.exit_code == 0, cancelled.output
+    assert cancelled.output == "cancelled 3 jobs of array 1; 7 had already ended\n"
+    again = invoke(["cancel", "--array", "1"])
+    assert again.exit_code == 0, again.output
+    assert again.output == "nothing to cancel in array 1: all 10 of its jobs had already ended\n"
+    # Jobs named by id keep their lines, and all of them ended is still exit 4.
+    named = invoke(["cancel", "1", "9"])
+    assert named.exit_code == c.EXIT_CONFLICT
+    assert named.output == "job 1: already ended (succeeded)\njob 9: already ended (cancelled)\n"
+    assert invoke(["submit", "--hold", "--", "true"]).exit_code == 0  # job 11
+    both = invoke(["cancel", "11", "--array", "1"])
+    assert both.exit_code == 0, both.output
+    assert both.output == "job 11 cancelled\nnothing to cancel in array 1: all 10 of its jobs had already ended\n"
+
+
+def test_cancel_of_an_array_with_running_tasks_waits_for_them_and_says_so_in_one_line(stack):
+    submitted = run_cli(["submit", "--array", "0-3", "--", "sleep", "300"], stack.settings)
+    array, first = map(int, re.match(r"submitted array (\d+): jobs (\d+)-", submitted.stdout).groups())
+    wait_for_state(stack.settings, first, (State.RUNNING,))  # one stopped by its worker, the others at once
+    cancelled = run_cli(["cancel", "--array", str(array)], stack.settings)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout == f"cancelled 4 jobs of array {array}\n"
+
+
+def test_the_array_cancel_line_counts_running_tasks_still_stopping_and_those_that_ended_meanwhile():
+    from gpuq.cli.jobs import array_cancelled
+
+    assert array_cancelled(7, [State.CANCELLED] * 2 + [c.CANCELLING] * 3 + ["ended"] * 9995) == \
+        "cancelled 2 jobs of array 7; 3 running, being stopped; 9,995 had already ended"  # --no-wait
+    assert array_cancelled(7, [State.CANCELLED, "stopping", State.SUCCEEDED, "ended"]) == \
+        ("cancelled 1 job of array 7; 1 still stopping: their worker has not confirmed yet; 1 succeeded meanwhile; "
+         "1 had already ended")
+
+
+# ---- usage errors --------------------------------------------------------------------------------
+
+def gpuq(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPUQ_HOME": str(tmp_path), "GPUQ_CONFIG": "/nonexistent/gpuq.toml"}
+    return subprocess.run([sys.executable, "-m", "gpuq.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("args,line", [
+    (["nosuchcommand"], "gpuq: No such command 'nosuchcommand' (gpuq --help)"),
+    (["--bogus"], "gpuq: No such option '--bogus' (gpuq --help)"),
+    (["--versoin"], "gpuq: No such option '--versoin'. Did you mean '--version'? (gpuq --help)"),
+    (["status", "--bogus"], "gpuq: No such option '--bogus' (gpuq status --help)"),
+    (["db", "upgrade", "--bogus"], "gpuq: No such option '--bogus' (gpuq db upgrade --help)"),
+])
+def test_a_usage_error_is_one_line_on_stderr_naming_the_help_and_exit_2(tmp_path, args, line):
+    out = gpuq(args, tmp_path)
+    assert (out.returncode, out.stdout, out.stderr) == (c.EXIT_USAGE, "", line + "\n")
+
+
+def test_gpuq_alone_still_prints_its_help(tmp_path):
+    out = gpuq([], tmp_path)  # click writes it on stderr, exit 2, as for a missing argument
+    assert out.returncode == c.EXIT_USAGE
+    assert out.stderr.startswith("Usage: gpuq") and "Commands:" in out.stderr, (out.stdout, out.stderr)
