@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.logs import configure as configure_logging
 
 app = typer.Typer()
 
@@ -39,7 +40,7 @@ def dashboard(
     api = client()
     wait_for_server(api, wait)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     try:
         server = serve(api, host, port)
     except OSError as exc:

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from gpuq.service.errors import NotAllowed
+from gpuq.service.logs import configure as configure_logging
 from gpuq.service.settings import Settings, get_settings, mask_url
 
 app = typer.Typer()
@@ -173,7 +174,7 @@ def server() -> None:
     (and on GPUQ_LISTEN with MUNGE)."""
     from gpuq.server.app import run
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     run(admin_settings("server"))
 
 
@@ -185,7 +186,7 @@ def scheduler() -> None:
 
     settings = admin_settings("scheduler")
     require_schema(settings)  # one line and 78, as the server and a worker say it, not a traceback a second
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from gpuq.service.dialect import epoch_seconds, greatest, least, seconds_between
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Job, UTCDateTime, utcnow
+from gpuq.service.samples import floor_minute
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -113,13 +114,19 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     return out
 
 
-def job_series(session: Session, job_id: int) -> list[dict[str, Any]]:
-    """A job's samples in time order, one dict per sample (minute means where rolled up):
-    ``at``, ``gpu_id``, ``utilization``, ``memory_used_mib``, ``power_w``."""
+def job_series(session: Session, job_id: int, since: datetime | None = None) -> list[dict[str, Any]]:
+    """A job's samples in time order from ``since`` (its last attempt's start, as its summary),
+    one dict per sample (minute means where rolled up): ``at``, ``gpu_id``, ``utilization``,
+    ``memory_used_mib``, ``power_w``."""
+    raw = select(DeviceSample).where(DeviceSample.job_id == job_id)
+    rolled = select(DeviceMinute).where(DeviceMinute.job_id == job_id)
+    if since is not None:
+        raw = raw.where(DeviceSample.sampled_at >= since)
+        rolled = rolled.where(DeviceMinute.minute >= floor_minute(since))
     points = [dict(at=s.sampled_at, gpu_id=s.gpu_id, utilization=s.utilization, memory_used_mib=s.memory_used_mib,
                    power_w=s.power_w)
-              for s in session.scalars(select(DeviceSample).where(DeviceSample.job_id == job_id))]
-    for m in session.scalars(select(DeviceMinute).where(DeviceMinute.job_id == job_id)):
+              for s in session.scalars(raw)]
+    for m in session.scalars(rolled):
         points.append(dict(
             at=m.minute, gpu_id=m.gpu_id,
             utilization=m.utilization_sum / m.utilization_seconds if m.utilization_seconds else None,

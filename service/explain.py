@@ -55,12 +55,38 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
     if reason == policy.PRIORITY:
-        ahead = session.scalars(select(Job).where(Job.state == State.PENDING, Job.reason == policy.RESOURCES)
-                                .order_by(Job.priority.desc(), Job.id).limit(1)).first()
-        if ahead is not None:
-            parts.append(f"job {ahead.id} of {ahead.user} ({ahead.gpus} GPUs) is ahead of it and waits for GPUs")
+        parts.extend(_ahead_lines(session, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
     return "; ".join(parts)
+
+
+def _ahead_lines(session: Session, settings: Settings, job: Job) -> list[str]:
+    """The job the queue holds GPUs for (the reservation a whole pass makes now), and why it comes
+    before ``job``: its priority, its user's fair share (their GPU-hours, decayed), or its submit."""
+    from gpuq.service.queue_read import read_queue
+
+    state = read_queue(session, settings).policy
+    decision = policy.decide(state)
+    mine = next((j for j in decision.order if j.id == job.id), None)
+    # The job the GPUs are held for; with no reservation (a running job without a time limit: no
+    # one knows when its GPUs free), the first that waits for GPUs, which holds every job behind it.
+    first = decision.reservation.job_id if decision.reservation is not None else next(
+        (j.id for j in decision.order if decision.waiting.get(j.id) == policy.RESOURCES), None)
+    ahead = next((j for j in decision.order if j.id == first), None)
+    if mine is None or ahead is None or ahead.id == mine.id:
+        return []
+    hours = state.gpu_hours
+    if ahead.priority != mine.priority:
+        because = f"priority {ahead.priority}, this job's {mine.priority}"
+    elif ahead.user != mine.user and hours.get(ahead.user, 0.0) != hours.get(mine.user, 0.0):
+        because = (f"fair share: {ahead.user} has used {hours.get(ahead.user, 0.0):.1f} GPU-hours and "
+                   f"{mine.user} {hours.get(mine.user, 0.0):.1f} (each hour counting half after "
+                   f"{settings.fairshare_half_life_h:g} h)")
+    else:
+        because = "submitted earlier"
+    held = "the GPUs are held for it" if decision.reservation is not None else "it waits for GPUs"
+    return [f"job {ahead.id} of {ahead.user} ({ahead.gpus} GPU{'s' if ahead.gpus != 1 else ''}) goes first "
+            f"({because}) and {held}"]
 
 
 def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:

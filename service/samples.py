@@ -99,7 +99,7 @@ def minute_sums(t: Any = DeviceMinute) -> list[Any]:
     ]
 
 
-def _floor_minute(t: datetime) -> datetime:
+def floor_minute(t: datetime) -> datetime:
     return t.replace(second=0, microsecond=0)
 
 
@@ -108,7 +108,7 @@ def rollup(settings: Settings, now: datetime, gpu_id: int | None = None) -> int:
     raw rows were rolled up (and deleted). A day at a time, each day in one transaction, so a
     concurrent reader sees either the raw rows or their aggregates, never both or neither.
     """
-    cutoff = _floor_minute(now - timedelta(days=settings.sample_retention_days))
+    cutoff = floor_minute(now - timedelta(days=settings.sample_retention_days))
     done = 0
     while True:
         with write_scope(settings) as session:
@@ -118,7 +118,7 @@ def rollup(settings: Settings, now: datetime, gpu_id: int | None = None) -> int:
             oldest = session.scalar(select(func.min(DeviceSample.sampled_at)).where(*scope))
             if oldest is None:
                 return done
-            start = _floor_minute(oldest)
+            start = floor_minute(oldest)
             end = min(start + timedelta(seconds=c.ROLLUP_CHUNK_SECONDS), cutoff)
             window = [*scope, DeviceSample.sampled_at >= start, DeviceSample.sampled_at < end]
             minute = (epoch_seconds(DeviceSample.sampled_at, session)

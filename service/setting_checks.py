@@ -154,6 +154,7 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
         fail("redis_port", "must be a TCP port, 1 to 65535")
     if settings.max_priority > ADMIN_MAX_PRIORITY:
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
+    _check_time_limits(settings, sources, path)
     beat = settings.heartbeat_interval
     for name in _PER_HEARTBEAT:
         if getattr(settings, name) < _HEARTBEATS * beat:
@@ -161,6 +162,25 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
                 f"setting {name} ({_number(getattr(settings, name))} s, {origin(name, sources, path)}) must be at "
                 f"least twice heartbeat_interval ({_number(beat)} s, {origin('heartbeat_interval', sources, path)}): "
                 "it is renewed every heartbeat, and one late heartbeat must not end it")
+
+
+def _check_time_limits(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
+    """default_time and max_time read as --time does, the default no longer than the maximum."""
+    from gpuq.service.errors import InvalidSpec
+    from gpuq.service.units import parse_duration
+
+    seconds = {}
+    for name in ("default_time", "max_time"):
+        text = getattr(settings, name)
+        if text:
+            try:
+                seconds[name] = parse_duration(text)
+            except InvalidSpec as exc:
+                raise ConfigError(f"setting {name} is not a time limit as --time reads one ({exc}; "
+                                  f"{origin(name, sources, path)})") from None
+    if len(seconds) == 2 and seconds["default_time"] > seconds["max_time"]:
+        raise ConfigError(f"setting default_time ({settings.default_time}, {origin('default_time', sources, path)}) "
+                          f"is longer than max_time ({settings.max_time}, {origin('max_time', sources, path)})")
 
 
 def check_urls(settings: Settings) -> None:

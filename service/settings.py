@@ -93,6 +93,12 @@ class Settings:
     kill_grace: float = 10.0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
     max_output_bytes: int = 16 * 1024 * 1024
+    # `gpuq up`'s logs (home/logs: the supervisor's and each process's it runs) are rotated when one
+    # passes this many MiB: copied to NAME.log.1 (the older ones to .2, .3, ...) and emptied; 0: never.
+    log_rotate_mib: int = 64
+    # Rotated copies kept of each log (NAME.log.1 the newest); the oldest beyond them is removed.
+    # 0: a log past log_rotate_mib is emptied without a copy.
+    log_rotate_keep: int = 4
     # Address other nodes reach this one at, for the ranks of a multi-GPU job to meet; empty: the
     # address this host's name resolves to.
     advertise_addr: str = ""
@@ -100,6 +106,11 @@ class Settings:
     fairshare_half_life_h: float = 168.0
     # GPUs one user's jobs may hold at once; 0: no limit.
     user_gpu_limit: int = 0
+    # The queue's time limits, in --time's forms (SLURM's DefaultTime and MaxTime): a job submitted
+    # without --time gets default_time (else max_time); one asking for more than max_time is refused
+    # at submit. Empty: none (a job without --time runs until it ends).
+    default_time: str = ""
+    max_time: str = ""
     # Highest --priority a user may give (admins: up to 1000); anyone may go down to -1000.
     max_priority: int = 10
     # Users (comma-separated) who may act on anyone's jobs and use higher priorities.
@@ -167,6 +178,15 @@ class Settings:
     # Seconds a shared job may use more GPU memory than its share (a transient peak) before its
     # worker stops it as gpu_mem_exceeded.
     shared_mem_grace: float = 3.0
+
+    @functools.cached_property
+    def time_limits(self) -> tuple[int | None, int | None]:
+        """default_time and max_time in seconds (None where not set); a job without --time gets the
+        first, else the second."""
+        from gpuq.service.units import parse_duration
+
+        most = parse_duration(self.max_time) if self.max_time else None
+        return (parse_duration(self.default_time) if self.default_time else most), most
 
     @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:

@@ -21,6 +21,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
+from gpuq.service.display import time_limit
 from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit, StateConflict
 from gpuq.service.lifecycle import Actor, check, move
 from gpuq.service.models import Gpu, Job, Submission, table, utcnow
@@ -98,6 +99,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     lock every worker's job end waits for) holds just the inserts and the placement."""
     require_schema(settings)
     broker.check(settings)
+    specs = _with_default_time(settings, specs)
     near_cap = _check(settings, specs, key)
     staged = None
     try:
@@ -148,6 +150,7 @@ def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> bool:
             if first.kind == c.KIND_INTERACTIVE and first.on_node is not None:
                 check_node(session, first.on_node)
             _check_resources(session, settings, first)
+            check_time_limit(settings, first.time_limit_s)
             _check_dependencies(session, first.after, first.after_any)
             near_cap = _check_pending_limit(session, settings, first.user, len(specs))
             _check_priority(settings, first)
@@ -286,6 +289,25 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
         if spec.shared and spec.mem_mib + settings.shared_context_mib > most:
             raise InvalidSpec(f"--mem {spec.mem_mib} MiB and the {settings.shared_context_mib} MiB a shared job's CUDA "
                               f"context is given are more than any GPU has ({most} MiB); drop --shared")
+
+
+def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+    """The specs, those without --time given the queue's default time limit (GPUQ_DEFAULT_TIME,
+    else GPUQ_MAX_TIME), as SLURM gives a partition's DefaultTime."""
+    default = settings.time_limits[0]
+    if default is None or all(s.time_limit_s is not None for s in specs):
+        return specs
+    return [s if s.time_limit_s is not None else replace(s, time_limit_s=default) for s in specs]
+
+
+def check_time_limit(settings: Settings, seconds: int | None) -> None:
+    """InvalidSpec for a time limit past the queue's maximum (GPUQ_MAX_TIME), at submit and at
+    `gpuq update --time`: a lab's MaxTime is refused at once, as SLURM does with EnforcePartLimits,
+    rather than left waiting for ever."""
+    most = settings.time_limits[1]
+    if most is not None and seconds is not None and seconds > most:
+        raise InvalidSpec(f"--time {time_limit(seconds)} is more than this queue's maximum, "
+                          f"{time_limit(most)} (GPUQ_MAX_TIME)")
 
 
 def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> bool:

@@ -25,6 +25,8 @@ from gpuq.service.celery_app import queue_name
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.errors import StackError
+from gpuq.service.logs import configure as configure_logging
+from gpuq.service.logs import rotate_logs
 from gpuq.service.settings import Settings, get_settings
 from gpuq.service.stack import SUPERVISOR_LOGGER, left_out_file, pid_file, tail
 
@@ -51,6 +53,8 @@ START_LIMIT = 3
 RESUME_POLL = 2.0
 # The most of a failed worker's last log line kept in its GPU's drain reason.
 WHY_MAX = 300
+# How often the supervisor looks at its logs' sizes (settings log_rotate_mib and log_rotate_keep).
+LOG_CHECK = 5.0
 
 
 def redis_binary() -> str:
@@ -122,6 +126,7 @@ class Supervisor:
             self.services.append(Child(f"worker-gpu{gpu.index}", [py, "-m", "gpuq.workers", "--gpu", str(gpu.index)],
                                        pinned, settings.log_dir / f"worker-gpu{gpu.index}.log", gpu=gpu))
         self.resume_check_at = 0.0
+        self.log_check_at = 0.0
 
     def _redis_child(self, env: dict[str, str]) -> Child:
         url = urlsplit(self.settings.broker)
@@ -159,6 +164,7 @@ class Supervisor:
             while not self.stop_requests and self.gave_up is None:
                 self._restart_dead()
                 self._restart_resumed()
+                self._rotate_logs()
                 time.sleep(SUPERVISE_POLL)
             self._shutdown()
         finally:
@@ -251,6 +257,19 @@ class Supervisor:
         if resumed:
             self._write_left_out()
 
+    def log_paths(self) -> list[Path]:
+        """The logs this supervisor's stack writes: its own (`gpuq up` opened it) and its children's."""
+        children = ([self.redis] if self.redis else []) + self.services
+        return [self.settings.log_dir / "supervisor.log", *(c.log_path for c in children)]
+
+    def _rotate_logs(self) -> None:
+        """Rotate the logs past their size, every LOG_CHECK seconds at most."""
+        now = time.monotonic()
+        if now < self.log_check_at:
+            return
+        self.log_check_at = now + LOG_CHECK
+        rotate_logs(self.settings, self.log_paths())
+
     def _shutdown(self) -> None:
         log.info("stopping: warm shutdown of the workers")
         for child in self.services:
@@ -274,7 +293,7 @@ class Supervisor:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     return Supervisor(get_settings()).run()
 
 

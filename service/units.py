@@ -122,4 +122,9 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
         raise InvalidSpec(f"--sweep takes name=value,value; got {text[:200]!r}")
     if any(not ch.isprintable() for v in items for ch in v):  # it goes into the tasks' names
         raise InvalidSpec(f"--sweep {name}: a value holds a control character; got {text[:200]!r}")
+    twice = next((v for i, v in enumerate(items) if v in items[:i]), None)
+    if twice is not None:
+        # Two tasks of one name doing the same work: a typo (lr=0.1,0.1 for 0.1,0.01). Repeats of
+        # one setting (seeds) are an --array.
+        raise InvalidSpec(f"--sweep {name}: {twice[:100]} is given twice; got {text[:200]!r}")
     return name, items

@@ -31,6 +31,7 @@ from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, table
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
+from gpuq.service.submitting import check_time_limit
 from gpuq.service.units import parse_duration
 
 _JOBS = table(Job)
@@ -114,6 +115,9 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
     admin = is_admin(settings, caller)
     if changes.priority is not None and changes.priority > settings.max_priority and not admin:
         raise InvalidSpec(f"--priority {changes.priority} is above the users' limit of {settings.max_priority}")
+    if not admin:
+        # As at submit; root and the admins may let one job run past it, as SLURM's operators may.
+        check_time_limit(settings, changes.time_limit_s)
     if changes.name is not None and len(job_ids) > 1:
         # Each of an array's tasks carries its index in its name: one name for all would lose them.
         raise InvalidSpec("--name changes one job at a time")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, select
@@ -19,7 +19,7 @@ from gpuq.service.errors import JobNotFound
 from gpuq.service.jobs import elapsed, get_job
 from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage, table, utcnow
 from gpuq.service.prepared import Prepared
-from gpuq.service.samples import minute_sums, raw_sums
+from gpuq.service.samples import floor_minute, minute_sums, raw_sums
 from gpuq.service.settings import Settings
 
 _SUMMED = ("samples", "seconds", "utilization_seconds", "utilization_sum", "idle_seconds", "memory_seconds",
@@ -134,24 +134,29 @@ def totals(session: Session, group: Grouping | None = None, *, since: datetime |
     return out
 
 
-def job_totals(session: Session, job_id: int, rolled: bool = True) -> Totals:
-    """Every sample of one job (on all its GPUs); without ``rolled``, only its raw samples (a job
-    younger than the sample retention has no minute aggregates yet). Built once: a worker asks
-    this at every job's end."""
+def job_totals(session: Session, job_id: int, rolled: bool = True, since: datetime | None = None) -> Totals:
+    """The samples of one job (on all its GPUs) from ``since`` (its attempt's start: a retried or
+    requeued job's summary is its last attempt's, as its wall time and progress rows are); without
+    ``rolled``, only its raw samples (a job younger than the sample retention has no minute
+    aggregates yet). Minute aggregates count from the minute ``since`` falls in. Built once: a
+    worker asks this at every job's end."""
     global _JOB_TOTALS
     if _JOB_TOTALS is None:
-        _JOB_TOTALS = [select(*sums).where(t.job_id == bindparam("job_id"))
-                       for t, sums in ((DeviceSample, raw_sums()), (DeviceMinute, minute_sums()))]
+        _JOB_TOTALS = [select(*sums).where(t.job_id == bindparam("job_id"), at >= bindparam("since"))
+                       for t, at, sums in ((DeviceSample, DeviceSample.sampled_at, raw_sums()),
+                                           (DeviceMinute, DeviceMinute.minute, minute_sums()))]
     out = Totals()
     conn = session.connection()  # Core: the ORM's result handling was most of this call's cost
-    for query in _JOB_TOTALS if rolled else _JOB_TOTALS[:1]:
-        row = conn.execute(query, {"job_id": job_id}).mappings().one()
+    since = since or _EPOCH
+    for query, start in zip(_JOB_TOTALS if rolled else _JOB_TOTALS[:1], (since, floor_minute(since)), strict=False):
+        row = conn.execute(query, {"job_id": job_id, "since": start}).mappings().one()
         if row["samples"]:
             out.add(row)
     return out
 
 
 _JOB_TOTALS: list | None = None
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled: bool = True,
@@ -159,7 +164,8 @@ def summarize(session: Session, job: Any, now: datetime | None = None, *, rolled
     """The job's usage summary (not saved): wall time, GPU-hours, memory, utilisation, energy, idle.
     ``job``: a Job, or any row with its id, gpus, started_at and ended_at; ``rolled``: as for
     ``job_totals``; ``totals``: the job's samples summed already (none read)."""
-    return JobUsage(**_summary(job, totals if totals is not None else job_totals(session, job.id, rolled), now))
+    return JobUsage(**_summary(job, totals if totals is not None
+                               else job_totals(session, job.id, rolled, job.started_at), now))
 
 
 def summary(ended: Ended, totals: Totals) -> dict[str, Any]:
@@ -210,7 +216,7 @@ def record_usage(session: Session, job_id: int, ended: Ended | None = None,
     if totals is None:
         young = (retention_days is not None and job.started_at is not None
                  and job.ended_at - job.started_at < timedelta(days=retention_days) - timedelta(minutes=2))
-        totals = job_totals(session, job.id, rolled=not young)
+        totals = job_totals(session, job.id, rolled=not young, since=job.started_at)
     conn = session.connection()
     if ended is None or ended.ran_before:
         conn.execute(_FORGET_USAGE, {"job_id": job_id})

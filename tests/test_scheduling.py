@@ -3,11 +3,12 @@ arrays, sweeps, retries, time limits, drain, and the reasons `gpuq status` and `
 
 from __future__ import annotations
 
+import re
 import sys
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 
 from gpuq.service import constants as c
 from gpuq.service import inventory, jobs, lifecycle, next_up, spec, submitting, usage
@@ -81,6 +82,42 @@ def test_memory_requests_avoid_gpus_that_foreign_processes_fill_and_why_names_th
     assert f"job {blocked} waits (resources): it needs 1 GPU with 6.0 GiB free on one node" in text
     assert "GPU 0 with 4.0 GiB free, used by pid 4242 of user bob (4.0 GiB), not started by gpuq" in text
     assert f"GPU 1 runs job {big} of ann" in text
+
+
+def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share(settings):
+    from tests.test_usage import add_job
+
+    register(settings, "a", 2)
+    with write_scope(settings) as session:  # ann ran 2 GPUs for 10 hours; bob nothing
+        add_job(session, "ann", "a", utcnow() - timedelta(hours=10), utcnow(), gpus=2)
+    running = submit(settings, user="carl", time="1h")  # a limit: the queue can hold GPUs for the next
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, running)[0] == State.DISPATCHED
+    anns, bobs = submit(settings, user="ann", gpus=2), submit(settings, user="bob", gpus=2)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, anns)[:2] == (State.PENDING, "priority")
+    with write_scope(settings) as session:
+        text = why(session, settings, anns)
+    # Before: the first job waiting for GPUs by priority and id, ann's own, with no why.
+    # ann's 20 GPU-hours, decayed over the 10 hours since they began: 19.6.
+    assert re.search(rf"job {bobs} of bob \(2 GPUs\) goes first \(fair share: bob has used 0.0 GPU-hours and "
+                     r"ann 19\.6 \(each hour counting half after 168 h\)\) and the GPUs are held for it", text), text
+    urgent = submit(settings, user="ann", gpus=2, priority=5)
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        text = why(session, settings, bobs)
+    assert f"job {urgent} of ann (2 GPUs) goes first (priority 5, this job's 0)" in text
+    # The urgent job starts, with no time limit: no one knows when its GPUs free, so none are held,
+    # and the first job waiting for GPUs is named all the same.
+    end(settings, running, State.SUCCEEDED)
+    with write_scope(settings) as session:
+        session.execute(delete(Allocation).where(Allocation.job_id == running))
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, urgent)[0] == State.DISPATCHED
+    with write_scope(settings) as session:
+        text = why(session, settings, anns)
+    assert f"job {bobs} of bob (2 GPUs) goes first (fair share: " in text and text.endswith(
+        "and it waits for GPUs; node a has GPU 0 runs job 5 of ann, GPU 1 runs job 5 of ann"), text
 
 
 def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
@@ -441,6 +478,28 @@ def test_a_job_of_more_gpus_than_a_user_may_hold_at_once_is_refused_not_left_wai
                                           r"\(GPUQ_USER_GPU_LIMIT\): it would never start"):
         submit(limited, gpus=3)
     assert state_of(limited, submit(limited, gpus=2))[0] in (State.PENDING, State.DISPATCHED)
+
+
+def test_the_queues_default_time_limit_goes_to_jobs_without_time_and_past_its_maximum_is_refused(settings):
+    register(settings, "a", 1)
+    limited = settings.with_overrides(default_time="1:00:00", max_time="2-00:00:00")
+
+    def time_limit(job_id):
+        with write_scope(settings) as session:
+            return jobs.get_job(session, job_id).time_limit_s
+
+    assert time_limit(submit(limited)) == 3600
+    assert time_limit(submit(limited, time="30")) == 1800
+    assert time_limit(submit(limited, time="2-00:00:00")) == 2 * 86400
+    assert time_limit(submit(settings.with_overrides(max_time="2h"))) == 7200  # no default: the maximum
+    assert time_limit(submit(settings)) is None  # neither: no limit, as before
+    with write_scope(settings) as session:
+        before = session.scalar(select(func.count()).select_from(Job))
+    with pytest.raises(InvalidSpec, match=r"--time 49:00:00 is more than this queue's maximum, 48:00:00 "
+                                          r"\(GPUQ_MAX_TIME\)"):
+        submit(limited, time="49h")
+    with write_scope(settings) as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == before
 
 
 def worker_on(settings, job_id) -> WorkerState:

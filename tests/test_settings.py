@@ -130,6 +130,11 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_DATABASE_URL": "mysql+pymysql://u:pw@db/gpuq"}, r"SQLite or PostgreSQL URL .*, got mysql\+pymysql://u:\*\*\*@"),
     ({"GPUQ_BROKER_URL": "redis://broker:99999/0"}, r"GPUQ_BROKER_URL is not a URL \(Port out of range"),
     ({"GPUQ_BROKER_URL": "unix:///run/redis.sock"}, "redis:// or rediss://"),
+    ({"GPUQ_MAX_TIME": "a week"}, r"setting max_time is not a time limit as --time reads one \(--time takes .*"
+                                  r"got 'a week'; GPUQ_MAX_TIME\)"),
+    ({"GPUQ_DEFAULT_TIME": "0"}, r"setting default_time is not a time limit .*at least 1s"),
+    ({"GPUQ_DEFAULT_TIME": "2-00:00:00", "GPUQ_MAX_TIME": "1d"},
+     r"setting default_time \(2-00:00:00, GPUQ_DEFAULT_TIME\) is longer than max_time \(1d, GPUQ_MAX_TIME\)"),
 ])
 def test_values_that_would_break_the_stack_are_refused_naming_the_setting(variables, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
@@ -150,6 +155,10 @@ def test_values_that_would_break_the_stack_are_refused_naming_the_setting(variab
     # SQLAlchemy takes a password urlsplit would stumble on: only the scheme is checked.
     ({"GPUQ_DATABASE_URL": "postgresql+psycopg://ann:p#[w@db/gpuq"}, lambda s: s.database.endswith("@db/gpuq")),
     ({"GPUQ_BROKER_URL": "rediss://:pw@broker:6380/2"}, lambda s: s.broker.startswith("rediss://")),
+    # SLURM's forms and gpuq's; without a default, a job without --time gets the maximum.
+    ({"GPUQ_DEFAULT_TIME": "1:00:00", "GPUQ_MAX_TIME": "7-00:00:00"}, lambda s: s.time_limits == (3600, 7 * 86400)),
+    ({"GPUQ_MAX_TIME": "12h"}, lambda s: s.time_limits == (12 * 3600, 12 * 3600)),
+    ({}, lambda s: s.time_limits == (None, None)),
 ])
 def test_values_that_mean_something_are_still_accepted(variables, check, tmp_path):
     assert check(load_settings(_env(tmp_path, **variables)))
@@ -285,3 +294,27 @@ def test_a_config_path_that_is_a_directory_is_one_line_and_exit_78_and_a_missing
         load_settings({"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
     # A GPUQ_CONFIG naming no file stays "no file": the tests, benchmarks and scripts say it so.
     assert load_settings({"GPUQ_CONFIG": str(tmp_path / "none.toml")}).fake_gpus == 0
+
+
+def test_the_log_rotation_settings_are_read_from_the_environment_and_the_file_and_a_bad_one_is_one_line(tmp_path):
+    s = load_settings(_env(tmp_path))
+    assert (s.log_rotate_mib, s.log_rotate_keep) == (64, 4)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("log_rotate_mib = 16\nlog_rotate_keep = 2\n")
+    s = load_settings({"GPUQ_CONFIG": str(cfg), "XDG_DATA_HOME": str(tmp_path)})
+    assert (s.log_rotate_mib, s.log_rotate_keep) == (16, 2)
+    s = load_settings({"GPUQ_CONFIG": str(cfg), "XDG_DATA_HOME": str(tmp_path), "GPUQ_LOG_ROTATE_MIB": "0",
+                       "GPUQ_LOG_ROTATE_KEEP": "10"})
+    assert (s.log_rotate_mib, s.log_rotate_keep) == (0, 10)  # 0: no rotation
+    for variables, says in (({"GPUQ_LOG_ROTATE_MIB": "-1"}, "setting log_rotate_mib must not be negative, got '-1'"),
+                            ({"GPUQ_LOG_ROTATE_MIB": "0.5"},
+                             "setting log_rotate_mib must be int (a whole number), got '0.5' (GPUQ_LOG_ROTATE_MIB)"),
+                            ({"GPUQ_LOG_ROTATE_KEEP": "-2"}, "setting log_rotate_keep must not be negative")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_settings(_env(tmp_path, **variables))
+    cfg.write_text("log_rotate_keep = 1.5\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings({"GPUQ_CONFIG": str(cfg)})
+    assert str(caught.value) == f"setting log_rotate_keep must be int (a whole number), got 1.5 (in {cfg})"
+    refused_in_one_line(gpuq(["config"], {"GPUQ_CONFIG": str(tmp_path / "none.toml"), "GPUQ_HOME": str(tmp_path / "h"),
+                                          "GPUQ_LOG_ROTATE_MIB": "2.5"}), "setting log_rotate_mib must be int")

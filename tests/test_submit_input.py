@@ -18,7 +18,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
 from gpuq.service.units import TIME_FORMS
-from tests.conftest import ThreadServer, settings_env, venv_reachable_by_everyone
+from tests.conftest import ThreadServer, cli_submit, run_cli, serving, settings_env, venv_reachable_by_everyone
 
 
 def jobs_in(settings) -> int:
@@ -56,6 +56,7 @@ def invoke(args):
     (["submit", "--name", "caf\udce9", "--", "true"], "--name is not valid UTF-8 text"),
     (["submit", "--env", "HOME=/tmp", "--", "true"], "--env HOME: this variable may not be set"),  # was ignored
     (["submit", "matmul", "--dtype", "fp\udce9"], "a workload parameter is not valid UTF-8 text"),
+    (["submit", "--sweep", "lr=0.1,0.01,0.1", "--", "true"], "--sweep lr: 0.1 is given twice"),
 ])
 def test_bad_submissions_are_refused_in_one_line_and_write_nothing(use_settings, args, message):
     result = invoke(args)
@@ -175,6 +176,20 @@ def test_a_good_submission_prints_the_job_id_and_stores_the_spec(use_settings, t
         assert first.params == {"size": 500, "repeat": 100, "warmup": 3, "dtype": "fp32", "cpu_baseline": False}
 
 
+def test_without_gpus_a_job_gets_one_gpu_or_the_least_its_workload_takes(use_settings):
+    import json
+
+    def gpus(*args):
+        result = invoke(["submit", "--json", "--hold", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["gpus"]
+
+    # multi-matmul needs two: without --gpus it was refused ("needs at least 2 GPUs; got --gpus 1").
+    assert (gpus("multi-matmul"), gpus("matmul"), gpus("--", "true"), gpus("--gpus", "2", "--", "true")) == (2, 1, 1, 2)
+    refused = invoke(["submit", "--gpus", "1", "multi-matmul"])
+    assert refused.exit_code == c.EXIT_USAGE and "multi-matmul needs at least 2 GPUs; got --gpus 1" in refused.output
+
+
 def test_status_show_and_cancel_name_a_missing_job(use_settings):
     for args in (["show", "42"], ["logs", "42"], ["wait", "42"], ["cancel", "42"]):
         result = invoke(args)
@@ -218,7 +233,7 @@ def test_an_array_is_cancelled_by_its_id_and_cancel_user_takes_all_of_mine(use_s
     shown = invoke(["show", "--array", "1"]).output.splitlines()
     assert len(shown) == 3 and all("pending" in ln and "held" in ln for ln in shown)
     result = invoke(["cancel", "--array", "1"])
-    assert result.exit_code == 0 and result.output.splitlines() == [f"job {i} cancelled" for i in (1, 2, 3)]
+    assert result.exit_code == 0 and result.output == "cancelled 3 jobs of array 1\n"
     assert invoke(["cancel", "--array", "9"]).output.strip() == "gpuq: no array 9"
     result = invoke(["cancel", "--user"])
     assert result.exit_code == 0 and result.output.strip() == "job 4 cancelled"
@@ -338,6 +353,18 @@ def test_two_submissions_racing_near_the_pending_cap_never_take_the_user_past_it
     assert sorted(outcomes)[1] == "queued" and "ann has 4 jobs pending and the limit is 4" in sorted(outcomes)[0]
     with write_scope(s) as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.state == "pending")) == 4
+
+
+def test_a_time_past_the_queues_maximum_is_one_line_exit_2_and_a_job_without_time_gets_the_default(settings):
+    with serving(settings, default_time="30m", max_time="2h") as limited:
+        refused = run_cli(["submit", "--time", "3h", "--", "true"], limited)
+        assert refused.returncode == c.EXIT_USAGE
+        assert refused.stderr.strip().splitlines() == [
+            "gpuq: --time 3:00:00 is more than this queue's maximum, 2:00:00 (GPUQ_MAX_TIME)"]
+        assert jobs_in(settings) == 0
+        job = cli_submit(limited, ["--hold", "--", "true"])
+        shown = json.loads(run_cli(["show", str(job), "--json"], limited).stdout)
+        assert shown["time_limit_s"] == 1800
 
 
 @pytest.mark.parametrize("given,seconds", [

@@ -90,6 +90,18 @@ def test_a_started_job_keeps_its_priority_and_only_an_admin_raises_its_time_limi
     assert ended.refused == f"job {job} succeeded; an ended job cannot be changed"
 
 
+def test_only_root_or_an_admin_gives_a_job_more_time_than_the_queues_maximum(settings):
+    limited = settings.with_overrides(max_time="2h")
+    job = submit(limited, time="1h")
+    with pytest.raises(InvalidSpec, match=r"--time 3:00:00 is more than this queue's maximum, 2:00:00"):
+        update_all(limited, [job], Changes(time_limit_s=3 * 3600), ANN)
+    assert row(limited, job).time_limit_s == 3600
+    [within] = update_all(limited, [job], Changes(time_limit_s=2 * 3600), ANN)
+    assert within.changed == {"time_limit_s": [3600, 7200]}
+    [raised] = update_all(limited, [job], Changes(time_limit_s=3 * 3600), BOSS)
+    assert raised.changed == {"time_limit_s": [7200, 10800]}
+
+
 def test_one_refusal_among_many_leaves_the_others_changed(settings):
     register(settings, "a", 1)
     running, waiting = submit(settings), submit(settings)

@@ -69,6 +69,28 @@ def test_job_summary_has_gpu_hours_memory_utilisation_energy_and_idle_seconds(se
         assert u.idle_s == pytest.approx(2.0)  # the 0% and 5% seconds
 
 
+def test_a_retried_jobs_summary_is_its_last_attempts_samples_beside_that_attempts_wall_time(settings):
+    # Before: the last attempt's 20 s of wall time beside every attempt's samples (its first
+    # attempt's 60 readings at 100% made a 20 s job peak and burn energy it never did).
+    first, last = NOW - timedelta(seconds=200), NOW - timedelta(seconds=20)
+    with write_scope(settings) as s:
+        gpu = add_gpu(s, "n1", 0)
+        job = add_job(s, "ann", "n1", last, NOW)
+        add_samples(s, gpu, job, first, [100] * 60, mem=7000, power=300.0)
+        add_samples(s, gpu, job, last, [10] * 20, mem=1000, power=50.0)
+    with write_scope(settings) as s:
+        usage.record_usage(s, job)
+    with write_scope(settings) as s:
+        u = s.get(JobUsage, job)
+        assert u.wall_s == pytest.approx(20) and u.samples == 20
+        assert u.utilization_mean == pytest.approx(10) and u.memory_peak_mib == 1019
+        assert u.energy_j == pytest.approx(20 * 50.0)
+        live = usage.summarize(s, s.get(Job, job), NOW)
+        assert (live.samples, live.energy_j) == (20, pytest.approx(1000.0))
+        # `gpuq stats ID --plot` draws the same attempt.
+        assert len(accounting.job_series(s, job, last)) == 20 and len(accounting.job_series(s, job)) == 80
+
+
 def test_idle_flag_needs_a_mostly_idle_gpu_through_the_whole_window(settings):
     window = timedelta(seconds=settings.idle_window)
     with write_scope(settings) as s:

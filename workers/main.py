@@ -21,6 +21,7 @@ from gpuq.service.db import require_schema, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.errors import GpuqError
 from gpuq.service.leases import reap_predecessor
+from gpuq.service.logs import configure as configure_logging
 from gpuq.service.settings import get_settings
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
     pin_to_gpu(args.gpu)
-    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.loglevel.upper())
     try:
         return serve(args.gpu, args.loglevel)
     except GpuqError as exc:
