@@ -106,7 +106,7 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
     with reading(settings) as session:
         job = get_job(session, job_id)
         u = usage.job_usage(session, job_id)
-        series = accounting.job_series(session, job_id) if plot else None
+        series = accounting.job_series(session, job_id, job.started_at) if plot else None
         out: dict[str, Any] = dict(job_id=job.id, name=job.name, user=job.user, state=job.state, node=job.node,
                                    gpus=job.gpus, wall_s=u.wall_s, gpu_hours=u.gpu_hours,
                                    memory_peak_mib=u.memory_peak_mib, memory_mean_mib=u.memory_mean_mib,
