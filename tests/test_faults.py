@@ -522,6 +522,33 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
     assert done.state == State.SUCCEEDED, (done.state, done.reason)
 
 
+def test_a_job_given_a_gpu_resumed_a_moment_ago_waits_for_its_workers_next_look_and_runs(
+        tmp_path, database_url, redis_url):
+    # Heartbeats 3 s apart: the worker clears its lost flag only when a beat sees the GPU read again
+    # and its drain gone, and a job dispatched in between (the scheduler places at once on a
+    # resume) failed as gpu_lost; CI met that window once with 0.5 s beats.
+    st = make_stack(tmp_path, database_url, redis_url, heartbeat_interval=3.0, lease_timeout=8.0,
+                    worker_timeout=8.0)
+    try:
+        faults = st.settings.home / "simulated-faults"
+        faults.mkdir(parents=True, exist_ok=True)
+        (faults / f"{st.settings.node}.0.lost").touch()
+
+        def drained() -> str | None:
+            with write_scope(st.settings) as session:
+                return session.scalar(select(Gpu.drain_reason).where(Gpu.index == 0))
+
+        wait_for(lambda: (drained() or "").startswith("GPU lost"), 20, "GPU 0 drained as lost")
+        time.sleep(3.5)  # a beat after the drain: the worker holds the lost flag
+        (faults / f"{st.settings.node}.0.lost").unlink()
+        assert run_cli(["resume", st.settings.node], st.settings).returncode == 0
+        both = cli_submit(st.settings, ["--gpus", "2", "--", "sleep", "1"], cwd=tmp_path)
+        done = wait_state(st.settings, both, c.END_STATES, 60)
+        assert done.state == State.SUCCEEDED, (done.state, done.reason)
+    finally:
+        st.stop()
+
+
 def test_a_retried_job_keeps_the_output_of_every_attempt(stack, tmp_path):
     counter = tmp_path / "attempt"
     code = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) + 1 if p.exists() else 1; "

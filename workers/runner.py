@@ -58,6 +58,7 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     lease = state.lease = started.lease
     state.job_started(job.id, job.started_at)
     log.info("%s: job %s started (%s)", state.name, job.id, job.workload or (job.argv or ["?"])[0])
+    state.wait_gpu_back()
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost,
                                             job.started_s, job.time_limit_s))

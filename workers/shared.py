@@ -61,6 +61,7 @@ def wait_for_shared(state: WorkerState, timeout: float | None = None) -> None:
 
 def _run(state: WorkerState, started: Started) -> None:
     settings, job, lease = state.settings, started.job, started.lease
+    state.wait_gpu_back()
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost, job.started_s, job.time_limit_s)
     pids: set[int] = set()

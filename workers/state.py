@@ -93,6 +93,15 @@ class WorkerState:
         self._woke = now
         return True
 
+    def wait_gpu_back(self) -> None:
+        """Before a job starts on a GPU marked lost, wait for the heartbeat's next look (two
+        heartbeats at most). A GPU an admin resumed a moment ago is given jobs at once, while
+        ``gpu_lost`` is cleared only by the heartbeat that sees it read again and undrained: a job
+        dispatched in between failed as gpu_lost. One on a GPU still lost fails as before."""
+        deadline = time.monotonic() + 2 * self.settings.heartbeat_interval + 1.0
+        while self.gpu_lost.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def may_take_next(self) -> bool:
         return not (self.stopping.is_set() or self.interrupt.is_set() or self.gpu_lost.is_set())
 
