@@ -14,6 +14,7 @@ from gpuq.service.display import (  # noqa: F401 - the CLI's names for them
     drained,
     duration,
     exit_status,
+    printable,
     result_summary,
     time_limit,
 )
@@ -53,12 +54,6 @@ def result_lines(result: dict[str, Any]) -> list[str]:
 
 def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters (newlines, escape sequences) written as escapes, so a
-    job's name or command cannot move the cursor, recolour the terminal or forge a line."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def one_line(text: str, width: int = 60) -> str:

@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
-from sqlalchemy import select
 
 from gpuq.server.request import call, context, reading
-from gpuq.service import display
+from gpuq.service import display, jobs
 from gpuq.service.errors import NotAllowed
 from gpuq.service.models import Job
 from gpuq.service.rights import Caller, is_admin
@@ -33,7 +32,6 @@ from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.audit")
 T = TypeVar("T")
-_CHUNK = 1000  # job ids a statement binds: well under SQLite's limit
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.$-]{1,64}")
 
 
@@ -55,7 +53,7 @@ async def audited(request: web.Request, action: str, fn: Callable[..., T], *args
             found = await call(_owners, settings, ids) if ids else {}
             others = {i: o for i, o in found.items() if o != caller.user}
             log.warning("refused %s by %s: %s (%s)", action, who, _jobs(others, caller) if others else "no job",
-                        _printable(str(refused)))
+                        display.printable(str(refused)))
         except Exception:  # the refusal stands, line or not
             log.exception("refused %s by %s: its audit line could not be written", action, who)
         raise
@@ -79,13 +77,8 @@ async def audited(request: web.Request, action: str, fn: Callable[..., T], *args
 
 def _owners(settings: Settings, ids: Sequence[int]) -> dict[int, str]:
     """Each job's owner, by id (a job that does not exist is left out)."""
-    found: dict[int, str] = {}
-    unique = list(dict.fromkeys(ids))
     with reading(settings) as session:
-        for start in range(0, len(unique), _CHUNK):
-            rows = session.execute(select(Job.id, Job.user).where(Job.id.in_(unique[start:start + _CHUNK])))
-            found.update((job_id, user) for job_id, user in rows)
-    return found
+        return {job_id: row.user for job_id, row in jobs.rows_of(session, ids, Job.user).items()}
 
 
 def _jobs(owners: Mapping[int, str], caller: Caller) -> str:
@@ -97,11 +90,6 @@ def _jobs(owners: Mapping[int, str], caller: Caller) -> str:
     return "; ".join(("job " if len(by_owner[o]) == 1 else "jobs ")
                      + display.ranges(by_owner[o], most=len(by_owner[o]))
                      + ("" if o == caller.user else f" of {_name(o)}") for o in order)
-
-
-def _printable(text: str) -> str:
-    """``text`` on one line: a control character (a newline a request put in a name) escaped."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _name(user: str) -> str:

@@ -25,6 +25,13 @@ def duration(d: timedelta | None) -> str:
     return (f"{days}-" if days else "") + (f"{h}:{m:02d}:{sec:02d}" if h or days else f"{m}:{sec:02d}")
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters (newlines, escape sequences) written as escapes, so a
+    job's name or command cannot move the cursor, recolour the terminal or forge a line (of a
+    table, or of the server's log)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def time_limit(seconds: int) -> str:
     """A time limit as `--time` takes it back and every front-end and end reason writes it:
     H:MM:SS, hours past a day going on counting (100:00:00)."""

@@ -161,16 +161,23 @@ def cancel_all(settings: Settings, job_ids: Sequence[int], user: Caller | str | 
     return outcomes
 
 
+def rows_of(session: Session, ids: Sequence[int], *columns: Any) -> dict[int, Any]:
+    """The jobs of ``ids`` (each once) that exist, by id: rows of their id and ``columns``, read
+    ``_CHUNK`` ids a statement."""
+    unique = list(dict.fromkeys(ids))
+    found: dict[int, Any] = {}
+    for start in range(0, len(unique), _CHUNK):
+        found.update((r.id, r) for r in session.execute(
+            select(Job.id, *columns).where(Job.id.in_(unique[start:start + _CHUNK]))))
+    return found
+
+
 def changeable(session: Session, settings: Settings, ids: list[int], caller: Caller, *columns: Any
                ) -> dict[int, Any]:
     """Each job's user, state and held flag (and ``columns``), by id; JobNotFound or NotAllowed for
     the first of ``ids`` that is missing or not the caller's to change: all are checked before any
     is changed."""
-    found: dict[int, Any] = {}
-    for start in range(0, len(ids), _CHUNK):
-        found.update((r.id, r) for r in session.execute(
-            select(Job.id, Job.user, Job.state, Job.held, *columns)
-            .where(Job.id.in_(ids[start:start + _CHUNK]))))
+    found = rows_of(session, ids, Job.user, Job.state, Job.held, *columns)
     for job_id in ids:
         if job_id not in found:
             raise JobNotFound(f"no job {job_id}")

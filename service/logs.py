@@ -72,13 +72,16 @@ class RepeatFilter(logging.Filter):
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def _key(record: logging.LogRecord) -> tuple:
+    def _message(record: logging.LogRecord) -> str:
+        try:
+            return record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format: the handler says so when it formats it
+            return f"{record.msg} {record.args!r}"
+
+    @staticmethod
+    def _key(record: logging.LogRecord, text: str) -> tuple:
         if record.exc_info is not None and record.exc_info[0] is not None:
             return record.name, record.levelno, str(record.msg)
-        try:
-            text = record.getMessage()
-        except Exception:  # noqa: BLE001 - a bad format: the handler says so when it formats it
-            text = repr(record.args)
         return record.name, record.levelno, str(record.msg), text
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -87,12 +90,13 @@ class RepeatFilter(logging.Filter):
         if record.levelno < logging.WARNING or getattr(record, _SUMMARY, False):
             return True
         now = self.clock()
-        key = self._key(record)
+        text = self._message(record)
+        key = self._key(record, text)
         with self._lock:
             due = self._due(now)
             held = self._held.get(key)
             if held is None:
-                self._held[key] = _Held(record.name, record.levelno, self._text(record), now + self.window)
+                self._held[key] = _Held(record.name, record.levelno, _quoted(text), now + self.window)
                 passes = True
             else:
                 held.suppressed += 1
@@ -136,14 +140,6 @@ class RepeatFilter(logging.Filter):
                 held.level, "suppressed %d repeats of this message within %.0f s of it: %s", held.suppressed,
                 self.window, held.first, extra={_SUMMARY: True})
 
-    @staticmethod
-    def _text(record: logging.LogRecord) -> str:
-        try:
-            text = record.getMessage()
-        except Exception:  # noqa: BLE001 - a bad format: the handler says so when it formats it
-            text = str(record.msg)
-        text = " ".join(text.split())
-        return text if len(text) <= _QUOTED else text[:_QUOTED - 3] + "..."
 
     def _start_thread(self) -> None:
         # Lock held.
@@ -164,6 +160,12 @@ class RepeatFilter(logging.Filter):
             self._log(due)
             if ends:
                 time.sleep(min(max(min(ends) - now, 0.05), 1.0))
+
+
+def _quoted(text: str) -> str:
+    """A message as the "suppressed" line quotes it: on one line, at most _QUOTED characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= _QUOTED else text[:_QUOTED - 3] + "..."
 
 
 _installed: RepeatFilter | None = None
