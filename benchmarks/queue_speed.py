@@ -12,7 +12,8 @@
 - the CPU time each flood took a job, by process (client, server, workers, scheduler, Redis), beside
   bare Celery's: on a machine of C cores no flood passes C x 1000 / (ms a job) jobs/s.
 
-    python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50] [--keep-alive] [--database URL]
+    python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50] [--keep-alive] [--clients N]
+                                     [--database URL]
 
 gpuq's jobs are submitted as users submit them: `gpuq up` starts the server (on a Unix socket in
 /tmp), the scheduler and the workers, and this process POSTs each job to /v1/jobs over the socket,
@@ -21,9 +22,11 @@ twice: as one submission of N jobs (`--array`, one request: what earlier rounds 
 in-process ``submit_all`` of N jobs), and as N requests one after the other (as Celery's side
 makes N ``delay`` calls), which also bounds it by each request's round trip. By default each request opens its own
 connection, as the CLI's client does (it is the CLI's client); with ``--keep-alive`` all of them
-go over one persistent connection. The latency is given twice: from the server's ``submitted_at``
-(what the earlier in-process submit measured) and from the moment this process sent the request
-(what Celery's figure measures: from ``delay`` to the task's start).
+go over one persistent connection. With ``--clients N`` the N requests come from N submitters at
+once (threads of this process, each one request after the other), as many users or a script's
+worker pool submit: the server then answers several at a time. The latency is given twice: from
+the server's ``submitted_at`` (what the earlier in-process submit measured) and from the moment this
+process sent the request (what Celery's figure measures: from ``delay`` to the task's start).
 
 ``--database`` runs the scheduler pass and the stack on that database server instead of a new
 SQLite file: given a PostgreSQL URL, the script creates a database of its own on that server
@@ -270,7 +273,7 @@ class Submitter:
                 "a new connection per submit over the server's Unix socket, through the CLI's client")
 
 
-def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
+def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool, clients: int = 1
                ) -> tuple[list[float], list[float], list[float], dict[str, tuple], list[float], str]:
     """Latency on the server's clock and from the client's request, the submit requests' round
     trips, the two floods (the N jobs as one array submission, and as N submissions: each its
@@ -313,8 +316,13 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool
             meter.start()
             if kind == "array":  # the N jobs in one submission, as the earlier rounds' submit_all
                 ids = api.submit(array=f"0-{n_jobs - 1}")
-            else:  # N submissions one after the other, as Celery's N delay calls
+            elif clients == 1:  # N submissions one after the other, as Celery's N delay calls
                 ids = [api.submit()[0] for _ in range(n_jobs)]
+            else:  # N submissions from ``clients`` submitters at once, each one after the other
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(clients) as pool:
+                    ids = sorted(pool.map(lambda _: api.submit()[0], range(n_jobs)))
             submit_rate = n_jobs / (time.perf_counter() - t0)
             while True:
                 # A range, not 2,000 bound ids: the poll must not take the CPU it is measuring.
@@ -423,9 +431,13 @@ def main() -> int:
     ap.add_argument("--latency-samples", type=int, default=50)
     ap.add_argument("--keep-alive", action="store_true",
                     help="submit over one persistent connection (default: a new one per submit, as the CLI)")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="submitters sending the N requests at once (default 1: one request after the other)")
     ap.add_argument("--database", help="a PostgreSQL server's URL (the script makes and drops a database of its own "
                                        "there), or an empty SQLite database's (default: a new SQLite file)")
     args = ap.parse_args()
+    if args.clients < 1 or (args.keep_alive and args.clients > 1):
+        ap.error("--clients takes 1 or more, and --keep-alive (one connection) only 1")
     stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
     home = Path(tempfile.mkdtemp(prefix="gpuq-speed-"))
     broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
@@ -441,7 +453,8 @@ def main() -> int:
         decision_pass()
         sql_pass(env)
         bare_lat, bare_tput, bare_idle, bare_cpu = bare_celery(broker, args.jobs, args.latency_samples)
-        lat, lat_client, trip, floods, gaps, how = gpuq_stack(env, args.jobs, args.latency_samples, args.keep_alive)
+        lat, lat_client, trip, floods, gaps, how = gpuq_stack(env, args.jobs, args.latency_samples, args.keep_alive,
+                                                                args.clients)
     finally:
         drop()
         shutil.rmtree(home, ignore_errors=True)
@@ -464,7 +477,8 @@ def main() -> int:
           f"(CPU left idle: {share(bare_idle)})")
     print(f"  {cpu_line(bare_cpu)}")
     for kind, label in (("array", f"one submission of {args.jobs} jobs (an array)"),
-                        ("requests", f"{args.jobs} submissions one after the other")):
+                        ("requests", f"{args.jobs} submissions one after the other" if args.clients == 1 else
+                         f"{args.jobs} submissions from {args.clients} submitters at once")):
         tput, submit_rate, idle, _, cpu = floods[kind]
         print(f"throughput, {label}, over 4 simulated GPUs: {tput:.0f} jobs/s (submitting took "
               f"{args.jobs / submit_rate:.2f} s); ratio gpuq/bare {tput / bare_tput:.2f} (goal: at least 0.5); "

@@ -123,6 +123,20 @@ def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> Non
     typer.echo(f"node {node} resumed")
 
 
+def _admin() -> str:
+    """Who runs this admin command: the process's user (only root and gpuq's own account open the
+    database), and the one who became root through sudo (sudo sets SUDO_USER for root's process)."""
+    import os
+    import pwd
+
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        me = f"uid {os.getuid()}"
+    via = os.environ.get("SUDO_USER")
+    return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
+
+
 def _set_drained(node: str, drained: bool, reason: str | None) -> None:
     from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, inventory
@@ -131,6 +145,6 @@ def _set_drained(node: str, drained: bool, reason: str | None) -> None:
     settings = admin_settings("drain" if drained else "resume")
     require_schema(settings)
     with write_scope(settings) as session:
-        inventory.set_drained(session, node, drained, reason)
+        inventory.set_drained(session, node, drained, reason, by=_admin())
     if not drained:
         broker.wake_scheduler(settings)

@@ -58,7 +58,11 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
     if as_json:
         print_json({k: v for k, v in data.items() if k not in ("elapsed_s", "output_readable")})
         return
-    for key, value in _lines(job(data)):
+    lines = _lines(job(data))
+    if data.get("env"):
+        # Names only: the values may be secrets, and a terminal is read over shoulders (--json has them).
+        lines.append(("env", ", ".join(sorted(data["env"])) + " (values: gpuq show --json)"))
+    for key, value in lines:
         typer.echo(f"{key:>10}  {printable(value)}")
     if data["result"]:
         typer.echo("\n".join(result_lines(data["result"])))

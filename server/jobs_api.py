@@ -74,16 +74,18 @@ async def submit(request: web.Request) -> web.Response:
     settings, caller = context(request)
     body = await body_of(request)
     user = body.get("user")
-    made, placed = await audited(request, "submit", submission.submit, settings, caller, body,
-                                 acted=lambda done: {j.id: j.user for j in done[0]},
-                                 via_user=user if isinstance(user, str) else None)
-    response = web.json_response({"jobs": [views.job(j) for j in made]})
-    if placed:
+    # A repeated key wrote nothing: no line (the first request's is the record of its jobs).
+    done: submission.Submitted = await audited(
+        request, "submit", submission.submit, settings, caller, body,
+        acted=lambda d: {} if d.repeated else {j.id: j.user for j in d.jobs},
+        via_user=user if isinstance(user, str) else None)
+    response = web.json_response({"jobs": [views.job(j) for j in done.jobs]})
+    if done.placed:
         # The answer first: the client (the next submit of a loop, `gpuq run`) goes on while the
         # placed jobs' messages are published (a fifth of a submit's CPU here).
         await response.prepare(request)
         await response.write_eof()
-        await call(dispatch.send, settings, placed)
+        await call(dispatch.send, settings, done.placed)
     return response
 
 

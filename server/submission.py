@@ -19,7 +19,7 @@ import sys
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuq.service import allocations, jobs, reach, spec, submitting
 from gpuq.service import constants as c
@@ -150,10 +150,19 @@ def git_state(settings: Settings, data: dict[str, Any] | None) -> GitState | Non
                     diff_cut=cut)
 
 
-def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> tuple[list[Job], list[tuple[int, str]]]:
+class Submitted(NamedTuple):
+    """What a submit request did: its jobs, the messages of those placed at submit ((job id,
+    queue) each, for ``dispatch.send`` once the client has its answer), and whether the request
+    repeated a key already used (then nothing was written: the jobs are the first request's)."""
+
+    jobs: list[Job]
+    placed: list[tuple[int, str]]
+    repeated: bool = False
+
+
+def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> Submitted:
     """Queue what ``body`` asks for as the caller's jobs; with a key already used, the jobs that
-    key made (a client asking again after a lost answer). Also the messages of the jobs placed at
-    submit, (job id, queue) each, for ``dispatch.send`` once the client has its answer."""
+    key made (a client asking again after a lost answer)."""
     require_schema(settings)
     f = _fields(body)
     specs = specs_of(settings, caller, f)
@@ -167,7 +176,7 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> tuple[li
     try:
         made = submitting.submit_all(settings, specs, snapshot=f["snapshot"], git=git, stage=stager(caller),
                                      key=f["key"], send=keep)
-        return made, placed
+        return Submitted(made, placed)
     except DuplicateSubmission as again:
         # Asked again (its answer was lost), or twice at once: the jobs the key made, once.
         with read_scope(settings) as session:
@@ -176,7 +185,7 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> tuple[li
             session.expunge_all()
         if not rows:
             raise
-        return rows, []  # their messages went with the first answer
+        return Submitted(rows, [], repeated=True)  # their messages went with the first answer
 
 
 def stager(caller: Caller) -> Stager | None:

@@ -172,8 +172,9 @@ def record_share_use(session: Session, gpu_id: int, used: dict[int, int | None])
                         .values(used_mib=mib))
 
 
-def set_drained(session: Session, node: str, drained: bool, reason: str | None = None) -> None:
-    """Drain a node (running jobs finish, nothing new starts there) or resume it."""
+def set_drained(session: Session, node: str, drained: bool, reason: str | None = None, by: str | None = None) -> None:
+    """Drain a node (running jobs finish, nothing new starts there) or resume it; ``by``: who
+    drained it."""
     from gpuq.service.errors import InvalidSpec, StateConflict
 
     known = session.scalar(select(Gpu.id).where(Gpu.node == node).limit(1))
@@ -192,8 +193,18 @@ def set_drained(session: Session, node: str, drained: bool, reason: str | None =
     if row.drained == drained:
         raise StateConflict(f"node {node} is {'already drained' if drained else 'not drained'}")
     row.drained, row.drain_reason = drained, reason if drained else None
-    row.drained_at = utcnow() if drained else None
+    row.drained_at, row.drained_by = (utcnow(), by) if drained else (None, None)
 
 
 def drained_nodes(session: Session) -> dict[str, str | None]:
-    return {n.name: n.drain_reason for n in session.scalars(select(Node).where(Node.drained))}
+    """Each drained node's reason, with who drained it and since when (as `sinfo -R` lists them):
+    ``maintenance; by root since 2026-11-26 16:30 UTC``."""
+    return {n.name: _drain_note(n) for n in session.scalars(select(Node).where(Node.drained))}
+
+
+def _drain_note(node: Node) -> str | None:
+    signed = " ".join(([f"by {node.drained_by}"] if node.drained_by else []) +
+                      ([f"since {node.drained_at:%Y-%m-%d %H:%M} UTC"] if node.drained_at else []))
+    if not signed:
+        return node.drain_reason  # drained before gpuq kept who and when
+    return f"{node.drain_reason or 'no reason given'}; {signed}"

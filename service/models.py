@@ -204,6 +204,7 @@ class Node(Base):
     drained: Mapped[bool] = mapped_column(default=False)
     drain_reason: Mapped[str | None] = mapped_column(Text)
     drained_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    drained_by: Mapped[str | None] = mapped_column(String(255))  # the admin, as `sinfo -R` names them
 
 
 class Allocation(Base):

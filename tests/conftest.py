@@ -53,6 +53,26 @@ def redis_url() -> Iterator[str]:
     forget_keys(REDIS_URL, KEY_PREFIXES)
 
 
+# Every server socket path this test session gave out (``socket_path``): a server killed by a test
+# leaves its socket file behind, and these are removed when the session ends.
+SOCKETS: set[str] = set()
+
+
+def socket_path() -> str:
+    """A new server socket's path: short (a socket path must fit in 108 bytes, which a test's
+    tmp_path may not leave room for), and removed when the session ends."""
+    path = f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock"
+    SOCKETS.add(path)
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sockets_removed() -> Iterator[None]:
+    yield
+    for path in SOCKETS:
+        Path(path).unlink(missing_ok=True)
+
+
 # Every Redis key prefix this test session gave out (``make_settings``): its keys, and kombu's
 # bindings of its queues, are deleted when the session ends. Only these: another session may share
 # the database.
@@ -109,9 +129,7 @@ def database_url(request, tmp_path) -> str:
 
 
 def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -> Settings:
-    # A socket path must fit in 108 bytes, which a test's tmp_path may not leave room for.
-    values = dict(home=home, database_url=database_url, broker_url=broker_url,
-                  socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock",
+    values = dict(home=home, database_url=database_url, broker_url=broker_url, socket=socket_path(),
                   key_prefix=f"gpuqtest-{uuid.uuid4().hex[:8]}", node="testnode", fake_gpus=2,
                   fake_gpu_memory_mib=8192, heartbeat_interval=0.5, worker_timeout=6.0,
                   scheduler_interval=0.5, kill_grace=1.0, warm_start=False, sample_interval=0.5,
@@ -341,7 +359,7 @@ def serving(settings: Settings, **overrides) -> Iterator[Settings]:
     """A server of its own (a thread of this process) with ``settings`` changed by ``overrides``, on
     a socket of its own: what its settings change (a broker, the admins, shared logs) is the
     server's business now, not the client's. Yields the settings to give the client."""
-    own = settings.with_overrides(socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock", **overrides)
+    own = settings.with_overrides(socket=socket_path(), **overrides)
     server = ThreadServer(own)
     try:
         yield own

@@ -78,6 +78,24 @@ def test_each_move_on_a_job_is_one_line_naming_the_caller_their_uid_and_the_job(
     assert not any("as admin" in line or " of " in line for line in lines), lines  # all the caller's own
 
 
+def test_a_submit_asked_again_with_its_key_is_logged_once(stack, tmp_path):
+    """A client that lost its answer asks again with the same key: the same job, and one line (the
+    second request wrote nothing)."""
+    from gpuq.cli.client import Client
+
+    s, log = stack.settings, stack.log_dir / "server.log"
+    key = uuid.uuid4().hex
+    body = {"command": ["true"], "hold": True, "cwd": str(tmp_path), "key": key}
+    client = Client(str(s.server_socket))
+    first = client.post("/jobs", body)["jobs"][0]["id"]
+    again = client.post("/jobs", body)["jobs"][0]["id"]
+    assert again == first
+    me = f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
+    ok(run_cli(["cancel", str(first)], s))  # a line after the second submit's: the file has both by then
+    lines = logged(log, f"cancel by {me}: job {first}")
+    assert lines.count(f"submit by {me}: job {first}") == 1, lines
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="only root may submit as another user")
 def test_roots_moves_on_another_users_job_name_its_owner_and_say_as_admin(stack, shared_dir):
     s, log = stack.settings, stack.log_dir / "server.log"
@@ -94,6 +112,10 @@ def test_the_owner_sees_the_values_they_passed_with_env(stack, tmp_path):
     job_id = cli_submit(stack.settings, ["--hold", "--env", f"MY_TOKEN={value}", "--", "true"], cwd=tmp_path)
     shown = json.loads(ok(run_cli(["show", "--json", str(job_id)], stack.settings)))
     assert shown["env"]["MY_TOKEN"] == value
+    plain = ok(run_cli(["show", str(job_id)], stack.settings))
+    env_line = next(line for line in plain.splitlines() if line.strip().startswith("env "))
+    assert "MY_TOKEN" in env_line and env_line.endswith("(values: gpuq show --json)"), plain
+    assert value not in plain, plain  # names, not values
     ok(run_cli(["cancel", str(job_id)], stack.settings))
 
 

@@ -4,6 +4,9 @@ process -> SQL -> `gpuq status`, on SQLite and PostgreSQL, with simulated GPUs."
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import re
 import sys
 import time
 
@@ -198,13 +201,17 @@ def test_status_json_lists_jobs_and_gpus(stack):
         ("testnode", 0, True), ("testnode", 1, True)]
 
 
-def test_status_says_why_a_drained_node_is_drained_in_one_line_under_the_gpus(stack):
+def test_status_says_why_who_and_since_when_a_drained_node_is_drained_in_one_line_under_the_gpus(stack):
     s = stack.settings
-    assert run_cli(["drain", s.node, "--reason", "driver update at 18:00"], s).returncode == 0
+    # Root's process run through sudo names the admin sudo let in (only root can open the database).
+    me = "labadmin via sudo" if os.getuid() == 0 else pwd.getpwuid(os.getuid()).pw_name
+    drained = run_cli(["drain", s.node, "--reason", "driver update at 18:00"], s, extra_env={"SUDO_USER": "labadmin"})
+    assert drained.returncode == 0, drained.stderr
     try:
         out = run_cli(["status"], s).stdout
         assert out.count("(drained)") == 2  # both GPUs' lines
-        assert out.rstrip().splitlines()[-1] == f"drained: node {s.node}: driver update at 18:00"
+        assert re.fullmatch(rf"drained: node {s.node}: driver update at 18:00; by {me} since "
+                            r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", out.rstrip().splitlines()[-1]), out
         assert out.count("drained: node") == 1
     finally:
         assert run_cli(["resume", s.node], s).returncode == 0

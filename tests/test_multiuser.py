@@ -249,6 +249,7 @@ def test_a_jobs_env_values_are_shown_to_its_owner_and_not_to_another_user(box):
         theirs = box.gpuq(b, *args)
         assert theirs.returncode == 0, theirs.stderr
         assert secret not in theirs.stdout and secret not in theirs.stderr
+        assert "MY_TOKEN" not in theirs.stdout  # not even its name
     assert json.loads(box.gpuq(b, "show", "--json", str(job_id)).stdout)["env"] is None
     assert box.gpuq(a, "cancel", str(job_id)).returncode == 0
 

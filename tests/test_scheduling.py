@@ -251,7 +251,7 @@ def test_a_drained_node_starts_nothing_new_until_resumed(settings):
     Scheduler(settings).schedule_once()
     assert state_of(settings, job)[:2] == (State.PENDING, "node drained")
     with write_scope(settings) as session:
-        assert "node a, which is drained (driver update)" in why(session, settings, job)
+        assert "node a, which is drained (driver update; since " in why(session, settings, job)
         inventory.set_drained(session, "a", False)
     Scheduler(settings).schedule_once()
     assert state_of(settings, job)[0] == State.DISPATCHED
@@ -268,7 +268,8 @@ def test_a_job_that_only_a_drained_node_could_run_waits_for_the_node_not_for_res
     assert state_of(settings, small)[0] == State.DISPATCHED  # a fits: no drain in its way
     assert state_of(settings, pair)[:2] == (State.PENDING, "node drained")
     with write_scope(settings) as session:
-        assert why(session, settings, pair).endswith("the nodes with 2 GPUs for it are drained: b (maintenance)")
+        assert re.search(r"the nodes with 2 GPUs for it are drained: b \(maintenance; since [\d: -]+ UTC\)$",
+                         why(session, settings, pair))
         inventory.set_drained(session, "a", True, "maintenance")
     waiting = submit(settings)
     Scheduler(settings).schedule_once()

@@ -77,7 +77,7 @@ def test_devices_marks_drained_gpus_and_says_why_under_the_table_as_status_does(
     assert lines[-1] in invoke("status").output
     assert invoke("drain", "testnode", "--reason", "driver update").exit_code == 0
     lines = invoke("devices").output.rstrip().splitlines()
-    assert lines[-1] == "drained: node testnode: driver update"
+    assert lines[-1].startswith("drained: node testnode: driver update; by "), lines[-1]
     assert sum("(drained)" in line for line in lines) == 2
 
 

@@ -6,7 +6,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 from sqlalchemy import func, select
@@ -18,7 +17,15 @@ from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Job
 from gpuq.service.units import TIME_FORMS
-from tests.conftest import ThreadServer, cli_submit, run_cli, serving, settings_env, venv_reachable_by_everyone
+from tests.conftest import (
+    ThreadServer,
+    cli_submit,
+    run_cli,
+    serving,
+    settings_env,
+    socket_path,
+    venv_reachable_by_everyone,
+)
 
 
 def jobs_in(settings) -> int:
@@ -70,7 +77,7 @@ def test_bad_submissions_are_refused_in_one_line_and_write_nothing(use_settings,
 def test_an_unreachable_broker_is_named_and_nothing_is_written(use_settings, monkeypatch):
     # The server is what reaches the broker: one whose broker is down says so, through the client.
     bad = use_settings.with_overrides(broker_url="redis://:hunter2@127.0.0.1:1/0",
-                                      socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock")
+                                      socket=socket_path())
     server = ThreadServer(bad)
     monkeypatch.setenv("GPUQ_SOCKET", bad.socket)
     try:
@@ -85,7 +92,7 @@ def test_an_unreachable_broker_is_named_and_nothing_is_written(use_settings, mon
 
 def test_an_unreachable_database_is_named(use_settings, monkeypatch):
     bad = use_settings.with_overrides(database_url="postgresql+psycopg://gpuq:pw@127.0.0.1:1/gpuq",
-                                      socket=f"/tmp/gpuqt-{uuid.uuid4().hex[:12]}.sock")
+                                      socket=socket_path())
     server = ThreadServer(bad)
     monkeypatch.setenv("GPUQ_SOCKET", bad.socket)
     try:
