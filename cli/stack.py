@@ -130,6 +130,8 @@ def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the work
     url = mask_url(st.broker or settings.broker)
     typer.echo(f"gpuq is up: {st.workers} worker(s), the scheduler, {redis} at {url} and "
                f"the server on {settings.server_socket} (supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
+    if st.new_database is not None:
+        typer.echo(f"gpuq: a new, empty queue at {st.new_database} (no database was there)")
     for index, why in sorted(st.left_out.items()):
         # Up, with the other GPUs: one GPU that fails must not keep a node's others from the queue.
         typer.echo(f"gpuq: GPU {index} left out, drained: {why}; fix it, then `gpuq resume {settings.node}` "

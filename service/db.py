@@ -354,6 +354,10 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
 
 
 def current_revision(settings: Settings) -> str | None:
+    """The database's revision; None where it has no gpuq schema, or is a SQLite file not made yet
+    (looked at without making it: a mistyped path must not leave an empty database behind)."""
+    if new_sqlite_file(settings):
+        return None
     try:
         with get_engine(settings).connect() as conn:
             if not inspect(conn).has_table("alembic_version"):
@@ -361,6 +365,12 @@ def current_revision(settings: Settings) -> str | None:
             return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
     except OperationalError as exc:
         raise Unreachable(_unreachable_message(settings, exc)) from None
+
+
+def new_sqlite_file(settings: Settings) -> bool:
+    """Whether the database is a SQLite file that does not exist yet (the first `gpuq up` makes it)."""
+    path = sqlite_file(settings.database)
+    return path is not None and not os.path.exists(path)
 
 
 def require_schema(settings: Settings) -> None:
@@ -371,6 +381,9 @@ def require_schema(settings: Settings) -> None:
     head = _head_without_alembic_import()
     if current != head:
         where = mask_url(settings.database)
+        if new_sqlite_file(settings):
+            raise SchemaOutOfDate(f"there is no gpuq database at {where}: check GPUQ_DATABASE_URL, or make it with "
+                                  "`gpuq up` or `gpuq db upgrade`")
         if current is None:
             raise SchemaOutOfDate(f"the database at {where} has no gpuq schema yet: run `gpuq db upgrade`")
         raise SchemaOutOfDate(f"the database at {where} is at revision {current}, not {head}: run `gpuq db upgrade`")

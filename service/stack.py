@@ -28,8 +28,9 @@ import psutil
 from sqlalchemy import select
 
 from gpuq.service import broker, system_home
-from gpuq.service.db import upgrade, write_scope
+from gpuq.service.db import new_sqlite_file, upgrade, write_scope
 from gpuq.service.devices import open_devices
+from gpuq.service.dialect import sqlite_file
 from gpuq.service.errors import StackError, StateConflict
 from gpuq.service.models import Gpu
 from gpuq.service.settings import Settings
@@ -75,6 +76,8 @@ class StackStatus:
     broker: str = ""
     # The GPUs whose worker could not start, {index: why}: drained until `gpuq resume`.
     left_out: dict[int, str] = field(default_factory=dict)
+    # The SQLite file this start made: a queue with no jobs yet (said, so a mistyped path shows).
+    new_database: str | None = None
 
 
 def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
@@ -120,6 +123,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "
                          f"take the password in {settings.redis_secret}): stop it, or set GPUQ_REDIS_PORT to a "
                          "free port, or GPUQ_BROKER_URL to a Redis to use")
+    new_database = sqlite_file(settings.database) if new_sqlite_file(settings) else None
     upgrade(settings)
     system_home.private_database(settings)
     for d in (settings.run_dir, settings.log_dir):
@@ -136,7 +140,8 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         gone = left_out(settings)
         up_now = _registered(settings, [g.index for g in gpus], started) - set(gone)
         if up_now and len(up_now) + len(gone) == len(gpus) and _answers(settings):
-            return StackStatus(proc.pid, len(up_now), settings.log_dir, starts_redis, settings.broker, gone)
+            return StackStatus(proc.pid, len(up_now), settings.log_dir, starts_redis, settings.broker, gone,
+                               new_database)
         time.sleep(0.2)
     # Nothing half-started is left behind: a stack that did not come up is not "up" either. Stopped
     # by its process, not its pid file, which a supervisor that is still starting may not have yet.

@@ -52,6 +52,7 @@ def test_up_starts_redis_scheduler_and_a_worker_per_gpu_and_down_leaves_no_proce
     up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
     assert up.returncode == 0, up.stdout + up.stderr
     assert "2 worker(s)" in up.stdout and "a Redis of its own" in up.stdout
+    assert f"gpuq: a new, empty queue at {tmp_path / 'home' / 'gpuq.db'} (no database was there)" in up.stdout
     try:
         sup_pid = int((settings.run_dir / "supervisor.pid").read_text())
         procs = stack_processes(sup_pid)
@@ -67,6 +68,7 @@ def test_up_starts_redis_scheduler_and_a_worker_per_gpu_and_down_leaves_no_proce
 
         again = run_cli(["up"], settings)
         assert again.returncode == c.EXIT_CONFLICT and "already up" in again.stderr  # was 69, "unavailable"
+        assert "new, empty queue" not in again.stdout
 
         job = run_cli(["submit", "--", "true"], settings)
         assert job.returncode == 0

@@ -33,6 +33,21 @@ def test_a_database_without_the_schema_is_refused_with_the_command_that_fixes_it
         db.require_schema(settings)
 
 
+def test_a_mistyped_sqlite_path_is_named_and_no_empty_database_is_left_there(tmp_path):
+    # `gpuq drain` on a typo made an empty file there, which the next `gpuq up` took for a new queue.
+    typo = tmp_path / "gpuq.bd"
+    settings = make_settings(tmp_path, f"sqlite:///{typo}", "redis://127.0.0.1:6379/13")
+    for args in (["drain", "testnode"], ["db", "current"], ["scheduler"]):
+        done = run_cli(args, settings, timeout=60)
+        if args[0] == "db":
+            assert done.returncode == 0 and done.stdout.strip() == "none (run `gpuq db upgrade`)", done
+        else:
+            assert done.returncode == c.EXIT_CONFIG, done
+            assert done.stderr == (f"gpuq: there is no gpuq database at sqlite:///{typo}: check GPUQ_DATABASE_URL, "
+                                   "or make it with `gpuq up` or `gpuq db upgrade`\n"), done.stderr
+        assert not typo.exists(), args
+
+
 def test_the_scheduler_on_a_database_without_the_schema_stops_in_one_line_with_exit_78(tmp_path):
     # It ran on, logging "no such table: jobs" with a traceback every second.
     settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'empty.db'}", "redis://127.0.0.1:6379/13")
