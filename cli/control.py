@@ -3,6 +3,8 @@ server), `gpuq drain` and `gpuq resume` (admin commands on the database, like th
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -47,7 +49,31 @@ def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post(f"/jobs/{move}", {"ids": targets})["jobs"]
-    _report(answer, set(job_ids or []), lambda outcome: f"job {outcome['id']} {done}")
+    named = set(job_ids or [])
+    if array is None:
+        _report(answer, named, lambda outcome: f"job {outcome['id']} {done}")
+        return
+    # An array's tasks are counted in one line, as `gpuq cancel --array` counts them (10,000 tasks
+    # were 10,000 lines); jobs also named by id keep a line each.
+    _report([o for o in answer if o["id"] in named], named, lambda outcome: f"job {outcome['id']} {done}")
+    tasks = [o for o in answer if o["id"] not in named]
+    changed = sum(o["not"] is None for o in tasks)
+    typer.echo(array_held(array, done, changed, [o["not"] for o in tasks if o["not"] is not None]))
+    if tasks and not changed:
+        raise typer.Exit(c.EXIT_CONFLICT)  # nothing of the array changed, as for one job that could not be
+
+
+_NOT_CHANGED = re.compile(r"job \d+ is (.+?)(?:; only a pending job can be \w+)?")
+
+
+def array_held(array: int, done: str, changed: int, refusals: list[str]) -> str:
+    """The line `gpuq hold --array` (`release --array`) prints: how many tasks were held (released),
+    and how many were not, by why: ``held 1,200 jobs of array 7; not 600 running, 200 already held``."""
+    line = f"{done} {changed:,} job{'' if changed == 1 else 's'} of array {array}"
+    why = Counter((m.group(1) if (m := _NOT_CHANGED.fullmatch(r)) else r) for r in refusals)
+    if not why:
+        return line
+    return f"{line}; not " + ", ".join(f"{n:,} {state}" for state, n in sorted(why.items(), key=lambda kv: -kv[1]))
 
 
 @app.command()

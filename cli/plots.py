@@ -6,6 +6,7 @@ Imported only when a plot is asked for: matplotlib takes a second to import.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -47,7 +48,7 @@ def plot_format(path: Path) -> str:
 
 
 def _save(fig: Figure, path: Path) -> None:
-    there = path.exists()
+    there = os.path.exists(path)  # False, not PermissionError, in a folder the user cannot search
     try:
         fig.savefig(path, dpi=DPI, format=plot_format(path))
     except OSError as exc:

@@ -6,8 +6,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -172,3 +178,27 @@ def test_a_jobs_plot_names_its_gpus_by_their_index_on_the_node_not_their_row():
     assert gpu_names(one_node) == {3: "GPU 1", 4: "GPU 3"}  # the legend said "GPU 4" for index 3
     two = {"3": {"node": "a", "index": 0, "name": "x"}, "9": {"node": "b", "index": 0, "name": "x"}}
     assert gpu_names(two) == {3: "GPU 0 (a)", 9: "GPU 0 (b)"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the plot as another user (nobody)")
+@pytest.mark.timeout(120)
+def test_a_plot_in_a_folder_the_user_cannot_search_is_one_line_not_a_traceback(tmp_path):
+    # Path.exists() raised PermissionError there, before the write that would have said so.
+    from tests.conftest import venv_reachable_by_everyone
+
+    venv_reachable_by_everyone()
+    base = Path(tempfile.mkdtemp(prefix="gpuqt-plot-"))
+    try:
+        base.chmod(0o755)
+        closed = base / "closed"
+        closed.mkdir(mode=0o700)
+        code = ("import sys; from pathlib import Path; from gpuq.cli import plots; from gpuq.service.errors import "
+                "InvalidSpec\ntry:\n    plots.job_plot([], Path(sys.argv[1]), 'job 1')\nexcept InvalidSpec as e:\n"
+                "    print(e)")
+        done = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+                               "-c", code, str(closed / "x.png")], capture_output=True, text=True, timeout=90,
+                              cwd="/", env={"PATH": "/usr/bin:/bin", "MPLCONFIGDIR": "/tmp", "LANG": "C.UTF-8"})
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout == f"cannot write the plot to {closed / 'x.png'}: Permission denied\n"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -324,6 +324,17 @@ def test_bad_scheduling_requests_are_refused_in_one_line_and_write_nothing(use_s
     assert jobs_in(use_settings) == 0
 
 
+def test_a_command_with_bidirectional_text_is_queued_under_a_name_that_escapes_it(use_settings):
+    # Its derived name was refused as if the user had given `--name`: Hebrew or Arabic text holds
+    # right-to-left marks. The command runs as given; only the name shows the marks as escapes.
+    result = invoke(["submit", "--hold", "--", "echo", "\u202eRTL", "\u200fx"])
+    assert result.exit_code == 0, result.output
+    with write_scope(use_settings) as session:
+        job = session.scalars(select(Job)).one()
+        assert job.argv == ["echo", "\u202eRTL", "\u200fx"]
+        assert job.name == "echo \\u202eRTL \\u200fx"
+
+
 def test_two_submissions_racing_near_the_pending_cap_never_take_the_user_past_it(settings, monkeypatch):
     # Each submission checks the cap in a read before it writes: two of one user's, both read
     # before either wrote, each saw room. Near the cap the write counts again, one at a time.
