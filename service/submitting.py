@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, false, func, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, dependencies, rights
+from gpuq.service import broker, dependencies, policy, rights
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
 from gpuq.service.allocations import check_node
@@ -220,7 +220,9 @@ def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
                 host_mem_mib=s.host_mem_mib, requeues=0,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
-                shared=s.shared, gpu_share=None)
+                shared=s.shared, gpu_share=None,
+                # Its reason from the first look (`gpuq status` right after submit), not after a pass.
+                reason=policy.DEPENDENCY if s.after or s.after_any else None)
 
 
 def _staged_at(staged: Staged | None) -> dict[str, Any]:

@@ -165,6 +165,8 @@ def test_after_waits_for_success_and_a_failed_dependency_cancels_with_the_reason
     first = submit(settings, hold=True)
     then = submit(settings, after=str(first))
     regardless = submit(settings, after_any=str(first))
+    # From its submit, before any pass: `gpuq status` read "waiting for GPUs" until the first.
+    assert state_of(settings, then)[:2] == state_of(settings, regardless)[:2] == (State.PENDING, "dependency")
     Scheduler(settings).schedule_once()
     assert state_of(settings, then)[:2] == (State.PENDING, "dependency")
     with write_scope(settings) as session:
