@@ -108,7 +108,9 @@ def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = F
         tasks = jobs.pending_tasks(session, user=user) if collapsed else []
         gpus = inventory.view(session, settings)
         idle = usage.idle_jobs(session, settings)
-        listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j, now)), "idle": j.id in idle} for j in rows]
+        held = jobs.gpu_indices_of(session, [j.id for j in rows if j.started_at is not None])
+        listed = [views.job(j, held.get(j.id)) | {"elapsed_s": _secs(jobs.elapsed(j, now)), "idle": j.id in idle}
+                  for j in rows]
     answer = {"jobs": listed, "gpus": [views.plain(g.__dict__) for g in gpus], "idle_window_s": settings.idle_window}
     if collapsed:
         answer["arrays"] = [views.pending_tasks(g) for g in tasks]
@@ -157,8 +159,9 @@ async def history(request: web.Request) -> web.Response:
 def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, Any]:
     with reading(settings) as session:
         found = history_of.ended_jobs(session, query)
+        ran_on = jobs.gpu_indices_of(session, [j.id for j in found.jobs if j.started_at is not None])
         # How long each waited and ran, worked out here once for every front-end ("-" where it never started).
-        listed = [views.job(j) | {"elapsed_s": _secs(jobs.elapsed(j)),
+        listed = [views.job(j, ran_on.get(j.id)) | {"elapsed_s": _secs(jobs.elapsed(j)),
                                   "waited_s": _secs(j.started_at - j.submitted_at) if j.started_at else None}
                   for j in found.jobs]
     return {"since": query.since.isoformat(), "until": query.until.isoformat(), "jobs": listed,

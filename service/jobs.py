@@ -113,6 +113,25 @@ def gpu_indices(session: Session, job_id: int) -> list[int]:
     return session.scalar(select(JobUsage.gpu_indices).where(JobUsage.job_id == job_id)) or []
 
 
+def gpu_indices_of(session: Session, job_ids: Sequence[int]) -> dict[int, list[int]]:
+    """``gpu_indices`` of many jobs at once (`gpuq status`, `gpuq history`), ``_CHUNK`` ids a
+    statement: those of a job that holds GPUs, else its usage summary's; a job that never ran is
+    left out."""
+    unique = list(dict.fromkeys(job_ids))
+    found: dict[int, list[int]] = {}
+    for start in range(0, len(unique), _CHUNK):
+        chunk = unique[start:start + _CHUNK]
+        for job_id, index in session.execute(select(Allocation.job_id, Gpu.index).join(Gpu)
+                                             .where(Allocation.job_id.in_(chunk))
+                                             .order_by(Allocation.job_id, Allocation.rank)):
+            found.setdefault(job_id, []).append(index)
+        for job_id, indices in session.execute(select(JobUsage.job_id, JobUsage.gpu_indices).where(
+                JobUsage.job_id.in_([j for j in chunk if j not in found]))):
+            if indices:  # a summary from before gpuq kept them has none
+                found[job_id] = list(indices)
+    return found
+
+
 @dataclass(frozen=True)
 class CancelOutcome:
     job_id: int

@@ -71,6 +71,11 @@ def test_a_command_runs_without_a_shell_in_its_directory_with_its_gpus_and_keeps
     shown = json.loads(run_cli(["show", "--json", str(job_id)], s).stdout)
     assert shown["gpu_indices"] == [0, 1], shown
     assert f"2 on {shown['node']}: 0, 1" in run_cli(["show", str(job_id)], s).stdout
+    # And in the lists' JSON (status, history), which gave null for every job.
+    for args in (["status", "--json"], ["history", "--json"]):
+        listed = json.loads(run_cli(args, s).stdout)
+        rows = listed["jobs"] if isinstance(listed, dict) else listed
+        assert next(j for j in rows if j["id"] == job_id)["gpu_indices"] == [0, 1], args
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
