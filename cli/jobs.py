@@ -85,7 +85,8 @@ def _lines(j: Any) -> list[tuple[str, str]]:
     lines = [
         ("job", f"{j.id}  {j.name}"),
         ("user", j.user),
-        ("state", j.state + (f" ({j.reason})" if j.reason else "")),
+        ("state", j.state + (f" ({c.CANCELLING}: {j.reason})" if j.state == State.RUNNING and j.cancel_requested_at
+                             else f" ({j.reason})" if j.reason else "")),
         ("runs", what),
         ("directory", j.cwd or "-"),
         ("gpus", f"{j.gpus}" + (f" on {j.node}: {', '.join(map(str, gpus))}" if gpus else

@@ -124,9 +124,9 @@ def submit(
         "key": uuid.uuid4().hex,
     }
     array, sweep = body["array"], body["sweep"]
+    body["umask"] = _umask()  # what the job's files are made with: a command's, a workload's checkpoint
     if command is not None:
         body["environ"] = _environ(body["env"])
-        body["umask"] = _umask()
         body["git"] = _git_state(cwd)
     running = ctx.command.name == "run"
     if running and (array is not None or sweep):

@@ -105,7 +105,7 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
 
         def make(extra: list[str]) -> spec.JobSpec:
             return spec.workload_spec(workload, list(f["args"]) + extra, gpus=f["gpus"], name=f["name"],
-                                      user=owner, cwd=cwd)
+                                      user=owner, cwd=cwd, umask=f["umask"])
 
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],

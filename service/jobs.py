@@ -161,19 +161,21 @@ def cancel_all(settings: Settings, job_ids: Sequence[int], user: Caller | str | 
     require_schema(settings)
     now = utcnow()
     ids = list(dict.fromkeys(job_ids))
+    caller = Caller.of(user)
+    asked = {"now": now, "reason": lifecycle.cancelled_by(caller.user)}
     with write_scope(settings) as session:
-        found = changeable(session, settings, ids, Caller.of(user))
+        found = changeable(session, settings, ids, caller)
         outcomes = []
         for job_id in ids:
             state = found[job_id].state
             if state in c.END_STATES:
                 outcomes.append(CancelOutcome(job_id, state, ended=True))
-            elif rows_changed(session.execute(lifecycle.CANCEL_WAITING, {"job_id": job_id, "now": now})):
+            elif rows_changed(session.execute(lifecycle.CANCEL_WAITING, {"job_id": job_id, **asked})):
                 # A dispatched job's worker will find the state changed and drop the message.
                 lifecycle.free_gpus(session, job_id)
                 outcomes.append(CancelOutcome(job_id, State.CANCELLED))
             else:
-                session.execute(lifecycle.ASK_TO_CANCEL, {"job_id": job_id, "now": now})
+                session.execute(lifecycle.ASK_TO_CANCEL, {"job_id": job_id, **asked})
                 outcomes.append(CancelOutcome(job_id, c.CANCELLING))
     if any(o.state == State.CANCELLED for o in outcomes):
         broker.wake_scheduler(settings)

@@ -65,7 +65,7 @@ TRANSITIONS: dict[State | None, dict[State, frozenset[Actor]]] = {
         S.SUCCEEDED: frozenset({A.WORKER}),
         S.FAILED: frozenset({A.WORKER, A.REAPER}),  # its own failure; its worker lost
         S.TIMED_OUT: frozenset({A.WORKER}),
-        S.CANCELLED: frozenset({A.WORKER}),  # stopped by its worker once asked
+        S.CANCELLED: frozenset({A.WORKER, A.REAPER}),  # stopped by its worker once asked; asked, then lost
         S.PENDING: frozenset({A.WORKER, A.REAPER}),  # retried or requeued: it runs again
     },
     S.SUCCEEDED: {},
@@ -138,10 +138,17 @@ _IDS = _JOBS.c.id.in_(bindparam("ids", expanding=True))
 
 # ---- the user's moves ----------------------------------------------------------------------------
 CANCEL_WAITING = move("cancel a job not started", A.USER, (S.PENDING, S.DISPATCHED), S.CANCELLED, _ID,
-                      ended_at=bindparam("now"), cancel_requested_at=bindparam("now"), reason="cancelled by user")
-# A running job is stopped by its worker, which ends it cancelled (``end_attempt``).
+                      ended_at=bindparam("now"), cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
+# A running job is stopped by its worker, which ends it cancelled (``end_attempt``), with the
+# reason written here: who asked ("cancelled by alice"), as SLURM keeps the uid that cancelled.
 ASK_TO_CANCEL = move("ask a running job's worker to cancel it", A.USER, S.RUNNING, None, _ID,
-                     cancel_requested_at=bindparam("now"))
+                     cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
+CANCELLED_BY = "cancelled by "
+
+
+def cancelled_by(user: str) -> str:
+    """A cancelled job's reason: who cancelled it."""
+    return CANCELLED_BY + user
 HOLD = move("hold or release", A.USER, S.PENDING, None, _ID, held=bindparam("held"), reason=bindparam("reason"))
 
 # ---- the scheduler's -----------------------------------------------------------------------------
@@ -189,7 +196,8 @@ _FREED = table(Allocation).delete().where(table(Allocation).c.job_id.in_(select(
 _SUCCEED_AND_FREE = Prepared(select(func.count()).select_from(_ENDED).add_cte(_FREED))
 _SUCCEED = Prepared(_SUCCEED_MOVE)
 _RUN_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
-                   _JOBS.c.max_retries, _JOBS.c.user, _JOBS.c.node, _JOBS.c.gpus, _JOBS.c.gpu_share).where(_ID)
+                   _JOBS.c.max_retries, _JOBS.c.user, _JOBS.c.node, _JOBS.c.gpus, _JOBS.c.gpu_share,
+                   _JOBS.c.cancel_requested_at, _JOBS.c.reason).where(_ID)
 # The other ends, and the way back to pending: their values depend on the row, so the statement
 # is built when it runs, by ``_end_statement``, checked against the table there.
 _LEASE_HOLDER = _JOBS.c.lease_token == bindparam("token")
@@ -228,6 +236,12 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     job = conn.execute(_RUN_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != S.RUNNING:
         return False
+    if job.cancel_requested_at is not None and state != S.SUCCEEDED:
+        # Asked to cancel: it ends cancelled, whatever stopped it, and never runs again (a job
+        # whose worker died before it confirmed the stop was requeued, its cancel forgotten).
+        asked = job.reason if job.reason and job.reason.startswith(CANCELLED_BY) else CANCELLED_BY + "user"
+        reason = asked if state == S.CANCELLED or not reason else f"{asked} ({reason})"
+        state, failure = S.CANCELLED, c.FAILURE_CANCELLED
     values: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
                                   failure=failure if state != S.SUCCEEDED else None, lease_token=None,
                                   lease_expires_at=None)

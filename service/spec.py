@@ -257,22 +257,31 @@ def _is_control(ch: str) -> bool:
 
 
 def _printable(text: str) -> str:
-    """``text`` with control characters written as escapes, for a default job name."""
-    return "".join(repr(ch)[1:-1] if _is_control(ch) else ch for ch in text)
+    """``text`` with control and bidirectional formatting characters written as escapes, for a
+    default job name (a command may hold them, as Hebrew or Arabic text does; a name may not)."""
+    return "".join(repr(ch)[1:-1] if _is_control(ch) else f"\\u{ord(ch):04x}" if ch in _BIDI else ch
+                   for ch in text)
 
 
 def workload_spec(workload: str, args: list[str], *, gpus: int = 1, name: str | None = None,
-                  cwd: str | None = None, user: str | None = None) -> JobSpec:
-    """A spec for the built-in workload ``workload`` with its ``--param value`` arguments."""
+                  cwd: str | None = None, user: str | None = None, umask: int | None = None) -> JobSpec:
+    """A spec for the built-in workload ``workload`` with its ``--param value`` arguments.
+
+    Its paths are the job's, as a command's would be: a relative one from its working directory
+    ``cwd`` (default: here), ``~`` its owner's home (``workloads.job_path``), never the server's.
+    ``umask`` is the submitter's, which the files it writes (a checkpoint) are made with, kept in
+    its environment as a command's is (``c.UMASK_VARIABLE``)."""
     check_gpus(gpus)
     if len(json.dumps(args, ensure_ascii=False).encode("utf-8", "surrogateescape")) > c.MAX_ARGV_BYTES:
         raise InvalidSpec(f"the parameters are longer than {c.MAX_ARGV_BYTES // 1024} KiB")
     if any("\x00" in a or _has_surrogate(a) for a in args):
         raise InvalidSpec("the parameters must be UTF-8 text without NUL bytes")
     w = get_workload(workload)
-    params = w.validate(parse_args(w, args), gpus)
-    return JobSpec(kind=c.KIND_WORKLOAD, name=check_name(w.name if name is None else name), user=user or current_user(),
-                   gpus=gpus, cwd=cwd or os.getcwd(), workload=w.name, params=params)
+    owner, workdir = user or current_user(), cwd or os.getcwd()
+    params = w.validate(parse_args(w, args), gpus, cwd=workdir, owner=owner)
+    return JobSpec(kind=c.KIND_WORKLOAD, name=check_name(w.name if name is None else name), user=owner,
+                   gpus=gpus, cwd=workdir, workload=w.name, params=params,
+                   env={} if umask is None else {c.UMASK_VARIABLE: f"{umask:04o}"})
 
 
 def command_spec(argv: list[str], *, gpus: int = 1, name: str | None = None, cwd: str | None = None,

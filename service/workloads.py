@@ -8,6 +8,7 @@ that runs a workload lives in ``gpuq.workers.workloads`` and is named by ``Workl
 from __future__ import annotations
 
 import os
+import pwd
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,19 +31,21 @@ class Param:
     min: float | None = None
     max: float | None = None
     choices: tuple[str, ...] | None = None
-    # A file or directory: made absolute at submit, since the job does not run in the submitter's
-    # directory (built-in workloads run inside the worker).
+    # A file or directory: made absolute at submit, as the job's owner means it (``job_path``),
+    # since a built-in workload runs inside the worker, not in the submitter's directory.
     path: bool = False
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def parse(self, raw: Any) -> Any:
-        """The typed value of ``raw``; InvalidSpec saying what to change when it does not fit."""
+    def parse(self, raw: Any, *, cwd: str | None = None, owner: str | None = None) -> Any:
+        """The typed value of ``raw``; InvalidSpec saying what to change when it does not fit. A
+        path is resolved against the job's working directory ``cwd`` and its ``owner``'s home
+        (``job_path``; by default this process's directory and user)."""
         value = self._convert(raw)
         if self.path and value:
-            value = os.path.abspath(os.path.expanduser(value))
+            value = job_path(value, cwd=cwd, owner=owner, flag=self.flag)
         if self.choices is not None and value not in self.choices:
             raise InvalidSpec(f"{self.flag} must be one of {', '.join(self.choices)}; got {raw!r}")
         if self.min is not None and value < self.min:
@@ -72,6 +75,34 @@ class Param:
             return self.type(raw)
         except (TypeError, ValueError):
             raise InvalidSpec(f"{self.flag} must be {_kind(self.type)}; got {raw!r}") from None
+
+
+def job_path(value: str, *, cwd: str | None = None, owner: str | None = None, flag: str = "the path") -> str:
+    """``value`` made absolute as the job's owner means it, as sbatch resolves a job's paths: a
+    relative path in the job's working directory ``cwd``, ``~`` and ``~/x`` in ``owner``'s home,
+    ``~alice/x`` in alice's (from the password database, as ``expanduser`` reads it). Never the
+    server's own directory or $HOME: on a machine's stack the server is root, started anywhere.
+    ``cwd`` defaults to this process's directory and ``owner`` to its user (a client's own)."""
+    if value.startswith("~"):
+        name, sep, rest = value[1:].partition("/")
+        who = name or owner or _this_user()
+        try:
+            home = pwd.getpwnam(who).pw_dir
+        except KeyError:
+            what = f"no user {who} here" if name else f"{who} has no home directory here"
+            raise InvalidSpec(f"{flag} {value}: {what}") from None
+        if not os.path.isabs(home):
+            raise InvalidSpec(f"{flag} {value}: {who} has no home directory here")
+        value = os.path.join(home, rest) if sep else home
+    return os.path.abspath(os.path.join(os.path.abspath(cwd) if cwd else os.getcwd(), value))
+
+
+def _this_user() -> str:
+    # From the uid, not $USER (anyone can set it); a uid with no account has no home to give.
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
 
 
 def _num(x: float) -> str:
@@ -110,8 +141,10 @@ class Workload:
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.params}
 
-    def validate(self, params: dict[str, Any], gpus: int) -> dict[str, Any]:
-        """The full, typed parameter set (defaults filled in) for a job on ``gpus`` GPUs."""
+    def validate(self, params: dict[str, Any], gpus: int, *, cwd: str | None = None,
+                 owner: str | None = None) -> dict[str, Any]:
+        """The full, typed parameter set (defaults filled in) for a job on ``gpus`` GPUs, its paths
+        made absolute as the job of ``owner`` in ``cwd`` means them (``job_path``)."""
         unknown = [k for k in params if self.param(k) is None]
         if unknown:
             raise InvalidSpec(self._unknown_message(unknown[0]))
@@ -119,7 +152,7 @@ class Workload:
         for key, raw in params.items():
             p = self.param(key)
             assert p is not None
-            typed[p.name] = p.parse(raw)
+            typed[p.name] = p.parse(raw, cwd=cwd, owner=owner)
         if gpus < self.min_gpus:
             raise InvalidSpec(f"{self.name} needs at least {self.min_gpus} GPUs; got --gpus {gpus}")
         if self.max_gpus is not None and gpus > self.max_gpus:

@@ -5,6 +5,7 @@ one line however many tasks had ended, and a usage error of `gpuq` itself is one
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_run_of_a_job_cancelled_by_gpuq_cancel_elsewhere_exits_as_wait_does_and_
     assert run_cli(["cancel", str(job_id)], stack.settings).returncode == 0
     code, lines = ended(proc)
     assert code == c.EXIT_JOB_FAILED, lines
-    assert lines[-1] == f"gpuq: job {job_id} cancelled by user", lines
+    assert lines[-1] == f"gpuq: job {job_id} cancelled by {pwd.getpwuid(os.getuid()).pw_name}", lines  # who
     assert run_cli(["wait", str(job_id)], stack.settings).returncode == code
 
 

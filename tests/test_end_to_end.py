@@ -156,7 +156,7 @@ def test_cancel_kills_a_running_jobs_whole_process_tree_and_frees_the_gpu(stack,
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     with write_scope(s) as session:
         assert jobs.job_gpus(session, job_id) == []
-        assert jobs.get_job(session, job_id).reason == "cancelled by user"
+        assert jobs.get_job(session, job_id).reason == f"cancelled by {pwd.getpwuid(os.getuid()).pw_name}"
     # The freed GPU takes the next job.
     nxt = submit(s, ["--", "true"])
     assert wait_for_state(s, nxt, c.END_STATES) == State.SUCCEEDED

@@ -8,6 +8,7 @@ The client runs as a real `gpuq` process, on a pseudo-terminal where terminal se
 from __future__ import annotations
 
 import os
+import pwd
 import select
 import signal
 import subprocess
@@ -311,7 +312,7 @@ def test_gpuq_cancel_ends_an_allocation_stops_its_command_and_its_gpu_time_is_sa
     finally:
         if client.poll() is None:
             client.kill()
-    assert f"gpuq: job {job_id} cancelled by user" in client.stderr.read()
+    assert f"gpuq: job {job_id} cancelled by {pwd.getpwuid(os.getuid()).pw_name}" in client.stderr.read()
     assert job_of(stack.settings, job_id)[0].state == State.CANCELLED
     assert processes_with(f"sleep {marker}") == []
     with read_scope(stack.settings) as session:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -215,6 +216,23 @@ def test_a_train_jobs_checkpoint_is_written_and_read_with_its_owners_rights(stac
         job = jobs.get_job(session, job_id)
     assert state == State.FAILED and "Permission denied (as nobody)" in job.reason
     assert ck.stat().st_uid == 0  # not replaced
+
+
+@needs_root
+def test_a_train_jobs_checkpoint_is_made_with_the_submitters_umask(stack, shared_dir):
+    # The worker wrote every checkpoint 0644 (its own 022), whatever the submitter's umask, as a
+    # command job's files are not. The client sends its umask; the job's environment keeps it.
+    open_dir = shared_dir / "umasked"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    for user, ck in (("nobody", open_dir / "theirs.pt"), ("root", open_dir / "mine.pt")):
+        old = os.umask(0o077)  # the client's, which the submit carries
+        try:
+            _, state, out = run_to_end(stack, ["--user", user, *TINY_TRAIN, "--checkpoint", ck.name], cwd=open_dir)
+        finally:
+            os.umask(old)
+        assert state == State.SUCCEEDED, out + stack.logs()
+        assert stat.S_IMODE(ck.stat().st_mode) == 0o600, (user, oct(ck.stat().st_mode))
 
 
 @needs_root

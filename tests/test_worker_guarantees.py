@@ -188,6 +188,38 @@ def test_worker_lost_requeues_without_using_a_retry_and_stops_at_the_cap(setting
             assert all(a["requeue"] for a in j.attempts)
 
 
+def test_a_job_cancelled_while_its_worker_is_lost_ends_cancelled_and_never_runs_again(settings, tmp_path):
+    # `gpuq cancel` of a job whose worker had died (or hung) printed "cancelling"; the reaper then
+    # requeued it as worker_lost with the cancel cleared, and it ran again elsewhere.
+    settings = settings.with_overrides(max_requeues=2)
+    register_gpus(settings)
+    job = submitting.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path), user="ann"),
+                                              max_retries=1))
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job.id)[0]
+        assert leases.claim(session, job.id, gpu.id, "gpu@t", 30)
+    assert jobs.cancel(settings, job.id, user="ann").state == c.CANCELLING  # asked of a worker that is gone
+    expire_lease(settings, job.id)
+    with write_scope(settings) as session:
+        leases.reap(session, settings)
+    with write_scope(settings) as session:
+        j = jobs.get_job(session, job.id)
+        assert (j.state, j.failure) == (State.CANCELLED, c.FAILURE_CANCELLED)
+        assert j.reason.startswith("cancelled by ann (worker lost"), j.reason
+        assert j.attempts == [] and j.requeues == 0 and jobs.job_gpus(session, job.id) == []
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        assert jobs.get_job(session, job.id).state == State.CANCELLED
+
+
+def test_a_waiting_job_cancelled_by_an_admin_names_them(settings, tmp_path):
+    job = submitting.submit(settings, spec.command_spec(["true"], gpus=1, cwd=str(tmp_path), user="ann"))
+    jobs.cancel(settings, job.id, user="root")
+    with write_scope(settings) as session:
+        assert jobs.get_job(session, job.id).reason == "cancelled by root"
+
+
 def test_celery_is_configured_for_one_late_acked_json_job_at_a_time(settings):
     conf = make_app(settings).conf
     assert conf.accept_content == ["json"] and conf.task_serializer == "json"

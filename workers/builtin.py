@@ -47,7 +47,7 @@ def run_workload(job_id: int, workload: str, params: dict[str, Any], gpus: int,
                  rank: Rank | None = None, *, files: OwnerFiles) -> dict[str, Any]:
     """Run the workload (or one rank of it, on this worker's GPU) and return its result, with the
     peak memory it held added. The paths it is given are opened through ``files``, with the job
-    owner's rights (``owner_files``)."""
+    owner's rights (``owner_files``), and made with the job's umask (``files.umask``)."""
     w = get_workload(workload)
     devices = job_devices(gpus if rank is None else 1)
     ctx = WorkloadContext(job_id=job_id, params=params, devices=devices, log=log, cancelled=cancelled,

@@ -20,7 +20,7 @@ from gpuq.service.jobs import get_job, record_metric
 from gpuq.service.settings import get_settings
 from gpuq.workers.builtin import run_workload
 from gpuq.workers.identity import run_as
-from gpuq.workers.owner_files import OwnerFiles
+from gpuq.workers.owner_files import OwnerFiles, umask_of
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     with write_scope(settings) as session:
         job = get_job(session, job_id)
         workload, params, gpus = cast(str, job.workload), dict(job.params), job.gpus  # a workload job names one
-        owner = job.user
+        owner, env = job.user, dict(job.env or {})
     cancelled = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: cancelled.set())
     fraction = os.environ.get(c.MEMORY_FRACTION_VARIABLE)
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
             record_metric(session, job_id, values)
 
     # Its worker (root on a machine's stack) started it as itself: the user's paths, as the user.
-    files = OwnerFiles(run_as(owner, settings.node))
+    files = OwnerFiles(run_as(owner, settings.node), umask=umask_of(env))
     result = run_workload(job_id, workload, params, gpus, lambda s: print(s, flush=True), cancelled, on_metric,
                           files=files)
     with open(result_path, "w") as f:

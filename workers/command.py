@@ -24,6 +24,7 @@ from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
 from gpuq.workers.output import OutputSink
+from gpuq.workers.owner_files import umask_of
 
 # Seconds between looks at the child and at the cancel flag.
 POLL_SECONDS = 0.05
@@ -111,7 +112,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         proc = subprocess.Popen(argv, cwd="/" if run_as is not None else cwd, env={**env, "GPUQ_RUN_ID": run_id},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True,
-                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, _umask_of(env)))
+                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env)))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         raise CannotStart(*_why_not_started(exc, argv[0], cwd)) from None
     found = _Finder(proc.pid, cgroup, run_id)
@@ -177,15 +178,6 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
                 os._exit(126)
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _umask_of(env: Mapping[str, str]) -> int | None:
-    """The umask the job was submitted with (``c.UMASK_VARIABLE``), None without one (or a bad one)."""
-    try:
-        mask = int(env.get(c.UMASK_VARIABLE, ""), 8)
-    except ValueError:
-        return None
-    return mask if 0 <= mask <= 0o777 else None
 
 
 def worker_mark(settings: Settings, worker: str) -> str:

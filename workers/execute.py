@@ -28,7 +28,7 @@ from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.output import OutputSink
-from gpuq.workers.owner_files import OwnerFiles
+from gpuq.workers.owner_files import OwnerFiles, umask_of
 from gpuq.workers.ranks import Peer, lost_peers, mark_lost, start_ranks
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
@@ -127,7 +127,7 @@ def _execute_workload(state: WorkerState, job: JobRun, sink: OutputSink, watcher
     gpus = len(job.gpu_indices)
     workload = cast(str, job.workload)  # a workload job names one (service/spec.py)
     try:
-        files = OwnerFiles(run_as(job.user, state.node))
+        files = OwnerFiles(run_as(job.user, state.node), umask=umask_of(job.env))
     except UnknownUser as exc:
         sink.note(f"gpuq: {exc}")
         return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}

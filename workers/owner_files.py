@@ -11,17 +11,25 @@ the same. A process of coreutils a file: a few milliseconds, once an epoch for a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpuq.service import constants as c
 from gpuq.workers.identity import Identity
 
 # Run as the owner: coreutils, which every user can run (the worker's interpreter may live where
 # they cannot, a root-only pyenv). Messages in the C locale, so that "no such file" can be told apart.
 _READ = ["cat", "--"]
-# Written beside the file, then renamed over it: a crash mid-write leaves the previous one.
-_WRITE = ["sh", "-c", 'tmp="$1.tmp.$$"; cat > "$tmp" && mv -f -- "$tmp" "$1" || { rm -f -- "$tmp"; exit 1; }', "sh"]
+# Written beside the file, then renamed over it: a crash mid-write leaves the previous one. A new
+# file gets the job's umask; one that exists keeps its mode (a user's chmod 600 outlives a save).
+_WRITE = ["sh", "-c", 'tmp="$1.tmp.$$"; cat > "$tmp" && { [ ! -e "$1" ] || chmod --reference="$1" -- "$tmp"; } '
+          '&& mv -f -- "$tmp" "$1" || { rm -f -- "$tmp"; exit 1; }', "sh"]
+# A job's files without a umask of its own (a job submitted before gpuq carried it): as before.
+DEFAULT_UMASK = 0o022
 _ENV = {"LC_ALL": "C", "PATH": "/usr/bin:/bin"}
 
 
@@ -29,12 +37,24 @@ class OwnerFileError(OSError):
     """A job's file could not be read or written with its owner's rights: the path and the reason."""
 
 
+def umask_of(env: Mapping[str, str] | None) -> int | None:
+    """The umask a job was submitted with (``c.UMASK_VARIABLE`` in its environment), None without
+    one (a job from before gpuq carried it) or a bad one."""
+    try:
+        mask = int((env or {}).get(c.UMASK_VARIABLE, ""), 8)
+    except ValueError:
+        return None
+    return mask if 0 <= mask <= 0o777 else None
+
+
 @dataclass(frozen=True)
 class OwnerFiles:
     """Reads and writes a job's files as ``identity`` (None: as this process, whose rights are the
-    owner's already)."""
+    owner's already); a file it makes gets ``umask``, the submitter's (None: 022 as the owner, this
+    process's own umask as this process)."""
 
     identity: Identity | None = None
+    umask: int | None = None
 
     def read(self, path: str) -> bytes | None:
         """The file's bytes; None when there is no such file."""
@@ -53,10 +73,22 @@ class OwnerFiles:
     def write(self, path: str, data: bytes) -> None:
         """Replace the file with ``data``, atomically."""
         if self.identity is None:
+            try:
+                mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
+            except FileNotFoundError:
+                mode = None if self.umask is None else 0o666 & ~self.umask
             tmp = f"{path}.tmp.{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is not None else 0o666)
+                with open(fd, "wb") as f:
+                    if mode is not None:
+                        os.fchmod(f.fileno(), mode)
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             return
         self._check(self._as_owner(_WRITE, path, data), path)
 
@@ -64,7 +96,8 @@ class OwnerFiles:
         who = self.identity
         assert who is not None
         return subprocess.run([*argv, path], input=data if data is not None else b"", capture_output=True, cwd="/",
-                              env=_ENV, user=who.uid, group=who.gid, extra_groups=list(who.groups), umask=0o022,
+                              env=_ENV, user=who.uid, group=who.gid, extra_groups=list(who.groups),
+                              umask=DEFAULT_UMASK if self.umask is None else self.umask,
                               check=False)
 
     def _check(self, done: subprocess.CompletedProcess[bytes], path: str) -> None:

@@ -23,7 +23,7 @@ from gpuq.service.jobs import job_gpus, rank_to_run, set_rendezvous
 from gpuq.service.settings import Settings
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
-from gpuq.workers.owner_files import OwnerFiles
+from gpuq.workers.owner_files import OwnerFiles, umask_of
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
 
@@ -118,7 +118,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
             return False
         # A rank's job is a built-in workload whose ranks met (rank_to_run asks both).
         workload, params, gpus, meet = cast(str, job.workload), dict(job.params), job.gpus, cast(str, job.rendezvous)
-        owner, started_at = job.user, job.started_at
+        owner, started_at, env = job.user, job.started_at, dict(job.env or {})
     # Each attempt has a meeting point of its own: the same rank of the same attempt runs once here,
     # whatever the scheduler sent again after a Redis restart (``leases.ranks_to_send_again``).
     if (job_id, rank, meet) in state.ranks_run:
@@ -130,7 +130,8 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
     watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt))
     try:
         run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),
-                     watcher.stopped, None, Rank(rank, gpus, meet), files=OwnerFiles(run_as(owner, state.node)))
+                     watcher.stopped, None, Rank(rank, gpus, meet),
+                     files=OwnerFiles(run_as(owner, state.node), umask=umask_of(env)))
     except JobCancelled:
         log.info("%s: job %s rank %s stopped: job cancelled or ended", state.name, job_id, rank)
     except Exception:
