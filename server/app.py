@@ -26,7 +26,7 @@ from gpuq.service import stack, system_home
 from gpuq.service.db import require_schema
 from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
 from gpuq.service.rights import check_served
-from gpuq.service.settings import SYSTEM_SOCKET, Settings
+from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.server")
 
@@ -89,9 +89,7 @@ def make_app(settings: Settings) -> web.Application:
 def _bind_unix(path: Path) -> socket.socket:
     """The server's socket at ``path``, connectable by every local user (who they are is the
     kernel's to say). A socket left by a dead server is replaced; a live one is refused."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if str(path) == SYSTEM_SOCKET:
-        os.chmod(path.parent, system_home.SOCKET_DIR_MODE)
+    system_home.socket_folder(path)
     if path.exists():
         if stack.answers(path):
             raise StackError(f"a gpuq server already answers on {path}")

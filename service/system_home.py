@@ -42,15 +42,37 @@ def prepare(settings: Settings, redis_password: bool = True) -> Settings:
     for d in (settings.log_dir, settings.run_dir, home / "redis"):
         d.mkdir(exist_ok=True)
         os.chmod(d, PRIVATE_DIR_MODE)
-    socket_dir = settings.server_socket.parent
-    if str(settings.server_socket) == SYSTEM_SOCKET:
-        socket_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(socket_dir, SOCKET_DIR_MODE)
+    socket_folder(settings.server_socket)
     # A new SQLite database is made 0600 by the engine that opens it first (service/db.py);
     # ``private_database`` closes one made before.
     if settings.broker_is_managed and redis_password:
         _ensure_secret(settings.redis_secret)
     return dataclasses.replace(settings)
+
+
+def socket_folder(socket: Path) -> None:
+    """The folder of the server's socket, made safe: each folder made for it 0755 whatever the
+    umask (a root shell's 000 made them 0777: anyone could replace the socket and pose as the
+    server), the machine's /run/gpuq 0755 always, and one that every user may write without the
+    sticky bit refused (/tmp's 1777 is fine: only its owner removes the socket)."""
+    from gpuq.service.errors import StackError
+
+    folder = socket.parent
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        made.mkdir(exist_ok=True)
+        os.chmod(made, SOCKET_DIR_MODE)
+    folder = socket.parent
+    if str(socket) == SYSTEM_SOCKET:
+        os.chmod(folder, SOCKET_DIR_MODE)
+    mode = folder.stat().st_mode
+    if mode & 0o002 and not mode & 0o1000:
+        raise StackError(f"the folder of the server's socket, {folder}, is writable by every user (mode "
+                         f"{mode & 0o7777:04o}): anyone could replace the socket and pose as the server; make it "
+                         "0755 or set GPUQ_SOCKET to a path in another folder")
 
 
 def _ensure_secret(path: Path) -> None:

@@ -4,6 +4,7 @@ import dataclasses
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -318,3 +319,29 @@ def test_the_log_rotation_settings_are_read_from_the_environment_and_the_file_an
     assert str(caught.value) == f"setting log_rotate_keep must be int (a whole number), got 1.5 (in {cfg})"
     refused_in_one_line(gpuq(["config"], {"GPUQ_CONFIG": str(tmp_path / "none.toml"), "GPUQ_HOME": str(tmp_path / "h"),
                                           "GPUQ_LOG_ROTATE_MIB": "2.5"}), "setting log_rotate_mib must be int")
+
+
+def test_folders_made_for_the_servers_socket_are_0755_whatever_the_umask(tmp_path):
+    # Under a root shell's umask 000 they were 0777: anyone could replace the socket.
+    from gpuq.service.system_home import socket_folder
+
+    old = os.umask(0)
+    try:
+        socket_folder(tmp_path / "run" / "gpuq" / "gpuq.sock")
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "run", tmp_path / "run" / "gpuq"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+
+
+def test_a_socket_folder_every_user_may_write_is_refused_but_a_sticky_one_is_not(tmp_path):
+    from gpuq.service.errors import StackError
+    from gpuq.service.system_home import socket_folder
+
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(StackError, match=r"writable by every user \(mode 0777\): anyone could replace the socket"):
+        socket_folder(open_to_all / "gpuq.sock")
+    open_to_all.chmod(0o1777)  # as /tmp: only the socket's owner may remove it
+    socket_folder(open_to_all / "gpuq.sock")
