@@ -26,6 +26,7 @@ from gpuq.service import stack, system_home
 from gpuq.service.db import require_schema
 from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
 from gpuq.service.rights import check_served
+from gpuq.service.setting_checks import listen_address
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.server")
@@ -100,13 +101,6 @@ def _bind_unix(path: Path) -> socket.socket:
     return sock
 
 
-def _listen_address(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"GPUQ_LISTEN must be host:port, got {listen!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 def _tls_context(settings: Settings) -> ssl.SSLContext | None:
     """The TCP listener's TLS (GPUQ_TLS_CERT, GPUQ_TLS_KEY), or None for plain HTTP; ConfigError,
     one line, for a certificate or key that cannot be loaded."""
@@ -134,7 +128,7 @@ async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], Non
         await web.SockSite(runner, sock).start()
         where = [str(path)]
         if settings.listen:
-            host, port = _listen_address(settings.listen)
+            host, port = listen_address(settings.listen)
             await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls).start()
             where.append(f"{host}:{port} (MUNGE{', TLS' if tls else ''})")
         log.info("gpuq server listening on %s", ", ".join(where))

@@ -155,6 +155,7 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
     if settings.max_priority > ADMIN_MAX_PRIORITY:
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
     _check_time_limits(settings, sources, path)
+    _check_addresses(settings, sources, path)
     beat = settings.heartbeat_interval
     for name in _PER_HEARTBEAT:
         if getattr(settings, name) < _HEARTBEATS * beat:
@@ -162,6 +163,48 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
                 f"setting {name} ({_number(getattr(settings, name))} s, {origin(name, sources, path)}) must be at "
                 f"least twice heartbeat_interval ({_number(beat)} s, {origin('heartbeat_interval', sources, path)}): "
                 "it is renewed every heartbeat, and one late heartbeat must not end it")
+
+
+def listen_address(listen: str) -> tuple[str, int]:
+    """GPUQ_LISTEN as the server binds it: (host, port); ``:PORT`` or ``0.0.0.0:PORT`` is every
+    address, ``[::1]:PORT`` an IPv6 one. ConfigError for anything else."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"GPUQ_LISTEN must be host:port (a TCP port, 1 to 65535), got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def server_problem(address: str) -> str | None:
+    """Why GPUQ_SERVER's value names no server a client could reach (None: it may): a socket path,
+    unix:PATH, or http(s)://host:port."""
+    if "://" in address:
+        try:  # urlsplit and .port raise ValueError on a bracket left open or a port past 65535
+            parts = urlsplit(address)
+            port = parts.port
+        except ValueError:
+            return "its port is not a TCP port (1 to 65535)"
+        if parts.scheme not in ("http", "https"):
+            return f"{parts.scheme}:// is not a way to reach a gpuq server"
+        if not parts.hostname:
+            return "it names no host"
+        if port == 0:
+            return "its port is not a TCP port (1 to 65535)"
+        return None
+    if not address.removeprefix("unix:").strip():
+        return "it names no socket"
+    return None
+
+
+def _check_addresses(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
+    if settings.listen:
+        try:
+            listen_address(settings.listen)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({origin('listen', sources, path)})") from None
+    why = server_problem(settings.server) if settings.server else None
+    if why is not None:
+        raise ConfigError(f"GPUQ_SERVER {settings.server[:200]!r}: {why}; use a socket path, unix:PATH or "
+                          f"http(s)://host:port ({origin('server', sources, path)})")
 
 
 def _check_time_limits(settings: Settings, sources: Mapping[str, str], path: Path) -> None:

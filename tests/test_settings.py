@@ -136,6 +136,14 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_DEFAULT_TIME": "0"}, r"setting default_time is not a time limit .*at least 1s"),
     ({"GPUQ_DEFAULT_TIME": "2-00:00:00", "GPUQ_MAX_TIME": "1d"},
      r"setting default_time \(2-00:00:00, GPUQ_DEFAULT_TIME\) is longer than max_time \(1d, GPUQ_MAX_TIME\)"),
+    # Refused by the server only as it started (`gpuq up`: exit 69 after seconds), `gpuq config` said 0.
+    ({"GPUQ_LISTEN": "nonsense"}, r"GPUQ_LISTEN must be host:port \(a TCP port, 1 to 65535\), got 'nonsense'"),
+    ({"GPUQ_LISTEN": ":99999"}, "GPUQ_LISTEN must be host:port"),
+    # A client told where no server can be said 69, "no server answers".
+    ({"GPUQ_SERVER": "ftp://x"}, "GPUQ_SERVER 'ftp://x': ftp:// is not a way to reach a gpuq server"),
+    ({"GPUQ_SERVER": "http://"}, "GPUQ_SERVER 'http://': it names no host"),
+    ({"GPUQ_SERVER": "http://localhost:99999"}, "its port is not a TCP port"),
+    ({"GPUQ_SERVER": "unix:"}, "GPUQ_SERVER 'unix:': it names no socket"),
 ])
 def test_values_that_would_break_the_stack_are_refused_naming_the_setting(variables, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
