@@ -120,7 +120,10 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
             text = f"GPU {gpu.index} runs job {holder.id} of {holder.user}{ends}"
         else:
             free = gpu.memory_total_mib - max(gpu.memory_used_mib or 0, gpu.foreign_mib or 0)
-            text = f"GPU {gpu.index} with {_gib(free)} free"
+            short = job.mem_mib is not None and free < job.mem_mib and _gib(free) == _gib(job.mem_mib)
+            # In MiB where GiB would round a GPU just short of the job's --mem to the very figure it asks.
+            text = f"GPU {gpu.index} with " + (f"{free:,} MiB free (it needs {job.mem_mib:,})" if short
+                                               else f"{_gib(free)} free")
         for p in gpu.foreign or []:
             used = _gib(p.get("mib") or 0)
             text += f", used by pid {p.get('pid')} of user {p.get('user')} ({used}), not started by gpuq"

@@ -84,6 +84,17 @@ def test_memory_requests_avoid_gpus_that_foreign_processes_fill_and_why_names_th
     assert f"GPU 1 runs job {big} of ann" in text
 
 
+def test_why_gives_mib_where_gib_would_round_a_gpu_just_short_to_the_figure_the_job_asks(settings):
+    # "needs 1 GPU with 8.0 GiB free ... GPU 0 with 8.0 GiB free": a GPU 19 MiB short read as enough.
+    register(settings, "a", 1, foreign="0:19:4242:bob")  # of 8 GiB
+    job = submit(settings, mem="8G")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[:2] == (State.PENDING, "resources")
+    with write_scope(settings) as session:
+        text = why(session, settings, job)
+    assert "GPU 0 with 8,173 MiB free (it needs 8,192)" in text, text
+
+
 def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share(settings):
     from tests.test_usage import add_job
 
