@@ -103,7 +103,8 @@ def _lines(j: Any) -> list[tuple[str, str]]:
             f"{j.max_retries} retries" if j.max_retries else "",
             (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
              .replace("  ", " ") if j.after else ""),
-            f"priority {j.priority}" if j.priority else "", "held" if j.held else "",
+            f"priority {j.priority}" if j.priority else "",
+            ("held by an admin" if getattr(j, "admin_hold", False) else "held") if j.held else "",
             f"host memory limit {j.host_mem_mib} MiB" if j.host_mem_mib else ""]
     if any(asks):
         lines.append(("asks", "; ".join(a for a in asks if a)))

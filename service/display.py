@@ -63,7 +63,9 @@ def result_summary(job: Job | Any) -> str:
             return "exit 0"
         return "done"
     if job.state == State.PENDING:
-        return "held" if job.held else (job.reason or "waiting for GPUs")
+        if job.held:
+            return "held by an admin" if getattr(job, "admin_hold", False) else "held"
+        return job.reason or "waiting for GPUs"
     if job.state == State.RUNNING and job.cancel_requested_at:
         return c.CANCELLING
     if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:

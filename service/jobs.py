@@ -14,12 +14,12 @@ from typing import Any
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, display, lifecycle
+from gpuq.service import broker, display, lifecycle, rights
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.dialect import not_for_an_index
-from gpuq.service.errors import JobNotFound, StateConflict
+from gpuq.service.errors import JobNotFound, NotAllowed, StateConflict
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, JobUsage, table, utcnow
 from gpuq.service.rights import Caller, check_change
@@ -206,6 +206,9 @@ def changeable(session: Session, settings: Settings, ids: list[int], caller: Cal
     return found
 
 
+ADMIN_HELD = "held by an admin"
+
+
 def set_held(settings: Settings, job_id: int, held: bool, user: Caller | str | None = None) -> None:
     """Hold a pending job (it will not start) or release it; StateConflict if it cannot be."""
     why = set_held_all(settings, [job_id], held, user)[job_id]
@@ -221,8 +224,14 @@ def set_held_all(settings: Settings, job_ids: Sequence[int], held: bool, user: C
     require_schema(settings)
     ids = list(dict.fromkeys(job_ids))
     outcome: dict[int, str | None] = {}
+    caller = Caller.of(user)
+    admin = rights.is_admin(settings, caller)
     with write_scope(settings) as session:
-        found = changeable(session, settings, ids, Caller.of(user))
+        found = changeable(session, settings, ids, caller, Job.admin_hold)
+        if not held and not admin:
+            for job_id in ids:
+                if found[job_id].admin_hold and found[job_id].held:
+                    raise NotAllowed(f"job {job_id} was held by an admin; only an admin may release it")
         for job_id in ids:
             job = found[job_id]
             if job.state != State.PENDING:
@@ -231,7 +240,10 @@ def set_held_all(settings: Settings, job_ids: Sequence[int], held: bool, user: C
             elif job.held == held:
                 outcome[job_id] = f"job {job_id} is {'already held' if held else 'not held'}"
             else:
-                session.execute(lifecycle.HOLD, {"job_id": job_id, "held": held, "reason": "held" if held else None})
+                # An admin's hold of another user's job is the admin's to lift (SLURM's admin hold).
+                by_admin = held and admin and job.user != caller.user
+                session.execute(lifecycle.HOLD, {"job_id": job_id, "held": held, "admin_hold": by_admin,
+                                                 "reason": (ADMIN_HELD if by_admin else "held") if held else None})
                 outcome[job_id] = None
     if not held and None in outcome.values():
         broker.wake_scheduler(settings)

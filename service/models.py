@@ -109,6 +109,8 @@ class Job(Base):
     # Earlier attempts of a retried job: [{started_at, ended_at, state, reason, worker}, ...].
     attempts: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     held: Mapped[bool] = mapped_column(default=False)
+    # Held by an admin (not its owner): only an admin may release it, as SLURM's admin hold.
+    admin_hold: Mapped[bool] = mapped_column(default=False, server_default=false())
     # Job ids this one waits for: all succeeded, or (after_any) all ended in any state.
     after: Mapped[list[int] | None] = mapped_column(JSON)
     after_any: Mapped[bool] = mapped_column(default=False)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from gpuq.cli.app import app
 from gpuq.cli.client import Client, Refused
 from gpuq.service import constants as c
-from gpuq.service import jobs, spec, submitting
+from gpuq.service import display, jobs, spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.display import ranges
@@ -165,3 +165,24 @@ def test_the_queue_lists_the_newest_ended_jobs_by_when_they_ended_and_only_the_a
         assert [j.id for j in jobs.list_jobs(session, ended_limit=2)] == [ids[4], ids[1], ids[3]]
         assert [j.id for j in jobs.list_jobs(session, ended_limit=9, user="a")] == [ids[4], ids[0], ids[2]]
         assert [j.id for j in jobs.list_jobs(session, ended_limit=0)] == [ids[4]]
+
+
+def test_an_admins_hold_of_a_users_job_is_the_admins_to_release(settings):
+    # The owner released what an admin held (SLURM keeps an admin hold for the admins to lift).
+    job = submitting.submit(settings, spec.command_spec(["true"], cwd="/", user="ann")).id
+    assert jobs.set_held_all(settings, [job], True, user="root") == {job: None}
+    with write_scope(settings) as session:
+        row = jobs.get_job(session, job)
+        assert (row.held, row.admin_hold) == (True, True)
+        assert display.result_summary(row) == "held by an admin"
+    with pytest.raises(NotAllowed, match=f"job {job} was held by an admin; only an admin may release it"):
+        jobs.set_held_all(settings, [job], False, user="ann")
+    with write_scope(settings) as session:
+        assert jobs.get_job(session, job).held  # nothing changed
+    assert jobs.set_held_all(settings, [job], False, user="root") == {job: None}
+    # The owner's own hold stays the owner's.
+    assert jobs.set_held_all(settings, [job], True, user="ann") == {job: None}
+    with write_scope(settings) as session:
+        row = jobs.get_job(session, job)
+        assert (row.held, row.admin_hold) == (True, False) and display.result_summary(row) == "held"
+    assert jobs.set_held_all(settings, [job], False, user="ann") == {job: None}

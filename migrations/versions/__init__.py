@@ -1,1 +1,1 @@
-HEAD = "0016"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0017"  # the newest revision; tests/test_migrations.py checks it against Alembic
