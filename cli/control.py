@@ -12,7 +12,7 @@ import typer
 
 from gpuq.cli.client import Client
 from gpuq.cli.jobs import selected
-from gpuq.cli.render import print_json, time_limit
+from gpuq.cli.render import print_json, printable, time_limit
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 
@@ -138,8 +138,10 @@ def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
           reason: Annotated[str | None, typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
           ) -> None:
     """Let a node's running jobs finish and start nothing new there (an admin command: it uses the database)."""
-    _set_drained(node, True, reason)
-    typer.echo(f"node {node} drained: running jobs finish, nothing new starts there")
+    if _set_drained(node, True, reason):
+        typer.echo(f"node {node} was drained already; its reason is now: {printable(reason or '')}")
+    else:
+        typer.echo(f"node {node} drained: running jobs finish, nothing new starts there")
 
 
 @app.command()
@@ -163,7 +165,7 @@ def _admin() -> str:
     return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
 
 
-def _set_drained(node: str, drained: bool, reason: str | None) -> None:
+def _set_drained(node: str, drained: bool, reason: str | None) -> bool:
     from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, inventory
     from gpuq.service.db import require_schema, write_scope
@@ -171,6 +173,7 @@ def _set_drained(node: str, drained: bool, reason: str | None) -> None:
     settings = admin_settings("drain" if drained else "resume")
     require_schema(settings)
     with write_scope(settings) as session:
-        inventory.set_drained(session, node, drained, reason, by=_admin())
+        only_reason = inventory.set_drained(session, node, drained, reason, by=_admin())
     if not drained:
         broker.wake_scheduler(settings)
+    return only_reason

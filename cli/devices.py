@@ -55,9 +55,12 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
         mem_pct = None if d.memory_used_mib is None else 100.0 * d.memory_used_mib / max(d.memory_total_mib, 1)
         memory = f"{bar(mem_pct)} {mib(d.memory_used_mib)}/{mib(d.memory_total_mib)}" if mem_pct is not None else "n/a"
         where = escape(d.node) + ("" if d.online else " [red](offline)[/]")
-        if d.node in (drained or {}) or getattr(d, "drain_reason", None):
+        index = str(d.index)
+        if d.node in (drained or {}):
             where += " [yellow](drained)[/]"
-        t.add_row(where, str(d.index), escape(d.name),
+        elif getattr(d, "drain_reason", None):
+            index += " [yellow](drained)[/]"  # this GPU alone, not its node
+        t.add_row(where, index, escape(d.name),
                   bar(d.utilization),
                   memory, "n/a" if d.temperature_c is None else f"{d.temperature_c}C",
                   "n/a" if d.power_w is None else f"{d.power_w:.0f}W",

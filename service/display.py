@@ -80,11 +80,14 @@ def state_counts(counts: dict[str, int]) -> str:
 
 def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tuple[str, str]]:
     """What is drained and why, as `sinfo -R` lists it under the GPUs of every front-end: each
-    drained node (``nodes``: name -> reason), then each GPU drained on its own (its ``drain_reason``,
-    in the server's JSON), as (where, why)."""
+    drained node (``nodes``: name -> reason), then each GPU drained on its own (its
+    ``own_drain_reason`` in `gpuq status`'s JSON, its ``drain_reason`` in `gpuq devices`'), as (where,
+    why)."""
     out = [(f"node {node}", why or "no reason given") for node, why in sorted(nodes.items())]
-    return out + [(f"{g['node']} GPU {g['index']}", g["drain_reason"]) for g in gpus
-                  if g.get("drain_reason") and g["node"] not in nodes]
+    # A GPU's own reason (lost, its worker did not start) also under a drained node: resuming the
+    # node lifts both, and the admin should know the GPU's before they do.
+    own = [(g, g["own_drain_reason"] if "own_drain_reason" in g else g.get("drain_reason")) for g in gpus]
+    return out + [(f"{g['node']} GPU {g['index']}", why) for g, why in own if why]
 
 
 def ranges(numbers: list[int], most: int = 4) -> str:

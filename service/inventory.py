@@ -116,6 +116,7 @@ class GpuView:
     foreign_mib: int | None = None
     drain_reason: str | None = None
     node_drained: bool = False  # drained with its node (drain_reason is the node's)
+    own_drain_reason: str | None = None  # drained on its own (lost, its worker did not start), node or not
     # The shared jobs on it (``Holders.shares``; job_id is then None).
     shares: tuple[dict[str, Any], ...] = ()
 
@@ -160,7 +161,7 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
                 job_id=held.whole[0], job_user=held.whole[2], heartbeat_at=g.heartbeat_at,
                 drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
                 drain_reason=drained.get(g.node) or g.drain_reason, node_drained=g.node in drained,
-                shares=held.shares)
+                own_drain_reason=g.drain_reason, shares=held.shares)
         for g, held in holders(session)
     ]
 
@@ -172,9 +173,10 @@ def record_share_use(session: Session, gpu_id: int, used: dict[int, int | None])
                         .values(used_mib=mib))
 
 
-def set_drained(session: Session, node: str, drained: bool, reason: str | None = None, by: str | None = None) -> None:
+def set_drained(session: Session, node: str, drained: bool, reason: str | None = None, by: str | None = None
+                ) -> bool:
     """Drain a node (running jobs finish, nothing new starts there) or resume it; ``by``: who
-    drained it."""
+    drained it. True where a drained node was only given a new reason."""
     from gpuq.service.errors import InvalidSpec, StateConflict
 
     known = session.scalar(select(Gpu.id).where(Gpu.node == node).limit(1))
@@ -189,11 +191,18 @@ def set_drained(session: Session, node: str, drained: bool, reason: str | None =
         freed = rows_changed(session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
                                              .values(drain_reason=None)))
         if freed and not row.drained:
-            return
+            return False
+    if row.drained and drained and reason is not None and reason != row.drain_reason:
+        # Drained again with a new reason: the reason changes (as `scontrol update ... reason=`),
+        # with no resume in between that would let jobs start there.
+        row.drain_reason, row.drained_at, row.drained_by = reason, utcnow(), by
+        return True
     if row.drained == drained:
-        raise StateConflict(f"node {node} is {'already drained' if drained else 'not drained'}")
+        raise StateConflict(f"node {node} is {'already drained' if drained else 'not drained'}"
+                            + (" (give --reason to change its reason)" if drained else ""))
     row.drained, row.drain_reason = drained, reason if drained else None
     row.drained_at, row.drained_by = (utcnow(), by) if drained else (None, None)
+    return False
 
 
 def drained_nodes(session: Session) -> dict[str, str | None]:

@@ -83,8 +83,12 @@ def test_devices_marks_drained_gpus_and_says_why_under_the_table_as_status_does(
     assert lines[-1] in invoke("status").output
     assert invoke("drain", "testnode", "--reason", "driver update").exit_code == 0
     lines = invoke("devices").output.rstrip().splitlines()
-    assert lines[-1].startswith("drained: node testnode: driver update; by "), lines[-1]
+    assert lines[-2].startswith("drained: node testnode: driver update; by "), lines[-2]
+    # The GPU's own reason stays in view under its drained node: resuming the node lifts it too.
+    assert lines[-1] == "drained: testnode GPU 1: GPU lost: Xid 79 (planted)"
     assert sum("(drained)" in line for line in lines) == 2
+    status = invoke("status").output.rstrip().splitlines()
+    assert status[-1] == lines[-1] and status[-2].startswith("drained: node testnode: driver update")
 
 
 def test_stats_reports_users_and_nodes_as_json_and_csv(recorded):
