@@ -1,7 +1,8 @@
 """The server's audit trail: who changed whose jobs, one line in the server's log for each request
 that did (as slurmctld logs its RPCs with the caller's uid).
 
-A change is logged at INFO once it is done, a change refused for want of rights at WARNING; the
+A change is logged at INFO once it is done, a change refused for want of rights or past a limit
+(``GPUQ_MAX_PENDING_PER_USER``) at WARNING; the
 logger is ``gpuq.audit``, so the lines read (after the log's time)::
 
     INFO gpuq.audit: cancel by alice (uid 1001): job 12
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from gpuq.server.request import call, context, reading
 from gpuq.service import display, jobs
-from gpuq.service.errors import NotAllowed
+from gpuq.service.errors import NotAllowed, OverLimit
 from gpuq.service.models import Job
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
@@ -48,7 +49,7 @@ async def audited(request: web.Request, action: str, fn: Callable[..., T], *args
     who = f"{caller.user} (uid {caller.uid})" + (f" on behalf of {_name(behalf)} via --user" if behalf else "")
     try:
         result = await call(fn, *args)
-    except NotAllowed as refused:
+    except (NotAllowed, OverLimit) as refused:  # no right to, or past a limit (a flood's pending cap)
         try:
             found = await call(_owners, settings, ids) if ids else {}
             others = {i: o for i, o in found.items() if o != caller.user}

@@ -96,6 +96,24 @@ def test_a_submit_asked_again_with_its_key_is_logged_once(stack, tmp_path):
     assert lines.count(f"submit by {me}: job {first}") == 1, lines
 
 
+def test_a_submit_past_the_pending_cap_is_a_warning_line(settings, tmp_path, caplog):
+    # Refusals for want of rights were logged; one past GPUQ_MAX_PENDING_PER_USER (a flood) was not.
+    from gpuq.cli.client import Client, Refused
+    from tests.conftest import serving
+
+    with serving(settings, max_pending_per_user=1) as capped:
+        client = Client(str(capped.server_socket))
+        body = {"command": ["true"], "hold": True, "cwd": str(tmp_path)}
+        client.post("/jobs", body | {"key": uuid.uuid4().hex})
+        with caplog.at_level("INFO", logger="gpuq.audit"), pytest.raises(Refused) as refused:
+            client.post("/jobs", body | {"key": uuid.uuid4().hex})
+    assert refused.value.exit_code == c.EXIT_OVER_LIMIT
+    me = f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "gpuq.audit"]
+    assert len(lines) == 1 and lines[0][0] == "WARNING", lines
+    assert lines[0][1].startswith(f"refused submit by {me}: no job (") and "the limit is 1" in lines[0][1], lines
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="only root may submit as another user")
 def test_roots_moves_on_another_users_job_name_its_owner_and_say_as_admin(stack, shared_dir):
     s, log = stack.settings, stack.log_dir / "server.log"
