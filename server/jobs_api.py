@@ -10,16 +10,17 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
+from sqlalchemy import select
 
 from gpuq.server import dispatch, submission, views
 from gpuq.server.audit import audited
 from gpuq.server.request import body_of, call, context, job_id_of, reading
 from gpuq.service import constants as c
+from gpuq.service import display, inventory, jobs, rights, usage
 from gpuq.service import history as history_of
-from gpuq.service import inventory, jobs, rights, usage
 from gpuq.service.accounting import parse_when
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.models import utcnow
+from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 from gpuq.service.units import MAX_JOB_ID
@@ -117,6 +118,18 @@ def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = F
     return answer
 
 
+def _known_user(session: Any, user: str) -> bool:
+    """Whether ``user`` has an account on the server's node or a job in the queue (one of another
+    node's users)."""
+    import pwd
+
+    try:
+        pwd.getpwnam(user)
+        return True
+    except KeyError:
+        return session.scalar(select(Job.id).where(Job.user == user).limit(1)) is not None
+
+
 def _secs(d: Any) -> float | None:
     return None if d is None else round(d.total_seconds(), 3)
 
@@ -158,6 +171,9 @@ async def history(request: web.Request) -> web.Response:
 
 def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, Any]:
     with reading(settings) as session:
+        if query.user is not None and not _known_user(session, query.user):
+            # As sacct's "Invalid user id": a mistyped name is said, not answered with an empty period.
+            raise InvalidSpec(f"--user {display.printable(query.user[:100])}: no such user here, and no job of theirs")
         found = history_of.ended_jobs(session, query)
         ran_on = jobs.gpu_indices_of(session, [j.id for j in found.jobs if j.started_at is not None])
         # How long each waited and ran, worked out here once for every front-end ("-" where it never started).

@@ -122,7 +122,11 @@ def test_gpuq_history_lists_my_ended_jobs_with_counts_and_everyones_with_all(use
     assert "output" not in everyone["jobs"][0] and "env" not in everyone["jobs"][0]
     named = json.loads(invoke("history", "--user", "bob", "--json", "--state", "succeeded,failed").output)
     assert [j["id"] for j in named["jobs"]] == theirs
-    assert invoke("history", "--user", "carol").output.startswith("no job ended from ")
+    assert invoke("history", "--user", "daemon").output.startswith("no job ended from ")  # an account, no job
+    # No account and no job: a mistyped name is said (sacct's "Invalid user id"), not an empty period.
+    nobody_here = invoke("history", "--user", "carol")
+    assert nobody_here.exit_code == 2 and nobody_here.output == (
+        "gpuq: --user carol: no such user here, and no job of theirs\n"), nobody_here.output
 
 
 @pytest.mark.parametrize("args,words", [
