@@ -107,9 +107,14 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
         for name in sorted(set(alloc[part]) | set(sampled)):
             t = sampled.get(name, Totals())
             jobs, seconds = alloc[part].get(name, (0, 0.0))
+            idle = t.idle_seconds
+            if part == "users":
+                # A job's first sample covers the interval before it, which can start before the
+                # job did: a user held no more GPU time idle than they held (a node's idle GPUs count).
+                idle = min(idle, seconds)
             rows.append(UsageRow(name=name, jobs=jobs, gpu_hours=seconds / 3600.0,
                                  utilization_mean=t.utilization_mean, energy_j=t.energy_j,
-                                 idle_hours=t.idle_seconds / 3600.0))
+                                 idle_hours=idle / 3600.0))
         out[part] = sorted(rows, key=lambda r: (-r.gpu_hours, r.name))
     return out
 

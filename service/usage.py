@@ -180,7 +180,9 @@ def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]
     return dict(job_id=job.id, wall_s=wall, gpu_hours=wall * charged / 3600.0,
                 memory_peak_mib=None if t.memory_used_max is None else int(t.memory_used_max),
                 memory_mean_mib=t.memory_mean, utilization_mean=t.utilization_mean,
-                energy_j=t.energy_j if t.samples else None, idle_s=t.idle_seconds, samples=t.samples,
+                # No more idle than held: a first sample's interval can reach back before the start.
+                energy_j=t.energy_j if t.samples else None, idle_s=min(t.idle_seconds, wall * charged),
+                samples=t.samples,
                 gpu_indices=list(getattr(job, "gpu_indices", ())) or None, recorded_at=utcnow())
 
 

@@ -69,6 +69,24 @@ def test_job_summary_has_gpu_hours_memory_utilisation_energy_and_idle_seconds(se
         assert u.idle_s == pytest.approx(2.0)  # the 0% and 5% seconds
 
 
+def test_a_job_and_its_user_hold_no_more_idle_gpu_time_than_gpu_time(settings):
+    # A job of 10 s read idle for 12 (its samples' intervals reach back before its start): `gpuq
+    # stats ID` said "idle 12 GPU-seconds" beside a wall time of 10, and the user's idle GPU-hours
+    # passed their GPU-hours.
+    start = NOW - timedelta(seconds=10)
+    with write_scope(settings) as s:
+        gpu = add_gpu(s, "n1", 0)
+        job = add_job(s, "ann", "n1", start, NOW)
+        add_samples(s, gpu, job, start, [0] * 6, step=2.0)
+    with write_scope(settings) as s:
+        usage.record_usage(s, job)
+    with write_scope(settings) as s:
+        u = s.get(JobUsage, job)
+        assert u.wall_s == pytest.approx(10) and u.idle_s == pytest.approx(10)
+        [ann] = accounting.report(s, NOW - timedelta(hours=1), NOW + timedelta(seconds=1), NOW)["users"]
+        assert ann.idle_hours <= ann.gpu_hours and ann.gpu_hours == pytest.approx(10 / 3600)
+
+
 def test_a_retried_jobs_summary_is_its_last_attempts_samples_beside_that_attempts_wall_time(settings):
     # Before: the last attempt's 20 s of wall time beside every attempt's samples (its first
     # attempt's 60 readings at 100% made a 20 s job peak and burn energy it never did).
