@@ -16,6 +16,14 @@ from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
 
 
+def _hours(h: float) -> str:
+    """GPU-hours as fair share weighs them: a tenth, or two figures below one (two users' minutes
+    read "0.0 and 0.0", the figures that decided)."""
+    if h == 0 or h >= 0.1:
+        return "0" if h == 0 else f"{h:.1f}"
+    return f"{h:.{1 - math.floor(math.log10(h))}f}"  # two figures, no exponent: 0.015, 0.000040
+
+
 def _gib(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB"
 
@@ -79,8 +87,8 @@ def _ahead_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     if ahead.priority != mine.priority:
         because = f"priority {ahead.priority}, this job's {mine.priority}"
     elif ahead.user != mine.user and hours.get(ahead.user, 0.0) != hours.get(mine.user, 0.0):
-        because = (f"fair share: {ahead.user} has used {hours.get(ahead.user, 0.0):.1f} GPU-hours and "
-                   f"{mine.user} {hours.get(mine.user, 0.0):.1f} (each hour counting half after "
+        because = (f"fair share: {ahead.user} has used {_hours(hours.get(ahead.user, 0.0))} GPU-hours and "
+                   f"{mine.user} {_hours(hours.get(mine.user, 0.0))} (each hour counting half after "
                    f"{settings.fairshare_half_life_h:g} h)")
     else:
         because = "submitted earlier"

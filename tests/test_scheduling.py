@@ -111,7 +111,7 @@ def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share
         text = why(session, settings, anns)
     # Before: the first job waiting for GPUs by priority and id, ann's own, with no why.
     # ann's 20 GPU-hours, decayed over the 10 hours since they began: 19.6.
-    assert re.search(rf"job {bobs} of bob \(2 GPUs\) goes first \(fair share: bob has used 0.0 GPU-hours and "
+    assert re.search(rf"job {bobs} of bob \(2 GPUs\) goes first \(fair share: bob has used 0 GPU-hours and "
                      r"ann 19\.6 \(each hour counting half after 168 h\)\) and the GPUs are held for it", text), text
     urgent = submit(settings, user="ann", gpus=2, priority=5)
     Scheduler(settings).schedule_once()
