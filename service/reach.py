@@ -64,7 +64,7 @@ def closed() -> str:
     return f" or is closed to {owner.name}" if owner is not None else ""
 
 
-def _allows(path: str, st: os.stat_result, owner: _Owner, bit: int) -> bool:
+def _allows(path: str | int, st: os.stat_result, owner: _Owner, bit: int) -> bool:
     acl = _acl(path)
     if acl is not None:
         return _acl_allows(acl, st, owner, bit)
@@ -81,8 +81,8 @@ _ACL_VERSION = 2
 _ENTRY = struct.Struct("<HHI")  # tag, permissions (rwx as in a mode), uid or gid
 
 
-def _acl(path: str) -> list[tuple[int, int, int]] | None:
-    """The path's access ACL as (tag, perm, id) entries; None where it has none (its mode bits say
+def _acl(path: str | int) -> list[tuple[int, int, int]] | None:
+    """The path's (or open file's) access ACL as (tag, perm, id) entries; None where it has none (its mode bits say
     it all) or the file system keeps none."""
     try:
         raw = os.getxattr(path, "system.posix_acl_access")
@@ -152,6 +152,19 @@ def is_file(path: str) -> bool:
     """A file the owner may read."""
     st = _stat(path, _R)
     return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def may_read(fd: int) -> bool:
+    """Whether the owner may read the file open as ``fd``, by its own rights (its ACL, else its mode
+    bits): after ``is_file`` of the path it was opened by, a file swapped in between is not read
+    with this process's rights."""
+    owner = _OWNER.get()
+    if owner is None:  # opened with this process's own rights, which are the owner's
+        return True
+    try:
+        return _allows(fd, os.fstat(fd), owner, _R)
+    except OSError:
+        return False
 
 
 def is_executable(path: str) -> bool:

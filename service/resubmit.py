@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 
 from gpuq.service import constants as c
-from gpuq.service import jobs, submitting
+from gpuq.service import jobs, reach, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.launchable import check_command
 from gpuq.service.models import Job
 from gpuq.service.rights import Caller, check_change
 from gpuq.service.settings import Settings
@@ -50,5 +51,12 @@ def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) 
                           "(GPUQ_SNAPSHOT_RETENTION_DAYS); it cannot run as it was")
     if spec.snapshot and not os.path.isdir(spec.cwd):
         raise InvalidSpec(f"job {job_id}'s snapshot {spec.snapshot} is gone; it cannot run as it was")
+    if spec.kind == c.KIND_COMMAND and not spec.snapshot and spec.argv:
+        # A submit's checks, as its owner meets them: its script or directory may be gone since.
+        with reach.as_owner(spec.user):
+            try:
+                check_command(spec.argv, spec.cwd, (spec.env or {}).get("PATH", os.defpath))
+            except InvalidSpec as exc:
+                raise InvalidSpec(f"job {job_id} cannot run again: {exc}") from None
     # The code is the one recorded with the old job (and its snapshot, reused): not asked of git again.
     return submitting.submit_all(settings, [spec], record_code=False)[0]

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuq.service import constants as c
-from gpuq.service import reach
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.launchable import check_command
 from gpuq.service.settings import secret_env_names
 from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_indices, parse_job_ids, parse_mem, parse_sweep
 from gpuq.service.workloads import get_workload, parse_args
@@ -297,16 +297,8 @@ def command_spec(argv: list[str], *, gpus: int = 1, name: str | None = None, cwd
         raise InvalidSpec(f"the command line is longer than {c.MAX_ARGV_BYTES // 1024} KiB")
     env = job_env([]) if env is None else env  # the job looks its program up on this PATH
     workdir = os.path.abspath(cwd or os.getcwd())
-    # As the job's owner meets them (service/reach.py): the server may be root.
-    if not reach.is_dir(workdir):
-        raise InvalidSpec(f"working directory {workdir} does not exist{reach.closed()}")
+    check_command(argv, workdir, path if path is not None else env.get("PATH", os.defpath))
     program = argv[0]
-    if os.sep in program:
-        target = program if os.path.isabs(program) else os.path.join(workdir, program)
-        if not reach.is_executable(target):
-            raise InvalidSpec(f"{program} is not an executable file (from {workdir}){reach.closed()}")
-    elif reach.which(program, path if path is not None else env.get("PATH", os.defpath)) is None:
-        raise InvalidSpec(f"command not found: {program} (not on PATH)")
     if any(_has_surrogate(a) for a in argv):
         raise InvalidSpec("the command is not valid UTF-8 text")
     default_name = _printable(" ".join([os.path.basename(program), *argv[1:]]).replace("\n", " ").replace("\r", " "))

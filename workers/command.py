@@ -20,6 +20,7 @@ from typing import IO
 import psutil
 
 from gpuq.service import constants as c
+from gpuq.service.launchable import shebang_words
 from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
@@ -84,8 +85,7 @@ def _interpreter(path: str) -> str | None:
     except OSError:
         return None
     # Split on spaces and tabs, as the kernel does: a carriage return stays part of the name.
-    words = first[2:].rstrip(b"\n").replace(b"\t", b" ").split(b" ") if first.startswith(b"#!") else []
-    words = [w for w in words if w]
+    words = shebang_words(first)
     return words[0].decode("utf-8", "replace") if words else None
 
 
