@@ -144,7 +144,7 @@ def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
     """Stop the local stack; no process of it is left behind."""
     from gpuq.service import stack
 
-    if stack.down(admin_settings("down"), grace=grace):
+    if stack.down(admin_settings("down"), grace=grace, say=typer.echo):
         typer.echo("gpuq is down")
         return
     # Nothing of this user's was up: say whose stack the queue they use is, if another user's

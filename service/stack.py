@@ -20,8 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -34,6 +35,7 @@ from gpuq.service.dialect import sqlite_file
 from gpuq.service.errors import StackError, StateConflict
 from gpuq.service.models import Gpu
 from gpuq.service.settings import Settings
+from gpuq.service.stop_mark import Stopping, claim_stop, stop_under_way, stopping_file, write_stop_mark
 
 # The supervisor's logger's name, which `gpuq up` cuts its last log line at.
 SUPERVISOR_LOGGER = "gpuq.stack"
@@ -66,6 +68,7 @@ def running_supervisor(settings: Settings) -> psutil.Process | None:
         pass
     return None
 
+
 @dataclass(frozen=True)
 class StackStatus:
     supervisor_pid: int
@@ -89,6 +92,12 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     if (sup := running_supervisor(settings)) is not None:
         # Exit 4, as for any request the state refuses: 69 read as "cannot reach the server".
         raise StateConflict(f"gpuq is already up (supervisor pid {sup.pid}); `gpuq down` stops it")
+    if orphans := _orphans(settings):
+        # Its supervisor was killed (SIGKILL, the OOM killer): its children run on, this stack's,
+        # with nothing to restart them. Not taken over here: a worker's running jobs would be
+        # killed by an `up`; `gpuq down` stops them as the supervisor would have.
+        raise StateConflict(f"gpuq's supervisor (pid {_group(settings) or orphans[0].pid}) died and left this "
+                            "stack's server, scheduler and workers running; `gpuq down` stops them, then `gpuq up`")
     if _answers(settings):
         # Another home's stack (or a `gpuq server` run by hand) holds the socket: this stack's
         # server could not listen there, and every `gpuq` command would talk to the other one.
@@ -161,8 +170,6 @@ def _port_taken(settings: Settings) -> bool:
 
 def _registered(settings: Settings, indices: list[int], since: float) -> set[int]:
     """Which of these GPUs' workers registered since ``since``."""
-    from datetime import datetime
-
     after = datetime.fromtimestamp(since, UTC)
     try:
         with write_scope(settings) as session:
@@ -202,8 +209,10 @@ def _last_words(path: Path) -> str:
     return tail(path).split(f" {SUPERVISOR_LOGGER}: ", 1)[-1]
 
 
-def down(settings: Settings, grace: float = 30.0) -> bool:
-    """Stop the stack: running jobs get ``grace`` seconds to finish, then are interrupted.
+def down(settings: Settings, grace: float = 30.0, say: Callable[[str], object] = lambda line: None) -> bool:
+    """Stop the stack: running jobs get ``grace`` seconds to finish, then are interrupted. A stop
+    already under way (another `gpuq down`, a service manager's SIGTERM) is waited for, not
+    hastened: ``say`` gets one line that says so.
 
     Returns False if the stack was not up. Leaves no process of it behind.
     """
@@ -211,21 +220,29 @@ def down(settings: Settings, grace: float = 30.0) -> bool:
     if sup is None:
         orphans = _orphans(settings)
         pid_file(settings).unlink(missing_ok=True)
+        stopping_file(settings).unlink(missing_ok=True)
         if not orphans:
             return False
         _stop_orphans(settings, orphans, grace)
         return True
-    _stop(settings, sup, grace)
+    _stop(settings, sup, grace, say)
     return True
+
+
+def _group(settings: Settings) -> int | None:
+    """The process group the pid file names: the supervisor's, which its children share."""
+    try:
+        return int(pid_file(settings).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _orphans(settings: Settings) -> list[psutil.Process]:
     """What a supervisor that died (SIGKILLed) left running: the processes of its group, which
     carry this home. Without this, `gpuq down` said "was not up" and `gpuq up` refused the server
     still answering on the socket: the stack could be stopped only by pid."""
-    try:
-        group = int(pid_file(settings).read_text().strip())
-    except (OSError, ValueError):
+    group = _group(settings)
+    if group is None:
         return []
     found = []
     for p in psutil.process_iter():
@@ -268,9 +285,21 @@ def _stop_orphans(settings: Settings, procs: list[psutil.Process], grace: float)
 STOP_SIGNAL_GAP = 0.5
 
 
-def _stop(settings: Settings, sup: psutil.Process, grace: float) -> None:
+def _stop(settings: Settings, sup: psutil.Process, grace: float,
+          say: Callable[[str], object] = lambda line: None) -> None:
     """Stop supervisor ``sup`` and everything it started (its process group)."""
     pgid = os.getpgid(sup.pid)
+    started = time.monotonic()
+    under_way = claim_stop(settings, sup.pid)
+    if under_way is not None:
+        since = datetime.fromtimestamp(under_way.since).strftime("%H:%M:%S")
+        say(f"gpuq is already stopping (since {since}, pid {under_way.supervisor}): waiting for it")
+        if not _wait_for_stop(settings, sup, started, grace):
+            return _end(settings, sup.pid, pgid)
+        # Nobody times that stop (its `gpuq down` died, or it came from a signal): this one did,
+        # with its own grace from its own start. Its first request was had: the next interrupts.
+        _interrupt(settings, sup, pgid)
+        return _end(settings, sup.pid, pgid)
     sup.terminate()
     try:
         # Two SIGTERMs close together are one (the kernel and Python's handler keep one pending):
@@ -278,13 +307,60 @@ def _stop(settings: Settings, sup: psutil.Process, grace: float) -> None:
         # With --grace 0 they merged, and the stack took kill_grace + 30 s to be killed whole.
         sup.wait(max(grace, STOP_SIGNAL_GAP))
     except psutil.TimeoutExpired:
-        sup.terminate()  # the second request interrupts running jobs
+        _interrupt(settings, sup, pgid)
+    _end(settings, sup.pid, pgid)
+
+
+def _wait_for_stop(settings: Settings, sup: psutil.Process, started: float, grace: float) -> bool:
+    """Wait for the stop under way of ``sup``, owned by another `gpuq down`, without hastening it:
+    False once ``sup`` has exited; True when no live `gpuq down` owns it any more (this one then
+    takes it over, having marked it its own) and this one's grace has passed. StackError after
+    what this one's own stop would have taken at most."""
+    end = started + max(grace, STOP_SIGNAL_GAP) + settings.kill_grace + 35
+    while True:
         try:
-            sup.wait(settings.kill_grace + 30)
+            sup.wait(0.2)
+            return False
         except psutil.TimeoutExpired:
-            _kill_group(pgid)
+            pass
+        now = time.monotonic()
+        mark = stop_under_way(settings, sup.pid)
+        mine = mark is not None and mark.by == os.getpid()
+        if mark is None or mine or not mark.owned():
+            if not mine:
+                since = mark.since if mark is not None else time.time()
+                write_stop_mark(settings, Stopping(sup.pid, since, os.getpid(), taken=True), exclusive=False)
+            if now - started >= grace:
+                return True
+        if now >= end:
+            raise StackError(f"gpuq is still stopping after {now - started:.0f} s (supervisor pid {sup.pid}): "
+                             f"the stop another `gpuq down` asked for has not ended; see {settings.log_dir}")
+
+
+def _interrupt(settings: Settings, sup: psutil.Process, pgid: int) -> None:
+    """The second stop request, which interrupts running jobs; the group is killed if the
+    supervisor outlives what that takes."""
+    try:
+        sup.terminate()
+        sup.wait(settings.kill_grace + 30)
+    except psutil.NoSuchProcess:
+        pass  # it has just exited
+    except psutil.TimeoutExpired:
+        _kill_group(pgid)
+
+
+def _end(settings: Settings, supervisor_pid: int, pgid: int) -> None:
+    """Once supervisor ``supervisor_pid`` is down: kill what outlived it, and remove its pid file and
+    stop mark (not those of a stack started again meanwhile)."""
     _kill_group(pgid)  # anything that outlived the supervisor
-    pid_file(settings).unlink(missing_ok=True)
+    for path in (pid_file(settings), stopping_file(settings)):
+        try:
+            text = path.read_text()
+            named = int(text) if path == pid_file(settings) else json.loads(text)["supervisor"]
+        except (OSError, ValueError, TypeError, KeyError):
+            named = supervisor_pid  # unreadable: nobody's
+        if named == supervisor_pid:
+            path.unlink(missing_ok=True)
 
 
 def _kill_group(pgid: int) -> None:

@@ -29,6 +29,7 @@ from gpuq.service.logs import configure as configure_logging
 from gpuq.service.logs import rotate_logs
 from gpuq.service.settings import Settings, get_settings
 from gpuq.service.stack import SUPERVISOR_LOGGER, left_out_file, pid_file, tail
+from gpuq.service.stop_mark import Stopping, stop_under_way, stopping_file, write_stop_mark
 
 log = logging.getLogger(SUPERVISOR_LOGGER)
 
@@ -149,10 +150,25 @@ class Supervisor:
 
     def _on_term(self, *_: object) -> None:
         self.stop_requests += 1
+        if self.stop_requests == 1:
+            self._mark_stopping()
+
+    def _mark_stopping(self) -> None:
+        """Mark the stop under way, had (a `gpuq down` that comes meanwhile waits for it rather than
+        send the second request, which interrupts running jobs): the mark of the `gpuq down` that
+        asked, else one of its own (a service manager's SIGTERM, `kill`)."""
+        me = os.getpid()
+        asked = stop_under_way(self.settings, me)
+        mark = Stopping(me, asked.since, asked.by, True) if asked is not None else Stopping(me, time.time(), me, True)
+        try:
+            write_stop_mark(self.settings, mark, exclusive=False)
+        except OSError as exc:
+            log.warning("could not mark the stop under way: %s", exc)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_term)
+        stopping_file(self.settings).unlink(missing_ok=True)  # a killed supervisor's
         pid_file(self.settings).write_text(str(os.getpid()))
         left_out_file(self.settings).unlink(missing_ok=True)
         try:
@@ -170,6 +186,7 @@ class Supervisor:
         finally:
             pid_file(self.settings).unlink(missing_ok=True)
             left_out_file(self.settings).unlink(missing_ok=True)
+            stopping_file(self.settings).unlink(missing_ok=True)
         if self.gave_up is not None:
             log.error("%s", self.gave_up)  # the log's last line: `gpuq up` quotes it
             return 1
