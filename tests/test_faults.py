@@ -123,6 +123,33 @@ def test_a_sigkilled_workers_job_is_requeued_within_the_lease_and_runs_once_more
     assert_settled(stack.settings)
 
 
+def test_a_stopped_workers_command_is_killed_by_the_lease_guard_before_its_job_runs_again(stack, tmp_path):
+    # SIGSTOP stops the worker whole, its own fence (stop the job at 80% of an unrenewed lease)
+    # included: its command ran on, and the requeued job ran a second copy beside it.
+    argv, marker = marker_job(tmp_path, "stopped", 6)
+    job_id = submit(stack.settings, argv, tmp_path, max_retries=1)
+    wait_runs(marker, 1)
+    first = first_pid(marker)
+    _, _, proc = worker_of(stack, job_id)
+    stopped_at = time.monotonic()
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE,
+                 stack.settings.lease_timeout, "the lease guard to kill the stopped worker's command")
+        killed = time.monotonic() - stopped_at
+        assert job(stack.settings, job_id).requeues == 0, "requeued before the guard acted"
+        wait_runs(marker, 2, stack.settings.lease_timeout + 30)  # the reaper requeued it: it ran again
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
+    print(f"the guard killed the command {killed:.1f} s after its worker's SIGSTOP (lease "
+          f"{stack.settings.lease_timeout:g} s)")
+    assert j.requeues == 1 and j.attempts[0]["failure"] == c.FAILURE_WORKER_LOST
+    assert runs(marker).overlaps == 0, marker.read_text()  # never two copies at once
+    assert killed < stack.settings.lease_timeout
+    assert_settled(stack.settings)
+
+
 def test_a_sigkilled_workers_job_without_retries_fails_as_worker_lost(stack, tmp_path):
     argv, marker = marker_job(tmp_path, "lost", 30)
     job_id = submit(stack.settings, argv, tmp_path)

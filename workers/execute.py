@@ -83,8 +83,9 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         env = job_env(job, state.node, identity, state.settings)
         # A restarted worker finds what an earlier run left by it.
         env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
-        outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
-                              run_as=identity, on_start=on_start, limit_mib=job.host_mem_mib)
+        with state.guarding(watcher.lease, on_start) as started:
+            outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
+                                  run_as=identity, on_start=started, limit_mib=job.host_mem_mib)
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.
@@ -165,8 +166,9 @@ def execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         if job.shared and job.mem_mib is not None and job.memory_total_mib:
             env[c.MEMORY_FRACTION_VARIABLE] = f"{job.mem_mib / job.memory_total_mib:.6f}"
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
-        outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, state.settings.kill_grace,
-                              on_start=on_start)
+        with state.guarding(watcher.lease, on_start) as started:
+            outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, state.settings.kill_grace,
+                                  on_start=started)
         if outcome.cancelled:
             return stopped_end(state, job, watcher)
         drain_if_left(state, job, outcome.leftover)

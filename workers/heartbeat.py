@@ -71,6 +71,8 @@ class Heartbeat(threading.Thread):
                 elif self._still_running(lease):  # not merely ended meanwhile
                     log.warning("job %s: lease no longer ours (taken back); stopping it", lease.job_id)
                     lease.lost.set()
+            if self.state is not None and self.state.guard is not None:
+                self.state.guard.renewed([lease for lease, kept in zip(held, renewed, strict=True) if kept])
         except Exception:
             log.exception("heartbeat failed")
             for lease in held:

@@ -72,6 +72,7 @@ def serve(index: int, loglevel: str) -> int:
 
         log.info("%s: warm on %s", name, warm_up())
     from gpuq.workers.command import kill_leftovers, worker_mark
+    from gpuq.workers.guard import Guard
 
     left = kill_leftovers(worker_mark(settings, name))
     if left:
@@ -86,7 +87,7 @@ def serve(index: int, loglevel: str) -> int:
         reap_predecessor(session, settings, name)
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, queue=queue,
-                        app=app, devices=devices)
+                        app=app, devices=devices, guard=Guard(settings.lease_timeout))
     heartbeat = Heartbeat(settings, gpu_id, probe, state)
     heartbeat.start()
     if settings.sample_interval > 0:
@@ -107,6 +108,8 @@ def serve(index: int, loglevel: str) -> int:
     finally:
         _let_shared_jobs_end(state)
         heartbeat.stop()
+        if state.guard is not None:
+            state.guard.close()
         if state.sampler is not None:
             state.sampler.stop()
             state.sampler.join(5)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 from gpuq.service import constants as c
 from gpuq.service.leases import Lease
 from gpuq.service.settings import Settings
+from gpuq.workers.guard import Guard
 from gpuq.workers.watch import Watch
 
 
@@ -83,6 +86,30 @@ class WorkerState:
     # The shared jobs running here beside each other (workers/shared.py), by job id: their leases,
     # which the heartbeat renews too, and their threads.
     shared: dict[int, SharedRun] = field(default_factory=dict)
+    # The lease guard (workers/guard.py): the thread that starts a command puts its process group
+    # under it and takes it off at its end, the heartbeat moves the groups' deadlines on.
+    guard: Guard | None = None
+
+    @contextmanager
+    def guarding(self, lease: Lease | None, on_start: Callable[[int], None] | None = None
+                 ) -> Iterator[Callable[[int], None]]:
+        """An ``on_start`` for a job's command (``run_command``) that puts its process group under
+        the lease guard, ``lease`` renewed, and takes it off when the command is over."""
+        started: list[int] = []
+
+        def start(pid: int) -> None:
+            started.append(pid)
+            if self.guard is not None and lease is not None:
+                self.guard.watch(pid, lease)
+            if on_start is not None:
+                on_start(pid)
+
+        try:
+            yield start
+        finally:
+            for pid in started:
+                if self.guard is not None:
+                    self.guard.forget(pid)
 
     def wake_due(self) -> bool:
         """Whether to look if the next-up list runs short (and wake the scheduler if so): once per
