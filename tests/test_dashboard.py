@@ -335,8 +335,9 @@ def test_a_public_view_request_may_change_nothing_nor_ask_about_itself(ran):
         assert api("POST", target, public=True)[0] == 403
     assert api("GET", "/jobs?mine=1", public=True)[0] == 403
     assert api("GET", "/jobs/history?mine=1", public=True)[0] == 403
-    status, answer = api("GET", "/jobs/history?user=nobody-here", public=True)
+    status, answer = api("GET", "/jobs/history?user=daemon", public=True)  # an account with no job
     assert status == 200 and (answer["jobs"], answer["counts"], answer["total"]) == ([], {}, 0)
+    assert api("GET", "/jobs/history?user=nobody-here", public=True)[0] == 400  # no account, no job
     assert api("GET", "/jobs/active", public=True)[0] == 403
     with write_scope(st.settings) as session:
         assert jobs.get_job(session, j.held).state == "pending" and jobs.get_job(session, j.held).held
