@@ -80,9 +80,12 @@ def _check_start(program: str, target: str, workdir: str, path: str) -> None:
     # The kernel passes the rest of the line as one argument: `#!/usr/bin/env python3` has env look
     # python3 up on the job's PATH. Options (-S) and assignments are env's to read.
     rest = os.fsdecode(line.strip(b" \t").removeprefix(words[0]).strip(b" \t"))
-    if os.path.basename(interpreter) != "env" or not rest or rest.startswith("-") or "=" in rest \
-            or any(ch in rest for ch in " \t"):
+    if os.path.basename(interpreter) != "env" or not rest or rest.startswith("-") or "=" in rest.split()[0]:
         return
+    if any(ch in rest for ch in " \t"):
+        # One word to env, as the kernel hands it over: env looks for a program named "python3 -u".
+        raise InvalidSpec(f"{program}: its #! line gives env {rest!r} as one word (the kernel does not split it), "
+                          f"so it cannot start: write #!/usr/bin/env -S {rest}")
     found = (reach.is_executable(os.path.join(workdir, rest)) if os.sep in rest
              else reach.which(rest, path) is not None)
     if not found:

@@ -116,6 +116,9 @@ def test_resubmit_checks_as_the_jobs_owner_not_as_the_root_server(settings, shar
     (b"#!\necho hi\n", "./job.sh: its #! line names no interpreter"),
     (b"#!/usr/bin/env no-such-program-gpuq\n", "runs no-such-program-gpuq through env, and no-such-program-gpuq "
                                                "is not on the job's PATH"),
+    # The kernel gives env "sh -e" as one word: env looks for a program of that name.
+    (b"#!/usr/bin/env sh -e\n", "./job.sh: its #! line gives env 'sh -e' as one word (the kernel does not split "
+                                "it), so it cannot start: write #!/usr/bin/env -S sh -e"),
 ])
 def test_a_script_that_cannot_start_is_refused(tmp_path, content, message):
     write(tmp_path / "job.sh", content)
