@@ -112,19 +112,45 @@ def _acl_allows(acl: list[tuple[int, int, int]], st: os.stat_result, owner: _Own
     return any(tag == _OTHER and perm & bit for tag, perm, _ in acl)
 
 
+# As the kernel's: a path that meets more symbolic links than this is refused (ELOOP).
+_MAX_LINKS = 40
+
+
 def _on_the_way(path: str, owner: _Owner) -> bool:
-    """Whether ``owner`` may search every directory above ``path``, as written and as resolved."""
-    for form in {os.path.abspath(path), os.path.realpath(path)}:
-        parent = os.path.dirname(form)
-        while True:
-            try:
-                if not _allows(parent, os.stat(parent), owner, _X):
-                    return False
-            except OSError:
+    """Whether ``owner`` may search every directory the kernel would look a name up in to reach
+    ``path``: walked a name at a time as the kernel resolves it, symbolic links followed where they
+    are met and ``..`` taken from where the walk stands, not from the text. (Checking the path as
+    written and as ``realpath`` gives it missed the directories a link passes through, so
+    ``link -> /home/ann/private/proj/../../x`` told whether ann's private ``proj`` existed.)"""
+    names = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).split("/")
+    names.reverse()  # a stack: the next name last
+    current, links = "/", 0
+    while names:
+        name = names.pop()
+        if name in ("", "."):
+            continue
+        try:
+            if not _allows(current, os.stat(current), owner, _X):  # a lookup in ``current``
                 return False
-            if parent == os.path.dirname(parent):
-                break
-            parent = os.path.dirname(parent)
+            if name == "..":
+                current = os.path.dirname(current)
+                continue
+            candidate = os.path.join(current, name)
+            st = os.lstat(candidate)
+            if stat.S_ISLNK(st.st_mode):
+                links += 1
+                if links > _MAX_LINKS:
+                    return False
+                target = os.readlink(candidate)
+                names.extend(reversed(target.split("/")))
+                if os.path.isabs(target):
+                    current = "/"
+                continue
+        except OSError:
+            return False
+        if names and not stat.S_ISDIR(st.st_mode):
+            return False  # a name looked up in a file
+        current = candidate
     return True
 
 

@@ -91,3 +91,27 @@ def test_a_file_behind_a_directory_opened_by_acl_is_found_and_one_the_acl_closes
     with reach.as_owner(USER):
         assert not reach.is_executable(str(script)) and reach.is_file(str(script))
     assert not _kernel_says("x", script) and _kernel_says("r", script)
+
+
+def test_a_link_through_a_closed_directory_says_nothing_of_what_is_in_it(tree: Path):
+    # The path was checked as written and as realpath gives it: a link through another user's 0700
+    # directory and back out with `..` (or a link inside it) told whether a name there existed.
+    private, public = tree / "private", tree / "public"
+    (private / "project").mkdir(parents=True)
+    private.chmod(0o700)
+    public.mkdir()
+    (public / "job.sh").write_text("echo hi\n")
+    (public / "job.sh").chmod(0o755)
+    (private / "inner").symlink_to(public / "job.sh")
+    links = {"through_existing": f"{private}/project/../../public/job.sh",
+             "through_missing": f"{private}/nothing/../../public/job.sh",
+             "to_a_link_inside": f"{private}/inner"}
+    for name, target in links.items():
+        (tree / name).symlink_to(target)
+    with reach.as_owner(USER):
+        answers = {name: (reach.is_file(str(tree / name)), reach.is_executable(str(tree / name))) for name in links}
+        assert answers == dict.fromkeys(links, (False, False)), answers
+        assert reach.is_file(str(public / "job.sh"))  # the file itself, by a path the user may walk
+    for name in links:  # as the kernel answers the user
+        assert not _kernel_says("r", tree / name) and not _kernel_says("x", tree / name), name
+    assert _kernel_says("r", public / "job.sh")
