@@ -65,14 +65,32 @@ def socket_folder(socket: Path) -> None:
     for made in reversed(missing):
         made.mkdir(exist_ok=True)
         os.chmod(made, SOCKET_DIR_MODE)
-    folder = socket.parent
     if str(socket) == SYSTEM_SOCKET:
-        os.chmod(folder, SOCKET_DIR_MODE)
-    mode = folder.stat().st_mode
-    if mode & 0o002 and not mode & 0o1000:
-        raise StackError(f"the folder of the server's socket, {folder}, is writable by every user (mode "
-                         f"{mode & 0o7777:04o}): anyone could replace the socket and pose as the server; make it "
-                         "0755 or set GPUQ_SOCKET to a path in another folder")
+        os.chmod(socket.parent, SOCKET_DIR_MODE)
+    # Every folder on the way, not only the socket's: one that another user may rename (a folder
+    # they own, or one every user may write without the sticky bit) lets them put a folder and a
+    # socket of their own where every client looks.
+    me = os.geteuid()
+    for folder in [socket.parent, *socket.parent.parents]:
+        st = folder.stat()
+        if st.st_uid not in (0, me):
+            who = _user_name(st.st_uid)
+            raise StackError(f"the server's socket {socket} is under {folder}, which {who} owns: they could replace "
+                             "the socket and pose as the server; set GPUQ_SOCKET to a path under folders of root's "
+                             "(or yours)")
+        if st.st_mode & 0o002 and not st.st_mode & 0o1000:
+            raise StackError(f"the server's socket {socket} is under {folder}, which every user may write (mode "
+                             f"{st.st_mode & 0o7777:04o}): anyone could replace the socket and pose as the server; "
+                             "make it 0755 or set GPUQ_SOCKET to a path in another folder")
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _ensure_secret(path: Path) -> None:

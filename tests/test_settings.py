@@ -349,7 +349,24 @@ def test_a_socket_folder_every_user_may_write_is_refused_but_a_sticky_one_is_not
     open_to_all = tmp_path / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)
-    with pytest.raises(StackError, match=r"writable by every user \(mode 0777\): anyone could replace the socket"):
+    with pytest.raises(StackError, match=r"which every user may write \(mode 0777\): anyone could replace the socket"):
         socket_folder(open_to_all / "gpuq.sock")
+    # A folder above it that every user may write: they could rename the socket's folder away.
+    (open_to_all / "sub").mkdir(mode=0o755)
+    with pytest.raises(StackError, match=f"is under {open_to_all}, which every user may write"):
+        socket_folder(open_to_all / "sub" / "gpuq.sock")
     open_to_all.chmod(0o1777)  # as /tmp: only the socket's owner may remove it
     socket_folder(open_to_all / "gpuq.sock")
+    socket_folder(open_to_all / "sub" / "gpuq.sock")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hands a folder to another user")
+def test_a_socket_folder_another_user_owns_is_refused(tmp_path):
+    from gpuq.service.errors import StackError
+    from gpuq.service.system_home import socket_folder
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(StackError, match=f"is under {theirs}, which nobody owns: they could replace the socket"):
+        socket_folder(theirs / "gpuq.sock")
