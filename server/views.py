@@ -40,6 +40,7 @@ def pending_tasks(g: PendingTasks) -> dict[str, Any]:
     what a job's line in `gpuq status` shows, with ``ids`` written as ranges and their ``count``."""
     return {"array_id": g.array_id, "first_id": g.ids[0], "ids": display.ranges(g.ids), "count": len(g.ids),
             "user": g.user, "name": g.name, "state": State.PENDING, "gpus": g.gpus, "held": g.held,
+            "admin_hold": g.admin_hold,
             "reason": g.reason, "submitted_at": iso(g.submitted_at), "node": None, "elapsed_s": None,
             "idle": False, "result": None, "kind": None, "cancel_requested_at": None}
 

@@ -38,6 +38,8 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"job {job.id} {verb}{job.state}{where}{tail}"
     reason = job.reason or "waiting for its first scheduling pass"
     head = f"job {job.id} waits ({reason})"
+    if job.held and job.admin_hold:
+        return f"{head}: it is held by an admin; only an admin's `gpuq release {job.id}` lets it start"
     if job.held:
         return f"{head}: it is held; `gpuq release {job.id}` lets it start"
     if reason == policy.DEPENDENCY and job.after:

@@ -75,26 +75,27 @@ class PendingTasks:
     held: bool
     reason: str | None
     submitted_at: datetime  # the first task's: an array's tasks are submitted together
+    admin_hold: bool = False  # held by an admin: only an admin releases them
 
 
 def pending_tasks(session: Session, *, user: str | None = None) -> list[PendingTasks]:
     """The pending tasks of every array (or ``user``'s), grouped by array and by why they wait; the
     few columns a line needs, not whole rows: 10,000 tasks are 10,000 small tuples."""
     query = (select(Job.id, Job.array_id, Job.array_index, Job.user, Job.name, Job.gpus, Job.held, Job.reason,
-                    Job.submitted_at)
+                    Job.submitted_at, Job.admin_hold)
              .where(Job.state == State.PENDING, Job.array_id.is_not(None)).order_by(Job.id))
     if user:
         query = query.where(Job.user == user)
-    groups: dict[tuple[int, bool, str | None], list[Any]] = {}
+    groups: dict[tuple[int, bool, bool, str | None], list[Any]] = {}
     for row in session.execute(query):
-        groups.setdefault((row.array_id, row.held, row.reason), []).append(row)
+        groups.setdefault((row.array_id, row.held, row.held and row.admin_hold, row.reason), []).append(row)
     out = []
-    for (array_id, held, reason), rows in groups.items():
+    for (array_id, held, admin_hold, reason), rows in groups.items():
         first = rows[0]
         # A task's name is the array's with its index or sweep values: train[5], train[lr=0.1].
         base = first.name[:first.name.rindex("[")] if first.name.endswith("]") and "[" in first.name else first.name
         out.append(PendingTasks(array_id, first.user, f"{base}[{display.ranges([r.array_index for r in rows])}]",
-                                [r.id for r in rows], first.gpus, held, reason, first.submitted_at))
+                                [r.id for r in rows], first.gpus, held, reason, first.submitted_at, admin_hold))
     return sorted(out, key=lambda g: g.ids[0])
 
 
@@ -237,7 +238,7 @@ def set_held_all(settings: Settings, job_ids: Sequence[int], held: bool, user: C
             if job.state != State.PENDING:
                 outcome[job_id] = (f"job {job_id} is {job.state}; only a pending job can be "
                                    f"{'held' if held else 'released'}")
-            elif job.held == held:
+            elif job.held == held and not (held and admin and job.user != caller.user and not job.admin_hold):
                 outcome[job_id] = f"job {job_id} is {'already held' if held else 'not held'}"
             else:
                 # An admin's hold of another user's job is the admin's to lift (SLURM's admin hold).

@@ -18,6 +18,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.display import ranges
 from gpuq.service.errors import JobNotFound, NotAllowed
+from gpuq.service.explain import why
 from gpuq.service.models import Job, utcnow
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,4 +186,20 @@ def test_an_admins_hold_of_a_users_job_is_the_admins_to_release(settings):
     with write_scope(settings) as session:
         row = jobs.get_job(session, job)
         assert (row.held, row.admin_hold) == (True, False) and display.result_summary(row) == "held"
-    assert jobs.set_held_all(settings, [job], False, user="ann") == {job: None}
+    # An admin's hold of a job its owner held already makes it the admins' (the owner released it).
+    assert jobs.set_held_all(settings, [job], True, user="root") == {job: None}
+    with write_scope(settings) as session:
+        assert jobs.get_job(session, job).admin_hold
+        assert "held by an admin; only an admin's `gpuq release" in why(session, settings, job)
+    with pytest.raises(NotAllowed):
+        jobs.set_held_all(settings, [job], False, user="ann")
+    assert jobs.set_held_all(settings, [job], True, user="root") == {job: f"job {job} is already held"}
+
+
+def test_an_arrays_tasks_an_admin_held_are_one_line_that_says_so(use_settings):
+    assert invoke(["submit", "--array", "0-3", "--", "true"]).exit_code == 0  # jobs 1-4, root's
+    with write_scope(use_settings) as session:
+        session.execute(update(Job).values(user="ann"))  # ann's array, which root holds
+    jobs.set_held_all(use_settings, [1, 2, 3, 4], True, user="root")
+    out = invoke(["status"]).output
+    assert "held by an admin (4 tasks)" in out, out
