@@ -169,7 +169,7 @@ def listen_address(listen: str) -> tuple[str, int]:
     """GPUQ_LISTEN as the server binds it: (host, port); ``:PORT`` or ``0.0.0.0:PORT`` is every
     address, ``[::1]:PORT`` an IPv6 one. ConfigError for anything else."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535 or "/" in host:  # http://h:1: a URL
         raise ConfigError(f"GPUQ_LISTEN must be host:port (a TCP port, 1 to 65535), got {listen!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
 

@@ -139,6 +139,7 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     # Refused by the server only as it started (`gpuq up`: exit 69 after seconds), `gpuq config` said 0.
     ({"GPUQ_LISTEN": "nonsense"}, r"GPUQ_LISTEN must be host:port \(a TCP port, 1 to 65535\), got 'nonsense'"),
     ({"GPUQ_LISTEN": ":99999"}, "GPUQ_LISTEN must be host:port"),
+    ({"GPUQ_LISTEN": "http://localhost:8000"}, "GPUQ_LISTEN must be host:port"),  # a URL: the server crashed
     # A client told where no server can be said 69, "no server answers".
     ({"GPUQ_SERVER": "ftp://x"}, "GPUQ_SERVER 'ftp://x': ftp:// is not a way to reach a gpuq server"),
     ({"GPUQ_SERVER": "http://"}, "GPUQ_SERVER 'http://': it names no host"),
