@@ -149,6 +149,8 @@ CANCELLED_BY = "cancelled by "
 def cancelled_by(user: str) -> str:
     """A cancelled job's reason: who cancelled it."""
     return CANCELLED_BY + user
+
+
 HOLD = move("hold or release", A.USER, S.PENDING, None, _ID, held=bindparam("held"), reason=bindparam("reason"),
             admin_hold=bindparam("admin_hold"))
 
