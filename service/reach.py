@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-_R, _X = 4, 1
+_R, _W, _X = 4, 2, 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,12 @@ def as_owner(user: str) -> Iterator[None]:
         yield
     finally:
         _OWNER.reset(token)
+
+
+def owner_name() -> str | None:
+    """The user the checks answer for now; None: this process's own."""
+    owner = _OWNER.get()
+    return owner.name if owner is not None else None
 
 
 def closed() -> str:
@@ -172,6 +178,18 @@ def is_dir(path: str) -> bool:
     """A directory the owner may enter."""
     st = _stat(path, _X)
     return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def is_writable_dir(path: str) -> bool:
+    """A directory the owner may make files in (write and search: a checkpoint is written beside
+    itself and renamed over the old one)."""
+    st = _stat(path, _X)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return False
+    owner = _OWNER.get()
+    if owner is None:
+        return os.access(path, os.W_OK | os.X_OK)
+    return _allows(path, st, owner, _W)
 
 
 def is_file(path: str) -> bool:

@@ -312,6 +312,10 @@ def _check_train(params: dict[str, Any], gpus: int) -> None:
             raise InvalidSpec(f"--checkpoint {path}: directory {parent} does not exist{reach.closed()}")
         if reach.is_dir(path):
             raise InvalidSpec(f"--checkpoint {path} is a directory; give a file path")
+        if not reach.is_writable_dir(parent):
+            # Known now, not after the first epoch's training: its save failed then.
+            raise InvalidSpec(f"--checkpoint {path}: directory {parent} is not writable"
+                              f"{' by ' + reach.owner_name() if reach.owner_name() else ''}")
 
 
 TRAIN = Workload(

@@ -152,3 +152,20 @@ def test_owner_files_as_the_owner_honour_the_umask_and_keep_the_mode(nobodys_dir
     OwnerFiles(_nobody()).write(other, b"x")
     assert _mode(other) == 0o644
     assert sorted(os.listdir(nobodys_dir)) == ["ck.pt", "old.pt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checks as another user")
+def test_a_checkpoint_in_a_directory_its_owner_cannot_write_is_refused_at_submit(tmp_path):
+    # It trained, then failed at its first save (Permission denied as the owner).
+    from gpuq.service import reach
+
+    top = tempfile.mkdtemp(prefix="gpuqt-ck-")
+    try:
+        os.chmod(top, 0o755)  # root's, open to read: nobody may not make files in it
+        with reach.as_owner("nobody"), pytest.raises(InvalidSpec, match=f"directory {top} is not writable by nobody"):
+            workload_spec("train", ["--checkpoint", f"{top}/ck.pt"], cwd=top, user="nobody")
+        os.chmod(top, 0o777)
+        with reach.as_owner("nobody"):
+            assert workload_spec("train", ["--checkpoint", f"{top}/ck.pt"], cwd=top, user="nobody")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
