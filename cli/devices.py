@@ -71,9 +71,12 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
 
 
 def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
-    """Every GPU, and the drained nodes with their reasons."""
+    """Every GPU, each with whether its node is drained and why (``node_drained``,
+    ``node_drain_reason``: its own ``drain_reason`` is the GPU's alone), and the drained nodes."""
     answer = client.get("/devices")
-    return answer["devices"], answer.get("drained") or {}
+    drained = answer.get("drained") or {}
+    return [d | {"node_drained": d["node"] in drained, "node_drain_reason": drained.get(d["node"])}
+            for d in answer["devices"]], drained
 
 
 @app.command()

@@ -82,6 +82,10 @@ def test_devices_marks_drained_gpus_and_says_why_under_the_table_as_status_does(
     assert json.loads(invoke("devices", "--json").output)[1]["drain_reason"] == "GPU lost: Xid 79 (planted)"
     assert lines[-1] in invoke("status").output
     assert invoke("drain", "testnode", "--reason", "driver update").exit_code == 0
+    # --json says so too: each GPU's node drained, with its reason beside the GPU's own.
+    gpu1 = json.loads(invoke("devices", "--json").output)[1]
+    assert gpu1["node_drained"] and gpu1["node_drain_reason"].startswith("driver update; by ")
+    assert gpu1["drain_reason"] == "GPU lost: Xid 79 (planted)"
     lines = invoke("devices").output.rstrip().splitlines()
     assert lines[-2].startswith("drained: node testnode: driver update; by "), lines[-2]
     # The GPU's own reason stays in view under its drained node: resuming the node lifts it too.
