@@ -190,8 +190,12 @@ def server_problem(address: str) -> str | None:
         if port == 0:
             return "its port is not a TCP port (1 to 65535)"
         return None
-    if not address.removeprefix("unix:").strip():
+    socket = address.removeprefix("unix:")
+    if not socket.strip():
         return "it names no socket"
+    if not socket.startswith("/"):
+        # Read from wherever the command runs: a host name or host:port without http:// lands here.
+        return "a socket path must be absolute (a host is http://host:port)"
     return None
 
 

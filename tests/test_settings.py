@@ -145,6 +145,8 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_SERVER": "http://"}, "GPUQ_SERVER 'http://': it names no host"),
     ({"GPUQ_SERVER": "http://localhost:99999"}, "its port is not a TCP port"),
     ({"GPUQ_SERVER": "unix:"}, "GPUQ_SERVER 'unix:': it names no socket"),
+    ({"GPUQ_SERVER": "node1:8642"}, r"GPUQ_SERVER 'node1:8642': a socket path must be absolute \(a host is http://"),
+    ({"GPUQ_SERVER": "unix:run/gpuq.sock"}, "a socket path must be absolute"),
 ])
 def test_values_that_would_break_the_stack_are_refused_naming_the_setting(variables, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
