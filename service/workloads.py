@@ -314,8 +314,9 @@ def _check_train(params: dict[str, Any], gpus: int) -> None:
             raise InvalidSpec(f"--checkpoint {path} is a directory; give a file path")
         if not reach.is_writable_dir(parent):
             # Known now, not after the first epoch's training: its save failed then.
-            raise InvalidSpec(f"--checkpoint {path}: directory {parent} is not writable"
-                              f"{' by ' + reach.owner_name() if reach.owner_name() else ''}")
+            owner = reach.owner_name()
+            by = f" by {owner}" if owner else ""
+            raise InvalidSpec(f"--checkpoint {path}: directory {parent} is not writable{by}")
 
 
 TRAIN = Workload(
