@@ -53,7 +53,7 @@ async def audited(request: web.Request, action: str, fn: Callable[..., T], *args
         try:
             found = await call(_owners, settings, ids) if ids else {}
             others = {i: o for i, o in found.items() if o != caller.user}
-            log.warning("refused %s by %s: %s (%s)", action, who, _jobs(others, caller) if others else "no job",
+            log.warning("refused %s by %s: %s (%s)", action, who, _jobs(others or found, caller) if found else "no job",
                         display.printable(str(refused)))
         except Exception:  # the refusal stands, line or not
             log.exception("refused %s by %s: its audit line could not be written", action, who)
