@@ -155,12 +155,10 @@ def _admin() -> str:
     """Who runs this admin command: the process's user (only root and gpuq's own account open the
     database), and the one who became root through sudo (sudo sets SUDO_USER for root's process)."""
     import os
-    import pwd
 
-    try:
-        me = pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        me = f"uid {os.getuid()}"
+    from gpuq.service.rights import Caller
+
+    me = Caller.of_uid(os.getuid()).user
     via = os.environ.get("SUDO_USER")
     return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
 

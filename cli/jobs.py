@@ -17,6 +17,7 @@ from gpuq.cli.progress import bar, wanted
 from gpuq.cli.render import (
     duration,
     exit_status,
+    held,
     job,
     print_json,
     printable,
@@ -104,7 +105,7 @@ def _lines(j: Any) -> list[tuple[str, str]]:
             (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
              .replace("  ", " ") if j.after else ""),
             f"priority {j.priority}" if j.priority else "",
-            ("held by an admin" if getattr(j, "admin_hold", False) else "held") if j.held else "",
+            held(j) if j.held else "",
             f"host memory limit {j.host_mem_mib} MiB" if j.host_mem_mib else ""]
     if any(asks):
         lines.append(("asks", "; ".join(a for a in asks if a)))

@@ -14,6 +14,7 @@ from gpuq.service.display import (  # noqa: F401 - the CLI's names for them
     drained,
     duration,
     exit_status,
+    held,
     printable,
     result_summary,
     time_limit,

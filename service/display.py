@@ -32,6 +32,15 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
+# A pending job an admin held (``jobs.admin_hold``): only an admin may release it.
+ADMIN_HELD = "held by an admin"
+
+
+def held(job: Job | Any) -> str:
+    """How a held job reads: held by its owner, or by an admin (whom alone it waits for)."""
+    return ADMIN_HELD if getattr(job, "admin_hold", False) else "held"
+
+
 def time_limit(seconds: int) -> str:
     """A time limit as `--time` takes it back and every front-end and end reason writes it:
     H:MM:SS, hours past a day going on counting (100:00:00)."""
@@ -63,9 +72,7 @@ def result_summary(job: Job | Any) -> str:
             return "exit 0"
         return "done"
     if job.state == State.PENDING:
-        if job.held:
-            return "held by an admin" if getattr(job, "admin_hold", False) else "held"
-        return job.reason or "waiting for GPUs"
+        return held(job) if job.held else (job.reason or "waiting for GPUs")
     if job.state == State.RUNNING and job.cancel_requested_at:
         return c.CANCELLING
     if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:

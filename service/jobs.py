@@ -207,9 +207,6 @@ def changeable(session: Session, settings: Settings, ids: list[int], caller: Cal
     return found
 
 
-ADMIN_HELD = "held by an admin"
-
-
 def set_held(settings: Settings, job_id: int, held: bool, user: Caller | str | None = None) -> None:
     """Hold a pending job (it will not start) or release it; StateConflict if it cannot be."""
     why = set_held_all(settings, [job_id], held, user)[job_id]
@@ -243,8 +240,9 @@ def set_held_all(settings: Settings, job_ids: Sequence[int], held: bool, user: C
             else:
                 # An admin's hold of another user's job is the admin's to lift (SLURM's admin hold).
                 by_admin = held and admin and job.user != caller.user
+                reason = (display.ADMIN_HELD if by_admin else "held") if held else None
                 session.execute(lifecycle.HOLD, {"job_id": job_id, "held": held, "admin_hold": by_admin,
-                                                 "reason": (ADMIN_HELD if by_admin else "held") if held else None})
+                                                 "reason": reason})
                 outcome[job_id] = None
     if not held and None in outcome.values():
         broker.wake_scheduler(settings)

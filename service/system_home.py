@@ -16,6 +16,7 @@ import secrets
 from pathlib import Path
 
 from gpuq.service.dialect import sqlite_file
+from gpuq.service.rights import Caller
 from gpuq.service.settings import SYSTEM_SOCKET, Settings
 
 # Modes of a stack's state: a root stack's home traversable only, a user's own stack's closed, the
@@ -74,7 +75,7 @@ def socket_folder(socket: Path) -> None:
     for folder in [socket.parent, *socket.parent.parents]:
         st = folder.stat()
         if st.st_uid not in (0, me):
-            who = _user_name(st.st_uid)
+            who = Caller.of_uid(st.st_uid).user
             raise StackError(f"the server's socket {socket} is under {folder}, which {who} owns: they could replace "
                              "the socket and pose as the server; set GPUQ_SOCKET to a path under folders of root's "
                              "(or yours)")
@@ -82,15 +83,6 @@ def socket_folder(socket: Path) -> None:
             raise StackError(f"the server's socket {socket} is under {folder}, which every user may write (mode "
                              f"{st.st_mode & 0o7777:04o}): anyone could replace the socket and pose as the server; "
                              "make it 0755 or set GPUQ_SOCKET to a path in another folder")
-
-
-def _user_name(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _ensure_secret(path: Path) -> None:

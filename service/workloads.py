@@ -15,6 +15,7 @@ from typing import Any
 
 from gpuq.service import reach
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.rights import Caller
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -85,7 +86,7 @@ def job_path(value: str, *, cwd: str | None = None, owner: str | None = None, fl
     ``cwd`` defaults to this process's directory and ``owner`` to its user (a client's own)."""
     if value.startswith("~"):
         name, sep, rest = value[1:].partition("/")
-        who = name or owner or _this_user()
+        who = name or owner or Caller.of_uid(os.getuid()).user
         try:
             home = pwd.getpwnam(who).pw_dir
         except KeyError:
@@ -95,14 +96,6 @@ def job_path(value: str, *, cwd: str | None = None, owner: str | None = None, fl
             raise InvalidSpec(f"{flag} {value}: {who} has no home directory here")
         value = os.path.join(home, rest) if sep else home
     return os.path.abspath(os.path.join(os.path.abspath(cwd) if cwd else os.getcwd(), value))
-
-
-def _this_user() -> str:
-    # From the uid, not $USER (anyone can set it); a uid with no account has no home to give.
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
 
 
 def _num(x: float) -> str:
