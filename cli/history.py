@@ -34,6 +34,8 @@ def history(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The jobs that ended over a period, newest first: how each ended, where, how long it waited and ran."""
+    if user is not None and not user.strip():
+        raise InvalidSpec("--user needs a user name (or --all for everyone's jobs)")
     if everyone and user:
         raise InvalidSpec("--all and --user cannot be used together: pick one")
     states = ",".join(s for part in state or [] for s in part.split(",")) or None

@@ -60,9 +60,11 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
         print_json({k: v for k, v in data.items() if k not in ("elapsed_s", "output_readable")})
         return
     lines = _lines(job(data))
-    if data.get("env"):
-        # Names only: the values may be secrets, and a terminal is read over shoulders (--json has them).
-        lines.append(("env", ", ".join(sorted(data["env"])) + " (values: gpuq show --json)"))
+    # Names only: the values may be secrets, and a terminal is read over shoulders (--json has them).
+    # The umask gpuq passes the job on is its own, not one the user set: it is left out.
+    names = sorted(name for name in data.get("env") or () if name != c.UMASK_VARIABLE)
+    if names:
+        lines.append(("env", ", ".join(names) + " (values: gpuq show --json)"))
     for key, value in lines:
         typer.echo(f"{key:>10}  {printable(value)}")
     if data["result"]:

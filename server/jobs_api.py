@@ -162,6 +162,8 @@ async def history(request: web.Request) -> web.Response:
     q = request.query
     now = utcnow()
     states = tuple(s.strip() for s in q["state"].split(",") if s.strip()) if "state" in q else c.END_STATES
+    if "user" in q and not q["user"].strip():
+        raise InvalidSpec("user: give a user name (or neither user nor mine for everyone's jobs)")
     query = history_of.HistoryQuery(
         since=parse_when(q.get("since", "1d"), "--since", now), until=parse_when(q.get("until", "now"), "--until", now),
         user=caller.user if q.get("mine") in ("1", "true") else q.get("user") or None, states=states,

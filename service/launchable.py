@@ -25,10 +25,10 @@ def check_command(argv: list[str], workdir: str, path: str) -> None:
         if not reach.is_executable(target):
             raise InvalidSpec(f"{program} is not an executable file (from {workdir}){reach.closed()}")
     else:
-        found = reach.which(program, path)
+        found = reach.which(program, path, workdir)
         if found is None:
             raise InvalidSpec(f"command not found: {program} (not on PATH)")
-        target = os.path.join(workdir, found)  # a relative PATH entry is the job's directory's
+        target = found
     _check_start(program, target, workdir, path)
 
 
@@ -87,7 +87,7 @@ def _check_start(program: str, target: str, workdir: str, path: str) -> None:
         raise InvalidSpec(f"{program}: its #! line gives env {rest!r} as one word (the kernel does not split it), "
                           f"so it cannot start: write #!/usr/bin/env -S {rest}")
     found = (reach.is_executable(os.path.join(workdir, rest)) if os.sep in rest
-             else reach.which(rest, path) is not None)
+             else reach.which(rest, path, workdir) is not None)
     if not found:
         raise InvalidSpec(f"{program}: its #! line runs {rest} through env, and {rest} is not on the job's PATH"
                           f"{reach.closed()}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import pwd
-import shutil
 import stat
 import struct
 from collections.abc import Iterator
@@ -217,12 +216,12 @@ def is_executable(path: str) -> bool:
     return st is not None and stat.S_ISREG(st.st_mode)
 
 
-def which(program: str, path: str) -> str | None:
-    """``program`` on ``path`` as the owner's shell would find it."""
-    if _OWNER.get() is None:
-        return shutil.which(program, path=path)
+def which(program: str, path: str, workdir: str) -> str | None:
+    """``program`` on ``path`` as the owner's shell would find it, in ``workdir``: a relative entry
+    of ``path`` (``bin``, or an empty one: the directory itself) is taken from ``workdir``, where
+    the job starts, never from the server's own directory."""
     for directory in path.split(os.pathsep):
-        candidate = os.path.join(directory or ".", program)
+        candidate = os.path.join(workdir, directory, program)  # an absolute entry drops workdir
         if is_executable(candidate):
             return candidate
     return None

@@ -134,6 +134,8 @@ def test_the_owner_sees_the_values_they_passed_with_env(stack, tmp_path):
     env_line = next(line for line in plain.splitlines() if line.strip().startswith("env "))
     assert "MY_TOKEN" in env_line and env_line.endswith("(values: gpuq show --json)"), plain
     assert value not in plain, plain  # names, not values
+    assert shown["env"][c.UMASK_VARIABLE]  # the client sends its umask, and the job has it ...
+    assert c.UMASK_VARIABLE not in env_line, env_line  # ... but it is gpuq's, not a name the user gave
     ok(run_cli(["cancel", str(job_id)], stack.settings))
 
 

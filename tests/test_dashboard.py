@@ -338,6 +338,7 @@ def test_a_public_view_request_may_change_nothing_nor_ask_about_itself(ran):
     status, answer = api("GET", "/jobs/history?user=daemon", public=True)  # an account with no job
     assert status == 200 and (answer["jobs"], answer["counts"], answer["total"]) == ([], {}, 0)
     assert api("GET", "/jobs/history?user=nobody-here", public=True)[0] == 400  # no account, no job
+    assert api("GET", "/jobs/history?user=", public=True)[0] == 400  # an empty name is no name, not everyone's
     assert api("GET", "/jobs/active", public=True)[0] == 403
     with write_scope(st.settings) as session:
         assert jobs.get_job(session, j.held).state == "pending" and jobs.get_job(session, j.held).held

@@ -134,6 +134,8 @@ def test_gpuq_history_lists_my_ended_jobs_with_counts_and_everyones_with_all(use
     (["--since", "soon"], "bad --since 'soon'"),
     (["--since", "1d", "--until", "2d"], "--since must be before --until"),
     (["--all", "--user", "bob"], "--all and --user cannot be used together"),
+    (["--user", ""], "--user needs a user name"),  # not read as "mine"
+    (["--user", " "], "--user needs a user name"),
     (["--limit", "0"], "--limit"),
     (["--array", "x"], "--array"),
 ])

@@ -153,6 +153,23 @@ def test_a_binary_and_a_program_on_path_are_read_and_checked_too(tmp_path):
         check(["crlf-tool"], tmp_path, path=f"{bin_dir}:{PATH}")
 
 
+def test_a_relative_path_entry_is_the_jobs_directory_not_the_servers(tmp_path, monkeypatch):
+    # As the worker's exec finds it: PATH=bin:... is looked up from the job's directory.
+    job_dir, elsewhere = tmp_path / "job", tmp_path / "server"
+    for where in (job_dir / "bin", elsewhere / "bin"):
+        where.mkdir(parents=True)
+    write(job_dir / "bin" / "crlf-tool", b"#!/bin/sh\r\n")
+    write(elsewhere / "bin" / "crlf-tool", "#!/bin/sh\ntrue\n")
+    write(elsewhere / "bin" / "only-there", "#!/bin/sh\ntrue\n")
+    monkeypatch.chdir(elsewhere)  # the server's own directory holds a good one of each
+    with pytest.raises(InvalidSpec, match="crlf-tool: its #! line ends in a carriage return"):
+        check(["crlf-tool"], job_dir, path=f"bin:{PATH}")
+    with pytest.raises(InvalidSpec, match="command not found: only-there"):
+        check(["only-there"], job_dir, path=f"bin:{PATH}")
+    write(job_dir / "tool", "#!/bin/sh\ntrue\n")
+    assert check(["tool"], job_dir, path=f":{PATH}").argv == ["tool"]  # an empty entry: the directory itself
+
+
 def test_a_file_its_owner_may_not_read_is_not_read_for_them(shared_dir):
     # Execute-only: the kernel runs a binary so; root reads it, but what it says is not nobody's to learn.
     for name, content in (("noline", b"echo hi\n"), ("crlf", b"#!/bin/sh\r\n"), ("nope", b"#!/opt/nope/x\n")):
