@@ -3,6 +3,7 @@ server), `gpuq drain` and `gpuq resume` (admin commands on the database, like th
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -154,8 +155,6 @@ def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> Non
 def _admin() -> str:
     """Who runs this admin command: the process's user (only root and gpuq's own account open the
     database), and the one who became root through sudo (sudo sets SUDO_USER for root's process)."""
-    import os
-
     from gpuq.service.rights import Caller
 
     me = Caller.of_uid(os.getuid()).user
@@ -168,10 +167,30 @@ def _set_drained(node: str, drained: bool, reason: str | None) -> bool:
     from gpuq.service import broker, inventory
     from gpuq.service.db import require_schema, write_scope
 
-    settings = admin_settings("drain" if drained else "resume")
+    action = "drain" if drained else "resume"
+    settings = admin_settings(action)
     require_schema(settings)
+    admin = _admin()
     with write_scope(settings) as session:
-        only_reason = inventory.set_drained(session, node, drained, reason, by=_admin())
+        only_reason = inventory.set_drained(session, node, drained, reason, by=admin)
+    done = f"node {printable(node)}" + (f" (reason: {printable(reason)})" if drained and reason else "")
+    _audit(settings, f"{action} by {admin} (uid {os.getuid()}): {done}")
     if not drained:
         broker.wake_scheduler(settings)
     return only_reason
+
+
+def _audit(settings: Any, line: str) -> None:
+    """The change in the server's audit trail (``gpuq.audit`` in logs/server.log, server/audit.py),
+    where the stack on this host keeps it; a host with no stack's logs gets none. The change is
+    made: a line that cannot be written is said on stderr, not an error."""
+    from gpuq.service.logs import append_line
+
+    log = settings.log_dir / "server.log"
+    if not settings.log_dir.is_dir():
+        return
+    try:
+        append_line(log, "gpuq.audit", line)
+    except OSError as e:
+        typer.echo(f"gpuq: the change is made, but its audit line could not be written to {log}: "
+                   f"{e.strerror or e}", err=True)

@@ -189,6 +189,19 @@ def configure(level: int | str = logging.INFO) -> RepeatFilter:
     return _installed
 
 
+def append_line(path: Path, logger: str, message: str, level: int = logging.INFO) -> None:
+    """One line in gpuq's format appended to a log that other processes write too: an admin
+    command's audit line in the server's log (`gpuq drain` and `gpuq resume` change the database
+    from the admin's own process, not through the server). One write to a file opened O_APPEND,
+    as the processes writing it hold it (``rotate_log``), so the line lands whole at its end."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    try:
+        handler.setFormatter(logging.Formatter(FORMAT))
+        handler.emit(logging.LogRecord(logger, level, __file__, 0, message, None, None))
+    finally:
+        handler.close()
+
+
 def rotate_log(path: Path, max_bytes: int, keep: int) -> bool:
     """Rotate ``path`` if it has reached ``max_bytes``: NAME.1 ... NAME.(keep-1) become NAME.2 ...
     NAME.keep (the oldest, NAME.keep, goes), the log is copied to NAME.1 and emptied in place.

@@ -17,6 +17,7 @@ from gpuq.service.db import write_scope
 from gpuq.service.inventory import drained_nodes
 from tests import test_multiuser as multiuser
 from tests.conftest import free_port
+from tests.test_audit import logged
 
 pytestmark = [multiuser.pytestmark, pytest.mark.timeout(300)]
 
@@ -71,10 +72,15 @@ def test_admin_commands_of_a_user_with_no_database_name_the_root_stack_they_use_
     down = box.gpuq(box.b, "down")
     assert down.returncode == 0 and down.stdout.strip() == (
         f"gpuq was not up (no stack of yours; the server at {box.socket} is root's and stays up)"), down
-    # Root's own are not refused: root drains and resumes its node.
-    for args, says in ((("drain", box.settings.node), "drained"), (("resume", box.settings.node), "resumed")):
-        done = multiuser._run([multiuser.GPUQ, *args], env=box.env)
+    # Root's own are not refused: root drains and resumes its node, and the server's audit trail
+    # has both, with the admin sudo let in.
+    node = box.settings.node
+    for args, says in ((("drain", node, "--reason", "fan swap"), "drained"), (("resume", node), "resumed")):
+        done = multiuser._run([multiuser.GPUQ, *args], env={**box.env, "SUDO_USER": "labadmin"})
         assert done.returncode == 0 and says in done.stdout, done.stderr
+    log = box.settings.log_dir / "server.log"
+    logged(log, f"drain by labadmin via sudo (uid 0): node {node} (reason: fan swap)")
+    logged(log, f"resume by labadmin via sudo (uid 0): node {node}")
 
 
 def test_a_users_own_stack_beside_roots_still_starts_and_its_admin_commands_steer_it(box):
