@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -25,9 +26,10 @@ app = typer.Typer()
 db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=True, add_completion=False)
 
 # What an admin command does with gpuq's database, for the line that refuses it; the rest open it.
-_DOES = {"down": "stops the stack that keeps gpuq's database"}
+_DOES = {"down": "stops the stack that keeps gpuq's database",
+         "reconfigure": "restarts the stack that keeps gpuq's database"}
 # The admin commands that start and stop a user's own stack: one beside root's is theirs to run.
-_OWN_STACK = ("up", "down")
+_OWN_STACK = ("up", "down", "reconfigure")
 # The admin commands that steer the queue the client uses.
 _STEERS = ("drain", "resume")
 
@@ -155,6 +157,48 @@ def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
                    "and stays up)")
     else:
         typer.echo("gpuq was not up")
+
+
+@app.command()
+def reconfigure(wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for the server to answer again.")]
+                = 30.0) -> None:
+    """Have the running stack take up an edited config file, as `scontrol reconfigure` (an admin
+    command): the server and the scheduler restart on it at once, each worker once its running job
+    has ended; no job is stopped."""
+    from gpuq.service import reconfigure as reconfiguring
+    from gpuq.service.errors import ConfigError, StackError
+
+    settings = admin_settings("reconfigure")
+    before = _server_pid(settings.server_socket)
+    outcome = reconfiguring.ask(settings)
+    if not outcome.taken:
+        raise ConfigError(f"reconfigure refused: {outcome.said}")
+    typer.echo(f"gpuq reconfigured: {outcome.said}")
+    # The server restarting answers again: said, so an edit its start refuses (a port taken) shows now.
+    deadline = time.monotonic() + wait
+    while (now := _server_pid(settings.server_socket)) in (None, before):
+        if time.monotonic() > deadline:
+            raise StackError(f"the server has not answered again within {wait:g} s: see "
+                             f"{settings.log_dir / 'server.log'}")
+        time.sleep(0.1)
+    typer.echo(f"the server answers again on the new settings (pid {now})")
+
+
+def _server_pid(path: str | Path) -> int | None:
+    """The pid of the server listening on the Unix socket ``path`` (the kernel's SO_PEERCRED of a
+    connection to it), None where none listens there."""
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(1.0)
+            conn.connect(str(path))
+            pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            return pid
+    except OSError:
+        return None
 
 
 @app.command()

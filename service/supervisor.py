@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gpuq.service import broker, inventory, system_home
+from gpuq.service import broker, inventory, reconfigure, system_home
 from gpuq.service.celery_app import queue_name
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.devices import GpuInfo, open_devices
-from gpuq.service.errors import StackError
+from gpuq.service.errors import ConfigError, StackError
 from gpuq.service.logs import configure as configure_logging
 from gpuq.service.logs import rotate_logs
-from gpuq.service.settings import Settings, get_settings
+from gpuq.service.settings import Settings, get_settings, load_settings
 from gpuq.service.stack import SUPERVISOR_LOGGER, left_out_file, pid_file, tail
 from gpuq.service.stop_mark import Stopping, stop_under_way, stopping_file, write_stop_mark
 
@@ -89,6 +89,8 @@ class Child:
     gpu: GpuInfo | None = None  # a worker's GPU
     # Why this GPU's worker could not start, once its GPU was left out: not restarted until resumed.
     left_out: str | None = None
+    # Stopped by `gpuq reconfigure` to start again on the new settings: at once, not as a failure.
+    reconfiguring: bool = False
 
     def start(self) -> None:
         with open(self.log_path, "ab") as out:
@@ -128,6 +130,7 @@ class Supervisor:
                                        pinned, settings.log_dir / f"worker-gpu{gpu.index}.log", gpu=gpu))
         self.resume_check_at = 0.0
         self.log_check_at = 0.0
+        self.reconfigure_asked = False
 
     def _redis_child(self, env: dict[str, str]) -> Child:
         url = urlsplit(self.settings.broker)
@@ -165,9 +168,13 @@ class Supervisor:
         except OSError as exc:
             log.warning("could not mark the stop under way: %s", exc)
 
+    def _on_hup(self, *_: object) -> None:
+        self.reconfigure_asked = True
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_term)
+        signal.signal(signal.SIGHUP, self._on_hup)
         stopping_file(self.settings).unlink(missing_ok=True)  # a killed supervisor's
         pid_file(self.settings).write_text(str(os.getpid()))
         left_out_file(self.settings).unlink(missing_ok=True)
@@ -178,6 +185,9 @@ class Supervisor:
             for child in self.services:
                 child.start()
             while not self.stop_requests and self.gave_up is None:
+                if self.reconfigure_asked:
+                    self.reconfigure_asked = False
+                    self._reconfigure()
                 self._restart_dead()
                 self._restart_resumed()
                 self._rotate_logs()
@@ -201,10 +211,46 @@ class Supervisor:
                 raise StackError(f"redis did not start: {tail(redis.log_path)}")
             time.sleep(0.1)
 
+    def _reconfigure(self) -> None:
+        """`gpuq reconfigure` (service/reconfigure.py): the settings read again and, if valid and
+        none of the stack's own changed, every child restarted on them: the server and the
+        scheduler now, each worker warm (SIGTERM), once its running job has ended."""
+        asked = time.time()
+        try:
+            fresh = load_settings()
+        except ConfigError as exc:
+            outcome = reconfigure.Outcome(asked, False, f"the settings are not valid, nothing changed: {exc}")
+        else:
+            fixed = reconfigure.fixed_changes(self.settings, fresh)
+            if fixed:
+                outcome = reconfigure.Outcome(asked, False, f"{', '.join(fixed)} changed, which a running stack "
+                                                            "cannot take up: `gpuq down` and `gpuq up` to apply; "
+                                                            "nothing changed")
+            else:
+                differ = reconfigure.changed(self.settings, fresh)
+                self.settings = fresh
+                for child in self.services:
+                    if child.alive() and not child.left_out:
+                        child.reconfiguring = True
+                        child.signal(signal.SIGTERM)  # a worker's first: warm, its running job finishes
+                outcome = reconfigure.Outcome(asked, True, (f"changed: {', '.join(differ)}" if differ else
+                                                            "no setting changed") + "; restarting the server and the "
+                                                            "scheduler now, each worker once its running job ends")
+        (log.info if outcome.taken else log.error)("reconfigure: %s", outcome.said)
+        try:
+            reconfigure.write_outcome(self.settings, outcome)
+        except OSError as exc:
+            log.warning("could not write the reconfigure's outcome: %s", exc)
+
     def _restart_dead(self) -> None:
         now = time.monotonic()
         for child in ([self.redis] if self.redis else []) + self.services:
             if child.left_out:
+                continue
+            if child.reconfiguring and not child.alive():
+                child.reconfiguring, child.restart_at, child.delay = False, 0.0, RESTART_DELAY
+                log.info("%s stopped for the new settings", child.name)
+                child.start()
                 continue
             if child.alive():
                 if now - child.started_at > HEALTHY_AFTER:
@@ -290,7 +336,8 @@ class Supervisor:
     def _shutdown(self) -> None:
         log.info("stopping: warm shutdown of the workers")
         for child in self.services:
-            child.signal(signal.SIGTERM)
+            if not child.reconfiguring:  # one stopping warm for `gpuq reconfigure` is told once: a second interrupts
+                child.signal(signal.SIGTERM)
         interrupted = False
         while any(c.alive() for c in self.services):
             if self.stop_requests >= 2 and not interrupted:

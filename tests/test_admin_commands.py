@@ -46,10 +46,11 @@ def test_admin_commands_on_roots_database_are_refused_in_one_line_naming_it_with
     env = {**box.user_env(box.a), "GPUQ_HOME": str(box.settings.home)}
     database = box.settings.home / "gpuq.db"
     home, drained = _files_under(box.home_of(box.a)), _drained(box)
-    for args in [*_commands(box), ("up", "--timeout", "30"), ("down",)]:
+    for args in [*_commands(box), ("up", "--timeout", "30"), ("down",), ("reconfigure",)]:
         name = " ".join(args[:2]) if args[0] == "db" else args[0]
         line = multiuser._refused(box.as_user(box.a, multiuser.GPUQ, *args, env=env))
-        does = "stops the stack that keeps gpuq's database" if name == "down" else "opens gpuq's database"
+        does = {"down": "stops the stack that keeps gpuq's database",
+                "reconfigure": "restarts the stack that keeps gpuq's database"}.get(name, "opens gpuq's database")
         assert line == (f"gpuq: gpuq {name} is an admin command: it {does}, which only root and gpuq's own "
                         f"services can read ({database})"), line
     assert _files_under(box.home_of(box.a)) == home and _drained(box) == drained
