@@ -232,7 +232,9 @@ class Supervisor:
                 for child in self.services:
                     if child.alive() and not child.left_out:
                         child.reconfiguring = True
-                        child.signal(signal.SIGTERM)  # a worker's first: warm, its running job finishes
+                        # A worker's first SIGINT is a warm stop with no GPUQ_SHUTDOWN_GRACE: its
+                        # running job runs to its end (workers/main.py).
+                        child.signal(signal.SIGINT if child.gpu is not None else signal.SIGTERM)
                 outcome = reconfigure.Outcome(asked, True, (f"changed: {', '.join(differ)}" if differ else
                                                             "no setting changed") + "; restarting the server and the "
                                                             "scheduler now, each worker once its running job ends")

@@ -45,6 +45,7 @@ def test_reconfigure_takes_up_an_edited_file_without_stopping_the_running_job(tm
     config = tmp_path / "config.toml"
     config.write_text('fake_gpus = 1\nmax_time = "1h"\nmax_priority = 10\n')
     env = {k: v for k, v in settings_env(settings).items() if k not in FROM_FILE} | {"GPUQ_CONFIG": str(config)}
+    env["GPUQ_SHUTDOWN_GRACE"] = "1"  # a `gpuq down` would interrupt the job after 1 s; a reconfigure does not
     up = _gpuq(env, "up", "--timeout", "150", timeout=180)
     assert up.returncode == 0, up.stdout + up.stderr
     try:

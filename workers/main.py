@@ -135,8 +135,10 @@ def _let_shared_jobs_end(state: WorkerState) -> None:
 
 
 def _interrupt_on_second_shutdown(state: WorkerState) -> None:
-    """First SIGTERM: warm shutdown, the running job finishes (and no next one starts here).
-    Second: the running job is stopped."""
+    """First SIGTERM: warm shutdown, the running job finishes (and no next one starts here),
+    within GPUQ_SHUTDOWN_GRACE where one is set. First SIGINT (Ctrl-C at a foreground worker, and
+    `gpuq reconfigure`'s restart, which must stop no job): the same with no grace, the job runs to
+    its end. Second: the running job is stopped."""
     from celery.signals import worker_shutting_down
 
     requests = []
@@ -147,7 +149,7 @@ def _interrupt_on_second_shutdown(state: WorkerState) -> None:
         state.stopping.set()
         if len(requests) >= 2 or how == "Cold":
             state.interrupt.set()
-        elif state.settings.shutdown_grace > 0:
+        elif state.settings.shutdown_grace > 0 and sig != "SIGINT":
             # Warm, but not forever: past the grace period the job is stopped and requeued.
             timer = threading.Timer(state.settings.shutdown_grace, state.interrupt.set)
             timer.daemon = True
