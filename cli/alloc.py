@@ -63,7 +63,7 @@ def alloc(
     """
     command = ctx.meta.get(COMMAND_KEY)
     if command is not None and not command:
-        raise GpuqError("no command given after --")
+        raise InvalidSpec("no command given after --")
     cwd = _cwd()
     _check_program(command, cwd)
     body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "mem": mem, "shared": shared,
@@ -117,9 +117,13 @@ def _wait_for_start(client: Client, job_id: int) -> dict[str, Any]:
         except KeyboardInterrupt:
             waiting.clear()
             _cancel_quietly(client, job_id)
+            say(sys.stderr, f"\ngpuq: cancelled allocation {job_id} before it started\n")
             raise typer.Exit(c.EXIT_RUN_CANCELLED) from None
         except HangUp as hung:
+            waiting.clear()
             _cancel_quietly(client, job_id)
+            # A new line first: on a terminal the waiting line is cleared, in a log it ends there.
+            say(sys.stderr, f"\ngpuq: {hung}: cancelled allocation {job_id} before it started\n")
             raise typer.Exit(hung.exit_code) from None
 
 
@@ -150,32 +154,36 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
     keeper = _Keeper(client, held, child)
     keeper.start()
 
-    hanging_up = threading.Event()
+    hung_up: list[HangUp] = []
 
     def hang_up(signum: int, frame: FrameType | None) -> None:
         """SIGHUP or SIGTERM to this client ends the session: the shell (or command) is hung up, as a
         closed terminal would, and its exit ends the allocation (see ``_end_child``)."""
-        if not hanging_up.is_set():
-            hanging_up.set()
+        if not hung_up:
+            hung_up.append(HangUp(signum))
             threading.Thread(target=_end_child, args=(child, keeper.stop), name="hang-up", daemon=True).start()
 
     # The terminal's Ctrl-C and Ctrl-\ are the shell's to act on, not this process's.
     before = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGQUIT)}
     before |= {s: signal.signal(s, hang_up) for s in (signal.SIGHUP, signal.SIGTERM)}
     try:
+        # As a command job's: -N for one killed by signal N, which the end then names (SIGKILL).
         code = child.wait()
     finally:
         keeper.stop.set()
         for s, handler in before.items():
             signal.signal(s, handler)
-    code = 128 - code if code < 0 else code
     if not keeper.ended.is_set():
         try:  # safe to send again: the server ignores an end of an ended allocation
             client.post(f"/jobs/{job_id}/end", {"exit_code": code}, ride_out=True)
         except Refused as exc:
             if exc.exit_code != c.EXIT_CONFLICT:
                 raise
-    return _report(client, job_id, code)
+    ended = _report(client, job_id, code)
+    if hung_up:  # this client was told to go: it says so, and exits as the signal says (129, 143)
+        say(sys.stderr, f"gpuq: {hung_up[0]}: ended allocation {job_id}\n")
+        return hung_up[0].exit_code
+    return ended
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
@@ -203,10 +211,10 @@ def _report(client: Client, job_id: int, code: int | None = None) -> int:
         if time.monotonic() >= deadline:
             say(sys.stderr, f"gpuq: allocation {job_id} has not ended yet ({state}); its worker is stopping what "
                             "it started\n")
-            return code if code is not None else c.EXIT_RUN_GPUQ
+            return (128 - code if code < 0 else code) if code is not None else c.EXIT_RUN_GPUQ
     by_client = end.get("failure") in (None, c.FAILURE_EXIT) and end.get("exit_code") == code
     if by_client and code is not None:
-        return code
+        return 128 - code if code < 0 else code
     line = end_line(job_id, end)
     if line:
         say(sys.stderr, line + "\n")

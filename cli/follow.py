@@ -8,12 +8,14 @@ made (constants.EXIT_RUN_*). The server answers each request as soon as there is
 follower costs one request per batch of output, not a poll many times a second.
 
 Ctrl-C during `gpuq run` cancels the job and waits for it to stop (a second Ctrl-C leaves at once);
-a closed terminal (SIGHUP) or SIGTERM cancels it and leaves. `gpuq attach` leaves on Ctrl-C, and the
-job goes on.
+a closed terminal (SIGHUP) or SIGTERM cancels it and leaves, and so does a reader of its output that
+went away (`gpuq run ... | head`: srun dies of the SIGPIPE, and its step with it), with 141. `gpuq
+attach` leaves on any of them, and the job goes on.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -47,6 +49,16 @@ class HangUp(Exception):
     def exit_code(self) -> int:
         """A shell's code for a process ended by that signal: 129 for SIGHUP, 143 for SIGTERM."""
         return 128 + self.signum
+
+
+class ReaderGone(Exception):
+    """Where the job's output goes was closed (a broken pipe: `gpuq run ... | head` once head has
+    its lines). Left as a shell reports a process SIGPIPE killed: 141."""
+
+    exit_code = 128 + signal.SIGPIPE
+
+    def __str__(self) -> str:
+        return "its output's reader is gone (broken pipe)"
 
 
 def exit_code_of(end: dict[str, Any]) -> int:
@@ -117,12 +129,39 @@ class Waiting:
 
 
 def say(stream: TextIO, text: str) -> None:
-    """Write ``text`` to ``stream`` now; nothing if the terminal is gone."""
+    """Write gpuq's own ``text`` to ``stream`` now; nothing if the terminal or the pipe is gone."""
     try:
         stream.write(text)
         stream.flush()
     except OSError:  # the terminal is gone (a hang-up): nothing to tell it
         pass
+
+
+def put(stream: TextIO, data: str) -> None:
+    """Write the job's own output ``data`` to ``stream`` now: as ``say``, but a pipe whose reader
+    left (`| head`) raises ReaderGone, which ends the following."""
+    try:
+        stream.write(data)
+        stream.flush()
+    except BrokenPipeError:
+        raise ReaderGone() from None  # the follower says so on stderr, then ``quiet``
+    except OSError:
+        pass
+
+
+def quiet() -> None:
+    """Point stdout and stderr at /dev/null: what is left in their buffers, and the interpreter's
+    flush at exit, then go nowhere instead of failing on a closed pipe or terminal (which turned
+    the exit code into Python's 120, or 1, and printed a traceback of the flush)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):
+                pass
+    finally:
+        os.close(devnull)
 
 
 def _hang_up(signum: int, frame: FrameType | None) -> None:
@@ -149,6 +188,7 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
     waiting = Waiting(job_id)
     seq, state = -1, None
     cancelling = False
+    open_line = False  # the job's output so far ends inside a line: gpuq's own words start a new one
     with hang_up_raises():
         while True:
             try:
@@ -162,10 +202,11 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                     continue
                 waiting.clear()
                 for _, data, stream in answer["chunks"]:
-                    say(sys.stderr if stream == c.STDERR else sys.stdout, data)
+                    put(sys.stderr if stream == c.STDERR else sys.stdout, data)
+                    open_line = bool(data) and not data.endswith("\n")
                 seq = answer["chunks"][-1][0] if answer["chunks"] else seq
                 if state in c.END_STATES and not answer["chunks"]:
-                    return _ended(job_id, answer, interrupted=cancelling)
+                    return _ended(job_id, answer, interrupted=cancelling, open_line=open_line)
                 if detach and state == State.RUNNING:
                     say(sys.stderr, f"gpuq: job {job_id} is running; `gpuq attach {job_id}` follows it, "
                                     f"`gpuq cancel {job_id}` stops it\n")
@@ -186,13 +227,16 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                     return late.exit_code
                 if not sent:
                     return c.EXIT_RUN_CANCELLED
-            except HangUp as hung:
+            except (HangUp, ReaderGone) as hung:
                 waiting.clear()
-                if cancel_on_interrupt:
+                if state in c.END_STATES:
+                    pass  # ended: nothing left to cancel or leave
+                elif cancel_on_interrupt:
                     _cancel(client, job_id)
                     say(sys.stderr, f"\ngpuq: {hung}: cancelled job {job_id}\n")  # nowhere if the terminal is gone
                 else:
                     say(sys.stderr, f"\ngpuq: {hung}: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
+                quiet()  # nothing more is read there: the exit's flush must not fail on it
                 return hung.exit_code
 
 
@@ -216,13 +260,17 @@ def _cancel(client: Client, job_id: int) -> tuple[bool, HangUp | None]:
     return True, HangUp(late[0]) if late else None
 
 
-def _ended(job_id: int, end: dict[str, Any], interrupted: bool = False) -> int:
+def _ended(job_id: int, end: dict[str, Any], interrupted: bool = False, open_line: bool = False) -> int:
     """Say how the job ended and return its exit code; ``interrupted``: this terminal's Ctrl-C
-    asked for its cancel, so a cancelled end is the user's own interrupt (130)."""
-    sys.stdout.flush()
-    if end.get("kind") == c.KIND_WORKLOAD and end.get("result"):
-        say(sys.stdout, "\n".join(result_lines(end["result"])) + "\n")
+    asked for its cancel, so a cancelled end is the user's own interrupt (130); ``open_line``: the
+    job's output ended inside a line, which gpuq's words must not be glued to."""
+    put(sys.stdout, "")
+    result = end.get("kind") == c.KIND_WORKLOAD and end.get("result")
     line = end_line(job_id, end)
+    if open_line and (result or line):
+        (put if result else say)(sys.stdout if result else sys.stderr, "\n")
+    if result:
+        put(sys.stdout, "\n".join(result_lines(end["result"])) + "\n")
     if line:
         say(sys.stderr, line + "\n")
     if interrupted and end["state"] == State.CANCELLED:

@@ -225,6 +225,31 @@ def test_a_terminated_run_cancels_its_job_says_so_and_exits_as_sigterm_would(sta
     wait_until(lambda: processes_with(f"sleep {marker}") == [], what="its processes gone")
 
 
+def test_run_into_a_pipe_whose_reader_left_cancels_its_job_and_exits_141_as_sigpipe(stack):
+    # `gpuq run ... | head -1`: the rest of the output was followed to the job's end and thrown
+    # away, and the exit was 1 (Python's failed flush) whatever the job did. srun dies of SIGPIPE.
+    marker = unique_sleep()
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--", "sh", "-c",
+                            f"echo first; sleep {marker} & while :; do sleep 0.2; echo more; done"],
+                           env=stack.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout.readline().strip() == "first"
+    job_id = newest_job(stack.settings)
+    run.stdout.close()  # the reader leaves, as head does once it has its line
+    err = run.stderr.read()
+    assert run.wait(60) == 128 + signal.SIGPIPE, err
+    assert err.strip().splitlines()[-1] == f"gpuq: its output's reader is gone (broken pipe): cancelled job {job_id}"
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    wait_until(lambda: job_of(stack.settings, job_id)[0].state == State.CANCELLED, what="cancelled")
+    wait_until(lambda: processes_with(f"sleep {marker}") == [], what="its processes gone")
+
+
+def test_gpuqs_words_after_output_that_ends_inside_a_line_start_a_line_of_their_own(stack, terminals):
+    t = terminals(["run", "--", "sh", "-c", "printf partial; kill -9 $$"], stack.env)
+    assert t.wait() == 128 + 9
+    job_id = newest_job(stack.settings)
+    assert f"partial\r\ngpuq: job {job_id} failed" in t.text, t.text  # not "partialgpuq: job ..."
+
+
 def test_detach_leaves_a_running_job_and_attach_follows_it_to_its_exit_status(stack):
     detached = run_cli(["run", "--detach", "--", "sh", "-c", "echo one; sleep 2; echo two >&2; exit 5"],
                        stack.settings)
@@ -335,6 +360,17 @@ def test_allocs_never_share_a_gpu_and_a_waiting_one_whose_client_died_is_cancell
         waiter = newest_job(stack.settings)
         time.sleep(1.0)
         assert job_of(stack.settings, waiter)[0].state == State.PENDING  # both GPUs are the first one's
+        # A third, told to stop while it waits: cancelled, and it says so on a line of its own.
+        third = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "true"], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: newest_job(stack.settings) > waiter, what="the third allocation queued")
+        stopped = newest_job(stack.settings)
+        time.sleep(1.0)
+        third.send_signal(signal.SIGTERM)
+        _, err = third.communicate(timeout=30)
+        assert third.returncode == 128 + signal.SIGTERM, err
+        assert err.splitlines()[-1] == f"gpuq: SIGTERM: cancelled allocation {stopped} before it started", err
+        assert job_of(stack.settings, stopped)[0].state == State.CANCELLED
         second.kill()
         second.wait(10)
         wait_until(lambda: job_of(stack.settings, waiter)[0].state == State.CANCELLED, timeout=KEEPALIVE + 10,
@@ -353,13 +389,16 @@ def test_sigterm_to_alloc_ends_a_command_that_ignores_hangups_and_frees_the_gpus
     # As under nohup: the command ignores SIGHUP, the hang-up a closed terminal sends.
     client = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "sh", "-c",
                                f"trap '' HUP; sleep {marker}; echo never"], env=settings_env(stack.settings),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: processes_with(f"sleep {marker}"), what="the allocation's command started")
         job_id = newest_job(stack.settings)
         client.send_signal(signal.SIGTERM)
-        out, _ = client.communicate(timeout=30)  # SIGHUP, then SIGTERM 2 s on, then SIGKILL
+        out, err = client.communicate(timeout=30)  # SIGHUP, then SIGTERM 2 s on, then SIGKILL
         assert b"never" not in out
+        # As `gpuq run` leaves on SIGTERM: a line, and 143 (not the hung-up shell's own code).
+        assert client.returncode == 128 + signal.SIGTERM, err
+        assert err.decode().strip().splitlines()[-1] == f"gpuq: SIGTERM: ended allocation {job_id}", err
         wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, what="the allocation ended")
         wait_until(lambda: processes_with(f"sleep {marker}") == [], what="the command's sleep stopped")
     finally:
@@ -389,6 +428,15 @@ def test_alloc_on_a_node_without_gpuq_gpus_is_one_line_and_writes_nothing(stack)
     assert out.returncode == c.EXIT_USAGE
     assert out.stderr.count("\n") == 1 and "node login-node-1 has no gpuq GPUs" in out.stderr
     assert newest_job(stack.settings) == before
+
+
+def test_an_allocations_command_killed_by_a_signal_is_recorded_as_one_and_no_command_is_bad_input(stack):
+    killed = run_cli(["alloc", "--", "sh", "-c", "kill -9 $$"], stack.settings)
+    assert killed.returncode == 128 + 9, killed.stderr
+    job, _ = job_of(stack.settings, newest_job(stack.settings))
+    assert (job.exit_code, job.reason) == (-9, "its shell or command was killed by SIGKILL")  # as `gpuq run`'s
+    nothing = run_cli(["alloc", "--"], stack.settings)
+    assert nothing.returncode == c.EXIT_USAGE and nothing.stderr == "gpuq: no command given after --\n", nothing
 
 
 def test_an_allocation_cannot_be_resubmitted(stack):

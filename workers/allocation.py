@@ -21,6 +21,7 @@ from gpuq.service import constants as c
 from gpuq.service.allocations import RUN_ID_VARIABLE, ClientState, client_state
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope
+from gpuq.service.failures import signal_name
 from gpuq.service.models import utcnow
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import stop_tree, verify_gone
@@ -88,8 +89,11 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
                           "everything it started was stopped"}
     if client.exit_code == 0:
         return {"state": State.SUCCEEDED, "exit_code": 0}
-    return {"state": State.FAILED, "failure": c.FAILURE_EXIT, "exit_code": client.exit_code,
-            "reason": f"its shell or command exited with {client.exit_code}"}
+    code = client.exit_code
+    # A negative code is a signal's (the client sends -N as a command job's end records it).
+    ended = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with {code}"
+    return {"state": State.FAILED, "failure": c.FAILURE_EXIT, "exit_code": code,
+            "reason": f"its shell or command {ended}"}
 
 
 def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Processes,
