@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 from gpuq.service import constants as c
-from gpuq.service.errors import ConfigError, GpuqError, Unreachable
+from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, Unreachable
 from gpuq.service.settings import SYSTEM_SOCKET, load_settings
 
 if TYPE_CHECKING:
@@ -195,6 +195,12 @@ class Client:
                         continue
                     if outage.overdue:
                         raise Overdue(f"no gpuq server answers at {self.address}: {_reason(exc)}") from None
+                if isinstance(exc, PermissionError) and self.tcp is None:
+                    # Not a server that is down: one this user may not reach, as a stack of
+                    # another user's own (its socket in their 0700 home): that user's alone.
+                    raise NotAllowed(f"the gpuq server at {self.address} is closed to you (permission denied on "
+                                     "its socket or a folder above it): it is another user's; use the machine's "
+                                     "queue or one of your own (`gpuq up`)") from None
                 # No server there at the first try: say so at once. A connection lost mid-request
                 # (a server restarting) is tried again, for a request that is safe to repeat.
                 never_there = attempt == 0 and isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
@@ -314,6 +320,9 @@ def _what_to_do(address: str) -> str:
     is root's (its socket's folder is there) and this user's own socket was looked at only because
     the machine's was missing a moment: then that queue is down or restarting, and a stack of one's
     own (what "start one with `gpuq up`" led to) is not the queue the others use."""
+    if address.startswith(("http://", "https://")):
+        # A TLS listener asked in plain HTTP closes the connection, and the reverse fails TLS.
+        return "(is its server up, listening there, and speaking the scheme GPUQ_SERVER gives, http or https?)"
     settings = load_settings()
     if address != SYSTEM_SOCKET and os.path.isdir(os.path.dirname(SYSTEM_SOCKET)) and not (
             settings.server or settings.socket):

@@ -134,6 +134,11 @@ def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the work
                f"the server on {settings.server_socket} (supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
     if st.new_database is not None:
         typer.echo(f"gpuq: a new, empty queue at {st.new_database} (no database was there)")
+    if st.upgraded_from is not None:
+        from gpuq.migrations.versions import HEAD
+
+        typer.echo(f"gpuq: upgraded the database at {mask_url(settings.database)} from schema revision "
+                   f"{st.upgraded_from} to {HEAD} (every node's gpuq must be this version now)")
     for index, why in sorted(st.left_out.items()):
         # Up, with the other GPUs: one GPU that fails must not keep a node's others from the queue.
         typer.echo(f"gpuq: GPU {index} left out, drained: {why}; fix it, then `gpuq resume {settings.node}` "
@@ -255,4 +260,6 @@ def db_current() -> None:
     from gpuq.service import db
 
     settings = admin_settings("db current")
+    if db.new_sqlite_file(settings):
+        db.require_schema(settings)  # names the missing file in one line (78), as every other command does
     typer.echo(db.current_revision(settings) or "none (run `gpuq db upgrade`)")

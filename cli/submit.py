@@ -48,6 +48,10 @@ class RunCommand(SubmitCommand):
         import click
 
         super().__init__(*args, **kwargs)
+        for param in self.params:
+            # Still read, to be refused in one line, but not offered: run follows one job, in the terminal.
+            if param.name in ("array", "sweep", "as_json") and isinstance(param, click.Option):
+                param.hidden = True
         self.params.append(click.Option(
             ["--detach"], is_flag=True, expose_value=False, help="Leave once the job runs (`gpuq attach ID` "
             "follows it again).", callback=lambda ctx, _, value: ctx.meta.__setitem__(DETACH_KEY, value)))

@@ -23,7 +23,7 @@ from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Job,
 from gpuq.service.samples import floor_minute
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
-_AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$", re.ASCII)
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 

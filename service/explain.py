@@ -50,7 +50,8 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if reason == policy.USER_LIMIT:
         held = sum(session.scalars(select(Job.gpus).where(Job.user == job.user, Job.state.in_(
             (State.DISPATCHED, State.RUNNING)))))
-        return (f"{head}: {job.user} holds {held} GPUs and the limit is {settings.user_gpu_limit} at once; "
+        return (f"{head}: {job.user} holds {held} GPU{'' if held == 1 else 's'} and the limit is "
+                f"{settings.user_gpu_limit} at once; "
                 f"this job needs {job.gpus} more")
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)

@@ -28,8 +28,9 @@ from pathlib import Path
 import psutil
 from sqlalchemy import select
 
+from gpuq.migrations.versions import HEAD
 from gpuq.service import broker, system_home
-from gpuq.service.db import new_sqlite_file, upgrade, write_scope
+from gpuq.service.db import current_revision, new_sqlite_file, upgrade, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.dialect import sqlite_file
 from gpuq.service.errors import StackError, StateConflict
@@ -81,6 +82,9 @@ class StackStatus:
     left_out: dict[int, str] = field(default_factory=dict)
     # The SQLite file this start made: a queue with no jobs yet (said, so a mistyped path shows).
     new_database: str | None = None
+    # The schema revision an existing database was at, where this start upgraded it (said: on a
+    # database other nodes share, their older gpuq would meet a schema it does not know).
+    upgraded_from: str | None = None
 
 
 def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
@@ -133,7 +137,9 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
                          f"take the password in {settings.redis_secret}): stop it, or set GPUQ_REDIS_PORT to a "
                          "free port, or GPUQ_BROKER_URL to a Redis to use")
     new_database = sqlite_file(settings.database) if new_sqlite_file(settings) else None
+    was = None if new_database else current_revision(settings)
     upgrade(settings)
+    upgraded_from = None if new_database or was == HEAD else (was or "none")
     system_home.private_database(settings)
     for d in (settings.run_dir, settings.log_dir):
         d.mkdir(parents=True, exist_ok=True)
@@ -150,7 +156,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         up_now = _registered(settings, [g.index for g in gpus], started) - set(gone)
         if up_now and len(up_now) + len(gone) == len(gpus) and _answers(settings):
             return StackStatus(proc.pid, len(up_now), settings.log_dir, starts_redis, settings.broker, gone,
-                               new_database)
+                               new_database, upgraded_from)
         time.sleep(0.2)
     # Nothing half-started is left behind: a stack that did not come up is not "up" either. Stopped
     # by its process, not its pid file, which a supervisor that is still starting may not have yet.

@@ -13,7 +13,8 @@ MAX_MEM_MIB = 1 << 30  # --mem: 1 PiB per GPU, far above any GPU; the real bound
 MAX_INDEX = 1_000_000_000  # --array indices
 MAX_JOB_ID = 2**31 - 1
 
-_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+# ASCII digits only: str.isdigit's others (٣, ³) read as numbers in a limit nobody typed.
+_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE | re.ASCII)
 _MEM_SCALE = {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024 * 1024}
 
 
@@ -32,13 +33,13 @@ def parse_mem(text: str, option: str = "--mem") -> int:
     return mib
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE | re.ASCII)
 _SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86400}
 
 
 # SLURM's forms (sbatch --time): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds.
-_SLURM_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$")
+_SLURM_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$", re.ASCII)
 TIME_FORMS = "2h, 30m, 90s, 1d, or as SLURM: minutes, M:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS"
 
 
@@ -85,7 +86,7 @@ def parse_indices(text: str) -> list[int]:
     """``0-9``, ``0-9:2``, ``1,3,5`` or a mix, as sorted unique indices."""
     out: set[int] = set()
     for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d{1,10})\s*(?:-\s*(\d{1,10})\s*(?::\s*(\d{1,10})\s*)?)?", part)
+        m = re.fullmatch(r"\s*(\d{1,10})\s*(?:-\s*(\d{1,10})\s*(?::\s*(\d{1,10})\s*)?)?", part, re.ASCII)
         if not m:
             raise InvalidSpec(f"--array takes ranges like 0-9, 0-9:2 or 1,3,5; got {text!r}")
         start = int(m.group(1))

@@ -253,3 +253,14 @@ def test_version_prints_gpuqs_version_and_exits_0():
 
     done = subprocess.run([sys.executable, "-m", "gpuq.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"gpuq {__version__}\n", "")
+
+
+def test_run_does_not_offer_the_options_it_refuses_and_refuses_them_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    offered = CliRunner().invoke(app, ["run", "--help"]).output
+    assert "--detach" in offered and not any(o in offered for o in ("--array", "--sweep", "--json")), offered
+    assert all(o in CliRunner().invoke(app, ["submit", "--help"]).output for o in ("--array", "--sweep", "--json"))
+    for args in (["--array", "0-1"], ["--sweep", "lr=1,2"]):
+        refused = CliRunner().invoke(app, ["run", *args, "--", "true"])
+        assert refused.exit_code == c.EXIT_USAGE and refused.output == (
+            "gpuq: gpuq run follows one job; queue an array or a sweep with gpuq submit\n"), refused.output

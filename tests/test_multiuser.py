@@ -13,6 +13,7 @@ import os
 import pwd
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -547,6 +548,17 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         assert pwd.getpwuid(os.stat(home / "gpuq.db").st_uid).pw_name == owner
         listing = box.as_user(other, "ls", str(home))
         assert listing.returncode != 0 and "Permission denied" in listing.stderr
+        # A stack whose socket is in its owner's home (the default) is closed to others: 77 and
+        # whose it is, not 69 and "start one with `gpuq up`".
+        inside = home / "gpuq.sock"
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(inside))
+            listener.listen()
+            closed = box.as_user(other, GPUQ, "status", env={**box.user_env(other), "GPUQ_SERVER": str(inside)})
+        line = _refused(closed)
+        assert line == (f"gpuq: the gpuq server at {inside} is closed to you (permission denied on its socket or a "
+                        "folder above it): it is another user's; use the machine's queue or one of your own "
+                        "(`gpuq up`)"), line
         ping = box.as_user(other, "redis-cli", "-p", str(port), "ping")
         assert "PONG" not in ping.stdout and "NOAUTH" in ping.stdout + ping.stderr, ping
     finally:

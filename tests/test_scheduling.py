@@ -139,7 +139,7 @@ def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
     assert state_of(s, first)[0] == State.DISPATCHED and state_of(s, other)[0] == State.DISPATCHED
     assert state_of(s, second)[:2] == (State.PENDING, "user limit")
     with write_scope(s) as session:
-        assert "ann holds 1 GPUs and the limit is 1 at once" in why(session, s, second)
+        assert "ann holds 1 GPU and the limit is 1 at once" in why(session, s, second)
 
 
 def test_held_jobs_wait_until_released_and_only_their_owner_may_release(settings):

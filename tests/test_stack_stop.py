@@ -135,3 +135,25 @@ def test_up_over_a_killed_supervisors_stack_says_so_and_a_down_after_a_sigterm_w
     assert _job(settings, job_id) == (c.State.SUCCEEDED, None, 0)
     assert "second stop request" not in (settings.log_dir / "supervisor.log").read_text()
     assert _processes_of(settings) == []
+
+
+def test_up_on_an_older_database_upgrades_it_and_says_from_which_revision(tmp_path):
+    # It upgraded in silence: on a database other nodes share, their older gpuq met a schema it did not know.
+    from gpuq.migrations.versions import HEAD
+    from gpuq.service import db
+    from tests.conftest import free_port, make_settings
+
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                             redis_port=free_port(), fake_gpus=1)
+    settings.home.mkdir(parents=True)
+    db.upgrade(settings, "0016")
+    db.dispose_engines()
+    try:
+        up = run_cli(["up", "--timeout", "150"], settings, timeout=180)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert (f"gpuq: upgraded the database at {settings.database} from schema revision 0016 to {HEAD} (every "
+                "node's gpuq must be this version now)") in up.stdout.splitlines(), up.stdout
+        assert "new, empty queue" not in up.stdout
+    finally:
+        _clean_up(settings)
+    assert db.current_revision(settings) == HEAD

@@ -290,6 +290,9 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
 
 @pytest.mark.parametrize("args,message", [
     (["submit", "--mem", "lots", "--", "true"], "--mem takes a size like 20G"),
+    (["submit", "--mem", "\u0663G", "--", "true"], "--mem takes a size like 20G"),  # an Arabic-Indic 3: was 3 GiB
+    (["submit", "--time", "\u0663h", "--", "true"], "--time takes " + TIME_FORMS),
+    (["submit", "--array", "0-\u0663", "--", "true"], "--array"),
     (["submit", "--time", "forever", "--", "true"], "--time takes " + TIME_FORMS),
     (["submit", "--time", "1:99:99", "--", "true"], "--time takes " + TIME_FORMS),
     (["submit", "--array", "5-1", "--", "true"], "--array range '5-1' is empty"),
