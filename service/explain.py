@@ -35,8 +35,11 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         tail = f": {job.reason}" if job.reason else ""
         where = f" on {job.node}" if job.node else ""
         verb = "" if job.state in c.END_STATES else "is "
+        if job.state == State.RUNNING:
+            where += _running_where(session, job)
         return f"job {job.id} {verb}{job.state}{where}{tail}"
-    reason = job.reason or "waiting for its first scheduling pass"
+    # A held job is not looked at by the scheduler: its reason says held from the submit on.
+    reason = job.reason or ("held" if job.held else "waiting for its first scheduling pass")
     head = f"job {job.id} waits ({reason})"
     if job.held and job.admin_hold:
         return f"{head}: it is held by an admin; only an admin's `gpuq release {job.id}` lets it start"
@@ -69,6 +72,20 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         parts.extend(_ahead_lines(session, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
     return "; ".join(parts)
+
+
+def _running_where(session: Session, job: Job) -> str:
+    """Its GPUs and how far into its time limit it is (as squeue's TIME and TIME_LIMIT):
+    `` (GPU 0,1), 0:12:03 of its 2:00:00``."""
+    from gpuq.service.display import time_limit
+    from gpuq.service.jobs import gpu_indices_of
+
+    indices = gpu_indices_of(session, [job.id]).get(job.id, [])
+    text = f" (GPU {','.join(map(str, indices))})" if indices else ""
+    if job.started_at is not None:
+        ran = time_limit(max((utcnow() - job.started_at).total_seconds(), 0))
+        text += f", {ran} in" + (f" of its {time_limit(job.time_limit_s)}" if job.time_limit_s else " (no time limit)")
+    return text
 
 
 def _ahead_lines(session: Session, settings: Settings, job: Job) -> list[str]:

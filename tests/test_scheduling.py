@@ -95,6 +95,23 @@ def test_why_gives_mib_where_gib_would_round_a_gpu_just_short_to_the_figure_the_
     assert "GPU 0 with 8,173 MiB free (it needs 8,192)" in text, text
 
 
+def test_why_of_a_running_job_gives_its_gpus_and_its_time_and_of_a_held_one_says_held_from_its_submit(settings):
+    # "job 16 is running on vm": no GPU, no time; a held job read "waits (waiting for its first
+    # scheduling pass): it is held" until a pass had looked at it.
+    register(settings, "a", 2)
+    held = submit(settings, hold=True)
+    with write_scope(settings) as session:
+        assert why(session, settings, held) == f"job {held} waits (held): it is held; `gpuq release {held}` lets it start"
+    job = submit(settings, gpus=2, time="2h")
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job).values(state=State.RUNNING,
+                                                                 started_at=utcnow() - timedelta(minutes=12)))
+    with write_scope(settings) as session:
+        text = why(session, settings, job)
+    assert re.fullmatch(rf"job {job} is running on a \(GPU 0,1\), 0:12:0\d in of its 2:00:00", text), text
+
+
 def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share(settings):
     from tests.test_usage import add_job
 
