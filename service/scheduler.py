@@ -297,6 +297,11 @@ class Scheduler:
     def _prune_snapshots(self, stop: threading.Event) -> None:
         """Remove snapshots past their retention at start and then every SNAPSHOT_PRUNE_EVERY
         seconds, beside the passes: removing a large tree takes seconds no pass should wait for."""
+        if self.settings.snapshot_retention_days > 0 and not self.settings.snapshots.is_dir():
+            # Said once: a retention that removes nothing is otherwise silent (a scheduler in a
+            # container without the snapshots volume, or on another node than the copies).
+            log.warning("GPUQ_SNAPSHOT_RETENTION_DAYS is %g but this scheduler does not see the snapshot directory "
+                        "%s: it removes no snapshot", self.settings.snapshot_retention_days, self.settings.snapshots)
         while True:
             try:
                 done = snapshot_retention.prune(self.settings, utcnow())

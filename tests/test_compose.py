@@ -154,7 +154,9 @@ def test_the_server_runs_as_root_on_the_hosts_run_gpuq_socket_and_names_uids_as_
     # Root: the caller is the socket peer's uid (SO_PEERCRED), the host's uid without a user namespace.
     assert server["user"] == "root"
     # (and the workers, which run each command as its owner: the next test)
-    assert all("user" not in s for n, s in services.items() if n != "server" and not n.startswith("worker-gpu"))
+    # (and the scheduler, which removes snapshots past their retention, each its submitter's: below)
+    assert all("user" not in s for n, s in services.items()
+               if n not in ("server", "scheduler") and not n.startswith("worker-gpu"))
     assert server["environment"]["GPUQ_SOCKET"] == SERVER_SOCKET
     assert "GPUQ_LISTEN" not in server["environment"]  # TCP with MUNGE is the admin's choice (commented out)
     assert "ports" not in server
@@ -406,3 +408,15 @@ def test_flower_profile_command_line_serves_flower_on_the_broker(compose_db, tmp
     finally:
         if proc.poll() is None:
             _stop(proc)
+
+
+def test_the_scheduler_sees_the_snapshots_as_root_so_a_retention_removes_them():
+    # As the image's user, without the volume, GPUQ_SNAPSHOT_RETENTION_DAYS removed nothing: each
+    # copy is its submitter's, 0700, and the scheduler did not see the directory at all.
+    services = load()["services"]
+    scheduler, server = services["scheduler"], services["server"]
+    assert scheduler["user"] == "root"
+    where = server["environment"]["GPUQ_SNAPSHOT_DIR"]
+    assert scheduler["environment"]["GPUQ_SNAPSHOT_DIR"] == where
+    assert f"snapshots:{where}" in scheduler["volumes"] and f"snapshots:{where}" in server["volumes"]
+    assert "GPUQ_DATABASE_URL" in scheduler["environment"]  # the shared environment kept beside its own
