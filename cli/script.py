@@ -58,18 +58,20 @@ def directive_lines(path: str) -> list[tuple[int, str]]:
     return found
 
 
-def script_options(ctx: click.Context, command: list[str], cwd: str) -> dict[str, Any]:
+def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The options the command's script sets that the command line did not: parameter name →
-    value, as ``ctx.params`` holds them. InvalidSpec, naming the script's line, for a directive
-    the command would refuse."""
+    value, as ``ctx.params`` holds them; and where each came from (parameter name → ``train.sh
+    line 3``), for the server's refusal of one to name its line. InvalidSpec, naming the script's
+    line, for a directive the command would refuse."""
     import click
     from click.core import ParameterSource
 
     path = script_of(command, cwd)
     if path is None:
-        return {}
+        return {}, {}
     shown = os.path.relpath(path, cwd) if path.startswith(cwd) else path
     found: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     for number, text in directive_lines(path):
         where = f"{shown} line {number}"
         try:
@@ -97,5 +99,17 @@ def script_options(ctx: click.Context, command: list[str], cwd: str) -> dict[str
                 found[name] = [*found.get(name, []), *value]
             else:
                 found[name] = value
-    return {name: value for name, value in found.items()
+            origins[name] = where
+    kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
+    return kept, {name: origins[name] for name in kept}
+
+
+def from_script(message: str, origins: dict[str, str]) -> str:
+    """A refusal of a submit, with the script line its option came from where it names one
+    (``--gpus 3 is more than any node has (train.sh line 3)``): the server knows options, not lines."""
+    for name, where in origins.items():
+        option = "--" + name.replace("_", "-")
+        if message.startswith(option + " ") or message.startswith(option + ":"):
+            return f"{message} ({where})"
+    return message

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperCommand
 
-from gpuq.cli.client import Client
+from gpuq.cli.client import Client, Refused
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
@@ -117,11 +117,13 @@ def submit(
         "gpus": gpus, "name": name, "priority": priority, "mem": mem, "shared": shared, "node": node,
         "host_mem": host_mem, "time": time, "retries": retries, "hold": hold, "after": after, "after_any": after_any,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or []}
+    origins: dict[str, str] = {}  # the options a job script gave, and its lines
     if command:
         from gpuq.cli.script import script_options
 
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
-        options.update(script_options(ctx, command, cwd))
+        scripted, origins = script_options(ctx, command, cwd)
+        options.update(scripted)
     body: dict[str, Any] = {
         "workload": workload, "args": extra, "command": command, **options, "cwd": cwd, "user": user,
         # The same key on every try: a server that restarted mid-submit makes the jobs once.
@@ -134,13 +136,21 @@ def submit(
         body["git"] = _git_state(cwd)
     running = ctx.command.name == "run"
     if running and (array is not None or sweep):
-        raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit")
+        given = [f" (--{n} from {origins[n]})" for n in ("array", "sweep") if n in origins]
+        raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit" + "".join(given))
     if running and as_json:
         raise InvalidSpec("--json is for gpuq submit; gpuq run prints the job's own output")
     client = Client()
     # A server restarting meanwhile is waited for, as `gpuq wait` waits (the same key on every try:
     # a lab's submit loop goes on through a restart, each job made once).
-    made = client.post("/jobs", body, retries=c.SUBMIT_RETRIES, ride_out=True)["jobs"]
+    try:
+        made = client.post("/jobs", body, retries=c.SUBMIT_RETRIES, ride_out=True)["jobs"]
+    except Refused as refused:
+        if not origins or refused.exit_code != c.EXIT_USAGE:
+            raise
+        from gpuq.cli.script import from_script
+
+        raise Refused(from_script(str(refused), origins), refused.exit_code) from None
     if running:
         from gpuq.cli.follow import follow
 

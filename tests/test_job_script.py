@@ -89,7 +89,9 @@ def test_a_scripts_options_apply_and_the_command_lines_win(use_settings, tmp_pat
     ("#GPUQ --user root", "job.sh line 2: --user is given on the command line, not in a script"),
     ("#GPUQ --json", "job.sh line 2: --json is given on the command line, not in a script"),
     ("#GPUQ --name 'unclosed", "job.sh line 2: #GPUQ --name 'unclosed: No closing quotation"),
-    ("#GPUQ --time 1:99:99", "--time takes " + TIME_FORMS),
+    # Refused by the server, which knows options, not lines: the client names the line.
+    ("#GPUQ --time 1:99:99", "--time takes " + TIME_FORMS + "; got '1:99:99' (job.sh line 2)"),
+    ("#GPUQ --gpus 99", "--gpus 99 is more than any node has (the largest, testnode, has 2) (job.sh line 2)"),
 ])
 def test_a_bad_gpuq_line_is_refused_in_one_line_naming_it_and_nothing_is_written(use_settings, tmp_path,
                                                                                 monkeypatch, line, message):
@@ -99,6 +101,15 @@ def test_a_bad_gpuq_line_is_refused_in_one_line_naming_it_and_nothing_is_written
     assert result.exit_code == c.EXIT_USAGE, result.output
     assert result.output.count("\n") == 1 and result.output.startswith("gpuq: ")
     assert message in result.output
+    assert jobs_in(use_settings) == 0
+
+
+def test_run_of_a_script_whose_lines_make_an_array_says_which_line(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, "#!/bin/sh\n#GPUQ --array 0-1\ntrue\n")
+    result = invoke(["run", "--", "./job.sh"])
+    assert result.exit_code == c.EXIT_USAGE and result.output == (
+        "gpuq: gpuq run follows one job; queue an array or a sweep with gpuq submit (--array from job.sh line 2)\n")
     assert jobs_in(use_settings) == 0
 
 
