@@ -50,31 +50,35 @@ def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post(f"/jobs/{move}", {"ids": targets})["jobs"]
-    named = set(job_ids or [])
-    if array is None:
-        _report(answer, named, lambda outcome: f"job {outcome['id']} {done}")
-        return
-    # An array's tasks are counted in one line, as `gpuq cancel --array` counts them (10,000 tasks
-    # were 10,000 lines); jobs also named by id keep a line each.
-    _report([o for o in answer if o["id"] in named], named, lambda outcome: f"job {outcome['id']} {done}")
-    tasks = [o for o in answer if o["id"] not in named]
-    changed = sum(o["not"] is None for o in tasks)
-    typer.echo(array_held(array, done, changed, [o["not"] for o in tasks if o["not"] is not None]))
-    if tasks and not changed:
-        raise typer.Exit(c.EXIT_CONFLICT)  # nothing of the array changed, as for one job that could not be
+    _report(answer, set(job_ids or []), array, lambda outcome: f"job {outcome['id']} {done}", done,
+            lambda outcome: outcome["not"])
 
 
-_NOT_CHANGED = re.compile(r"job \d+ is (.+?)(?:; only a pending job can be \w+)?")
+_NOT_CHANGED = re.compile(r"job \d+ (?:is )?(.+?)(?:; (.+))?")
+# What a refusal says after its state that the state already says (held, released, updated): left
+# out of an array's line. What else it says (who may raise a time limit) is kept.
+_SAID_BY_STATE = re.compile(r"only a pending job(?:'s priority)? can be \w+|an ended job cannot be changed")
 
 
-def array_held(array: int, done: str, changed: int, refusals: list[str]) -> str:
-    """The line `gpuq hold --array` (`release --array`) prints: how many tasks were held (released),
-    and how many were not, by why: ``held 1,200 jobs of array 7; not 600 running, 200 already held``."""
+def array_changed(array: int, done: str, changed: int, refusals: list[str]) -> str:
+    """The line `gpuq hold --array` (`release`, `update --array`) prints: how many tasks were held
+    (released, updated), and how many were not, by why: ``held 1,200 jobs of array 7; not 600
+    running, 200 already held``."""
     line = f"{done} {changed:,} job{'' if changed == 1 else 's'} of array {array}"
-    why = Counter((m.group(1) if (m := _NOT_CHANGED.fullmatch(r)) else r) for r in refusals)
+    why = Counter(_why_not(r) for r in refusals)
     if not why:
         return line
     return f"{line}; not " + ", ".join(f"{n:,} {state}" for state, n in sorted(why.items(), key=lambda kv: -kv[1]))
+
+
+def _why_not(refusal: str) -> str:
+    """A task's refusal without its job id, so that an array's are counted by why:
+    "job 5 is running; only a pending job can be held" → "running"."""
+    found = _NOT_CHANGED.fullmatch(refusal)
+    if found is None:
+        return refusal
+    state, more = found.groups()
+    return state if more is None or _SAID_BY_STATE.fullmatch(more) else f"{state}: {more}"
 
 
 @app.command()
@@ -95,7 +99,7 @@ def update(job_ids: JobIds = None, array: Array = None,
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]
-    _report(answer, set(job_ids or []), _changed)
+    _report(answer, set(job_ids or []), array, _changed, "updated", _not_updated)
 
 
 def _limit(seconds: int | None) -> str:
@@ -115,23 +119,36 @@ def _changed(outcome: dict[str, Any]) -> str:
     return f"job {outcome['id']}: " + (", ".join(parts) if parts else "unchanged (it has these values already)")
 
 
-def _report(answer: list[dict[str, Any]], named: set[int], done: Callable[[dict[str, Any]], str]) -> None:
-    """Each job's outcome of one request on many. A job named by its id that refused the change (it
-    runs, or is held already) is an error: a line on stderr and, once the others are done, exit 4,
-    as scontrol exits non-zero when one job of its list fails. An array's task that refused is a
-    line of the output and no error: its running and ended tasks are expected."""
+def _not_updated(outcome: dict[str, Any]) -> str | None:
+    """Why an array's task was not updated, or None. One that has these values already refused nothing
+    (named by id it is "unchanged", no error), but the array's line counts it apart from those updated."""
+    return outcome["not"] or (None if outcome["changed"] else "with these values already")
+
+
+def _report(answer: list[dict[str, Any]], named: set[int], array: int | None,
+            done: Callable[[dict[str, Any]], str], verb: str, why_not: Callable[[dict[str, Any]], str | None]) -> None:
+    """Each job's outcome of one request on many (``answer``). A job named by its id that refused the
+    change (it runs, or is held already) is an error: a line on stderr and, once the others are done,
+    exit 4, as scontrol exits non-zero when one job of its list fails. An array's other tasks are one
+    line (``array_changed``: ``verb``, those ``why_not`` gives no reason for, and the others counted by
+    it), as `gpuq cancel --array` counts them (10,000 tasks were 10,000 lines): its running and ended
+    tasks are expected, and exit 4 only when every one of them refused."""
     refused = []
     for outcome in answer:
+        if outcome["id"] not in named:
+            continue
         if outcome["not"] is None:
             typer.echo(done(outcome))
-        elif outcome["id"] in named:
-            refused.append(outcome["not"])
         else:
-            typer.echo(outcome["not"])
+            refused.append(outcome["not"])
+    tasks = [o for o in answer if o["id"] not in named]
+    if array is not None:
+        reasons = [why for why in map(why_not, tasks) if why is not None]
+        typer.echo(array_changed(array, verb, len(tasks) - len(reasons), reasons))
     for why in refused:
         typer.echo(f"gpuq: {why}", err=True)
-    if refused:
-        raise typer.Exit(c.EXIT_CONFLICT)
+    if refused or (tasks and all(o["not"] is not None for o in tasks)):
+        raise typer.Exit(c.EXIT_CONFLICT)  # nothing of the array could change, as for one job that could not be
 
 
 @app.command()

@@ -100,7 +100,15 @@ def _lines(j: Any) -> list[tuple[str, str]]:
         ("ended", timestamp(j.ended_at)),
         ("elapsed", duration(seconds(j.elapsed_s))),
     ]
-    asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib else "",
+    # A shared job's --mem is its share of each GPU (packing.need_mib), a whole-GPU job's the free
+    # memory a GPU must have: the same number, two meanings. A server from before "shared" sends none.
+    shared = getattr(j, "shared", False)
+    if shared and j.mem_mib:
+        # In the GiB `gpuq why` gives a shared job's need in (packing.room_lines). The view carries no
+        # context reserve (the server's setting): it is named, not guessed.
+        lines.append(("shares", f"{j.mem_mib / 1024:.1f} GiB of each GPU, plus its CUDA context reserve "
+                                "(GPUQ_SHARED_CONTEXT_MIB)"))
+    asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib and not shared else "",
             f"node {j.on_node}" if j.on_node else "",
             f"time limit {time_limit(j.time_limit_s)}" if j.time_limit_s else "",
             f"{j.max_retries} retries" if j.max_retries else "",

@@ -23,7 +23,7 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "params": j.params, "argv": j.argv, "cwd": j.cwd, "gpus": j.gpus, "priority": j.priority,
         "state": j.state, "reason": j.reason, "node": j.node, "worker": j.worker,
         "gpu_indices": gpus, "exit_code": j.exit_code, "result": j.result,
-        "mem_mib": j.mem_mib, "on_node": j.on_node, "time_limit_s": j.time_limit_s,
+        "mem_mib": j.mem_mib, "shared": j.shared, "on_node": j.on_node, "time_limit_s": j.time_limit_s,
         "max_retries": j.max_retries, "attempts": j.attempts, "held": j.held, "admin_hold": j.admin_hold,
         "after": j.after, "after_any": j.after_any, "array_id": j.array_id, "array_index": j.array_index,
         "failure": j.failure, "requeues": j.requeues, "host_mem_mib": j.host_mem_mib,

@@ -135,17 +135,31 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
                            .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)).all()
     by_node: dict[str, list[str]] = {}
     now = utcnow()
+    gpus: dict[int, Gpu] = {}
+    held_by: dict[int, list[Job]] = {}
     for gpu, holder in rows:
+        gpus.setdefault(gpu.id, gpu)
+        if holder is not None:
+            held_by.setdefault(gpu.id, []).append(holder)
+
+    def ends(holder: Job) -> str:
+        if not (holder.time_limit_s and holder.started_at):
+            return ""
+        return f", ends within {_within(holder.time_limit_s - (now - holder.started_at).total_seconds())}"
+
+    for gpu in gpus.values():
         if job.on_node and gpu.node != job.on_node:
             continue
+        holders = held_by.get(gpu.id, [])
         if gpu.heartbeat_at is None or gpu.heartbeat_at < cutoff:
             text = f"GPU {gpu.index} offline (no worker)"
-        elif holder is not None:
-            ends = ""
-            if holder.time_limit_s and holder.started_at:
-                left = holder.time_limit_s - (now - holder.started_at).total_seconds()
-                ends = f", ends within {_within(left)}"
-            text = f"GPU {gpu.index} runs job {holder.id} of {holder.user}{ends}"
+        elif len(holders) == 1 and not holders[0].shared:
+            text = f"GPU {gpu.index} runs job {holders[0].id} of {holders[0].user}{ends(holders[0])}"
+        elif holders:
+            # A whole-GPU job needs every one of them gone: said, since it reads as a GPU half free.
+            each = "; ".join(f"job {h.id} of {h.user}{ends(h)}" for h in holders)
+            text = (f"GPU {gpu.index} is shared by {len(holders)} job{'s' if len(holders) != 1 else ''} "
+                    f"({each}), all of which must end before a whole-GPU job starts there")
         else:
             free = gpu.memory_total_mib - max(gpu.memory_used_mib or 0, gpu.foreign_mib or 0)
             short = job.mem_mib is not None and free < job.mem_mib and _gib(free) == _gib(job.mem_mib)

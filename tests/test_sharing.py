@@ -4,6 +4,7 @@ with four of them loses none; a whole-GPU job waits until every shared one has l
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -21,7 +22,7 @@ from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Job
 from gpuq.service.units import parse_mem
 from gpuq.service.usage import job_usage
-from tests.conftest import run_cli, stack_on_database
+from tests.conftest import cli_submit, run_cli, stack_on_database
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -193,6 +194,26 @@ def test_shared_without_mem_is_one_line_and_writes_nothing(stack):
         submit_shared(stack, ["true"], mem="16G")
     with read_scope(stack.settings) as session:
         assert session.scalar(select(func.count()).select_from(Job)) == before
+
+
+def test_show_and_every_json_view_say_a_job_is_shared_and_whole_gpu_mem_stays_free_memory(stack):
+    s = stack.settings
+    shared = cli_submit(s, ["--hold", "--shared", "--mem", "3G", "--", "true"])
+    whole = cli_submit(s, ["--hold", "--mem", "3G", "--", "true"])
+    try:
+        shown = run_cli(["show", str(shared)], s).stdout
+        # A share of the GPU, not the whole-GPU wording (a free-memory requirement) of the same --mem.
+        assert "    shares  3.0 GiB of each GPU, plus its CUDA context reserve (GPUQ_SHARED_CONTEXT_MIB)\n" in shown
+        assert "free per GPU" not in shown
+        assert "     asks  3072 MiB free per GPU; held\n" in run_cli(["show", str(whole)], s).stdout
+        assert json.loads(run_cli(["show", "--json", str(shared)], s).stdout)["shared"] is True
+        assert json.loads(run_cli(["show", "--json", str(whole)], s).stdout)["shared"] is False
+        listed = {j["id"]: j["shared"] for j in json.loads(run_cli(["status", "--json"], s).stdout)["jobs"]}
+        assert (listed[shared], listed[whole]) == (True, False)
+    finally:
+        assert run_cli(["cancel", str(shared), str(whole)], s).returncode == 0
+    ended = {j["id"]: j["shared"] for j in json.loads(run_cli(["history", "--json"], s).stdout)["jobs"]}
+    assert (ended[shared], ended[whole]) == (True, False)
 
 
 def _every_view_shows_the_shares(stack, ids: list[int]) -> None:

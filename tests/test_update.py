@@ -4,6 +4,7 @@ its new time limit."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -194,3 +195,56 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     with write_scope(s) as session:
         started = {j: jobs.get_job(session, j).started_at for j in (first, second)}
     assert started[second] < started[first]
+
+
+def submit_array(settings, args: list[str]) -> tuple[int, list[int]]:
+    """`gpuq submit ARGS` of an array: its id and its tasks' job ids."""
+    out = run_cli(["submit", *args], settings)
+    found = re.match(r"submitted array (\d+): jobs (\d+)-(\d+) ", out.stdout)
+    assert found, out.stdout + out.stderr
+    array, first, last = map(int, found.groups())
+    return array, list(range(first, last + 1))
+
+
+def test_an_array_update_is_one_summary_line_counted_by_why_and_exit_4_when_no_task_could_change(one_gpu):
+    s = one_gpu.settings
+    done, done_ids = submit_array(s, ["--array", "0-3", "--", "true"])
+    for job in done_ids:
+        assert wait_for_state(s, job, c.END_STATES) == State.SUCCEEDED
+    # As `gpuq hold --array` says it: one line, however many tasks (not a line each), and exit 4.
+    ended = run_cli(["update", "--array", str(done), "--priority", "5"], s)
+    assert (ended.returncode, ended.stdout, ended.stderr) == (
+        c.EXIT_CONFLICT, f"updated 0 jobs of array {done}; not 4 succeeded\n", "")
+    array, ids = submit_array(s, ["--hold", "--array", "0-2", "--", "true"])
+    try:
+        run_cli(["release", str(ids[0])], s)
+        assert wait_for_state(s, ids[0], c.END_STATES) == State.SUCCEEDED
+        some = run_cli(["update", "--array", str(array), "--priority", "5"], s)
+        assert (some.returncode, some.stdout, some.stderr) == (
+            0, f"updated 2 jobs of array {array}; not 1 succeeded\n", ""), some.stderr
+        assert [row(s, j).priority for j in ids] == [0, 5, 5]
+        # Tasks that have the values already refused nothing: as `gpuq update ID` of one, no error.
+        again = run_cli(["update", "--array", str(array), "--priority", "5"], s)
+        assert (again.returncode, again.stdout) == (
+            0, f"updated 0 jobs of array {array}; not 2 with these values already, 1 succeeded\n"), again.stderr
+        # A job named by id that refuses is an error, after the array's line.
+        named = run_cli(["update", str(done_ids[0]), "--array", str(array), "--retries", "1"], s)
+        assert named.returncode == c.EXIT_CONFLICT
+        assert named.stdout == f"updated 2 jobs of array {array}; not 1 succeeded\n"
+        assert named.stderr == f"gpuq: job {done_ids[0]} succeeded; an ended job cannot be changed\n"
+    finally:
+        run_cli(["cancel", "--array", str(array)], s)
+
+
+def test_an_arrays_line_counts_its_tasks_refusals_by_why_without_their_job_ids():
+    from gpuq.cli.control import array_changed
+
+    refusals = [f"job {i} succeeded; an ended job cannot be changed" for i in (1, 2)] + [
+        "job 3 is running; only a pending job's priority can be changed",
+        "job 4 is dispatched; only root or an admin may raise a started job's time limit (you may lower it)",
+        "job 5 is already held", "job 6 is running; only a pending job can be held"]
+    # What the state says already is left out; who may raise a time limit is not.
+    assert array_changed(7, "updated", 1_200, refusals) == (
+        "updated 1,200 jobs of array 7; not 2 succeeded, 2 running, 1 dispatched: only root or an admin may raise "
+        "a started job's time limit (you may lower it), 1 already held")
+    assert array_changed(7, "held", 1, []) == "held 1 job of array 7"
