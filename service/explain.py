@@ -158,7 +158,7 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
         elif holders:
             # A whole-GPU job needs every one of them gone: said, since it reads as a GPU half free.
             each = "; ".join(f"job {h.id} of {h.user}{ends(h)}" for h in holders)
-            text = (f"GPU {gpu.index} is shared by {len(holders)} job{'s' if len(holders) != 1 else ''} "
+            text = (f"GPU {gpu.index} shared by {len(holders)} job{'s' if len(holders) != 1 else ''} "
                     f"({each}), all of which must end before a whole-GPU job starts there")
         else:
             free = gpu.memory_total_mib - max(gpu.memory_used_mib or 0, gpu.foreign_mib or 0)

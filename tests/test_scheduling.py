@@ -112,6 +112,20 @@ def test_why_of_a_running_job_gives_its_gpus_and_its_time_and_of_a_held_one_says
     assert re.fullmatch(rf"job {job} is running on a \(GPU 0,1\), 0:12:0\d in of its 2:00:00", text), text
 
 
+def test_why_of_a_whole_gpu_job_names_every_shared_job_that_must_end_first(settings):
+    # A shared GPU read as one line per job ("GPU 0 runs job 5 of ann, GPU 0 runs job 6 of bob"),
+    # and not that a whole-GPU job waits for all of them.
+    register(settings, "a", 1)
+    small = [submit(settings, user=u, shared=True, mem="1G") for u in ("ann", "bob")]
+    Scheduler(settings).schedule_once()
+    whole = submit(settings, user="cat")
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        text = why(session, settings, whole)
+    assert (f"node a has GPU 0 shared by 2 jobs (job {small[0]} of ann; job {small[1]} of bob), all of which "
+            "must end before a whole-GPU job starts there") in text, text
+
+
 def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share(settings):
     from tests.test_usage import add_job
 
