@@ -85,8 +85,8 @@ def _why_not(refusal: str) -> str:
 def update(job_ids: JobIds = None, array: Array = None,
            priority: Annotated[int | None, typer.Option(help="A pending job's new priority (higher first).")] = None,
            time: Annotated[str | None, typer.Option("--time", help="The new time limit (2h, 30m, or SLURM's 90, "
-                                                   "1:30:00, 2-0:00); a started job's may only be lowered, but by an "
-                                                   "admin.")] = None,
+                                                   "1:30:00, 2-0:00); once a job has started, only root and "
+                                                   "the admins may raise it.")] = None,
            name: Annotated[str | None, typer.Option(help="A new name (one job at a time).")] = None,
            retries: Annotated[int | None, typer.Option(help="How many times a failure runs it again.")] = None,
            ) -> None:

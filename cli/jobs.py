@@ -189,6 +189,12 @@ def logs(job_id: JobId,
     if as_json and not follow:
         print_json({"id": job_id, "state": first["state"], "output": "".join(ch[1] for ch in first["chunks"])})
         return
+    if first["state"] in (State.PENDING, State.DISPATCHED) and not first["chunks"] and not as_json:
+        # Nothing to print yet: said on stderr, so that an empty answer does not read as a job that
+        # printed nothing (as `gpuq attach` says why it waits).
+        why = f" ({first['reason']})" if first.get("reason") else ""
+        typer.echo(f"gpuq: job {job_id} has not started: {first['state']}{why}; "
+                   + ("its output follows once it runs" if follow else "no output yet"), err=True)
     epochs = first["epochs"]
     show = follow and not as_json and bool(epochs) and wanted(progress, sys.stdout, sys.stderr)
     with bar(epochs or 0, f"epoch 0/{epochs}", show=show, stream=sys.stdout) as advance:
@@ -336,6 +342,8 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
            ) -> None:
     """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree."""
+    if not job_ids and array is None and not user:
+        raise InvalidSpec("name the jobs: ids, --array ID, or --user for all of yours")
     client = Client()
     targets = selected(client, job_ids, array, user)
     if not targets:
@@ -362,9 +370,10 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
             typer.echo(f"job {job_id} cancelled")
         if not outcome["ended"] and state != State.CANCELLED:
             stopping.append(job_id)
-    # Jobs named by id that had all ended: nothing was cancelled, as for one such job (exit 4). An
-    # array's or a user's ended jobs are not named, and some ended among others is no error either.
-    conflict = bool(job_ids) and len(ended) == len(targets)
+    # Every job had ended, named by id or an array's: nothing was cancelled, as for one such job
+    # (exit 4), and as `hold --array` says of an array none of whose tasks changed. Some ended among
+    # others is no error.
+    conflict = len(ended) == len(targets)
     if stopping and no_wait:
         for job_id in stopping:
             if job_id in named:

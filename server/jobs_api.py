@@ -16,7 +16,7 @@ from gpuq.server import dispatch, submission, views
 from gpuq.server.audit import audited
 from gpuq.server.request import body_of, call, context, job_id_of, reading
 from gpuq.service import constants as c
-from gpuq.service import display, inventory, jobs, rights, usage
+from gpuq.service import display, inventory, jobs, policy, rights, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.errors import InvalidSpec
@@ -282,7 +282,9 @@ def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict
         chunks = jobs.read_output(session, job_id, after)
         epochs = job.params.get("epochs") if job.workload == "train" else None
         done = _epochs_done(jobs.read_metrics(session, job_id)) if epochs else 0
-        answer = {"id": job_id, "state": job.state, "reason": job.reason, "kind": job.kind,
+        # A held job waits for its release from its submit on, before any pass has written why.
+        reason = job.reason or (policy.HELD if job.held and job.state == c.State.PENDING else None)
+        answer = {"id": job_id, "state": job.state, "reason": reason, "kind": job.kind,
                   "chunks": [list(ch) for ch in chunks], "epochs": epochs, "epochs_done": done}
         if job.state in c.END_STATES:
             answer |= {"exit_code": job.exit_code, "failure": job.failure, "result": job.result}

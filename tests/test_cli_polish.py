@@ -81,7 +81,7 @@ def test_cancel_of_an_array_whose_tasks_mostly_ended_is_one_summary_line_and_nam
     assert cancelled.exit_code == 0, cancelled.output
     assert cancelled.output == "cancelled 3 jobs of array 1; 7 had already ended\n"
     again = invoke(["cancel", "--array", "1"])
-    assert again.exit_code == 0, again.output
+    assert again.exit_code == c.EXIT_CONFLICT, again.output  # nothing changed: 4, as hold --array and the README say
     assert again.output == "nothing to cancel in array 1: all 10 of its jobs had already ended\n"
     # Jobs named by id keep their lines, and all of them ended is still exit 4.
     named = invoke(["cancel", "1", "9"])
@@ -136,3 +136,14 @@ def test_gpuq_alone_still_prints_its_help(tmp_path):
     out = gpuq([], tmp_path)  # click writes it on stderr, exit 2, as for a missing argument
     assert out.returncode == c.EXIT_USAGE
     assert out.stderr.startswith("Usage: gpuq") and "Commands:" in out.stderr, (out.stdout, out.stderr)
+
+
+def test_logs_of_a_job_that_has_not_started_says_so_on_stderr_and_cancel_of_nothing_names_user(use_settings):
+    # `gpuq logs` of a pending job printed nothing and exited 0, as a job that printed nothing.
+    assert invoke(["submit", "--hold", "--", "true"]).exit_code == 0  # job 1
+    shown = invoke(["logs", "1"])
+    assert shown.exit_code == 0 and shown.stdout == "", shown.output
+    assert shown.stderr == "gpuq: job 1 has not started: pending (held); no output yet\n", shown.stderr
+    assert invoke(["logs", "--json", "1"]).stderr == ""  # a document, as it was: state and empty output
+    nothing = invoke(["cancel"])
+    assert nothing.exit_code == c.EXIT_USAGE and "--user for all of yours" in nothing.output, nothing.output
