@@ -230,7 +230,9 @@ class Supervisor:
                 differ = reconfigure.changed(self.settings, fresh)
                 self.settings = fresh
                 for child in self.services:
-                    if child.alive() and not child.left_out:
+                    # One still stopping from an earlier reconfigure starts on this file too: a
+                    # second SIGINT would interrupt its running job.
+                    if child.alive() and not child.left_out and not child.reconfiguring:
                         child.reconfiguring = True
                         # A worker's first SIGINT is a warm stop with no GPUQ_SHUTDOWN_GRACE: its
                         # running job runs to its end (workers/main.py).

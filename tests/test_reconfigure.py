@@ -51,15 +51,18 @@ def test_reconfigure_takes_up_an_edited_file_without_stopping_the_running_job(tm
     try:
         too_long = _gpuq(env, "submit", "--time", "90m", "--", "true")
         assert too_long.returncode == 2 and "(GPUQ_MAX_TIME)" in too_long.stderr, too_long
-        job_id = int(_gpuq(env, "submit", "--", "sleep", "5").stdout.split()[-1])
+        job_id = int(_gpuq(env, "submit", "--", "sleep", "8").stdout.split()[-1])
         wait_for_state(settings, job_id, {"running"})
         worker = _worker_pid(settings)
 
+        config.write_text('fake_gpus = 1\nmax_time = "2h"\nmax_priority = 15\n')
+        assert _gpuq(env, "reconfigure").returncode == 0
+        # A second one while the worker still finishes its job: not a second stop, which would interrupt it.
         config.write_text('fake_gpus = 1\nmax_time = "2h"\nmax_priority = 20\n')
         done = _gpuq(env, "reconfigure")
         assert done.returncode == 0, done.stdout + done.stderr
         said = done.stdout.splitlines()
-        assert said[0] == ("gpuq reconfigured: changed: GPUQ_MAX_TIME, GPUQ_MAX_PRIORITY; restarting the server and "
+        assert said[0] == ("gpuq reconfigured: changed: GPUQ_MAX_PRIORITY; restarting the server and "
                            "the scheduler now, each worker once its running job ends"), said
         assert said[1].startswith("the server answers again on the new settings (pid "), said
         # The server runs on the new file: the limit it checks, and what `gpuq config` says.

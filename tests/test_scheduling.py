@@ -101,7 +101,8 @@ def test_why_of_a_running_job_gives_its_gpus_and_its_time_and_of_a_held_one_says
     register(settings, "a", 2)
     held = submit(settings, hold=True)
     with write_scope(settings) as session:
-        assert why(session, settings, held) == f"job {held} waits (held): it is held; `gpuq release {held}` lets it start"
+        said = why(session, settings, held)
+    assert said == f"job {held} waits (held): it is held; `gpuq release {held}` lets it start"
     job = submit(settings, gpus=2, time="2h")
     Scheduler(settings).schedule_once()
     with write_scope(settings) as session:
