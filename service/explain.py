@@ -83,7 +83,7 @@ def _running_where(session: Session, job: Job) -> str:
     indices = gpu_indices_of(session, [job.id]).get(job.id, [])
     text = f" (GPU {','.join(map(str, indices))})" if indices else ""
     if job.started_at is not None:
-        ran = time_limit(max((utcnow() - job.started_at).total_seconds(), 0))
+        ran = time_limit(int(max((utcnow() - job.started_at).total_seconds(), 0)))
         text += f", {ran} in" + (f" of its {time_limit(job.time_limit_s)}" if job.time_limit_s else " (no time limit)")
     return text
 
