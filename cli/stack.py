@@ -134,6 +134,10 @@ def up(timeout: Annotated[float, typer.Option(help="Seconds to wait for the work
                f"the server on {settings.server_socket} (supervisor pid {st.supervisor_pid}; logs in {st.log_dir})")
     if st.new_database is not None:
         typer.echo(f"gpuq: a new, empty queue at {st.new_database} (no database was there)")
+    if st.retired:
+        gone = ", ".join(map(str, st.retired))
+        typer.echo(f"gpuq: GPU {gone} of node {settings.node} is no longer here: no longer listed nor given out "
+                   "(it comes back if its worker registers it again)")
     if st.upgraded_from is not None:
         from gpuq.migrations.versions import HEAD
 

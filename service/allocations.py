@@ -51,7 +51,7 @@ def new_run_id() -> str:
 
 def check_node(session: Session, node: str) -> None:
     """InvalidSpec unless ``node`` has GPUs gpuq knows: an allocation is on the node its client runs on."""
-    nodes = sorted(set(session.scalars(select(Gpu.node))))
+    nodes = sorted(set(session.scalars(select(Gpu.node).where(Gpu.retired_at.is_(None)))))
     if node not in nodes:
         where = f"nodes with GPUs: {', '.join(nodes[:8])}" if nodes else "no node has reported GPUs yet"
         raise InvalidSpec(f"gpuq alloc gives GPUs on the node it runs on, and node {node} has no gpuq GPUs "

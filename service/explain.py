@@ -131,7 +131,8 @@ def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:
 def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     cutoff = live_cutoff(settings)
     drained = drained_nodes(session)
-    rows = session.execute(select(Gpu, Job).outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
+    rows = session.execute(select(Gpu, Job).where(Gpu.retired_at.is_(None))
+                           .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
                            .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)).all()
     by_node: dict[str, list[str]] = {}
     now = utcnow()

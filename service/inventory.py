@@ -33,7 +33,7 @@ def _row(session: Session, node: str, info: GpuInfo, queue: str) -> Gpu:
         gpu = Gpu(node=node, index=info.index)
         session.add(gpu)
     gpu.uuid, gpu.name, gpu.memory_total_mib = info.uuid, info.name, info.memory_total_mib
-    gpu.simulated, gpu.queue = info.simulated, queue
+    gpu.simulated, gpu.queue, gpu.retired_at = info.simulated, queue, None  # back, if it was retired
     return gpu
 
 
@@ -55,6 +55,23 @@ def leave_out(session: Session, node: str, info: GpuInfo, queue: str, why: str) 
     gpu.worker = gpu.worker_pid = gpu.heartbeat_at = gpu.utilization = gpu.memory_used_mib = None
     gpu.drain_reason = f"{WORKER_DID_NOT_START}: {why}"
     session.flush()
+
+
+def retire_missing(session: Session, node: str, present: list[int]) -> list[int]:
+    """Retire the GPUs of ``node`` that are not among ``present`` (its devices now) and hold no
+    job: the indices retired. A GPU taken out of a node (or out of GPUQ_FAKE_GPUS) was listed
+    offline for ever, and counted among the node's GPUs, so a submit for more than the node has
+    now was accepted to wait for ever. One that still holds a job keeps its row until that job
+    is reaped, and is retired at a later start."""
+    held = select(Allocation.gpu_id)
+    gone = list(session.scalars(select(Gpu.index).where(
+        Gpu.node == node, Gpu.index.not_in(present), Gpu.retired_at.is_(None), Gpu.id.not_in(held))
+        .order_by(Gpu.index)))
+    if gone:
+        session.execute(update(Gpu).where(Gpu.node == node, Gpu.index.in_(gone)).values(
+            retired_at=utcnow(), worker=None, worker_pid=None, heartbeat_at=None, utilization=None,
+            memory_used_mib=None))
+    return gone
 
 
 def gpu_drain_reason(session: Session, gpu_id: int) -> str | None:
@@ -134,6 +151,7 @@ def holders(session: Session) -> list[tuple[Gpu, Holders]]:
     """Every GPU, by node and index, with what holds it: one read for `gpuq status` and `gpuq devices`."""
     rows = session.execute(
         select(Gpu, Job.id, Job.name, Job.user, Allocation.share_mib, Allocation.used_mib)
+        .where(Gpu.retired_at.is_(None))
         .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
         .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index, Job.id)
     ).all()

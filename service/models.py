@@ -192,6 +192,10 @@ class Gpu(Base):
     # Set when this one GPU must not be given out until an admin resumes it: "GPU lost", or a
     # stopped job's processes that would not go away.
     drain_reason: Mapped[str | None] = mapped_column(Text)
+    # Set by its node's `gpuq up` when the GPU is no longer there (taken out, or left out of
+    # GPUQ_FAKE_GPUS): no longer listed nor counted; the row stays for its samples. A worker that
+    # registers it again clears it.
+    retired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     # The whole job on it, or the shared jobs' shares.
     allocations: Mapped[list[Allocation]] = relationship(back_populates="gpu")

@@ -29,7 +29,7 @@ import psutil
 from sqlalchemy import select
 
 from gpuq.migrations.versions import HEAD
-from gpuq.service import broker, system_home
+from gpuq.service import broker, inventory, system_home
 from gpuq.service.db import current_revision, new_sqlite_file, upgrade, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.dialect import sqlite_file
@@ -85,6 +85,8 @@ class StackStatus:
     # The schema revision an existing database was at, where this start upgraded it (said: on a
     # database other nodes share, their older gpuq would meet a schema it does not know).
     upgraded_from: str | None = None
+    # This node's GPUs gpuq knew that are no longer here, retired by this start (inventory.retire_missing).
+    retired: list[int] = field(default_factory=list)
 
 
 def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
@@ -140,6 +142,8 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     was = None if new_database else current_revision(settings)
     upgrade(settings)
     upgraded_from = None if new_database or was == HEAD else (was or "none")
+    with write_scope(settings) as session:
+        retired = inventory.retire_missing(session, settings.node, [g.index for g in gpus])
     system_home.private_database(settings)
     for d in (settings.run_dir, settings.log_dir):
         d.mkdir(parents=True, exist_ok=True)
@@ -156,7 +160,7 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         up_now = _registered(settings, [g.index for g in gpus], started) - set(gone)
         if up_now and len(up_now) + len(gone) == len(gpus) and _answers(settings):
             return StackStatus(proc.pid, len(up_now), settings.log_dir, starts_redis, settings.broker, gone,
-                               new_database, upgraded_from)
+                               new_database, upgraded_from, retired)
         time.sleep(0.2)
     # Nothing half-started is left behind: a stack that did not come up is not "up" either. Stopped
     # by its process, not its pid file, which a supervisor that is still starting may not have yet.

@@ -54,7 +54,8 @@ _INSERT_NUMBERED_JOBS = Prepared(_JOBS.insert())
 _INSERT_SUBMISSION = Prepared(table(Submission).insert())
 _SUBMITTED = table(Submission)
 _SUBMITTED_WITH = Prepared(select(_SUBMITTED.c.user, _SUBMITTED.c.job_ids).where(_SUBMITTED.c.key == bindparam("key")))
-_GPUS_PER_NODE = Prepared(select(table(Gpu).c.node, func.count()).group_by(table(Gpu).c.node))
+_GPUS_PER_NODE = Prepared(select(table(Gpu).c.node, func.count()).where(table(Gpu).c.retired_at.is_(None))
+                          .group_by(table(Gpu).c.node))
 # Held or not as a list of both: the count then seeks this user's jobs in the queue-order index
 # (state, held, user, ...) once per value, instead of counting through every pending job of everyone.
 _PENDING_OF = Prepared(select(func.count()).select_from(_JOBS).where(
@@ -269,7 +270,8 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
         raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
                           "`gpuq worker --gpu I` on each GPU node)")
     if spec.on_node is not None:
-        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node)) or 0
+        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node,
+                                                                       Gpu.retired_at.is_(None))) or 0
         if spec.on_node == settings.node:
             n = max(n, len(local))
         if n == 0:
@@ -283,7 +285,7 @@ def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> Non
         raise InvalidSpec(f"--gpus {spec.gpus} is more than the {settings.user_gpu_limit} a user may hold at once "
                           "(GPUQ_USER_GPU_LIMIT): it would never start")
     if spec.mem_mib is not None:
-        biggest = session.scalar(select(func.max(Gpu.memory_total_mib))) or 0
+        biggest = session.scalar(select(func.max(Gpu.memory_total_mib)).where(Gpu.retired_at.is_(None))) or 0
         here = max((g.memory_total_mib for g in local), default=0)
         most = max(biggest, here)
         if spec.mem_mib > most:

@@ -127,6 +127,26 @@ def test_why_of_a_whole_gpu_job_names_every_shared_job_that_must_end_first(setti
             "must end before a whole-GPU job starts there") in text, text
 
 
+def test_a_gpu_no_longer_on_its_node_is_retired_unless_it_holds_a_job_and_comes_back_when_registered(settings):
+    # A GPU taken out of a node stayed listed offline for ever, and counted among the node's GPUs:
+    # a submit for more GPUs than the node has now was accepted, to wait for ever.
+    register(settings, "a", 3)
+    job = submit(settings)
+    Scheduler(settings).schedule_once()
+    assert gpus_of(settings, job) == [("a", 0)]
+    with write_scope(settings) as session:
+        assert inventory.retire_missing(session, "a", []) == [1, 2]  # GPU 0 holds a job: kept until it is reaped
+    with write_scope(settings) as session:
+        assert [(g.node, g.index) for g in inventory.view(session, settings)] == [("a", 0)]
+        assert inventory.retire_missing(session, "a", []) == []  # once
+    with pytest.raises(InvalidSpec, match="--gpus 3 is more than any node has"):  # (this node's own has 2)
+        submit(settings, gpus=3)
+    register(settings, "a", 3)  # registered again by their workers: back
+    assert submit(settings, gpus=3)
+    with write_scope(settings) as session:
+        assert [g.index for g in inventory.view(session, settings)] == [0, 1, 2]
+
+
 def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share(settings):
     from tests.test_usage import add_job
 

@@ -157,3 +157,25 @@ def test_up_on_an_older_database_upgrades_it_and_says_from_which_revision(tmp_pa
     finally:
         _clean_up(settings)
     assert db.current_revision(settings) == HEAD
+
+
+def test_up_with_fewer_gpus_retires_the_ones_gone_and_says_so(tmp_path):
+    # GPUQ_FAKE_GPUS 2 then 1 (a GPU taken out): GPU 1 stayed listed offline for ever.
+    from tests.conftest import free_port, make_settings
+
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                             redis_port=free_port(), fake_gpus=2)
+    try:
+        assert run_cli(["up", "--timeout", "150"], settings, timeout=180).returncode == 0
+        assert run_cli(["down"], settings, timeout=120).returncode == 0
+        one = settings.with_overrides(fake_gpus=1)
+        up = run_cli(["up", "--timeout", "150"], one, timeout=180)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert ("gpuq: GPU 1 of node testnode is no longer here: no longer listed nor given out (it comes back if "
+                "its worker registers it again)") in up.stdout.splitlines(), up.stdout
+        shown = json.loads(run_cli(["status", "--json"], one).stdout)
+        assert [(g["node"], g["index"], g["online"]) for g in shown["gpus"]] == [("testnode", 0, True)]
+        too_many = run_cli(["submit", "--gpus", "2", "--", "true"], one)
+        assert too_many.returncode == c.EXIT_USAGE and "--gpus 2 is more than any node has" in too_many.stderr
+    finally:
+        _clean_up(settings)

@@ -1,1 +1,1 @@
-HEAD = "0017"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0018"  # the newest revision; tests/test_migrations.py checks it against Alembic
