@@ -18,9 +18,11 @@ Jobs import this module (``python -m gpuq.workers.simulated_memory``): nothing h
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pwd
 import re
+import shutil
 import stat
 import uuid
 from pathlib import Path
@@ -42,11 +44,27 @@ _TEMPORARY = re.compile(r"\.gpu(\d+)\.(\d+)\.[0-9a-f]+\.tmp")
 
 def memory_dir(settings: Settings) -> Path:
     """The node's directory of holding files: ``fake_gpu_memory_dir``, else one under /tmp named by
-    the stack's uid, key prefix and node (two installations on one machine never share one)."""
+    the stack's uid, key prefix, node and home (two stacks on one machine never share one: with the
+    same prefix and node, two homes' stacks counted each other's jobs' memory). Not in the home
+    itself: a root stack's is closed to the users whose jobs write here."""
     if settings.fake_gpu_memory_dir:
         return Path(settings.fake_gpu_memory_dir).expanduser()
-    name = f"gpuq-simulated-gpu-memory-{os.geteuid()}-{settings.key_prefix}-{settings.node}"
+    home = hashlib.sha256(str(Path(settings.home).expanduser().absolute()).encode()).hexdigest()[:8]
+    name = f"gpuq-simulated-gpu-memory-{os.geteuid()}-{settings.key_prefix}-{settings.node}-{home}"
     return Path("/tmp") / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def remove_default_dir(settings: Settings) -> None:
+    """Remove the default directory (``memory_dir`` without ``fake_gpu_memory_dir``) once its stack
+    is down: whatever is left there is of processes gone. A directory an admin named is theirs."""
+    if settings.fake_gpu_memory_dir or not settings.fake_gpus:
+        return
+    directory = memory_dir(settings)
+    try:
+        if directory.lstat().st_uid == os.geteuid() and stat.S_ISDIR(directory.lstat().st_mode):
+            shutil.rmtree(directory, ignore_errors=True)
+    except OSError:
+        pass  # not there
 
 
 class SimulatedMemory:

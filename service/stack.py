@@ -29,7 +29,7 @@ import psutil
 from sqlalchemy import select
 
 from gpuq.migrations.versions import HEAD
-from gpuq.service import broker, inventory, system_home
+from gpuq.service import broker, inventory, simulated_memory, system_home
 from gpuq.service.db import current_revision, new_sqlite_file, upgrade, write_scope
 from gpuq.service.devices import open_devices
 from gpuq.service.dialect import sqlite_file
@@ -234,8 +234,10 @@ def down(settings: Settings, grace: float = 30.0, say: Callable[[str], object] =
         if not orphans:
             return False
         _stop_orphans(settings, orphans, grace)
+        simulated_memory.remove_default_dir(settings)
         return True
     _stop(settings, sup, grace, say)
+    simulated_memory.remove_default_dir(settings)  # its jobs are gone: what they held is too
     return True
 
 

@@ -107,6 +107,8 @@ def test_the_directory_is_sticky_and_world_writable_and_jobs_get_it_only_on_simu
     assert ENV_VARIABLE not in env_on(settings.with_overrides(fake_gpus=0), 1)
     default = memory_dir(settings.with_overrides(fake_gpu_memory_dir=""))
     assert default.parent == Path("/tmp") and "gpuqmemtest" in default.name and "memnode" in default.name
+    # Another home's stack with the same prefix and node has a folder of its own: they counted each other's.
+    assert memory_dir(settings.with_overrides(fake_gpu_memory_dir="", home=tmp_path / "other")) != default
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid takes root")

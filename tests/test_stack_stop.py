@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,3 +180,21 @@ def test_up_with_fewer_gpus_retires_the_ones_gone_and_says_so(tmp_path):
         assert too_many.returncode == c.EXIT_USAGE and "--gpus 2 is more than any node has" in too_many.stderr
     finally:
         _clean_up(settings)
+
+
+def test_down_removes_the_default_simulated_memory_folder_of_its_stack(tmp_path):
+    # It was left in /tmp, and shared by every stack of the same user, prefix and node.
+    from gpuq.service.simulated_memory import memory_dir
+    from tests.conftest import free_port, make_settings
+
+    settings = make_settings(tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'gpuq.db'}", "",
+                             redis_port=free_port(), fake_gpus=1, fake_gpu_memory_dir="")
+    folder = memory_dir(settings)
+    try:
+        assert run_cli(["up", "--timeout", "150"], settings, timeout=180).returncode == 0
+        assert folder.is_dir() and str(folder).startswith("/tmp/gpuq-simulated-gpu-memory-")
+        assert run_cli(["down"], settings, timeout=120).returncode == 0
+        assert not folder.exists()
+    finally:
+        _clean_up(settings)
+        shutil.rmtree(folder, ignore_errors=True)
