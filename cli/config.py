@@ -72,4 +72,6 @@ def _file(view: dict[str, Any]) -> str:
 def _rows(shown: dict[str, dict[str, Any]], width: int) -> None:
     for s in shown.values():
         source, value = ("-", WITHHELD) if s.get("withheld") else (s["source"], s["value"])
+        if s.get("also"):  # a user's own stack: its user is admin whatever the setting says
+            value = f"{value} (and {s['also']}, whose stack this is)".lstrip()
         typer.echo(f"{s['env']:<{width}}  {source:<7}  {value}".rstrip())

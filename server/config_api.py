@@ -12,6 +12,7 @@ masks it (``settings.masked``), root's too, so the database and broker passwords
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from aiohttp import web
@@ -19,7 +20,7 @@ from aiohttp import web
 from gpuq.server.request import call, context
 from gpuq.service import constants as c
 from gpuq.service.errors import ConfigError
-from gpuq.service.rights import is_admin
+from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import ENV_PREFIX, Settings, config_file, setting_sources, shown_settings
 
 routes = web.RouteTableDef()
@@ -45,6 +46,10 @@ def shown(settings: Settings, admin: bool) -> dict[str, Any]:
     """``GET /v1/config``'s answer: ``settings`` as `gpuq config` prints them, those in ADMIN_ONLY
     withheld (``value`` and ``source`` null, ``withheld`` true) unless ``admin``."""
     listed = shown_settings(settings, _sources(settings))
+    if os.geteuid() != 0:
+        # A user's own stack has its user as admin too (rights.is_admin): said beside the setting,
+        # which read as "no admin" while /v1/whoami said admin.
+        listed["admins"]["also"] = Caller.of_uid(os.geteuid()).user
     if not admin:
         for name in ADMIN_ONLY:
             listed[name] = {"value": None, "source": None, "env": ENV_PREFIX + name.upper(), "withheld": True}

@@ -533,8 +533,12 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         assert as_(owner, "wait", str(hog)).returncode != 0
         shown = as_(owner, "show", str(hog)).stdout
         assert "host_oom" in shown and "stopped by gpuq" in shown and "past its limit of 64 MiB" in shown, shown
-        # The stack's owner is its admin, as root is the machine's: past the users' priority cap.
+        # The stack's owner is its admin, as root is the machine's: past the users' priority cap,
+        # and `gpuq config` says so beside GPUQ_ADMINS (it read as no admin at all).
         assert as_(owner, "submit", "--hold", "--priority", "50", "--", "true").returncode == 0
+        assert json.loads(as_(owner, "config", "--json").stdout)["settings"]["admins"]["also"] == owner
+        admins = next(line for line in as_(owner, "config").stdout.splitlines() if line.startswith("GPUQ_ADMINS "))
+        assert admins.endswith(f"(and {owner}, whose stack this is)"), admins
         settings = load_settings(env)
         with write_scope(settings) as session:
             jobs_before = session.scalar(select(func.count()).select_from(Job))
