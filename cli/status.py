@@ -34,7 +34,7 @@ def status(
     colour = colours_wanted()
     idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
                  "yellow")
-    queue = [[j.get("ids") or str(j["id"]), j["user"], job_name(j["name"]), _state(j["state"]), str(j["gpus"]),
+    queue = [[j.get("ids") or str(j["id"]), j["user"], job_name(j["name"]), _state(j["state"]), _gpus(j),
               j["node"] or "-", duration(seconds(j["elapsed_s"])),
               idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)]
              for j in in_queue_order(rows, answer.get("arrays") or [])]
@@ -48,6 +48,15 @@ def status(
     # A drained node's GPUs carry its reason: one line for the node.
     for why in drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")}):
         typer.echo(why)
+
+
+def _gpus(j: dict[str, Any]) -> str:
+    """The GPUS cell: how many, and for a shared job its share of each (``share 3.0G``, ``2×share
+    3.0G``), as squeue's TRES tells a GPU from a shard."""
+    if not (j.get("shared") and j.get("mem_mib")):
+        return str(j["gpus"])
+    share = f"share {j['mem_mib'] / 1024:.1f}G"
+    return share if j["gpus"] == 1 else f"{j['gpus']}×{share}"
 
 
 def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:

@@ -210,6 +210,9 @@ def test_show_and_every_json_view_say_a_job_is_shared_and_whole_gpu_mem_stays_fr
         assert json.loads(run_cli(["show", "--json", str(whole)], s).stdout)["shared"] is False
         listed = {j["id"]: j["shared"] for j in json.loads(run_cli(["status", "--json"], s).stdout)["jobs"]}
         assert (listed[shared], listed[whole]) == (True, False)
+        # The table's GPUS column tells a share from whole GPUs, as squeue's TRES tells a shard from a GPU.
+        table = {line.split()[0]: line for line in run_cli(["status"], s).stdout.splitlines() if line.strip()}
+        assert " share 3.0G " in table[str(shared)] and "share" not in table[str(whole)], table
     finally:
         assert run_cli(["cancel", str(shared), str(whole)], s).returncode == 0
     ended = {j["id"]: j["shared"] for j in json.loads(run_cli(["history", "--json"], s).stdout)["jobs"]}
