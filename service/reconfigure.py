@@ -5,7 +5,8 @@ The command sends the stack's supervisor SIGHUP. The supervisor reads the settin
 children would (its environment from `gpuq up`, over the file), and, if they are valid and none of
 those that make the stack what it is changed (``FIXED``), restarts its children on them: the server
 and the scheduler at once (clients ride out a server's restart), each worker warm, once its running
-job has ended (SIGTERM: no new job starts there meanwhile), so no job is stopped. Its answer, taken
+job has ended (SIGINT: no new job starts there meanwhile, and no GPUQ_SHUTDOWN_GRACE cuts the job
+short), so no job is stopped. Its answer, taken
 or refused with the reason, goes to ``outcome_file``, which the command waits for and prints.
 
 One settings edit thus reaches every process of the stack; before, each read the file only when it
