@@ -29,9 +29,9 @@ db_app = typer.Typer(name="db", help="The database schema.", no_args_is_help=Tru
 _DOES = {"down": "stops the stack that keeps gpuq's database",
          "reconfigure": "restarts the stack that keeps gpuq's database"}
 # The admin commands that start and stop a user's own stack: one beside root's is theirs to run.
-_OWN_STACK = ("up", "down", "reconfigure")
-# The admin commands that steer the queue the client uses.
-_STEERS = ("drain", "resume")
+_OWN_STACK = ("up", "down")
+# The admin commands that steer the queue the client uses (a stack of the user's own, if one runs).
+_STEERS = ("drain", "resume", "reconfigure")
 
 
 def admin_settings(command: str) -> Settings:
@@ -69,7 +69,8 @@ def admin_settings(command: str) -> Settings:
     steers = command in _STEERS and not _own_stack_up(settings)
     served = None if (found == database and not steers) or command in _OWN_STACK else _server_owner()
     if served is not None and served[1] != os.geteuid():
-        raise NotAllowed(f"gpuq {command} is an admin command: it opens gpuq's database, and the queue you use (the "
+        does = _DOES.get(command, "opens gpuq's database")
+        raise NotAllowed(f"gpuq {command} is an admin command: it {does}, and the queue you use (the "
                          f"server at {served[0]}) is {_name(served[1])}'s, whose database only {_whom(served[1])} "
                          "can read")
     return settings

@@ -24,7 +24,8 @@ pytestmark = [multiuser.pytestmark, pytest.mark.timeout(300)]
 box = multiuser.box  # root's `gpuq up` stack and two OS users (tests/test_multiuser.py)
 
 # Each admin command with the arguments it needs (NODE: the stack's node); none may get as far as running.
-COMMANDS = [("drain", "NODE", "--reason", "mine now"), ("resume", "NODE"), ("db", "upgrade"), ("db", "current"),
+COMMANDS = [("drain", "NODE", "--reason", "mine now"), ("resume", "NODE"), ("reconfigure",), ("db", "upgrade"),
+            ("db", "current"),
             ("scheduler",), ("worker", "--gpu", "0"), ("server",)]
 
 
@@ -46,7 +47,7 @@ def test_admin_commands_on_roots_database_are_refused_in_one_line_naming_it_with
     env = {**box.user_env(box.a), "GPUQ_HOME": str(box.settings.home)}
     database = box.settings.home / "gpuq.db"
     home, drained = _files_under(box.home_of(box.a)), _drained(box)
-    for args in [*_commands(box), ("up", "--timeout", "30"), ("down",), ("reconfigure",)]:
+    for args in [*_commands(box), ("up", "--timeout", "30"), ("down",)]:
         name = " ".join(args[:2]) if args[0] == "db" else args[0]
         line = multiuser._refused(box.as_user(box.a, multiuser.GPUQ, *args, env=env))
         does = {"down": "stops the stack that keeps gpuq's database",
@@ -64,7 +65,8 @@ def test_admin_commands_of_a_user_with_no_database_name_the_root_stack_they_use_
     for args in _commands(box):
         name = " ".join(args[:2]) if args[0] == "db" else args[0]
         line = multiuser._refused(box.gpuq(box.b, *args))
-        assert line == (f"gpuq: gpuq {name} is an admin command: it opens gpuq's database, and the queue you use "
+        does = "restarts the stack that keeps gpuq's database" if name == "reconfigure" else "opens gpuq's database"
+        assert line == (f"gpuq: gpuq {name} is an admin command: it {does}, and the queue you use "
                         f"(the server at {box.socket}) is root's, whose database only root and gpuq's own services "
                         "can read"), line
     assert not Path(box.home_of(box.b), ".local", "share", "gpuq").exists()  # no database made
