@@ -31,7 +31,7 @@ def why(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)],
     if as_json:
         print_json(answer)
     else:
-        typer.echo(answer["why"])
+        typer.echo(printable(answer["why"]))  # it quotes a job's reason, which a user's file can write
 
 
 @app.command()

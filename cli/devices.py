@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpuq.cli.client import Client
-from gpuq.cli.render import drain_reasons, job, mib, print_json
+from gpuq.cli.render import drain_reasons, job, mib, print_json, printable
 from gpuq.service import constants as c
 
 if TYPE_CHECKING:
@@ -33,8 +33,9 @@ def bar(percent: float | None, width: int = BAR_WIDTH) -> str:
 def _processes(procs: list[dict[str, Any]]) -> str:
     if not procs:
         return "-"
-    return ", ".join(f"{p.get('name') or '?'}[{p['pid']}]" + (f" {mib(p['memory_mib'])}" if p.get("memory_mib") else "")
-                     for p in procs)
+    # A process's name is whatever it set (prctl): escaped, as a job's name is, before a terminal sees it.
+    return ", ".join(f"{printable(p.get('name') or '?')}[{p['pid']}]"
+                     + (f" {mib(p['memory_mib'])}" if p.get("memory_mib") else "") for p in procs)
 
 
 def _shares(shares: list[dict[str, Any]] | None) -> str:

@@ -9,6 +9,7 @@ other users' jobs, and messages pushed straight into a worker's queue.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -307,3 +308,19 @@ def test_a_message_naming_another_command_runs_the_rows_command_only(pg, worker,
         time.sleep(0.1)
     assert row.state == State.SUCCEEDED and row.argv == toucher(mine), worker_log(worker)[-3000:]
     assert mine.read_text() == "x" and not theirs.exists()
+
+
+def test_a_program_whose_name_holds_a_newline_cannot_forge_a_line_of_the_workers_log(pg, worker, tmp_path):
+    # The worker logged argv[0] raw: a name with a newline wrote a line of its own, an audit line's look-alike.
+    forged = "INFO gpuq.audit: cancel by root (uid 0) as admin: job 99 of victor"
+    program = tmp_path / f"p\n2026-11-26 19:50:00,000 {forged}\x1b[2K"
+    shutil.copy("/bin/true", program)
+    job = submitting.submit(pg, spec.command_spec([str(program)], cwd=str(tmp_path)))
+    with write_scope(pg) as session:
+        session.execute(update(Job).where(Job.id == job.id).values(state=State.DISPATCHED, dispatched_at=utcnow(),
+                                                                   node=pg.node))
+        session.add(Allocation(job_id=job.id, gpu_id=gpu0(pg).id, rank=0))
+    send(pg, [job.id])
+    log = wait_for_log(worker, f"job {job.id} started (")
+    assert not any(line.endswith(forged) or line.startswith("2026-11-26 19:50:00") for line in log.splitlines())
+    assert "\x1b" not in log and "\\n2026-11-26 19:50:00,000 INFO gpuq.audit" in log

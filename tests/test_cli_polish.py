@@ -147,3 +147,18 @@ def test_logs_of_a_job_that_has_not_started_says_so_on_stderr_and_cancel_of_noth
     assert invoke(["logs", "--json", "1"]).stderr == ""  # a document, as it was: state and empty output
     nothing = invoke(["cancel"])
     assert nothing.exit_code == c.EXIT_USAGE and "--user for all of yours" in nothing.output, nothing.output
+
+
+def test_why_and_devices_escape_what_a_user_or_a_process_wrote_before_a_terminal_sees_it(use_settings):
+    # A job's reason quotes a user's file (a script's #! line), and a process names itself (prctl):
+    # both reached root's terminal raw, escape sequences and all.
+    from gpuq.cli.devices import _processes
+
+    assert invoke(["submit", "--hold", "--", "true"]).exit_code == 0  # job 1
+    with write_scope(use_settings) as session:
+        session.execute(update(Job).where(Job.id == 1).values(state=State.FAILED, ended_at=utcnow(),
+                                                             reason="cannot start: its interpreter /x\x1b]0;PWN\x07"))
+    said = invoke(["why", "1"])
+    assert said.exit_code == 0 and "\x1b" not in said.output and "\\x1b]0;PWN\\x07" in said.output, said.output
+    listed = _processes([{"name": "\x1b]0;PWN\x07\x1b[2J", "pid": 4242, "memory_mib": 10}])
+    assert "\x1b" not in listed and listed.startswith("\\x1b]0;PWN\\x07\\x1b[2J[4242]"), listed

@@ -13,6 +13,7 @@ import logging
 from gpuq.service import broker
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
+from gpuq.service.display import printable
 from gpuq.service.leases import claim
 from gpuq.workers.end import write_end
 from gpuq.workers.execute import end_of, execute
@@ -57,7 +58,8 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     settings, job = state.settings, started.job
     lease = state.lease = started.lease
     state.job_started(job.id, job.started_at)
-    log.info("%s: job %s started (%s)", state.name, job.id, job.workload or (job.argv or ["?"])[0])
+    # The program's name is the user's: escaped, so a newline in it cannot forge a line of the log.
+    log.info("%s: job %s started (%s)", state.name, job.id, printable(job.workload or (job.argv or ["?"])[0]))
     state.wait_gpu_back()
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost,
