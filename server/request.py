@@ -41,6 +41,21 @@ _FIELD_WORDS = {"cwd": "the current directory's path", "command": "the command",
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+# How deep a request body may nest: gpuq's own requests go three or four levels down.
+MAX_DEPTH = 32
+
+
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Whether ``data`` (parsed JSON) nests deeper than ``limit``, looked at without recursion."""
+    level = [data]
+    for _ in range(limit + 1):
+        level = [v for item in level if isinstance(item, (dict, list))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return True
+
+
 async def body_of(request: web.Request) -> dict[str, Any]:
     """The request's JSON object; InvalidSpec for anything else, or for text that is not UTF-8."""
     raw = await request.read() or b"{}"
@@ -48,8 +63,14 @@ async def body_of(request: web.Request) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise InvalidSpec("the request body is not JSON") from None
+    except RecursionError:  # a body nested thousands deep: was a 500 and a traceback a request
+        raise InvalidSpec(f"the request body is nested more than {MAX_DEPTH} deep") from None
     if not isinstance(data, dict):
         raise InvalidSpec("the request body must be a JSON object")
+    if _deeper_than(data, MAX_DEPTH):
+        # Nothing gpuq takes nests past a few levels; what does would recurse later (json.dumps
+        # into a row, a copy of the spec) where a RecursionError is nobody's error to report.
+        raise InvalidSpec(f"the request body is nested more than {MAX_DEPTH} deep")
     if _SURROGATE_ESCAPE.search(raw):  # rare: checked in full only then
         for key, value in data.items():
             try:

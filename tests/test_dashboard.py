@@ -378,3 +378,15 @@ def test_queue_page_shows_an_arrays_pending_tasks_as_one_row_linked_to_the_first
     finally:
         with write_scope(st.settings) as session:  # gone, not ended: the other tests count the ended rows
             session.execute(delete(Job).where(Job.id.in_(ids)))
+
+
+def test_a_body_nested_too_deep_is_bad_input_not_a_server_error(ran):
+    # 200,000 levels: a 500 and a traceback in the server's log for each such request.
+    st, _ = ran
+    api = _Api(st.settings)
+    for depth in (200_000, 40):
+        status, answer = api("POST", "/jobs", public=False, body=b'{"a":' + b"[" * depth + b"]" * depth + b"}")
+        assert status == 400 and answer["exit_code"] == 2, (depth, status, answer)
+        assert answer["error"] == "the request body is nested more than 32 deep", answer
+    fine = b'{"command": ["true"], "cwd": "/tmp", "hold": true, "env": ["A=1"], "key": "nesting-ok"}'
+    assert api("POST", "/jobs", public=False, body=fine)[0] == 200
