@@ -97,7 +97,9 @@ def _start_of(target: str) -> bytes | None:
     """The first ``SHEBANG_BYTES`` of ``target`` where it is a regular file its owner may read, else
     None. The server may be root: it reads nothing on a user's behalf that the user could not read,
     so the path is checked as the owner's (``reach.is_file``), and the file then opened too
-    (``reach.may_read``: one swapped in between is not read with root's rights)."""
+    (``reach.may_read``: one swapped in between is not read with root's rights), and the path
+    walked again to the file opened (``reach.still_reaches``: a link flipped to another user's file
+    behind a directory closed to the owner, between the check and the open, is not read)."""
     if not reach.is_file(target):
         return None
     try:
@@ -105,7 +107,7 @@ def _start_of(target: str) -> bytes | None:
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not reach.may_read(fd):
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not reach.may_read(fd) or not reach.still_reaches(target, fd):
             return None
         return os.pread(fd, SHEBANG_BYTES, 0)
     except OSError:

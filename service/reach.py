@@ -210,6 +210,22 @@ def may_read(fd: int) -> bool:
         return False
 
 
+def still_reaches(path: str, fd: int) -> bool:
+    """Whether ``path``, walked again as the owner (``is_file``) after ``fd`` was opened by it with
+    this process's rights, leads the owner to the very file ``fd`` holds (its device and inode). A
+    path swapped between the first check and the open (a link flipped to a file behind another
+    user's closed directory) leads elsewhere: one swapped back for this check leads to another
+    inode than the one opened. Without it the swap leaked that file's first line."""
+    st = _stat(path, _R)
+    if st is None:
+        return False
+    try:
+        held = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
 def is_executable(path: str) -> bool:
     """A file the owner may run."""
     st = _stat(path, _X)

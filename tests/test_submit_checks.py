@@ -6,6 +6,7 @@ not a failure when it reaches a GPU."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 
 from gpuq.cli.app import app
 from gpuq.service import constants as c
-from gpuq.service import reach, spec, submitting
+from gpuq.service import launchable, reach, spec, submitting
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job
@@ -168,6 +169,31 @@ def test_a_relative_path_entry_is_the_jobs_directory_not_the_servers(tmp_path, m
         check(["only-there"], job_dir, path=f"bin:{PATH}")
     write(job_dir / "tool", "#!/bin/sh\ntrue\n")
     assert check(["tool"], job_dir, path=f":{PATH}").argv == ["tool"]  # an empty entry: the directory itself
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the check reads as root for another user only when root")
+def test_a_link_flipped_to_a_closed_file_between_the_check_and_the_open_is_not_read(shared_dir, monkeypatch):
+    # The security audit's race: ./prog flipped between a good script and a file behind another
+    # user's 0700 directory; the #! line of the closed file came back in the refusal.
+    closed = shared_dir / "closed"
+    closed.mkdir(mode=0o700)
+    write(closed / "secret.sh", "#!/SECRET-TOKEN\ntrue\n", 0o644)
+    write(shared_dir / "ok.sh", "#!/nonexistent-interp\ntrue\n")
+    prog = shared_dir / "prog"
+    prog.symlink_to(shared_dir / "ok.sh")
+    real_open = launchable.os.open
+
+    def flip_then_open(path, *args, **kwargs):  # the swap lands between the walk and the open
+        if str(path).endswith("/prog"):
+            prog.unlink()
+            prog.symlink_to(closed / "secret.sh")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(launchable.os, "open", flip_then_open)
+    try:  # accepted (what the owner cannot read is the kernel's to judge at exec), or refused: not leaked
+        check(["./prog"], shared_dir, user="nobody")
+    except InvalidSpec as refused:
+        assert "SECRET" not in str(refused), refused
 
 
 def test_a_file_its_owner_may_not_read_is_not_read_for_them(shared_dir):
