@@ -18,7 +18,6 @@ Jobs import this module (``python -m gpuq.workers.simulated_memory``): nothing h
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import pwd
 import re
@@ -43,15 +42,13 @@ _TEMPORARY = re.compile(r"\.gpu(\d+)\.(\d+)\.[0-9a-f]+\.tmp")
 
 
 def memory_dir(settings: Settings) -> Path:
-    """The node's directory of holding files: ``fake_gpu_memory_dir``, else one under /tmp named by
-    the stack's uid, key prefix, node and home (two stacks on one machine never share one: with the
-    same prefix and node, two homes' stacks counted each other's jobs' memory). Not in the home
-    itself: a root stack's is closed to the users whose jobs write here."""
+    """The node's directory of holding files: ``fake_gpu_memory_dir``, else ``simulated-gpu-memory``
+    in the stack's home, its own (two stacks on one machine never share one). Not in /tmp, where its
+    name could be known: another user who made it first kept a root stack's workers from starting.
+    A root stack's home is 0711, so the users whose jobs write here reach it without listing the home."""
     if settings.fake_gpu_memory_dir:
         return Path(settings.fake_gpu_memory_dir).expanduser()
-    home = hashlib.sha256(str(Path(settings.home).expanduser().absolute()).encode()).hexdigest()[:8]
-    name = f"gpuq-simulated-gpu-memory-{os.geteuid()}-{settings.key_prefix}-{settings.node}-{home}"
-    return Path("/tmp") / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return Path(settings.home).expanduser() / "simulated-gpu-memory"
 
 
 def remove_default_dir(settings: Settings) -> None:

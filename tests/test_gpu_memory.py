@@ -105,10 +105,9 @@ def test_the_directory_is_sticky_and_world_writable_and_jobs_get_it_only_on_simu
     assert stat.S_IMODE(memory_dir(settings).stat().st_mode) == 0o1777
     assert env_on(settings, 1)[ENV_VARIABLE] == str(tmp_path / "gpu-memory")
     assert ENV_VARIABLE not in env_on(settings.with_overrides(fake_gpus=0), 1)
-    default = memory_dir(settings.with_overrides(fake_gpu_memory_dir=""))
-    assert default.parent == Path("/tmp") and "gpuqmemtest" in default.name and "memnode" in default.name
-    # Another home's stack with the same prefix and node has a folder of its own: they counted each other's.
-    assert memory_dir(settings.with_overrides(fake_gpu_memory_dir="", home=tmp_path / "other")) != default
+    # By default the stack's own, in its home: in /tmp its name could be known, and another user who
+    # made it first kept a root stack's workers from starting; two stacks counted each other's jobs.
+    assert memory_dir(settings.with_overrides(fake_gpu_memory_dir="")) == settings.home / "simulated-gpu-memory"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid takes root")

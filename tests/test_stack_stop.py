@@ -192,7 +192,7 @@ def test_down_removes_the_default_simulated_memory_folder_of_its_stack(tmp_path)
     folder = memory_dir(settings)
     try:
         assert run_cli(["up", "--timeout", "150"], settings, timeout=180).returncode == 0
-        assert folder.is_dir() and str(folder).startswith("/tmp/gpuq-simulated-gpu-memory-")
+        assert folder.is_dir() and folder.parent == settings.home and folder.stat().st_mode & 0o7777 == 0o1777
         assert run_cli(["down"], settings, timeout=120).returncode == 0
         assert not folder.exists()
     finally:
