@@ -19,6 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gpuq.server import cluster_api, config_api, identity, jobs_api, metrics_api
+from gpuq.server.connections import PerUserLimit
 from gpuq.server.histograms import Settled
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
@@ -117,11 +118,19 @@ def _tls_context(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
+# Seconds a connection may stay open between requests, or before its first.
+IDLE_SECONDS = 15.0
+
+
 async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], None] | None = None) -> None:
     """Serve until ``stop`` is set: on the Unix socket, and on TCP with MUNGE if GPUQ_LISTEN says so."""
     tls = _tls_context(settings) if settings.listen else None  # a bad certificate: nothing starts
-    runner = web.AppRunner(make_app(settings), access_log=None, handle_signals=False)
+    # A connection that sends no request is closed after IDLE_SECONDS (aiohttp's keep-alive
+    # timeout, which it also applies before a first request): the CLI opens one per request.
+    runner = web.AppRunner(make_app(settings), access_log=None, handle_signals=False, keepalive_timeout=IDLE_SECONDS)
     await runner.setup()
+    assert runner.server is not None
+    PerUserLimit(runner.server)  # one user's open connections cannot take every descriptor the server has
     path = settings.server_socket
     sock = _bind_unix(path)
     try:

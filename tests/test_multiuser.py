@@ -571,3 +571,44 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         Path(sock).unlink(missing_ok=True)
         shutil.rmtree(home, ignore_errors=True)
     assert down.returncode == 0, down.stderr
+
+
+_HOLD_CONNECTIONS = """
+import socket, sys
+conns = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    conns.append(s)
+print("holding", flush=True)
+sys.stdin.read()  # until the test is done
+"""
+
+
+@pytest.mark.timeout(120)
+def test_one_user_holding_connections_open_cannot_starve_the_server_for_others(box):
+    # Thousands of idle connections of one user took every descriptor the server had, and every
+    # other user's `gpuq status` hung (the security audit).
+    from gpuq.server.connections import MAX_PER_USER
+
+    hog = subprocess.Popen([RUNUSER, "-u", box.a, "--", sys.executable, "-c", _HOLD_CONNECTIONS, box.socket,
+                            str(MAX_PER_USER)], env=box.user_env(box.a), cwd=box.home_of(box.a),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "holding"
+        started = time.monotonic()
+        assert box.gpuq(box.b, "status").returncode == 0  # another user is served
+        assert time.monotonic() - started < 20
+        # The hog's next connection is closed before it is read: its own requests fail, in one line.
+        refused = box.gpuq(box.a, "status")
+        assert refused.returncode == c.EXIT_UNAVAILABLE, refused
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        log = box.settings.log_dir / "server.log"
+        assert f"holds {MAX_PER_USER} connections open, the most one user may" in log.read_text(), log
+    finally:
+        hog.stdin.close()
+        hog.wait(30)
+    deadline = time.monotonic() + 20
+    while box.gpuq(box.a, "status").returncode != 0:  # its own connections closed: served again
+        assert time.monotonic() < deadline, "the user was not served again"
+        time.sleep(0.5)
