@@ -211,14 +211,19 @@ def _report(client: Client, job_id: int, code: int | None = None) -> int:
         if time.monotonic() >= deadline:
             say(sys.stderr, f"gpuq: allocation {job_id} has not ended yet ({state}); its worker is stopping what "
                             "it started\n")
-            return (128 - code if code < 0 else code) if code is not None else c.EXIT_RUN_GPUQ
+            return _status(code) if code is not None else c.EXIT_RUN_GPUQ
     by_client = end.get("failure") in (None, c.FAILURE_EXIT) and end.get("exit_code") == code
     if by_client and code is not None:
-        return 128 - code if code < 0 else code
+        return _status(code)
     line = end_line(job_id, end)
     if line:
         say(sys.stderr, line + "\n")
     return exit_code_of(end)
+
+
+def _status(code: int) -> int:
+    """A shell's status for the shell's (or command's) exit: -N, killed by signal N, is 128+N."""
+    return 128 - code if code < 0 else code
 
 
 class _Keeper(threading.Thread):

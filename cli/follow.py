@@ -267,8 +267,10 @@ def _ended(job_id: int, end: dict[str, Any], interrupted: bool = False, open_lin
     put(sys.stdout, "")
     result = end.get("kind") == c.KIND_WORKLOAD and end.get("result")
     line = end_line(job_id, end)
-    if open_line and (result or line):
-        (put if result else say)(sys.stdout if result else sys.stderr, "\n")
+    if open_line and result:
+        put(sys.stdout, "\n")
+    elif open_line and line:
+        say(sys.stderr, "\n")
     if result:
         put(sys.stdout, "\n".join(result_lines(end["result"])) + "\n")
     if line:
