@@ -95,3 +95,16 @@ def test_batches_drop_a_last_batch_too_small_to_split_over_the_devices():
     order = data.epoch_order(9, seed=0, epoch=1)
     assert torch.equal(order, data.epoch_order(9, seed=0, epoch=1))
     assert sorted(order.tolist()) == list(range(9))
+
+
+def test_a_gzipped_idx_that_unpacks_past_the_cap_is_refused_without_unpacking_it_all(tmp_path, monkeypatch):
+    # A gzip bomb: a few KiB that unpack to far more than the worker should hold.
+    monkeypatch.setattr(data, "MAX_IDX_BYTES", 1 << 20)
+    bomb = gzip.compress(b"\0" * (8 << 20))
+    with pytest.raises(ValueError, match="unpacks to more than 1 MiB"):
+        data.read_idx("images-idx3-ubyte.gz", bomb)
+
+
+def test_a_gz_name_that_holds_no_gzip_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="junk-idx1-ubyte.gz is not a gzip file"):
+        data.read_idx("junk-idx1-ubyte.gz", b"plain bytes")

@@ -17,7 +17,7 @@ from gpuq.service.errors import InvalidSpec
 from gpuq.service.spec import workload_spec
 from gpuq.service.workloads import get_workload
 from gpuq.workers.identity import Identity
-from gpuq.workers.owner_files import OwnerFiles, umask_of
+from gpuq.workers.owner_files import OwnerFileError, OwnerFiles, umask_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -152,6 +152,27 @@ def test_owner_files_as_the_owner_honour_the_umask_and_keep_the_mode(nobodys_dir
     OwnerFiles(_nobody()).write(other, b"x")
     assert _mode(other) == 0o644
     assert sorted(os.listdir(nobodys_dir)) == ["ck.pt", "old.pt"]
+
+
+def test_owner_files_refuse_a_file_past_the_cap_after_reading_one_byte_past_it(tmp_path):
+    big = tmp_path / "big.pt"
+    big.write_bytes(b"x" * 2048)
+    assert OwnerFiles().read(str(big), limit=2048) == b"x" * 2048
+    with pytest.raises(OwnerFileError, match="larger than"):
+        OwnerFiles().read(str(big), limit=1024)
+    # A device that never ends (a path to /dev/zero in --checkpoint) ends at the cap too.
+    with pytest.raises(OwnerFileError, match="larger than"):
+        OwnerFiles().read("/dev/zero", limit=1 << 20)
+
+
+def test_owner_files_as_the_owner_stop_at_the_cap(nobodys_dir):
+    files = OwnerFiles(_nobody())
+    with pytest.raises(OwnerFileError, match="larger than"):
+        files.read("/dev/zero", limit=1 << 20)
+    small = os.path.join(nobodys_dir, "small.pt")
+    files.write(small, b"abc")
+    assert files.read(small, limit=3) == b"abc"
+    assert files.read(os.path.join(nobodys_dir, "none.pt")) is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="checks as another user")

@@ -23,7 +23,12 @@ from gpuq.workers.identity import Identity
 
 # Run as the owner: coreutils, which every user can run (the worker's interpreter may live where
 # they cannot, a root-only pyenv). Messages in the C locale, so that "no such file" can be told apart.
-_READ = ["cat", "--"]
+# At most one byte past the cap is read: a path to /dev/zero or a file of 100 GiB must not fill the
+# warm worker's memory, which every job on its GPU shares.
+_READ = ["head", "-c"]
+# The most a job's file read by the worker may hold: a ResNet-18 checkpoint with its optimizer's
+# state is about 0.1 GiB, Fashion-MNIST's largest file 47 MiB.
+MAX_READ_BYTES = 1 << 30
 # Written beside the file, then renamed over it: a crash mid-write leaves the previous one. A new
 # file gets the job's umask; one that exists keeps its mode (a user's chmod 600 outlives a save).
 _WRITE = ["sh", "-c", 'tmp="$1.tmp.$$"; cat > "$tmp" && { [ ! -e "$1" ] || chmod --reference="$1" -- "$tmp"; } '
@@ -56,19 +61,24 @@ class OwnerFiles:
     identity: Identity | None = None
     umask: int | None = None
 
-    def read(self, path: str) -> bytes | None:
-        """The file's bytes; None when there is no such file."""
+    def read(self, path: str, limit: int = MAX_READ_BYTES) -> bytes | None:
+        """The file's bytes; None when there is no such file. Raises OwnerFileError when it holds
+        more than ``limit`` bytes (read no further than one past it)."""
         if self.identity is None:
             try:
                 with open(path, "rb") as f:
-                    return f.read()
+                    data = f.read(limit + 1)
             except FileNotFoundError:
                 return None
-        done = self._as_owner(_READ, path, None)
-        if done.returncode != 0 and done.stderr.rstrip().endswith(b"No such file or directory"):
-            return None
-        self._check(done, path)
-        return done.stdout
+        else:
+            done = self._as_owner([*_READ, str(limit + 1), "--"], path, None)
+            if done.returncode != 0 and done.stderr.rstrip().endswith(b"No such file or directory"):
+                return None
+            self._check(done, path)
+            data = done.stdout
+        if len(data) > limit:
+            raise OwnerFileError(f"{path}: larger than {limit >> 20} MiB, the most a job's file read by gpuq may hold")
+        return data
 
     def write(self, path: str, data: bytes) -> None:
         """Replace the file with ``data``, atomically."""
@@ -102,7 +112,7 @@ class OwnerFiles:
 
     def _check(self, done: subprocess.CompletedProcess[bytes], path: str) -> None:
         if done.returncode != 0:
-            # "cat: PATH: Permission denied": its last words are the reason.
+            # "head: cannot open 'PATH' for reading: Permission denied": its last words are the reason.
             last = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
             why = last[0].rsplit(": ", 1)[-1]
             raise OwnerFileError(f"{path}: {why} (as {self.identity.name if self.identity else 'this worker'})")

@@ -8,6 +8,7 @@ the way d2l's ``ToTensor`` does.
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import struct
 from collections.abc import Iterator
@@ -30,6 +31,10 @@ SIDE = 28
 _SHIFT = 3
 
 # IDX type byte -> (torch dtype, bytes per element); all big-endian in the file.
+# The most an IDX file may hold once unpacked (Fashion-MNIST's largest: 45 MiB): a small .gz that
+# unpacks to many GiB (a gzip bomb) stops there instead of filling the warm worker's memory.
+MAX_IDX_BYTES = 256 << 20
+
 _IDX_TYPES = {0x08: (torch.uint8, 1), 0x09: (torch.int8, 1), 0x0B: (torch.int16, 2),
               0x0C: (torch.int32, 4), 0x0D: (torch.float32, 4), 0x0E: (torch.float64, 8)}
 
@@ -48,7 +53,7 @@ class Dataset:
 def read_idx(path: str, raw: bytes) -> torch.Tensor:
     """The tensor stored in ``raw``, the IDX file at ``path`` (gzip-compressed when it ends in .gz)."""
     if path.endswith(".gz"):
-        raw = gzip.decompress(raw)
+        raw = _gunzip(path, raw, MAX_IDX_BYTES)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number)")
     dtype, width = _IDX_TYPES[raw[2]]
@@ -67,6 +72,18 @@ def read_idx(path: str, raw: bytes) -> torch.Tensor:
     else:
         data = data.view(dtype)
     return data.reshape(shape)
+
+
+def _gunzip(path: str, raw: bytes, limit: int) -> bytes:
+    """``raw`` unpacked, read no further than one byte past ``limit``."""
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as unpacked:
+            data = unpacked.read(limit + 1)
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path} is not a gzip file gpuq can read: {exc}") from None
+    if len(data) > limit:
+        raise ValueError(f"{path} unpacks to more than {limit >> 20} MiB, the most an IDX file may hold")
+    return data
 
 
 def find_idx(files: OwnerFiles, data_dir: str, name: str) -> tuple[str, bytes] | None:
