@@ -1,7 +1,7 @@
 """Whether a command could start as the worker starts it (no shell, in its directory, as its
 owner), checked at submit and again at resubmit rather than found out when the job reaches a GPU:
 its directory, its program, and a script's ``#!`` line (the worker's diagnosis of a start that
-failed, workers/command.py, reads that line with ``shebang_words`` too)."""
+failed, workers/command.py, reads that line with ``interpreter_of``, as the owner too)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ def shebang_words(first: bytes) -> list[bytes] | None:
         return None
     line = first[2:].split(b"\n", 1)[0]
     return [w for w in line.replace(b"\t", b" ").split(b" ") if w]
+
+
+def interpreter_of(target: str) -> str | None:
+    """The program ``target``'s ``#!`` line names (its first word, a carriage return kept), read
+    as ``_start_of`` reads it: only a file its owner may read (under ``reach.as_owner``). None for
+    a file with no such line, or one closed to the owner."""
+    head = _start_of(target)
+    words = shebang_words(head) if head is not None else None
+    return os.fsdecode(words[0]) if words else None
 
 
 def _check_start(program: str, target: str, workdir: str, path: str) -> None:

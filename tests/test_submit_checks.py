@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 
 import pytest
@@ -215,6 +216,29 @@ def test_an_interpreter_closed_to_the_owner_is_refused_for_them(shared_dir):
     with pytest.raises(InvalidSpec, match=f"its #! interpreter {closed}/interp does not exist or is not "
                                           "executable or is closed to nobody"):
         check(["./job.sh"], shared_dir, user="nobody")
+
+
+def test_the_workers_diagnosis_of_a_failed_start_reads_no_line_closed_to_the_owner(shared_dir):
+    # The root worker explains an exec that failed (ENOENT) by the script's #! line: a link flipped
+    # after the exec to a file of root's had its first word read as root and named to the user.
+    from gpuq.workers.command import _why_not_started
+    from gpuq.workers.identity import Identity
+
+    closed = shared_dir / "closed"
+    closed.mkdir(mode=0o700)
+    secret = write(closed / "tool", "#!/opt/root-only/secret-interp\ntrue\n")
+    gone = FileNotFoundError(2, "No such file or directory")
+    e = pwd.getpwnam("nobody")
+    nobody = Identity(name=e.pw_name, uid=e.pw_uid, gid=e.pw_gid, groups=(e.pw_gid,), home=e.pw_dir, shell=e.pw_shell)
+    why, code = _why_not_started(gone, str(secret), str(shared_dir), nobody)
+    assert code == 127 and "secret-interp" not in why, why
+    assert why.endswith("no such file or command (it was there at submit)")
+    # The same for a job of the worker's own user: its line is theirs to read.
+    why, _ = _why_not_started(gone, str(secret), str(shared_dir), None)
+    assert why == f"{secret}: its interpreter /opt/root-only/secret-interp is not found"
+    # A directory the owner may not enter reads as gone to them.
+    why, code = _why_not_started(gone, "./x", str(closed), nobody)
+    assert (why, code) == (f"its directory {closed} is gone (it was there at submit)", 126)
 
 
 def test_may_read_answers_for_the_open_file_by_its_owners_rights(shared_dir):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import errno
 import functools
@@ -13,14 +14,15 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO
 
 import psutil
 
 from gpuq.service import constants as c
-from gpuq.service.launchable import shebang_words
+from gpuq.service import reach
+from gpuq.service.launchable import interpreter_of
 from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
@@ -57,36 +59,27 @@ class CannotStart(Exception):
         self.exit_code = exit_code
 
 
-def _why_not_started(exc: OSError, program: str, cwd: str) -> tuple[str, int]:
-    """What a failed exec means to the user, as a line, and the shell's exit code for it."""
-    if exc.filename == cwd or not os.path.isdir(cwd):
-        return f"its directory {cwd} is gone (it was there at submit)", 126
-    where = program if os.path.isabs(program) else os.path.join(cwd, program)
-    if isinstance(exc, FileNotFoundError):
-        interpreter = _interpreter(where) if os.path.exists(where) else None
-        if interpreter is not None and interpreter.endswith("\r"):
-            # Windows line endings: the kernel looks for "/bin/sh\r", which "/bin/sh is not found"
-            # hid, the one program every machine has.
-            return (f"{program}: its #! line ends in a carriage return (Windows line endings), so the kernel "
-                    f"looks for {interpreter!r}: convert it (dos2unix {program})"), 127
-        if interpreter is not None:  # the kernel says ENOENT for a script whose #! names nothing
-            return f"{program}: its interpreter {interpreter} is not found", 127
-        return f"{program}: no such file or command (it was there at submit)", 127
+def _why_not_started(exc: OSError, program: str, cwd: str, run_as: Identity | None) -> tuple[str, int]:
+    """What a failed exec means to the user, as a line, and the shell's exit code for it. Looked
+    into as the job's owner (``reach.as_owner``): the worker may be root, and a script's #! line
+    or a directory that the owner may not read is not read, nor named, for them."""
+    with reach.as_owner(run_as.name) if run_as is not None else contextlib.nullcontext():
+        if exc.filename == cwd or not reach.is_dir(cwd):
+            return f"its directory {cwd} is gone (it was there at submit)", 126
+        where = program if os.path.isabs(program) else os.path.join(cwd, program)
+        if isinstance(exc, FileNotFoundError):
+            interpreter = interpreter_of(where)
+            if interpreter is not None and interpreter.endswith("\r"):
+                # Windows line endings: the kernel looks for "/bin/sh\r", which "/bin/sh is not found"
+                # hid, the one program every machine has.
+                return (f"{program}: its #! line ends in a carriage return (Windows line endings), so the kernel "
+                        f"looks for {interpreter!r}: convert it (dos2unix {program})"), 127
+            if interpreter is not None:  # the kernel says ENOENT for a script whose #! names nothing
+                return f"{program}: its interpreter {interpreter} is not found", 127
+            return f"{program}: no such file or command (it was there at submit)", 127
     if exc.errno == errno.ENOEXEC:
         return f"{program}: not a program this machine runs (a script needs a #! line)", 126
     return f"{program}: {os.strerror(exc.errno) if exc.errno else exc}", 126
-
-
-def _interpreter(path: str) -> str | None:
-    """The program a script's ``#!`` line names, or None."""
-    try:
-        with open(path, "rb") as f:
-            first = f.readline(256)
-    except OSError:
-        return None
-    # Split on spaces and tabs, as the kernel does: a carriage return stays part of the name.
-    words = shebang_words(first)
-    return words[0].decode("utf-8", "replace") if words else None
 
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
@@ -114,41 +107,43 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                                 start_new_session=True,
                                 preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env)))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
-        raise CannotStart(*_why_not_started(exc, argv[0], cwd)) from None
+        raise CannotStart(*_why_not_started(exc, argv[0], cwd, run_as)) from None
     found = _Finder(proc.pid, cgroup, run_id)
-    memory = _MemoryWatch(found, limit_mib) if cgroup is None and limit_mib is not None else None
-    if on_start is not None:
-        on_start(proc.pid)
-    assert proc.stdout is not None and proc.stderr is not None
-    readers = [threading.Thread(target=_pump, args=(pipe, stream, sink), name=f"pump-{proc.pid}-{stream}", daemon=True)
-               for pipe, stream in ((proc.stdout, c.STDOUT), (proc.stderr, c.STDERR))]
-    for reader in readers:
-        reader.start()
-    was_cancelled = False
-    over_limit: int | None = None
-    while proc.poll() is None:
-        if cancelled.wait(POLL_SECONDS):
-            was_cancelled = True
-            sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
-            stop_tree(proc.pid, kill_grace, found)
-            break
-        if memory is not None and over_limit is None and (over_limit := memory.over()) is not None:
-            # As the OOM killer would: SIGKILL, no grace (a job past its memory has no time to
-            # spare), and the job is host_oom. The loop goes on to reap the main process itself, so
-            # its status is the SIGKILL (stop_tree's wait would reap it first and leave Popen a 0).
-            sink.note(f"[gpuq: the job's processes hold {over_limit} MiB of host memory, past its --host-mem "
-                      f"of {limit_mib} MiB: stopped with SIGKILL]")
-            _signal(proc.pid, found(), signal.SIGKILL)
-    # The job is over when its main process is: anything it left behind is stopped too (SLURM
-    # does the same), or it would hold the GPU while gpuq hands it to the next job.
-    stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
-    code = proc.wait()
-    for reader in readers:
-        reader.join(timeout=5)
-    leftover = verify_gone(found, verify_within, found.pid, cgroup)
-    oom = over_limit is not None or (cgroup is not None and cgroup.oom_kills() > oom_before)
-    return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, over_limit_mib=over_limit,
-                          leftover=tuple(leftover))
+    with _registered(found):  # its share watch finds its every process meanwhile
+        memory = _MemoryWatch(found, limit_mib) if cgroup is None and limit_mib is not None else None
+        if on_start is not None:
+            on_start(proc.pid)
+        assert proc.stdout is not None and proc.stderr is not None
+        readers = [threading.Thread(target=_pump, args=(pipe, stream, sink), name=f"pump-{proc.pid}-{stream}",
+                                    daemon=True)
+                   for pipe, stream in ((proc.stdout, c.STDOUT), (proc.stderr, c.STDERR))]
+        for reader in readers:
+            reader.start()
+        was_cancelled = False
+        over_limit: int | None = None
+        while proc.poll() is None:
+            if cancelled.wait(POLL_SECONDS):
+                was_cancelled = True
+                sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
+                stop_tree(proc.pid, kill_grace, found)
+                break
+            if memory is not None and over_limit is None and (over_limit := memory.over()) is not None:
+                # As the OOM killer would: SIGKILL, no grace (a job past its memory has no time to
+                # spare), and the job is host_oom. The loop goes on to reap the main process itself, so
+                # its status is the SIGKILL (stop_tree's wait would reap it first and leave Popen a 0).
+                sink.note(f"[gpuq: the job's processes hold {over_limit} MiB of host memory, past its --host-mem "
+                          f"of {limit_mib} MiB: stopped with SIGKILL]")
+                _signal(proc.pid, found(), signal.SIGKILL)
+        # The job is over when its main process is: anything it left behind is stopped too (SLURM
+        # does the same), or it would hold the GPU while gpuq hands it to the next job.
+        stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
+        code = proc.wait()
+        for reader in readers:
+            reader.join(timeout=5)
+        leftover = verify_gone(found, verify_within, found.pid, cgroup)
+        oom = over_limit is not None or (cgroup is not None and cgroup.oom_kills() > oom_before)
+        return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, over_limit_mib=over_limit,
+                              leftover=tuple(leftover))
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -206,6 +201,33 @@ def kill_leftovers(worker: str) -> list[int]:
     return killed
 
 
+# The commands running now, by their main process's pid, each with the finder of its processes: a
+# shared job's share watch (workers/shared.py) counts the GPU memory of every process of the job,
+# not only its tree, or a process that left the tree (a double fork, setsid) held memory unseen.
+_running: dict[int, _Finder] = {}
+_running_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _registered(found: _Finder) -> Iterator[None]:
+    with _running_lock:
+        _running[found.pid] = found
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running.pop(found.pid, None)
+
+
+def is_process_of(main: int, pid: int) -> bool | None:
+    """Whether process ``pid`` is one of the command's whose main process is ``main`` (one
+    ``run_command`` runs), by the marks its stop finds them by (tree, process group, session,
+    cgroup, GPUQ_RUN_ID); None when no command of this worker runs with that main process."""
+    with _running_lock:
+        finder = _running.get(main)
+    return finder.owns(pid) if finder is not None else None
+
+
 class _Finder:
     """Finds every live process of one job run, in one pass over the process table: its tree, its
     process group and session (children that left the tree), its cgroup, and whatever carries its
@@ -229,6 +251,21 @@ class _Finder:
             if p.pid != me and p.pid not in found and (p.pid in in_cgroup or self._ours(p)):
                 found[p.pid] = p
         return list(found.values())
+
+    def owns(self, pid: int) -> bool:
+        """Whether the live process ``pid`` is one of this run's, by the marks ``__call__`` finds
+        them by, looked at for that one process only."""
+        if pid == self.pid:
+            return True
+        try:
+            p = psutil.Process(pid)
+            if any(parent.pid == self.pid for parent in p.parents()):
+                return True
+        except psutil.Error:
+            return False
+        if self.cgroup is not None and pid in self.cgroup.pids():
+            return True
+        return pid != os.getpid() and self._ours(p)
 
     def _ours(self, p: psutil.Process) -> bool:
         try:
