@@ -152,7 +152,7 @@ class Job:
         self.gpus[gpu] = (*procs, GpuProcess(pid=99, memory_mib=foreign))
 
     def watch(self, share_mib: int = 3072, grace_s: float = 5.0) -> ShareWatch:
-        return ShareWatch(share_mib, grace_s, lambda: self.pids, lambda: self.gpus)
+        return ShareWatch(share_mib, grace_s, lambda pid: pid in self.pids, lambda: self.gpus)
 
 
 def test_a_job_under_its_share_is_never_stopped_whatever_others_use():
@@ -223,7 +223,7 @@ def test_a_real_job_that_grows_past_its_share_is_reported_after_the_grace(tmp_pa
         seen.append(devices.read(1).processes)
         return {1: seen[-1]}
 
-    watch = ShareWatch(2000, grace, pids, readings)
+    watch = ShareWatch(2000, grace, lambda pid: pid in pids(), readings)
     try:
         assert holder_pid(job) != job.pid, "a process tree: the shell and the holder it started"
         over_at = reason = None

@@ -5,6 +5,7 @@ with four of them loses none; a whole-GPU job waits until every shared one has l
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 import time
@@ -134,6 +135,17 @@ def test_a_shared_job_over_its_share_is_stopped_as_gpu_mem_exceeded_and_the_othe
     stats = run_cli(["stats", str(greedy)], stack.settings)
     assert stats.returncode == 0, stats.stderr
     assert f"of its {2048 + CONTEXT_MIB} MiB share" in stats.stdout, stats.stdout
+
+
+def test_a_shared_job_whose_process_left_its_tree_is_still_held_to_its_share(stack):
+    # A double fork into a session of its own: the watch summed only the command's tree, so the
+    # escaped process held 4 GiB on a 2 GiB share unseen. It carries the job's GPUQ_RUN_ID.
+    hold = shlex.join([sys.executable, "-m", "gpuq.workers.simulated_memory", "--mib", "4000", "--seconds", "30"])
+    escaped = submit_shared(stack, ["sh", "-c", f"(setsid {hold} &); sleep 30"])
+    [ended] = wait_ended(stack, [escaped])
+    assert ended.state == State.FAILED and ended.failure == c.FAILURE_GPU_MEM_EXCEEDED, (ended.state, ended.reason)
+    assert "used 3.9 GiB of its 2.5 GiB share" in ended.reason, ended.reason
+    assert (ended.ended_at - ended.started_at).total_seconds() < 20
 
 
 def test_a_whole_gpu_job_waits_until_every_shared_job_has_left_the_gpu(stack):

@@ -10,7 +10,7 @@ Pure logic: the caller polls ``look`` at each sample and stops the job (failure 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping
 
 from gpuq.service.devices import GpuProcess
 
@@ -21,15 +21,17 @@ Readings = Mapping[int, tuple[GpuProcess, ...] | None]
 class ShareWatch:
     """Watches one job held to ``share_mib`` MiB on each of its GPUs.
 
-    ``pids()`` returns the job's processes now; ``readings()`` the per-process lists of its GPUs.
+    ``owns(pid)`` says whether a process in a GPU's list is one of the job's (asked of the few
+    processes on its GPUs, not of every process of the machine: a look stays cheap on a node of
+    hundreds); ``readings()`` gives the per-process lists of its GPUs.
     A reading of None (not available) is no evidence either way: it neither stops the job nor
     ends a stretch over the share; a process whose memory the GPU cannot tell counts as none.
     """
 
-    def __init__(self, share_mib: int, grace_s: float, pids: Callable[[], Set[int]],
+    def __init__(self, share_mib: int, grace_s: float, owns: Callable[[int], bool],
                  readings: Callable[[], Readings]) -> None:
         self.share_mib, self.grace_s = share_mib, grace_s
-        self._pids, self._readings = pids, readings
+        self._owns, self._readings = owns, readings
         # By GPU: when the job went over its share there, and the most it has used since.
         self._over: dict[int, tuple[float, int]] = {}
         self._reason: str | None = None
@@ -44,12 +46,18 @@ class ShareWatch:
         clock's. Once it gave a reason it keeps giving it."""
         if self._reason is not None:
             return self._reason
-        pids = self._pids()
+        owned: dict[int, bool] = {}  # by pid, asked once a look (a process may be on several GPUs)
+
+        def ours(pid: int) -> bool:
+            if pid not in owned:
+                owned[pid] = self._owns(pid)
+            return owned[pid]
+
         latest: int | None = None
         for index, processes in sorted(self._readings().items()):
             if processes is None:
                 continue
-            used = sum(p.memory_mib or 0 for p in processes if p.pid in pids)
+            used = sum(p.memory_mib or 0 for p in processes if ours(p.pid))
             self.peak_mib = max(self.peak_mib or 0, used)
             latest = self.used_mib = max(latest or 0, used)
             if used <= self.share_mib:

@@ -28,6 +28,7 @@ from gpuq.service.errors import Unreachable
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
+from gpuq.workers.command import is_process_of
 from gpuq.workers.end import ended_of, gave_up_waiting, record_usage
 from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import JobRun, Started
@@ -101,29 +102,41 @@ def _look(state: WorkerState, job: JobRun, watcher: StopWatcher, memory: ShareWa
 
 
 def _share_watch(state: WorkerState, job: JobRun, started: set[int]) -> ShareWatch | None:
-    """The watchdog over the job's GPU memory: what its processes (those it started and theirs)
-    use on each of its GPUs, from the per-process list NVML gives (or simulated GPUs' registry),
-    against its share and the context reserve it was placed with."""
+    """The watchdog over the job's GPU memory: what its processes (every process of its command,
+    or those of an allocation and their children) use on each of its GPUs, from the per-process
+    list NVML gives (or simulated GPUs' registry), against its share and the context reserve it
+    was placed with."""
     if job.mem_mib is None or state.devices is None:
         return None
     devices, gpus = state.devices, job.gpu_indices
 
-    def pids() -> set[int]:
-        found = set()
-        for pid in list(started):
-            try:
-                root = psutil.Process(pid)
-                found.add(pid)
-                found.update(p.pid for p in root.children(recursive=True))
-            except psutil.NoSuchProcess:
-                # Gone: forgotten before its pid can be given to a process that is not the job's.
-                started.discard(pid)
-            except psutil.Error:
-                continue
-        return found
+    def owns(pid: int) -> bool:
+        for main in list(started):
+            # A command's every process, as its stop finds them (one that left its tree too); an
+            # allocation's processes come one by one, each with its tree.
+            mine = is_process_of(main, pid)
+            if mine is None:
+                mine = _in_tree(main, pid, started)
+            if mine:
+                return True
+        return False
 
-    return ShareWatch(job.mem_mib + state.settings.shared_context_mib, state.settings.shared_mem_grace, pids,
+    return ShareWatch(job.mem_mib + state.settings.shared_context_mib, state.settings.shared_mem_grace, owns,
                       lambda: {i: devices.read(i).processes for i in gpus})
+
+
+def _in_tree(main: int, pid: int, started: set[int]) -> bool:
+    """Whether ``pid`` is process ``main`` or a child of it, of any depth. A ``main`` gone is
+    forgotten before its pid can be given to a process that is not the job's."""
+    if not psutil.pid_exists(main):
+        started.discard(main)
+        return False
+    if pid == main:
+        return True
+    try:
+        return any(parent.pid == main for parent in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
 
 
 def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any], sink: OutputSink,
