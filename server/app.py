@@ -2,7 +2,8 @@
 
 Every answer is JSON. An error is ``{"error": one line, "exit_code": N}`` with the HTTP status
 that fits, so the client prints the line and exits with gpuq's code for it. Service calls are
-blocking (SQLAlchemy), so they run in the default thread pool, never on the event loop.
+blocking (SQLAlchemy), so they run in the default thread pool, never on the event loop; a submit
+that copies a work tree, which may take minutes, in a pool of its own (server/copies.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gpuq.server import cluster_api, config_api, identity, jobs_api, metrics_api
+from gpuq.server import cluster_api, config_api, copies, identity, jobs_api, metrics_api
 from gpuq.server.connections import PerUserLimit
 from gpuq.server.histograms import Settled
 from gpuq.server.request import SETTINGS
@@ -81,6 +82,7 @@ def make_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[_answers], client_max_size=c.MAX_REQUEST_BYTES)
     app[SETTINGS] = settings
     app[metrics_api.SETTLED] = Settled()
+    copies.install(app)
     app.add_routes(jobs_api.routes)
     app.add_routes(cluster_api.routes)
     app.add_routes(metrics_api.routes)

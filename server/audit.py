@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from gpuq.server.copies import Copies
 from gpuq.server.request import call, context, reading
 from gpuq.service import display, jobs
 from gpuq.service.errors import NotAllowed, OverLimit
@@ -38,17 +39,19 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.$-]{1,64}")
 
 async def audited(request: web.Request, action: str, fn: Callable[..., T], *args: Any, ids: Sequence[int] = (),
                   acted: Callable[[T], Iterable[int] | Mapping[int, str]] | None = None,
-                  note: Callable[[T], str] | None = None, via_user: str | None = None) -> T:
+                  note: Callable[[T], str] | None = None, via_user: str | None = None,
+                  copies: Copies | None = None) -> T:
     """``fn(*args)`` run as ``call`` runs it, for the request's caller, and logged: the ``action``
     done to the jobs ``acted`` picks from its result (``ids``, the jobs the request names, by
     default; a mapping gives each job's owner, else they are read where the caller may act on
     others' jobs), with ``note``'s words on the result; a NotAllowed it raises is logged with the
-    other users' jobs among ``ids``. ``via_user`` is a submit's ``--user``."""
+    other users' jobs among ``ids``. ``via_user`` is a submit's ``--user``; ``copies``, the pool a
+    submit that copies a work tree runs in (server/copies.py) instead of the default one."""
     settings, caller = context(request)
     behalf = via_user if via_user is not None and via_user != caller.user else None
     who = f"{caller.user} (uid {caller.uid})" + (f" on behalf of {_name(behalf)} via --user" if behalf else "")
     try:
-        result = await call(fn, *args)
+        result = await (copies.run(fn, *args) if copies is not None else call(fn, *args))
     except (NotAllowed, OverLimit) as refused:  # no right to, or past a limit (a flood's pending cap)
         try:
             found = await call(_owners, settings, ids) if ids else {}

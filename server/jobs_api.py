@@ -5,6 +5,7 @@ Rights are checked here, with service/rights.py, before anything private leaves 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ from sqlalchemy import select
 
 from gpuq.server import dispatch, submission, views
 from gpuq.server.audit import audited
+from gpuq.server.copies import COPIES
 from gpuq.server.request import body_of, call, context, job_id_of, reading
 from gpuq.service import constants as c
 from gpuq.service import display, inventory, jobs, policy, rights, usage
@@ -75,11 +77,14 @@ async def submit(request: web.Request) -> web.Response:
     settings, caller = context(request)
     body = await body_of(request)
     user = body.get("user")
-    # A repeated key wrote nothing: no line (the first request's is the record of its jobs).
-    done: submission.Submitted = await audited(
-        request, "submit", submission.submit, settings, caller, body,
-        acted=lambda d: {} if d.repeated else {j.id: j.user for j in d.jobs},
-        via_user=user if isinstance(user, str) else None)
+    # A copy of a work tree may take minutes: in a pool of its own, two of a user's at a time.
+    copies = request.app[COPIES] if body.get("snapshot") is True else None
+    async with copies.turn(caller.uid) if copies is not None else contextlib.nullcontext():
+        # A repeated key wrote nothing: no line (the first request's is the record of its jobs).
+        done: submission.Submitted = await audited(
+            request, "submit", submission.submit, settings, caller, body,
+            acted=lambda d: {} if d.repeated else {j.id: j.user for j in d.jobs},
+            via_user=user if isinstance(user, str) else None, copies=copies)
     response = web.json_response({"jobs": [views.job(j) for j in done.jobs]})
     if done.placed:
         # The answer first: the client (the next submit of a loop, `gpuq run`) goes on while the

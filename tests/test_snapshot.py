@@ -26,7 +26,7 @@ from gpuq.service.models import Job, utcnow
 from gpuq.service.resubmit import resubmit
 from gpuq.service.scheduler import Scheduler
 from gpuq.service.snapshot_retention import INCOMING_MAX_AGE_S, prune
-from tests.conftest import ThreadServer, run_cli, serving
+from tests.conftest import ThreadServer, run_cli, serving, settings_env
 from tests.test_end_to_end import output_of, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(shutil.which("git") is None, reason="needs git")]
@@ -118,6 +118,44 @@ def test_snapshot_outside_a_work_tree_is_refused_in_one_line_and_writes_nothing(
     assert out.returncode == c.EXIT_USAGE
     assert out.stderr.count("\n") == 1 and "--snapshot needs a git work tree" in out.stderr
     assert job_count(settings) == 0 and snapshot_entries(settings) == []
+
+
+def test_snapshot_copies_run_two_of_a_user_at_a_time_in_a_pool_of_their_own_and_status_answers_meanwhile(
+        settings, tmp_path, monkeypatch):
+    # A copy may take minutes. In the default pool (six threads here) six of them held every
+    # thread, and every other request, `gpuq status` too, waited for them. Here each copy's git
+    # listing waits at a gate the test opens.
+    gate, seen, tools = tmp_path / "gate", tmp_path / "seen", tmp_path / "bin"
+    seen.mkdir()
+    tools.mkdir()
+    (tools / "git").write_text(f"""#!/bin/sh
+case " $* " in *" ls-files "*) touch "{seen}/$$"; while [ ! -e "{gate}" ]; do sleep 0.05; done;; esac
+exec {shutil.which("git")} "$@"
+""")
+    (tools / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")  # the server's (a thread here) and the clients'
+    repo = make_repo(tmp_path)
+    server = ThreadServer(settings)
+    submits: list[subprocess.Popen] = []
+    try:
+        env = settings_env(settings)
+        submits = [subprocess.Popen([sys.executable, "-m", "gpuq.cli", "submit", "--snapshot", "--", "true"], cwd=repo,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for _ in range(8)]
+        deadline = time.monotonic() + 30
+        while len(os.listdir(seen)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # time for a third to start, were it let
+        assert len(os.listdir(seen)) == 2, os.listdir(seen)
+        status = run_cli(["status"], settings, timeout=20)
+        assert status.returncode == 0, status.stderr
+        assert all(p.poll() is None for p in submits)  # all eight still wait: the two copies, and six for a turn
+    finally:
+        gate.touch()
+        outs = [p.communicate(timeout=60) for p in submits]
+        server.stop()
+    assert [p.returncode for p in submits] == [0] * 8, outs
+    assert len(os.listdir(seen)) == 8 and job_count(settings) == 8
 
 
 def test_snapshot_over_the_size_limit_is_refused_and_leaves_no_directory(settings, tmp_path):
