@@ -198,15 +198,14 @@ def _server_pid(path: str | Path) -> int | None:
     """The pid of the server listening on the Unix socket ``path`` (the kernel's SO_PEERCRED of a
     connection to it), None where none listens there."""
     import socket
-    import struct
+
+    from gpuq.service.peer import peer_of
 
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(1.0)
             conn.connect(str(path))
-            pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
-            return pid
+            return peer_of(conn).pid
     except OSError:
         return None
 

@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 
 from aiohttp import web
 
 from gpuq.service import constants as c
 from gpuq.service import munge
 from gpuq.service.errors import NotAllowed
+from gpuq.service.peer import peer_of
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
-
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket, as the kernel recorded it when
     that process connected."""
-    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return uid
+    return peer_of(sock).uid
 
 
 async def caller_of(request: web.Request, settings: Settings) -> Caller:
