@@ -109,6 +109,15 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
         # server could not listen there, and every `gpuq` command would talk to the other one.
         raise StackError(f"a gpuq server that is not this stack's already answers on {settings.server_socket}: "
                          f"stop it (`gpuq down` with its GPUQ_HOME), or set GPUQ_SOCKET to another path")
+    if settings.broker_is_managed and broker.asks_no_password(settings):
+        # Someone's Redis without a password on the port (a system one on 6379): taken for the
+        # stack's own, it carried every user's job messages where any local user could read and
+        # write them, and a user's own stack on the same port joined it and took root's messages.
+        # Refused before anything is made (the home, the simulated GPUs' folder).
+        raise StackError(f"a Redis that asks no password answers on port {settings.redis_port}: gpuq will not put "
+                         "its queue where every local user can read and write it; set GPUQ_REDIS_PORT to a free "
+                         "port (gpuq starts its own Redis there, with a password), or GPUQ_BROKER_URL to a Redis "
+                         "to use")
     devices = open_devices(settings)
     gpus = devices.list()
     if not gpus:
@@ -116,23 +125,15 @@ def up(settings: Settings, timeout: float = 120.0) -> StackStatus:
     if not settings.broker_is_managed:
         broker.check(settings)
     # Root's stack serves every user of the machine; a user's own serves them alone (its server
-    # refuses anyone else, and its home and database are closed to them). Root's always runs a
-    # Redis of its own, with a password; a user's uses a Redis that answers without one already
-    # (theirs to choose), and gives the one it starts a password.
+    # refuses anyone else, and its home and database are closed to them). Each runs a Redis of its
+    # own with a generated password; a user's that finds its Redis answering already (with the
+    # password in its home) keeps that password.
     shares_a_redis = os.geteuid() != 0 and settings.broker_is_managed and broker.reachable(settings)
     try:
         settings = system_home.prepare(settings, redis_password=not shares_a_redis)
     except OSError as exc:
         raise StackError(f"cannot prepare gpuq's home {settings.home}: {exc.strerror or exc} "
                          f"({exc.filename or settings.home}); set GPUQ_HOME to a folder of your own") from None
-    if settings.broker_is_managed and broker.asks_no_password(settings):
-        # Someone's Redis without a password on the port (a system one on 6379): taken for the
-        # stack's own, it carried every user's job messages where any local user could read and
-        # write them, and a user's own stack on the same port joined it and took root's messages.
-        raise StackError(f"a Redis that asks no password answers on port {settings.redis_port}: gpuq will not put "
-                         "its queue where every local user can read and write it; set GPUQ_REDIS_PORT to a free "
-                         "port (gpuq starts its own Redis there, with a password), or GPUQ_BROKER_URL to a Redis "
-                         "to use")
     starts_redis = settings.broker_is_managed and not broker.reachable(settings)
     if starts_redis and _port_taken(settings):
         raise StackError(f"something other than gpuq's Redis answers on port {settings.redis_port} (it does not "

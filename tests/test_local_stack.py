@@ -154,6 +154,7 @@ def test_up_refuses_a_redis_without_a_password_on_its_port_and_starts_nothing(tm
             f"a Redis that asks no password answers on port {open_redis.port}: gpuq will not put its queue where "
             "every local user can read and write it") in result.stderr, result.stderr
         assert not (settings.run_dir / "supervisor.pid").exists() and _processes_of(settings) == []
+        assert not settings.home.exists()  # refused before its home was made: nothing is left
         assert redis.Redis(port=open_redis.port).dbsize() == 0  # nothing of gpuq's written there
     finally:
         open_redis.stop()
