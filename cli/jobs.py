@@ -59,7 +59,7 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
     if as_json:
         print_json({k: v for k, v in data.items() if k not in ("elapsed_s", "output_readable")})
         return
-    lines = _lines(job(data))
+    lines = _lines(job(data), data.get("context_mib"))
     # Names only: the values may be secrets, and a terminal is read over shoulders (--json has them).
     # The umask gpuq passes the job on is its own, not one the user set: it is left out.
     names = sorted(name for name in data.get("env") or () if name != c.UMASK_VARIABLE)
@@ -80,7 +80,7 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=
                                                   for k, v in row.items()))
 
 
-def _lines(j: Any) -> list[tuple[str, str]]:
+def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     # As a shell would take it back: an empty value reads '' (not two spaces), a space stays in one word.
     what = j.workload + " " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in j.params.items()) \
         if j.kind == c.KIND_WORKLOAD else " ".join(j.argv or [])
@@ -104,9 +104,10 @@ def _lines(j: Any) -> list[tuple[str, str]]:
     # memory a GPU must have: the same number, two meanings. A server from before "shared" sends none.
     shared = getattr(j, "shared", False)
     if shared and j.mem_mib:
-        # In the GiB `gpuq why` gives a shared job's need in (packing.room_lines). The view carries no
-        # context reserve (the server's setting): it is named, not guessed.
-        lines.append(("shares", f"{j.mem_mib / 1024:.1f} GiB of each GPU, plus its CUDA context reserve "
+        # In the GiB `gpuq why` gives a shared job's need in (packing.room_lines); the reserve is the
+        # server's setting (a server from before it sent it: named, not guessed).
+        reserve = f"{context_mib / 1024:.1f} GiB " if context_mib is not None else ""
+        lines.append(("shares", f"{j.mem_mib / 1024:.1f} GiB of each GPU, plus its {reserve}CUDA context reserve "
                                 "(GPUQ_SHARED_CONTEXT_MIB)"))
     asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib and not shared else "",
             f"node {j.on_node}" if j.on_node else "",

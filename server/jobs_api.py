@@ -236,7 +236,10 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
         # Not opened by GPUQ_SHARED_LOGS, as output is: the values may be the owner's secrets.
         env = dict(job.env or {}) if rights.may_read_private(settings, job.user, caller) else None
         data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
-    return data | {"env": env, "metrics": views.plain(metrics), "last_output": tail, "output_readable": readable}
+        # A shared job is placed with its share and this reserve for its CUDA context on each GPU.
+        context = settings.shared_context_mib if job.shared else None
+    return data | {"context_mib": context, "env": env, "metrics": views.plain(metrics), "last_output": tail,
+                   "output_readable": readable}
 
 
 @routes.get(JOB + "/diff")

@@ -215,7 +215,8 @@ def test_show_and_every_json_view_say_a_job_is_shared_and_whole_gpu_mem_stays_fr
     try:
         shown = run_cli(["show", str(shared)], s).stdout
         # A share of the GPU, not the whole-GPU wording (a free-memory requirement) of the same --mem.
-        assert "    shares  3.0 GiB of each GPU, plus its CUDA context reserve (GPUQ_SHARED_CONTEXT_MIB)\n" in shown
+        assert ("    shares  3.0 GiB of each GPU, plus its 0.5 GiB CUDA context reserve "
+                "(GPUQ_SHARED_CONTEXT_MIB)\n") in shown, shown
         assert "free per GPU" not in shown
         assert "     asks  3072 MiB free per GPU; held\n" in run_cli(["show", str(whole)], s).stdout
         assert json.loads(run_cli(["show", "--json", str(shared)], s).stdout)["shared"] is True
