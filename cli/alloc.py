@@ -25,6 +25,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
 from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises, say
 from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd
@@ -43,7 +44,7 @@ END_WAIT_SECONDS = 120.0
 @app.command(cls=SubmitCommand)
 def alloc(
     ctx: typer.Context,
-    gpus: Annotated[int, typer.Option("--gpus", help="GPUs to hold, all on this node.")] = 1,
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs to hold, all on this node.", parser=numbers.whole(1))] = 1,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
                                                  "the allocation's share).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
@@ -53,7 +54,8 @@ def alloc(
                                                                   "everything is stopped.")]
     = None,
     name: Annotated[str | None, typer.Option("--name", help="A name to know the allocation by.")] = None,
-    priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
+    priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
+                                          parser=numbers.integer)] = 0,
 ) -> None:
     """Hold GPUs on this node for a shell (or the command after --), as salloc does.
 

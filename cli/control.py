@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.jobs import selected
 from gpuq.cli.render import print_json, printable, time_limit
@@ -19,12 +20,12 @@ from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
 
-JobIds = Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)]
-Array = Annotated[int | None, typer.Option(help="Every job of this array.", min=1)]
+JobIds = Annotated[list[int] | None, typer.Argument(help="Job ids.", parser=numbers.job_id)]
+Array = Annotated[int | None, typer.Option(help="Every job of this array.", parser=numbers.job_id)]
 
 
 @app.command()
-def why(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)],
+def why(job_id: Annotated[int, typer.Argument(help="The job's id.", parser=numbers.job_id)],
         as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Why a job waits (or how it ended), in a sentence with the figures."""
     answer = Client().get(f"/jobs/{job_id}/why")
@@ -83,12 +84,14 @@ def _why_not(refusal: str) -> str:
 
 @app.command()
 def update(job_ids: JobIds = None, array: Array = None,
-           priority: Annotated[int | None, typer.Option(help="A pending job's new priority (higher first).")] = None,
+           priority: Annotated[int | None, typer.Option(help="A pending job's new priority (higher first).",
+                                                        parser=numbers.integer)] = None,
            time: Annotated[str | None, typer.Option("--time", help="The new time limit (2h, 30m, or SLURM's 90, "
                                                    "1:30:00, 2-0:00); once a job has started, only root and "
                                                    "the admins may raise it.")] = None,
            name: Annotated[str | None, typer.Option(help="A new name (one job at a time).")] = None,
-           retries: Annotated[int | None, typer.Option(help="How many times a failure runs it again.")] = None,
+           retries: Annotated[int | None, typer.Option(help="How many times a failure runs it again.",
+                                                       parser=numbers.whole(0))] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, a time limit, a name, retries (as
     `scontrol update job`)."""

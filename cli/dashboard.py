@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.logs import configure as configure_logging
 
@@ -28,7 +29,8 @@ DEFAULT_WAIT = 20.0
 @app.command()
 def dashboard(
     host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 shows it to the network.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = DEFAULT_PORT,
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one).",
+                                      parser=numbers.whole(0, 65535, "port"))] = DEFAULT_PORT,
     wait: Annotated[float, typer.Option(min=0, help="Seconds to wait at start for the gpuq server to answer.")
                     ] = DEFAULT_WAIT,
 ) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import drain_reasons, job, mib, print_json, printable
 from gpuq.service import constants as c
@@ -85,7 +86,8 @@ def devices(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until interrupted.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, max=86400, help="Seconds between refreshes.")
                         ] = c.DEVICES_WATCH_SECONDS,
-    count: Annotated[int | None, typer.Option(min=1, help="With --watch: stop after this many.")] = None,
+    count: Annotated[int | None, typer.Option(help="With --watch: stop after this many.",
+                                              parser=numbers.whole(1))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON (with --watch: one document a line).")] = False,
 ) -> None:
     """Every GPU now: utilisation, memory, temperature, power, the job and user on it, foreign processes."""

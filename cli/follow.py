@@ -25,6 +25,7 @@ from typing import Annotated, Any, TextIO
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
 from gpuq.cli.render import result_lines
 from gpuq.service import constants as c
@@ -281,7 +282,7 @@ def _ended(job_id: int, end: dict[str, Any], interrupted: bool = False, open_lin
 
 
 @app.command()
-def attach(job_id: Annotated[int, typer.Argument(help="The job's id.", min=1)]) -> None:
+def attach(job_id: Annotated[int, typer.Argument(help="The job's id.", parser=numbers.job_id)]) -> None:
     """Follow a job's output from its start to its end, stdout and stderr apart, and exit with its
     status as `gpuq run` does. Ctrl-C leaves it running."""
     raise typer.Exit(follow(Client(), job_id, cancel_on_interrupt=False))

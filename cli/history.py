@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp
 from gpuq.cli.table import colours_wanted, render
@@ -29,8 +30,9 @@ def history(
                               "separate by commas).")] = None,
     name: Annotated[str | None, typer.Option(help="Only jobs of this name (an array's tasks too), or a "
                                                   "pattern with * and ?.")] = None,
-    array: Annotated[int | None, typer.Option(help="Only the tasks of this array.", min=1)] = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="List at most this many, newest first.")] = 100,
+    array: Annotated[int | None, typer.Option(help="Only the tasks of this array.", parser=numbers.job_id)] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", help="List at most this many, newest first.",
+                                       parser=numbers.whole(1))] = 100,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The jobs that ended over a period, newest first: how each ended, where, how long it waited and ran."""

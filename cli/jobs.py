@@ -12,6 +12,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client, Overdue, Refused
 from gpuq.cli.progress import bar, wanted
 from gpuq.cli.render import (
@@ -33,12 +34,13 @@ from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
 
-JobId = Annotated[int, typer.Argument(help="The job's id.", min=1)]
+JobId = Annotated[int, typer.Argument(help="The job's id.", parser=numbers.job_id)]
 
 
 @app.command()
-def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", min=1)] = None,
-         array: Annotated[int | None, typer.Option(help="A line for each job of this array.", min=1)] = None,
+def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", parser=numbers.job_id)] = None,
+         array: Annotated[int | None, typer.Option(help="A line for each job of this array.",
+                                                   parser=numbers.job_id)] = None,
          as_json: Annotated[bool, typer.Option("--json")] = False,
          diff: Annotated[bool, typer.Option("--diff", help="Print the uncommitted changes recorded at submit.")]
          = False) -> None:
@@ -287,8 +289,8 @@ def _until_ended(client: Client, job_ids: list[int], deadline: float | None,
 
 
 @app.command()
-def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
-         array: Annotated[int | None, typer.Option(help="Every job of this array.", min=1)] = None,
+def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", parser=numbers.job_id)] = None,
+         array: Annotated[int | None, typer.Option(help="Every job of this array.", parser=numbers.job_id)] = None,
          timeout: Annotated[float | None, typer.Option(min=0, help="Give up after this many seconds.")] = None,
          quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
          progress: Annotated[bool | None, typer.Option("--progress/--no-progress", show_default=False,
@@ -336,8 +338,9 @@ def _timed_out(timeout: float, left: str) -> NoReturn:
 
 
 @app.command()
-def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", min=1)] = None,
-           array: Annotated[int | None, typer.Option(help="Every job of this array (one summary line).", min=1)]
+def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", parser=numbers.job_id)] = None,
+           array: Annotated[int | None, typer.Option(help="Every job of this array (one summary line).",
+                                                     parser=numbers.job_id)]
            = None,
            user: Annotated[bool, typer.Option("--user", help="All my waiting and running jobs.")] = False,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,

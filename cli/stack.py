@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.service.errors import NotAllowed
 from gpuq.service.logs import configure as configure_logging
 from gpuq.service.settings import Settings, get_settings, mask_url
@@ -211,7 +212,8 @@ def _server_pid(path: str | Path) -> int | None:
 
 
 @app.command()
-def worker(gpu: Annotated[int, typer.Option("--gpu", min=0, help="The GPU to serve (NVML index).")],
+def worker(gpu: Annotated[int, typer.Option("--gpu", help="The GPU to serve (NVML index).",
+                                            parser=numbers.whole(0, name="index"))],
            loglevel: Annotated[str, typer.Option()] = "INFO") -> None:
     """Run one GPU's worker in the foreground, pinned with CUDA_VISIBLE_DEVICES."""
     admin_settings("worker")  # the worker reads its settings itself

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, print_json, timestamp, when
 from gpuq.service import constants as c
@@ -33,7 +34,8 @@ def _percent(v: float | None, fmt: str) -> str:
 
 @app.command()
 def stats(
-    job_id: Annotated[int | None, typer.Argument(help="One job's summary instead of the report.", min=1)] = None,
+    job_id: Annotated[int | None, typer.Argument(help="One job's summary instead of the report.",
+                                                 parser=numbers.job_id)] = None,
     since: Annotated[str, typer.Option(help="Start: a date, a time or an age (7d, 12h).")] = "7d",
     until: Annotated[str, typer.Option(help="End: a date, a time, an age or now.")] = "now",
     as_json: Annotated[bool, typer.Option("--json")] = False,

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import drain_reasons, duration, job, job_name, mib, one_line, print_json, result_summary, seconds
 from gpuq.cli.table import colours_wanted, render
@@ -17,7 +18,8 @@ app = typer.Typer()
 
 @app.command()
 def status(
-    ended: Annotated[int, typer.Option("--ended", "-n", min=0, help="How many ended jobs to show.")] = 10,
+    ended: Annotated[int, typer.Option("--ended", "-n", help="How many ended jobs to show.",
+                                       parser=numbers.whole(0))] = 10,
     mine: Annotated[bool, typer.Option("--me", help="Only my jobs.")] = False,
     every_task: Annotated[bool, typer.Option("--array-tasks", "-r", help="A line for each pending task of an array "
                                              "(by default they are one line for each reason they wait, as in squeue).")]

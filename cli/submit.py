@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperCommand
 
+from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
@@ -74,10 +75,11 @@ def submit(
                                                    show_default=False)] = None,
     gpus: Annotated[int | None, typer.Option(
         "--gpus", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes).",
-        show_default=False)] = None,
+        show_default=False, parser=numbers.whole(1))] = None,
     name: Annotated[str | None, typer.Option("--name", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
-    priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).")] = 0,
+    priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
+                                          parser=numbers.integer)] = 0,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
                                                  "the job's share, which it is held to).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, packed by "
@@ -87,7 +89,8 @@ def submit(
                                                       "8G (past it the OOM killer stops the job).")] = None,
     time: Annotated[str | None, typer.Option(help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, 2-0:00); stopped "
                                              "past it.")] = None,
-    retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.")] = 0,
+    retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",
+                                         parser=numbers.whole(0))] = 0,
     hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,

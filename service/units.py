@@ -104,10 +104,12 @@ def parse_indices(text: str) -> list[int]:
 
 def parse_job_ids(text: str, option: str) -> list[int]:
     """``12`` or ``12,13`` as job ids."""
-    try:
-        ids = [int(p) for p in text.split(",")]  # an empty one (1,,2 or "") is a mistake to name
-    except ValueError:
-        raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}") from None
+    parts = text.split(",")
+    # ASCII digits only: int() takes 2_0 (20, where SLURM means task 0 of array 2), and an empty
+    # part (1,,2 or "") is a mistake to name.
+    if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
+        raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}")
+    ids = [int(p) for p in parts]
     if not ids or any(not 1 <= i <= MAX_JOB_ID for i in ids):
         raise InvalidSpec(f"{option} takes job ids like 12 or 12,13; got {text!r}")
     return ids

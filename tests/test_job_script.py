@@ -82,7 +82,7 @@ def test_a_scripts_options_apply_and_the_command_lines_win(use_settings, tmp_pat
 
 
 @pytest.mark.parametrize("line,message", [
-    ("#GPUQ --gpus many", "job.sh line 2: Invalid value for '--gpus': 'many' is not a valid integer"),
+    ("#GPUQ --gpus many", "job.sh line 2: Invalid value for '--gpus': 'many' is not a whole number (digits only)"),
     ("#GPUQ --gpsu 2", "job.sh line 2: '--gpsu': a #GPUQ line takes gpuq submit's options only"),
     ("#GPUQ matmul", "job.sh line 2: 'matmul': a #GPUQ line takes gpuq submit's options only"),
     ("#GPUQ -- true", "job.sh line 2: '--': a #GPUQ line takes gpuq submit's options only"),

@@ -38,8 +38,8 @@ def invoke(args):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["submit", "--gpus", "0", "matmul"], "--gpus must be at least 1"),
-    (["submit", "--gpus", "-2", "matmul"], "--gpus must be at least 1"),
+    (["submit", "--gpus", "0", "matmul"], "Invalid value for '--gpus': 0 is too small (1 or more)"),
+    (["submit", "--gpus", "-2", "matmul"], "Invalid value for '--gpus': -2 is too small (1 or more)"),
     (["submit", "--gpus", "3", "--", "true"], "more than any node has (the largest, testnode, has 2)"),
     (["submit", "--gpus", "2", "matmul"], "matmul runs on one GPU"),
     (["submit", "matmull"], "unknown workload 'matmull'"),
@@ -268,7 +268,7 @@ def test_cancel_user_with_job_ids_or_an_array_is_refused_and_cancels_nothing(use
     (["cancel", "1", str(2**63)], f"no job {2**63}"),
     (["show", "--array", str(2**63)], f"no array {2**63}"),
     (["history", "--array", str(2**40)], f"no array {2**40}"),
-    (["show", "--array", "-1"], "-1 is not in the range x>=1"),
+    (["show", "--array", "-1"], "'-1' is not a job id (a whole number from 1)"),
     (["stats", "--since", "x" * 9000], "the server refused the request (400"),  # past aiohttp's request line
     (["wait", "1", "--timeout", "nan"], "nan is not a number"),
 ])
@@ -279,6 +279,30 @@ def test_ids_and_values_past_any_a_job_can_have_are_one_line_not_a_server_failur
     assert result.exit_code in (c.EXIT_NOT_FOUND, c.EXIT_USAGE), result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    # Python's int() took digit groups: `gpuq cancel 7_0` (SLURM's task 0 of array 7) cancelled job 70.
+    (["show", "7_0"], "'7_0' is not a job id: an array's tasks have job ids of their own (gpuq show --array 7"),
+    (["cancel", "1_0"], "'1_0' is not a job id"),
+    (["cancel", "1-3"], "'1-3' is not a job id: give each id (12 13 14), or --array ID"),
+    (["hold", "1,2"], "'1,2' is not a job id: give each id"),
+    (["wait", "\u0661"], "is not a job id (a whole number from 1)"),  # an Arabic-Indic one
+    (["submit", "--gpus", "1_0", "--", "true"], "Invalid value for '--gpus': '1_0' is not a whole number"),
+    (["submit", "--retries", " 2", "--", "true"], "Invalid value for '--retries': ' 2' is not a whole number"),
+    (["submit", "--priority", "1_0", "--", "true"], "Invalid value for '--priority': '1_0' is not a whole number"),
+    (["submit", "--after", "1_0", "--", "true"], "--after takes job ids like 12 or 12,13; got '1_0'"),
+    (["history", "-n", "0"], "Invalid value for '--limit' / '-n': 0 is too small (1 or more)"),
+])
+def test_numbers_are_ascii_digits_only_and_a_slurm_task_id_is_not_read_as_another_job(use_settings, args, message):
+    first = invoke(["submit", "--hold", "--", "true"])
+    assert first.exit_code == 0, first.output
+    result = invoke(args)
+    assert result.exit_code == c.EXIT_USAGE, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    with write_scope(use_settings) as session:
+        assert [j.held for j in session.scalars(select(Job))] == [True]  # nothing written, nothing changed
 
 
 @pytest.mark.parametrize("since", ["99999999d", "0001-01-01", str(10**30) + "d"])
