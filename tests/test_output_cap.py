@@ -40,3 +40,21 @@ def test_output_past_the_cap_keeps_its_start_and_its_end_with_the_error(settings
     dropped = text[text.index("bytes of output dropped past the cap"):]
     assert len(dropped) <= c.OUTPUT_TAIL_CHARS + 200  # the end kept is bounded, not the whole rest
     assert "step 5000\n" not in text  # the middle is gone
+
+
+def test_gpuqs_own_note_starts_a_line_of_its_own_after_output_that_ended_inside_one(settings):
+    # `printf abc` then a cancel read "abc[gpuq: stopping the job ...]" in gpuq logs and gpuq run.
+    with write_scope(settings) as session:
+        job = add_job(session, "ann", "n", utcnow(), None)
+    sink = OutputSink(settings, job, 0)
+    sink.write("abc")
+    sink.note("[gpuq: stopping the job]")
+    sink.write("whole line\n")
+    sink.note("[gpuq: again]")
+    sink.stop()
+    with write_scope(settings) as session:
+        sink.store_rest(session)
+    sink.rest_stored()
+    with write_scope(settings) as session:
+        text = "".join(data for _, data, _ in read_output(session, job))
+    assert text == "abc\n[gpuq: stopping the job]\nwhole line\n[gpuq: again]\n"

@@ -46,6 +46,8 @@ class OutputSink:
         self._dropped_chars = 0
         self._dropped_bytes = 0
         self._lock = threading.Lock()
+        # Whether the job's last output (either stream: a terminal shows both) ended inside a line.
+        self._mid_line = False
         # One flush at a time, so a chunk that failed to reach SQL is retried under its own number.
         self._flushing = threading.Lock()
         # The output's last characters, to tell why a job failed (a CUDA OOM message, say).
@@ -61,6 +63,7 @@ class OutputSink:
         # lost with it. Shown as U+2400 (␀) on both databases, as a terminal would show nothing.
         text = text.replace("\x00", NUL_SHOWN)
         with self._lock:
+            self._mid_line = not text.endswith("\n")
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._flush_loop, name=f"output-{self.job_id}", daemon=True)
                 self._thread.start()
@@ -110,8 +113,10 @@ class OutputSink:
         self.write(text if text.endswith("\n") else text + "\n", stream)
 
     def note(self, text: str) -> None:
-        """A line of gpuq's own about the job (it is being stopped, say): on the job's stderr."""
-        self.line(text, c.STDERR)
+        """A line of gpuq's own about the job (it is being stopped, say): on the job's stderr, and
+        on a line of its own where the job's output stopped inside one (`printf abc` then a
+        cancel read "abc[gpuq: stopping the job ...]" in `gpuq logs` and on `gpuq run`'s terminal)."""
+        self.line(("\n" if self._mid_line else "") + text, c.STDERR)
 
     def flush(self) -> bool:
         """Write what is buffered; False if the database refused it (it stays, for the next try)."""
