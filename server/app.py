@@ -83,6 +83,7 @@ def make_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[metrics_api.SETTLED] = Settled()
     copies.install(app)
+    app[identity.DECODING] = asyncio.Semaphore(identity.DECODING_AT_ONCE)
     app.add_routes(jobs_api.routes)
     app.add_routes(cluster_api.routes)
     app.add_routes(metrics_api.routes)

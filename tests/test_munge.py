@@ -241,6 +241,43 @@ def test_a_bad_credential_is_refused_with_77_and_nothing_written(server, munged,
     assert job_count(server[0]) == before
 
 
+def test_a_tcp_peer_sending_half_requests_holds_a_bounded_share_and_unix_users_are_served(server):
+    # Anyone who reaches the port could open connections by the thousand, each a request whose body
+    # never came, before any credential was checked: the server ran out of descriptors, and every
+    # user's `gpuq status` on the Unix socket hung.
+    from gpuq.server.connections import MAX_PER_ADDRESS
+    from gpuq.server.identity import BODY_SECONDS
+
+    settings, address = server
+    host, port = address.removeprefix("http://").split(":")
+    half = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: MUNGE abc\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_PER_ADDRESS):
+            conn = socket.create_connection((host, int(port)), timeout=10)
+            conn.sendall(half)
+            held.append(conn)
+        sent = time.monotonic()
+        extra = socket.create_connection((host, int(port)), timeout=10)
+        try:
+            extra.sendall(b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert extra.recv(4096) == b"", "one past the address's share is closed before it is read"
+        except ConnectionResetError:
+            pass
+        finally:
+            extra.close()
+        served = run_cli(["status"], settings, timeout=30)  # over the Unix socket meanwhile
+        assert served.returncode == 0, served.stderr
+        held[0].settimeout(BODY_SECONDS + 20)
+        answer = held[0].recv(65536).decode()
+        assert f"the request's body did not arrive within {BODY_SECONDS:g} s" in answer, answer
+        assert answer.startswith("HTTP/1.1 403") and time.monotonic() - sent < BODY_SECONDS + 15
+    finally:
+        for conn in held:
+            conn.close()
+
+
 def test_the_cli_prints_a_refused_credential_in_one_line_and_exits_77(server, tmp_path):
     # A `munge` on PATH that makes forged credentials: the CLI's request is refused by the server.
     fake = tmp_path / "bin"
