@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from types import FrameType
 from typing import Annotated, Any
 
@@ -136,13 +137,27 @@ def _cancel_quietly(client: Client, job_id: int) -> None:
         pass
 
 
+# What the server's answer may add to the shell's environment: where simulated GPUs keep their
+# memory (service/simulated_memory.py). Nothing else: an answer forged over plain HTTP, or from a
+# wrong GPUQ_SERVER, set LD_PRELOAD or BASH_ENV and ran its code as this user.
+FROM_SERVER = ("GPUQ_SIMULATED_MEMORY_DIR",)
+
+
+def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
+    """The environment the allocation's shell runs with: ``base`` (this terminal's), what of the
+    server's answer ``FROM_SERVER`` lets through, and the allocation's own variables."""
+    job_id = held["id"]
+    given = {k: v for k, v in (held.get("env") or {}).items() if k in FROM_SERVER and isinstance(v, str)}
+    return dict(base, **given, CUDA_VISIBLE_DEVICES=",".join(map(str, held["gpu_indices"])),
+                CUDA_DEVICE_ORDER="PCI_BUS_ID", GPUQ_JOB_ID=str(job_id), GPUQ_RUN_ID=held["run_id"],
+                GPUQ_ALLOC=str(job_id), GPUQ_GPUS=str(len(held["gpu_indices"])), GPUQ_NODE=held["node"] or "")
+
+
 def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> int:
     """Run the shell (or ``command``) in this terminal while the allocation lasts; the exit code."""
     job_id = held["id"]
     gpus = ",".join(map(str, held["gpu_indices"]))
-    env = dict(os.environ, **held.get("env", {}), CUDA_VISIBLE_DEVICES=gpus, CUDA_DEVICE_ORDER="PCI_BUS_ID",
-               GPUQ_JOB_ID=str(job_id), GPUQ_RUN_ID=held["run_id"], GPUQ_ALLOC=str(job_id),
-               GPUQ_GPUS=str(len(held["gpu_indices"])), GPUQ_NODE=held["node"] or "")
+    env = shell_env(held, os.environ)
     argv = command or [_shell()]
     until = f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else ""
     say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"
