@@ -131,6 +131,8 @@ def _known_user(session: Any, user: str) -> bool:
     try:
         pwd.getpwnam(user)
         return True
+    except ValueError:  # a NUL in it: no account, and no text a database takes (was a 500)
+        return False
     except KeyError:
         return session.scalar(select(Job.id).where(Job.user == user).limit(1)) is not None
 

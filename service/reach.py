@@ -47,7 +47,7 @@ def as_owner(user: str) -> Iterator[None]:
             entry = pwd.getpwnam(user)
             if entry.pw_uid != 0:
                 owner = _Owner(user, entry.pw_uid, frozenset(os.getgrouplist(user, entry.pw_gid)))
-        except KeyError:  # no account here (a MUNGE caller's uidN): what everyone may reach
+        except KeyError:  # no account here (a MUNGE caller's uid:N): what everyone may reach
             owner = _Owner(user, -1, frozenset())
     token = _OWNER.set(owner)
     try:

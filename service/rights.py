@@ -45,11 +45,18 @@ class Caller:
 
     @classmethod
     def of_uid(cls, uid: int) -> Caller:
-        """The caller with ``uid``; a uid without a passwd entry is named ``uidN``."""
+        """The caller with ``uid``; a uid without a passwd entry is named ``uid:N``, a name no account
+        can have (a colon separates passwd's fields): as ``uidN`` it was the jobs of a local user
+        who happened to be called that, for a caller from another node with that uid."""
         try:
             return cls(uid, pwd.getpwuid(uid).pw_name)
         except KeyError:
-            return cls(uid, f"uid{uid}")
+            return cls(uid, unnamed(uid))
+
+
+def unnamed(uid: int) -> str:
+    """The name gpuq gives a uid with no account here."""
+    return f"uid:{uid}"
 
 
 def check_served(caller: Caller) -> None:

@@ -164,7 +164,9 @@ def current_user() -> str:
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
-        return f"uid{os.getuid()}"
+        from gpuq.service.rights import unnamed
+
+        return unnamed(os.getuid())
 
 
 DEFAULT_ENV = c.DEFAULT_ENV

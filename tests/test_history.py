@@ -136,6 +136,7 @@ def test_gpuq_history_lists_my_ended_jobs_with_counts_and_everyones_with_all(use
     (["--all", "--user", "bob"], "--all and --user cannot be used together"),
     (["--user", ""], "--user needs a user name"),  # not read as "mine"
     (["--user", " "], "--user needs a user name"),
+    (["--user", "a\x00b"], "no such user here"),  # pwd's "embedded null byte": the server failed, 70
     (["--limit", "0"], "--limit"),
     (["--array", "x"], "--array"),
 ])

@@ -538,3 +538,26 @@ def test_a_job_runs_through_a_tls_redis_with_a_password_and_a_wrong_ca_is_refuse
             st.stop()
             db.dispose_engines()
             drop()
+
+
+def test_a_uid_with_no_account_here_gets_a_name_no_account_can_have():
+    # As "uidN" it was the name of any local account called that: a caller of that uid from
+    # another node (MUNGE) owned that account's jobs, and theirs became its.
+    import pwd
+
+    from gpuq.service.rights import Caller
+
+    unknown = next(u for u in range(4_242_424, 4_242_524) if not _has_account(u))
+    caller = Caller.of_uid(unknown)
+    assert caller.user == f"uid:{unknown}" and ":" in caller.user  # passwd's field separator
+    assert Caller.of_uid(0).user == pwd.getpwuid(0).pw_name
+
+
+def _has_account(uid: int) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
