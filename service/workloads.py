@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -357,5 +358,7 @@ def get_workload(name: str) -> Workload:
     try:
         return CATALOGUE[name]
     except KeyError:
+        # `gpuq submit ./train.sh`, as sbatch takes it: the hint shows their own command after --.
+        example = shlex.quote(name) if name.strip() and name.isprintable() and len(name) <= 200 else "python train.py"
         raise InvalidSpec(f"unknown workload {name!r}; known: {', '.join(sorted(CATALOGUE))} "
-                          f"(a command goes after --: gpuq submit -- python train.py)") from None
+                          f"(a command goes after --: gpuq submit -- {example})") from None

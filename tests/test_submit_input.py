@@ -43,6 +43,8 @@ def invoke(args):
     (["submit", "--gpus", "3", "--", "true"], "more than any node has (the largest, testnode, has 2)"),
     (["submit", "--gpus", "2", "matmul"], "matmul runs on one GPU"),
     (["submit", "matmull"], "unknown workload 'matmull'"),
+    # sbatch's way: the hint is their own command after --.
+    (["submit", "./train.sh"], "(a command goes after --: gpuq submit -- ./train.sh)"),
     (["submit", "matmul", "--size", "big"], "--size must be a whole number; got 'big'"),
     (["submit", "matmul", "--size", "0"], "--size must be at least 1"),
     (["submit", "matmul", "--size", "9999999"], "--size must be at most 65536"),
