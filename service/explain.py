@@ -148,6 +148,13 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
             return ""
         return f", ends within {_within(holder.time_limit_s - (now - holder.started_at).total_seconds())}"
 
+    # A whole job's GPUs on a node, one phrase for them all ("GPU 0,1,2,3 run job 5 of ann"): a
+    # gang on four GPUs read as the same line four times.
+    whole_of: dict[tuple[str, int], list[int]] = {}
+    for gpu in gpus.values():
+        holders = held_by.get(gpu.id, [])
+        if len(holders) == 1 and not holders[0].shared and gpu.heartbeat_at is not None and gpu.heartbeat_at >= cutoff:
+            whole_of.setdefault((gpu.node, holders[0].id), []).append(gpu.index)
     for gpu in gpus.values():
         if job.on_node and gpu.node != job.on_node:
             continue
@@ -155,7 +162,11 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
         if gpu.heartbeat_at is None or gpu.heartbeat_at < cutoff:
             text = f"GPU {gpu.index} offline (no worker)"
         elif len(holders) == 1 and not holders[0].shared:
-            text = f"GPU {gpu.index} runs job {holders[0].id} of {holders[0].user}{ends(holders[0])}"
+            indices = whole_of[(gpu.node, holders[0].id)]
+            if indices[0] != gpu.index:
+                continue  # said with its job's first GPU
+            text = (f"GPU {','.join(map(str, indices))} {'runs' if len(indices) == 1 else 'run'} job "
+                    f"{holders[0].id} of {holders[0].user}{ends(holders[0])}")
         elif holders:
             # A whole-GPU job needs every one of them gone: said, since it reads as a GPU half free.
             each = "; ".join(f"job {h.id} of {h.user}{ends(h)}" for h in holders)
@@ -174,7 +185,7 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     lines = []
     for node, texts in by_node.items():
         prefix = f"node {node}" + (" (drained)" if node in drained else "")
-        lines.append(f"{prefix} has " + ", ".join(texts))
+        lines.append(f"{prefix}: " + ", ".join(texts))
     return lines or ["no GPU is known to gpuq"]
 
 

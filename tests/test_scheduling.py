@@ -123,7 +123,7 @@ def test_why_of_a_whole_gpu_job_names_every_shared_job_that_must_end_first(setti
     Scheduler(settings).schedule_once()
     with write_scope(settings) as session:
         text = why(session, settings, whole)
-    assert (f"node a has GPU 0 shared by 2 jobs (job {small[0]} of ann; job {small[1]} of bob), all of which "
+    assert (f"node a: GPU 0 shared by 2 jobs (job {small[0]} of ann; job {small[1]} of bob), all of which "
             "must end before a whole-GPU job starts there") in text, text
 
 
@@ -180,7 +180,7 @@ def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share
     with write_scope(settings) as session:
         text = why(session, settings, anns)
     assert f"job {bobs} of bob (2 GPUs) goes first (fair share: " in text and text.endswith(
-        "and it waits for GPUs; node a has GPU 0 runs job 5 of ann, GPU 1 runs job 5 of ann"), text
+        "and it waits for GPUs; node a: GPU 0,1 run job 5 of ann"), text
 
 
 def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
