@@ -12,6 +12,7 @@ from gpuq.cli.render import drain_reasons, duration, job, job_name, mib, one_lin
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
 from gpuq.service.display import in_queue_order, with_tasks
+from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
 
@@ -21,14 +22,20 @@ def status(
     ended: Annotated[int, typer.Option("--ended", "-n", help="How many ended jobs to show.",
                                        parser=numbers.whole(0))] = 10,
     mine: Annotated[bool, typer.Option("--me", help="Only my jobs.")] = False,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="Only this user's jobs (as squeue -u).")] = None,
     every_task: Annotated[bool, typer.Option("--array-tasks", "-r", help="A line for each pending task of an array "
                                              "(by default they are one line for each reason they wait, as in squeue).")]
     = False,
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
 ) -> None:
     """The queue (waiting, running and recently ended jobs) and the GPUs."""
+    if mine and user is not None:
+        raise InvalidSpec("--me and --user cannot be used together: pick one")
+    if user is not None and not user.strip():
+        raise InvalidSpec("--user needs a user name (--me for yours)")
     collapsed = not (every_task or as_json)
-    answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, arrays="collapsed" if collapsed else None)
+    answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user,
+                          arrays="collapsed" if collapsed else None)
     rows, gpus = answer["jobs"], answer["gpus"]
     if as_json:
         print_json({"jobs": rows, "gpus": gpus})

@@ -101,15 +101,24 @@ async def queue(request: web.Request) -> web.Response:
     settings, caller = context(request)
     ended = min(_int(request, "ended", 10), history_of.MAX_LISTED)
     mine = request.query.get("mine") in ("1", "true")
+    # ``user``: one user's jobs (`gpuq status --user`, squeue -u), which everyone may see.
+    named = request.query.get("user")
+    if named is not None and not named.strip():
+        raise InvalidSpec("--user needs a user name")
     # arrays=collapsed: an array's pending tasks come as entries of "arrays", one for each reason
     # they wait, not as thousands of jobs (`gpuq status` and the dashboard ask for it).
     collapsed = request.query.get("arrays") == "collapsed"
-    return web.json_response(await call(_queue, settings, caller.user if mine else None, max(ended, 0), collapsed))
+    user = caller.user if mine else named
+    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named is not None))
 
 
-def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = False) -> dict[str, Any]:
+def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = False,
+           named: bool = False) -> dict[str, Any]:
     now = utcnow()
     with reading(settings) as session:
+        if named and user is not None and not _known_user(session, user):
+            # As squeue's "Invalid user": a mistyped name is said, not answered with an empty queue.
+            raise InvalidSpec(f"--user {display.printable(user[:100])}: no such user here, and no job of theirs")
         rows = jobs.list_jobs(session, ended_limit=ended, user=user, but_pending_tasks=collapsed)
         tasks = jobs.pending_tasks(session, user=user) if collapsed else []
         gpus = inventory.view(session, settings)

@@ -144,3 +144,21 @@ def test_bad_history_input_is_one_line_and_exit_2(use_settings, args, words):
     out = invoke("history", *args)
     assert out.exit_code == c.EXIT_USAGE, out.output
     assert words in out.output and len(out.output.strip().splitlines()) == 1, out.output
+
+
+def test_gpuq_status_user_lists_one_users_jobs_as_squeue_u_does(use_settings):
+    import getpass
+
+    me = getpass.getuser()
+    mine = ended(use_settings, me, "mine", State.SUCCEEDED, timedelta(minutes=5))
+    theirs = ended(use_settings, "bob", "bobs", State.SUCCEEDED, timedelta(minutes=5))
+    listed = json.loads(invoke("status", "--user", "bob", "--json").output)["jobs"]
+    assert [j["id"] for j in listed] == theirs
+    assert [j["id"] for j in json.loads(invoke("status", "-u", me, "--json").output)["jobs"]] == mine
+    assert invoke("status", "-u", "bob").output.count("bobs") == 1
+    for args, words in ((["--user", "carol"], "gpuq: --user carol: no such user here, and no job of theirs"),
+                        (["--user", " "], "gpuq: --user needs a user name"),
+                        (["--me", "--user", "bob"], "gpuq: --me and --user cannot be used together")):
+        out = invoke("status", *args)
+        assert out.exit_code == c.EXIT_USAGE and out.output.startswith(words), out.output
+        assert len(out.output.strip().splitlines()) == 1
