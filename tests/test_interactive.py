@@ -296,6 +296,17 @@ def test_alloc_time_limit_warns_then_kills_a_sleep_left_in_the_background(stack,
     assert processes_with(f"sleep {marker}") == []
 
 
+def test_an_allocations_command_run_without_its_run_id_is_stopped_with_it(stack, terminals):
+    # `env -i python train.py &` in the shell dropped GPUQ_RUN_ID: it ran on after the allocation.
+    marker = unique_sleep()
+    # In a session of its own, too: the terminal's hang-up at the end does not reach it.
+    t = terminals(["alloc", "--", "sh", "-c", f"env -u GPUQ_RUN_ID setsid sleep {marker} & sleep 3"], stack.env)
+    t.read_until("allocation")
+    wait_until(lambda: len(processes_with(f"sleep {marker}")) == 1, what="the stripped sleep started")
+    assert t.wait() == 0
+    wait_until(lambda: processes_with(f"sleep {marker}") == [], timeout=20, what="the stripped sleep stopped")
+
+
 def test_kill_9_of_the_alloc_client_frees_the_gpu_within_the_keepalive_bound(stack):
     marker = unique_sleep()
     client = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "alloc", "--", "sleep", marker],

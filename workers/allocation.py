@@ -2,7 +2,9 @@
 lease, samples, time limit and cancel, while the client runs a shell or a command in the user's
 terminal. The worker runs nothing itself; it watches the client (its keepalive and its end) and, at
 the end, stops every process of the allocation: those carrying its run id (GPUQ_RUN_ID) and owned
-by its user, and whatever it could place in the allocation's cgroup on the way.
+by its user, their descendants of that user, and whatever it could place in the allocation's
+cgroup on the way (every PLACE_EVERY_SECONDS: a process that drops the run id and leaves the tree
+within that time is not found).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -41,25 +43,42 @@ PLACE_EVERY_SECONDS = 2.0
 @dataclass(frozen=True)
 class _Processes:
     """Finds an allocation's live processes: its run id in their environment and its user's uid
-    (a process of someone else's that copied the id is not theirs to stop), or in its cgroup."""
+    (a process of someone else's that copied the id is not theirs to stop), their descendants of
+    that uid (a command run with `env -i` or `env -u GPUQ_RUN_ID` in the shell dropped the id and
+    outlived the allocation), or in its cgroup."""
 
     run_id: str
     uid: int
     cgroup: JobCgroup | None
+    # Every process found so far, by pid, with its start time: one that since left the tree (its
+    # parent exited) is still the allocation's, where no cgroup holds it.
+    seen: dict[int, float] = field(default_factory=dict)
 
     def __call__(self) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
         me = os.getpid()
         in_cgroup = set(self.cgroup.pids()) if self.cgroup is not None else set()
-        for p in psutil.process_iter(["pid", "uids"]):
+        theirs: dict[int, psutil.Process] = {}  # the user's other processes, for their parents
+        for p in psutil.process_iter(["pid", "uids", "ppid", "create_time"]):
             if p.pid == me:
                 continue
             try:
-                if p.pid in in_cgroup or (p.info["uids"].real == self.uid
-                                          and p.environ().get(RUN_ID_VARIABLE) == self.run_id):
+                if p.pid in in_cgroup:
                     found[p.pid] = p
+                elif p.info["uids"].real == self.uid:
+                    if p.environ().get(RUN_ID_VARIABLE) == self.run_id or \
+                            self.seen.get(p.pid) == p.info["create_time"]:  # the very process found before
+                        found[p.pid] = p
+                    else:
+                        theirs[p.pid] = p
             except (psutil.Error, OSError, AttributeError):
                 continue
+        # Their descendants, however deep: each pass takes the processes whose parent is found.
+        while children := [pid for pid, p in theirs.items() if p.info["ppid"] in found]:
+            for pid in children:
+                found[pid] = theirs.pop(pid)
+        for pid, p in found.items():
+            self.seen[pid] = p.info["create_time"]
         return list(found.values())
 
 
@@ -114,8 +133,7 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
             return client
         if client.keepalive_at is None or (utcnow() - client.keepalive_at).total_seconds() > settings.alloc_keepalive:
             return ClientState(client.keepalive_at, None)
-        if (processes.cgroup is not None or on_found is not None) and \
-                time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:
+        if time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:  # without a cgroup too: ``seen``
             placed_at = time.monotonic()
             for p in processes():
                 if processes.cgroup is not None:
