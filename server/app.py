@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gpuq.server import cluster_api, config_api, copies, identity, jobs_api, metrics_api
-from gpuq.server.connections import PerUserLimit
+from gpuq.server.connections import PerPeerLimit
 from gpuq.server.histograms import Settled
 from gpuq.server.request import SETTINGS
 from gpuq.service import constants as c
@@ -133,7 +133,7 @@ async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], Non
     runner = web.AppRunner(make_app(settings), access_log=None, handle_signals=False, keepalive_timeout=IDLE_SECONDS)
     await runner.setup()
     assert runner.server is not None
-    PerUserLimit(runner.server)  # one user's open connections cannot take every descriptor the server has
+    PerPeerLimit(runner.server)  # no user, nor TCP peer, can take every descriptor the server has
     path = settings.server_socket
     sock = _bind_unix(path)
     try:

@@ -37,7 +37,7 @@ MAX_TCP = 2048
 SAY_EVERY = 60.0
 
 
-class PerUserLimit:
+class PerPeerLimit:
     """Counts the open connections on ``server`` (aiohttp's low-level server, which each
     connection's handler tells of its start and end) of each Unix-socket peer uid and each TCP
     peer address, and all TCP ones together; closes a new one past its limit."""
