@@ -64,7 +64,7 @@ def test_the_shell_takes_from_the_servers_answer_only_where_simulated_gpus_keep_
     assert FROM_SERVER == (simulated_memory.ENV_VARIABLE,)
     held = {"id": 7, "gpu_indices": [0, 2], "run_id": "r1", "node": "n1",
             "env": {"LD_PRELOAD": "/tmp/evil.so", "BASH_ENV": "/tmp/evil.sh", "PATH": "/tmp/evil",
-                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory", "GPUQ_SIMULATED_MEMORY_X": 3}}
+                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory", "OTHER_DIR": 3}}
     env = shell_env(held, {"PATH": "/usr/bin", "HOME": "/home/ann"})
     assert env == {"PATH": "/usr/bin", "HOME": "/home/ann",
                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory",

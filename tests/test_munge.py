@@ -168,7 +168,7 @@ def test_root_status_submit_and_whoami_over_tcp_are_the_uid_munged_vouches_for(s
     answer = send(server, "GET", target, credential=credential(munged, munge.payload("GET", target, b"")))
     assert answer == (200, {"user": "root", "uid": 0, "admin": True})
     # A query string is part of what the credential names, exactly as the client sent it.
-    target = c.API_PREFIX + "/jobs?limit=5&user=root%20x"
+    target = c.API_PREFIX + "/jobs?ended=5&user=root&x=a%20b"
     assert send(server, "GET", target, credential=credential(munged, munge.payload("GET", target, b"")))[0] == 200
 
 
