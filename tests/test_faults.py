@@ -123,6 +123,7 @@ def test_a_sigkilled_workers_job_is_requeued_within_the_lease_and_runs_once_more
     assert_settled(stack.settings)
 
 
+@pytest.mark.timeout(180)
 def test_a_stopped_workers_command_is_killed_by_the_lease_guard_before_its_job_runs_again(stack, tmp_path):
     # SIGSTOP stops the worker whole, its own fence (stop the job at 80% of an unrenewed lease)
     # included: its command ran on, and the requeued job ran a second copy beside it.
@@ -138,7 +139,11 @@ def test_a_stopped_workers_command_is_killed_by_the_lease_guard_before_its_job_r
                  stack.settings.lease_timeout, "the lease guard to kill the stopped worker's command")
         killed = time.monotonic() - stopped_at
         assert job(stack.settings, job_id).requeues == 0, "requeued before the guard acted"
-        wait_runs(marker, 2, stack.settings.lease_timeout + 30)  # the reaper requeued it: it ran again
+        # The reaper requeued it: it ran again. Waited for long: under a full suite's load on two
+        # cores the second run once had not come after 34 s (the cause not found; perhaps a requeue
+        # placed back on the stopped worker's GPU before its heartbeat went stale, which waits
+        # for the reaper to find it stranded).
+        wait_runs(marker, 2, stack.settings.lease_timeout + 60)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
