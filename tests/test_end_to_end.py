@@ -123,7 +123,11 @@ def test_a_command_that_cannot_start_fails_with_one_line_and_the_exit_code_a_she
     assert run_cli(["release", str(held)], s).returncode == 0
     followed = run_cli(["attach", str(held)], s, timeout=90)
     assert followed.returncode == code, followed.stderr
-    assert followed.stderr == f"gpuq: cannot start the command: {why}\n"  # no traceback
+    # Its first read may find the job not yet placed after its release (a loaded machine), which
+    # a follower says on a line of its own; then the reason, and no traceback.
+    said = [line for line in followed.stderr.splitlines(keepends=True)
+            if not line.startswith(f"gpuq: job {held} queued and waiting for ")]
+    assert said == [f"gpuq: cannot start the command: {why}\n"], followed.stderr
     with write_scope(s) as session:
         job = jobs.get_job(session, held)
         assert (job.state, job.failure, job.exit_code, job.reason) == (State.FAILED, c.FAILURE_EXIT, code,
