@@ -156,8 +156,8 @@ def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
 def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> int:
     """Run the shell (or ``command``) in this terminal while the allocation lasts; the exit code."""
     job_id = held["id"]
-    gpus = ",".join(map(str, held["gpu_indices"]))
     env = shell_env(held, os.environ)
+    gpus = env["CUDA_VISIBLE_DEVICES"]
     argv = command or [_shell()]
     until = f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else ""
     say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"

@@ -116,9 +116,8 @@ def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = F
            named: bool = False) -> dict[str, Any]:
     now = utcnow()
     with reading(settings) as session:
-        if named and user is not None and not _known_user(session, user):
-            # As squeue's "Invalid user": a mistyped name is said, not answered with an empty queue.
-            raise InvalidSpec(f"--user {display.printable(user[:100])}: no such user here, and no job of theirs")
+        if named and user is not None:
+            _check_known_user(session, user)  # as squeue's "Invalid user"
         rows = jobs.list_jobs(session, ended_limit=ended, user=user, but_pending_tasks=collapsed)
         tasks = jobs.pending_tasks(session, user=user) if collapsed else []
         gpus = inventory.view(session, settings)
@@ -130,6 +129,13 @@ def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = F
     if collapsed:
         answer["arrays"] = [views.pending_tasks(g) for g in tasks]
     return answer
+
+
+def _check_known_user(session: Any, user: str) -> None:
+    """InvalidSpec for a ``--user`` with no account here and no job: a mistyped name is said, not
+    answered with an empty list."""
+    if not _known_user(session, user):
+        raise InvalidSpec(f"--user {display.printable(user[:100])}: no such user here, and no job of theirs")
 
 
 def _known_user(session: Any, user: str) -> bool:
@@ -189,9 +195,8 @@ async def history(request: web.Request) -> web.Response:
 
 def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, Any]:
     with reading(settings) as session:
-        if query.user is not None and not _known_user(session, query.user):
-            # As sacct's "Invalid user id": a mistyped name is said, not answered with an empty period.
-            raise InvalidSpec(f"--user {display.printable(query.user[:100])}: no such user here, and no job of theirs")
+        if query.user is not None:
+            _check_known_user(session, query.user)  # as sacct's "Invalid user id"
         found = history_of.ended_jobs(session, query)
         ran_on = jobs.gpu_indices_of(session, [j.id for j in found.jobs if j.started_at is not None])
         # How long each waited and ran, worked out here once for every front-end ("-" where it never started).
