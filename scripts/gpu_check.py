@@ -12,7 +12,9 @@ and prints a line per check, PASS, FAIL or SKIP, with what it measured:
    ResNet-18 for an epoch, each a job (on a GPU, none may fall back to the CPU);
 3. a command job using torch on its GPU;
 4. two `--shared --mem` jobs on one GPU at once;
-5. a shared job using three times its share, stopped as `gpu_mem_exceeded`;
+5. a shared job using three times its share, stopped as `gpu_mem_exceeded`; then the same with
+   the memory held by a process that left the job's tree and session (`setsid` in a subshell that
+   exits), which still counts as the job's and is killed with it;
 6. as root, a job of another user (made for the check and removed), run with that user's uid;
 7. `gpuq run` and `gpuq alloc`;
 8. a job's statistics (samples, energy) and the dashboard's /metrics.
@@ -29,6 +31,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,6 +42,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.stack import free_port, has_gpu, stop_on_sigterm
@@ -168,6 +173,25 @@ def watchdog(c: Check) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), f"{row['state']} ({row.get('failure')}): {row.get('reason')}"
 
 
+def detached(c: Check) -> tuple[str, str]:
+    # The subshell exits at once, so the holder is reparented away from the job's tree, and setsid
+    # takes it out of the job's session and process group: the watch must still count it (its
+    # GPUQ_RUN_ID, its cgroup) and the stop must reach it.
+    hold = shlex.join(_gpu_command(c.real, 3072, 60)[1:])
+    job = c.submit("--shared", "--mem", "1G", "--", "sh", "-c", f'(setsid {hold} & echo "holder $!"); sleep 60')
+    row = c.wait([job], 120)[0]
+    found = re.search(r"holder (\d+)", c.output(job))
+    if not found:
+        return "FAIL", f"{row['state']}: the job printed no holder pid"
+    holder, deadline = int(found.group(1)), time.monotonic() + 10
+    while psutil.pid_exists(holder) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = psutil.pid_exists(holder)
+    ok = row["state"] == "failed" and row.get("failure") == "gpu_mem_exceeded" and not alive
+    return ("PASS" if ok else "FAIL"), (f"{row['state']} ({row.get('failure')}): {row.get('reason')}; "
+                                        f"holder {holder} {'still alive' if alive else 'gone'}")
+
+
 def other_user(c: Check) -> tuple[str, str]:
     if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(RUNUSER):
         return "SKIP", "needs root, useradd and runuser"
@@ -253,7 +277,8 @@ def main() -> int:
                               "detail": (up.stdout or up.stderr).strip(), "seconds": round(time.monotonic() - t0, 1)})
         if up.returncode == 0:
             for name, body in (("devices", devices), ("workloads", workloads), ("command", command),
-                               ("shared", shared), ("watchdog", watchdog), ("other-user", other_user),
+                               ("shared", shared), ("watchdog", watchdog), ("detached", detached),
+                               ("other-user", other_user),
                                ("run-alloc", interactive), ("stats", stats_and_metrics)):
                 check.run(name, body)
     finally:

@@ -18,7 +18,7 @@ from tests.conftest import venv_reachable_by_everyone
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-CHECKS = {"up", "devices", "workloads", "command", "shared", "watchdog", "other-user", "run-alloc", "stats"}
+CHECKS = {"up", "devices", "workloads", "command", "shared", "watchdog", "detached", "other-user", "run-alloc", "stats"}
 
 
 def test_the_gpu_check_passes_every_check_and_leaves_nothing_behind(tmp_path):
@@ -33,6 +33,7 @@ def test_the_gpu_check_passes_every_check_and_leaves_nothing_behind(tmp_path):
     skipped = {"other-user"} if os.geteuid() != 0 else set()
     assert {k for k, r in results.items() if r["verdict"] != "PASS"} == skipped, done.stdout
     assert "gpu_mem_exceeded" in results["watchdog"]["detail"]
+    assert "gpu_mem_exceeded" in results["detached"]["detail"] and "gone" in results["detached"]["detail"]
     assert "TFLOP/s" in results["workloads"]["detail"] and "gpuq_gpu_up" in results["stats"]["detail"]
     assert (tmp_path / "out" / "logs" / "worker-gpu0.log").exists()
     base = re.search(r"stack in (/tmp/gpuq-check-\S+)", done.stdout)
