@@ -30,6 +30,12 @@ class GpuInfo:
     simulated: bool = False
 
 
+# NVIDIA MPS's server: the driver's own process where an MPS daemon runs (workers/mps.py), which
+# stays up between its clients. Its memory (66 MiB on the lent H100) is no other program's use: as
+# foreign memory it kept every whole-GPU job that gave no --mem waiting, for ever.
+MPS_SERVER = "nvidia-cuda-mps-server"
+
+
 @dataclass(frozen=True)
 class GpuProcess:
     """A process holding memory on a GPU; ``gpuq`` says whether it is the worker's or its job's."""
@@ -39,6 +45,11 @@ class GpuProcess:
     name: str | None = None
     gpuq: bool = False
     user: str | None = None
+
+    @property
+    def foreign(self) -> bool:
+        """Another program's use of the GPU: neither gpuq's nor MPS's server."""
+        return not self.gpuq and self.name != MPS_SERVER
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,8 @@ def drain_reason(session: Session, node: str, index: int) -> str | None:
 
 def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
     """A heartbeat: the worker is alive, and this is how its GPU looks. Processes on the GPU that
-    are not the worker's or its jobs' are foreign: other programs' memory."""
-    foreign = [p for p in reading.processes or () if not p.gpuq]
+    are not the worker's or its jobs' (nor MPS's server) are foreign: other programs' memory."""
+    foreign = [p for p in reading.processes or () if p.foreign]
     session.execute(update(Gpu).where(Gpu.id == gpu_id).values(
         heartbeat_at=utcnow(), memory_used_mib=reading.memory_used_mib, utilization=reading.utilization,
         foreign_mib=sum(p.memory_mib or 0 for p in foreign),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import and_, bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, display, lifecycle, rights
@@ -260,6 +260,16 @@ def array_jobs(session: Session, array_id: int) -> list[int]:
 def active_jobs_of(session: Session, user: str) -> list[int]:
     return list(session.scalars(select(Job.id).where(Job.user == user, Job.state.in_(c.ACTIVE_STATES))
                                 .order_by(Job.id)))
+
+
+def possible_mps_clients(session: Session, node: str, besides: int) -> set[str]:
+    """The owners of the jobs other than ``besides`` placed on ``node`` whose processes may join
+    its MPS daemon (workers/mps.py): shared command jobs, and allocations (their shells run with
+    their user's own environment)."""
+    shared = select(Allocation.job_id).where(Allocation.share_mib.is_not(None))
+    return set(session.scalars(select(Job.user).distinct().where(
+        Job.node == node, Job.state.in_((State.DISPATCHED, State.RUNNING)), Job.id != besides,
+        or_(Job.kind == c.KIND_INTERACTIVE, and_(Job.kind == c.KIND_COMMAND, Job.id.in_(shared))))))
 
 
 def set_rendezvous(session: Session, job_id: int, init_method: str) -> None:

@@ -261,14 +261,134 @@ def test_mps_is_seen_by_its_control_pipe_or_socket_and_pins_a_shared_jobs_memory
     assert mps.memory_limit_env(2, 3072) == {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M,1=3072M"}
 
 
+def daemon_at(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> socket.socket:
+    """A listening control where MPS's daemon keeps it, as driver 580 makes it (a Unix socket)."""
+    from gpuq.workers import mps
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(mps, "_daemon_directory", None)
+    control = socket.socket(socket.AF_UNIX)
+    control.bind(str(tmp_path / "control"))
+    return control
+
+
 def test_under_mps_a_shared_job_is_pinned_to_its_share_and_context_reserve(tmp_path, monkeypatch):
     # The room it was placed with and the watchdog's limit: under MPS the CUDA context itself counts
     # against the pinned limit (seen on the lent H100: pinned to 1 GiB, 510 MiB were left for a job).
+    from gpuq.workers.mps import OUTSIDE, Server, placement
+
+    with daemon_at(tmp_path, monkeypatch):
+        for found in ([], [Server(pid=50, uid=1001, clients=3)], [Server(pid=50, uid=0, clients=0)]):
+            # No server yet, this user's own, or another user's with no client left (the daemon
+            # hands over at once): the job joins.
+            placed = placement(1001, 2, 1524, set(), ask=lambda _d, found=found: found)
+            assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path),
+                                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1524M,1=1524M"}, found
+            assert placed.note is None
+        # A whole-GPU job stays out, with nothing said: MPS gives it nothing and would hold others.
+        assert placement(1001, 2, None, {"bob"}, ask=lambda _d: []).env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE}
+    (tmp_path / "control").unlink()
+    assert placement(1001, 2, 1524, {"bob"}, ask=lambda _d: []).env == {}  # no daemon: nothing of MPS
+
+
+def test_under_mps_a_job_runs_outside_it_while_another_users_jobs_may_be_its_clients(tmp_path, monkeypatch):
+    # Seen on the lent H100: a client of another user waits in its first CUDA call until the MPS
+    # server's clients have all ended (for ever beside a root worker's warm context), and a job
+    # placed a moment ago, still importing torch, is no client of the daemon's yet.
+    from gpuq.workers.mps import OUTSIDE, Server, placement
+
+    asked = []
+
+    def ask(directory):
+        asked.append(directory)
+        return [Server(pid=50, uid=0, clients=1), Server(pid=51, uid=1001, clients=0)]
+
+    with daemon_at(tmp_path, monkeypatch):
+        placed = placement(1001, 1, 1524, {"bob", "ann"}, ask=ask)
+        assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE} and asked == []  # SQL was enough
+        assert placed.note == ("gpuq: MPS serves ann, bob's jobs on this node now, and would keep this one waiting "
+                               "until they end: it runs outside MPS, held to its share by gpuq's watchdog")
+        placed = placement(1001, 1, 1524, set(), ask=ask)  # a client outside gpuq: root's
+        assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE} and asked == [str(tmp_path)]
+        assert placed.note.startswith("gpuq: MPS serves root's jobs on this node now")
+        placed = placement(1001, 1, 1524, set(), ask=lambda _d: None)  # the daemon did not answer
+        assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE}
+        assert placed.note == ("gpuq: this node's MPS daemon did not say whom it serves: the job runs outside MPS, "
+                               "held to its share by gpuq's watchdog")
+    assert not Path(OUTSIDE).exists()  # no daemon can be there
+
+
+def test_the_jobs_that_may_be_mps_clients_are_other_shared_commands_and_allocations_placed_on_the_node(settings):
+    from sqlalchemy import update
+
+    from gpuq.service import inventory, jobs, spec, submitting
+    from gpuq.service.celery_app import queue_name
+    from gpuq.service.db import write_scope
+    from gpuq.service.models import Allocation, Job
+
+    devices = open_devices(settings.with_overrides(fake_gpus=8, node="a"))
+    with write_scope(settings) as session:
+        gpu = [inventory.register(session, "a", g, queue_name(settings, "a", g.index), f"gpu{g.index}@a", 1)
+               for g in devices.list()]
+    made = {}
+    for name, user, node, state, shared, kind in (
+            ("self", "ann", "a", c.State.RUNNING, True, c.KIND_COMMAND),
+            ("bob-shared", "bob", "a", c.State.RUNNING, True, c.KIND_COMMAND),
+            ("cy-placed", "cy", "a", c.State.DISPATCHED, True, c.KIND_COMMAND),
+            ("dee-alloc", "dee", "a", c.State.RUNNING, False, c.KIND_INTERACTIVE),
+            ("eve-whole", "eve", "a", c.State.RUNNING, False, c.KIND_COMMAND),
+            ("fay-builtin", "fay", "a", c.State.RUNNING, True, c.KIND_WORKLOAD),
+            ("gus-ended", "gus", "a", c.State.SUCCEEDED, True, c.KIND_COMMAND),
+            ("hal-elsewhere", "hal", "b", c.State.RUNNING, True, c.KIND_COMMAND)):
+        job_id = submitting.submit_all(settings.with_overrides(place_at_submit=False),  # placed by hand below
+                                       [spec.command_spec(["true"], user=user)])[0].id
+        with write_scope(settings) as session:
+            session.execute(update(Job).where(Job.id == job_id).values(state=state, node=node, kind=kind))
+            session.add(Allocation(job_id=job_id, gpu_id=gpu[len(made)], rank=0, share_mib=1024 if shared else None))
+        made[name] = job_id
+    with write_scope(settings) as session:
+        assert jobs.possible_mps_clients(session, "a", made["self"]) == {"bob", "cy", "dee"}
+        assert jobs.possible_mps_clients(session, "b", made["self"]) == {"hal"}
+
+
+def test_a_worker_keeps_its_own_cuda_context_out_of_mps_and_still_finds_the_daemon(tmp_path, monkeypatch):
+    from gpuq.workers import mps
+
     with socket.socket(socket.AF_UNIX) as control:
         control.bind(str(tmp_path / "control"))
         monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-        settings = Settings(home=tmp_path / "home", node="mpsnode", shared_context_mib=500)
-        job = JobRun(id=7, name="hold", kind=c.KIND_COMMAND, workload=None, params={}, argv=None, cwd=None,
-                     gpu_indices=(1, 3), gpu_queues=("q", "q"), shared=True, mem_mib=1024)
-        env = job_env(job, settings.node, settings=settings)
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1524M,1=1524M"
+        monkeypatch.setattr(mps, "_daemon_directory", None)
+        mps.keep_out()
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == mps.OUTSIDE
+        assert mps.pipe_directory() == str(tmp_path) and mps.running()
+        mps.keep_out()  # twice (a test, a restart of serve): still the daemon's folder
+        assert mps.pipe_directory() == str(tmp_path)
+
+
+def test_the_daemons_servers_are_read_from_its_control_program(tmp_path, monkeypatch):
+    # nvidia-cuda-mps-control answers one question a line on stdin; here a stand-in answers as
+    # driver 580's did on the lent H100 (a pid a line), for a server that is a real process of ours.
+    from gpuq.workers import mps
+
+    server = subprocess.Popen(["sleep", "30"])
+    try:
+        program = tmp_path / "bin" / "nvidia-cuda-mps-control"
+        program.parent.mkdir()
+        program.write_text(f"""#!/bin/sh
+[ "$CUDA_MPS_PIPE_DIRECTORY" = {tmp_path} ] || exit 1
+read question
+case "$question" in
+  get_server_list) echo {server.pid} ;;
+  "get_client_list {server.pid}") printf '701\\n702\\n' ;;
+  *) exit 1 ;;
+esac
+""")
+        program.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{program.parent}:{os.environ['PATH']}")
+        assert mps.servers(str(tmp_path)) == [mps.Server(pid=server.pid, uid=os.getuid(), clients=2)]
+        assert mps.servers(str(tmp_path / "elsewhere")) is None  # the program failed: no answer
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+        assert mps.servers(str(tmp_path)) is None  # no such program
+    finally:
+        server.kill()
+        server.wait()

@@ -84,6 +84,23 @@ def test_memory_requests_avoid_gpus_that_foreign_processes_fill_and_why_names_th
     assert f"GPU 1 runs job {big} of ann" in text
 
 
+def test_an_idle_mps_server_on_a_gpu_is_not_another_programs_use_of_it(settings):
+    # Seen on the lent H100: the MPS server (66 MiB) stays up between its clients, and counted as
+    # foreign it kept a whole-GPU job that gave no --mem pending ("resources") for ever.
+    from gpuq.service.devices import GpuProcess, GpuReading
+
+    a, b = register(settings, "a", 2)
+    server = GpuProcess(pid=706, memory_mib=66, name="nvidia-cuda-mps-server", user="root")
+    other = GpuProcess(pid=4242, memory_mib=66, name="python3", user="bob")
+    with write_scope(settings) as session:
+        inventory.beat(session, a, GpuReading(memory_used_mib=678, processes=(server,)))
+        inventory.beat(session, b, GpuReading(memory_used_mib=678, processes=(server, other)))
+    first, second = submit(settings), submit(settings)
+    Scheduler(settings).schedule_once()
+    assert gpus_of(settings, first) == [("a", 0)]
+    assert state_of(settings, second)[:2] == (State.PENDING, "resources")  # bob's program holds GPU 1
+
+
 def test_why_gives_mib_where_gib_would_round_a_gpu_just_short_to_the_figure_the_job_asks(settings):
     # "needs 1 GPU with 8.0 GiB free ... GPU 0 with 8.0 GiB free": a GPU 19 MiB short read as enough.
     register(settings, "a", 1, foreign="0:19:4242:bob")  # of 8 GiB

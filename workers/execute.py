@@ -18,7 +18,7 @@ from gpuq.service import failures, simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import JobCancelled
-from gpuq.service.jobs import record_metric
+from gpuq.service.jobs import possible_mps_clients, record_metric
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
@@ -81,6 +81,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
                               job.host_mem_mib)
     try:
         env = job_env(job, state.node, identity, state.settings)
+        env.update(mps_env(job, os.geteuid() if identity is None else identity.uid, state, sink))
         # A restarted worker finds what an earlier run left by it.
         env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
         with state.guarding(watcher.lease, on_start) as started:
@@ -203,12 +204,24 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     if settings is not None and settings.fake_gpus:
         # Simulated GPUs: where the job says what simulated GPU memory it holds (workers/simulated_memory.py).
         env[simulated_memory.ENV_VARIABLE] = str(simulated_memory.memory_dir(settings))
-    elif settings is not None and job.shared and job.mem_mib is not None and mps.running():
-        # The driver refuses what a shared job allocates past the room it was placed with, its
-        # share and context reserve, as the watchdog counts (workers/mps.py). The client's CUDA
-        # context counts against MPS's limit: pinned to the share alone, a 1 GiB job on the lent
-        # H100 had 510 MiB left and failed to allocate 512.
-        env.update(mps.memory_limit_env(len(job.gpu_indices), job.mem_mib + settings.shared_context_mib))
     return env
 
 
+def mps_env(job: JobRun, uid: int, state: WorkerState, sink: OutputSink) -> dict[str, str]:
+    """Where the node runs an MPS daemon: whether the command job's processes (running as ``uid``)
+    join it, and a shared one's limit there (workers/mps.py)."""
+    settings = state.settings
+    if settings.fake_gpus:
+        return {}
+    # The room a shared job was placed with, its share and context reserve, as the watchdog counts.
+    # The client's CUDA context counts against MPS's limit: pinned to the share alone, a 1 GiB job
+    # on the lent H100 had 510 MiB left and failed to allocate 512.
+    share = job.mem_mib + settings.shared_context_mib if job.shared and job.mem_mib is not None else None
+    others: set[str] = set()
+    if share is not None and mps.running():
+        with write_scope(settings) as session:
+            others = possible_mps_clients(session, state.node, job.id) - {job.user}
+    placed = mps.placement(uid, len(job.gpu_indices), share, others)
+    if placed.note:
+        sink.note(placed.note)
+    return placed.env

@@ -23,6 +23,7 @@ from gpuq.service.errors import GpuqError
 from gpuq.service.leases import reap_predecessor
 from gpuq.service.logs import configure as configure_logging
 from gpuq.service.settings import get_settings
+from gpuq.workers import mps
 
 if TYPE_CHECKING:
     from gpuq.workers.state import WorkerState
@@ -34,6 +35,7 @@ def pin_to_gpu(index: int) -> None:
     """Make GPU ``index`` (NVML's numbering) the only one this process, and torch, can see."""
     os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    mps.keep_out()  # its warm CUDA context must not hold an MPS server for its user (workers/mps.py)
 
 
 def main(argv: list[str] | None = None) -> int:
