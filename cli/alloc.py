@@ -148,8 +148,11 @@ def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
     server's answer ``FROM_SERVER`` lets through, and the allocation's own variables."""
     job_id = held["id"]
     given = {k: v for k, v in (held.get("env") or {}).items() if k in FROM_SERVER and isinstance(v, str)}
+    # Out of NVIDIA MPS: it serves one user at a time, and a shell's CUDA processes would keep other
+    # users' jobs waiting, or wait for theirs (workers/mps.py).
     return dict(base, **given, CUDA_VISIBLE_DEVICES=",".join(map(str, held["gpu_indices"])),
-                CUDA_DEVICE_ORDER="PCI_BUS_ID", GPUQ_JOB_ID=str(job_id), GPUQ_RUN_ID=held["run_id"],
+                CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_MPS_PIPE_DIRECTORY=c.MPS_OUTSIDE,
+                GPUQ_JOB_ID=str(job_id), GPUQ_RUN_ID=held["run_id"],
                 GPUQ_ALLOC=str(job_id), GPUQ_GPUS=str(len(held["gpu_indices"])), GPUQ_NODE=held["node"] or "")
 
 

@@ -185,3 +185,7 @@ PUBLIC_VIEW = "public"
 MUNGE_SCHEME = "MUNGE"
 # Seconds a `munge`/`unmunge` call may take before the request fails.
 MUNGE_TIMEOUT_SECONDS = 10.0
+# Where a process that must stay out of NVIDIA MPS looks for its daemon (CUDA_MPS_PIPE_DIRECTORY):
+# a folder only root could make (in /), so no user can put a daemon's control there; CUDA finds
+# none and makes a context of its own (checked on the lent H100). workers/mps.py says who stays out.
+MPS_OUTSIDE = "/nonexistent/gpuq-outside-mps"

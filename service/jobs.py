@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, display, lifecycle, rights
@@ -264,12 +264,11 @@ def active_jobs_of(session: Session, user: str) -> list[int]:
 
 def possible_mps_clients(session: Session, node: str, besides: int) -> set[str]:
     """The owners of the jobs other than ``besides`` placed on ``node`` whose processes may join
-    its MPS daemon (workers/mps.py): shared command jobs, and allocations (their shells run with
-    their user's own environment)."""
+    its MPS daemon: shared command jobs, the only ones gpuq lets join (workers/mps.py)."""
     shared = select(Allocation.job_id).where(Allocation.share_mib.is_not(None))
     return set(session.scalars(select(Job.user).distinct().where(
         Job.node == node, Job.state.in_((State.DISPATCHED, State.RUNNING)), Job.id != besides,
-        or_(Job.kind == c.KIND_INTERACTIVE, and_(Job.kind == c.KIND_COMMAND, Job.id.in_(shared))))))
+        Job.kind == c.KIND_COMMAND, Job.id.in_(shared))))
 
 
 def set_rendezvous(session: Session, job_id: int, init_method: str) -> None:

@@ -68,5 +68,6 @@ def test_the_shell_takes_from_the_servers_answer_only_where_simulated_gpus_keep_
     env = shell_env(held, {"PATH": "/usr/bin", "HOME": "/home/ann"})
     assert env == {"PATH": "/usr/bin", "HOME": "/home/ann",
                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory",
-                   "CUDA_VISIBLE_DEVICES": "0,2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUQ_JOB_ID": "7",
+                   "CUDA_VISIBLE_DEVICES": "0,2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                   "CUDA_MPS_PIPE_DIRECTORY": "/nonexistent/gpuq-outside-mps", "GPUQ_JOB_ID": "7",
                    "GPUQ_RUN_ID": "r1", "GPUQ_ALLOC": "7", "GPUQ_GPUS": "2", "GPUQ_NODE": "n1"}

@@ -318,7 +318,7 @@ def test_under_mps_a_job_runs_outside_it_while_another_users_jobs_may_be_its_cli
     assert not Path(OUTSIDE).exists()  # no daemon can be there
 
 
-def test_the_jobs_that_may_be_mps_clients_are_other_shared_commands_and_allocations_placed_on_the_node(settings):
+def test_the_jobs_that_may_be_mps_clients_are_the_other_shared_commands_placed_on_the_node(settings):
     from sqlalchemy import update
 
     from gpuq.service import inventory, jobs, spec, submitting
@@ -335,7 +335,7 @@ def test_the_jobs_that_may_be_mps_clients_are_other_shared_commands_and_allocati
             ("self", "ann", "a", c.State.RUNNING, True, c.KIND_COMMAND),
             ("bob-shared", "bob", "a", c.State.RUNNING, True, c.KIND_COMMAND),
             ("cy-placed", "cy", "a", c.State.DISPATCHED, True, c.KIND_COMMAND),
-            ("dee-alloc", "dee", "a", c.State.RUNNING, False, c.KIND_INTERACTIVE),
+            ("dee-alloc", "dee", "a", c.State.RUNNING, True, c.KIND_INTERACTIVE),  # its shell stays out
             ("eve-whole", "eve", "a", c.State.RUNNING, False, c.KIND_COMMAND),
             ("fay-builtin", "fay", "a", c.State.RUNNING, True, c.KIND_WORKLOAD),
             ("gus-ended", "gus", "a", c.State.SUCCEEDED, True, c.KIND_COMMAND),
@@ -347,7 +347,7 @@ def test_the_jobs_that_may_be_mps_clients_are_other_shared_commands_and_allocati
             session.add(Allocation(job_id=job_id, gpu_id=gpu[len(made)], rank=0, share_mib=1024 if shared else None))
         made[name] = job_id
     with write_scope(settings) as session:
-        assert jobs.possible_mps_clients(session, "a", made["self"]) == {"bob", "cy", "dee"}
+        assert jobs.possible_mps_clients(session, "a", made["self"]) == {"bob", "cy"}
         assert jobs.possible_mps_clients(session, "b", made["self"]) == {"hal"}
 
 

@@ -8,8 +8,9 @@ the lent H100 (driver 580) a root stack's warm worker, an MPS client itself, so 
 user's job waiting for ever; and a job that asked the daemon at its start was let in while
 another user's job, started three seconds before, was still importing torch, which then waited
 51 s for it. So gpuq keeps its own processes out of MPS (``keep_out``), only shared command jobs
-join it, and one joins only while no other user's job that may be a client is placed on the node
-(SQL, where a placement is written before its job starts) and the daemon serves no other user;
+join it (allocations' shells stay out too: cli/alloc.py), and one joins only while no other
+user's shared command is placed on the node (SQL, where a placement is written before its job
+starts) and the daemon serves no other user;
 else it runs outside MPS, with a CUDA context of its own beside the MPS server's, held to its
 share by the watchdog, and its output says so (``placement``)."""
 
@@ -23,13 +24,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuq.service import constants as c
+
 # The default pipe directory of `nvidia-cuda-mps-control -d`; CUDA_MPS_PIPE_DIRECTORY moves it.
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 PIPE_VARIABLE = "CUDA_MPS_PIPE_DIRECTORY"
-# Where a process that must not join MPS looks for the daemon: a folder only root could make
-# (in /), so no user can put a daemon's control there; CUDA finds none and makes a context of its
-# own (checked on the lent H100).
-OUTSIDE = "/nonexistent/gpuq-outside-mps"
+OUTSIDE = c.MPS_OUTSIDE  # where CUDA finds no daemon
 # How long the daemon's control may take to answer one question.
 CONTROL_TIMEOUT = 5.0
 
@@ -122,9 +122,9 @@ def placement(uid: int, gpus: int, share_mib: int | None, others: Collection[str
     """MPS for a command job whose processes run as ``uid`` on ``gpus`` GPUs.
 
     Only a shared job (``share_mib``: its share and context reserve, what the driver pins it to on
-    each GPU) joins the daemon, and only while neither gpuq's other jobs that may be MPS clients
-    on this node (``others``: their owners, other than the job's; from SQL, so a job placed a
-    moment ago counts before its first CUDA call) nor the daemon (``ask``, default ``servers``:
+    each GPU) joins the daemon, and only while neither gpuq's other shared commands on this node
+    (``others``: their owners, other than the job's; from SQL, so a job placed a moment ago counts
+    before its first CUDA call) nor the daemon (``ask``, default ``servers``:
     programs outside gpuq too) have another user's clients. Every other job stays out: a whole
     GPU gains nothing from MPS, and a client would keep other users' jobs waiting."""
     directory = pipe_directory()
