@@ -158,11 +158,28 @@ def _create_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    engine = create_engine(url, pool_size=2, max_overflow=4)
+    engine = create_engine(url, pool_size=2, max_overflow=4, connect_args={"options": _session_options(url)})
     event.listen(engine, "checkin", _returned)
     event.listen(engine, "checkout", _ping_if_idle(engine.dialect))
     event.listen(engine, "after_cursor_execute", results_in_pipeline)
     return engine
+
+
+# A gpuq process stopped inside a transaction (SIGSTOP, a paused VM, a hung mount) held its row
+# locks until it went on: a stopped worker's lock on its job's row kept the reaper from requeueing
+# the job (a fault test's run waited past a minute for it). gpuq's transactions never wait this
+# long between their statements, so PostgreSQL ends such a session and its locks go with it.
+# SQLite has no such end: there a process stopped inside a write holds the whole database.
+IDLE_IN_TRANSACTION_S = 30
+
+
+def _session_options(url: str) -> str:
+    """libpq's ``options`` for gpuq's PostgreSQL sessions: the URL's own, then gpuq's."""
+    from sqlalchemy.engine import make_url
+
+    own = make_url(url).query.get("options")
+    ours = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"
+    return " ".join(filter(None, [*((own,) if isinstance(own, str) else own or ()), ours]))
 
 
 # A pooled connection back in use within this many seconds goes without a ping, unless its socket

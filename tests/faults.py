@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import redis
 
 from tests.conftest import free_port, system_redis_server
@@ -41,6 +42,46 @@ class Runs:
     starts: int
     ends: int
     overlaps: int
+
+
+def stop_outside_a_transaction(proc: psutil.Process, database: str, tries: int = 100) -> None:
+    """SIGSTOP ``proc`` (a gpuq process) at a moment it is inside no transaction. Stopped inside
+    one, it holds its locks: on SQLite the whole file, for as long as it stays stopped; on
+    PostgreSQL its rows, until the server ends the session (service/db.IDLE_IN_TRANSACTION_S). A
+    test of what a stopped worker's peers do would then wait on those locks instead."""
+    for _ in range(tries):
+        proc.suspend()
+        if not _in_transaction(proc, database):
+            return
+        proc.resume()
+        time.sleep(0.02)
+    raise AssertionError(f"pid {proc.pid} was inside a transaction each of {tries} times it was stopped")
+
+
+def _in_transaction(proc: psutil.Process, database: str) -> bool:
+    import sqlite3
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    from gpuq.service.dialect import is_sqlite_url, sqlite_file
+
+    if is_sqlite_url(database):
+        try:  # a write transaction anywhere holds the write lock: another BEGIN IMMEDIATE waits
+            with sqlite3.connect(sqlite_file(database), timeout=0.3, isolation_level=None) as probe:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+            return False
+        except sqlite3.OperationalError:
+            return True
+    ports = [c.laddr.port for c in proc.net_connections(kind="tcp")]
+    engine = create_engine(database, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return bool(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE client_port = ANY(:ports) "
+                                          "AND state <> 'idle'"), {"ports": ports}).scalar())
+    finally:
+        engine.dispose()
 
 
 def marker_job(tmp: Path, name: str, seconds: float) -> tuple[list[str], Path]:

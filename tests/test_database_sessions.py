@@ -2,13 +2,16 @@
 PostgreSQL (each statement sees its own snapshot there either way), writes in one, a pooled
 connection pinged only after it sat idle; and what a submit asks of the node's GPUs."""
 
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.pool import NullPool
 
-from gpuq.service import db, submitting
+from gpuq.service import db, spec, submitting
 from gpuq.service.dialect import is_sqlite_url
 from gpuq.service.models import Job
 
@@ -154,3 +157,38 @@ def test_a_statement_on_the_drivers_cursor_that_fails_in_a_savepoint_undoes_only
     # Where a savepoint is sent, the statement before the failed one in it is undone too.
     undone = on_sqlite or not is_sqlite_url(settings.database)
     assert sorted(map(tuple, rows)) == ([("k1", "bob", [2])] if undone else [("k1", "bob", [2]), ("k2", "ann", [3])])
+
+
+def test_a_gpuq_process_stopped_inside_a_postgresql_transaction_lets_go_of_its_locks(settings):
+    # A worker stopped (SIGSTOP) holding its job's row lock kept the reaper from requeueing the job
+    # for as long as it stayed stopped. PostgreSQL now ends such a session (IDLE_IN_TRANSACTION_S,
+    # 2 s here) and its locks with it.
+    if is_sqlite_url(settings.database):
+        pytest.skip("SQLite has no server to end a session: a stopped writer holds the file")
+    job_id = submitting.submit_all(settings, [spec.command_spec(["true"], user="ann")])[0].id
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from sqlalchemy import text
+from gpuq.service import db
+db.IDLE_IN_TRANSACTION_S = 2
+with db._engine({settings.database!r}).connect() as conn:
+    conn.execute(text("UPDATE jobs SET priority = 5 WHERE id = {job_id}"))
+    print("locked", flush=True)
+    time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        holder.send_signal(signal.SIGSTOP)  # stopped inside its transaction, its row lock held
+        engine = create_engine(settings.database, poolclass=NullPool)
+        start = time.monotonic()
+        with engine.begin() as conn:
+            conn.execute(text("SET LOCAL lock_timeout = '20s'"))
+            conn.execute(text("UPDATE jobs SET priority = 7 WHERE id = :id"), {"id": job_id})
+        waited = time.monotonic() - start
+        assert 1 < waited < 15, waited  # waited for the lock until the session was ended
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT priority FROM jobs WHERE id = :id"), {"id": job_id}).scalar() == 7
+        engine.dispose()
+    finally:
+        holder.kill()
+        holder.wait()
