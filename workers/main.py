@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from gpuq.service import broker, inventory
@@ -103,6 +104,15 @@ def serve(index: int, loglevel: str) -> int:
         # worker's "job N started" and "job N succeeded" say, and cost a tenth of a no-op job's CPU.
         for chatty in ("celery.worker.strategy", "celery.app.trace"):
             logging.getLogger(chatty).setLevel(logging.WARNING)
+    if os.geteuid() == 0:
+        # Root by design on a machine's stack: it starts each job as its owner (workers/identity.py),
+        # and takes only JSON (no pickle). Celery's warning, "absolutely not recommended! Please
+        # specify a different user using the --uid option", topped every worker's log, and --uid
+        # would run every job as that one user.
+        from celery.exceptions import SecurityWarning
+
+        warnings.filterwarnings("ignore", message="You're running the worker with superuser privileges",
+                                category=SecurityWarning)
     try:
         app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={queue}", f"--hostname={name}",
                          "--without-gossip", "--without-mingle", "--without-heartbeat",
