@@ -73,6 +73,19 @@ def _sockets_removed() -> Iterator[None]:
         Path(path).unlink(missing_ok=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _machine_home_untouched() -> Iterator[None]:
+    """The suite makes nothing in the machine's stack's home (root's default GPUQ_HOME): a test
+    that read the default settings as root once left /var/lib/gpuq behind, mode 0755, where the
+    next `sudo gpuq up` found it."""
+    home = Path("/var/lib/gpuq")
+    there = home.exists()
+    yield
+    if not there and home.exists():
+        raise AssertionError(f"the test session made {home}: a test used the default settings as root "
+                             f"({sorted(p.name for p in home.iterdir())})")
+
+
 # Every Redis key prefix this test session gave out (``make_settings``): its keys, and kombu's
 # bindings of its queues, are deleted when the session ends. Only these: another session may share
 # the database.

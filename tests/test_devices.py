@@ -6,10 +6,12 @@ from gpuq.service.devices import open_devices
 from gpuq.service.settings import Settings
 
 
-def test_simulated_gpus_have_stable_identities_per_node():
-    a = open_devices(Settings(fake_gpus=3, node="a")).list()
-    again = open_devices(Settings(fake_gpus=3, node="a")).list()
-    other = open_devices(Settings(fake_gpus=3, node="b")).list()
+def test_simulated_gpus_have_stable_identities_per_node(tmp_path):
+    # Its own home: simulated GPUs make their memory folder there, and the default home of a test
+    # run as root is the machine's stack's, /var/lib/gpuq (a suite left it behind, mode 0755).
+    a = open_devices(Settings(home=tmp_path, fake_gpus=3, node="a")).list()
+    again = open_devices(Settings(home=tmp_path, fake_gpus=3, node="a")).list()
+    other = open_devices(Settings(home=tmp_path, fake_gpus=3, node="b")).list()
     assert [g.index for g in a] == [0, 1, 2]
     assert a == again and {g.uuid for g in a}.isdisjoint({g.uuid for g in other})
     assert all(g.simulated and g.memory_total_mib == Settings().fake_gpu_memory_mib for g in a)
