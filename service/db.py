@@ -177,9 +177,9 @@ def _session_options(url: str) -> str:
     """libpq's ``options`` for gpuq's PostgreSQL sessions: the URL's own, then gpuq's."""
     from sqlalchemy.engine import make_url
 
-    own = make_url(url).query.get("options")
-    ours = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"
-    return " ".join(filter(None, [*((own,) if isinstance(own, str) else own or ()), ours]))
+    own = make_url(url).query.get("options") or ()
+    return " ".join([*([own] if isinstance(own, str) else own),
+                     f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"])
 
 
 # A pooled connection back in use within this many seconds goes without a ping, unless its socket

@@ -192,3 +192,9 @@ with db._engine({settings.database!r}).connect() as conn:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_postgresql_urls_own_session_options_are_kept_beside_gpuqs():
+    url = "postgresql+psycopg://gpuq@db/gpuq?options=-c%20statement_timeout%3D5000"
+    assert db._session_options(url) == "-c statement_timeout=5000 -c idle_in_transaction_session_timeout=30000"
+    assert db._session_options("postgresql+psycopg://gpuq@db/gpuq") == "-c idle_in_transaction_session_timeout=30000"

@@ -313,7 +313,7 @@ def test_under_mps_a_job_runs_outside_it_while_another_users_jobs_may_be_its_cli
         assert placed.note.startswith("gpuq: MPS serves root's jobs on this node now")
         placed = placement(1001, 1, 1524, set(), ask=lambda _d: None)  # the daemon did not answer
         assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE}
-        assert placed.note == ("gpuq: this node's MPS daemon did not say whom it serves: the job runs outside MPS, "
+        assert placed.note == ("gpuq: this node's MPS daemon did not say whom it serves: it runs outside MPS, "
                                "held to its share by gpuq's watchdog")
     assert not Path(OUTSIDE).exists()  # no daemon can be there
 

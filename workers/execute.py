@@ -16,7 +16,7 @@ from typing import Any, cast
 from gpuq.service import constants as c
 from gpuq.service import failures, simulated_memory
 from gpuq.service.constants import State
-from gpuq.service.db import write_scope
+from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
 from gpuq.service.jobs import possible_mps_clients, record_metric
 from gpuq.service.settings import Settings
@@ -219,7 +219,7 @@ def mps_env(job: JobRun, uid: int, state: WorkerState, sink: OutputSink) -> dict
     share = job.mem_mib + settings.shared_context_mib if job.shared and job.mem_mib is not None else None
     others: set[str] = set()
     if share is not None and mps.running():
-        with write_scope(settings) as session:
+        with read_scope(settings) as session:
             others = possible_mps_clients(session, state.node, job.id) - {job.user}
     placed = mps.placement(uid, len(job.gpu_indices), share, others)
     if placed.note:

@@ -10,9 +10,10 @@ another user's job, started three seconds before, was still importing torch, whi
 51 s for it. So gpuq keeps its own processes out of MPS (``keep_out``), only shared command jobs
 join it (allocations' shells stay out too: cli/alloc.py), and one joins only while no other
 user's shared command is placed on the node (SQL, where a placement is written before its job
-starts) and the daemon serves no other user;
-else it runs outside MPS, with a CUDA context of its own beside the MPS server's, held to its
-share by the watchdog, and its output says so (``placement``)."""
+starts) and the daemon serves no other user; else it runs outside MPS, with a CUDA context of its
+own beside the MPS server's, held to its share by the watchdog, and its output says so
+(``placement``).
+"""
 
 from __future__ import annotations
 
@@ -124,33 +125,30 @@ def placement(uid: int, gpus: int, share_mib: int | None, others: Collection[str
     Only a shared job (``share_mib``: its share and context reserve, what the driver pins it to on
     each GPU) joins the daemon, and only while neither gpuq's other shared commands on this node
     (``others``: their owners, other than the job's; from SQL, so a job placed a moment ago counts
-    before its first CUDA call) nor the daemon (``ask``, default ``servers``:
-    programs outside gpuq too) have another user's clients. Every other job stays out: a whole
-    GPU gains nothing from MPS, and a client would keep other users' jobs waiting."""
+    before its first CUDA call) nor the daemon (``ask``, default ``servers``: programs outside
+    gpuq too) have another user's clients. Every other job stays out: a whole GPU gains nothing
+    from MPS, and a client would keep other users' jobs waiting."""
     directory = pipe_directory()
     if not running(directory):
         return Placement({})
     if share_mib is None:
         return Placement({PIPE_VARIABLE: OUTSIDE})
     if others:
-        return _outside(", ".join(sorted(others)), share_mib)
+        return _outside(f"MPS serves {', '.join(sorted(others))}'s jobs on this node now, and would keep this one "
+                        "waiting until they end")
     found = (ask or servers)(directory)
     if found is None:
-        return Placement({PIPE_VARIABLE: OUTSIDE}, "gpuq: this node's MPS daemon did not say whom it serves: "
-                         f"the job runs outside MPS{_held(share_mib)}")
+        return _outside("this node's MPS daemon did not say whom it serves")
     clients = sorted({s.uid for s in found if s.uid != uid and s.clients > 0})
     if clients:
-        return _outside(", ".join(_name(u) for u in clients), share_mib)
+        return _outside(f"MPS serves {', '.join(map(_name, clients))}'s jobs on this node now, and would keep "
+                        "this one waiting until they end")
     return Placement({PIPE_VARIABLE: directory, **memory_limit_env(gpus, share_mib)})
 
 
-def _outside(whose: str, share_mib: int | None) -> Placement:
-    return Placement({PIPE_VARIABLE: OUTSIDE}, f"gpuq: MPS serves {whose}'s jobs on this node now, and would keep "
-                     f"this one waiting until they end: it runs outside MPS{_held(share_mib)}")
-
-
-def _held(limit_mib: int | None) -> str:
-    return "" if limit_mib is None else ", held to its share by gpuq's watchdog"
+def _outside(why: str) -> Placement:
+    note = f"gpuq: {why}: it runs outside MPS, held to its share by gpuq's watchdog"
+    return Placement({PIPE_VARIABLE: OUTSIDE}, note)
 
 
 def _name(uid: int) -> str:
