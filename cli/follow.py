@@ -180,6 +180,22 @@ def hang_up_raises() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@contextmanager
+def leaving() -> Iterator[None]:
+    """Signals that would end this client are let pass while it leaves on one: a closed ssh session
+    sends SIGHUP then SIGTERM, and the second, raised as it said why it left, was a traceback."""
+    before = {s: signal.signal(s, _let_pass) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _let_pass(signum: int, frame: FrameType | None) -> None:
+    """It is already leaving."""
+
+
 def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bool = False) -> int:
     """Follow job ``job_id`` to its end; returns the exit code for it (``exit_code_of``).
 
@@ -229,16 +245,17 @@ def follow(client: Client, job_id: int, *, cancel_on_interrupt: bool, detach: bo
                 if not sent:
                     return c.EXIT_RUN_CANCELLED
             except (HangUp, ReaderGone) as hung:
-                waiting.clear()
-                if state in c.END_STATES:
-                    pass  # ended: nothing left to cancel or leave
-                elif cancel_on_interrupt:
-                    _cancel(client, job_id)
-                    say(sys.stderr, f"\ngpuq: {hung}: cancelled job {job_id}\n")  # nowhere if the terminal is gone
-                else:
-                    say(sys.stderr, f"\ngpuq: {hung}: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
-                quiet()  # nothing more is read there: the exit's flush must not fail on it
-                return hung.exit_code
+                with leaving():
+                    waiting.clear()
+                    if state in c.END_STATES:
+                        pass  # ended: nothing left to cancel or leave
+                    elif cancel_on_interrupt:
+                        _cancel(client, job_id)
+                        say(sys.stderr, f"\ngpuq: {hung}: cancelled job {job_id}\n")  # nowhere if the terminal is gone
+                    else:
+                        say(sys.stderr, f"\ngpuq: {hung}: left job {job_id}; it goes on (`gpuq attach {job_id}`)\n")
+                    quiet()  # nothing more is read there: the exit's flush must not fail on it
+                    return hung.exit_code
 
 
 def _cancel(client: Client, job_id: int) -> tuple[bool, HangUp | None]:

@@ -127,3 +127,18 @@ def test_a_read_rides_out_a_gone_server_for_a_bounded_time_says_so_once_then_exi
     with pytest.raises(Unreachable):
         never.get("/whoami", ride_out=True)
     assert time.monotonic() - began < 1.0
+
+
+def test_a_client_leaving_on_a_hang_up_lets_the_next_hang_ups_and_ctrl_c_pass():
+    # A closed ssh session sends SIGHUP then SIGTERM; one that came as `gpuq run` said why it
+    # left (after its cancel's request) raised there, a traceback instead of the line and 129.
+    import os
+
+    from gpuq.cli.follow import HangUp, hang_up_raises, leaving
+
+    with hang_up_raises():
+        with leaving():
+            for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                os.kill(os.getpid(), s)  # delivered at once to this thread: nothing is raised
+        with pytest.raises(HangUp):  # and afterwards a hang-up is one again
+            os.kill(os.getpid(), signal.SIGTERM)
