@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import signal
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -122,6 +123,12 @@ def main() -> None:
     client.LEAN = True  # this process is one `gpuq` command: it may do without what it never uses
     try:
         app(prog_name="gpuq")
+    except SystemExit as exc:
+        # The reader of its output went away (`gpuq status | head -1`): click's 1 read as gpuq's own
+        # error; a shell reports a program that SIGPIPE ended as 141, as `gpuq run | head` exits.
+        if exc.code == 1 and type(sys.stdout).__name__ == "_PacifyFlushWrapper":
+            raise SystemExit(128 + signal.SIGPIPE) from None
+        raise
     except OSError as exc:
         # --show-completion and --install-completion tell the shell from this process's parents
         # (shellingham); run from cron, nohup or a service there is none to find.

@@ -264,3 +264,17 @@ def test_run_does_not_offer_the_options_it_refuses_and_refuses_them_in_one_line(
         refused = CliRunner().invoke(app, ["run", *args, "--", "true"])
         assert refused.exit_code == c.EXIT_USAGE and refused.output == (
             "gpuq: gpuq run follows one job; queue an array or a sweep with gpuq submit\n"), refused.output
+
+
+def test_a_reader_that_goes_away_ends_gpuq_as_sigpipe_would_with_141_and_nothing_said(use_settings):
+    # `gpuq status | head -1` whose head has gone: click exited 1, gpuq's own failure to a
+    # `set -o pipefail` script, where a shell reports a program SIGPIPE ended (and `gpuq run`) 141.
+    for args in (["--help"], ["status"], ["workloads"]):
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            done = subprocess.run([sys.executable, "-m", "gpuq.cli", *args], stdout=write, stderr=subprocess.PIPE,
+                                  text=True, timeout=60)
+        finally:
+            os.close(write)
+        assert (done.returncode, done.stderr) == (141, ""), args
