@@ -166,7 +166,11 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
     say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"
                     + ("; exit the shell to free it" if command is None else "") + "\n")
     try:
-        child = subprocess.Popen(argv, env=env)
+        # Behind the gate (cli/gate.py): the shell starts once its worker has put it in the
+        # allocation's cgroup. SIGUSR1 is blocked from the fork on: the worker may find and signal
+        # the gate before its Python has started. -I: no module of the working directory's.
+        child = subprocess.Popen([sys.executable, "-I", "-m", c.ALLOC_GATE_MODULE, "--", *argv], env=env,
+                                 preexec_fn=_block_gate_signal)
     except OSError as exc:
         say(sys.stderr, f"gpuq: cannot run {argv[0]}: {exc.strerror}\n")
         client.post(f"/jobs/{job_id}/end", {"exit_code": 127})
@@ -204,6 +208,10 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
         say(sys.stderr, f"gpuq: {hung_up[0]}: ended allocation {job_id}\n")
         return hung_up[0].exit_code
     return ended
+
+
+def _block_gate_signal() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {c.ALLOC_GATE_SIGNAL})
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

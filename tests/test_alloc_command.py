@@ -1,8 +1,13 @@
 """`gpuq alloc` checks the command it will run (or the shell) before it asks the server for
 anything, as `gpuq submit` checks a job's command: a program that could not start is one line on
-stderr, exit 2, and nothing queued, not an allocation granted and then failed with 127."""
+stderr, exit 2, and nothing queued, not an allocation granted and then failed with 127. And the
+gate the shell starts behind (cli/gate.py) waits for its worker's word."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
 
 import pytest
 from sqlalchemy import func, select
@@ -71,3 +76,38 @@ def test_the_shell_takes_from_the_servers_answer_only_where_simulated_gpus_keep_
                    "CUDA_VISIBLE_DEVICES": "0,2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                    "CUDA_MPS_PIPE_DIRECTORY": "/nonexistent/gpuq-outside-mps", "GPUQ_JOB_ID": "7",
                    "GPUQ_RUN_ID": "r1", "GPUQ_ALLOC": "7", "GPUQ_GPUS": "2", "GPUQ_NODE": "n1"}
+
+
+def _gate(*argv: str) -> subprocess.Popen[str]:
+    """The gate as `gpuq alloc` starts it: its signal blocked from the fork on."""
+    return subprocess.Popen([sys.executable, "-I", "-m", c.ALLOC_GATE_MODULE, "--", *argv], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {c.ALLOC_GATE_SIGNAL}))
+
+
+def test_the_gate_starts_the_shell_in_its_own_process_only_once_the_worker_signals():
+    # Signalled at once, before its Python is up (the worker may find it that soon): it still
+    # waits, then runs the command in the same process (the pid the worker placed).
+    gate = _gate("sh", "-c", "echo ran as $$")
+    try:
+        gate.send_signal(c.ALLOC_GATE_SIGNAL)
+        out, err = gate.communicate(timeout=20)
+    finally:
+        gate.kill()
+    assert (gate.returncode, out.strip(), err) == (0, f"ran as {gate.pid}", "")
+    held = _gate("sh", "-c", "echo ran")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            held.communicate(timeout=1.5)  # no signal yet: the shell has not started
+        held.send_signal(c.ALLOC_GATE_SIGNAL)
+        assert held.communicate(timeout=20)[0] == "ran\n"
+    finally:
+        held.kill()
+
+
+def test_the_gate_says_in_one_line_what_it_cannot_run():
+    gate = _gate("/nonexistent/gpuq-shell")
+    gate.send_signal(c.ALLOC_GATE_SIGNAL)
+    out, err = gate.communicate(timeout=20)
+    assert (gate.returncode, out) == (127, "")
+    assert err == "gpuq: cannot run /nonexistent/gpuq-shell: No such file or directory\n"

@@ -296,15 +296,34 @@ def test_alloc_time_limit_warns_then_kills_a_sleep_left_in_the_background(stack,
     assert processes_with(f"sleep {marker}") == []
 
 
+def _left_by_the_shell_is_stopped_with_the_allocation(stack, terminals, script: str) -> None:
+    """``script`` (a sh script, ``{sleep}`` in it) leaves a sleep behind: it is stopped with the allocation."""
+    marker = unique_sleep()
+    t = terminals(["alloc", "--", "sh", "-c", script.format(sleep=f"sleep {marker}")], stack.env)
+    t.read_until("allocation")
+    wait_until(lambda: len(processes_with(f"sleep {marker}")) == 1, what="the sleep started")
+    assert t.wait() == 0
+    wait_until(lambda: processes_with(f"sleep {marker}") == [], timeout=20, what="the sleep stopped")
+
+
 def test_an_allocations_command_run_without_its_run_id_is_stopped_with_it(stack, terminals):
     # `env -i python train.py &` in the shell dropped GPUQ_RUN_ID: it ran on after the allocation.
-    marker = unique_sleep()
     # In a session of its own, too: the terminal's hang-up at the end does not reach it.
-    t = terminals(["alloc", "--", "sh", "-c", f"env -u GPUQ_RUN_ID setsid sleep {marker} & sleep 3"], stack.env)
-    t.read_until("allocation")
-    wait_until(lambda: len(processes_with(f"sleep {marker}")) == 1, what="the stripped sleep started")
-    assert t.wait() == 0
-    wait_until(lambda: processes_with(f"sleep {marker}") == [], timeout=20, what="the stripped sleep stopped")
+    _left_by_the_shell_is_stopped_with_the_allocation(stack, terminals, "env -u GPUQ_RUN_ID setsid {sleep} & sleep 3")
+
+
+def test_a_process_the_allocations_shell_detaches_at_once_is_in_its_cgroup_and_stopped_with_it(stack, terminals):
+    # It drops the run id, leaves the shell's tree (its subshell exits at once) and its session,
+    # all before the worker's first look: it outlived the allocation. The shell now starts behind
+    # a gate the worker opens once it has put it in the allocation's cgroup.
+    from gpuq.workers.cgroup import JobCgroup
+
+    probe = JobCgroup.create(f"gpuq-test-probe-{os.getpid()}", None)
+    if probe is None:
+        pytest.skip("no cgroup for a job here: the worker finds an allocation's processes by looking")
+    probe.remove()
+    _left_by_the_shell_is_stopped_with_the_allocation(stack, terminals,
+                                                      "(env -u GPUQ_RUN_ID setsid {sleep} &); sleep 2")
 
 
 def test_kill_9_of_the_alloc_client_frees_the_gpu_within_the_keepalive_bound(stack):

@@ -3,8 +3,10 @@ lease, samples, time limit and cancel, while the client runs a shell or a comman
 terminal. The worker runs nothing itself; it watches the client (its keepalive and its end) and, at
 the end, stops every process of the allocation: those carrying its run id (GPUQ_RUN_ID) and owned
 by its user, their descendants of that user, and whatever it could place in the allocation's
-cgroup on the way (every PLACE_EVERY_SECONDS: a process that drops the run id and leaves the tree
-within that time is not found).
+cgroup on the way (every PLACE_EVERY_SECONDS). The shell starts behind a gate (cli/gate.py) that
+this worker lets through once it has put it in the cgroup, so where there is one, nothing the
+shell starts escapes it; without one, a process that drops the run id and leaves the tree within
+PLACE_EVERY_SECONDS is not found.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
     None when ``watcher`` stopped it. Every PLACE_EVERY_SECONDS its processes are looked for, put in
     its cgroup and handed to ``on_found``, where there is either."""
     settings = state.settings
-    placed_at = 0.0
+    placed_at, began = 0.0, time.monotonic()
+    gated = False  # the shell's gate (cli/gate.py) was found, placed and let through
     while not watcher.stopped.wait(CLIENT_LOOK_SECONDS):
         try:
             with read_scope(settings) as session:
@@ -133,14 +136,35 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
             return client
         if client.keepalive_at is None or (utcnow() - client.keepalive_at).total_seconds() > settings.alloc_keepalive:
             return ClientState(client.keepalive_at, None)
-        if time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:  # without a cgroup too: ``seen``
-            placed_at = time.monotonic()
+        # Until the gate is through, at every look: the user waits for it at their prompt.
+        waiting = not gated and time.monotonic() - began < c.ALLOC_GATE_SECONDS
+        if time.monotonic() - placed_at >= (CLIENT_LOOK_SECONDS if waiting else PLACE_EVERY_SECONDS):
+            placed_at = time.monotonic()  # without a cgroup too: ``seen``
             for p in processes():
                 if processes.cgroup is not None:
                     processes.cgroup.place(p.pid)
                 if on_found is not None:
                     on_found(p.pid)
+                if not gated and _is_gate(p):
+                    gated = _let_through(p)
     return None
+
+
+def _is_gate(p: psutil.Process) -> bool:
+    try:
+        return p.cmdline()[1:4] == ["-I", "-m", c.ALLOC_GATE_MODULE]  # as cli/alloc.py starts it
+    except psutil.Error:
+        return False
+
+
+def _let_through(p: psutil.Process) -> bool:
+    """Tell the gate it is placed: the shell starts, in the allocation's cgroup (sent once: after
+    its exec the shell's own SIGUSR1 would end it)."""
+    try:
+        os.kill(p.pid, c.ALLOC_GATE_SIGNAL)
+    except OSError:
+        pass  # gone: the client's end says why
+    return True
 
 
 def _stop(processes: _Processes, grace: float, cgroup: JobCgroup | None) -> list[int]:
