@@ -40,6 +40,8 @@ log = logging.getLogger("gpuq.worker")
 # the allocation's processes to put them in its cgroup (a pass over /proc: not every look).
 CLIENT_LOOK_SECONDS = 0.2
 PLACE_EVERY_SECONDS = 2.0
+# How often it looks for the shell's gate until it has let it through (a user waits for it).
+GATE_LOOK_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,14 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
 def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Processes,
            on_found: Callable[[int], None] | None) -> ClientState | None:
     """Wait for the allocation's end: the client's (its exit code, or silence: exit_code None), or
-    None when ``watcher`` stopped it. Every PLACE_EVERY_SECONDS its processes are looked for, put in
-    its cgroup and handed to ``on_found``, where there is either."""
+    None when ``watcher`` stopped it. Every PLACE_EVERY_SECONDS (every GATE_LOOK_SECONDS until the
+    shell's gate is through) its processes are looked for, put in its cgroup and handed to
+    ``on_found``, where there is either."""
     settings = state.settings
     placed_at, began = 0.0, time.monotonic()
     gated = False  # the shell's gate (cli/gate.py) was found, placed and let through
-    while not watcher.stopped.wait(CLIENT_LOOK_SECONDS):
+    waiting = True  # for it: the user waits at their prompt, so it is looked for at every turn
+    while not watcher.stopped.wait(GATE_LOOK_SECONDS if waiting else CLIENT_LOOK_SECONDS):
         try:
             with read_scope(settings) as session:
                 client = client_state(session, job.id)
@@ -136,9 +140,8 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
             return client
         if client.keepalive_at is None or (utcnow() - client.keepalive_at).total_seconds() > settings.alloc_keepalive:
             return ClientState(client.keepalive_at, None)
-        # Until the gate is through, at every look: the user waits for it at their prompt.
         waiting = not gated and time.monotonic() - began < c.ALLOC_GATE_SECONDS
-        if time.monotonic() - placed_at >= (CLIENT_LOOK_SECONDS if waiting else PLACE_EVERY_SECONDS):
+        if waiting or time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:
             placed_at = time.monotonic()  # without a cgroup too: ``seen``
             for p in processes():
                 if processes.cgroup is not None:
