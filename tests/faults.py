@@ -68,9 +68,12 @@ def _in_transaction(proc: psutil.Process, database: str) -> bool:
 
     if is_sqlite_url(database):
         try:  # a write transaction anywhere holds the write lock: another BEGIN IMMEDIATE waits
-            with sqlite3.connect(sqlite_file(database), timeout=0.3, isolation_level=None) as probe:
+            probe = sqlite3.connect(sqlite_file(database), timeout=0.3, isolation_level=None)
+            try:
                 probe.execute("BEGIN IMMEDIATE")
                 probe.execute("ROLLBACK")
+            finally:
+                probe.close()
             return False
         except sqlite3.OperationalError:
             return True
