@@ -168,8 +168,8 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
     try:
         # Behind the gate (cli/gate.py): the shell starts once its worker has put it in the
         # allocation's cgroup. SIGUSR1 is blocked from the fork on: the worker may find and signal
-        # the gate before its Python has started. -I: no module of the working directory's.
-        child = subprocess.Popen([sys.executable, "-I", "-m", c.ALLOC_GATE_MODULE, "--", *argv], env=env,
+        # the gate before its Python has started.
+        child = subprocess.Popen([sys.executable, *c.ALLOC_GATE_ARGS, "--", *argv], env=env,
                                  preexec_fn=_block_gate_signal)
     except OSError as exc:
         say(sys.stderr, f"gpuq: cannot run {argv[0]}: {exc.strerror}\n")

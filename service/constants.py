@@ -190,10 +190,11 @@ MUNGE_TIMEOUT_SECONDS = 10.0
 # a folder only root could make (in /), so no user can put a daemon's control there; CUDA finds
 # none and makes a context of its own (checked on the lent H100). workers/mps.py says who stays out.
 MPS_OUTSIDE = "/nonexistent/gpuq-outside-mps"
-# The gate an allocation's shell starts behind (cli/gate.py): how its worker tells it among the
-# allocation's processes (its command line's module), and what it sends the gate once it has put
-# it in the allocation's cgroup (workers/allocation.py).
-ALLOC_GATE_MODULE = "gpuq.cli.gate"
+# The gate an allocation's shell starts behind (cli/gate.py): the interpreter's arguments it is
+# started with (-I: no module of the working directory's), by which its worker tells it among the
+# allocation's processes, and what the worker sends it once it has put it in the allocation's
+# cgroup (workers/allocation.py).
+ALLOC_GATE_ARGS = ("-I", "-m", "gpuq.cli.gate")
 ALLOC_GATE_SIGNAL = signal.SIGUSR1
 # How long the gate waits for that signal before it lets the shell start anyway (an older worker).
 ALLOC_GATE_SECONDS = 10.0

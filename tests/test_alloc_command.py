@@ -80,7 +80,7 @@ def test_the_shell_takes_from_the_servers_answer_only_where_simulated_gpus_keep_
 
 def _gate(*argv: str) -> subprocess.Popen[str]:
     """The gate as `gpuq alloc` starts it: its signal blocked from the fork on."""
-    return subprocess.Popen([sys.executable, "-I", "-m", c.ALLOC_GATE_MODULE, "--", *argv], text=True,
+    return subprocess.Popen([sys.executable, *c.ALLOC_GATE_ARGS, "--", *argv], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {c.ALLOC_GATE_SIGNAL}))
 

@@ -155,7 +155,7 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
 
 def _is_gate(p: psutil.Process) -> bool:
     try:
-        return p.cmdline()[1:4] == ["-I", "-m", c.ALLOC_GATE_MODULE]  # as cli/alloc.py starts it
+        return tuple(p.cmdline()[1:4]) == c.ALLOC_GATE_ARGS  # as cli/alloc.py starts it
     except psutil.Error:
         return False
 
