@@ -281,14 +281,14 @@ def test_under_mps_a_shared_job_is_pinned_to_its_share_and_context_reserve(tmp_p
         for found in ([], [Server(pid=50, uid=1001, clients=3)], [Server(pid=50, uid=0, clients=0)]):
             # No server yet, this user's own, or another user's with no client left (the daemon
             # hands over at once): the job joins.
-            placed = placement(1001, 2, 1524, set(), ask=lambda _d, found=found: found)
+            placed = placement(1001, 2, 1524, set, ask=lambda _d, found=found: found)
             assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path),
                                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1524M,1=1524M"}, found
             assert placed.note is None
         # A whole-GPU job stays out, with nothing said: MPS gives it nothing and would hold others.
-        assert placement(1001, 2, None, {"bob"}, ask=lambda _d: []).env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE}
+        assert placement(1001, 2, None, lambda: {"bob"}, ask=lambda _d: []).env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE}
     (tmp_path / "control").unlink()
-    assert placement(1001, 2, 1524, {"bob"}, ask=lambda _d: []).env == {}  # no daemon: nothing of MPS
+    assert placement(1001, 2, 1524, lambda: {"bob"}, ask=lambda _d: []).env == {}  # no daemon: nothing of MPS
 
 
 def test_under_mps_a_job_runs_outside_it_while_another_users_jobs_may_be_its_clients(tmp_path, monkeypatch):
@@ -304,14 +304,14 @@ def test_under_mps_a_job_runs_outside_it_while_another_users_jobs_may_be_its_cli
         return [Server(pid=50, uid=0, clients=1), Server(pid=51, uid=1001, clients=0)]
 
     with daemon_at(tmp_path, monkeypatch):
-        placed = placement(1001, 1, 1524, {"bob", "ann"}, ask=ask)
+        placed = placement(1001, 1, 1524, lambda: {"bob", "ann"}, ask=ask)
         assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE} and asked == []  # SQL was enough
         assert placed.note == ("gpuq: MPS serves ann, bob's jobs on this node now, and would keep this one waiting "
                                "until they end: it runs outside MPS, held to its share by gpuq's watchdog")
-        placed = placement(1001, 1, 1524, set(), ask=ask)  # a client outside gpuq: root's
+        placed = placement(1001, 1, 1524, set, ask=ask)  # a client outside gpuq: root's
         assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE} and asked == [str(tmp_path)]
         assert placed.note.startswith("gpuq: MPS serves root's jobs on this node now")
-        placed = placement(1001, 1, 1524, set(), ask=lambda _d: None)  # the daemon did not answer
+        placed = placement(1001, 1, 1524, set, ask=lambda _d: None)  # the daemon did not answer
         assert placed.env == {"CUDA_MPS_PIPE_DIRECTORY": OUTSIDE}
         assert placed.note == ("gpuq: this node's MPS daemon did not say whom it serves: it runs outside MPS, "
                                "held to its share by gpuq's watchdog")

@@ -217,10 +217,11 @@ def mps_env(job: JobRun, uid: int, state: WorkerState, sink: OutputSink) -> dict
     # The client's CUDA context counts against MPS's limit: pinned to the share alone, a 1 GiB job
     # on the lent H100 had 510 MiB left and failed to allocate 512.
     share = job.mem_mib + settings.shared_context_mib if job.shared and job.mem_mib is not None else None
-    others: set[str] = set()
-    if share is not None and mps.running():
+
+    def others() -> set[str]:
         with read_scope(settings) as session:
-            others = possible_mps_clients(session, state.node, job.id) - {job.user}
+            return possible_mps_clients(session, state.node, job.id) - {job.user}
+
     placed = mps.placement(uid, len(job.gpu_indices), share, others)
     if placed.note:
         sink.note(placed.note)

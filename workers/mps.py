@@ -21,7 +21,7 @@ import os
 import pwd
 import stat
 import subprocess
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,32 +118,35 @@ def _ask(directory: str, question: str) -> list[int] | None:
     return [int(word) for word in done.stdout.split() if word.isdigit()]
 
 
-def placement(uid: int, gpus: int, share_mib: int | None, others: Collection[str],
+def placement(uid: int, gpus: int, share_mib: int | None, others: Callable[[], Collection[str]],
               ask: Callable[[str], list[Server] | None] | None = None) -> Placement:
     """MPS for a command job whose processes run as ``uid`` on ``gpus`` GPUs.
 
     Only a shared job (``share_mib``: its share and context reserve, what the driver pins it to on
     each GPU) joins the daemon, and only while neither gpuq's other shared commands on this node
-    (``others``: their owners, other than the job's; from SQL, so a job placed a moment ago counts
-    before its first CUDA call) nor the daemon (``ask``, default ``servers``: programs outside
-    gpuq too) have another user's clients. Every other job stays out: a whole GPU gains nothing
-    from MPS, and a client would keep other users' jobs waiting."""
+    (``others()``: their owners, other than the job's; from SQL, so a job placed a moment ago
+    counts before its first CUDA call; asked only of a shared job beside a daemon) nor the daemon
+    (``ask``, default ``servers``: programs outside gpuq too) have another user's clients. Every
+    other job stays out: a whole GPU gains nothing from MPS, and a client would keep other users'
+    jobs waiting."""
     directory = pipe_directory()
     if not running(directory):
         return Placement({})
     if share_mib is None:
         return Placement({PIPE_VARIABLE: OUTSIDE})
-    if others:
-        return _outside(f"MPS serves {', '.join(sorted(others))}'s jobs on this node now, and would keep this one "
-                        "waiting until they end")
+    if users := others():
+        return _outside(_serving(sorted(users)))
     found = (ask or servers)(directory)
     if found is None:
         return _outside("this node's MPS daemon did not say whom it serves")
     clients = sorted({s.uid for s in found if s.uid != uid and s.clients > 0})
     if clients:
-        return _outside(f"MPS serves {', '.join(map(_name, clients))}'s jobs on this node now, and would keep "
-                        "this one waiting until they end")
+        return _outside(_serving(map(_name, clients)))
     return Placement({PIPE_VARIABLE: directory, **memory_limit_env(gpus, share_mib)})
+
+
+def _serving(users: Iterable[str]) -> str:
+    return f"MPS serves {', '.join(users)}'s jobs on this node now, and would keep this one waiting until they end"
 
 
 def _outside(why: str) -> Placement:
