@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
 from typing import Annotated, Any, TextIO
 
@@ -170,26 +170,26 @@ def _hang_up(signum: int, frame: FrameType | None) -> None:
 
 
 @contextmanager
-def hang_up_raises() -> Iterator[None]:
-    """SIGHUP and SIGTERM raise HangUp in the main thread meanwhile (Ctrl-C raises KeyboardInterrupt)."""
-    before = {s: signal.signal(s, _hang_up) for s in (signal.SIGHUP, signal.SIGTERM)}
+def _handled(handler: Callable[[int, FrameType | None], None],
+             signals: tuple[int, ...] = (signal.SIGHUP, signal.SIGTERM)) -> Iterator[None]:
+    """``handler`` for ``signals`` meanwhile; the handlers before it afterwards."""
+    before = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+        for s, previous in before.items():
+            signal.signal(s, previous)
 
 
-@contextmanager
-def leaving() -> Iterator[None]:
+def hang_up_raises() -> AbstractContextManager[None]:
+    """SIGHUP and SIGTERM raise HangUp in the main thread meanwhile (Ctrl-C raises KeyboardInterrupt)."""
+    return _handled(_hang_up)
+
+
+def leaving() -> AbstractContextManager[None]:
     """Signals that would end this client are let pass while it leaves on one: a closed ssh session
     sends SIGHUP then SIGTERM, and the second, raised as it said why it left, was a traceback."""
-    before = {s: signal.signal(s, _let_pass) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    return _handled(_let_pass, (signal.SIGHUP, signal.SIGTERM, signal.SIGINT))
 
 
 def _let_pass(signum: int, frame: FrameType | None) -> None:
@@ -264,18 +264,16 @@ def _cancel(client: Client, job_id: int) -> tuple[bool, HangUp | None]:
     meanwhile, if one did: a closed ssh session sends SIGHUP then SIGTERM, and the second, raised
     inside the request, left a traceback and the job running. Now the request is seen through."""
     late: list[int] = []
-    before = {s: signal.signal(s, lambda signum, _: late.append(signum)) for s in (signal.SIGHUP, signal.SIGTERM)}
-    try:
-        client.post(f"/jobs/{job_id}/cancel", ride_out=True)
-    except Refused as exc:
-        if exc.exit_code != c.EXIT_CONFLICT:  # ended meanwhile: its end is what we report
-            raise
-    except KeyboardInterrupt:
-        return False, HangUp(late[0]) if late else None
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-    return True, HangUp(late[0]) if late else None
+    sent = True
+    with _handled(lambda signum, _: late.append(signum)):
+        try:
+            client.post(f"/jobs/{job_id}/cancel", ride_out=True)
+        except Refused as exc:
+            if exc.exit_code != c.EXIT_CONFLICT:  # ended meanwhile: its end is what we report
+                raise
+        except KeyboardInterrupt:
+            sent = False
+    return sent, HangUp(late[0]) if late else None
 
 
 def _ended(job_id: int, end: dict[str, Any], interrupted: bool = False, open_line: bool = False) -> int:
