@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import Connection, CursorResult, Engine, Result, create_engine, event, inspect, text
+from sqlalchemy import Connection, CursorResult, Engine, Result, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -175,8 +175,6 @@ IDLE_IN_TRANSACTION_S = 30
 
 def _session_options(url: str) -> str:
     """libpq's ``options`` for gpuq's PostgreSQL sessions: the URL's own, then gpuq's."""
-    from sqlalchemy.engine import make_url
-
     own = make_url(url).query.get("options") or ()
     return " ".join([*([own] if isinstance(own, str) else own),
                      f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"])

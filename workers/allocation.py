@@ -149,7 +149,8 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
                 if on_found is not None:
                     on_found(p.pid)
                 if not gated and _is_gate(p):
-                    gated = _let_through(p)
+                    _let_through(p)
+                    gated = True
     return None
 
 
@@ -160,14 +161,13 @@ def _is_gate(p: psutil.Process) -> bool:
         return False
 
 
-def _let_through(p: psutil.Process) -> bool:
+def _let_through(p: psutil.Process) -> None:
     """Tell the gate it is placed: the shell starts, in the allocation's cgroup (sent once: after
     its exec the shell's own SIGUSR1 would end it)."""
     try:
         os.kill(p.pid, c.ALLOC_GATE_SIGNAL)
     except OSError:
         pass  # gone: the client's end says why
-    return True
 
 
 def _stop(processes: _Processes, grace: float, cgroup: JobCgroup | None) -> list[int]:
