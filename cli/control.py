@@ -92,13 +92,16 @@ def update(job_ids: JobIds = None, array: Array = None,
            name: Annotated[str | None, typer.Option(help="A new name (one job at a time).")] = None,
            retries: Annotated[int | None, typer.Option(help="How many times a failure runs it again.",
                                                        parser=numbers.whole(0))] = None,
+           array_limit: Annotated[int | None, typer.Option(
+               "--array-limit", help="How many of an array's tasks may run at once (as --array 0-99%4; "
+                                     "0: no limit).", parser=numbers.whole(0))] = None,
            ) -> None:
-    """Change jobs after their submit: a pending job's priority, a time limit, a name, retries (as
-    `scontrol update job`)."""
-    changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries))
-               if v is not None}
+    """Change jobs after their submit: a pending job's priority, a time limit, a name, retries, an
+    array's tasks at once (as `scontrol update job`)."""
+    changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
+                                 ("array_limit", array_limit)) if v is not None}
     if not changes:
-        raise InvalidSpec("give something to change: --priority, --time, --name or --retries")
+        raise InvalidSpec("give something to change: --priority, --time, --name, --retries or --array-limit")
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]
@@ -113,7 +116,7 @@ def _limit(seconds: int | None) -> str:
 # How `gpuq update` names each field it changed, and writes its values.
 _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "priority": ("priority", str), "time_limit_s": ("time limit", _limit), "name": ("name", str),
-    "max_retries": ("retries", str)}
+    "max_retries": ("retries", str), "array_limit": ("array limit", lambda v: "none" if v is None else str(v))}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

@@ -123,7 +123,9 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     if any(asks):
         lines.append(("asks", "; ".join(a for a in asks if a)))
     if j.array_id is not None:
-        lines.append(("array", f"{j.array_id}, task {j.array_index}"))
+        at_once = getattr(j, "array_limit", None)  # a server from before array limits sends none
+        lines.append(("array", f"{j.array_id}, task {j.array_index}"
+                      + (f"; at most {at_once} of its tasks at once" if at_once else "")))
     if j.git_commit or j.git_dirty:
         lines.append(("commit", (j.git_commit or "none yet") + (f" (dirty: `gpuq show --diff {j.id}`)"
                                                                 if j.git_dirty else "")))

@@ -95,7 +95,8 @@ def submit(
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
     array: Annotated[str | None, typer.Option(help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
-                                                   "(GPUQ_ARRAY_INDEX; {index} in a command).")] = None,
+                                                   "(GPUQ_ARRAY_INDEX; {index} in a command); 0-99%4: "
+                                                   "at most 4 of them at once.")] = None,
     sweep: Annotated[list[str] | None, typer.Option(help="name=v1,v2: a job per value (repeat for the "
                                                          "cross product).")] = None,
     snapshot: Annotated[bool, typer.Option("--snapshot", help="Run a copy of this git work tree as it is now "
@@ -164,7 +165,9 @@ def submit(
     elif len(made) == 1 and made[0]["array_id"] is None:
         typer.echo(f"submitted job {made[0]['id']}")
     else:
-        typer.echo(f"submitted array {made[0]['array_id']}: jobs {made[0]['id']}-{made[-1]['id']} ({len(made)})")
+        at_once = made[0].get("array_limit")
+        typer.echo(f"submitted array {made[0]['array_id']}: jobs {made[0]['id']}-{made[-1]['id']} ({len(made)}"
+                   + (f", {at_once} at once at most)" if at_once else ")"))
 
 
 def _cwd() -> str:

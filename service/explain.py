@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
@@ -56,6 +56,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return (f"{head}: {job.user} holds {held} GPU{'' if held == 1 else 's'} and the limit is "
                 f"{settings.user_gpu_limit} at once; "
                 f"this job needs {job.gpus} more")
+    if reason == policy.ARRAY_LIMIT and job.array_id is not None and job.array_limit is not None:
+        started = session.scalar(select(func.count()).select_from(Job).where(
+            Job.array_id == job.array_id, Job.state.in_((State.DISPATCHED, State.RUNNING))))
+        return (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
+                f"runs at most {job.array_limit} at once (--array ...%{job.array_limit}; "
+                f"`gpuq update --array {job.array_id} --array-limit N` changes it)")
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)
         if job.on_node is None:

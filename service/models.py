@@ -117,6 +117,8 @@ class Job(Base):
     # Array and sweep tasks share the id of their first task; each has its index.
     array_id: Mapped[int | None] = mapped_column(Integer, index=True)
     array_index: Mapped[int | None] = mapped_column(Integer)
+    # At most this many of its array's tasks run at once (`--array 0-99%4`); None: no such limit.
+    array_limit: Mapped[int | None] = mapped_column(Integer)
     # Extra environment for a command (GPUQ_ARRAY_INDEX, sweep values).
     env: Mapped[dict[str, str] | None] = mapped_column(JSON)
     # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);

@@ -30,7 +30,7 @@ from gpuq.service.settings import Settings
 # not (SQLAlchemy makes its rows in C).
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
-                    _t.held, _t.after, _t.after_any, _t.reason, _t.shared)
+                    _t.held, _t.after, _t.after_any, _t.reason, _t.shared, _t.array_id, _t.array_limit)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -42,6 +42,10 @@ def pending_row(values: dict[str, Any]) -> Any:
 
 
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
+# How many tasks of each of these arrays hold GPUs now (`--array 0-99%4` counts them).
+_ARRAYS_STARTED = (select(_t.array_id, func.count()).where(_t.array_id.in_(bindparam("arrays", expanding=True)),
+                                                           _t.state.in_((State.DISPATCHED, State.RUNNING)))
+                   .group_by(_t.array_id))
 _DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
                              table(Allocation).c.share_mib, _t.gpu_share).join_from(
@@ -146,10 +150,40 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         job = _request(row)
         if cut is None or policy.order_key(job, hours) <= cut:
             jobs.append(job)
+    jobs = _within_array_limits(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=dict(in_use), user_gpu_limit=settings.user_gpu_limit,
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending})
+
+
+def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],
+                         hours: dict[str, float], not_eligible: dict[int, str]) -> list[policy.JobRequest]:
+    """``jobs`` less the tasks of arrays at their limit (`--array 0-99%4`), which wait for "array
+    limit" (in ``not_eligible``): of an array whose tasks hold GPUs N times short of its limit,
+    only its first N eligible tasks in queue order are considered, as SLURM's array throttle.
+
+    Whatever this pass places or lists on a GPU's next-up list comes from those N, so no more than
+    the limit start before the next pass counts again."""
+    array_of = {row.id: row.array_id for row in pending if row.array_limit is not None}
+    if not array_of:
+        return jobs
+    limit: dict[int, int] = {}
+    for row in pending:  # an update may have changed some tasks' limit and not others': the lowest
+        if row.array_limit is not None:
+            limit[row.array_id] = min(limit.get(row.array_id, row.array_limit), row.array_limit)
+    started = dict(conn.execute(_ARRAYS_STARTED, {"arrays": sorted(limit)}).all())
+    room = {array: max(most - started.get(array, 0), 0) for array, most in limit.items()}
+    kept = []
+    for job in sorted(jobs, key=lambda j: policy.order_key(j, hours)):
+        if job.id in array_of:
+            array = array_of[job.id]
+            if room[array] == 0:
+                not_eligible[job.id] = policy.ARRAY_LIMIT
+                continue
+            room[array] -= 1
+        kept.append(job)
+    return kept
 
 
 def _request(row: Any) -> policy.JobRequest:

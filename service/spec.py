@@ -16,7 +16,7 @@ from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.launchable import check_command
 from gpuq.service.settings import secret_env_names
-from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_indices, parse_job_ids, parse_mem, parse_sweep
+from gpuq.service.units import MAX_ARRAY_TASKS, parse_array, parse_duration, parse_job_ids, parse_mem, parse_sweep
 from gpuq.service.workloads import get_workload, parse_args
 
 MAX_GPUS_PER_JOB = 1024  # a sanity bound, far above any node; the real bound is the largest node
@@ -44,6 +44,8 @@ class JobSpec:
     after_any: bool = False
     env: dict[str, str] | None = None
     array_index: int | None = None
+    # How many of its array's tasks may run at once (`--array 0-99%4`); None: as many as fit.
+    array_limit: int | None = None
     host_mem_mib: int | None = None
     # May share its GPUs with other shared jobs, held to mem_mib on each (`--shared`).
     shared: bool = False
@@ -110,7 +112,8 @@ def sweep_variable(name: str) -> str:
 def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str | None,
            sweeps: list[str]) -> list[JobSpec]:
     """The jobs one submission makes: one, or an array (``--array``) and/or the cross product of
-    ``--sweep`` values, each task with its index in GPUQ_ARRAY_INDEX.
+    ``--sweep`` values, each task with its index in GPUQ_ARRAY_INDEX. An ``--array`` with ``%N``
+    gives each task that limit: at most N of the submission's tasks run at once.
 
     ``make(extra_args)`` builds one spec; a sweep passes ``--name value`` to a workload and, for a
     command, sets GPUQ_SWEEP_NAME and replaces ``{name}`` in its arguments.
@@ -122,7 +125,7 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
         raise InvalidSpec("a --sweep name is given twice")
     if len({sweep_variable(n) for n in names}) != len(names):  # lr and LR, a-b and a_b
         raise InvalidSpec(f"--sweep names {', '.join(names)} set the same GPUQ_SWEEP_ variable: name them apart")
-    indices = parse_indices(array) if array is not None else None
+    indices, limit = parse_array(array) if array is not None else (None, None)
     if indices is None and not axes:
         return [replace(make([]), **extra)]
     # Counted before it is built: ten sweeps of ten values are 10^10 jobs, which the server would
@@ -147,7 +150,7 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
         # An array swept: each of its indices with each combination, named by both (train[3,lr=0.1]).
         label = ",".join([*([str(task)] if indices is not None or not combo else []),
                           *(f"{n}={v}" for n, v in combo)])
-        out.append(replace(spec, **extra, env=env, array_index=task, argv=argv,
+        out.append(replace(spec, **extra, env=env, array_index=task, array_limit=limit, argv=argv,
                            name=check_name(f"{spec.name}[{label}]"[: c.MAX_NAME_LENGTH])))
     return out
 

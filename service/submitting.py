@@ -216,8 +216,8 @@ def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
                 cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=_NEW, submitted_at=now,
                 mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
                 attempts=[], held=s.held, admin_hold=False, after=s.after, after_any=s.after_any, env=s.env,
-                array_index=s.array_index, array_id=None, git_commit=s.git_commit, git_dirty=s.git_dirty,
-                git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
+                array_index=s.array_index, array_id=None, array_limit=s.array_limit, git_commit=s.git_commit,
+                git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
                 host_mem_mib=s.host_mem_mib, requeues=0,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,

@@ -1,4 +1,4 @@
-"""Parsing the lab's ways of writing sizes, durations and index ranges (`20G`, `2h`, `0-9:2`)."""
+"""Parsing the lab's ways of writing sizes, durations and index ranges (`20G`, `2h`, `0-9:2%4`)."""
 
 from __future__ import annotations
 
@@ -82,13 +82,25 @@ def _check_time(seconds: int, text: str) -> int:
     return seconds
 
 
+def parse_array(text: str) -> tuple[list[int], int | None]:
+    """``--array``'s value: its indices (``parse_indices``) and, after a ``%``, how many of its tasks
+    may run at once (SLURM's ``0-99%4``), or None for no such limit."""
+    indices, percent, limit = text.partition("%")
+    if not percent:
+        return parse_indices(text), None
+    if not re.fullmatch(r"\s*\d{1,10}\s*", limit, re.ASCII) or not 1 <= int(limit) <= MAX_ARRAY_TASKS:
+        raise InvalidSpec(f"--array's %N (tasks at once) takes a whole number from 1 to {MAX_ARRAY_TASKS:,}; "
+                          f"got {text[:60]!r}")
+    return parse_indices(indices), int(limit)
+
+
 def parse_indices(text: str) -> list[int]:
     """``0-9``, ``0-9:2``, ``1,3,5`` or a mix, as sorted unique indices."""
     out: set[int] = set()
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d{1,10})\s*(?:-\s*(\d{1,10})\s*(?::\s*(\d{1,10})\s*)?)?", part, re.ASCII)
         if not m:
-            raise InvalidSpec(f"--array takes ranges like 0-9, 0-9:2 or 1,3,5; got {text!r}")
+            raise InvalidSpec(f"--array takes ranges like 0-9, 0-9:2 or 1,3,5 (and %N: N at once); got {text!r}")
         start = int(m.group(1))
         stop = int(m.group(2)) if m.group(2) is not None else start
         step = int(m.group(3)) if m.group(3) is not None else 1

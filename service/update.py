@@ -1,8 +1,8 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
-limit, name and retries.
+limit, name, retries, and how many tasks of its array may run at once (SLURM's ArrayTaskThrottle).
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
-of the four; a job that started (dispatched or running) keeps its priority, which only ordered the
+of these; a job that started (dispatched or running) keeps its priority, which only ordered the
 queue, and its owner may lower its time limit but only root or an admin may raise it (a user who
 could would hold the GPUs past what the backfill promised the jobs behind). A running job's worker
 reads the new limit within a look of its watch (workers/watch.py); one below the time it has run
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Integer, String, bindparam, func
+from sqlalchemy import Integer, String, bindparam, case, func
 
 from gpuq.service import broker, spec
 from gpuq.service import constants as c
@@ -32,7 +32,7 @@ from gpuq.service.models import Job, table
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submitting import check_time_limit
-from gpuq.service.units import parse_duration
+from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration
 
 _JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
@@ -44,16 +44,22 @@ def _kept(name: str, kind: Any) -> Any:
     return func.coalesce(bindparam(f"new_{name}", type_=kind), _JOBS.c[name])
 
 
+# An array's limit: a number, 0 for none (stored as null), or null to leave it as it is.
+_NEW_LIMIT = bindparam("new_array_limit", type_=Integer)
 _LATER = dict(time_limit_s=_kept("time_limit_s", Integer), name=_kept("name", String),
-              max_retries=_kept("max_retries", Integer))
+              max_retries=_kept("max_retries", Integer),
+              array_limit=case((_NEW_LIMIT.is_(None), _JOBS.c.array_limit), (_NEW_LIMIT == 0, None),
+                               else_=_NEW_LIMIT))
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
                        priority=_kept("priority", Integer), **_LATER)
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
-_VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries)
+_VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
+           _JOBS.c.array_id)
 # The columns a change names, as the API and the answer name them.
-FIELDS = ("priority", "time_limit_s", "name", "max_retries")
+FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit")
+_ASK = "give something to change: --priority, --time, --name, --retries or --array-limit"
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,19 @@ class Changes:
     time_limit_s: int | None = None
     name: str | None = None
     max_retries: int | None = None
+    array_limit: int | None = None  # 0: no limit
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
-        ``retries``); InvalidSpec for anything malformed or for no change at all."""
-        unknown = set(body) - {"ids", "priority", "time", "name", "retries"}
+        ``retries``, ``array_limit``); InvalidSpec for anything malformed or for no change at all."""
+        unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit"}
         if unknown:
-            raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries)")
-        priority, time, name, retries = (body.get(k) for k in ("priority", "time", "name", "retries"))
-        for option, value in (("--priority", priority), ("--retries", retries)):
+            raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} "
+                              "(priority, time, name, retries, array_limit)")
+        priority, time, name, retries, at_once = (body.get(k) for k in ("priority", "time", "name", "retries",
+                                                                         "array_limit"))
+        for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
         for option, value in (("--time", time), ("--name", name)):
@@ -83,10 +92,14 @@ class Changes:
             raise InvalidSpec(f"--priority must be between -{spec.ADMIN_MAX_PRIORITY} and {spec.ADMIN_MAX_PRIORITY}")
         if retries is not None and not 0 <= retries <= spec.MAX_RETRIES:
             raise InvalidSpec(f"--retries must be between 0 and {spec.MAX_RETRIES}; got {retries}")
+        if at_once is not None and not 0 <= at_once <= MAX_ARRAY_TASKS:
+            raise InvalidSpec(f"--array-limit must be between 1 and {MAX_ARRAY_TASKS:,} tasks at once, "
+                              f"or 0 for no limit; got {at_once}")
         changes = cls(priority=priority, time_limit_s=parse_duration(time) if time is not None else None,
-                      name=spec.check_name(name) if name is not None else None, max_retries=retries)
+                      name=spec.check_name(name) if name is not None else None, max_retries=retries,
+                      array_limit=at_once)
         if changes.empty:
-            raise InvalidSpec("give something to change: --priority, --time, --name or --retries")
+            raise InvalidSpec(_ASK)
         return changes
 
     @property
@@ -147,8 +160,14 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = (f"job {job.id} is {job.state}; only root or an admin may raise a started job's "
                            "time limit (you may lower it)")
         return outcome
+    if changes.array_limit is not None and job.array_id is None:
+        outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
+        return outcome
     values = {f: getattr(changes, f) for f in FIELDS}
-    outcome.changed = {f: [getattr(job, f), v] for f, v in values.items() if v is not None and v != getattr(job, f)}
+    # The answer's new limit as stored: 0 asks for none.
+    shown = dict(values, array_limit=values["array_limit"] or None)
+    outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
+                       if v is not None and shown[f] != getattr(job, f)}
     if not outcome.changed:
         return outcome
     if started:
