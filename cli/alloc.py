@@ -45,16 +45,17 @@ END_WAIT_SECONDS = 120.0
 @app.command(cls=SubmitCommand)
 def alloc(
     ctx: typer.Context,
-    gpus: Annotated[int, typer.Option("--gpus", help="GPUs to hold, all on this node.", parser=numbers.whole(1))] = 1,
+    gpus: Annotated[int, typer.Option("--gpus", "-G", help="GPUs to hold, all on this node.",
+                                      parser=numbers.whole(1))] = 1,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
                                                  "the allocation's share).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
     = False,
-    time_limit: Annotated[str | None, typer.Option("--time", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
+    time_limit: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
                                                                   "2-0:00): warned of 5 minutes before, then "
                                                                   "everything is stopped.")]
     = None,
-    name: Annotated[str | None, typer.Option("--name", help="A name to know the allocation by.")] = None,
+    name: Annotated[str | None, typer.Option("--name", "-J", help="A name to know the allocation by.")] = None,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
                                           parser=numbers.integer)] = 0,
 ) -> None:

@@ -74,9 +74,9 @@ def submit(
     workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`).",
                                                    show_default=False)] = None,
     gpus: Annotated[int | None, typer.Option(
-        "--gpus", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes).",
+        "--gpus", "-G", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes).",
         show_default=False, parser=numbers.whole(1))] = None,
-    name: Annotated[str | None, typer.Option("--name", help="A name to know the job by.")] = None,
+    name: Annotated[str | None, typer.Option("--name", "-J", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
                                           parser=numbers.integer)] = 0,
@@ -84,17 +84,17 @@ def submit(
                                                  "the job's share, which it is held to).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, packed by "
                                                           "--mem (required).")] = False,
-    node: Annotated[str | None, typer.Option(help="Run on this node only.")] = None,
+    node: Annotated[str | None, typer.Option("--node", "-w", help="Run on this node only.")] = None,
     host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
                                                       "8G (past it the OOM killer stops the job).")] = None,
-    time: Annotated[str | None, typer.Option(help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, 2-0:00); stopped "
-                                             "past it.")] = None,
+    time: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
+                                                               "2-0:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",
                                          parser=numbers.whole(0))] = 0,
-    hold: Annotated[bool, typer.Option("--hold", help="Queue it held, until `gpuq release`.")] = False,
+    hold: Annotated[bool, typer.Option("--hold", "-H", help="Queue it held, until `gpuq release`.")] = False,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
-    array: Annotated[str | None, typer.Option(help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
+    array: Annotated[str | None, typer.Option("--array", "-a", help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
                                                    "(GPUQ_ARRAY_INDEX; {index} in a command); 0-99%4: "
                                                    "at most 4 of them at once.")] = None,
     sweep: Annotated[list[str] | None, typer.Option(help="name=v1,v2: a job per value (repeat for the "

@@ -278,3 +278,19 @@ def test_a_reader_that_goes_away_ends_gpuq_as_sigpipe_would_with_141_and_nothing
         finally:
             os.close(write)
         assert (done.returncode, done.stderr) == (141, ""), args
+
+
+def test_sbatchs_short_options_mean_in_submit_and_alloc_what_they_mean_to_slurm_users(use_settings):
+    from tests.test_scheduling import register
+
+    s = use_settings
+    register(s, s.node, 2)
+    out = run_cli(["submit", "--json", "-G", "2", "-J", "train", "-t", "1:30:00", "-H", "-w", s.node, "-a", "0-3%2",
+                   "--", "true"], s)
+    assert out.returncode == 0, out.stderr
+    made = json.loads(out.stdout)
+    assert [(j["gpus"], j["name"], j["time_limit_s"], j["held"], j["on_node"], j["array_limit"]) for j in made] == [
+        (2, f"train[{i}]", 5400, True, s.node, 2) for i in range(4)]
+    for command in ("submit", "run", "alloc"):
+        shown = run_cli([command, "--help"], s).stdout
+        assert "-G, --gpus" in shown and "-t, --time" in shown and "-J, --name" in shown, command
