@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
@@ -52,12 +53,21 @@ class GpuqGroup(TyperGroup):
             usage_error(exc)
 
 
+_SHORT_FORM = re.compile(r"('--[\w-]+') / '-\w'")
+
+
+def click_message(exc: click_errors.ClickException) -> str:
+    """Click's message on one line, an option with a short form named by its long one alone
+    ('--gpus', not '--gpus' / '-G')."""
+    return _SHORT_FORM.sub(r"\1", " ".join(exc.format_message().split()))
+
+
 def usage_error(exc: UsageError) -> NoReturn:
     """End as bad input (exit 2) with click's message as one line on stderr, naming the help to
     read (`gpuq: No such command 'stauts' (gpuq --help)`), not click's usage box of four lines."""
     # A malformed option (`--priority 1e9`) is bad input too.
     where = "" if exc.ctx is None else f" ({' '.join(['gpuq', *_command_words(exc.ctx)])} --help)"
-    text = " ".join(exc.format_message().split())
+    text = click_message(exc)
     if where and text.endswith("."):
         text = text[:-1]
     typer.echo(f"gpuq: {text}{where}", err=True)

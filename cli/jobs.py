@@ -126,6 +126,9 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
         at_once = getattr(j, "array_limit", None)  # a server from before array limits sends none
         lines.append(("array", f"{j.array_id}, task {j.array_index}"
                       + (f"; at most {at_once} of its tasks at once" if at_once else "")))
+    copied = _copied_to(getattr(j, "output_file", None), getattr(j, "error_file", None))
+    if copied:
+        lines.append(("copied", copied))
     if j.git_commit or j.git_dirty:
         lines.append(("commit", (j.git_commit or "none yet") + (f" (dirty: `gpuq show --diff {j.id}`)"
                                                                 if j.git_dirty else "")))
@@ -166,6 +169,14 @@ def resubmit(job_id: JobId, as_json: Annotated[bool, typer.Option("--json", help
         print_json(made)
     else:
         typer.echo(f"submitted job {made['id']} (resubmit of {job_id})")
+
+
+def _copied_to(output: str | None, error: str | None) -> str:
+    """Where `--output` and `--error` copy a command's output (as given: %j and the rest unfilled)."""
+    if output and (error is None or error == output):
+        return f"stdout and stderr to {output}"
+    return "; ".join(part for part in (f"stdout to {output}" if output else "",
+                                       f"stderr to {error}" if error else "") if part)
 
 
 def _show_array(client: Client, array: int, as_json: bool) -> None:

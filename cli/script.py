@@ -66,6 +66,8 @@ def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[di
     import click
     from click.core import ParameterSource
 
+    from gpuq.cli.errors import click_message
+
     path = script_of(command, cwd)
     if path is None:
         return {}, {}
@@ -85,7 +87,7 @@ def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[di
         try:
             line = ctx.command.make_context(ctx.info_name, words, parent=ctx.parent)
         except click.ClickException as exc:
-            raise InvalidSpec(f"{where}: {exc.format_message()}") from None
+            raise InvalidSpec(f"{where}: {click_message(exc)}") from None
         stray = [*([line.params["workload"]] if line.params.get("workload") is not None else []), *line.args]
         if stray:
             raise InvalidSpec(f"{where}: {stray[0][:80]!r}: a {DIRECTIVE} line takes gpuq submit's options only")

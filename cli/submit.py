@@ -103,6 +103,11 @@ def submit(
                                                               "(files .gitignore leaves out are not copied).")] = False,
     env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE, or NAME to pass on its value "
                                                                 "here: set for the command (repeatable).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Also write the command's output to this "
+                                               "file, as you (%j job id, %a array index, %x name; as sbatch "
+                                               "-o).")] = None,
+    error: Annotated[str | None, typer.Option("--error", "-e", help="Write its stderr to this file instead of "
+                                              "--output's.")] = None,
     user: Annotated[str | None, typer.Option("--user", help="Submit as this user (root only).")] = None,
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
@@ -120,7 +125,8 @@ def submit(
     options: dict[str, Any] = {
         "gpus": gpus, "name": name, "priority": priority, "mem": mem, "shared": shared, "node": node,
         "host_mem": host_mem, "time": time, "retries": retries, "hold": hold, "after": after, "after_any": after_any,
-        "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or []}
+        "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
+        "error": error}
     origins: dict[str, str] = {}  # the options a job script gave, and its lines
     if command:
         from gpuq.cli.script import script_options
@@ -134,6 +140,9 @@ def submit(
         "key": uuid.uuid4().hex,
     }
     array, sweep = body["array"], body["sweep"]
+    for name in ("output", "error"):
+        if body[name]:  # as sbatch: a relative path is the submit directory's (the job's may be a snapshot)
+            body[name] = os.path.join(cwd, os.path.expanduser(body[name]))
     body["umask"] = _umask()  # what the job's files are made with: a command's, a workload's checkpoint
     if command is not None:
         body["environ"] = _environ(body["env"])

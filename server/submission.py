@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gpuq.service import allocations, jobs, reach, spec, submitting
+from gpuq.service import allocations, jobs, output_files, reach, spec, submitting
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
@@ -39,7 +39,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
-    "shared": (bool, False), "umask": (int, None)}
+    "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -93,10 +93,16 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
             # root worker's 022 made a user's 077 outputs readable by all on shared storage.
             variables[c.UMASK_VARIABLE] = f"{f['umask']:04o}"
 
+        output, error = _output_file("--output", f["output"]), _output_file("--error", f["error"])
+
         def make(extra: list[str]) -> spec.JobSpec:
-            return spec.command_spec(command, gpus=f["gpus"], name=f["name"], user=owner, env=variables, cwd=cwd)
+            made = spec.command_spec(command, gpus=f["gpus"], name=f["name"], user=owner, env=variables, cwd=cwd)
+            return replace(made, output_file=output, error_file=error)
     elif f["snapshot"]:
         raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
+    elif f["output"] is not None or f["error"] is not None:
+        raise InvalidSpec("--output and --error are for a command (after --); a built-in workload's output is "
+                          "in `gpuq logs`")
     elif workload is None:
         raise InvalidSpec("nothing to run: name a workload (`gpuq workloads`) or a command after --")
     elif f["env"]:
@@ -113,10 +119,21 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 
+def _output_file(option: str, path: str | None) -> str | None:
+    """``--output``'s or ``--error``'s path, checked (service/output_files.py), its directory one the
+    owner may write in (checked as them, where no pattern fills the directory in: a typo is a line
+    now, not a job that fails at its start)."""
+    path = output_files.check(option, path)
+    if path is not None and "%" not in os.path.dirname(path) and not reach.is_writable_dir(os.path.dirname(path)):
+        raise InvalidSpec(f"{option}: {os.path.dirname(path)} is not a directory you may write in")
+    return path
+
+
 # What an allocation (`gpuq alloc`) cannot ask for: it is one shell, now, in the client's terminal.
 _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", "array": "--array",
                         "sweep": "--sweep", "snapshot": "--snapshot", "retries": "--retries", "hold": "--hold",
-                        "after": "--after", "after_any": "--after-any", "host_mem": "--host-mem", "env": "--env"}
+                        "after": "--after", "after_any": "--after-any", "host_mem": "--host-mem", "env": "--env",
+                        "output": "--output", "error": "--error"}
 
 
 def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:

@@ -119,6 +119,9 @@ class Job(Base):
     array_index: Mapped[int | None] = mapped_column(Integer)
     # At most this many of its array's tasks run at once (`--array 0-99%4`); None: no such limit.
     array_limit: Mapped[int | None] = mapped_column(Integer)
+    # A command's output copied to the user's files as well (`--output`, `--error`), patterns unfilled.
+    output_file: Mapped[str | None] = mapped_column(Text)
+    error_file: Mapped[str | None] = mapped_column(Text)
     # Extra environment for a command (GPUQ_ARRAY_INDEX, sweep values).
     env: Mapped[dict[str, str] | None] = mapped_column(JSON)
     # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);

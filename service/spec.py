@@ -47,6 +47,9 @@ class JobSpec:
     # How many of its array's tasks may run at once (`--array 0-99%4`); None: as many as fit.
     array_limit: int | None = None
     host_mem_mib: int | None = None
+    # A command's output copied to these files of the user's as well (service/output_files.py).
+    output_file: str | None = None
+    error_file: str | None = None
     # May share its GPUs with other shared jobs, held to mem_mib on each (`--shared`).
     shared: bool = False
     # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.

@@ -612,3 +612,34 @@ def test_one_user_holding_connections_open_cannot_starve_the_server_for_others(b
     while box.gpuq(box.a, "status").returncode != 0:  # its own connections closed: served again
         assert time.monotonic() < deadline, "the user was not served again"
         time.sleep(0.5)
+
+
+@pytest.mark.timeout(300)
+def test_a_users_output_file_is_written_as_them_and_a_link_to_a_file_they_may_not_write_fails_the_job(box):
+    # The worker is root: had it opened --output itself, a link in the user's home would have let
+    # them write any file of the machine. The job's own process opens it, as the user.
+    a = box.a
+    home = Path(box.home_of(a))
+    job_id = _submitted(box.gpuq(a, "submit", "-o", "run-%j.log", "--", "/bin/sh", "-c", "id -un; echo err >&2"))
+    assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED
+    written = home / f"run-{job_id}.log"
+    assert written.read_text() == f"{a}\nerr\n" and written.owner() == a
+    assert _output(box, a, job_id) == f"{a}\nerr\n"  # gpuq's own copy as well
+    guarded = Path(tempfile.mkdtemp(prefix="gpuqmu-root-", dir="/tmp"))
+    target = guarded / "root-only"
+    target.write_text("root's\n")
+    os.chmod(target, 0o644)  # readable by all, writable by root alone
+    link = home / f"link-{uuid.uuid4().hex[:6]}"
+    assert box.as_user(a, "ln", "-s", str(target), str(link)).returncode == 0
+    try:
+        job_id = _submitted(box.gpuq(a, "submit", "-o", str(link), "--", "echo", "overwritten"))
+        assert wait_for_state(box.settings, job_id, c.END_STATES) == State.FAILED
+        assert target.read_text() == "root's\n"
+        why = box.gpuq(a, "why", str(job_id)).stdout
+        assert f"cannot start: cannot open {link} as {a}: Permission denied" in why, why
+        # Another user's directory, which they may not write in: refused at submit, as them.
+        refused = box.gpuq(a, "submit", "-o", f"{box.home_of(box.b)}/x.log", "--", "true")
+        assert _refused(refused, c.EXIT_USAGE) == (f"gpuq: --output: {box.home_of(box.b)} is not a directory you "
+                                                   "may write in")
+    finally:
+        shutil.rmtree(guarded, ignore_errors=True)

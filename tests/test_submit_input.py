@@ -294,7 +294,7 @@ def test_ids_and_values_past_any_a_job_can_have_are_one_line_not_a_server_failur
     (["submit", "--retries", " 2", "--", "true"], "Invalid value for '--retries': ' 2' is not a whole number"),
     (["submit", "--priority", "1_0", "--", "true"], "Invalid value for '--priority': '1_0' is not a whole number"),
     (["submit", "--after", "1_0", "--", "true"], "--after takes job ids like 12 or 12,13; got '1_0'"),
-    (["history", "-n", "0"], "Invalid value for '--limit' / '-n': 0 is too small (1 or more)"),
+    (["history", "-n", "0"], "Invalid value for '--limit': 0 is too small (1 or more)"),
 ])
 def test_numbers_are_ascii_digits_only_and_a_slurm_task_id_is_not_read_as_another_job(use_settings, args, message):
     first = invoke(["submit", "--hold", "--", "true"])

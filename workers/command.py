@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -27,6 +28,7 @@ from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
 from gpuq.workers.output import OutputSink
+from gpuq.workers.output_copy import Copy, OutputFiles, copies_of, open_in_child, receive
 from gpuq.workers.owner_files import umask_of
 
 # Seconds between looks at the child and at the cancel flag.
@@ -85,7 +87,8 @@ def _why_not_started(exc: OSError, program: str, cwd: str, run_as: Identity | No
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
-                on_start: Callable[[int], None] | None = None, limit_mib: int | None = None) -> CommandOutcome:
+                on_start: Callable[[int], None] | None = None, limit_mib: int | None = None,
+                files: OutputFiles | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -94,29 +97,60 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     of the job inherits in its environment. ``run_as`` switches the child to that user (after it
     joined the cgroup, which takes root); the pipe and the signals stay the worker's, root then.
     ``limit_mib`` (``--host-mem``) is the cgroup's to enforce; without a cgroup the worker holds the
-    job to it by polling (_MemoryWatch).
+    job to it by polling (_MemoryWatch). ``files``: the user's files its output is copied to as well,
+    opened by the child as the user (workers/output_copy.py).
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
+    pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) if files is not None else None
     try:
         # Popen enters ``cwd`` before it calls preexec_fn, as the worker (root): a command to run as
         # another user enters it in _in_child instead, as that user, or a user could run a job in a
         # directory only root may enter.
+        opener = (files, pair[1].fileno()) if files is not None and pair is not None else None
         proc = subprocess.Popen(argv, cwd="/" if run_as is not None else cwd, env={**env, "GPUQ_RUN_ID": run_id},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True,
-                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env)))
+                                start_new_session=True, pass_fds=(pair[1].fileno(),) if pair is not None else (),
+                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env), opener))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         raise CannotStart(*_why_not_started(exc, argv[0], cwd, run_as)) from None
+    finally:
+        if pair is not None:
+            pair[1].close()
+    copies: tuple[Copy | None, Copy | None] = (None, None)
+    if files is not None and pair is not None:
+        with pair[0]:
+            got = receive(pair[0], files)
+        if isinstance(got, str):  # it could not open them: it exited, nothing ran
+            proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            raise CannotStart(got, 126)
+        copies = copies_of(got, files)
+    try:
+        return _run(proc, run_id, sink, cancelled, kill_grace, cgroup, verify_within, on_start, limit_mib,
+                    oom_before, copies)
+    finally:
+        for copy in copies:
+            if copy is not None:
+                copy.close()
+
+
+def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled: threading.Event,
+         kill_grace: float, cgroup: JobCgroup | None, verify_within: float,
+         on_start: Callable[[int], None] | None, limit_mib: int | None, oom_before: int,
+         copies: tuple[Copy | None, Copy | None]) -> CommandOutcome:
+    """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
     found = _Finder(proc.pid, cgroup, run_id)
     with _registered(found):  # its share watch finds its every process meanwhile
         memory = _MemoryWatch(found, limit_mib) if cgroup is None and limit_mib is not None else None
         if on_start is not None:
             on_start(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
-        readers = [threading.Thread(target=_pump, args=(pipe, stream, sink), name=f"pump-{proc.pid}-{stream}",
+        readers = [threading.Thread(target=_pump, args=(pipe, stream, sink, copy), name=f"pump-{proc.pid}-{stream}",
                                     daemon=True)
-                   for pipe, stream in ((proc.stdout, c.STDOUT), (proc.stderr, c.STDERR))]
+                   for pipe, stream, copy in ((proc.stdout, c.STDOUT, copies[0]), (proc.stderr, c.STDERR, copies[1]))]
         for reader in readers:
             reader.start()
         was_cancelled = False
@@ -151,7 +185,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None,
-              umask: int | None = None) -> None:
+              umask: int | None = None, opener: tuple[OutputFiles, int] | None = None) -> None:
     """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
     worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
     become ``run_as``: its groups only, its gid, its uid, in that order (each needs root), and
@@ -171,6 +205,8 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
                 os.write(2, (f"gpuq: cannot start the command: cannot enter its directory {cwd} as {run_as.name}: "
                              f"{os.strerror(exc.errno or 0)}\n").encode("utf-8", "replace"))
                 os._exit(126)
+    if opener is not None:  # as the user, in its directory: the kernel checks their rights on the path
+        open_in_child(*opener, run_as.name if run_as is not None else "the worker's user")
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -327,12 +363,15 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _pump(pipe: IO[bytes], stream: int, sink: OutputSink) -> None:
-    """Copy one of the job's pipes (its stdout or its stderr) to ``sink`` until it closes."""
+def _pump(pipe: IO[bytes], stream: int, sink: OutputSink, copy: Copy | None = None) -> None:
+    """Copy one of the job's pipes (its stdout or its stderr) to ``sink`` until it closes, and to
+    the user's file (``copy``) as it came."""
     # Incremental decoding keeps a UTF-8 character split across two reads in one piece.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     fd = pipe.fileno()
     while chunk := os.read(fd, 65536):
+        if copy is not None and (failed := copy.write(chunk)) is not None:
+            sink.note(failed)
         sink.write(decoder.decode(chunk), stream)
     sink.write(decoder.decode(b"", final=True), stream)
     pipe.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service import failures, simulated_memory
+from gpuq.service import failures, output_files, simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
@@ -28,6 +28,7 @@ from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.output import OutputSink
+from gpuq.workers.output_copy import OutputFiles
 from gpuq.workers.owner_files import OwnerFiles, umask_of
 from gpuq.workers.ranks import Peer, lost_peers, mark_lost, start_ranks
 from gpuq.workers.state import WorkerState
@@ -69,6 +70,19 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
     return _execute_workload(state, job, sink, watcher)
 
 
+def output_files_of(job: JobRun, node: str) -> OutputFiles | None:
+    """The user's files the command's output is copied to, their patterns filled in; None: none."""
+    if job.output_file is None and job.error_file is None:
+        return None
+
+    def filled(path: str | None) -> str | None:
+        return None if path is None else output_files.fill(
+            path, job_id=job.id, array_id=job.array_id, array_index=job.array_index, name=job.name, user=job.user,
+            node=node)
+
+    return OutputFiles(filled(job.output_file), filled(job.error_file), truncate=not job.ran_before)
+
+
 def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
                      on_start: Callable[[int], None] | None = None) -> dict[str, Any]:
     assert job.argv is not None and job.cwd is not None
@@ -86,7 +100,8 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
         with state.guarding(watcher.lease, on_start) as started:
             outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
-                                  run_as=identity, on_start=started, limit_mib=job.host_mem_mib)
+                                  run_as=identity, on_start=started, limit_mib=job.host_mem_mib,
+                                  files=output_files_of(job, state.node))
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.

@@ -46,6 +46,11 @@ class JobRun:
     memory_total_mib: int = 0
     # What it is charged of each GPU, as its dispatch wrote it (``jobs.gpu_share``); None: whole GPUs.
     gpu_share: float | None = None
+    array_id: int | None = None
+    array_index: int | None = None
+    # A command's output copied to the user's files as well, patterns unfilled (service/output_files.py).
+    output_file: str | None = None
+    error_file: str | None = None
 
     @property
     def started_s(self) -> float | None:
@@ -91,4 +96,5 @@ def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...],
                   env=dict(job.env or {}), time_limit_s=job.time_limit_s,
                   host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
-                  memory_total_mib=memory_total_mib, gpu_share=job.gpu_share)
+                  memory_total_mib=memory_total_mib, gpu_share=job.gpu_share, array_id=job.array_id,
+                  array_index=job.array_index, output_file=job.output_file, error_file=job.error_file)
