@@ -197,13 +197,20 @@ def logs(job_id: JobId,
          progress: Annotated[bool | None, typer.Option("--progress/--no-progress", show_default=False,
                                                        help="With -f, a training job's epoch bar (default: "
                                                             "on a terminal).")] = None,
+         stdout_only: Annotated[bool, typer.Option("--stdout", help="Its stdout alone.")] = False,
+         stderr_only: Annotated[bool, typer.Option("--stderr", help="Its stderr alone (gpuq's own lines about "
+                                                                    "the job are there).")] = False,
          ) -> None:
-    """A job's output (stdout and stderr as written)."""
+    """A job's output (stdout and stderr as written, or one of them)."""
+    if stdout_only and stderr_only:
+        raise InvalidSpec("give --stdout or --stderr, not both (neither: both streams, as written)")
+    streams = {c.STDOUT} if stdout_only else {c.STDERR} if stderr_only else {c.STDOUT, c.STDERR}
     client = Client()
     # -f waits by nature: its first read, too, rides out a server restarting (client.Client._restarting).
     first = client.get(f"/jobs/{job_id}/output", ride_out=follow, after=-1)
     if as_json and not follow:
-        print_json({"id": job_id, "state": first["state"], "output": "".join(ch[1] for ch in first["chunks"])})
+        print_json({"id": job_id, "state": first["state"],
+                    "output": "".join(ch[1] for ch in first["chunks"] if ch[2] in streams)})
         return
     if first["state"] in (State.PENDING, State.DISPATCHED) and not first["chunks"] and not as_json:
         # Nothing to print yet: said on stderr, so that an empty answer does not read as a job that
@@ -214,14 +221,16 @@ def logs(job_id: JobId,
     epochs = first["epochs"]
     show = follow and not as_json and bool(epochs) and wanted(progress, sys.stdout, sys.stderr)
     with bar(epochs or 0, f"epoch 0/{epochs}", show=show, stream=sys.stdout) as advance:
-        _print_output(client, job_id, first, follow, as_json, advance)
+        _print_output(client, job_id, first, follow, as_json, advance, streams)
 
 
 def _print_output(client: Client, job_id: int, answer: dict[str, Any], follow: bool, as_json: bool,
-                  advance: Callable[[int, str], None]) -> None:
+                  advance: Callable[[int, str], None], streams: set[int]) -> None:
     seq = -1
     while True:
         for seq, data, stream in answer["chunks"]:
+            if stream not in streams:
+                continue
             if as_json:
                 sys.stdout.write(json.dumps({"id": job_id, "seq": seq, "data": data,
                                              "stream": "stderr" if stream == c.STDERR else "stdout"},

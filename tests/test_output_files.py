@@ -1,6 +1,7 @@
 """`--output` / `--error` (sbatch's -o and -e): a command's output copied to the user's own files as
 it runs, patterns filled in per job, opened by the job's process (tests/test_multiuser.py proves
-it is opened as the user); gpuq's own copy (`gpuq logs`) stays whole."""
+it is opened as the user); gpuq's own copy (`gpuq logs`) stays whole, and gives one stream alone
+when asked (`--stdout`, `--stderr`)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,17 @@ def test_output_that_cannot_be_opened_fails_the_job_naming_why_and_bad_paths_are
         assert refused.returncode == c.EXIT_USAGE and refused.stdout == ""
         assert refused.stderr.startswith(f"gpuq: {says}"), refused.stderr
     assert not any(Path(tmp_path).glob("run*.log"))
+
+
+def test_logs_gives_one_stream_alone_when_asked_and_refuses_both_flags(one_gpu, tmp_path):
+    s = one_gpu.settings
+    [job] = submitted(run_cli(["submit", "--json", "--", *PRINTS], s, cwd=tmp_path))
+    assert wait_for_state(s, job["id"], c.END_STATES) == State.SUCCEEDED, one_gpu.logs()
+    ident = str(job["id"])
+    assert run_cli(["logs", ident, "--stdout"], s).stdout == "to stdout\n"
+    assert run_cli(["logs", ident, "--stderr"], s).stdout == "to stderr\n"
+    assert json.loads(run_cli(["logs", ident, "--stderr", "--json"], s).stdout)["output"] == "to stderr\n"
+    assert run_cli(["logs", ident, "--stdout", "-f"], s).stdout == "to stdout\n"  # it ended: -f reads to its end
+    both = run_cli(["logs", ident, "--stdout", "--stderr"], s)
+    assert (both.returncode, both.stdout, both.stderr) == (
+        c.EXIT_USAGE, "", "gpuq: give --stdout or --stderr, not both (neither: both streams, as written)\n")
