@@ -141,6 +141,18 @@ def check_env_names(env: Mapping[str, str], known: Mapping[str, Any]) -> None:
                               "for the settings")
 
 
+def file_key_hint(key: str, known: Mapping[str, Any]) -> str:
+    """" (did you mean ...?)" for a config file's unknown key: the setting a variable's name
+    (GPUQ_MAX_TIME) or a near spelling (max_pending_per_usr) means; "" for none."""
+    name = key.lower().removeprefix(ENV_PREFIX.lower())
+    if name in known:
+        return f" (did you mean {name}? the file takes the settings' names, without {ENV_PREFIX})"
+    import difflib  # only for the message
+
+    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
 def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
     """ConfigError for a value of the right type that would break the stack, naming the setting(s)."""
     def fail(name: str, why: str) -> None:

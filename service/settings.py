@@ -27,6 +27,7 @@ from gpuq.service.setting_checks import (  # noqa: F401 - OTHER_ENV and the rest
     check_urls,
     check_values,
     coerce,
+    file_key_hint,
     origin,
 )
 
@@ -276,7 +277,7 @@ def _load(environ: Mapping[str, str] | None) -> tuple[Settings, Path, dict[str, 
     known = {f.name: f for f in dataclasses.fields(Settings)}
     for key in list(values):
         if key not in known:
-            raise ConfigError(f"unknown setting {key!r} in {path}")
+            raise ConfigError(f"unknown setting {key!r} in {path}{file_key_hint(key, known)}")
     check_env_names(env, known)
     sources = {name: "file" if name in values else "default" for name in known}
     for name in known:

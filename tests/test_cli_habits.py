@@ -141,7 +141,10 @@ def test_gpuq_config_names_the_file_the_source_of_each_setting_and_masks_secrets
 
 
 @pytest.mark.parametrize("content,says", [('kill_grace = "x\n', "cannot read config file"),
-                                          ("colour = 1\n", "unknown setting 'colour'"),
+                                          ("colour = 1\n", "unknown setting 'colour' in"),
+                                          ("max_pending_per_usr = 5\n", "(did you mean max_pending_per_user?)"),
+                                          ('GPUQ_MAX_TIME = "2h"\n', "(did you mean max_time? the file takes the "
+                                                                     "settings' names, without GPUQ_)"),
                                           ("fake_gpus = -2\n", "must not be negative")])
 def test_a_bad_config_file_is_one_line_and_exit_78_for_any_command(tmp_path, content, says):
     cfg = tmp_path / "bad.toml"
