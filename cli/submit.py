@@ -102,7 +102,8 @@ def submit(
     snapshot: Annotated[bool, typer.Option("--snapshot", help="Run a copy of this git work tree as it is now "
                                                               "(files .gitignore leaves out are not copied).")] = False,
     env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE, or NAME to pass on its value "
-                                                                "here: set for the command (repeatable).")] = None,
+                                                                "here: set for the command (repeatable); ALL: "
+                                                                "all of yours it may take.")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o", help="Also write the command's output to this "
                                                "file, as you (%j job id, %a array index, %x name; as sbatch "
                                                "-o).")] = None,
@@ -195,10 +196,13 @@ def _umask() -> int:
 
 def _environ(requests: list[str]) -> dict[str, str]:
     """The variables of this process a command job may inherit: the default set and the ones
-    --env names without a value. Nothing else of the environment leaves this process."""
+    --env names without a value; with --env ALL, all but gpuq's own (the server leaves out the
+    others a job may not be given). Nothing else of the environment leaves this process."""
     named = {item for item in requests if "=" not in item}
+    everything = c.ENV_ALL in named
     return {k: v for k, v in os.environ.items()
-            if k in c.DEFAULT_ENV or k.startswith(c.DEFAULT_ENV_PREFIXES) or k in named}
+            if (everything and not k.startswith("GPUQ_")) or k in c.DEFAULT_ENV
+            or k.startswith(c.DEFAULT_ENV_PREFIXES) or k in named}
 
 
 def _git_state(cwd: str) -> dict[str, Any] | None:

@@ -166,6 +166,8 @@ FULL_PASS_SHARE = 10.0
 DEFAULT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
                "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "PYTHONPATH")
 DEFAULT_ENV_PREFIXES = ("LC_",)
+# `--env ALL`: every variable of the submitter's that a job may be given (sbatch's --export=ALL).
+ENV_ALL = "ALL"
 # In a command job's environment: the submitter's umask (octal), which its worker gives the job.
 UMASK_VARIABLE = "GPUQ_UMASK"
 

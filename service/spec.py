@@ -195,6 +195,19 @@ MAX_ENV_VALUE_BYTES = 64 * 1024
 MAX_ENV_BYTES = 256 * 1024
 
 
+# `--env ALL`: every variable of the submitter's that a job may be given (sbatch's --export=ALL).
+ENV_ALL = c.ENV_ALL
+
+
+def _may_pass(name: str, value: str) -> bool:
+    """Whether ``--env ALL`` passes this variable on: one ``--env NAME`` would take, text without NUL."""
+    try:
+        check_env_name(name)
+    except InvalidSpec:
+        return False
+    return "\x00" not in value and len(value.encode("utf-8", "surrogateescape")) <= MAX_ENV_VALUE_BYTES
+
+
 def check_env_name(name: str) -> str:
     if not _ENV_NAME.fullmatch(name):
         raise InvalidSpec(f"--env {name[:60]!r}: not a variable name (letters, digits, _)")
@@ -207,12 +220,18 @@ def check_env_name(name: str) -> str:
 
 def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables a command job is submitted with: the default set taken from ``environ`` (the
-    submitter's environment) plus each ``--env NAME=VALUE`` or ``--env NAME`` (value from ``environ``)."""
+    submitter's environment) plus each ``--env NAME=VALUE`` or ``--env NAME`` (value from ``environ``).
+    ``--env ALL`` (sbatch's ``--export=ALL``) takes every variable of ``environ`` that a job may be
+    given, leaving out, as the default set does, those it may not be and those that are not text."""
     source = os.environ if environ is None else environ
+    everything = ENV_ALL in requests
     # A default variable that is not UTF-8 text is left out; a named one is refused below.
     env = {k: v for k, v in source.items()
-           if (k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES)) and not _has_surrogate(v)}
+           if (k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES) or (everything and _may_pass(k, v)))
+           and not _has_surrogate(v)}
     for item in requests:
+        if item == ENV_ALL:
+            continue
         name, eq, value = item.partition("=")
         check_env_name(name)
         if not eq:

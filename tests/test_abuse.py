@@ -155,6 +155,14 @@ def test_nul_bytes_and_undecodable_text_cannot_reach_a_job():
     env = spec.job_env([], {"PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x",
                             "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k", "LANG": "bad\udcff"})
     assert env == {"PATH": "/bin", "LC_ALL": "C"}
+    # --env ALL (sbatch's --export=ALL) takes the rest of the submitter's variables, and still no hook
+    # of the loader, none of gpuq's, nothing a NUL or a bad byte would break, and --env's own on top.
+    env = spec.job_env(["ALL", "HF_HOME=/data/hf"], {
+        "PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x", "WANDB_API_KEY": "w",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "HF_HOME": "/home/a/hf", "CUDA_VISIBLE_DEVICES": "3",
+        "BASH_FUNC_x%%": "() { id; }", "NUL": "a\x00b", "BAD": "bad\udcff", "1X": "y", "HOME": "/home/a"})
+    assert env == {"PATH": "/bin", "WANDB_API_KEY": "w", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+                   "HF_HOME": "/data/hf", "HOME": "/home/a"}
 
 
 # --- other users' jobs -------------------------------------------------------------------------

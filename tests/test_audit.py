@@ -139,6 +139,16 @@ def test_the_owner_sees_the_values_they_passed_with_env(stack, tmp_path):
     ok(run_cli(["cancel", str(job_id)], stack.settings))
 
 
+def test_env_all_passes_the_submitters_own_variables_and_never_gpuqs(stack, tmp_path):
+    token = f"t{uuid.uuid4().hex}"
+    job_id = cli_submit(stack.settings, ["--hold", "--env", "ALL", "--", "true"], cwd=tmp_path,
+                        extra_env={"WANDB_API_KEY": token, "LD_PRELOAD": "/nonexistent/x.so"})
+    env = json.loads(ok(run_cli(["show", "--json", str(job_id)], stack.settings)))["env"]
+    assert env["WANDB_API_KEY"] == token and "LD_PRELOAD" not in env
+    assert not [name for name in env if name.startswith("GPUQ_") and name != c.UMASK_VARIABLE], env
+    ok(run_cli(["cancel", str(job_id)], stack.settings))
+
+
 def test_a_jobs_env_is_its_owners_roots_and_the_admins_and_no_one_elses(settings, tmp_path):
     made = submitting.submit_all(settings, [spec.command_spec(["true"], user="alice", cwd=str(tmp_path),
                                                               env={"MY_TOKEN": "s3cret"})], record_code=False)
