@@ -124,7 +124,7 @@ def reap(session: Session, settings: Settings) -> list[int]:
 def reap_predecessor(session: Session, settings: Settings, worker: str) -> list[int]:
     """End what the earlier run of worker ``worker`` held when it died: a worker that starts under a
     name knows the jobs running under it are no one's (it killed what was left of them,
-    ``command.kill_leftovers``). Ended as the reaper ends a lost worker's (requeued if they asked
+    ``job_processes.kill_leftovers``). Ended as the reaper ends a lost worker's (requeued if they asked
     for retries), at once rather than when their leases run out: the GPU stood idle, its jobs shown
     running, for up to the lease's 30 s. Ended under the dead run's own lease tokens."""
     ended = []

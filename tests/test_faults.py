@@ -25,7 +25,7 @@ from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
-from gpuq.workers.command import worker_mark
+from gpuq.workers.job_processes import worker_mark
 from tests.conftest import cli_submit, make_settings, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, stop_outside_a_transaction, wait_for
 

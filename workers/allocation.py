@@ -28,10 +28,10 @@ from gpuq.service.db import read_scope
 from gpuq.service.failures import signal_name
 from gpuq.service.models import utcnow
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.command import stop_tree, verify_gone
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
+from gpuq.workers.job_processes import stop_tree, verify_gone
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
 

@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import hashlib
 import os
 import signal
 import socket
@@ -15,7 +14,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
@@ -24,9 +23,9 @@ import psutil
 from gpuq.service import constants as c
 from gpuq.service import reach
 from gpuq.service.launchable import interpreter_of
-from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
+from gpuq.workers.job_processes import Finder, exited, registered, signal_all, stop_tree, verify_gone
 from gpuq.workers.output import OutputSink
 from gpuq.workers.output_copy import Copy, OutputFiles, copies_of, open_in_child, receive
 from gpuq.workers.owner_files import umask_of
@@ -142,8 +141,8 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
          on_start: Callable[[int], None] | None, limit_mib: int | None, oom_before: int,
          copies: tuple[Copy | None, Copy | None]) -> CommandOutcome:
     """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
-    found = _Finder(proc.pid, cgroup, run_id)
-    with _registered(found):  # its share watch finds its every process meanwhile
+    found = Finder(proc.pid, cgroup, run_id)
+    with registered(found):  # its share watch finds its every process meanwhile
         memory = _MemoryWatch(found, limit_mib) if cgroup is None and limit_mib is not None else None
         if on_start is not None:
             on_start(proc.pid)
@@ -155,7 +154,10 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
             reader.start()
         was_cancelled = False
         over_limit: int | None = None
-        while proc.poll() is None:
+        # Its end is watched without reaping it (``exited``): until ``proc.wait`` below, its pid, which
+        # is its process group's id too, stays its own, and no signal to the group can reach a
+        # stranger's group that took the number over.
+        while not exited(proc.pid):
             if cancelled.wait(POLL_SECONDS):
                 was_cancelled = True
                 sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
@@ -163,18 +165,18 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
                 break
             if memory is not None and over_limit is None and (over_limit := memory.over()) is not None:
                 # As the OOM killer would: SIGKILL, no grace (a job past its memory has no time to
-                # spare), and the job is host_oom. The loop goes on to reap the main process itself, so
-                # its status is the SIGKILL (stop_tree's wait would reap it first and leave Popen a 0).
+                # spare), and the job is host_oom. The loop goes on until the main process ends, and
+                # its status, which ``proc.wait`` reads, is the SIGKILL.
                 sink.note(f"[gpuq: the job's processes hold {over_limit} MiB of host memory, past its --host-mem "
                           f"of {limit_mib} MiB: stopped with SIGKILL]")
-                _signal(proc.pid, found(), signal.SIGKILL)
+                signal_all(proc.pid, found(), signal.SIGKILL)
         # The job is over when its main process is: anything it left behind is stopped too (SLURM
         # does the same), or it would hold the GPU while gpuq hands it to the next job.
         stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
-        code = proc.wait()
+        code = proc.wait()  # reaped: from here on, nothing is sent to its process group
         for reader in readers:
             reader.join(timeout=5)
-        leftover = verify_gone(found, verify_within, found.pid, cgroup)
+        leftover = verify_gone(found, verify_within, None, cgroup)
         oom = over_limit is not None or (cgroup is not None and cgroup.oom_kills() > oom_before)
         return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, over_limit_mib=over_limit,
                               leftover=tuple(leftover))
@@ -211,107 +213,6 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def worker_mark(settings: Settings, worker: str) -> str:
-    """What every process of a worker's jobs carries in GPUQ_WORKER, so a restarted worker finds its
-    predecessor's leftovers and nobody else's: the worker's name, its installation's key prefix, and
-    its queue's database (a digest of its URL, password masked). Two stacks on one machine (root's
-    and a user's own, both prefix "gpuq" on the node's name) share the first two: a worker of one
-    that restarted killed the other's jobs."""
-    queue = hashlib.sha256(mask_url(settings.database).encode()).hexdigest()[:12]
-    return f"{settings.key_prefix}/{queue}/{worker}"
-
-
-def kill_leftovers(worker: str) -> list[int]:
-    """Kill what the jobs of an earlier run of worker ``worker`` left (it was SIGKILLed; its jobs'
-    main processes died with it, their children may not have). Called when a worker starts."""
-    killed = []
-    for p in psutil.process_iter(["pid"]):
-        if p.pid == os.getpid():
-            continue
-        try:
-            if p.environ().get("GPUQ_WORKER") == worker:
-                p.kill()
-                killed.append(p.pid)
-        except (psutil.Error, OSError):
-            continue
-    return killed
-
-
-# The commands running now, by their main process's pid, each with the finder of its processes: a
-# shared job's share watch (workers/shared.py) counts the GPU memory of every process of the job,
-# not only its tree, or a process that left the tree (a double fork, setsid) held memory unseen.
-_running: dict[int, _Finder] = {}
-_running_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _registered(found: _Finder) -> Iterator[None]:
-    with _running_lock:
-        _running[found.pid] = found
-    try:
-        yield
-    finally:
-        with _running_lock:
-            _running.pop(found.pid, None)
-
-
-def is_process_of(main: int, pid: int) -> bool | None:
-    """Whether process ``pid`` is one of the command's whose main process is ``main`` (one
-    ``run_command`` runs), by the marks its stop finds them by (tree, process group, session,
-    cgroup, GPUQ_RUN_ID); None when no command of this worker runs with that main process."""
-    with _running_lock:
-        finder = _running.get(main)
-    return finder.owns(pid) if finder is not None else None
-
-
-class _Finder:
-    """Finds every live process of one job run, in one pass over the process table: its tree, its
-    process group and session (children that left the tree), its cgroup, and whatever carries its
-    GPUQ_RUN_ID (children that left all of those, or failed to join the cgroup)."""
-
-    def __init__(self, pid: int, cgroup: JobCgroup | None, run_id: str) -> None:
-        self.pid, self.cgroup, self.run_id = pid, cgroup, run_id
-
-    def __call__(self) -> list[psutil.Process]:
-        found: dict[int, psutil.Process] = {}
-        try:
-            root = psutil.Process(self.pid)
-            found[self.pid] = root
-            for child in root.children(recursive=True):
-                found[child.pid] = child
-        except psutil.NoSuchProcess:
-            pass
-        in_cgroup = set(self.cgroup.pids()) if self.cgroup is not None else set()
-        me = os.getpid()
-        for p in psutil.process_iter(["pid"]):
-            if p.pid != me and p.pid not in found and (p.pid in in_cgroup or self._ours(p)):
-                found[p.pid] = p
-        return list(found.values())
-
-    def owns(self, pid: int) -> bool:
-        """Whether the live process ``pid`` is one of this run's, by the marks ``__call__`` finds
-        them by, looked at for that one process only."""
-        if pid == self.pid:
-            return True
-        try:
-            p = psutil.Process(pid)
-            if any(parent.pid == self.pid for parent in p.parents()):
-                return True
-        except psutil.Error:
-            return False
-        if self.cgroup is not None and pid in self.cgroup.pids():
-            return True
-        return pid != os.getpid() and self._ours(p)
-
-    def _ours(self, p: psutil.Process) -> bool:
-        try:
-            if os.getpgid(p.pid) == self.pid or os.getsid(p.pid) == self.pid:
-                return True
-            return p.environ().get("GPUQ_RUN_ID") == self.run_id
-        except (ProcessLookupError, PermissionError, psutil.Error, OSError):
-            return False
-
-
 class _MemoryWatch:
     """A job's host memory limit where no memory cgroup enforces it (a user's own stack, a
     container without a delegated cgroup): every MEMORY_POLL_SECONDS the resident memory of all of
@@ -339,30 +240,6 @@ class _MemoryWatch:
         return held // 2**20 if held > self.limit else None
 
 
-def verify_gone(found: Callable[[], list[psutil.Process]], within: float, pgid: int | None,
-                cgroup: JobCgroup | None) -> list[int]:
-    """Kill whatever of the job is still alive (``found()``, its process group ``pgid``, its
-    ``cgroup``) until nothing is, for at most ``within`` seconds; the pids still alive then."""
-    if cgroup is not None:
-        left = cgroup.kill_all(within)
-        if left:
-            return left
-    deadline = time.monotonic() + within
-    while procs := [p for p in found() if _alive(p)]:
-        if time.monotonic() >= deadline:
-            return [p.pid for p in procs]
-        _signal(pgid, procs, signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=0.2)
-    return []
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _pump(pipe: IO[bytes], stream: int, sink: OutputSink, copy: Copy | None = None) -> None:
     """Copy one of the job's pipes (its stdout or its stderr) to ``sink`` until it closes, and to
     the user's file (``copy``) as it came."""
@@ -375,28 +252,3 @@ def _pump(pipe: IO[bytes], stream: int, sink: OutputSink, copy: Copy | None = No
         sink.write(decoder.decode(chunk), stream)
     sink.write(decoder.decode(b"", final=True), stream)
     pipe.close()
-
-
-def stop_tree(pid: int | None, grace: float, found: Callable[[], list[psutil.Process]]) -> None:
-    """SIGTERM every process of the job (``found()``, and its process group ``pid`` if it has one),
-    wait up to ``grace`` seconds, then SIGKILL the rest."""
-    procs = found()
-    if grace > 0:
-        _signal(pid, procs, signal.SIGTERM)
-        _, procs = psutil.wait_procs(procs, timeout=grace)
-    if procs:
-        _signal(pid, procs, signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=5)
-
-
-def _signal(pgid: int | None, procs: list[psutil.Process], sig: signal.Signals) -> None:
-    if pgid is not None:  # never 0: that would be the worker's own group
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.Error:
-            pass

@@ -23,10 +23,11 @@ from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.command import CannotStart, run_command, worker_mark
+from gpuq.workers.command import CannotStart, run_command
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
+from gpuq.workers.job_processes import worker_mark
 from gpuq.workers.output import OutputSink
 from gpuq.workers.output_copy import OutputFiles
 from gpuq.workers.owner_files import OwnerFiles, umask_of

@@ -74,8 +74,8 @@ def serve(index: int, loglevel: str) -> int:
         from gpuq.workers.builtin import warm_up
 
         log.info("%s: warm on %s", name, warm_up())
-    from gpuq.workers.command import kill_leftovers, worker_mark
     from gpuq.workers.guard import Guard
+    from gpuq.workers.job_processes import kill_leftovers, worker_mark
 
     left = kill_leftovers(worker_mark(settings, name))
     if left:

@@ -28,10 +28,10 @@ from gpuq.service.errors import Unreachable
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
-from gpuq.workers.command import is_process_of
 from gpuq.workers.end import ended_of, gave_up_waiting, record_usage
 from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import JobRun, Started
+from gpuq.workers.job_processes import is_process_of
 from gpuq.workers.output import OutputSink
 from gpuq.workers.share_watch import ShareWatch
 from gpuq.workers.state import SharedRun, WorkerState

@@ -1,0 +1,93 @@
+"""A command's processes at its end: its process group is signalled only while its main process,
+whose pid is the group's id, is not reaped (after that the number may be another group's), and
+its exit status is the main process's own whoever waited for the rest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+from gpuq.service.db import write_scope
+from gpuq.service.models import utcnow
+from gpuq.workers.command import run_command
+from gpuq.workers.output import OutputSink
+from tests.test_usage import add_job
+
+pytestmark = pytest.mark.timeout(60)
+ENV = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"}
+
+
+@pytest.fixture
+def group_signals(monkeypatch):
+    """The signals sent to process groups, each checked to reach a group whose leader is not reaped
+    (a zombie still holds its number; a number with no process is free for the next one)."""
+    real, sent = os.killpg, []
+
+    def checked(pgid: int, sig: int) -> None:
+        assert os.path.exists(f"/proc/{pgid}"), f"signal {sig} sent to group {pgid} after its leader was reaped"
+        sent.append(sig)
+        real(pgid, sig)
+
+    monkeypatch.setattr(os, "killpg", checked)
+    return sent
+
+
+def sink_of(settings) -> OutputSink:
+    with write_scope(settings) as session:
+        job = add_job(session, "ann", "n", utcnow(), None)
+    return OutputSink(settings, job, 0)
+
+
+@pytest.mark.parametrize("argv,code", [(["true"], 0), ([sys.executable, "-c", "import sys; sys.exit(3)"], 3),
+                                       ([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"],
+                                        -signal.SIGKILL)])
+def test_a_command_that_leaves_nothing_behind_ends_with_its_own_status_and_no_signal(settings, group_signals,
+                                                                                    argv, code):
+    sink = sink_of(settings)
+    outcome = run_command(argv, "/", ENV, sink, threading.Event(), 1.0, verify_within=2.0)
+    sink.stop()
+    assert (outcome.exit_code, outcome.cancelled, outcome.leftover) == (code, False, ())
+    assert group_signals == []
+
+
+def test_what_a_command_leaves_in_another_session_is_killed_and_its_group_signalled_before_it_is_reaped(
+        settings, group_signals, tmp_path):
+    # The child leaves the group and the session (setsid): once the main process is reaped, its
+    # group is empty and its number free, and a signal to it could reach a group made meanwhile.
+    started = tmp_path / "child"
+    child = tmp_path / "child.py"
+    child.write_text(f"import os, time\nos.setsid()\nopen({str(started)!r}, 'w').close()\ntime.sleep(60)\n")
+    main = tmp_path / "main.py"
+    main.write_text(f"import os, subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(child)!r}])\n"
+                    f"while not os.path.exists({str(started)!r}):\n    time.sleep(0.02)\n")
+    argv = [sys.executable, str(main)]
+    sink = sink_of(settings)
+    outcome = run_command(argv, "/", ENV, sink, threading.Event(), 1.0, verify_within=3.0)
+    sink.stop()
+    assert started.exists() and (outcome.exit_code, outcome.leftover) == (0, ())
+    assert group_signals == [signal.SIGKILL]  # sent while the main process, a zombie, held the number
+
+
+def test_a_cancelled_command_and_a_child_left_in_its_group_are_stopped_and_its_status_is_the_signal(
+        settings, group_signals):
+    sink = sink_of(settings)
+    cancelled = threading.Event()
+    # The main process waits on a child of its group that ignores SIGTERM: the grace ends with SIGKILL.
+    argv = [sys.executable, "-c", "import signal, subprocess, sys; "
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); print('up', flush=True); "
+            "child.wait()"]
+    timer = threading.Timer(1.0, cancelled.set)
+    timer.start()
+    try:
+        outcome = run_command(argv, "/", ENV, sink, cancelled, 0.5, verify_within=2.0)
+    finally:
+        timer.cancel()
+    sink.stop()
+    assert outcome.cancelled and outcome.leftover == ()
+    assert outcome.exit_code == -signal.SIGTERM  # its own end, read when the worker reaped it
+    assert group_signals[0] == signal.SIGTERM and signal.SIGKILL in group_signals
