@@ -8,6 +8,7 @@ import ctypes
 import errno
 import functools
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -106,7 +107,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         # Popen enters ``cwd`` before it calls preexec_fn, as the worker (root): a command to run as
         # another user enters it in _in_child instead, as that user, or a user could run a job in a
         # directory only root may enter.
-        opener = (files, pair[1].fileno()) if files is not None and pair is not None else None
+        opener = (files, pair[1].fileno(), run_as.name if run_as is not None else _own_name()) \
+            if files is not None and pair is not None else None
         proc = subprocess.Popen(argv, cwd="/" if run_as is not None else cwd, env={**env, "GPUQ_RUN_ID": run_id},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, pass_fds=(pair[1].fileno(),) if pair is not None else (),
@@ -186,8 +188,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
+def _own_name() -> str:
+    """This process's user's name (a worker of a user's own stack runs its jobs as itself)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return f"uid {os.getuid()}"
+
+
 def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None,
-              umask: int | None = None, opener: tuple[OutputFiles, int] | None = None) -> None:
+              umask: int | None = None, opener: tuple[OutputFiles, int, str] | None = None) -> None:
     """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
     worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
     become ``run_as``: its groups only, its gid, its uid, in that order (each needs root), and
@@ -208,7 +218,7 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
                              f"{os.strerror(exc.errno or 0)}\n").encode("utf-8", "replace"))
                 os._exit(126)
     if opener is not None:  # as the user, in its directory: the kernel checks their rights on the path
-        open_in_child(*opener, run_as.name if run_as is not None else "the worker's user")
+        open_in_child(*opener)
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
