@@ -31,7 +31,7 @@ typer.core.HAS_RICH = False
 COMMANDS = {
     "submit": ("submit", "app"), "run": ("submit", "app"), "attach": ("follow", "app"),
     "alloc": ("alloc", "app"), "status": ("status", "app"), "workloads": ("status", "app"),
-    "show": ("jobs", "app"), "logs": ("jobs", "app"), "wait": ("jobs", "app"), "cancel": ("jobs", "app"),
+    "show": ("jobs", "app"), "logs": ("jobs", "app"), "wait": ("ends", "app"), "cancel": ("ends", "app"),
     "resubmit": ("jobs", "app"), "why": ("control", "app"), "hold": ("control", "app"),
     "release": ("control", "app"), "update": ("control", "app"), "drain": ("control", "app"),
     "resume": ("control", "app"),

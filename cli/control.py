@@ -13,7 +13,7 @@ import typer
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client
-from gpuq.cli.jobs import selected
+from gpuq.cli.ends import selected
 from gpuq.cli.render import print_json, printable, time_limit
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec

@@ -21,6 +21,7 @@ from gpuq.service import constants as c
 from gpuq.service import display, inventory, jobs, policy, rights, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
+from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
@@ -209,14 +210,26 @@ def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, An
 
 @routes.get(P + "/jobs/active")
 async def active(request: web.Request) -> web.Response:
-    """The caller's waiting and running jobs (`gpuq cancel --user`)."""
+    """The caller's waiting and running jobs (`gpuq cancel --user`); ``name`` (a name or a pattern)
+    and ``state`` (pending or running) narrow them (`gpuq cancel --name --state`, scancel's -n, -t)."""
     settings, caller = context(request)
-    return web.json_response({"ids": await call(_active, settings, caller.user)})
+    name, state = request.query.get("name"), request.query.get("state")
+    if name is not None and not name.strip():
+        raise InvalidSpec("--name needs a name or a pattern")
+    if state is not None and state not in _ACTIVE_BY_WORD:
+        raise InvalidSpec(f"--state takes pending or running; got {state[:40]!r}")
+    states = _ACTIVE_BY_WORD[state] if state is not None else c.ACTIVE_STATES
+    return web.json_response({"ids": await call(_active, settings, caller.user, name, states)})
 
 
-def _active(settings: Settings, user: str) -> list[int]:
+# `--state` as scancel's -t reads it: a dispatched job is on its way to running.
+_ACTIVE_BY_WORD: dict[str, tuple[str, ...]] = {State.PENDING: (State.PENDING,),
+                                              State.RUNNING: (State.DISPATCHED, State.RUNNING)}
+
+
+def _active(settings: Settings, user: str, name: str | None, states: tuple[str, ...]) -> list[int]:
     with reading(settings) as session:
-        return jobs.active_jobs_of(session, user)
+        return jobs.active_jobs_of(session, user, name, states)
 
 
 @routes.get(P + r"/arrays/{id:\d+}")

@@ -16,8 +16,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service.dialect import matches_glob, not_for_an_index
+from gpuq.service.dialect import not_for_an_index
 from gpuq.service.errors import InvalidSpec, JobNotFound
+from gpuq.service.jobs import name_matches
 from gpuq.service.models import Job
 from gpuq.service.units import MAX_JOB_ID
 
@@ -81,9 +82,6 @@ def _conditions(query: HistoryQuery, session: Session) -> list[Any]:
     if query.array_id is not None:
         where.append(Job.array_id == query.array_id)
     if query.name is not None:
-        if "*" in query.name or "?" in query.name:
-            where.append(matches_glob(Job.name, query.name, session))
-        else:  # the job of that name, and the tasks of the array of that name (train[0], train[1] ...)
-            where.append((Job.name == query.name) | matches_glob(Job.name, query.name + "[*]", session))
+        where.append(name_matches(session, query.name))
     return where
 

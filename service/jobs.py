@@ -18,7 +18,7 @@ from gpuq.service import broker, display, lifecycle, rights
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
-from gpuq.service.dialect import not_for_an_index
+from gpuq.service.dialect import matches_glob, not_for_an_index
 from gpuq.service.errors import JobNotFound, NotAllowed, StateConflict
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, JobUsage, table, utcnow
@@ -257,9 +257,22 @@ def array_jobs(session: Session, array_id: int) -> list[int]:
     return ids
 
 
-def active_jobs_of(session: Session, user: str) -> list[int]:
-    return list(session.scalars(select(Job.id).where(Job.user == user, Job.state.in_(c.ACTIVE_STATES))
-                                .order_by(Job.id)))
+def active_jobs_of(session: Session, user: str, name: str | None = None,
+                   states: Sequence[str] = c.ACTIVE_STATES) -> list[int]:
+    """The ids of ``user``'s jobs in ``states`` (waiting and running by default), with ``name`` only
+    those of that name (as `gpuq history --name` takes it: a pattern, or a name and its array's tasks)."""
+    where = [Job.user == user, Job.state.in_(states)]
+    if name is not None:
+        where.append(name_matches(session, name))
+    return list(session.scalars(select(Job.id).where(*where).order_by(Job.id)))
+
+
+def name_matches(session: Session, name: str) -> Any:
+    """The condition a job's name meets for ``--name``: a shell-style pattern (``*``, ``?``), or
+    that name and the tasks of an array of that name (train[0], train[1] ...)."""
+    if "*" in name or "?" in name:
+        return matches_glob(Job.name, name, session)
+    return (Job.name == name) | matches_glob(Job.name, name + "[*]", session)
 
 
 def possible_mps_clients(session: Session, node: str, besides: int) -> set[str]:

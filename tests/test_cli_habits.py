@@ -297,3 +297,30 @@ def test_sbatchs_short_options_mean_in_submit_and_alloc_what_they_mean_to_slurm_
     for command in ("submit", "run", "alloc"):
         shown = run_cli([command, "--help"], s).stdout
         assert "-G, --gpus" in shown and "-t, --time" in shown and "-J, --name" in shown, command
+
+
+def test_cancel_by_name_and_state_takes_only_my_jobs_that_match_as_scancel_n_and_t(use_settings, tmp_path):
+    from tests.test_scheduling import register
+
+    s = use_settings
+    register(s, s.node, 1)
+
+    def made(*args: str) -> list[int]:
+        out = run_cli(["submit", "--json", "--hold", *args, "--", "true"], s, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        return [j["id"] for j in (got if isinstance(got, list) else [got])]
+
+    sweep, other = made("-J", "sweep", "-a", "0-2"), made("-J", "other")
+    swept = run_cli(["cancel", "-n", "sweep"], s)
+    assert swept.returncode == 0, swept.stderr
+    assert swept.stdout.splitlines() == [f"job {j} cancelled" for j in sweep]
+    running = run_cli(["cancel", "--name", "oth*", "--state", "running"], s)
+    assert (running.returncode, running.stdout) == (0, "no active jobs to cancel\n")
+    pending = run_cli(["cancel", "-n", "oth*", "-t", "pending"], s)
+    assert pending.stdout.splitlines() == [f"job {other[0]} cancelled"]
+    for args, says in [(["-t", "held"], "--state takes pending or running; got 'held'"),
+                       (["-n", " "], "--name needs a name or a pattern"),
+                       ([str(other[0]), "-n", "x"], "--name and --state choose among all your jobs")]:
+        refused = run_cli(["cancel", *args], s)
+        assert refused.returncode == c.EXIT_USAGE and refused.stderr.startswith(f"gpuq: {says}"), refused.stderr

@@ -103,7 +103,7 @@ def test_cancel_of_an_array_with_running_tasks_waits_for_them_and_says_so_in_one
 
 
 def test_the_array_cancel_line_counts_running_tasks_still_stopping_and_those_that_ended_meanwhile():
-    from gpuq.cli.jobs import array_cancelled
+    from gpuq.cli.ends import array_cancelled
 
     assert array_cancelled(7, [State.CANCELLED] * 2 + [c.CANCELLING] * 3 + ["ended"] * 9995) == \
         "cancelled 2 jobs of array 7; 3 running, being stopped; 9,995 had already ended"  # --no-wait
