@@ -102,6 +102,10 @@ def _report_tables(rep: dict[str, list[SimpleNamespace]], start: datetime | None
                       f"{r.energy_j / 3.6e6:.3f}", f"{r.idle_hours:.2f}")
         console.print()
         console.print(t if rep[part] else f"no {part} with GPU use in this period")
+        if part == "nodes" and rep[part]:
+            # The same columns, counted otherwise: a node's are every GPU of it, busy or not.
+            console.print("per node, MEAN UTIL, ENERGY and IDLE GPU-HOURS count all its GPUs' samples, idle GPUs "
+                          "included; per user, only their jobs'")
 
 
 def gpu_names(gpus: dict[str, dict[str, Any]]) -> dict[int, str]:
