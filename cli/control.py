@@ -14,7 +14,7 @@ import typer
 from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.ends import selected
-from gpuq.cli.render import print_json, printable, time_limit
+from gpuq.cli.render import print_json, printable, time_limit, timestamp
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 
@@ -95,13 +95,22 @@ def update(job_ids: JobIds = None, array: Array = None,
            array_limit: Annotated[int | None, typer.Option(
                "--array-limit", help="How many of an array's tasks may run at once (as --array 0-99%4; "
                                      "0: no limit).", parser=numbers.whole(0))] = None,
+           begin: Annotated[str | None, typer.Option("--begin", help="A pending job's new begin time (as "
+                                                     "submit's; now: at once).")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, a time limit, a name, retries, an
     array's tasks at once (as `scontrol update job`)."""
+    if begin is not None:  # the user's own clock and zone read it
+        from datetime import datetime
+
+        from gpuq.service.units import parse_begin
+
+        begin = parse_begin(begin, datetime.now().astimezone()).isoformat()
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
-                                 ("array_limit", array_limit)) if v is not None}
+                                 ("array_limit", array_limit), ("begin", begin)) if v is not None}
     if not changes:
-        raise InvalidSpec("give something to change: --priority, --time, --name, --retries or --array-limit")
+        raise InvalidSpec("give something to change: --priority, --time, --name, --retries, --array-limit or "
+                          "--begin")
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]
@@ -116,7 +125,8 @@ def _limit(seconds: int | None) -> str:
 # How `gpuq update` names each field it changed, and writes its values.
 _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "priority": ("priority", str), "time_limit_s": ("time limit", _limit), "name": ("name", str),
-    "max_retries": ("retries", str), "array_limit": ("array limit", lambda v: "none" if v is None else str(v))}
+    "max_retries": ("retries", str), "array_limit": ("array limit", lambda v: "none" if v is None else str(v)),
+    "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v))}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

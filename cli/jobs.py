@@ -112,6 +112,7 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib and not shared else "",
             f"node {j.on_node}" if j.on_node else "",
             f"time limit {time_limit(j.time_limit_s)}" if j.time_limit_s else "",
+            f"not before {timestamp(j.begin_at)}" if getattr(j, "begin_at", None) else "",
             f"{j.max_retries} retries" if j.max_retries else "",
             (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
              .replace("  ", " ") if j.after else ""),

@@ -92,6 +92,8 @@ def submit(
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",
                                          parser=numbers.whole(0))] = 0,
     hold: Annotated[bool, typer.Option("--hold", "-H", help="Queue it held, until `gpuq release`.")] = False,
+    begin: Annotated[str | None, typer.Option("--begin", "-b", help="Not before then: 16:00, 2026-12-24T09:00, "
+                                              "30m or now+2hours (as sbatch --begin).")] = None,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
     array: Annotated[str | None, typer.Option("--array", "-a", help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
@@ -125,7 +127,8 @@ def submit(
     cwd = _cwd()
     options: dict[str, Any] = {
         "gpus": gpus, "name": name, "priority": priority, "mem": mem, "shared": shared, "node": node,
-        "host_mem": host_mem, "time": time, "retries": retries, "hold": hold, "after": after, "after_any": after_any,
+        "host_mem": host_mem, "time": time, "retries": retries, "hold": hold, "begin": begin, "after": after,
+        "after_any": after_any,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}
     origins: dict[str, str] = {}  # the options a job script gave, and its lines
@@ -141,6 +144,12 @@ def submit(
         "key": uuid.uuid4().hex,
     }
     array, sweep = body["array"], body["sweep"]
+    if body["begin"] is not None:  # the user's own clock and zone read it: the server gets a moment
+        from datetime import datetime
+
+        from gpuq.service.units import parse_begin
+
+        body["begin"] = parse_begin(body["begin"], datetime.now().astimezone()).isoformat()
     for name in ("output", "error"):
         if body[name]:  # as sbatch: a relative path is the submit directory's (the job's may be a snapshot)
             body[name] = os.path.join(cwd, os.path.expanduser(body[name]))

@@ -56,6 +56,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return (f"{head}: {job.user} holds {held} GPU{'' if held == 1 else 's'} and the limit is "
                 f"{settings.user_gpu_limit} at once; "
                 f"this job needs {job.gpus} more")
+    if reason == policy.BEGIN_TIME and job.begin_at is not None:
+        from gpuq.service.display import time_limit
+
+        left = max(int((job.begin_at - utcnow()).total_seconds()), 0)
+        return (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
+                f"`gpuq update {job.id} --begin now` lets it start sooner")
     if reason == policy.ARRAY_LIMIT and job.array_id is not None and job.array_limit is not None:
         started = session.scalar(select(func.count()).select_from(Job).where(
             Job.array_id == job.array_id, Job.state.in_((State.DISPATCHED, State.RUNNING))))

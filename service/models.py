@@ -119,6 +119,8 @@ class Job(Base):
     array_index: Mapped[int | None] = mapped_column(Integer)
     # At most this many of its array's tasks run at once (`--array 0-99%4`); None: no such limit.
     array_limit: Mapped[int | None] = mapped_column(Integer)
+    # It waits for "begin time" until then (`--begin`, sbatch's); None: it may start at once.
+    begin_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # A command's output copied to the user's files as well (`--output`, `--error`), patterns unfilled.
     output_file: Mapped[str | None] = mapped_column(Text)
     error_file: Mapped[str | None] = mapped_column(Text)

@@ -27,6 +27,7 @@ DEPENDENCY = "dependency"  # waits for --after jobs
 USER_LIMIT = "user limit"  # its user holds the most GPUs allowed at once
 HELD = "held"  # `gpuq hold`
 NODE_DRAINED = "node drained"  # asked for a node that is drained
+BEGIN_TIME = "begin time"  # `--begin`: not before its moment
 ARRAY_LIMIT = "array limit"  # its array runs as many tasks at once as `--array ...%N` lets it
 
 # The memory held back on a GPU for each shared job's CUDA context, MiB (GPUQ_SHARED_CONTEXT_MIB's default).

@@ -30,7 +30,8 @@ from gpuq.service.settings import Settings
 # not (SQLAlchemy makes its rows in C).
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
-                    _t.held, _t.after, _t.after_any, _t.reason, _t.shared, _t.array_id, _t.array_limit)
+                    _t.held, _t.after, _t.after_any, _t.reason, _t.shared, _t.array_id, _t.array_limit,
+                    _t.begin_at)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -132,6 +133,9 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     for row in pending:
         if row.held:
             not_eligible[row.id] = policy.HELD
+            continue
+        if row.begin_at is not None and row.begin_at > now:
+            not_eligible[row.id] = policy.BEGIN_TIME
             continue
         if row.after:
             # A job (or array) gone from the table counts as cancelled: it will never succeed.

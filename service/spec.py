@@ -10,6 +10,7 @@ import pwd
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from gpuq.service import constants as c
@@ -47,6 +48,8 @@ class JobSpec:
     # How many of its array's tasks may run at once (`--array 0-99%4`); None: as many as fit.
     array_limit: int | None = None
     host_mem_mib: int | None = None
+    # Not started before this moment (`--begin`); None: as soon as it can.
+    begin_at: datetime | None = None
     # A command's output copied to these files of the user's as well (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None
@@ -74,6 +77,7 @@ class Scheduling:
     after_any: str | None = None
     host_mem: str | None = None
     shared: bool = False
+    begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -100,11 +104,28 @@ class Scheduling:
             "after_any": self.after_any is not None,
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
             "shared": self.shared,
+            "begin_at": begin_of(self.begin) if self.begin is not None else None,
         }
 
 
 ADMIN_MAX_PRIORITY = 1000
 MAX_RETRIES = 100
+
+
+def begin_of(text: str) -> datetime:
+    """A submit's ``begin`` (what the client made of the user's --begin): an ISO date and time with
+    its zone, at most MAX_TIME_S ahead of now; InvalidSpec otherwise."""
+    from gpuq.service.units import MAX_TIME_S
+
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidSpec(f"submit field 'begin' must be an ISO date and time; got {text[:40]!r}") from None
+    if when.tzinfo is None:
+        raise InvalidSpec("submit field 'begin' must name its time zone (the client sends UTC)")
+    if (when - datetime.now(UTC)).total_seconds() > MAX_TIME_S + 60:
+        raise InvalidSpec(f"--begin is more than {MAX_TIME_S // 86400} days ahead")
+    return when.astimezone(UTC)
 
 
 def sweep_variable(name: str) -> str:

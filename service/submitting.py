@@ -219,6 +219,7 @@ def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
                 array_index=s.array_index, array_id=None, array_limit=s.array_limit, git_commit=s.git_commit,
                 git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
                 host_mem_mib=s.host_mem_mib, requeues=0, output_file=s.output_file, error_file=s.error_file,
+                begin_at=s.begin_at,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta
 
 from gpuq.service.errors import InvalidSpec
 
@@ -80,6 +81,48 @@ def _check_time(seconds: int, text: str) -> int:
     if seconds > MAX_TIME_S:
         raise InvalidSpec(f"--time {text.strip()[:40]} is more than {MAX_TIME_S // 86400} days")
     return seconds
+
+
+_BEGIN_IN = re.compile(r"^(?:now\s*\+\s*)?(\d{1,9}(?:\.\d+)?)\s*([a-z]*)$", re.IGNORECASE | re.ASCII)
+_BEGIN_UNITS = {"": 1, "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60,
+                "minute": 60, "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
+                "days": 86400}
+_CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$", re.ASCII)
+BEGIN_FORMS = "a time of day (16:00), a date and time (2026-12-24T09:00), or a wait (30m, 2h, now+1hour)"
+
+
+def parse_begin(text: str, now: datetime) -> datetime:
+    """``--begin``'s value as the moment a job may start, in UTC (sbatch's --begin): ``now``, a
+    wait (``90s``, ``30m``, ``2h``, ``1d``, ``now+1hour``; a bare number after ``now+`` is seconds,
+    as SLURM reads it), a time of day (its next coming: ``16:00`` past four is tomorrow's), or an
+    ISO date and time. ``now`` is the submitter's, with their time zone: a time without a zone is
+    theirs. At most MAX_TIME_S ahead."""
+    t = text.strip()
+    if t.lower() == "now":
+        return now.astimezone(UTC)
+    wait = _BEGIN_IN.match(t)
+    if wait and (t.lower().startswith("now") or wait.group(2)):
+        unit = _BEGIN_UNITS.get(wait.group(2).lower())
+        if unit is None:
+            raise InvalidSpec(f"--begin takes {BEGIN_FORMS}; got {text[:60]!r}")
+        when = now + timedelta(seconds=min(float(wait.group(1)) * unit, MAX_TIME_S + 1))
+    elif clock := _CLOCK.match(t):
+        hour, minute, second = int(clock.group(1)), int(clock.group(2)), int(clock.group(3) or 0)
+        if hour > 23 or minute > 59 or second > 59:
+            raise InvalidSpec(f"--begin {t[:20]} is not a time of day")
+        when = now.replace(hour=hour, minute=minute, second=second, microsecond=0)
+        if when <= now:
+            when += timedelta(days=1)
+    else:
+        try:
+            when = datetime.fromisoformat(t)
+        except ValueError:
+            raise InvalidSpec(f"--begin takes {BEGIN_FORMS}; got {text[:60]!r}") from None
+        if when.tzinfo is None:  # the submitter's local time, by their zone's rules on that date
+            when = when.astimezone()
+    if (when - now).total_seconds() > MAX_TIME_S:
+        raise InvalidSpec(f"--begin {t[:40]} is more than {MAX_TIME_S // 86400} days ahead")
+    return when.astimezone(UTC)
 
 
 def parse_array(text: str) -> tuple[list[int], int | None]:

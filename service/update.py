@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Integer, String, bindparam, case, func
@@ -28,7 +29,7 @@ from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.jobs import changeable
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Job, table
+from gpuq.service.models import Job, UTCDateTime, table
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submitting import check_time_limit
@@ -51,15 +52,17 @@ _LATER = dict(time_limit_s=_kept("time_limit_s", Integer), name=_kept("name", St
               array_limit=case((_NEW_LIMIT.is_(None), _JOBS.c.array_limit), (_NEW_LIMIT == 0, None),
                                else_=_NEW_LIMIT))
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
-                       priority=_kept("priority", Integer), **_LATER)
+                       priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()), **_LATER)
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
-           _JOBS.c.array_id)
+           _JOBS.c.begin_at, _JOBS.c.array_id)
 # The columns a change names, as the API and the answer name them.
-FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit")
-_ASK = "give something to change: --priority, --time, --name, --retries or --array-limit"
+FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at")
+# What only a pending job may change: it ordered or timed the queue, which a started job has left.
+_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time"}
+_ASK = "give something to change: --priority, --time, --name, --retries, --array-limit or --begin"
 
 
 @dataclass(frozen=True)
@@ -71,15 +74,19 @@ class Changes:
     name: str | None = None
     max_retries: int | None = None
     array_limit: int | None = None  # 0: no limit
+    begin_at: datetime | None = None
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
         ``retries``, ``array_limit``); InvalidSpec for anything malformed or for no change at all."""
-        unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit"}
+        unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} "
-                              "(priority, time, name, retries, array_limit)")
+                              "(priority, time, name, retries, array_limit, begin)")
+        begin = body.get("begin")
+        if begin is not None and not isinstance(begin, str):
+            raise InvalidSpec("--begin must be text")
         priority, time, name, retries, at_once = (body.get(k) for k in ("priority", "time", "name", "retries",
                                                                          "array_limit"))
         for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once)):
@@ -97,7 +104,7 @@ class Changes:
                               f"or 0 for no limit; got {at_once}")
         changes = cls(priority=priority, time_limit_s=parse_duration(time) if time is not None else None,
                       name=spec.check_name(name) if name is not None else None, max_retries=retries,
-                      array_limit=at_once)
+                      array_limit=at_once, begin_at=spec.begin_of(begin) if begin is not None else None)
         if changes.empty:
             raise InvalidSpec(_ASK)
         return changes
@@ -116,7 +123,9 @@ class Outcome:
     refused: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.job_id, "changed": self.changed, "not": self.refused}
+        return {"id": self.job_id, "not": self.refused,
+                "changed": {f: [v.isoformat() if isinstance(v, datetime) else v for v in pair]
+                            for f, pair in self.changed.items()}}
 
 
 def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, caller: Caller) -> list[Outcome]:
@@ -151,9 +160,10 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = f"job {job.id} {job.state}; an ended job cannot be changed"
         return outcome
     started = job.state != State.PENDING
-    if started and changes.priority is not None:
-        outcome.refused = f"job {job.id} is {job.state}; only a pending job's priority can be changed"
-        return outcome
+    for name, words in _WAITING_ONLY.items():
+        if started and getattr(changes, name) is not None:
+            outcome.refused = f"job {job.id} is {job.state}; only a pending job's {words} can be changed"
+            return outcome
     if (started and not admin and changes.time_limit_s is not None
             and job.time_limit_s is not None and changes.time_limit_s > job.time_limit_s):
         # No limit is the longest there is: a user may give one to a started job that had none.
@@ -171,7 +181,8 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
     if not outcome.changed:
         return outcome
     if started:
-        del values["priority"]
+        for name in _WAITING_ONLY:
+            del values[name]
     bound = {f"new_{f}": v for f, v in values.items()}
     if not rows_changed(session.execute(_CHANGE_STARTED if started else _CHANGE_WAITING, {"job_id": job.id, **bound})):
         # PostgreSQL: it started or ended between the read and this write (SQLite's write lock

@@ -187,8 +187,8 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     assert refused.stderr.strip() == f"gpuq: job {blocker} is running; only a pending job's priority can be changed"
     nothing = run_cli(["update", str(first)], s)
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
-    assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries or "
-                                      "--array-limit")
+    assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
+                                      "--array-limit or --begin")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
