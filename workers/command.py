@@ -114,6 +114,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                                 start_new_session=True, pass_fds=(pair[1].fileno(),) if pair is not None else (),
                                 preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env), opener))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
+        if pair is not None:
+            pair[0].close()  # with the output files it may have sent before its exec failed
         raise CannotStart(*_why_not_started(exc, argv[0], cwd, run_as)) from None
     finally:
         if pair is not None:

@@ -158,11 +158,11 @@ def stop_tree(pid: int | None, grace: float, found: Callable[[], list[psutil.Pro
         signal_all(pid, procs, signal.SIGTERM)
         deadline = time.monotonic() + grace
         _, procs = psutil.wait_procs(procs, timeout=grace)
-        _waitexited(pid, deadline)
+        _wait_until_exited(pid, deadline)
     if procs or (pid is not None and not exited(pid)):
         signal_all(pid, procs, signal.SIGKILL)
         psutil.wait_procs(procs, timeout=5)
-        _waitexited(pid, time.monotonic() + 5)
+        _wait_until_exited(pid, time.monotonic() + 5)
 
 
 def exited(pid: int) -> bool:
@@ -173,12 +173,14 @@ def exited(pid: int) -> bool:
         return True
 
 
-def _waitexited(pid: int | None, deadline: float) -> None:
+def _wait_until_exited(pid: int | None, deadline: float) -> None:
     while pid is not None and not exited(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
 def signal_all(pgid: int | None, procs: list[psutil.Process], sig: signal.Signals) -> None:
+    """``sig`` to the process group ``pgid`` (while its leader holds the number: see the module's
+    note) and to each of ``procs`` (psutil checks each is still the process it found)."""
     if pgid is not None:  # never 0: that would be the worker's own group
         try:
             os.killpg(pgid, sig)
