@@ -106,7 +106,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     try:
         specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
         now = utcnow()
-        values = [_row(s, now) for s in specs]
+        values = [_row(s, now, position) for position, s in enumerate(specs)]
         with write_scope(settings) as session:
             if near_cap:
                 # Two submissions of one user, each under the cap when it was read, could go past it
@@ -210,8 +210,9 @@ def _used(settings: Settings, key: str, user: str) -> DuplicateSubmission:
         return DuplicateSubmission(key, submitted_with(session, key, user))
 
 
-def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
-    """The ``jobs`` row of a spec just submitted, every column given (it is also the Job returned)."""
+def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
+    """The ``jobs`` row of a spec just submitted, every column given (it is also the Job returned);
+    ``position``: its place in its submission (an array's task past its limit waits for it)."""
     return dict(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
                 cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=_NEW, submitted_at=now,
                 mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
@@ -224,7 +225,19 @@ def _row(s: JobSpec, now: datetime) -> dict[str, Any]:
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None,
                 # Its reason from the first look (`gpuq status` right after submit), not after a pass.
-                reason=policy.DEPENDENCY if s.after or s.after_any else None)
+                reason=_first_reason(s, now, position))
+
+
+def _first_reason(s: JobSpec, now: datetime, position: int) -> str | None:
+    """Why a job just submitted waits, where the submit knows it already (a quick pass writes no
+    reason, and "waiting for GPUs" beside an idle GPU misleads until the next whole pass)."""
+    if s.after or s.after_any:
+        return policy.DEPENDENCY
+    if s.begin_at is not None and s.begin_at > now:
+        return policy.BEGIN_TIME
+    if s.array_limit is not None and position >= s.array_limit:
+        return policy.ARRAY_LIMIT
+    return None
 
 
 def _staged_at(staged: Staged | None) -> dict[str, Any]:

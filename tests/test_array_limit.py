@@ -69,6 +69,8 @@ def settings(settings):
 def test_a_limited_array_runs_n_tasks_at_once_and_leaves_the_other_gpus_to_later_jobs(settings):
     register(settings, "a", 4)
     tasks = submit_array(settings, "0-5%2")
+    # Said from the submit on: before any pass, `gpuq status` does not read "waiting for GPUs".
+    assert [state_of(settings, t)[1] for t in tasks] == [None, None] + ["array limit"] * 4
     later = submit(settings, user="bob")
     Scheduler(settings).schedule_once()
     assert states(settings, tasks) == [State.DISPATCHED] * 2 + [State.PENDING] * 4

@@ -59,6 +59,7 @@ def test_a_job_waits_for_its_begin_time_while_later_jobs_start_and_update_begin_
     register(settings, "a", 1)
     later = submit(settings, begin=at(60))
     past = submit(settings, begin=at(-1))  # a moment gone: at once
+    assert (state_of(settings, later)[1], state_of(settings, past)[1]) == ("begin time", None)  # from the submit on
     Scheduler(settings).schedule_once()
     assert state_of(settings, later)[:2] == (State.PENDING, "begin time")
     assert state_of(settings, past)[0] == State.DISPATCHED
