@@ -101,11 +101,9 @@ def update(job_ids: JobIds = None, array: Array = None,
     """Change jobs after their submit: a pending job's priority, a time limit, a name, retries, an
     array's tasks at once (as `scontrol update job`)."""
     if begin is not None:  # the user's own clock and zone read it
-        from datetime import datetime
+        from gpuq.service.units import begin_here
 
-        from gpuq.service.units import parse_begin
-
-        begin = parse_begin(begin, datetime.now().astimezone()).isoformat()
+        begin = begin_here(begin)
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin)) if v is not None}
     if not changes:

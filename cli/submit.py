@@ -145,11 +145,9 @@ def submit(
     }
     array, sweep = body["array"], body["sweep"]
     if body["begin"] is not None:  # the user's own clock and zone read it: the server gets a moment
-        from datetime import datetime
+        from gpuq.service.units import begin_here
 
-        from gpuq.service.units import parse_begin
-
-        body["begin"] = parse_begin(body["begin"], datetime.now().astimezone()).isoformat()
+        body["begin"] = begin_here(body["begin"])
     for name in ("output", "error"):
         if body[name]:  # as sbatch: a relative path is the submit directory's (the job's may be a snapshot)
             body[name] = os.path.join(cwd, os.path.expanduser(body[name]))

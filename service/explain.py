@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
@@ -63,8 +63,9 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")
     if reason == policy.ARRAY_LIMIT and job.array_id is not None and job.array_limit is not None:
-        started = session.scalar(select(func.count()).select_from(Job).where(
-            Job.array_id == job.array_id, Job.state.in_((State.DISPATCHED, State.RUNNING))))
+        from gpuq.service.queue_read import arrays_started
+
+        started = arrays_started(session.connection(), [job.array_id]).get(job.array_id, 0)
         return (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
                 f"runs at most {job.array_limit} at once (--array ...%{job.array_limit}; "
                 f"`gpuq update --array {job.array_id} --array-limit N` changes it)")

@@ -43,10 +43,15 @@ def pending_row(values: dict[str, Any]) -> Any:
 
 
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
-# How many tasks of each of these arrays hold GPUs now (`--array 0-99%4` counts them).
 _ARRAYS_STARTED = (select(_t.array_id, func.count()).where(_t.array_id.in_(bindparam("arrays", expanding=True)),
                                                            _t.state.in_((State.DISPATCHED, State.RUNNING)))
                    .group_by(_t.array_id))
+
+
+def arrays_started(conn: Any, arrays: Sequence[int]) -> dict[int, int]:
+    """How many tasks of each of ``arrays`` hold GPUs now (dispatched or running): what `--array
+    0-99%4` counts against its limit. An array with none is left out."""
+    return dict(conn.execute(_ARRAYS_STARTED, {"arrays": list(arrays)}).all())
 _DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
                              table(Allocation).c.share_mib, _t.gpu_share).join_from(
@@ -169,14 +174,16 @@ def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.Jo
 
     Whatever this pass places or lists on a GPU's next-up list comes from those N, so no more than
     the limit start before the next pass counts again."""
-    array_of = {row.id: row.array_id for row in pending if row.array_limit is not None}
-    if not array_of:
-        return jobs
+    array_of: dict[int, int] = {}
     limit: dict[int, int] = {}
-    for row in pending:  # an update may have changed some tasks' limit and not others': the lowest
+    for row in pending:
         if row.array_limit is not None:
+            array_of[row.id] = row.array_id
+            # An update may have changed some tasks' limit and not others': the lowest.
             limit[row.array_id] = min(limit.get(row.array_id, row.array_limit), row.array_limit)
-    started = dict(conn.execute(_ARRAYS_STARTED, {"arrays": sorted(limit)}).all())
+    if not limit:
+        return jobs
+    started = arrays_started(conn, sorted(limit))
     room = {array: max(most - started.get(array, 0), 0) for array, most in limit.items()}
     kept = []
     for job in sorted(jobs, key=lambda j: policy.order_key(j, hours)):

@@ -216,10 +216,6 @@ MAX_ENV_VALUE_BYTES = 64 * 1024
 MAX_ENV_BYTES = 256 * 1024
 
 
-# `--env ALL`: every variable of the submitter's that a job may be given (sbatch's --export=ALL).
-ENV_ALL = c.ENV_ALL
-
-
 def _may_pass(name: str, value: str) -> bool:
     """Whether ``--env ALL`` passes this variable on: one ``--env NAME`` would take, text without NUL."""
     try:
@@ -245,13 +241,13 @@ def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> di
     ``--env ALL`` (sbatch's ``--export=ALL``) takes every variable of ``environ`` that a job may be
     given, leaving out, as the default set does, those it may not be and those that are not text."""
     source = os.environ if environ is None else environ
-    everything = ENV_ALL in requests
+    everything = c.ENV_ALL in requests
     # A default variable that is not UTF-8 text is left out; a named one is refused below.
     env = {k: v for k, v in source.items()
            if (k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES) or (everything and _may_pass(k, v)))
            and not _has_surrogate(v)}
     for item in requests:
-        if item == ENV_ALL:
+        if item == c.ENV_ALL:
             continue
         name, eq, value = item.partition("=")
         check_env_name(name)

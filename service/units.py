@@ -125,6 +125,12 @@ def parse_begin(text: str, now: datetime) -> datetime:
     return when.astimezone(UTC)
 
 
+def begin_here(text: str) -> str:
+    """``--begin`` as a client reads it for the server: in this machine's clock and the user's zone
+    (``parse_begin``), sent as the ISO moment the server takes (spec.begin_of)."""
+    return parse_begin(text, datetime.now().astimezone()).isoformat()
+
+
 def parse_array(text: str) -> tuple[list[int], int | None]:
     """``--array``'s value: its indices (``parse_indices``) and, after a ``%``, how many of its tasks
     may run at once (SLURM's ``0-99%4``), or None for no such limit."""
