@@ -136,23 +136,26 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     deps, _ = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
     for row in pending:
+        if row.after and not row.after_any:
+            # A job (or array) gone from the table counts as cancelled: it will never succeed. Such a
+            # job is cancelled now, held or before its begin time alike (as SLURM's
+            # kill_invalid_depend): no release or later moment could let it run, and its --after
+            # chain should learn so as soon as the dependency failed.
+            gone = [d for d in row.after if d not in deps]
+            failed = [deps[d] for d in row.after if d in deps and deps[d].failed is not None]
+            if gone or failed:
+                why = f"job {gone[0]} cancelled" if gone else failed[0].never_met()
+                doomed[row.id] = f"dependency never satisfied: {why}"
+                continue
         if row.held:
             not_eligible[row.id] = policy.HELD
             continue
         if row.begin_at is not None and row.begin_at > now:
             not_eligible[row.id] = policy.BEGIN_TIME
             continue
-        if row.after:
-            # A job (or array) gone from the table counts as cancelled: it will never succeed.
-            gone = [d for d in row.after if d not in deps]
-            failed = [deps[d] for d in row.after if d in deps and deps[d].failed is not None]
-            if (gone or failed) and not row.after_any:
-                why = f"job {gone[0]} cancelled" if gone else failed[0].never_met()
-                doomed[row.id] = f"dependency never satisfied: {why}"
-                continue
-            if any(not deps[d].done for d in row.after if d in deps):
-                not_eligible[row.id] = policy.DEPENDENCY
-                continue
+        if row.after and any(not deps[d].done for d in row.after if d in deps):
+            not_eligible[row.id] = policy.DEPENDENCY
+            continue
         if row.on_node in drained or (row.on_node is None and in_service < row.gpus <= in_drained):
             not_eligible[row.id] = policy.NODE_DRAINED
             continue

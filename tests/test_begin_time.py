@@ -80,6 +80,22 @@ def test_a_job_waits_for_its_begin_time_while_later_jobs_start_and_update_begin_
     assert started.refused == f"job {later} is dispatched; only a pending job's begin time can be changed"
 
 
+def test_a_failed_dependency_cancels_a_job_before_its_begin_time_and_a_held_one_at_once(settings):
+    # Neither a later moment nor a release could let them run: their --after chains learn it now,
+    # not once the begin time comes (the pass looked at the begin time first).
+    register(settings, "a", 1)
+    first = submit(settings, hold=True)
+    later = submit(settings, after=str(first), begin=at(60))
+    held = submit(settings, after=str(first), hold=True)
+    waiting = submit(settings, after_any=str(first), begin=at(60))  # any end will do: still waits
+    with write_scope(settings) as session:
+        session.get(Job, first).state = State.FAILED
+    Scheduler(settings).schedule_once()
+    never = f"dependency never satisfied: job {first} failed"
+    assert state_of(settings, later)[:2] == state_of(settings, held)[:2] == (State.CANCELLED, never)
+    assert state_of(settings, waiting)[:2] == (State.PENDING, "begin time")
+
+
 def test_a_submit_places_no_job_whose_begin_time_is_to_come(settings):
     register(settings, "a", 2)
     placing = settings.with_overrides(place_at_submit=True)
