@@ -19,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gpuq.server import cluster_api, config_api, copies, identity, jobs_api, metrics_api
+from gpuq.server import cluster_api, config_api, copies, identity, jobs_api, metrics_api, moves_api
 from gpuq.server.connections import PerPeerLimit
 from gpuq.server.histograms import Settled
 from gpuq.server.request import SETTINGS
@@ -85,6 +85,7 @@ def make_app(settings: Settings) -> web.Application:
     copies.install(app)
     app[identity.DECODING] = asyncio.Semaphore(identity.DECODING_AT_ONCE)
     app.add_routes(jobs_api.routes)
+    app.add_routes(moves_api.routes)
     app.add_routes(cluster_api.routes)
     app.add_routes(metrics_api.routes)
     app.add_routes(config_api.routes)

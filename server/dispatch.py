@@ -1,6 +1,6 @@
 """The server sends the messages of jobs placed at submit itself: it keeps a Celery app for its
 lifetime, so a submit's job reaches its worker without waiting for the scheduler to pass it on.
-They are sent once the client has its answer (``jobs_api.submit``), so publishing them, a fifth
+They are sent once the client has its answer (``moves_api.submit``), so publishing them, a fifth
 of a submit's CPU here, is no part of the request's round trip."""
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from sqlalchemy.orm import Session
 
+from gpuq.service.constants import API_PREFIX
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec, JobNotFound
 from gpuq.service.rights import Caller
@@ -21,6 +22,8 @@ from gpuq.service.units import MAX_JOB_ID
 
 SETTINGS = web.AppKey("settings", Settings)
 T = TypeVar("T")
+MAX_IDS = 100_000  # job ids one request may name
+JOB = API_PREFIX + r"/jobs/{id:\d+}"  # one job's routes
 
 
 def context(request: web.Request) -> tuple[Settings, Caller]:
@@ -98,3 +101,22 @@ def job_id_of(request: web.Request) -> int:
         what = "array" if "/arrays/" in request.path else "job"
         raise JobNotFound(f"no {what} {found}")
     return found
+
+
+def job_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidSpec(f"ids must be job ids separated by commas, got {text[:60]!r}") from None
+    return bounded(ids)
+
+
+def bounded(ids: list[int]) -> list[int]:
+    """``ids``, if a request may name that many; InvalidSpec otherwise, and JobNotFound for one
+    no job can have."""
+    if not 1 <= len(ids) <= MAX_IDS:
+        raise InvalidSpec(f"name between 1 and {MAX_IDS:,} job ids")
+    for job_id in ids:
+        if not 1 <= job_id <= MAX_JOB_ID:
+            raise JobNotFound(f"no job {job_id}")
+    return ids

@@ -1,0 +1,175 @@
+"""The API's moves on jobs: submit, and cancel, hold, release, update and resubmit (of one job or
+of many in one request), and an allocation's client saying it is alive or has ended.
+
+Each is audited (``audit.audited``); rights are checked in the service function it calls."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from aiohttp import web
+
+from gpuq.server import dispatch, submission, views
+from gpuq.server.audit import audited
+from gpuq.server.copies import COPIES
+from gpuq.server.request import JOB, body_of, bounded, call, context, job_id_of
+from gpuq.service import constants as c
+from gpuq.service import jobs
+from gpuq.service.errors import InvalidSpec
+
+routes = web.RouteTableDef()
+P = c.API_PREFIX
+
+
+@routes.post(P + "/jobs")
+async def submit(request: web.Request) -> web.Response:
+    settings, caller = context(request)
+    body = await body_of(request)
+    user = body.get("user")
+    # A copy of a work tree may take minutes: in a pool of its own, two of a user's at a time.
+    copies = request.app[COPIES] if body.get("snapshot") is True else None
+    async with copies.turn(caller.uid) if copies is not None else contextlib.nullcontext():
+        # A repeated key wrote nothing: no line (the first request's is the record of its jobs).
+        done: submission.Submitted = await audited(
+            request, "submit", submission.submit, settings, caller, body,
+            acted=lambda d: {} if d.repeated else {j.id: j.user for j in d.jobs},
+            via_user=user if isinstance(user, str) else None, copies=copies)
+    response = web.json_response({"jobs": [views.job(j) for j in done.jobs]})
+    if done.placed:
+        # The answer first: the client (the next submit of a loop, `gpuq run`) goes on while the
+        # placed jobs' messages are published (a fifth of a submit's CPU here).
+        await response.prepare(request)
+        await response.write_eof()
+        await call(dispatch.send, settings, done.placed)
+    return response
+
+
+@routes.post(JOB + "/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    settings, caller = context(request)
+    job_id = job_id_of(request)
+    outcome = await audited(request, "cancel", jobs.cancel, settings, job_id, caller, ids=[job_id])
+    return web.json_response({"id": outcome.job_id, "state": outcome.state, "kill_grace_s": settings.kill_grace})
+
+
+@routes.post(P + "/jobs/cancel")
+async def cancel_all(request: web.Request) -> web.Response:
+    """Cancel the jobs of ``{"ids": [...]}`` in one request (`gpuq cancel` of an array, of all of
+    mine): all or none, if one may not be cancelled by the caller or does not exist."""
+    settings, caller = context(request)
+    ids = await _ids_of(request)
+    outcomes = await audited(request, "cancel", jobs.cancel_all, settings, ids, caller, ids=ids,
+                             acted=lambda done: [o.job_id for o in done if not o.ended])
+    return web.json_response({"jobs": [{"id": o.job_id, "state": o.state, "ended": o.ended} for o in outcomes],
+                              "kill_grace_s": settings.kill_grace})
+
+
+@routes.post(P + "/jobs/hold")
+async def hold_all(request: web.Request) -> web.Response:
+    """Hold the pending jobs of ``{"ids": [...]}`` (all checked first, as a cancel); for each, null
+    where it was held, else why not (running, already held)."""
+    return await _set_held_all(request, True)
+
+
+@routes.post(P + "/jobs/release")
+async def release_all(request: web.Request) -> web.Response:
+    return await _set_held_all(request, False)
+
+
+async def _set_held_all(request: web.Request, held: bool) -> web.Response:
+    settings, caller = context(request)
+    ids = await _ids_of(request)
+    outcome = await audited(request, "hold" if held else "release", jobs.set_held_all, settings, ids, held, caller,
+                            ids=ids, acted=lambda done: [i for i, why in done.items() if why is None])
+    return web.json_response({"jobs": [{"id": job_id, "not": why} for job_id, why in outcome.items()]})
+
+
+@routes.post(P + "/jobs/update")
+async def update_all(request: web.Request) -> web.Response:
+    """Change the jobs of ``{"ids": [...], "priority": P, "time": "2h", "name": N, "retries": R}``
+    (any of the four; `gpuq update`): all checked first, as a cancel; for each, what changed
+    (``{field: [old, new]}``) or why not."""
+    from gpuq.service import update
+
+    settings, caller = context(request)
+    body = await body_of(request)
+    ids = _ids_in(body, 'the body must have "ids": [job ids]')
+    changes = update.Changes.of(body)
+    asked = ", ".join(f"{f}={getattr(changes, f)!r}" for f in update.FIELDS if getattr(changes, f) is not None)
+    outcomes = await audited(request, "update", update.update_all, settings, ids, changes, caller, ids=ids,
+                             acted=lambda done: [o.job_id for o in done if o.changed], note=lambda _: asked)
+    return web.json_response({"jobs": [o.as_json() for o in outcomes]})
+
+
+async def _ids_of(request: web.Request) -> list[int]:
+    """The job ids of a request on many jobs, ``{"ids": [...]}``; InvalidSpec for anything else."""
+    body = await body_of(request)
+    shape = 'the body must be {"ids": [job ids]}'
+    if set(body) != {"ids"}:
+        raise InvalidSpec(shape)
+    return _ids_in(body, shape)
+
+
+def _ids_in(body: dict[str, Any], shape: str) -> list[int]:
+    """The job ids of a body's ``"ids"``, bounded; InvalidSpec(``shape``) unless a list of ids."""
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise InvalidSpec(shape)
+    return bounded(ids)
+
+
+@routes.post(JOB + "/hold")
+async def hold(request: web.Request) -> web.Response:
+    return await _set_held(request, True)
+
+
+@routes.post(JOB + "/release")
+async def release(request: web.Request) -> web.Response:
+    return await _set_held(request, False)
+
+
+async def _set_held(request: web.Request, held: bool) -> web.Response:
+    settings, caller = context(request)
+    job_id = job_id_of(request)
+    await audited(request, "hold" if held else "release", jobs.set_held, settings, job_id, held, caller, ids=[job_id])
+    return web.json_response({"id": job_id, "held": held})
+
+
+@routes.post(JOB + "/resubmit")
+async def resubmit(request: web.Request) -> web.Response:
+    from gpuq.service.resubmit import resubmit as again
+
+    settings, caller = context(request)
+    job_id = job_id_of(request)
+    job = await audited(request, "resubmit", again, settings, job_id, caller, ids=[job_id],
+                        acted=lambda new: {job_id: new.user}, note=lambda new: f"as job {new.id}")
+    return web.json_response({"job": views.job(job)})
+
+
+@routes.post(JOB + "/keepalive")
+async def keepalive(request: web.Request) -> web.Response:
+    """An allocation's client (`gpuq alloc`) is alive: the allocation as it needs it (state, GPUs,
+    run id, deadline, how often to say so again). Its owner's only."""
+    from gpuq.service.allocations import keep_alive
+
+    settings, caller = context(request)
+    held = await call(keep_alive, settings, job_id_of(request), caller)
+    return web.json_response(held.as_json())
+
+
+@routes.post(JOB + "/end")
+async def end(request: web.Request) -> web.Response:
+    """An allocation's shell (or command) exited with ``exit_code``: its worker ends it and stops
+    whatever it left running."""
+    from gpuq.service.allocations import end_by_client
+
+    settings, caller = context(request)
+    body = await body_of(request)
+    code = body.get("exit_code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise InvalidSpec("exit_code must be a whole number")
+    job_id = job_id_of(request)
+    await audited(request, "end", end_by_client, settings, job_id, code, caller, ids=[job_id],
+                  note=lambda _: f"its client's exit code {code}")
+    return web.json_response({"id": job_id, "exit_code": code})
