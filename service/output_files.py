@@ -51,3 +51,13 @@ def fill(path: str, *, job_id: int, array_id: int | None, array_index: int | Non
               "a": "" if array_index is None else str(array_index), "x": name.replace("/", "_"), "u": user,
               "N": node.split(".")[0], "%": "%"}
     return _TOKEN.sub(lambda m: values[m.group(1)], path)
+
+
+def fill_array(path: str | None, array_id: int | None, array_index: int | None) -> str | None:
+    """``path`` with only %A and %a filled in (the rest left for ``fill``), for a resubmit of an
+    array's task: the new job is no task, and its output goes to the file of the task it repeats
+    (run_%A_%a.log), not to one whose index is empty."""
+    if path is None or array_id is None:
+        return path
+    values = {"A": str(array_id), "a": "" if array_index is None else str(array_index)}
+    return _TOKEN.sub(lambda m: values.get(m.group(1), m.group(0)), path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from gpuq.service import constants as c
-from gpuq.service import jobs, reach, submitting
+from gpuq.service import jobs, output_files, reach, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.launchable import check_command
@@ -22,7 +22,8 @@ from gpuq.service.spec import JobSpec
 def spec_of(job: Job) -> JobSpec:
     """A spec for running ``job`` again: its command or workload and parameters, scheduling options,
     environment, directory (its snapshot, if it had one) and recorded git state, and its owner.
-    An array or sweep task comes back as a job of its own, with the same index in its environment."""
+    An array or sweep task comes back as a job of its own, with the same index in its environment
+    and the same --output and --error files (their %A and %a filled in as the task's)."""
     return JobSpec(kind=job.kind, name=job.name, user=job.user, gpus=job.gpus, cwd=job.cwd or "/",
                    workload=job.workload,
                    params=dict(job.params or {}), argv=list(job.argv) if job.argv is not None else None,
@@ -30,7 +31,9 @@ def spec_of(job: Job) -> JobSpec:
                    max_retries=job.max_retries, held=job.held, after=job.after, after_any=job.after_any,
                    env=dict(job.env) if job.env is not None else None, git_commit=job.git_commit,
                    git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,
-                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, shared=job.shared)
+                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, shared=job.shared,
+                   output_file=output_files.fill_array(job.output_file, job.array_id, job.array_index),
+                   error_file=output_files.fill_array(job.error_file, job.array_id, job.array_index))
 
 
 def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) -> Job:

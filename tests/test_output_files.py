@@ -88,6 +88,11 @@ def test_error_parts_the_streams_and_each_array_task_gets_its_own_files(one_gpu,
     for index in (0, 1):
         assert (tmp_path / f"job[{index}].{array}_{index}.out").read_text() == "to stdout\n"
         assert (tmp_path / f"{array}_{index}.err").read_text() == "to stderr\n"
+    # A task run again is no task, but its output goes to the files of the task it repeats.
+    (tmp_path / f"{array}_1.err").unlink()
+    again = json.loads(run_cli(["resubmit", "--json", str(made[1]["id"])], s).stdout)
+    assert wait_for_state(s, again["id"], c.END_STATES) == State.SUCCEEDED, one_gpu.logs()
+    assert (tmp_path / f"{array}_1.err").read_text() == "to stderr\n"
 
 
 def test_a_retry_appends_to_the_first_attempts_file_and_a_new_job_starts_it_afresh(one_gpu, tmp_path):
