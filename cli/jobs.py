@@ -112,6 +112,7 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib and not shared else "",
             f"node {j.on_node}" if j.on_node else "",
             f"time limit {time_limit(j.time_limit_s)}" if j.time_limit_s else "",
+            _signal_ahead(getattr(j, "signal", None)),  # a server from before --signal sends none
             f"not before {timestamp(j.begin_at)}" if getattr(j, "begin_at", None) else "",
             f"{j.max_retries} retries" if j.max_retries else "",
             (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
@@ -168,6 +169,15 @@ def resubmit(job_id: JobId, as_json: Annotated[bool, typer.Option("--json", help
         print_json(made)
     else:
         typer.echo(f"submitted job {made['id']} (resubmit of {job_id})")
+
+
+def _signal_ahead(text: str | None) -> str:
+    """A job's --signal as `gpuq show` says it: "SIGUSR1 120 s before its time limit"."""
+    if not text:
+        return ""
+    main_only, _, rest = text.rpartition(":")
+    name, _, before = rest.partition("@")
+    return f"SIG{name} {before} s before its time limit" + (" (main process)" if main_only else "")
 
 
 def _copied_to(output: str | None, error: str | None) -> str:

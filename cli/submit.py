@@ -91,6 +91,9 @@ def submit(
                                                                "2-0:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",
                                          parser=numbers.whole(0))] = 0,
+    signal: Annotated[str | None, typer.Option("--signal", help="[B:]SIG[@SECONDS]: send SIG this long (default "
+                                               "60) before the time limit, to save a checkpoint; B: its main "
+                                               "process only (as sbatch --signal).")] = None,
     hold: Annotated[bool, typer.Option("--hold", "-H", help="Queue it held, until `gpuq release`.")] = False,
     begin: Annotated[str | None, typer.Option("--begin", "-b", help="Not before then: 16:00, 2026-12-24T09:00, "
                                               "30m or now+2hours (as sbatch --begin).")] = None,
@@ -127,8 +130,8 @@ def submit(
     cwd = _cwd()
     options: dict[str, Any] = {
         "gpus": gpus, "name": name, "priority": priority, "mem": mem, "shared": shared, "node": node,
-        "host_mem": host_mem, "time": time, "retries": retries, "hold": hold, "begin": begin, "after": after,
-        "after_any": after_any,
+        "host_mem": host_mem, "time": time, "signal": signal, "retries": retries, "hold": hold, "begin": begin,
+        "after": after, "after_any": after_any,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}
     origins: dict[str, str] = {}  # the options a job script gave, and its lines

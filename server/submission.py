@@ -40,7 +40,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
     "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None),
-    "begin": (str, None)}
+    "begin": (str, None), "signal": (str, None)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +116,7 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
 
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
-                            host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"])
+                            host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"], signal=f["signal"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 
@@ -134,7 +134,7 @@ def _output_file(option: str, path: str | None) -> str | None:
 _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", "array": "--array",
                         "sweep": "--sweep", "snapshot": "--snapshot", "retries": "--retries", "hold": "--hold",
                         "after": "--after", "after_any": "--after-any", "host_mem": "--host-mem", "env": "--env",
-                        "output": "--output", "error": "--error", "begin": "--begin"}
+                        "output": "--output", "error": "--error", "begin": "--begin", "signal": "--signal"}
 
 
 def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:

@@ -33,7 +33,8 @@ def spec_of(job: Job) -> JobSpec:
                    git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,
                    snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, shared=job.shared,
                    output_file=output_files.fill_array(job.output_file, job.array_id, job.array_index),
-                   error_file=output_files.fill_array(job.error_file, job.array_id, job.array_index))
+                   error_file=output_files.fill_array(job.error_file, job.array_id, job.array_index),
+                   signal=job.signal)
 
 
 def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) -> Job:

@@ -17,7 +17,15 @@ from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.launchable import check_command
 from gpuq.service.settings import secret_env_names
-from gpuq.service.units import MAX_ARRAY_TASKS, parse_array, parse_duration, parse_job_ids, parse_mem, parse_sweep
+from gpuq.service.units import (
+    MAX_ARRAY_TASKS,
+    JobSignal,
+    parse_array,
+    parse_duration,
+    parse_job_ids,
+    parse_mem,
+    parse_sweep,
+)
 from gpuq.service.workloads import get_workload, parse_args
 
 MAX_GPUS_PER_JOB = 1024  # a sanity bound, far above any node; the real bound is the largest node
@@ -53,6 +61,8 @@ class JobSpec:
     # A command's output copied to these files of the user's as well (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None
+    # Sent ahead of its time limit (`--signal`, units.JobSignal's text); None: none.
+    signal: str | None = None
     # May share its GPUs with other shared jobs, held to mem_mib on each (`--shared`).
     shared: bool = False
     # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.
@@ -78,6 +88,7 @@ class Scheduling:
     host_mem: str | None = None
     shared: bool = False
     begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
+    signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -105,6 +116,7 @@ class Scheduling:
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
             "shared": self.shared,
             "begin_at": begin_of(self.begin) if self.begin is not None else None,
+            "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,
         }
 
 

@@ -30,6 +30,7 @@ from gpuq.service.scheduler import place_at_submit
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
+from gpuq.service.units import JobSignal
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING
@@ -155,6 +156,7 @@ def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> bool:
             _check_dependencies(session, first.after, first.after_any)
             near_cap = _check_pending_limit(session, settings, first.user, len(specs))
             _check_priority(settings, first)
+            _check_signal(first)
             if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
                 raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
         except GpuqError:
@@ -220,7 +222,7 @@ def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
                 array_index=s.array_index, array_id=None, array_limit=s.array_limit, git_commit=s.git_commit,
                 git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
                 host_mem_mib=s.host_mem_mib, requeues=0, output_file=s.output_file, error_file=s.error_file,
-                begin_at=s.begin_at,
+                begin_at=s.begin_at, signal=s.signal,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None,
@@ -316,6 +318,22 @@ def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec
     if default is None or all(s.time_limit_s is not None for s in specs):
         return specs
     return [s if s.time_limit_s is not None else replace(s, time_limit_s=default) for s in specs]
+
+
+def _check_signal(spec: JobSpec) -> None:
+    """InvalidSpec for a --signal that could not be sent as asked: on a built-in workload (it runs in
+    its worker, which the signal would reach), or without a time limit to come before."""
+    if spec.signal is None:
+        return
+    sent = JobSignal.parse(spec.signal)
+    if spec.kind != c.KIND_COMMAND:
+        raise InvalidSpec("--signal is for a command (after --); a built-in workload runs in its worker")
+    if spec.time_limit_s is None:
+        raise InvalidSpec(f"--signal {sent.text} is sent ahead of a time limit: give --time (this queue sets no "
+                          "default time limit, GPUQ_DEFAULT_TIME)")
+    if sent.before_s >= spec.time_limit_s:
+        limit = time_limit(spec.time_limit_s)
+        raise InvalidSpec(f"--signal {sent.text}: {sent.before_s} s before a time limit of {limit} is before its start")
 
 
 def check_time_limit(settings: Settings, seconds: int | None) -> None:

@@ -1,8 +1,11 @@
-"""Parsing the lab's ways of writing sizes, durations and index ranges (`20G`, `2h`, `0-9:2%4`)."""
+"""Parsing the lab's ways of writing sizes, durations, index ranges and signals (`20G`, `2h`, `0-9:2%4`,
+`USR1@120`)."""
 
 from __future__ import annotations
 
 import re
+import signal
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from gpuq.service.errors import InvalidSpec
@@ -192,3 +195,50 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
         # one setting (seeds) are an --array.
         raise InvalidSpec(f"--sweep {name}: {twice[:100]} is given twice; got {text[:200]!r}")
     return name, items
+
+
+MAX_SIGNAL_BEFORE_S = 65535  # sbatch's bound on --signal's @TIME
+_SIGNAL = re.compile(r"^(?:([A-Za-z]):)?([A-Za-z0-9]+)(?:@([0-9]+))?$", re.ASCII)
+
+
+@dataclass(frozen=True)
+class JobSignal:
+    """`--signal [B:]SIG[@TIME]` (sbatch's): signal ``name`` (USR1, not SIGUSR1) sent to the job
+    ``before_s`` seconds before its time limit ends it, so that it can save a checkpoint; to its
+    main process alone (``B:``, sbatch's batch shell), else to all of its processes."""
+
+    name: str
+    before_s: int = 60  # sbatch's default
+    main_only: bool = False
+
+    @property
+    def number(self) -> signal.Signals:
+        return signal.Signals["SIG" + self.name]
+
+    @property
+    def text(self) -> str:
+        """As stored, and as `gpuq show` prints it: ``B:USR1@120``."""
+        return f"{'B:' if self.main_only else ''}{self.name}@{self.before_s}"
+
+    @classmethod
+    def parse(cls, text: str) -> JobSignal:
+        found = _SIGNAL.match(text.strip())
+        usage = "--signal takes [B:]SIGNAL[@SECONDS], e.g. USR1@120 (SIGUSR1 two minutes before the time limit)"
+        if found is None:
+            raise InvalidSpec(f"{usage}; got {text[:60]!r}")
+        where, which, before = found.groups()
+        if where is not None and where.upper() != "B":
+            raise InvalidSpec(f"--signal: {where}: is not B: (only the job's main process); got {text[:60]!r}")
+        try:
+            number = signal.Signals(int(which)) if which.isdigit() else \
+                signal.Signals["SIG" + which.upper().removeprefix("SIG")]
+        except (KeyError, ValueError):
+            raise InvalidSpec(f"--signal: {which} is no signal here (USR1, USR2, TERM, INT, HUP, or its number); "
+                              f"got {text[:60]!r}") from None
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            # The time limit's own end is SIGTERM then SIGKILL; a job told SIGKILL early could save nothing.
+            raise InvalidSpec(f"--signal {number.name} cannot be caught: give one the job can act on, e.g. USR1")
+        seconds = int(before) if before is not None else cls.before_s
+        if not 0 <= seconds <= MAX_SIGNAL_BEFORE_S:
+            raise InvalidSpec(f"--signal: @{before} is more than {MAX_SIGNAL_BEFORE_S} seconds")
+        return cls(number.name.removeprefix("SIG"), seconds, where is not None)

@@ -24,6 +24,7 @@ import psutil
 from gpuq.service import constants as c
 from gpuq.service import reach
 from gpuq.service.launchable import interpreter_of
+from gpuq.service.units import JobSignal
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
 from gpuq.workers.job_processes import Finder, exited, registered, signal_all, stop_tree, verify_gone
@@ -84,11 +85,33 @@ def _why_not_started(exc: OSError, program: str, cwd: str, run_as: Identity | No
     return f"{program}: {os.strerror(exc.errno) if exc.errno else exc}", 126
 
 
+@dataclass
+class Ahead:
+    """`--signal`: ``signal`` to send the job once ``due`` is set (its watch sets it as the time
+    limit nears), once. Sent by the thread that runs the job, while its main process is unreaped, so
+    its pid and group are still its own."""
+
+    signal: JobSignal
+    due: threading.Event
+    sent: bool = False
+
+    def send(self, pid: int, found: Finder, sink: OutputSink) -> None:
+        self.sent = True
+        sig = self.signal
+        if sig.main_only:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig.number)
+        else:
+            signal_all(pid, found(), sig.number)
+        to = "its main process" if sig.main_only else "the job"
+        sink.note(f"[gpuq: SIG{sig.name} sent to {to}, {sig.before_s} s before its time limit (--signal)]")
+
+
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
                 on_start: Callable[[int], None] | None = None, limit_mib: int | None = None,
-                files: OutputFiles | None = None) -> CommandOutcome:
+                files: OutputFiles | None = None, ahead: Ahead | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -98,7 +121,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     joined the cgroup, which takes root); the pipe and the signals stay the worker's, root then.
     ``limit_mib`` (``--host-mem``) is the cgroup's to enforce; without a cgroup the worker holds the
     job to it by polling (_MemoryWatch). ``files``: the user's files its output is copied to as well,
-    opened by the child as the user (workers/output_copy.py).
+    opened by the child as the user (workers/output_copy.py). ``ahead``: a signal to send it once
+    its time limit nears (`--signal`).
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
@@ -133,7 +157,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         copies = copies_of(got, files)
     try:
         return _run(proc, run_id, sink, cancelled, kill_grace, cgroup, verify_within, on_start, limit_mib,
-                    oom_before, copies)
+                    oom_before, copies, ahead)
     finally:
         for copy in copies:
             if copy is not None:
@@ -143,7 +167,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
 def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled: threading.Event,
          kill_grace: float, cgroup: JobCgroup | None, verify_within: float,
          on_start: Callable[[int], None] | None, limit_mib: int | None, oom_before: int,
-         copies: tuple[Copy | None, Copy | None]) -> CommandOutcome:
+         copies: tuple[Copy | None, Copy | None], ahead: Ahead | None = None) -> CommandOutcome:
     """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
     found = Finder(proc.pid, cgroup, run_id)
     with registered(found):  # its share watch finds its every process meanwhile
@@ -174,6 +198,8 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
                 sink.note(f"[gpuq: the job's processes hold {over_limit} MiB of host memory, past its --host-mem "
                           f"of {limit_mib} MiB: stopped with SIGKILL]")
                 signal_all(proc.pid, found(), signal.SIGKILL)
+            if ahead is not None and ahead.due.is_set() and not ahead.sent:
+                ahead.send(proc.pid, found, sink)
         # The job is over when its main process is: anything it left behind is stopped too (SLURM
         # does the same), or it would hold the GPU while gpuq hands it to the next job.
         stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)

@@ -23,7 +23,7 @@ from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.command import CannotStart, run_command
+from gpuq.workers.command import Ahead, CannotStart, run_command
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
@@ -71,6 +71,11 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
     return _execute_workload(state, job, sink, watcher)
 
 
+def _ahead(job: JobRun, watcher: StopWatcher) -> Ahead | None:
+    """The job's `--signal`, sent once its watch finds the time limit near; None: it has none."""
+    return Ahead(job.job_signal, watcher.signal_due) if job.job_signal is not None else None
+
+
 def output_files_of(job: JobRun, node: str) -> OutputFiles | None:
     """The user's files the command's output is copied to, their patterns filled in; None: none."""
     if job.output_file is None and job.error_file is None:
@@ -102,7 +107,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         with state.guarding(watcher.lease, on_start) as started:
             outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
                                   run_as=identity, on_start=started, limit_mib=job.host_mem_mib,
-                                  files=output_files_of(job, state.node))
+                                  files=output_files_of(job, state.node), ahead=_ahead(job, watcher))
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.

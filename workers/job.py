@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from gpuq.service.jobs import next_output_seq
 from gpuq.service.leases import Lease
 from gpuq.service.models import Allocation, Gpu, table
+from gpuq.service.units import JobSignal
 
 _JOB_GPUS = (select(table(Gpu).c.index, table(Gpu).c.queue, table(Gpu).c.memory_total_mib)
              .join_from(table(Allocation), table(Gpu), table(Gpu).c.id == table(Allocation).c.gpu_id)
@@ -51,6 +52,18 @@ class JobRun:
     # A command's output copied to the user's files as well, patterns unfilled (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None
+    # Sent ahead of its time limit (`--signal`, units.JobSignal's text); None: none.
+    signal: str | None = None
+
+    @property
+    def job_signal(self) -> JobSignal | None:
+        """Its `--signal`, parsed; None: none."""
+        return JobSignal.parse(self.signal) if self.signal is not None else None
+
+    @property
+    def signal_before_s(self) -> int | None:
+        """How long before its time limit it is sent its `--signal`, seconds; None: it has none."""
+        return self.job_signal.before_s if self.job_signal is not None else None
 
     @property
     def started_s(self) -> float | None:
@@ -97,4 +110,5 @@ def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...],
                   host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
                   memory_total_mib=memory_total_mib, gpu_share=job.gpu_share, array_id=job.array_id,
-                  array_index=job.array_index, output_file=job.output_file, error_file=job.error_file)
+                  array_index=job.array_index, output_file=job.output_file, error_file=job.error_file,
+                  signal=job.signal)

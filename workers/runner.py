@@ -63,7 +63,7 @@ def _run(state: WorkerState, started: Started) -> tuple[str, Started | None]:
     state.wait_gpu_back()
     sink = OutputSink(settings, job.id, started.output_seq)
     watcher = state.watch.watch(StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost,
-                                            job.started_s, job.time_limit_s))
+                                            job.started_s, job.time_limit_s, job.signal_before_s))
     try:
         end = end_of(state, job, sink, watcher, lambda: execute(state, job, sink, watcher))
     finally:

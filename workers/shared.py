@@ -64,7 +64,8 @@ def _run(state: WorkerState, started: Started) -> None:
     settings, job, lease = state.settings, started.job, started.lease
     state.wait_gpu_back()
     sink = OutputSink(settings, job.id, started.output_seq)
-    watcher = StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost, job.started_s, job.time_limit_s)
+    watcher = StopWatcher(settings, job.id, state.interrupt, lease, state.gpu_lost, job.started_s, job.time_limit_s,
+                          job.signal_before_s)
     pids: set[int] = set()
     memory = _share_watch(state, job, pids)
     looking = threading.Thread(target=_look, args=(state, job, watcher, memory), name=f"shared-watch-{job.id}",

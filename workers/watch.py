@@ -27,7 +27,8 @@ class StopWatcher:
 
     def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
                  lease: Lease | None = None, gpu_lost: threading.Event | None = None,
-                 started: float | None = None, time_limit_s: int | None = None) -> None:
+                 started: float | None = None, time_limit_s: int | None = None,
+                 signal_before_s: int | None = None) -> None:
         self.settings, self.job_id, self.interrupt = settings, job_id, interrupt
         self.lease, self.gpu_lost = lease, gpu_lost
         # When the job started (epoch seconds) and its time limit as last read: with a start, each
@@ -38,6 +39,10 @@ class StopWatcher:
         self.why = ""
         self.detail = ""  # the figures behind ``why``, where there are some (a share's overrun)
         self.done = threading.Event()
+        # `--signal SIG@N`: set once the job is within N seconds of its deadline (as the limit then
+        # reads); the command's run sends the signal, from the thread that holds its pid.
+        self.signal_before_s = signal_before_s
+        self.signal_due = threading.Event()
 
     @property
     def deadline(self) -> float | None:
@@ -75,8 +80,12 @@ class StopWatcher:
                 log.info("job %s: its time limit is now %s s", self.job_id, limit)
         except Exception:  # noqa: BLE001 - a database blip must not stop the job
             log.warning("job %s: could not check for a cancel request", self.job_id)
-        if self.deadline is not None and time.time() >= self.deadline:
+        now = time.time()
+        if self.deadline is not None and now >= self.deadline:
             return c.FAILURE_TIMEOUT
+        if self.signal_before_s is not None and self.deadline is not None and \
+                now >= self.deadline - self.signal_before_s:
+            self.signal_due.set()
         return c.FAILURE_CANCELLED if cancelled else ""
 
 

@@ -1,0 +1,127 @@
+"""`--signal [B:]SIG[@SECONDS]` (sbatch's): a command is sent a signal that long before its time
+limit stops it, so that a training run can save a checkpoint; to all of its processes, or with
+``B:`` to its main process alone. Real workers and real signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from gpuq.service import constants as c
+from gpuq.service import jobs
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.models import Job
+from gpuq.service.units import JobSignal
+from tests.conftest import cli_submit, run_cli, stack_on_database, wait_for_state
+
+pytestmark = pytest.mark.timeout(120)
+
+# A job of two processes, each noting when SIGUSR1 reached it (a file named for it), then waiting
+# for its time limit.
+MARKS = """
+import os, signal, sys, time
+where = sys.argv[1]
+def note(who):
+    def handler(signum, frame):
+        with open(os.path.join(where, who), "w") as f:
+            f.write(repr(time.time()))
+    return handler
+if os.fork() == 0:
+    signal.signal(signal.SIGUSR1, note("child"))
+    time.sleep(60)
+    os._exit(0)
+signal.signal(signal.SIGUSR1, note("main"))
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("USR1@120", ("USR1", 120, False)), ("SIGUSR2", ("USR2", 60, False)), ("B:usr1@0", ("USR1", 0, True)),
+    (f"{int(signal.SIGUSR1)}@5", ("USR1", 5, False)), ("b:TERM@30", ("TERM", 30, True))])
+def test_signal_reads_sbatchs_form_with_sixty_seconds_by_default(text, expected):
+    sent = JobSignal.parse(text)
+    assert (sent.name, sent.before_s, sent.main_only) == expected
+    assert JobSignal.parse(sent.text) == sent
+
+
+@pytest.mark.parametrize("text,says", [
+    ("", r"--signal takes \[B:\]SIGNAL\[@SECONDS\]"), ("USR1@1.5", "--signal takes"), ("USR1@-1", "--signal takes"),
+    ("R:USR1", "R: is not B:"), ("FOO@10", "FOO is no signal here"), ("99", "99 is no signal here"),
+    ("KILL@10", "SIGKILL cannot be caught"), ("USR1@70000", "more than 65535 seconds")])
+def test_a_signal_that_is_malformed_uncatchable_or_too_early_is_refused(text, says):
+    with pytest.raises(InvalidSpec, match=says):
+        JobSignal.parse(text)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def one_gpu(request, tmp_path_factory, redis_url):
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1)
+
+
+def jobs_in(settings) -> int:
+    with write_scope(settings) as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+def test_the_signal_reaches_every_process_of_the_job_before_its_time_limit_and_b_the_main_one_alone(one_gpu, tmp_path):
+    s = one_gpu.settings
+    for flag, expected in (("USR1@2", {"main", "child"}), ("B:USR1@2", {"main"})):
+        where = tmp_path / flag.replace(":", "_")
+        where.mkdir()
+        job = cli_submit(s, ["--time", "4s", "--signal", flag, "--", sys.executable, "-c", MARKS, str(where)])
+        assert wait_for_state(s, job, c.END_STATES, timeout=60) == State.TIMED_OUT, one_gpu.logs()
+        assert {p.name for p in where.iterdir()} == expected
+        with write_scope(s) as session:
+            ran = jobs.get_job(session, job)
+            started, ended = ran.started_at.timestamp(), ran.ended_at.timestamp()
+        noted = float((where / "main").read_text())
+        # Sent as the limit neared, and the job went on after it until the limit stopped it.
+        assert started + 1 < noted < ended - 1, (started, noted, ended)
+        logs = run_cli(["logs", str(job)], s).stdout
+        to = "its main process" if flag.startswith("B:") else "the job"
+        assert f"[gpuq: SIGUSR1 sent to {to}, 2 s before its time limit (--signal)]" in logs
+    shown = run_cli(["show", str(job)], s).stdout
+    assert "SIGUSR1 2 s before its time limit (main process)" in shown
+
+
+def test_a_job_that_ends_before_its_signals_moment_is_never_signalled(one_gpu, tmp_path):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--time", "1h", "--signal", "USR1@60", "--", sys.executable, "-c", "print('done')"])
+    assert wait_for_state(s, job, c.END_STATES) == State.SUCCEEDED, one_gpu.logs()
+    assert "--signal" not in run_cli(["logs", str(job)], s).stdout
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--signal", "USR1", "matmul", "--size", "8"], "--signal is for a command (after --)"),
+    (["--signal", "USR1@10", "--", "true"], "--signal USR1@10 is sent ahead of a time limit: give --time"),
+    (["--time", "1m", "--signal", "USR1@60", "--", "true"], "--signal USR1@60: 60 s before a time limit of 0:01:00"),
+    (["--time", "1h", "--signal", "STOP", "--", "true"], "--signal SIGSTOP cannot be caught"),
+])
+def test_a_signal_the_job_could_not_be_sent_is_one_line_exit_2_and_nothing_written(one_gpu, args, says):
+    s = one_gpu.settings
+    before = jobs_in(s)
+    refused = run_cli(["submit", *args], s)
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.count("\n") == 1 and says in refused.stderr, refused.stderr
+    assert jobs_in(s) == before
+
+
+def test_a_job_scripts_gpuq_line_gives_the_signal_and_a_resubmit_keeps_it(one_gpu, tmp_path):
+    s = one_gpu.settings
+    script = Path(tmp_path / "train.sh")
+    script.write_text("#!/bin/sh\n#GPUQ --time 1h --signal B:USR2@300\ntrue\n")
+    script.chmod(0o755)
+    job = cli_submit(s, ["--hold", "--", "./train.sh"], cwd=tmp_path)
+    again = run_cli(["resubmit", "--json", str(job)], s)
+    assert again.returncode == 0, again.stderr
+    with write_scope(s) as session:
+        assert [j.signal for j in session.scalars(select(Job).where(Job.id >= job).order_by(Job.id))] == \
+            ["B:USR2@300", "B:USR2@300"]
+    assert run_cli(["cancel", str(job), str(json.loads(again.stdout)["id"])], s).returncode == 0
