@@ -26,6 +26,10 @@ def status(
     every_task: Annotated[bool, typer.Option("--array-tasks", "-r", help="A line for each pending task of an array "
                                              "(by default they are one line for each reason they wait, as in squeue).")]
     = False,
+    state: Annotated[str | None, typer.Option("--state", "-t", help="Only jobs in these states: pending, running, "
+                                              "failed... or squeue's PD, R, F..., comma-separated.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name, or a pattern "
+                                             "('train*'); an array's name takes its tasks.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
 ) -> None:
     """The queue (waiting, running and recently ended jobs) and the GPUs."""
@@ -34,7 +38,7 @@ def status(
     if user is not None and not user.strip():
         raise InvalidSpec("--user needs a user name (--me for yours)")
     collapsed = not (every_task or as_json)
-    answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user,
+    answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user, state=state, name=name,
                           arrays="collapsed" if collapsed else None)
     rows, gpus = answer["jobs"], answer["gpus"]
     if as_json:

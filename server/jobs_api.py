@@ -64,17 +64,25 @@ async def queue(request: web.Request) -> web.Response:
     # they wait, not as thousands of jobs (`gpuq status` and the dashboard ask for it).
     collapsed = request.query.get("arrays") == "collapsed"
     user = caller.user if mine else named
-    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named is not None))
+    # ``state`` and ``name``: those jobs only (`gpuq status -t running --name 'train*'`, squeue's -t, -n).
+    state, name = request.query.get("state"), request.query.get("name")
+    states = jobs.states_named(state) if state is not None else None
+    if name is not None and not name.strip():
+        raise InvalidSpec("--name needs a name or a pattern")
+    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named is not None, states,
+                                        name))
 
 
 def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = False,
-           named: bool = False) -> dict[str, Any]:
+           named: bool = False, states: tuple[str, ...] | None = None, name: str | None = None) -> dict[str, Any]:
     now = utcnow()
     with reading(settings) as session:
         if named and user is not None:
             _check_known_user(session, user)  # as squeue's "Invalid user"
-        rows = jobs.list_jobs(session, ended_limit=ended, user=user, but_pending_tasks=collapsed)
-        tasks = jobs.pending_tasks(session, user=user) if collapsed else []
+        rows = jobs.list_jobs(session, ended_limit=ended, user=user, but_pending_tasks=collapsed, states=states,
+                              name=name)
+        want_tasks = collapsed and (states is None or State.PENDING in states)
+        tasks = jobs.pending_tasks(session, user=user, name=name) if want_tasks else []
         gpus = inventory.view(session, settings)
         idle = usage.idle_jobs(session, settings)
         held = jobs.gpu_indices_of(session, [j.id for j in rows if j.started_at is not None])

@@ -19,7 +19,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.dialect import matches_glob, not_for_an_index
-from gpuq.service.errors import JobNotFound, NotAllowed, StateConflict
+from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, JobUsage, table, utcnow
 from gpuq.service.rights import Caller, check_change
@@ -36,17 +36,49 @@ def get_job(session: Session, job_id: int) -> Job:
     return job
 
 
+# `gpuq status --state` (squeue's -t): a state's name, or squeue's code for it. "running" takes
+# the dispatched jobs too, as squeue's R (and scancel's -t) would: a dispatched job is starting.
+STATE_WORDS: dict[str, tuple[str, ...]] = {
+    **{s.value: (s.value,) for s in State}, "running": (State.DISPATCHED, State.RUNNING),
+    "pd": (State.PENDING,), "r": (State.DISPATCHED, State.RUNNING), "cd": (State.SUCCEEDED,),
+    "f": (State.FAILED,), "ca": (State.CANCELLED,), "to": (State.TIMED_OUT,)}
+
+
+def states_named(text: str) -> tuple[str, ...]:
+    """``pending,running`` (or squeue's ``PD,R``) as the job states they name; InvalidSpec otherwise."""
+    words = [w.strip().lower() for w in text.split(",")]
+    unknown = next((w for w in words if w not in STATE_WORDS), None)
+    if unknown is not None:
+        raise InvalidSpec(f"--state takes {', '.join(s.value for s in State)} (or squeue's PD, R, CD, F, CA, TO), "
+                          f"comma-separated; got {unknown[:40]!r}")
+    return tuple(dict.fromkeys(s for w in words for s in STATE_WORDS[w]))
+
+
 def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = None,
-              but_pending_tasks: bool = False) -> list[Job]:
+              but_pending_tasks: bool = False, states: Sequence[str] | None = None,
+              name: str | None = None) -> list[Job]:
     """Active jobs (oldest first), then the ``ended_limit`` most recently ended ones; with
-    ``but_pending_tasks``, not the pending tasks of arrays (``pending_tasks`` has them)."""
+    ``but_pending_tasks``, not the pending tasks of arrays (``pending_tasks`` has them). With
+    ``states``, those in them only (the newest ``ended_limit`` of the ended ones asked for); with
+    ``name``, those of that name (``name_matches``)."""
     base = select(Job)
     if user:
         base = base.where(Job.user == user)
-    active = base.where(Job.state.in_(c.ACTIVE_STATES))
+    named = [name_matches(session, name)] if name is not None else []
+    active_states = [s for s in c.ACTIVE_STATES if states is None or s in states]
+    ended_states = [s for s in c.END_STATES if states is None or s in states]
+    active = base.where(Job.state.in_(active_states), *named)
     if but_pending_tasks:
         active = active.where(~((Job.state == State.PENDING) & Job.array_id.is_not(None)))
-    rows = list(session.scalars(active.order_by(Job.id)))
+    rows = list(session.scalars(active.order_by(Job.id))) if active_states else []
+    if states is not None and ended_states != list(c.END_STATES):
+        # Some end states only: the newest of those (read by state, not down the index on ended_at,
+        # which would pass over every job of the others).
+        if ended_states and ended_limit:
+            newest_of = (base.where(Job.state.in_(ended_states), *named)
+                         .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
+            rows.extend(sorted(session.scalars(newest_of), key=lambda j: j.id))
+        return rows
     if ended_limit:
         # The newest ended jobs, read down the index on ended_at (set when a job ends, and only
         # then): asked by state, both databases took the queue-order index (state first) and
@@ -54,7 +86,7 @@ def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = Non
         # A user's (`--me`): SQLite took the user's index and sorted all they ever ran; the index on
         # ended_at carries the user.
         mine = [not_for_an_index(Job.user, session) == user] if user else []
-        newest = (select(Job.id).where(Job.ended_at.is_not(None), *mine)
+        newest = (select(Job.id).where(Job.ended_at.is_not(None), *mine, *named)
                   .order_by(Job.ended_at.desc(), Job.id.desc()).limit(ended_limit))
         ended = session.scalars(select(Job).where(Job.id.in_(newest.scalar_subquery()),
                                                   Job.state.in_(c.END_STATES)))
@@ -78,14 +110,17 @@ class PendingTasks:
     admin_hold: bool = False  # held by an admin: only an admin releases them
 
 
-def pending_tasks(session: Session, *, user: str | None = None) -> list[PendingTasks]:
-    """The pending tasks of every array (or ``user``'s), grouped by array and by why they wait; the
-    few columns a line needs, not whole rows: 10,000 tasks are 10,000 small tuples."""
+def pending_tasks(session: Session, *, user: str | None = None, name: str | None = None) -> list[PendingTasks]:
+    """The pending tasks of every array (or ``user``'s, or those named ``name``), grouped by array
+    and by why they wait; the few columns a line needs, not whole rows: 10,000 tasks are 10,000
+    small tuples."""
     query = (select(Job.id, Job.array_id, Job.array_index, Job.user, Job.name, Job.gpus, Job.held, Job.reason,
                     Job.submitted_at, Job.admin_hold)
              .where(Job.state == State.PENDING, Job.array_id.is_not(None)).order_by(Job.id))
     if user:
         query = query.where(Job.user == user)
+    if name is not None:
+        query = query.where(name_matches(session, name))
     groups: dict[tuple[int, bool, bool, str | None], list[Any]] = {}
     for row in session.execute(query):
         groups.setdefault((row.array_id, row.held, row.held and row.admin_hold, row.reason), []).append(row)

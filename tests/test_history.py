@@ -162,3 +162,33 @@ def test_gpuq_status_user_lists_one_users_jobs_as_squeue_u_does(use_settings):
         out = invoke("status", *args)
         assert out.exit_code == c.EXIT_USAGE and out.output.startswith(words), out.output
         assert len(out.output.strip().splitlines()) == 1
+
+
+def test_gpuq_status_state_and_name_narrow_the_queue_as_squeue_t_and_n_do(use_settings):
+    s = use_settings
+    failed = ended(s, "ann", "train", State.FAILED, timedelta(minutes=5))
+    succeeded = ended(s, "ann", "train", State.SUCCEEDED, timedelta(minutes=4))
+    other = ended(s, "ann", "eval", State.FAILED, timedelta(minutes=3))
+    make = lambda extra: spec.command_spec(["true"], cwd="/", user="ann", name="train")  # noqa: E731
+    waiting = [j.id for j in submitting.submit_all(s, spec.expand(make, spec.Scheduling(), None, []))]
+    tasks = [j.id for j in submitting.submit_all(s, spec.expand(make, spec.Scheduling(), "0-2", []))]
+
+    def ids(*args: str) -> list[int]:
+        out = invoke("status", "--json", *args)
+        assert out.exit_code == 0, out.output
+        return [j["id"] for j in json.loads(out.output)["jobs"]]
+
+    assert ids("-t", "failed") == failed + other
+    assert ids("-t", "F", "--name", "train") == failed
+    assert ids("--state", "pending,CD", "--name", "train") == waiting + tasks + succeeded
+    assert ids("--name", "tr*") == waiting + tasks + failed + succeeded
+    assert ids("-t", "failed", "-n", "1") == other  # the newest ended of those asked for
+    assert ids("-t", "running") == []
+    table = invoke("status", "-t", "PD").output  # an array's pending tasks: one line, as always
+    assert "train[0-2]" in table and "eval" not in table and table.count("pending") == 2, table
+    assert invoke("status", "-t", "R").output.startswith("no jobs")
+    for args, words in ((["-t", "done"], "gpuq: --state takes pending, dispatched, running"),
+                        (["--name", " "], "gpuq: --name needs a name or a pattern")):
+        out = invoke("status", *args)
+        assert out.exit_code == c.EXIT_USAGE and out.output.startswith(words), out.output
+        assert len(out.output.strip().splitlines()) == 1
