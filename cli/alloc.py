@@ -46,7 +46,9 @@ END_WAIT_SECONDS = 120.0
 def alloc(
     ctx: typer.Context,
     gpus: Annotated[int, typer.Option("--gpus", "-G", help="GPUs to hold, all on this node.",
-                                      parser=numbers.whole(1))] = 1,
+                                      parser=numbers.gpu_count)] = 1,
+    gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Only GPUs of this model (a100, rtx3090), "
+                                                 "as `gpuq devices` names them.")] = None,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
                                                  "the allocation's share).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
@@ -70,7 +72,8 @@ def alloc(
         raise InvalidSpec("no command given after --")
     cwd = _cwd()
     _check_program(command, cwd)
-    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "mem": mem, "shared": shared,
+    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "gpu_type": gpu_type, "mem": mem,
+                            "shared": shared,
                             "time": time_limit, "name": name, "priority": priority, "node": load_settings().node,
                             "cwd": cwd, "key": uuid.uuid4().hex}
     client = Client()

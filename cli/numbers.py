@@ -31,7 +31,7 @@ def job_id(text: str | int) -> int:
     raise ValueError(f"{text!r} is not a job id (a whole number from 1)")
 
 
-def whole(low: int = 0, high: int | None = None, name: str = "count") -> Callable[[str], int]:
+def whole(low: int = 0, high: int | None = None, name: str = "count") -> Callable[[str | int], int]:
     """A parser of whole numbers from ``low`` (to ``high``), digits only; ``name`` is its metavar."""
     def parse(text: str | int) -> int:
         if isinstance(text, int):
@@ -47,6 +47,18 @@ def whole(low: int = 0, high: int | None = None, name: str = "count") -> Callabl
 
     parse.__name__ = name  # typer shows it as the option's metavar (COUNT)
     return parse
+
+
+def gpu_count(text: str | int) -> int:
+    """``--gpus``: 1 or more; sbatch's ``--gpus a100:2`` is told where its type goes."""
+    typed = re.fullmatch(r"([A-Za-z][^:]*):([0-9]+)", text) if isinstance(text, str) else None
+    if typed:
+        raise ValueError(f"{text!r}: give the count alone and the type apart: --gpus {typed[2]} --gpu-type {typed[1]}")
+    return _one_or_more(text)
+
+
+_one_or_more = whole(1)
+gpu_count.__name__ = "count"
 
 
 def integer(text: str | int) -> int:

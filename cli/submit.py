@@ -75,7 +75,9 @@ def submit(
                                                    show_default=False)] = None,
     gpus: Annotated[int | None, typer.Option(
         "--gpus", "-G", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes).",
-        show_default=False, parser=numbers.whole(1))] = None,
+        show_default=False, parser=numbers.gpu_count)] = None,
+    gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Only GPUs of this model, as `gpuq devices` "
+                                                 "names them: a100, h100, rtx3090 (sbatch's --gpus a100:N).")] = None,
     name: Annotated[str | None, typer.Option("--name", "-J", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
@@ -129,7 +131,8 @@ def submit(
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
     cwd = _cwd()
     options: dict[str, Any] = {
-        "gpus": gpus, "name": name, "priority": priority, "mem": mem, "shared": shared, "node": node,
+        "gpus": gpus, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem, "shared": shared,
+        "node": node,
         "host_mem": host_mem, "time": time, "signal": signal, "retries": retries, "hold": hold, "begin": begin,
         "after": after, "after_any": after_any,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,

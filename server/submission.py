@@ -40,7 +40,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
     "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None),
-    "begin": (str, None), "signal": (str, None)}
+    "begin": (str, None), "signal": (str, None), "gpu_type": (str, None)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +116,8 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
 
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
-                            host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"], signal=f["signal"])
+                            host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"], signal=f["signal"],
+                            gpu_type=f["gpu_type"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 
@@ -145,7 +146,8 @@ def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spe
         raise InvalidSpec("an allocation needs submit field 'node': the node its client runs on")
     made = spec.interactive_spec(command, node=f["node"], gpus=f["gpus"], name=f["name"], cwd=f["cwd"], user=owner,
                                  run_id=allocations.new_run_id())
-    sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"], shared=f["shared"])
+    sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"], shared=f["shared"],
+                            gpu_type=f["gpu_type"])
     return replace(made, **sched.fields(), env=made.env)
 
 

@@ -27,7 +27,7 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "max_retries": j.max_retries, "attempts": j.attempts, "held": j.held, "admin_hold": j.admin_hold,
         "after": j.after, "after_any": j.after_any, "array_id": j.array_id, "array_index": j.array_index,
         "array_limit": j.array_limit, "output_file": j.output_file, "error_file": j.error_file,
-        "begin_at": iso(j.begin_at), "signal": j.signal,
+        "begin_at": iso(j.begin_at), "signal": j.signal, "gpu_type": j.gpu_type,
         "failure": j.failure, "requeues": j.requeues, "host_mem_mib": j.host_mem_mib,
         "submitted_at": iso(j.submitted_at), "dispatched_at": iso(j.dispatched_at),
         "started_at": iso(j.started_at), "ended_at": iso(j.ended_at),

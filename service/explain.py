@@ -76,7 +76,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
             return f"{head}: the nodes with {job.gpus} GPU{'s' if job.gpus != 1 else ''} for it are drained: {nodes}"
         why_drained = drained.get(job.on_node)
         return f"{head}: it asked for node {job.on_node}, which is drained{f' ({why_drained})' if why_drained else ''}"
-    need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}"
+    need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}" + (f" of type {job.gpu_type}" if job.gpu_type else "")
     if job.mem_mib:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
@@ -137,8 +137,9 @@ def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:
 
     gpus = read_queue(session, settings, head=1).policy.gpus
     request = policy.JobRequest(id=job.id, user=job.user, gpus=job.gpus, mem_mib=job.mem_mib, node=job.on_node,
-                                shared=True)
-    return packing.room_lines(request, gpus, settings.shared_context_mib) or ["no live GPU is known to gpuq"]
+                                shared=True, gpu_type=job.gpu_type)
+    of_type = [g for g in gpus if g.is_of(request)]  # another model's room is no room for it
+    return packing.room_lines(request, of_type, settings.shared_context_mib) or ["no live GPU is known to gpuq"]
 
 
 def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
@@ -171,6 +172,8 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     for gpu in gpus.values():
         if job.on_node and gpu.node != job.on_node:
             continue
+        if job.gpu_type and not policy.is_model(gpu.name, job.gpu_type):
+            continue  # another model: it could never run there
         holders = held_by.get(gpu.id, [])
         if gpu.heartbeat_at is None or gpu.heartbeat_at < cutoff:
             text = f"GPU {gpu.index} offline (no worker)"

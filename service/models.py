@@ -126,6 +126,8 @@ class Job(Base):
     error_file: Mapped[str | None] = mapped_column(Text)
     # A signal sent ahead of its time limit (`--signal USR1@120`, units.JobSignal's text); None: none.
     signal: Mapped[str | None] = mapped_column(Text)
+    # Only GPUs of this type (`--gpu-type a100`: words of the GPU's name, policy.is_model); None: any.
+    gpu_type: Mapped[str | None] = mapped_column(Text)
     # Extra environment for a command (GPUQ_ARRAY_INDEX, sweep values).
     env: Mapped[dict[str, str] | None] = mapped_column(JSON)
     # Where the ranks of a job run one per GPU worker meet (torch.distributed init_method);

@@ -4,7 +4,9 @@ others wait. No database, no broker: the scheduler reads the state (service/queu
 Order: priority, then fair share (the user with fewer recent GPU-hours first), then submission.
 A job gets all its GPUs on one node at once (gang) or none. The first job that does not fit gets a
 reservation (EASY backfill): later jobs may start only where they cannot delay it, which needs the
-running jobs' time limits; without them nothing starts past a waiting gang.
+running jobs' time limits; without them nothing starts past a waiting gang (past one that asked
+for a GPU type, `--gpu-type`, nothing starts on GPUs of that type, and others stay open to later
+jobs: it could never use them).
 
 A shared job (``JobRequest.shared``) takes its share of memory on each of its GPUs beside other
 shared jobs, never beside a whole-GPU job; shared jobs are packed best fit by memory
@@ -13,7 +15,9 @@ shared jobs, never beside a whole-GPU job; shared jobs are packed best fit by me
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -36,6 +40,25 @@ SHARED_CONTEXT_MIB = 512
 _LIMIT_SLACK = 1e-9
 
 
+@functools.lru_cache(maxsize=1024)
+def is_model(model: str, gpu_type: str) -> bool:
+    """Whether a GPU named ``model`` (NVML's name: "NVIDIA A100-SXM4-80GB") is of ``gpu_type``
+    (`--gpu-type a100`): the type, its letters and digits lowercased, is one or more consecutive
+    words of the name ("a100", "3090", "rtx3090", "RTX 3090"), never part of one: an A10 job on an
+    A100 would be another GPU than the one asked for."""
+    words = re.findall(r"[a-z0-9]+", model.lower())
+    want = "".join(re.findall(r"[a-z0-9]+", gpu_type.lower()))
+    for start in range(len(words)):
+        joined = ""
+        for word in words[start:]:
+            joined += word
+            if joined == want:
+                return True
+            if len(joined) >= len(want):
+                break
+    return False
+
+
 @dataclass(frozen=True)
 class GpuState:
     """A live GPU on a node that takes jobs: free, busy with a whole-GPU job (``busy_until``), or
@@ -54,6 +77,7 @@ class GpuState:
     shared_jobs: int = 0  # how many shared jobs gpuq runs on it
     # When the last of them is expected to end (epoch s); inf or None when one has no time limit.
     shared_until: float | None = None
+    model: str = ""  # NVML's name of it ("NVIDIA H100 80GB HBM3"), what --gpu-type picks by
 
     @property
     def free_mib(self) -> int:
@@ -74,9 +98,15 @@ class GpuState:
         A GPU that other programs use counts as busy for their memory: a job that did not say how
         much memory it needs is not put beside them.
         """
+        if not self.is_of(job):
+            return False
         if job.mem_mib is None:
             return self.foreign_mib == 0
         return self.free_mib >= job.mem_mib
+
+    def is_of(self, job: JobRequest) -> bool:
+        """Whether this GPU is of the type ``job`` asked for (`--gpu-type`), or it asked for none."""
+        return job.gpu_type is None or is_model(self.model, job.gpu_type)
 
 
 @dataclass(frozen=True)
@@ -92,6 +122,7 @@ class JobRequest:
     node: str | None = None
     time_limit_s: int | None = None
     shared: bool = False  # may share its GPUs with other shared jobs, held to mem_mib on each
+    gpu_type: str | None = None  # `--gpu-type`: only GPUs whose model is of it (``is_model``)
 
     def __post_init__(self) -> None:
         if self.shared and self.mem_mib is None:
@@ -162,6 +193,9 @@ def decide(state: QueueState) -> Decision:
             # cluster with a long queue is the common case, and it must stay cheap).
             decision.waiting[job.id] = PRIORITY
             continue
+        if gpus.all_fenced_for(job):
+            decision.waiting[job.id] = PRIORITY  # behind a waiting job of its type
+            continue
         chosen = gpus.choose(job, decision.reservation)
         if chosen is not None:
             charge = packing.charged_gpus(job, [load.gpu for load in chosen], state.shared_context_mib)
@@ -180,7 +214,10 @@ def decide(state: QueueState) -> Decision:
         decision.reservation = gpus.reserve(job)
         gpus.failed.clear()  # what could not start may start now under the reservation, and the reverse
         if decision.reservation is None:
-            blocked = True
+            if job.gpu_type is None:
+                blocked = True
+            else:
+                gpus.fence(job)
     return decision
 
 
@@ -214,6 +251,24 @@ class _Gpus:
         # start) that found no GPUs since the last placement or reservation: a job of the same
         # kind finds none either (most of a long queue, behind a waiting job).
         self.failed: set[tuple[object, ...]] = set()
+        # GPU types of waiting jobs no reservation protects (`--gpu-type`, no time limits to reserve
+        # by): no later job starts on a GPU of theirs, as no later job at all starts behind an untyped
+        # one; GPUs of other models, which they could never use, stay open.
+        self.fenced: list[JobRequest] = []
+
+    def fence(self, job: JobRequest) -> None:
+        """Keep the GPUs typed ``job`` could use for it: later jobs start on others only."""
+        self.fenced.append(job)
+        self.failed.clear()
+
+    def open_to_later(self, gpu: GpuState) -> bool:
+        """Whether a job behind the fenced ones may start on ``gpu``."""
+        return not any(gpu.is_of(waiting) for waiting in self.fenced)
+
+    def all_fenced_for(self, job: JobRequest) -> bool:
+        """Whether every GPU of ``job``'s type is kept for a typed job ahead of it."""
+        return bool(self.fenced) and not any(g.gpu.is_of(job) and self.open_to_later(g.gpu)
+                                             for loads in self.by_node.values() for g in loads)
 
     def nodes_for(self, job: JobRequest) -> list[str]:
         return [n for n in self.by_node if job.node is None or n == job.node]
@@ -225,11 +280,13 @@ class _Gpus:
     def choose(self, job: JobRequest, reservation: Reservation | None) -> tuple[GpuLoad, ...] | None:
         """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
         ends_in_time = reservation is not None and self.ends(job) <= reservation.start
-        shape = (job.shared, job.gpus, job.mem_mib, job.node, ends_in_time)
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.gpu_type, ends_in_time)
         if shape in self.failed:
             return None
         if job.shared:
-            chosen = packing.choose_shared(job, packing.need_mib(job, self.context_mib), self.shareable,
+            shareable = self.shareable if not self.fenced else \
+                {n: [g for g in loads if self.open_to_later(g.gpu)] for n, loads in self.shareable.items()}
+            chosen = packing.choose_shared(job, packing.need_mib(job, self.context_mib), shareable,
                                            self.nodes_for(job), reservation, self.ends(job))
         else:
             chosen = self._choose_whole(job, reservation, ends_in_time)
@@ -242,7 +299,7 @@ class _Gpus:
         """Best fit for a whole-GPU job: the node with the fewest suitable GPUs free of gpuq jobs."""
         options = []
         for node in self.nodes_for(job):
-            usable = [g for g in self.free[node] if g.gpu.fits(job)]
+            usable = [g for g in self.free[node] if g.gpu.fits(job) and (not self.fenced or self.open_to_later(g.gpu))]
             if reservation is not None and node == reservation.node and not ends_in_time:
                 usable = [g for g in usable if g.gpu.id not in reservation.gpu_ids]
             if len(usable) >= job.gpus:
@@ -273,7 +330,8 @@ class _Gpus:
     def could_ever_fit(self, job: JobRequest) -> bool:
         if job.shared:
             need = packing.need_mib(job, self.context_mib)
-            return any(sum(packing.could_ever_share(g.gpu, need) for g in self.by_node[n]) >= job.gpus
+            return any(sum(g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need) for g in self.by_node[n])
+                       >= job.gpus
                        for n in self.nodes_for(job))
         return any(sum(1 for g in self.by_node[n] if g.gpu.fits(job)) >= job.gpus for n in self.nodes_for(job))
 
@@ -285,7 +343,7 @@ class _Gpus:
         for node in self.nodes_for(job):
             if need is not None:
                 suitable = sorted((g.ready_at(need, self.now), g.gpu.index, g.gpu.id) for g in self.by_node[node]
-                                  if packing.could_ever_share(g.gpu, need))
+                                  if g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need))
             else:
                 suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in self.by_node[node]
                                   if g.gpu.fits(job))
@@ -356,7 +414,7 @@ def _could_use(job: JobRequest, open_gpus: list[GpuState], state: QueueState) ->
     need = packing.need_mib(job, state.shared_context_mib) if job.shared else 0
 
     def suits(g: GpuState) -> bool:
-        return packing.could_ever_share(g, need) if job.shared else g.fits(job)
+        return g.is_of(job) and packing.could_ever_share(g, need) if job.shared else g.fits(job)
 
     usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and suits(g)]
     nodes = {g.node for g in usable}

@@ -31,7 +31,7 @@ from gpuq.service.settings import Settings
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_any, _t.reason, _t.shared, _t.array_id, _t.array_limit,
-                    _t.begin_at)
+                    _t.begin_at, _t.gpu_type)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -58,7 +58,8 @@ _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at,
     table(Allocation), table(Job), table(Allocation).c.job_id == _t.id))
 _g = table(Gpu).c
 _LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
-                             _g.foreign_mib).where(_g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None)))
+                             _g.foreign_mib, _g.name)
+                      .where(_g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None)))
 
 
 def _users_waiting() -> Select[Any]:
@@ -120,7 +121,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shared_mib=shared_mib.get(g.id, 0),
-                            shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id))
+                            shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id), model=g.name)
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).
@@ -204,7 +205,7 @@ def _request(row: Any) -> policy.JobRequest:
     """The policy's view of a pending job row (``_PENDING_COLUMNS``)."""
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
-                             time_limit_s=row.time_limit_s, shared=bool(row.shared))
+                             time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type)
 
 
 def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:

@@ -34,7 +34,7 @@ def spec_of(job: Job) -> JobSpec:
                    snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, shared=job.shared,
                    output_file=output_files.fill_array(job.output_file, job.array_id, job.array_index),
                    error_file=output_files.fill_array(job.error_file, job.array_id, job.array_index),
-                   signal=job.signal)
+                   signal=job.signal, gpu_type=job.gpu_type)
 
 
 def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) -> Job:

@@ -63,6 +63,8 @@ class JobSpec:
     error_file: str | None = None
     # Sent ahead of its time limit (`--signal`, units.JobSignal's text); None: none.
     signal: str | None = None
+    # Only GPUs of this type (`--gpu-type a100`, policy.is_model); None: any.
+    gpu_type: str | None = None
     # May share its GPUs with other shared jobs, held to mem_mib on each (`--shared`).
     shared: bool = False
     # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.
@@ -89,6 +91,7 @@ class Scheduling:
     shared: bool = False
     begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
     signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
+    gpu_type: str | None = None  # `--gpu-type a100`
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -117,6 +120,7 @@ class Scheduling:
             "shared": self.shared,
             "begin_at": begin_of(self.begin) if self.begin is not None else None,
             "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,
+            "gpu_type": check_gpu_type(self.gpu_type) if self.gpu_type is not None else None,
         }
 
 
@@ -278,6 +282,18 @@ def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> di
     if sum(len(k) + len(v.encode("utf-8", "surrogateescape")) + 2 for k, v in env.items()) > MAX_ENV_BYTES:
         raise InvalidSpec(f"the job's environment is larger than {MAX_ENV_BYTES // 1024} KiB")
     return env
+
+
+_GPU_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}", re.ASCII)
+
+
+def check_gpu_type(text: str) -> str:
+    """``--gpu-type`` as given, trimmed; InvalidSpec unless a GPU's model could be written so."""
+    gpu_type = text.strip()
+    if not _GPU_TYPE.fullmatch(gpu_type):
+        raise InvalidSpec(f"--gpu-type takes a GPU model as `gpuq devices` names it, e.g. a100, h100 or rtx3090 "
+                          f"(letters, digits, spaces, . _ -, at most 64); got {text[:64]!r}")
+    return gpu_type
 
 
 def check_gpus(gpus: int) -> int:

@@ -1,36 +1,33 @@
-"""Submitting: a submission's checks, its rows written in one transaction with its idempotency
-key, its code recorded or staged, and its jobs placed at once when nothing else waits."""
+"""Submitting: a submission checked (service/submit_checks.py), its rows written in one transaction
+with its idempotency key, its code recorded or staged, and its jobs placed at once when nothing
+else waits."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, false, func, select, true
+from sqlalchemy import bindparam
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, dependencies, policy, rights
+from gpuq.service import broker, policy
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
-from gpuq.service.allocations import check_node
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, require_schema, write_scope
-from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
-from gpuq.service.display import time_limit
-from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit, StateConflict
+from gpuq.service.errors import DuplicateSubmission
 from gpuq.service.lifecycle import Actor, check, move
-from gpuq.service.models import Gpu, Job, Submission, table, utcnow
+from gpuq.service.models import Job, Submission, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.scheduler import place_at_submit
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
-from gpuq.service.units import JobSignal
+from gpuq.service.submit_checks import check_pending_limit, check_submission, submitted_with
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING
@@ -53,23 +50,8 @@ _INSERT_FIRST_JOB = Prepared(_INSERT_JOB)
 _INSERT_NUMBERED_JOBS = Prepared(_JOBS.insert())
 # A submit's checks and its key, run on every submit the server takes.
 _INSERT_SUBMISSION = Prepared(table(Submission).insert())
-_SUBMITTED = table(Submission)
-_SUBMITTED_WITH = Prepared(select(_SUBMITTED.c.user, _SUBMITTED.c.job_ids).where(_SUBMITTED.c.key == bindparam("key")))
-_GPUS_PER_NODE = Prepared(select(table(Gpu).c.node, func.count()).where(table(Gpu).c.retired_at.is_(None))
-                          .group_by(table(Gpu).c.node))
-# Held or not as a list of both: the count then seeks this user's jobs in the queue-order index
-# (state, held, user, ...) once per value, instead of counting through every pending job of everyone.
-_PENDING_OF = Prepared(select(func.count()).select_from(_JOBS).where(
-    _JOBS.c.state == State.PENDING, _JOBS.c.held.in_([false(), true()]), _JOBS.c.user == bindparam("user")))
 
 
-def largest_node(session: Session, settings: Settings, local: list[GpuInfo]) -> tuple[str | None, int]:
-    """The node with the most GPUs known to gpuq (registered by workers, or ``local``: this node's)."""
-    rows = _GPUS_PER_NODE.run(session.connection(), {})
-    best = max(rows, key=lambda r: r[1], default=(None, 0))
-    if len(local) > best[1]:
-        return settings.node, len(local)
-    return best[0], best[1]
 
 
 def submit(settings: Settings, spec: JobSpec) -> Job:
@@ -102,7 +84,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     require_schema(settings)
     broker.check(settings)
     specs = _with_default_time(settings, specs)
-    near_cap = _check(settings, specs, key)
+    near_cap = check_submission(settings, specs, key)
     staged = None
     try:
         specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
@@ -114,7 +96,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
                 # together: near it, the count is taken again where the jobs are written, one
                 # submission of that user's at a time (SQLite's write lock already makes it so).
                 one_at_a_time(session, f"gpuq pending cap: {specs[0].user}")
-                _check_pending_limit(session, settings, specs[0].user, len(specs))
+                check_pending_limit(session, settings, specs[0].user, len(specs))
             ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
             placed = place_at_submit(session, settings, values)
     except BaseException as failed:
@@ -138,32 +120,6 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     return [Job(**row) for row in values]
 
 
-def _check(settings: Settings, specs: list[JobSpec], key: str | None) -> bool:
-    """A submission's checks, in a read-only transaction. Returns whether the submission takes its
-    user past half their pending cap (then the write counts again).
-
-    A key used before answers with its jobs whatever the checks would say now: a check that
-    refuses looks the key up first. A key that passes the checks is looked up by its insert, whose
-    unique key refuses a second use (``_insert``): a statement fewer on every submit, since a key
-    comes back only when an answer was lost."""
-    first = specs[0]
-    with read_scope(settings) as session:
-        try:
-            if first.kind == c.KIND_INTERACTIVE and first.on_node is not None:
-                check_node(session, first.on_node)
-            _check_resources(session, settings, first)
-            check_time_limit(settings, first.time_limit_s)
-            _check_dependencies(session, first.after, first.after_any)
-            near_cap = _check_pending_limit(session, settings, first.user, len(specs))
-            _check_priority(settings, first)
-            _check_signal(first)
-            if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
-                raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
-        except GpuqError:
-            if key is not None and (made := submitted_with(session, key, first.user)) is not None:
-                raise DuplicateSubmission(key, made) from None
-            raise
-    return near_cap
 
 
 def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | None, indexed: bool,
@@ -222,7 +178,7 @@ def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
                 array_index=s.array_index, array_id=None, array_limit=s.array_limit, git_commit=s.git_commit,
                 git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
                 host_mem_mib=s.host_mem_mib, requeues=0, output_file=s.output_file, error_file=s.error_file,
-                begin_at=s.begin_at, signal=s.signal,
+                begin_at=s.begin_at, signal=s.signal, gpu_type=s.gpu_type,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None,
@@ -264,51 +220,10 @@ def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, re
     return specs, staged
 
 
-# This node's GPUs as a submit's checks count them (they also count the GPUs workers registered):
-# asked of NVML, or of the simulation, once a minute at most rather than on every submit the server
-# takes, where NVML's initialisation alone can cost more than the rest of the submit.
-_LOCAL_GPUS_TTL_S = 60.0
-_local_gpus: dict[Settings, tuple[float, list[GpuInfo]]] = {}
 
 
-def local_gpus(settings: Settings) -> list[GpuInfo]:
-    now = time.monotonic()
-    known = _local_gpus.get(settings)
-    if known is None or now - known[0] > _LOCAL_GPUS_TTL_S:
-        known = _local_gpus[settings] = (now, open_devices(settings).list())
-    return known[1]
 
 
-def _check_resources(session: Session, settings: Settings, spec: JobSpec) -> None:
-    local = local_gpus(settings)
-    node, most = largest_node(session, settings, local)
-    if most == 0:
-        raise InvalidSpec("no GPU is known to gpuq yet: start the workers first (`gpuq up`, or "
-                          "`gpuq worker --gpu I` on each GPU node)")
-    if spec.on_node is not None:
-        n = session.scalar(select(func.count()).select_from(Gpu).where(Gpu.node == spec.on_node,
-                                                                       Gpu.retired_at.is_(None))) or 0
-        if spec.on_node == settings.node:
-            n = max(n, len(local))
-        if n == 0:
-            raise InvalidSpec(f"--node {spec.on_node}: no such node is known to gpuq")
-        if spec.gpus > n:
-            raise InvalidSpec(f"--gpus {spec.gpus} is more than node {spec.on_node} has ({n})")
-    elif spec.gpus > most:
-        raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
-    if settings.user_gpu_limit and spec.gpus > settings.user_gpu_limit:
-        # Accepted, it waited for ever ("user limit"), as one past any node's GPUs would.
-        raise InvalidSpec(f"--gpus {spec.gpus} is more than the {settings.user_gpu_limit} a user may hold at once "
-                          "(GPUQ_USER_GPU_LIMIT): it would never start")
-    if spec.mem_mib is not None:
-        biggest = session.scalar(select(func.max(Gpu.memory_total_mib)).where(Gpu.retired_at.is_(None))) or 0
-        here = max((g.memory_total_mib for g in local), default=0)
-        most = max(biggest, here)
-        if spec.mem_mib > most:
-            raise InvalidSpec(f"--mem {spec.mem_mib} MiB is more than any GPU has ({most} MiB)")
-        if spec.shared and spec.mem_mib + settings.shared_context_mib > most:
-            raise InvalidSpec(f"--mem {spec.mem_mib} MiB and the {settings.shared_context_mib} MiB a shared job's CUDA "
-                              f"context is given are more than any GPU has ({most} MiB); drop --shared")
 
 
 def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
@@ -320,76 +235,15 @@ def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec
     return [s if s.time_limit_s is not None else replace(s, time_limit_s=default) for s in specs]
 
 
-def _check_signal(spec: JobSpec) -> None:
-    """InvalidSpec for a --signal that could not be sent as asked: on a built-in workload (it runs in
-    its worker, which the signal would reach), or without a time limit to come before."""
-    if spec.signal is None:
-        return
-    sent = JobSignal.parse(spec.signal)
-    if spec.kind != c.KIND_COMMAND:
-        raise InvalidSpec("--signal is for a command (after --); a built-in workload runs in its worker")
-    if spec.time_limit_s is None:
-        raise InvalidSpec(f"--signal {sent.text} is sent ahead of a time limit: give --time (this queue sets no "
-                          "default time limit, GPUQ_DEFAULT_TIME)")
-    if sent.before_s >= spec.time_limit_s:
-        limit = time_limit(spec.time_limit_s)
-        raise InvalidSpec(f"--signal {sent.text}: {sent.before_s} s before a time limit of {limit} is before its start")
 
 
-def check_time_limit(settings: Settings, seconds: int | None) -> None:
-    """InvalidSpec for a time limit past the queue's maximum (GPUQ_MAX_TIME), at submit and at
-    `gpuq update --time`: a lab's MaxTime is refused at once, as SLURM does with EnforcePartLimits,
-    rather than left waiting for ever."""
-    most = settings.time_limits[1]
-    if most is not None and seconds is not None and seconds > most:
-        raise InvalidSpec(f"--time {time_limit(seconds)} is more than this queue's maximum, "
-                          f"{time_limit(most)} (GPUQ_MAX_TIME)")
 
 
-def _check_pending_limit(session: Session, settings: Settings, user: str, adding: int) -> bool:
-    """OverLimit if ``adding`` more jobs take ``user`` past their pending cap; else whether they
-    take them past half of it."""
-    limit = settings.max_pending_per_user
-    if not limit:
-        return False
-    conn = session.connection()
-    pending = _PENDING_OF.run(conn, {"user": user})[0][0]
-    if pending + adding > limit:
-        raise OverLimit(f"{user} has {pending} jobs pending and the limit is {limit} at once "
-                        f"(GPUQ_MAX_PENDING_PER_USER); this submission adds {adding}")
-    return 2 * (pending + adding) > limit
 
 
-def submitted_with(session: Session, key: str, user: str) -> list[int] | None:
-    """The ids of the jobs ``user`` submitted with idempotency key ``key``, or None. Another
-    user's key is theirs: it is refused, not answered."""
-    rows = _SUBMITTED_WITH.run(session.connection(), {"key": key})
-    if not rows:
-        return None
-    row = rows[0]
-    if row.user != user:
-        raise NotAllowed("that submission key belongs to another user")
-    return list(row.job_ids)
 
 
-def _check_priority(settings: Settings, spec: JobSpec) -> None:
-    if spec.priority > settings.max_priority and not rights.is_admin_user(settings, spec.user):
-        raise InvalidSpec(f"--priority {spec.priority} is above the users' limit of {settings.max_priority}")
 
 
-def _check_dependencies(session: Session, after: list[int] | None, after_any: bool = False) -> None:
-    if not after:
-        return
-    option = "--after-any" if after_any else "--after"
-    found, _ = dependencies.look_up(session, after)
-    missing = [i for i in after if i not in found]
-    if missing:
-        raise InvalidSpec(f"{option}: no job {missing[0]}")
-    # A job after one that already failed would be cancelled at once (`gpuq run` said 130, as if
-    # the user had pressed Ctrl-C): refused here instead, as sbatch refuses a dependency that can
-    # never be satisfied. One that fails later still cancels it, with its reason. An array's id
-    # is every task of it (service/dependencies.py).
-    doomed = [] if after_any else [found[i] for i in after if found[i].failed is not None]
-    if doomed:
-        raise StateConflict(f"--after {doomed[0].id}: {doomed[0].never_met()}, so this job would never "
-                            "start (--after-any starts it after any end)")
+
+

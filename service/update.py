@@ -32,7 +32,7 @@ from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, UTCDateTime, table
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
-from gpuq.service.submitting import check_time_limit
+from gpuq.service.submit_checks import check_time_limit
 from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration
 
 _JOBS = table(Job)

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.pool import NullPool
 
-from gpuq.service import db, spec, submitting
+from gpuq.service import db, spec, submit_checks, submitting
 from gpuq.service.dialect import is_sqlite_url
 from gpuq.service.models import Job
 
@@ -54,15 +54,15 @@ def test_a_read_scope_leaves_its_pooled_connection_in_a_transaction_for_the_next
 
 def test_a_submit_asks_this_nodes_devices_for_its_gpus_once_a_minute_not_every_time(settings, monkeypatch):
     opened = []
-    real = submitting.open_devices
-    monkeypatch.setattr(submitting, "open_devices", lambda s: opened.append(s) or real(s))
-    monkeypatch.setattr(submitting, "_local_gpus", {})
-    first = submitting.local_gpus(settings)
+    real = submit_checks.open_devices
+    monkeypatch.setattr(submit_checks, "open_devices", lambda s: opened.append(s) or real(s))
+    monkeypatch.setattr(submit_checks, "_local_gpus", {})
+    first = submit_checks.local_gpus(settings)
     assert [g.index for g in first] == [0, 1] and len(opened) == 1
-    assert submitting.local_gpus(settings) == first and len(opened) == 1
+    assert submit_checks.local_gpus(settings) == first and len(opened) == 1
     # A minute on (the entry made as long ago), they are asked for again.
-    submitting._local_gpus[settings] = (time.monotonic() - submitting._LOCAL_GPUS_TTL_S - 1, first)
-    assert submitting.local_gpus(settings) == first and len(opened) == 2
+    submit_checks._local_gpus[settings] = (time.monotonic() - submit_checks._LOCAL_GPUS_TTL_S - 1, first)
+    assert submit_checks.local_gpus(settings) == first and len(opened) == 2
 
 
 def _backend_pid(session) -> int:
