@@ -65,11 +65,12 @@ def status(
 
 def _gpus(j: dict[str, Any]) -> str:
     """The GPUS cell: how many, and for a shared job its share of each (``share 3.0G``, ``2×share
-    3.0G``), as squeue's TRES tells a GPU from a shard."""
+    3.0G``), as squeue's TRES tells a GPU from a shard; then the type asked for (``2 a100``)."""
+    typed = f" {j['gpu_type']}" if j.get("gpu_type") else ""  # a server from before --gpu-type sends none
     if not (j.get("shared") and j.get("mem_mib")):
-        return str(j["gpus"])
+        return f"{j['gpus']}{typed}"
     share = f"share {j['mem_mib'] / 1024:.1f}G"
-    return share if j["gpus"] == 1 else f"{j['gpus']}×{share}"
+    return (share if j["gpus"] == 1 else f"{j['gpus']}×{share}") + typed
 
 
 def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:

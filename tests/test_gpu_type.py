@@ -117,3 +117,5 @@ def test_a_type_no_gpu_is_or_too_many_of_it_are_refused_at_submit_naming_the_mod
     made = json.loads(run_cli(["submit", "--json", "--hold", "--gpu-type", "rtx 3090", "--", "true"], s).stdout)
     assert made["gpu_type"] == "rtx 3090"
     assert "GPU type rtx 3090" in run_cli(["show", str(made["id"])], s).stdout
+    line = next(ln for ln in run_cli(["status"], s).stdout.splitlines() if ln.lstrip().startswith(str(made["id"])))
+    assert "  1 rtx 3090  " in line, line  # the GPUS column, as squeue's TRES gives gpu:a100:1
