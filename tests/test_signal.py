@@ -30,8 +30,8 @@ import os, signal, sys, time
 where = sys.argv[1]
 def note(who):
     def handler(signum, frame):
-        with open(os.path.join(where, who), "w") as f:
-            f.write(repr(time.time()))
+        with open(os.path.join(where, who), "a") as f:
+            f.write(repr(time.time()) + "\\n")
     return handler
 if os.fork() == 0:
     signal.signal(signal.SIGUSR1, note("child"))
@@ -81,6 +81,8 @@ def test_the_signal_reaches_every_process_of_the_job_before_its_time_limit_and_b
         with write_scope(s) as session:
             ran = jobs.get_job(session, job)
             started, ended = ran.started_at.timestamp(), ran.ended_at.timestamp()
+        # Once each: a checkpoint asked for twice is saved twice.
+        assert [len((where / who).read_text().splitlines()) for who in sorted(expected)] == [1] * len(expected)
         noted = float((where / "main").read_text())
         # Sent as the limit neared, and the job went on after it until the limit stopped it.
         assert started + 1 < noted < ended - 1, (started, noted, ended)

@@ -27,7 +27,7 @@ from gpuq.service.launchable import interpreter_of
 from gpuq.service.units import JobSignal
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.identity import Identity
-from gpuq.workers.job_processes import Finder, exited, registered, signal_all, stop_tree, verify_gone
+from gpuq.workers.job_processes import Finder, exited, registered, signal_all, signal_each_once, stop_tree, verify_gone
 from gpuq.workers.output import OutputSink
 from gpuq.workers.output_copy import Copy, OutputFiles, copies_of, open_in_child, receive
 from gpuq.workers.owner_files import umask_of
@@ -102,7 +102,7 @@ class Ahead:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig.number)
         else:
-            signal_all(pid, found(), sig.number)
+            signal_each_once(pid, found(), sig.number)
         to = "its main process" if sig.main_only else "the job"
         sink.note(f"[gpuq: SIG{sig.name} sent to {to}, {sig.before_s} s before its time limit (--signal)]")
 

@@ -178,6 +178,20 @@ def _wait_until_exited(pid: int | None, deadline: float) -> None:
         time.sleep(0.02)
 
 
+def signal_each_once(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
+    """``sig`` to the process group ``pgid`` and to those of ``procs`` that left it, so that each
+    process gets it once: a signal a job acts on (`--signal`'s checkpoint) must not come twice, as
+    ``signal_all``'s, harmless for a stop, would to every process still in the group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    for p in procs:
+        try:
+            if os.getpgid(p.pid) != pgid:
+                p.send_signal(sig)
+        except (OSError, psutil.Error):
+            pass
+
+
 def signal_all(pgid: int | None, procs: list[psutil.Process], sig: signal.Signals) -> None:
     """``sig`` to the process group ``pgid`` (while its leader holds the number: see the module's
     note) and to each of ``procs`` (psutil checks each is still the process it found)."""
