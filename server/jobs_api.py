@@ -185,8 +185,7 @@ async def active(request: web.Request) -> web.Response:
 
 
 # `--state` as scancel's -t reads it: a dispatched job is on its way to running.
-_ACTIVE_BY_WORD: dict[str, tuple[str, ...]] = {State.PENDING: (State.PENDING,),
-                                              State.RUNNING: (State.DISPATCHED, State.RUNNING)}
+_ACTIVE_BY_WORD: dict[str, tuple[str, ...]] = {word: jobs.STATE_WORDS[word] for word in (State.PENDING, State.RUNNING)}
 
 
 def _active(settings: Settings, user: str, name: str | None, states: tuple[str, ...]) -> list[int]:

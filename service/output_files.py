@@ -47,9 +47,8 @@ def fill(path: str, *, job_id: int, array_id: int | None, array_index: int | Non
          node: str) -> str:
     """``path`` with its patterns filled in for one job. A name's slashes become underscores: a
     name is a label, not a way into another directory."""
-    values = {"j": str(job_id), "A": str(array_id if array_id is not None else job_id),
-              "a": "" if array_index is None else str(array_index), "x": name.replace("/", "_"), "u": user,
-              "N": node.split(".")[0], "%": "%"}
+    values = {"j": str(job_id), **_array_values(array_id if array_id is not None else job_id, array_index),
+              "x": name.replace("/", "_"), "u": user, "N": node.split(".")[0], "%": "%"}
     return _TOKEN.sub(lambda m: values[m.group(1)], path)
 
 
@@ -59,5 +58,10 @@ def fill_array(path: str | None, array_id: int | None, array_index: int | None) 
     (run_%A_%a.log), not to one whose index is empty."""
     if path is None or array_id is None:
         return path
-    values = {"A": str(array_id), "a": "" if array_index is None else str(array_index)}
+    values = _array_values(array_id, array_index)
     return _TOKEN.sub(lambda m: values.get(m.group(1), m.group(0)), path)
+
+
+def _array_values(array_id: int, array_index: int | None) -> dict[str, str]:
+    """What %A and %a fill in: the array's id (a job's own outside one) and its index (empty outside one)."""
+    return {"A": str(array_id), "a": "" if array_index is None else str(array_index)}

@@ -255,11 +255,15 @@ class _Gpus:
         # by): no later job starts on a GPU of theirs, as no later job at all starts behind an untyped
         # one; GPUs of other models, which they could never use, stay open.
         self.fenced: list[JobRequest] = []
+        # ``all_fenced_for``'s answer by GPU type (it depends on nothing else), until the next fence:
+        # a long queue behind a fenced job would ask it once per job.
+        self.fenced_for: dict[str | None, bool] = {}
 
     def fence(self, job: JobRequest) -> None:
         """Keep the GPUs typed ``job`` could use for it: later jobs start on others only."""
         self.fenced.append(job)
         self.failed.clear()
+        self.fenced_for.clear()
 
     def open_to_later(self, gpu: GpuState) -> bool:
         """Whether a job behind the fenced ones may start on ``gpu``."""
@@ -267,8 +271,12 @@ class _Gpus:
 
     def all_fenced_for(self, job: JobRequest) -> bool:
         """Whether every GPU of ``job``'s type is kept for a typed job ahead of it."""
-        return bool(self.fenced) and not any(g.gpu.is_of(job) and self.open_to_later(g.gpu)
-                                             for loads in self.by_node.values() for g in loads)
+        if not self.fenced:
+            return False
+        if job.gpu_type not in self.fenced_for:
+            self.fenced_for[job.gpu_type] = not any(g.gpu.is_of(job) and self.open_to_later(g.gpu)
+                                                    for loads in self.by_node.values() for g in loads)
+        return self.fenced_for[job.gpu_type]
 
     def nodes_for(self, job: JobRequest) -> list[str]:
         return [n for n in self.by_node if job.node is None or n == job.node]

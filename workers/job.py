@@ -52,18 +52,13 @@ class JobRun:
     # A command's output copied to the user's files as well, patterns unfilled (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None
-    # Sent ahead of its time limit (`--signal`, units.JobSignal's text); None: none.
-    signal: str | None = None
-
-    @property
-    def job_signal(self) -> JobSignal | None:
-        """Its `--signal`, parsed; None: none."""
-        return JobSignal.parse(self.signal) if self.signal is not None else None
+    # Sent ahead of its time limit (`--signal`), read once from the row; None: none.
+    signal: JobSignal | None = None
 
     @property
     def signal_before_s(self) -> int | None:
         """How long before its time limit it is sent its `--signal`, seconds; None: it has none."""
-        return self.job_signal.before_s if self.job_signal is not None else None
+        return self.signal.before_s if self.signal is not None else None
 
     @property
     def started_s(self) -> float | None:
@@ -111,4 +106,4 @@ def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...],
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
                   memory_total_mib=memory_total_mib, gpu_share=job.gpu_share, array_id=job.array_id,
                   array_index=job.array_index, output_file=job.output_file, error_file=job.error_file,
-                  signal=job.signal)
+                  signal=JobSignal.parse(job.signal) if job.signal is not None else None)
