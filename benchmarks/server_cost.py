@@ -44,7 +44,10 @@ def roles(supervisor_pid: int) -> dict[str, list[Any]]:
 
     found: dict[str, list[Any]] = {role: [] for role in ROLES.values()}
     for child in psutil.Process(supervisor_pid).children(recursive=True):
-        cmd = " ".join(child.cmdline())
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:  # a short-lived child (a probe) gone or a zombie meanwhile: none of these
+            continue
         for mark, role in ROLES.items():
             if mark in cmd:
                 found[role].append(child)

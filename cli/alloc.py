@@ -29,7 +29,7 @@ import typer
 from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
 from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises, say
-from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd
+from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd, typed
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import GpuqError, InvalidSpec
@@ -45,8 +45,10 @@ END_WAIT_SECONDS = 120.0
 @app.command(cls=SubmitCommand)
 def alloc(
     ctx: typer.Context,
-    gpus: Annotated[int, typer.Option("--gpus", "-G", help="GPUs to hold, all on this node.",
-                                      parser=numbers.gpu_count)] = 1,
+    gpus: Annotated[numbers.GpuAsk, typer.Option("--gpus", "-G", help="GPUs to hold (1), all on this node; TYPE:COUNT "
+                                                 "(a100:2): COUNT of that --gpu-type.", parser=numbers.gpu_count,
+                                                 show_default=False)]
+    = numbers.ONE_GPU,
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Only GPUs of this model (a100, rtx3090), "
                                                  "as `gpuq devices` names them.")] = None,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
@@ -72,7 +74,8 @@ def alloc(
         raise InvalidSpec("no command given after --")
     cwd = _cwd()
     _check_program(command, cwd)
-    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": gpus, "gpu_type": gpu_type, "mem": mem,
+    count, gpu_type = typed(gpus, gpu_type)
+    body: dict[str, Any] = {"interactive": True, "command": command, "gpus": count, "gpu_type": gpu_type, "mem": mem,
                             "shared": shared,
                             "time": time_limit, "name": name, "priority": priority, "node": load_settings().node,
                             "cwd": cwd, "key": uuid.uuid4().hex}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 _DIGITS = re.compile(r"[0-9]+")
 _SIGNED = re.compile(r"-?[0-9]+")
@@ -49,16 +50,31 @@ def whole(low: int = 0, high: int | None = None, name: str = "count") -> Callabl
     return parse
 
 
-def gpu_count(text: str | int) -> int:
-    """``--gpus``: 1 or more; sbatch's ``--gpus a100:2`` is told where its type goes."""
-    typed = re.fullmatch(r"([A-Za-z][^:]*):([0-9]+)", text) if isinstance(text, str) else None
-    if typed:
-        raise ValueError(f"{text!r}: give the count alone and the type apart: --gpus {typed[2]} --gpu-type {typed[1]}")
-    return _one_or_more(text)
+@dataclass(frozen=True)
+class GpuAsk:
+    """``--gpus`` as given: how many, and the model where it came as sbatch's TYPE:COUNT (a100:2)."""
+
+    count: int
+    model: str | None = None
 
 
+def gpu_count(text: str | int | GpuAsk) -> GpuAsk:
+    """``--gpus``: 1 or more, or TYPE:COUNT as sbatch's ``--gpus a100:2`` (the type as --gpu-type's)."""
+    if isinstance(text, GpuAsk):
+        return text
+    if isinstance(text, int):
+        return GpuAsk(_one_or_more(text))
+    model, colon, count = text.rpartition(":")
+    if not colon:
+        return GpuAsk(_one_or_more(text))
+    if not model.strip() or not _DIGITS.fullmatch(count):
+        raise ValueError(f"{text!r} is not a GPU count: give COUNT (2) or TYPE:COUNT (a100:2)")
+    return GpuAsk(_one_or_more(count), model.strip())
+
+
+ONE_GPU = GpuAsk(1)
 _one_or_more = whole(1)
-gpu_count.__name__ = "count"
+gpu_count.__name__ = "[type:]count"
 
 
 def integer(text: str | int) -> int:

@@ -73,11 +73,12 @@ def submit(
     ctx: typer.Context,
     workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`).",
                                                    show_default=False)] = None,
-    gpus: Annotated[int | None, typer.Option(
-        "--gpus", "-G", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes).",
-        show_default=False, parser=numbers.gpu_count)] = None,
+    gpus: Annotated[numbers.GpuAsk | None, typer.Option(
+        "--gpus", "-G", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes); "
+        "TYPE:COUNT (a100:2) as sbatch's: COUNT of that --gpu-type.", show_default=False,
+        parser=numbers.gpu_count)] = None,
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Only GPUs of this model, as `gpuq devices` "
-                                                 "names them: a100, h100, rtx3090 (sbatch's --gpus a100:N).")] = None,
+                                                 "names them: a100, h100, rtx3090.")] = None,
     name: Annotated[str | None, typer.Option("--name", "-J", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
@@ -144,6 +145,7 @@ def submit(
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
         scripted, origins = script_options(ctx, command, cwd)
         options.update(scripted)
+    options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)
     body: dict[str, Any] = {
         "workload": workload, "args": extra, "command": command, **options, "cwd": cwd, "user": user,
         # The same key on every try: a server that restarted mid-submit makes the jobs once.
@@ -191,6 +193,20 @@ def submit(
         at_once = made[0].get("array_limit")
         typer.echo(f"submitted array {made[0]['array_id']}: jobs {made[0]['id']}-{made[-1]['id']} ({len(made)}"
                    + (f", {at_once} at once at most)" if at_once else ")"))
+
+
+def typed(ask: numbers.GpuAsk | None, gpu_type: str | None, origins: dict[str, str] | None = None
+          ) -> tuple[int | None, str | None]:
+    """The GPU count and type a request sends for ``--gpus`` (COUNT or TYPE:COUNT) and ``--gpu-type``;
+    InvalidSpec where the two name different types (``origins``: the script lines that gave them)."""
+    if ask is None:
+        return None, gpu_type
+    if ask.model is not None and gpu_type is not None and ask.model.lower() != gpu_type.strip().lower():
+        where = "".join(f" (--{n.replace('_', '-')} from {origins[n]})" for n in ("gpus", "gpu_type")
+                        if origins and n in origins)
+        raise InvalidSpec(f"--gpus {ask.model}:{ask.count} and --gpu-type {gpu_type} name two GPU types: give "
+                          f"one{where}")
+    return ask.count, gpu_type if gpu_type is not None else ask.model
 
 
 def _cwd() -> str:

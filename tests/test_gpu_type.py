@@ -110,7 +110,9 @@ def test_a_type_no_gpu_is_or_too_many_of_it_are_refused_at_submit_naming_the_mod
             (["--gpu-type", "a100", "--gpus", "2"], "--gpus 2 is more than any node has of --gpu-type a100 (the "
                                                     f"most, {s.node}, has 1)"),
             (["--gpu-type", "a100;rm"], "--gpu-type takes a GPU model"),
-            (["--gpus", "a100:2"], "give the count alone and the type apart: --gpus 2 --gpu-type a100")):
+            (["--gpus", "a100:2"], "--gpus 2 is more than any node has of --gpu-type a100"),  # sbatch's TYPE:COUNT
+            (["--gpus", "a100:1", "--gpu-type", "rtx"], "--gpus a100:1 and --gpu-type rtx name two GPU types"),
+            (["--gpus", "a100:"], "'a100:' is not a GPU count: give COUNT (2) or TYPE:COUNT (a100:2)")):
         out = run_cli(["submit", *args, "--", "true"], s)
         assert (out.returncode, out.stdout) == (c.EXIT_USAGE, ""), out
         assert says in out.stderr and out.stderr.count("\n") == 1, out.stderr
@@ -119,3 +121,6 @@ def test_a_type_no_gpu_is_or_too_many_of_it_are_refused_at_submit_naming_the_mod
     assert "GPU type rtx 3090" in run_cli(["show", str(made["id"])], s).stdout
     line = next(ln for ln in run_cli(["status"], s).stdout.splitlines() if ln.lstrip().startswith(str(made["id"])))
     assert "  1 rtx 3090  " in line, line  # the GPUS column, as squeue's TRES gives gpu:a100:1
+    typed = json.loads(run_cli(["submit", "--json", "--hold", "--gpus", "A100:1", "--gpu-type", "a100", "--", "true"],
+                               s).stdout)
+    assert (typed["gpus"], typed["gpu_type"]) == (1, "a100")  # the same type, as --gpu-type wrote it

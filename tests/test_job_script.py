@@ -87,6 +87,8 @@ def test_a_scripts_options_apply_and_the_command_lines_win(use_settings, tmp_pat
     ("#GPUQ matmul", "job.sh line 2: 'matmul': a #GPUQ line takes gpuq submit's options only"),
     ("#GPUQ -- true", "job.sh line 2: '--': a #GPUQ line takes gpuq submit's options only"),
     ("#GPUQ --user root", "job.sh line 2: --user is given on the command line, not in a script"),
+    ("#GPUQ --gpus a100:1\n#GPUQ --gpu-type rtx", "--gpus a100:1 and --gpu-type rtx name two GPU types: give one "
+                                                 "(--gpus from job.sh line 2) (--gpu-type from job.sh line 3)"),
     ("#GPUQ --json", "job.sh line 2: --json is given on the command line, not in a script"),
     ("#GPUQ --name 'unclosed", "job.sh line 2: #GPUQ --name 'unclosed: No closing quotation"),
     # Refused by the server, which knows options, not lines: the client names the line.
@@ -102,6 +104,15 @@ def test_a_bad_gpuq_line_is_refused_in_one_line_naming_it_and_nothing_is_written
     assert result.output.count("\n") == 1 and result.output.startswith("gpuq: ")
     assert message in result.output
     assert jobs_in(use_settings) == 0
+
+
+def test_a_scripts_gpus_type_count_asks_for_that_many_of_that_model(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, "#!/bin/sh\n#GPUQ --gpus simulated:1 --hold\ntrue\n")  # sbatch's --gpus TYPE:COUNT
+    job = submitted(["--", "./job.sh"])
+    assert (job["gpus"], job["gpu_type"]) == (1, "simulated")
+    job = submitted(["--gpus", "1", "--", "./job.sh"])  # the command line's --gpus replaces the line's, type and all
+    assert (job["gpus"], job["gpu_type"]) == (1, None)
 
 
 def test_run_of_a_script_whose_lines_make_an_array_says_which_line(use_settings, tmp_path, monkeypatch):

@@ -620,7 +620,8 @@ def test_a_users_output_file_is_written_as_them_and_a_link_to_a_file_they_may_no
     # them write any file of the machine. The job's own process opens it, as the user.
     a = box.a
     home = Path(box.home_of(a))
-    job_id = _submitted(box.gpuq(a, "submit", "-o", "run-%j.log", "--", "/bin/sh", "-c", "id -un; sleep 1; echo err >&2"))
+    job_id = _submitted(box.gpuq(a, "submit", "-o", "run-%j.log", "--", "/bin/sh", "-c",
+                                 "id -un; sleep 1; echo err >&2"))
     # The sleep: stdout and stderr come through two pipes, each copied by its own thread, so two lines
     # written within an instant of each other may land in either order (README, --output).
     assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED
