@@ -6,6 +6,7 @@ the devices can fail, and "no NVIDIA library or driver here" means "no GPUs", no
 
 from __future__ import annotations
 
+import re
 import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ class SimulatedDevices:
     why_none = ""
 
     def __init__(self, count: int, memory_mib: int, node: str, foreign: str = "",
-                 faults: Path | None = None, memory: SimulatedMemory | None = None) -> None:
+                 faults: Path | None = None, memory: SimulatedMemory | None = None, names: str = "") -> None:
         self._foreign = parse_foreign(foreign)
         self._memory = memory
         # A file ``<faults>/<node>.<index>.lost`` makes that GPU read as lost, the way NVML reports
@@ -116,8 +117,8 @@ class SimulatedDevices:
         self._node, self._faults = node, faults
         self._gpus = [
             GpuInfo(index=i, uuid=f"GPU-sim-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{node}/{i}')}",
-                    name="Simulated GPU", memory_total_mib=memory_mib, simulated=True)
-            for i in range(count)
+                    name=name, memory_total_mib=memory_mib, simulated=True)
+            for i, name in enumerate(parse_names(names, count))
         ]
 
     def list(self) -> list[GpuInfo]:
@@ -132,6 +133,22 @@ class SimulatedDevices:
             lost = "simulated GPU marked lost"
         declared = self._memory.processes(index) if self._memory is not None else ()
         return GpuReading(processes=(*self._foreign.get(index, ()), *declared), lost=lost)
+
+
+SIMULATED_NAME = "Simulated GPU"
+# A model name as NVML gives one: letters, digits, spaces and - _ . ( ) /, up to its 96 bytes.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._()/-]{0,95}")
+
+
+def parse_names(text: str, count: int) -> list[str]:
+    """``count`` simulated GPUs' names from ``"NVIDIA A100-SXM4-80GB,NVIDIA GeForce RTX 3090"``:
+    by index, the last naming the rest; ConfigError for one NVML could not have given."""
+    names = [t.strip() for t in text.split(",")] if text.strip() else [SIMULATED_NAME]
+    for name in names:
+        if not _MODEL_NAME.fullmatch(name):
+            raise ConfigError(f"fake_gpu_names takes model names separated by commas (letters, digits, spaces, "
+                              f"- _ . ( ) /; up to 96 each); got {name[:100]!r}")
+    return [names[min(i, len(names) - 1)] for i in range(count)]
 
 
 def parse_foreign(text: str) -> dict[int, list[GpuProcess]]:
@@ -232,7 +249,7 @@ def open_devices(settings: Settings) -> Devices:
 
         return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node,
                                 settings.fake_gpu_foreign, settings.home / "simulated-faults",
-                                SimulatedMemory.open(memory_dir(settings)))
+                                SimulatedMemory.open(memory_dir(settings)), settings.fake_gpu_names)
     try:
         import pynvml
     except ImportError:

@@ -168,6 +168,13 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
     _check_time_limits(settings, sources, path)
     _check_addresses(settings, sources, path)
+    if settings.fake_gpu_names:
+        from gpuq.service.devices import parse_names  # only where it is set: the client's path stays light
+
+        try:
+            parse_names(settings.fake_gpu_names, 1)
+        except ConfigError as exc:
+            raise ConfigError(f"setting {exc} ({origin('fake_gpu_names', sources, path)})") from None
     beat = settings.heartbeat_interval
     for name in _PER_HEARTBEAT:
         if getattr(settings, name) < _HEARTBEATS * beat:

@@ -75,6 +75,10 @@ class Settings:
     fake_gpus: int = 0
     # Memory each simulated GPU reports, MiB.
     fake_gpu_memory_mib: int = 16384
+    # The simulated GPUs' model names by index, comma-separated, the last naming the rest (a node
+    # of several models, for --gpu-type: "NVIDIA A100-SXM4-80GB,NVIDIA GeForce RTX 3090"); empty:
+    # each is a "Simulated GPU".
+    fake_gpu_names: str = ""
     # Seconds between worker heartbeats (liveness, and the GPU's state in `gpuq status`).
     heartbeat_interval: float = 2.0
     # Seconds between device samples each worker keeps in SQL (utilisation, memory, power, ...); 0: none.

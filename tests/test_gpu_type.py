@@ -124,3 +124,34 @@ def test_a_type_no_gpu_is_or_too_many_of_it_are_refused_at_submit_naming_the_mod
     typed = json.loads(run_cli(["submit", "--json", "--hold", "--gpus", "A100:1", "--gpu-type", "a100", "--", "true"],
                                s).stdout)
     assert (typed["gpus"], typed["gpu_type"]) == (1, "a100")  # the same type, as --gpu-type wrote it
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def two_models(request, tmp_path_factory, redis_url):
+    """A stack whose node holds an A100 (GPU 0) and an RTX 3090 (GPU 1): simulated GPUs named as
+    NVML names them (GPUQ_FAKE_GPU_NAMES)."""
+    from tests.conftest import stack_on_database
+
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpu_names=f"{A100},{RTX}")
+
+
+def test_on_a_node_of_two_models_each_typed_job_runs_on_its_model_and_devices_name_them(two_models):
+    from tests.conftest import wait_for_state
+
+    s = two_models.settings
+    listed = json.loads(run_cli(["devices", "--json"], s).stdout)
+    assert [(d["index"], d["name"]) for d in listed] == [(0, A100), (1, RTX)]
+    ids = {}
+    for args in (["--gpu-type", "rtx3090"], ["--gpus", "a100:1"], ["--gpu-type", "3090"]):
+        out = run_cli(["submit", "--json", *args, "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES; sleep 1"], s)
+        assert out.returncode == 0, out.stderr
+        ids[tuple(args)] = json.loads(out.stdout)["id"]
+    ran_on = {}
+    for args, job_id in ids.items():
+        assert wait_for_state(s, job_id, c.END_STATES) == c.State.SUCCEEDED
+        ran_on[args] = run_cli(["logs", str(job_id)], s).stdout.strip()
+    # Each on its model's worker; the second RTX job waited for GPU 1 while GPU 0 was free.
+    assert ran_on == {("--gpu-type", "rtx3090"): "1", ("--gpus", "a100:1"): "0", ("--gpu-type", "3090"): "1"}
+    refused = run_cli(["submit", "--gpu-type", "h100", "--", "true"], s)
+    assert refused.returncode == c.EXIT_USAGE
+    assert f"no GPU is one (gpuq's GPUs: {A100} (1), {RTX} (1))" in refused.stderr, refused.stderr

@@ -123,6 +123,9 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_FAIRSHARE_HALF_LIFE_H": "0"}, "fairshare_half_life_h must be above 0"),
     ({"GPUQ_IDLE_WINDOW": "0"}, "idle_window must be above 0"),
     ({"GPUQ_FAKE_GPU_MEMORY_MIB": "0"}, "fake_gpu_memory_mib must be above 0"),
+    ({"GPUQ_FAKE_GPU_NAMES": "A100,\x1b[2J"}, r"setting fake_gpu_names takes model names separated by commas .*"
+                                              r"got '\\x1b\[2J' \(GPUQ_FAKE_GPU_NAMES\)"),
+    ({"GPUQ_FAKE_GPU_NAMES": "A100,,H100"}, "setting fake_gpu_names takes model names"),
     ({"GPUQ_REDIS_PORT": "70000"}, "setting redis_port must be a TCP port, 1 to 65535, got 70000"),
     ({"GPUQ_REDIS_PORT": "0"}, "redis_port must be a TCP port"),
     ({"GPUQ_MAX_PRIORITY": "1001"}, "setting max_priority must be at most 1000, the admins' highest --priority"),
