@@ -35,7 +35,7 @@ COMMANDS = {
     "resubmit": ("jobs", "app"), "why": ("control", "app"), "hold": ("control", "app"),
     "release": ("control", "app"), "update": ("control", "app"), "drain": ("control", "app"),
     "resume": ("control", "app"),
-    "devices": ("devices", "app"), "stats": ("stats", "app"), "history": ("history", "app"),
+    "devices": ("devices", "app"), "stats": ("stats", "app"), "share": ("share", "app"), "history": ("history", "app"),
     "up": ("stack", "app"), "down": ("stack", "app"), "reconfigure": ("stack", "app"),
     "server": ("stack", "app"), "worker": ("stack", "app"), "scheduler": ("stack", "app"),
     "config": ("config", "app"), "dashboard": ("dashboard", "app"), "db": ("stack", "db_app"),

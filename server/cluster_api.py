@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp import web
@@ -47,6 +48,22 @@ def _devices(settings: Settings) -> dict[str, Any]:
     with reading(settings) as session:
         return {"devices": [d.as_dict() for d in device_status(session, settings)],
                 "drained": drained_nodes(session)}
+
+
+@routes.get(P + "/share")
+async def share(request: web.Request) -> web.Response:
+    """Each user's standing in the fair share (`gpuq share`, sshare's): their recent GPU-hours,
+    decayed, the order those put users in at equal priority, and their jobs and GPUs now."""
+    settings, _ = context(request)
+    return web.json_response(await call(_share, settings))
+
+
+def _share(settings: Settings) -> dict[str, Any]:
+    from gpuq.service.fair_share import standings
+
+    with reading(settings) as session:
+        return {"half_life_h": settings.fairshare_half_life_h,
+                "users": [dataclasses.asdict(s) for s in standings(session, settings)]}
 
 
 @routes.get(P + "/workloads")

@@ -3,6 +3,7 @@ say it the same way."""
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -123,3 +124,11 @@ def in_queue_order(rows: list[dict[str, Any]], arrays: list[dict[str, Any]]) -> 
 def with_tasks(j: dict[str, Any], why: str) -> str:
     """A collapsed array's reason with how many of its tasks wait for it; a job's as it is."""
     return why if "count" not in j else f"{why} ({j['count']} task{'s' if j['count'] != 1 else ''})"
+
+
+def gpu_hours_text(h: float) -> str:
+    """GPU-hours as fair share weighs them: a tenth, or two figures below one (two users' minutes
+    read "0.0 and 0.0", the figures that decided)."""
+    if h == 0 or h >= 0.1:
+        return "0" if h == 0 else f"{h:.1f}"
+    return f"{h:.{1 - math.floor(math.log10(h))}f}"  # two figures, no exponent: 0.015, 0.000040

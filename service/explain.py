@@ -10,18 +10,11 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
+from gpuq.service.display import gpu_hours_text
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
-
-
-def _hours(h: float) -> str:
-    """GPU-hours as fair share weighs them: a tenth, or two figures below one (two users' minutes
-    read "0.0 and 0.0", the figures that decided)."""
-    if h == 0 or h >= 0.1:
-        return "0" if h == 0 else f"{h:.1f}"
-    return f"{h:.{1 - math.floor(math.log10(h))}f}"  # two figures, no exponent: 0.015, 0.000040
 
 
 def _gib(mib: float) -> str:
@@ -120,8 +113,8 @@ def _ahead_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     if ahead.priority != mine.priority:
         because = f"priority {ahead.priority}, this job's {mine.priority}"
     elif ahead.user != mine.user and hours.get(ahead.user, 0.0) != hours.get(mine.user, 0.0):
-        because = (f"fair share: {ahead.user} has used {_hours(hours.get(ahead.user, 0.0))} GPU-hours and "
-                   f"{mine.user} {_hours(hours.get(mine.user, 0.0))} (each hour counting half after "
+        because = (f"fair share: {ahead.user} has used {gpu_hours_text(hours.get(ahead.user, 0.0))} GPU-hours "
+                   f"and {mine.user} {gpu_hours_text(hours.get(mine.user, 0.0))} (each hour counting half after "
                    f"{settings.fairshare_half_life_h:g} h)")
     else:
         because = "submitted earlier"

@@ -1,10 +1,13 @@
 """Fair share: each user's recent GPU-hours, decayed, which the policy (service/policy.py,
-``order_key``) puts users in order by: who used less lately goes first at equal priority."""
+``order_key``) puts users in order by: who used less lately goes first at equal priority; and
+each user's standing in it, as `gpuq share` shows it (``standings``, SLURM's sshare)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -12,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service.constants import State
-from gpuq.service.models import EarlierAttempt, Job
+from gpuq.service.models import EarlierAttempt, Job, utcnow
 from gpuq.service.settings import Settings
 
 # What a job is charged per hour it runs: its GPUs, each times its share of the GPU's memory for a
@@ -75,3 +78,39 @@ class FairShare:
         for user, gpus, started, ended in fresh:  # started: never null here (the queries ask so)
             hours[user] = hours.get(user, 0.0) + gpus * self._weight(started or now, ended or now) * decay
         return hours
+
+
+@dataclass(frozen=True)
+class Standing:
+    """One user's place in the fair share now."""
+
+    user: str
+    gpu_hours: float  # recent GPU-hours, decayed: what puts users in order
+    # 1: goes first among users at equal priority; users of equal GPU-hours share a place (their
+    # jobs then go by submit time).
+    order: int
+    gpus: float  # GPUs held now, a shared job's counted as it is charged (its share of the GPU)
+    running: int  # jobs that hold GPUs (dispatched or running)
+    pending: int  # jobs that wait, held ones among them
+
+
+def standings(session: Session, settings: Settings, now: datetime | None = None) -> list[Standing]:
+    """Every user with recent GPU-hours or a job in the queue, first in the order first."""
+    now = now or utcnow()
+    hours = FairShare(settings).gpu_hours(session, now)
+    held: dict[str, float] = defaultdict(float)
+    running: dict[str, int] = defaultdict(int)
+    pending: dict[str, int] = defaultdict(int)
+    queued = (State.PENDING, State.DISPATCHED, State.RUNNING)
+    for user, state, count, charged in session.execute(
+            select(Job.user, Job.state, func.count(), func.sum(_CHARGED))
+            .where(Job.state.in_(queued)).group_by(Job.user, Job.state)):
+        if state == State.PENDING:
+            pending[user] += count
+        else:
+            running[user] += count
+            held[user] += charged or 0.0
+    users = sorted(set(hours) | set(running) | set(pending), key=lambda u: (hours.get(u, 0.0), u))
+    ranked = [hours.get(u, 0.0) for u in users]
+    return [Standing(user=u, gpu_hours=ranked[i], order=bisect.bisect_left(ranked, ranked[i]) + 1, gpus=held[u],
+                     running=running[u], pending=pending[u]) for i, u in enumerate(users)]

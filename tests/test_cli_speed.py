@@ -21,7 +21,7 @@ print("HEAVY", ",".join(heavy))
 
 
 @pytest.mark.parametrize("args", [["status"], ["submit", "--", "true"], ["submit", "matmul", "--size", "64"],
-                                  ["workloads"], ["devices"], ["stats"], ["history"]])
+                                  ["workloads"], ["devices"], ["stats"], ["history"], ["share"]])
 def test_status_submit_devices_and_stats_import_no_torch_sqlalchemy_celery_redis_or_workers(use_settings, args):
     env = settings_env(use_settings)
     out = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=60)
