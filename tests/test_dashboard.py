@@ -17,6 +17,7 @@ from sqlalchemy import delete, func, select, update
 
 from gpuq.service import accounting, inventory, jobs, spec, submitting
 from gpuq.service.db import write_scope
+from gpuq.service.fair_share import standings
 from gpuq.service.models import Gpu, Job, utcnow
 from tests.conftest import run_cli, serving
 from tests.dashboard_stack import TRAIN_EPOCHS, XSS_NAME, Dashboard, stack_with_jobs
@@ -200,6 +201,14 @@ def test_usage_page_shows_each_users_gpu_hours_over_the_last_day_and_week(ran, d
             # The running job adds GPU-hours between the report and the page.
             assert abs(float(shown.group(2)) - row.gpu_hours) < 0.01
         assert 'aria-label="GPUs kept busy' in html
+        # Each user's standing in the fair share now, as `gpuq share` gives it, first in the order first.
+        fair = html.split('class="fair-share"', 1)[1].split("</table>", 1)[0]
+        with write_scope(st.settings) as session:
+            standing = standings(session, st.settings)
+        shown = re.findall(r"<tr><td class=\"num\">(\d+)</td><td>([^<]+)</td>", fair)
+        # (The order of two users whose running jobs add GPU-hours may turn between the two reads.)
+        assert sorted(u for _, u in shown) == sorted(u.user for u in standing) and standing, fair
+        assert [int(o) for o, _ in shown] == sorted(int(o) for o, _ in shown)
 
 
 def test_history_page_lists_the_jobs_that_ended_with_their_counts_narrowed_by_user_and_state(ran, dash):

@@ -18,7 +18,7 @@ from urllib.parse import urlencode
 from gpuq.cli.client import Client
 from gpuq.service import constants as c
 from gpuq.service import display
-from gpuq.service.display import duration, result_summary
+from gpuq.service.display import duration, gpu_hours_text, result_summary
 from gpuq.web import svg
 from gpuq.web.html import facts, mib, page, state, table, value, when
 from gpuq.web.read import obj, seconds
@@ -207,11 +207,23 @@ def usage_page(api: Client, period: str) -> str:
         body.append(f"<h2>{title}</h2>" + (table([part[:-1], "jobs", "GPU-hours", "share", "mean utilisation",
                                                   "energy (kWh)", "idle GPU-hours"], rows, numeric={1, 2, 4, 5, 6},
                                                  cls=f"usage-{part}") if rows else "<p>no use in this period</p>"))
+    body.append(_fair_share(api.get("/share")))
     hours = [(e - now).total_seconds() / 3600 for e in edges]
     body.append("<h2>busy GPUs by user</h2>" + svg.line_chart(
         f"GPUs kept busy, last {period}", {u: list(zip(hours, v, strict=False)) for u, v in sorted(by_user.items())},
         x_label="hours from now", y_label="GPUs"))
     return page(f"usage, last {period}", "".join(body))
+
+
+def _fair_share(share: dict[str, Any]) -> str:
+    """Each user's standing in the fair share now (`gpuq share`): what orders users at equal priority."""
+    rows = [[str(u["order"]), escape(u["user"]), gpu_hours_text(u["gpu_hours"]), f"{u['gpus']:g}", str(u["running"]),
+             str(u["pending"])] for u in share["users"]]
+    note = (f'<p class="muted">recent GPU-hours, each counting half after {share["half_life_h"]:g} h: at equal '
+            "priority the user with fewer goes first</p>")
+    return "<h2>fair share now</h2>" + (table(["order", "user", "GPU-hours", "GPUs", "running", "pending"], rows,
+                                              numeric={0, 2, 3, 4, 5}, cls="fair-share") + note
+                                        if rows else "<p>no recent GPU-hours and no jobs: every user starts even</p>")
 
 
 def history_page(api: Client, period: str, user: str | None, ended: str | None) -> str:
