@@ -44,6 +44,10 @@ def test_jobs_by_state_and_user_equal_the_jobs_table(ran, dash):
     assert {state for state, _ in shown} >= {"succeeded", "failed", "running", "pending"}
     pending = {s.labels["reason"]: s.value for s in samples(families["gpuq_pending_jobs"])}
     assert pending == {"held": 1, "dependency": 1}
+    # Each user's fair-share GPU-hours (`gpuq share`): every user with jobs, none used below 0.
+    share = {s.labels["user"]: s.value for s in samples(families["gpuq_user_fairshare_gpu_hours"])}
+    assert set(share) == {user for _, user in expected} and all(v >= 0 for v in share.values())
+    assert any(v > 0 for v in share.values())  # the jobs that ran
 
 
 def test_queue_wait_and_duration_histograms_count_the_jobs_that_started_and_ended(ran, dash):

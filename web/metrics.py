@@ -46,6 +46,12 @@ class GpuqCollector:
         for row in m["pending"]:
             waiting.add_metric([row["reason"] or "not yet scheduled"], row["count"])
         yield waiting
+        share = GaugeMetricFamily("gpuq_user_fairshare_gpu_hours", "Each user's recent GPU-hours, each counting half "
+                                  "after the fair share's half-life: at equal priority, fewer goes first.",
+                                  labels=["user"])
+        for u in self.api.get("/share")["users"]:
+            share.add_metric([u["user"]], u["gpu_hours"])
+        yield share
         yield _histogram("gpuq_job_queue_wait_seconds", "Time from submission to start, of every job that started.",
                          m["wait"])
         yield _histogram("gpuq_job_duration_seconds", "Run time (start to end) of every job that ended after starting.",
