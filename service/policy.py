@@ -345,16 +345,17 @@ class _Gpus:
 
     def reserve(self, job: JobRequest) -> Reservation | None:
         """The earliest start ``job`` can count on, from the running jobs' time limits (those
-        placed in this pass included); None if unknown."""
+        placed in this pass included); None if unknown. The GPUs kept for a typed job ahead of it
+        (``fence``) count for nothing: that job takes them first, at a time no one knows."""
         need = packing.need_mib(job, self.context_mib) if job.shared else None
         best: Reservation | None = None
         for node in self.nodes_for(job):
+            loads = [g for g in self.by_node[node] if not self.fenced or self.open_to_later(g.gpu)]
             if need is not None:
-                suitable = sorted((g.ready_at(need, self.now), g.gpu.index, g.gpu.id) for g in self.by_node[node]
+                suitable = sorted((g.ready_at(need, self.now), g.gpu.index, g.gpu.id) for g in loads
                                   if g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need))
             else:
-                suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in self.by_node[node]
-                                  if g.gpu.fits(job))
+                suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in loads if g.gpu.fits(job))
             if len(suitable) < job.gpus:
                 continue
             needed = suitable[: job.gpus]

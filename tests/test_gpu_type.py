@@ -6,6 +6,7 @@ refused at submit with the models there are. The policy alone, then over SQL thr
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from sqlalchemy import select, update
@@ -67,6 +68,18 @@ def test_a_typed_gang_waits_for_enough_gpus_of_its_model_on_one_node():
     gpus = [gpu(1, A100), gpu(2, RTX), gpu(3, A100, node="b")]
     d = decide(QueueState(NOW, [job(1, "a100", gpus=2)], gpus))
     assert d.placements == [] and d.waiting == {1: RESOURCES}
+
+
+def test_a_reservation_behind_a_typed_job_that_waits_unprotected_counts_none_of_its_gpus():
+    # Job 1 needs both A100s, one busy with no time limit: no reservation can protect it, so they are
+    # kept for it. Job 2 needs 2 GPUs of any model: the A100 that frees in 100 s is job 1's, not its,
+    # so it counts on the RTX that frees in 1000 s; job 3, done in 500 s, may use the free RTX meanwhile.
+    gpus = [gpu(1, A100, busy=math.inf), gpu(2, A100, busy=NOW + 100), gpu(3, RTX, busy=NOW + 1000), gpu(4, RTX)]
+    d = decide(QueueState(NOW, [job(1, "a100", gpus=2), job(2, gpus=2), job(3, limit=500)], gpus))
+    assert d.reservation is not None and (d.reservation.job_id, d.reservation.start) == (2, NOW + 1000)
+    assert d.reservation.gpu_ids == {3, 4}
+    assert {p.job_id: [g.id for g in p.gpus] for p in d.placements} == {3: [4]}
+    assert d.waiting == {1: RESOURCES, 2: RESOURCES}
 
 
 def rename(settings, names: dict[int, str]) -> None:
