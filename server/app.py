@@ -22,7 +22,7 @@ from aiohttp import web
 from gpuq.server import cluster_api, config_api, copies, identity, jobs_api, metrics_api, moves_api
 from gpuq.server.connections import PerPeerLimit
 from gpuq.server.histograms import Settled
-from gpuq.server.request import SETTINGS
+from gpuq.server.request import CALLER, SETTINGS
 from gpuq.service import constants as c
 from gpuq.service import stack, system_home
 from gpuq.service.db import require_schema
@@ -50,10 +50,10 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
                    ) -> web.StreamResponse:
     """gpuq's errors (and aiohttp's own: no such path, wrong method, body too large) as JSON."""
     try:
-        request["caller"] = await identity.caller_of(request, request.app[SETTINGS])
-        check_served(request["caller"])
+        caller = request[CALLER] = await identity.caller_of(request, request.app[SETTINGS])
+        check_served(caller)
         if request.headers.get(c.VIEW_HEADER, "").strip().lower() == c.PUBLIC_VIEW:
-            request["caller"] = None
+            request[CALLER] = None
             _check_public(request)
         return await handler(request)
     except GpuqError as exc:

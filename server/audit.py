@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gpuq.server.copies import Copies
-from gpuq.server.request import call, context, reading
+from gpuq.server.request import acting, call, reading
 from gpuq.service import display, jobs
 from gpuq.service.errors import NotAllowed, OverLimit
 from gpuq.service.models import Job
@@ -47,7 +47,7 @@ async def audited(request: web.Request, action: str, fn: Callable[..., T], *args
     others' jobs), with ``note``'s words on the result; a NotAllowed it raises is logged with the
     other users' jobs among ``ids``. ``via_user`` is a submit's ``--user``; ``copies``, the pool a
     submit that copies a work tree runs in (server/copies.py) instead of the default one."""
-    settings, caller = context(request)
+    settings, caller = acting(request)
     behalf = via_user if via_user is not None and via_user != caller.user else None
     who = f"{caller.user} (uid {caller.uid})" + (f" on behalf of {_name(behalf)} via --user" if behalf else "")
     try:

@@ -14,7 +14,7 @@ from aiohttp import web
 from sqlalchemy import select
 
 from gpuq.server import views
-from gpuq.server.request import JOB, call, context, job_id_of, job_ids, reading
+from gpuq.server.request import JOB, acting, call, context, job_id_of, job_ids, reading
 from gpuq.service import constants as c
 from gpuq.service import display, inventory, jobs, policy, rights, usage
 from gpuq.service import history as history_of
@@ -63,7 +63,7 @@ async def queue(request: web.Request) -> web.Response:
     # arrays=collapsed: an array's pending tasks come as entries of "arrays", one for each reason
     # they wait, not as thousands of jobs (`gpuq status` and the dashboard ask for it).
     collapsed = request.query.get("arrays") == "collapsed"
-    user = caller.user if mine else named
+    user = acting(request)[1].user if mine else named
     # ``state`` and ``name``: those jobs only (`gpuq status -t running --name 'train*'`, squeue's -t, -n).
     state, name = request.query.get("state"), request.query.get("name")
     states = jobs.states_named(state) if state is not None else None
@@ -151,7 +151,7 @@ async def history(request: web.Request) -> web.Response:
         raise InvalidSpec("user: give a user name (or neither user nor mine for everyone's jobs)")
     query = history_of.HistoryQuery(
         since=parse_when(q.get("since", "1d"), "--since", now), until=parse_when(q.get("until", "now"), "--until", now),
-        user=caller.user if q.get("mine") in ("1", "true") else q.get("user") or None, states=states,
+        user=acting(request)[1].user if q.get("mine") in ("1", "true") else q.get("user") or None, states=states,
         name=q.get("name") or None, array_id=_int(request, "array", 0) or None, limit=_int(request, "limit", 100))
     return web.json_response(await call(_history, settings, query))
 
@@ -174,7 +174,7 @@ def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, An
 async def active(request: web.Request) -> web.Response:
     """The caller's waiting and running jobs (`gpuq cancel --user`); ``name`` (a name or a pattern)
     and ``state`` (pending or running) narrow them (`gpuq cancel --name --state`, scancel's -n, -t)."""
-    settings, caller = context(request)
+    settings, caller = acting(request)
     name, state = request.query.get("name"), request.query.get("state")
     if name is not None and not name.strip():
         raise InvalidSpec("--name needs a name or a pattern")

@@ -13,7 +13,7 @@ from aiohttp import web
 from gpuq.server import dispatch, submission, views
 from gpuq.server.audit import audited
 from gpuq.server.copies import COPIES
-from gpuq.server.request import JOB, body_of, bounded, call, context, job_id_of
+from gpuq.server.request import JOB, acting, body_of, bounded, call, job_id_of
 from gpuq.service import constants as c
 from gpuq.service import jobs
 from gpuq.service.errors import InvalidSpec
@@ -24,7 +24,7 @@ P = c.API_PREFIX
 
 @routes.post(P + "/jobs")
 async def submit(request: web.Request) -> web.Response:
-    settings, caller = context(request)
+    settings, caller = acting(request)
     body = await body_of(request)
     user = body.get("user")
     # A copy of a work tree may take minutes: in a pool of its own, two of a user's at a time.
@@ -47,7 +47,7 @@ async def submit(request: web.Request) -> web.Response:
 
 @routes.post(JOB + "/cancel")
 async def cancel(request: web.Request) -> web.Response:
-    settings, caller = context(request)
+    settings, caller = acting(request)
     job_id = job_id_of(request)
     outcome = await audited(request, "cancel", jobs.cancel, settings, job_id, caller, ids=[job_id])
     return web.json_response({"id": outcome.job_id, "state": outcome.state, "kill_grace_s": settings.kill_grace})
@@ -57,7 +57,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def cancel_all(request: web.Request) -> web.Response:
     """Cancel the jobs of ``{"ids": [...]}`` in one request (`gpuq cancel` of an array, of all of
     mine): all or none, if one may not be cancelled by the caller or does not exist."""
-    settings, caller = context(request)
+    settings, caller = acting(request)
     ids = await _ids_of(request)
     outcomes = await audited(request, "cancel", jobs.cancel_all, settings, ids, caller, ids=ids,
                              acted=lambda done: [o.job_id for o in done if not o.ended])
@@ -78,7 +78,7 @@ async def release_all(request: web.Request) -> web.Response:
 
 
 async def _set_held_all(request: web.Request, held: bool) -> web.Response:
-    settings, caller = context(request)
+    settings, caller = acting(request)
     ids = await _ids_of(request)
     outcome = await audited(request, "hold" if held else "release", jobs.set_held_all, settings, ids, held, caller,
                             ids=ids, acted=lambda done: [i for i, why in done.items() if why is None])
@@ -92,7 +92,7 @@ async def update_all(request: web.Request) -> web.Response:
     (``{field: [old, new]}``) or why not."""
     from gpuq.service import update
 
-    settings, caller = context(request)
+    settings, caller = acting(request)
     body = await body_of(request)
     ids = _ids_in(body, 'the body must have "ids": [job ids]')
     changes = update.Changes.of(body)
@@ -130,7 +130,7 @@ async def release(request: web.Request) -> web.Response:
 
 
 async def _set_held(request: web.Request, held: bool) -> web.Response:
-    settings, caller = context(request)
+    settings, caller = acting(request)
     job_id = job_id_of(request)
     await audited(request, "hold" if held else "release", jobs.set_held, settings, job_id, held, caller, ids=[job_id])
     return web.json_response({"id": job_id, "held": held})
@@ -140,7 +140,7 @@ async def _set_held(request: web.Request, held: bool) -> web.Response:
 async def resubmit(request: web.Request) -> web.Response:
     from gpuq.service.resubmit import resubmit as again
 
-    settings, caller = context(request)
+    settings, caller = acting(request)
     job_id = job_id_of(request)
     job = await audited(request, "resubmit", again, settings, job_id, caller, ids=[job_id],
                         acted=lambda new: {job_id: new.user}, note=lambda new: f"as job {new.id}")
@@ -153,7 +153,7 @@ async def keepalive(request: web.Request) -> web.Response:
     run id, deadline, how often to say so again). Its owner's only."""
     from gpuq.service.allocations import keep_alive
 
-    settings, caller = context(request)
+    settings, caller = acting(request)
     held = await call(keep_alive, settings, job_id_of(request), caller)
     return web.json_response(held.as_json())
 
@@ -164,7 +164,7 @@ async def end(request: web.Request) -> web.Response:
     whatever it left running."""
     from gpuq.service.allocations import end_by_client
 
-    settings, caller = context(request)
+    settings, caller = acting(request)
     body = await body_of(request)
     code = body.get("exit_code")
     if not isinstance(code, int) or isinstance(code, bool):

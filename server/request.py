@@ -15,20 +15,32 @@ from sqlalchemy.orm import Session
 
 from gpuq.service.constants import API_PREFIX
 from gpuq.service.db import read_scope, require_schema
-from gpuq.service.errors import InvalidSpec, JobNotFound
+from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 from gpuq.service.units import MAX_JOB_ID
 
 SETTINGS = web.AppKey("settings", Settings)
+# Who is asking, set by the identity middleware (server/app.py); None for the public view.
+CALLER = web.RequestKey[Caller | None]("caller")
 T = TypeVar("T")
 MAX_IDS = 100_000  # job ids one request may name
 JOB = API_PREFIX + r"/jobs/{id:\d+}"  # one job's routes
 
 
-def context(request: web.Request) -> tuple[Settings, Caller]:
-    """The server's settings and who is asking (set by the identity middleware)."""
-    return request.app[SETTINGS], request["caller"]
+def context(request: web.Request) -> tuple[Settings, Caller | None]:
+    """The server's settings and who is asking (set by the identity middleware): None for a
+    request that asked for the public view (the dashboard's), which may read what all may see."""
+    return request.app[SETTINGS], request[CALLER]
+
+
+def acting(request: web.Request) -> tuple[Settings, Caller]:
+    """``context`` for what acts as the caller in person (a change, the caller's own jobs): the
+    identity middleware refuses these to the public view, and so does this, should a route forget."""
+    settings, caller = context(request)
+    if caller is None:
+        raise NotAllowed(f"{request.method} {request.path} acts as a user, and this request asked for the public view")
+    return settings, caller
 
 
 async def call(fn: Callable[..., T], *args: Any) -> T:
