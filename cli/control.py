@@ -97,18 +97,27 @@ def update(job_ids: JobIds = None, array: Array = None,
                                      "0: no limit).", parser=numbers.whole(0))] = None,
            begin: Annotated[str | None, typer.Option("--begin", help="A pending job's new begin time (as "
                                                      "submit's; now: at once).")] = None,
+           gpus: Annotated[numbers.GpuAsk | None, typer.Option(
+               "--gpus", "-G", help="A pending job's new number of GPUs; TYPE:COUNT (a100:2) with its type.",
+               show_default=False, parser=numbers.gpu_count)] = None,
+           gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="A pending job's new GPU model (any: "
+                                                        "no type).")] = None,
            ) -> None:
-    """Change jobs after their submit: a pending job's priority, a time limit, a name, retries, an
-    array's tasks at once (as `scontrol update job`)."""
+    """Change jobs after their submit: a pending job's priority, GPUs and GPU type, a time limit, a
+    name, retries, an array's tasks at once (as `scontrol update job`)."""
+    from gpuq.cli.submit import typed
+
     if begin is not None:  # the user's own clock and zone read it
         from gpuq.service.units import begin_here
 
         begin = begin_here(begin)
+    count, gpu_type = typed(gpus, gpu_type)
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
-                                 ("array_limit", array_limit), ("begin", begin)) if v is not None}
+                                 ("array_limit", array_limit), ("begin", begin), ("gpus", count),
+                                 ("gpu_type", gpu_type)) if v is not None}
     if not changes:
-        raise InvalidSpec("give something to change: --priority, --time, --name, --retries, --array-limit or "
-                          "--begin")
+        raise InvalidSpec("give something to change: --priority, --time, --name, --retries, --array-limit, "
+                          "--begin, --gpus or --gpu-type")
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]
@@ -124,7 +133,8 @@ def _limit(seconds: int | None) -> str:
 _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "priority": ("priority", str), "time_limit_s": ("time limit", _limit), "name": ("name", str),
     "max_retries": ("retries", str), "array_limit": ("array limit", lambda v: "none" if v is None else str(v)),
-    "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v))}
+    "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v)), "gpus": ("GPUs", str),
+    "gpu_type": ("GPU type", lambda v: "any" if v is None else v)}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

@@ -1,26 +1,31 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
-limit, name, retries, and how many tasks of its array may run at once (SLURM's ArrayTaskThrottle).
+limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
+begin time, and a pending job's GPUs and GPU type.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
-of these; a job that started (dispatched or running) keeps its priority, which only ordered the
-queue, and its owner may lower its time limit but only root or an admin may raise it (a user who
-could would hold the GPUs past what the backfill promised the jobs behind). A running job's worker
-reads the new limit within a look of its watch (workers/watch.py); one below the time it has run
-stops it there, timed out. Its name changes in the queue, not in the ``GPUQ_JOB_NAME`` it started with.
+of these; a job that started (dispatched or running) keeps its priority, begin time and GPUs, which
+only ordered or shaped its wait, and its owner may lower its time limit but only root or an admin
+may raise it (a user who could would hold the GPUs past what the backfill promised the jobs
+behind). A running job's worker reads the new limit within a look of its watch (workers/watch.py);
+one below the time it has run stops it there, timed out. Its name changes in the queue, not in the
+``GPUQ_JOB_NAME`` it started with.
 
-Resources (GPUs, memory, node, sharing) do not change here: a pending job may sit on a GPU's
-next-up list, and its worker would start it with what it asked for when listed. Cancel and submit
-again, or `gpuq resubmit`, for those.
+New GPUs or a new GPU type are checked as a submit checks them (no node has that many, no GPU is
+of that type, a workload that cannot run on that many: the request is refused whole, nothing
+changed), and the job leaves every GPU's next-up list, which listed it for what it asked before:
+the scheduler's next pass lists it again for what it asks now. Memory, node and sharing do not
+change here: cancel and submit again, or `gpuq resubmit`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Integer, String, bindparam, case, func
+from sqlalchemy import Integer, String, bindparam, case, delete, func
+from sqlalchemy.orm import Session
 
 from gpuq.service import broker, spec
 from gpuq.service import constants as c
@@ -29,11 +34,13 @@ from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.jobs import changeable
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Job, UTCDateTime, table
+from gpuq.service.models import Job, NextUp, UTCDateTime, table
+from gpuq.service.resubmit import spec_of
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
-from gpuq.service.submit_checks import check_time_limit
+from gpuq.service.submit_checks import check_resources, check_time_limit
 from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration
+from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
@@ -51,18 +58,26 @@ _LATER = dict(time_limit_s=_kept("time_limit_s", Integer), name=_kept("name", St
               max_retries=_kept("max_retries", Integer),
               array_limit=case((_NEW_LIMIT.is_(None), _JOBS.c.array_limit), (_NEW_LIMIT == 0, None),
                                else_=_NEW_LIMIT))
+# A GPU type: a model, "" for any model (stored as null), or null to leave it as it is.
+_NEW_TYPE = bindparam("new_gpu_type", type_=String)
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
-                       priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()), **_LATER)
+                       priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()),
+                       gpus=_kept("gpus", Integer),
+                       gpu_type=case((_NEW_TYPE.is_(None), _JOBS.c.gpu_type), (_NEW_TYPE == "", None),
+                                     else_=_NEW_TYPE), **_LATER)
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
-           _JOBS.c.begin_at, _JOBS.c.array_id)
+           _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.array_id)
 # The columns a change names, as the API and the answer name them.
-FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at")
-# What only a pending job may change: it ordered or timed the queue, which a started job has left.
-_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time"}
-_ASK = "give something to change: --priority, --time, --name, --retries, --array-limit or --begin"
+FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type")
+# What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
+_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type"}
+_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus or "
+        "--gpu-type")
+# `--gpu-type any`: no type any more, any model will do.
+ANY_TYPE = "any"
 
 
 @dataclass(frozen=True)
@@ -75,24 +90,28 @@ class Changes:
     max_retries: int | None = None
     array_limit: int | None = None  # 0: no limit
     begin_at: datetime | None = None
+    gpus: int | None = None
+    gpu_type: str | None = None  # "": any model
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
         ``retries``, ``array_limit``); InvalidSpec for anything malformed or for no change at all."""
-        unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin"}
+        unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
+                               "gpu_type"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} "
-                              "(priority, time, name, retries, array_limit, begin)")
+                              "(priority, time, name, retries, array_limit, begin, gpus, gpu_type)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
-        priority, time, name, retries, at_once = (body.get(k) for k in ("priority", "time", "name", "retries",
-                                                                         "array_limit"))
-        for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once)):
+        priority, time, name, retries, at_once, gpus, gpu_type = (
+            body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type"))
+        for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once),
+                              ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
-        for option, value in (("--time", time), ("--name", name)):
+        for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type)):
             if value is not None and not isinstance(value, str):
                 raise InvalidSpec(f"{option} must be text")
         if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
@@ -104,7 +123,10 @@ class Changes:
                               f"or 0 for no limit; got {at_once}")
         changes = cls(priority=priority, time_limit_s=parse_duration(time) if time is not None else None,
                       name=spec.check_name(name) if name is not None else None, max_retries=retries,
-                      array_limit=at_once, begin_at=spec.begin_of(begin) if begin is not None else None)
+                      array_limit=at_once, begin_at=spec.begin_of(begin) if begin is not None else None,
+                      gpus=spec.check_gpus(gpus) if gpus is not None else None,
+                      gpu_type=None if gpu_type is None else "" if gpu_type.strip().lower() == ANY_TYPE
+                      else spec.check_gpu_type(gpu_type))
         if changes.empty:
             raise InvalidSpec(_ASK)
         return changes
@@ -146,12 +168,28 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
     ids = list(dict.fromkeys(job_ids))
     with write_scope(settings) as session:
         found = changeable(session, settings, ids, caller, *_VALUES)
+        if changes.gpus is not None or changes.gpu_type is not None:
+            _check_resources(session, settings, [i for i in ids if found[i].state == State.PENDING], changes)
         outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
     if any(o.changed for o in outcomes):
         # A pending job's new priority or time limit reorders the queue and its backfill now,
         # not at the next timed pass.
         broker.wake_scheduler(settings)
     return outcomes
+
+
+def _check_resources(session: Session, settings: Settings, job_ids: list[int], changes: Changes) -> None:
+    """InvalidSpec, before anything changes, where a pending job could not run with its new GPUs or
+    GPU type, as its submit would have been refused: no node has that many (of that type), no GPU
+    is of that type, its workload cannot run on that many."""
+    for job_id in job_ids:
+        job = session.get(Job, job_id)
+        assert job is not None  # changeable found it
+        gpus = changes.gpus if changes.gpus is not None else job.gpus
+        gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
+        check_resources(session, settings, replace(spec_of(job), gpus=gpus, gpu_type=gpu_type))
+        if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
+            get_workload(job.workload).check_gpus(dict(job.params or {}), gpus)
 
 
 def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
@@ -174,8 +212,9 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
         return outcome
     values = {f: getattr(changes, f) for f in FIELDS}
-    # The answer's new limit as stored: 0 asks for none.
-    shown = dict(values, array_limit=values["array_limit"] or None)
+    # The answer's new values as stored: a limit of 0 asks for none, a type of "" for any model.
+    shown = dict(values, array_limit=values["array_limit"] or None,
+                 gpu_type=values["gpu_type"] or None)
     outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
                        if v is not None and shown[f] != getattr(job, f)}
     if not outcome.changed:
@@ -188,4 +227,7 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         # PostgreSQL: it started or ended between the read and this write (SQLite's write lock
         # keeps both in one moment).
         outcome.changed, outcome.refused = {}, f"job {job.id} changed state meanwhile; run the update again"
+    elif not started and ("gpus" in outcome.changed or "gpu_type" in outcome.changed):
+        # Listed next on GPUs for what it asked before: the next pass lists it for what it asks now.
+        session.execute(delete(NextUp).where(NextUp.job_id == job.id))
     return outcome

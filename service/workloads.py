@@ -147,6 +147,12 @@ class Workload:
             p = self.param(key)
             assert p is not None
             typed[p.name] = p.parse(raw, cwd=cwd, owner=owner)
+        self.check_gpus(typed, gpus)
+        return typed
+
+    def check_gpus(self, typed: dict[str, Any], gpus: int) -> None:
+        """InvalidSpec unless the workload, with its parameters ``typed`` (defaults filled in), runs on
+        ``gpus`` GPUs: at submit, and when `gpuq update --gpus` changes a pending job's."""
         if gpus < self.min_gpus:
             raise InvalidSpec(f"{self.name} needs at least {self.min_gpus} GPUs; got --gpus {gpus}")
         if self.max_gpus is not None and gpus > self.max_gpus:
@@ -154,7 +160,6 @@ class Workload:
             raise InvalidSpec(f"{self.name} runs on {most}; got --gpus {gpus}")
         if self.check is not None:
             self.check(typed, gpus)
-        return typed
 
     def _unknown_message(self, key: str) -> str:
         flag = "--" + key.replace("_", "-")

@@ -133,6 +133,48 @@ def test_changes_are_checked_as_submit_checks_them(settings):
     assert row(settings, job)[1:3] == (90, "renamed")
 
 
+def test_a_pending_jobs_gpus_and_type_change_as_submit_checks_them_and_it_leaves_the_next_up_lists(settings):
+    from gpuq.service import spec, submitting
+    from gpuq.service.models import NextUp
+    from tests.test_gpu_type import A100, RTX, rename
+
+    a, b = register(settings, "a", 2)
+    rename(settings, {a: A100, b: RTX})
+    running = submit(settings)
+    Scheduler(settings).schedule_once()
+    waiting = submit(settings, hold=True)
+    with write_scope(settings) as session:  # listed next on a busy GPU, as a pass lists one-GPU jobs
+        session.add(NextUp(gpu_id=b, job_id=waiting, rank=0))
+
+    def gpus_of(job_id):
+        with write_scope(settings) as session:
+            return session.execute(select(Job.gpus, Job.gpu_type).where(Job.id == job_id)).one()
+
+    [grown] = update_all(settings, [waiting], Changes.of({"gpus": 2}), ANN)
+    assert (grown.changed, grown.refused) == ({"gpus": [1, 2]}, None)
+    with write_scope(settings) as session:  # listed for one GPU, it waits for two now: off the list
+        assert session.scalars(select(NextUp.job_id).where(NextUp.job_id == waiting)).all() == []
+    # What a submit refuses is refused whole, and nothing changes.
+    for body, says in (({"gpus": 3}, "--gpus 3 is more than any node has (the largest, a, has 2)"),
+                       ({"gpu_type": "a100"}, "--gpus 2 is more than any node has of --gpu-type a100"),
+                       ({"gpu_type": "h100"}, "--gpu-type h100: no GPU is one (gpuq's GPUs: NVIDIA A100"),
+                       ({"gpus": 0}, "--gpus must be at least 1"), ({"gpus": "2"}, "--gpus must be a whole number"),
+                       ({"gpu_type": "a100;rm"}, "--gpu-type takes a GPU model")):
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            update_all(settings, [waiting], Changes.of(body), ANN)
+        assert tuple(gpus_of(waiting)) == (2, None)
+    [typed] = update_all(settings, [waiting], Changes.of({"gpus": 1, "gpu_type": "a100"}), ANN)
+    assert typed.changed == {"gpus": [2, 1], "gpu_type": [None, "a100"]}
+    [untyped] = update_all(settings, [waiting], Changes.of({"gpu_type": "any"}), ANN)  # any model again
+    assert untyped.changed == {"gpu_type": ["a100", None]} and tuple(gpus_of(waiting)) == (1, None)
+    # A started job keeps its GPUs; a workload is held to the GPUs it runs on.
+    [kept] = update_all(settings, [running], Changes(gpus=2), ANN)
+    assert kept.refused == f"job {running} is dispatched; only a pending job's GPUs can be changed"
+    matmul = submitting.submit_all(settings, [spec.workload_spec("matmul", [], user="ann")])[0].id
+    with pytest.raises(InvalidSpec, match="matmul runs on one GPU; got --gpus 2"):
+        update_all(settings, [matmul], Changes(gpus=2), ANN)
+
+
 # --- through the server and a real worker -------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["sqlite"])
@@ -172,6 +214,23 @@ def test_update_prints_both_sides_of_a_time_limit_as_h_mm_ss_and_no_limit_as_non
         run_cli(["cancel", str(job)], s)
 
 
+def test_update_gpus_takes_sbatchs_type_count_and_prints_the_change(one_gpu):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--hold", "--", "true"])
+    try:
+        typed = run_cli(["update", str(job), "--gpus", "simulated:1"], s)
+        assert (typed.returncode, typed.stdout) == (0, f"job {job}: GPU type any → simulated\n"), typed
+        wide = run_cli(["update", str(job), "--gpus", "2"], s)  # the stack has one GPU
+        assert wide.returncode == c.EXIT_USAGE and "--gpus 2 is more than any node has" in wide.stderr, wide
+        assert wide.stderr.count("\n") == 1
+        both = run_cli(["update", str(job), "--gpus", "a100:1", "--gpu-type", "rtx"], s)
+        assert both.returncode == c.EXIT_USAGE and "name two GPU types" in both.stderr
+        back = run_cli(["update", str(job), "--gpu-type", "any"], s)
+        assert back.stdout == f"job {job}: GPU type simulated → any\n", back
+    finally:
+        run_cli(["cancel", str(job)], s)
+
+
 def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     s = one_gpu.settings
     blocker = cli_submit(s, ["--", sys.executable, "-c", "import time; time.sleep(120)"])
@@ -188,7 +247,7 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     nothing = run_cli(["update", str(first)], s)
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
     assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
-                                      "--array-limit or --begin")
+                                      "--array-limit, --begin, --gpus or --gpu-type")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
