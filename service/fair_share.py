@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gpuq.service.constants import State
+from gpuq.service.constants import ACTIVE_STATES, State
 from gpuq.service.models import EarlierAttempt, Job, utcnow
 from gpuq.service.settings import Settings
 
@@ -101,10 +101,9 @@ def standings(session: Session, settings: Settings, now: datetime | None = None)
     held: dict[str, float] = defaultdict(float)
     running: dict[str, int] = defaultdict(int)
     pending: dict[str, int] = defaultdict(int)
-    queued = (State.PENDING, State.DISPATCHED, State.RUNNING)
     for user, state, count, charged in session.execute(
             select(Job.user, Job.state, func.count(), func.sum(_CHARGED))
-            .where(Job.state.in_(queued)).group_by(Job.user, Job.state)):
+            .where(Job.state.in_(ACTIVE_STATES)).group_by(Job.user, Job.state)):
         if state == State.PENDING:
             pending[user] += count
         else:

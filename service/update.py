@@ -19,23 +19,22 @@ change here: cancel and submit again, or `gpuq resubmit`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Integer, String, bindparam, case, delete, func
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, spec
+from gpuq.service import broker, jobs, spec
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.jobs import changeable
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, NextUp, UTCDateTime, table
-from gpuq.service.resubmit import spec_of
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_resources, check_time_limit
@@ -167,7 +166,7 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
         raise InvalidSpec("--name changes one job at a time")
     ids = list(dict.fromkeys(job_ids))
     with write_scope(settings) as session:
-        found = changeable(session, settings, ids, caller, *_VALUES)
+        found = jobs.changeable(session, settings, ids, caller, *_VALUES)
         if changes.gpus is not None or changes.gpu_type is not None:
             _check_resources(session, settings, [i for i in ids if found[i].state == State.PENDING], changes)
         outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
@@ -181,15 +180,24 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
 def _check_resources(session: Session, settings: Settings, job_ids: list[int], changes: Changes) -> None:
     """InvalidSpec, before anything changes, where a pending job could not run with its new GPUs or
     GPU type, as its submit would have been refused: no node has that many (of that type), no GPU
-    is of that type, its workload cannot run on that many."""
-    for job_id in job_ids:
-        job = session.get(Job, job_id)
-        assert job is not None  # changeable found it
+    is of that type, its workload cannot run on that many. Each shape is checked once: an array's
+    tasks are one."""
+    checked: set[tuple[Any, ...]] = set()
+    for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
+                            Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type).values():
         gpus = changes.gpus if changes.gpus is not None else job.gpus
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
-        check_resources(session, settings, replace(spec_of(job), gpus=gpus, gpu_type=gpu_type))
+        params = dict(job.params or {})
+        shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), job.on_node, job.mem_mib,
+                 job.shared, gpus, gpu_type)
+        if shape in checked:
+            continue
+        checked.add(shape)
+        check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
+                                                        mem_mib=job.mem_mib, on_node=job.on_node,
+                                                        shared=bool(job.shared), gpu_type=gpu_type))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
-            get_workload(job.workload).check_gpus(dict(job.params or {}), gpus)
+            get_workload(job.workload).check_gpus(params, gpus)
 
 
 def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
