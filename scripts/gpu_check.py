@@ -17,7 +17,12 @@ and prints a line per check, PASS, FAIL or SKIP, with what it measured:
    exits), which still counts as the job's and is killed with it;
 6. as root, a job of another user (made for the check and removed), run with that user's uid;
 7. `gpuq run` and `gpuq alloc`;
-8. a job's statistics (samples, energy) and the dashboard's /metrics.
+8. a job's statistics (samples, energy) and the dashboard's /metrics;
+9. `--gpu-type` of this GPU's model runs, and of a model not here is refused;
+10. MPS with two users, where NVIDIA's MPS control is installed (last: it starts a daemon of its
+    own for the stack, then quits it): root's and another user's `--shared` jobs, submitted a
+    second apart, both run at once and neither waits for the other (one joins MPS, the other runs
+    beside it, its output saying why); then a whole-GPU job runs beside the idle MPS server.
 
 The exit status is 1 if any check failed. The figures (results.json), the summary and the
 stack's logs are kept in --out. Without an NVIDIA GPU the same checks run on one simulated GPU
@@ -27,6 +32,7 @@ with small sizes: tests/test_gpu_check.py runs it so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -39,7 +45,8 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -192,25 +199,40 @@ def detached(c: Check) -> tuple[str, str]:
                                         f"holder {holder} {'still alive' if alive else 'gone'}")
 
 
-def other_user(c: Check) -> tuple[str, str]:
+class NoUser(Exception):
+    """Another user cannot be made or cannot reach gpuq here: the checks needing one are skipped."""
+
+
+@contextlib.contextmanager
+def another_user(c: Check) -> Iterator[tuple[str, dict[str, str]]]:
+    """A user made for a check (and removed after it) and the environment their `gpuq` runs with."""
     if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(RUNUSER):
-        return "SKIP", "needs root, useradd and runuser"
+        raise NoUser("needs root, useradd and runuser")
     name = f"gpuqchk{uuid.uuid4().hex[:6]}"
     made = subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], capture_output=True, text=True)
     if made.returncode != 0:
-        return "SKIP", f"useradd: {made.stderr.strip()}"
+        raise NoUser(f"useradd: {made.stderr.strip()}")
     try:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": f"/home/{name}", "GPUQ_SOCKET": c.env["GPUQ_SOCKET"]}
         if c.gpuq("--help", env=env, user=name).returncode != 0:
-            return "SKIP", f"{GPUQ} is not reachable by other users here (install gpuq where they can run it)"
-        job = c.submit("--", PY, "-c", "import os, torch; print(os.getuid(), torch.cuda.is_available())",
-                       env=env, user=name)
-        row, out = c.wait([job], 120)[0], c.output(job).strip()
-        uid = pwd.getpwnam(name).pw_uid
-        ok = row["state"] == "succeeded" and row.get("user") == name and out.startswith(str(uid))
-        return ("PASS" if ok else "FAIL"), f"job {job} of {name}: {row['state']}, printed {out[-200:]!r} (uid {uid})"
+            raise NoUser(f"{GPUQ} is not reachable by other users here (install gpuq where they can run it)")
+        yield name, env
     finally:
         subprocess.run(["userdel", "-r", "-f", name], capture_output=True)
+
+
+def other_user(c: Check) -> tuple[str, str]:
+    try:
+        with another_user(c) as (name, env):
+            job = c.submit("--", PY, "-c", "import os, torch; print(os.getuid(), torch.cuda.is_available())",
+                           env=env, user=name)
+            row, out = c.wait([job], 120)[0], c.output(job).strip()
+            uid = pwd.getpwnam(name).pw_uid
+            ok = row["state"] == "succeeded" and row.get("user") == name and out.startswith(str(uid))
+            detail = f"job {job} of {name}: {row['state']}, printed {out[-200:]!r} (uid {uid})"
+            return ("PASS" if ok else "FAIL"), detail
+    except NoUser as why:
+        return "SKIP", str(why)
 
 
 def interactive(c: Check) -> tuple[str, str]:
@@ -250,6 +272,66 @@ def stats_and_metrics(c: Check) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), detail
 
 
+def gpu_type(c: Check) -> tuple[str, str]:
+    name = json.loads(c.gpuq("devices", "--json").stdout)[0]["name"]
+    # The model's own word: "NVIDIA H100 80GB HBM3" is an h100, "NVIDIA GeForce RTX 3090" an rtx.
+    model = next(w for w in name.lower().split() if w not in ("nvidia", "geforce", "tesla", "quadro"))
+    job = c.submit("--gpu-type", model, "--", "true")
+    row = c.wait([job], 120)[0]
+    wrong = c.gpuq("submit", "--gpu-type", "zz9", "--", "true")
+    ok = row["state"] == "succeeded" and wrong.returncode == 2 and "no GPU is one" in wrong.stderr
+    return ("PASS" if ok else "FAIL"), (f"--gpu-type {model} on {name!r}: {row['state']}; --gpu-type zz9: exit "
+                                        f"{wrong.returncode}, {wrong.stderr.strip()[:160]!r}")
+
+
+def mps(c: Check) -> tuple[str, str]:
+    control = shutil.which("nvidia-cuda-mps-control")
+    if not c.real or control is None:
+        return "SKIP", "no NVIDIA MPS control here"
+    pipes = c.env["CUDA_MPS_PIPE_DIRECTORY"]
+    daemon_env = {**c.env, "CUDA_MPS_LOG_DIRECTORY": str(Path(pipes).parent / "mps-log")}
+    for folder in (pipes, daemon_env["CUDA_MPS_LOG_DIRECTORY"]):
+        Path(folder).mkdir(mode=0o755, exist_ok=True)  # the other user's job reaches the daemon here
+    started = subprocess.run([control, "-d"], env=daemon_env, capture_output=True, text=True, timeout=30)
+    if started.returncode != 0:
+        return "FAIL", f"nvidia-cuda-mps-control -d: {started.stderr.strip()}"
+    try:
+        with another_user(c) as (name, env):
+            # Each job imports torch (seconds), takes 512 MiB of its GPU and holds it for 8 s: the
+            # second, a second later, asks for CUDA while the first may not have yet (stop 39).
+            hold = _gpu_command(True, 512, 8)
+            mine = c.submit("--shared", "--mem", "2G", *hold)
+            time.sleep(1)
+            theirs = c.submit("--shared", "--mem", "2G", *hold, env=env, user=name)
+            rows = c.wait([mine, theirs], 180)
+            whole = c.submit("--", PY, "-c", "import torch; torch.ones(1, device='cuda'); print('whole GPU')")
+            whole_row = c.wait([whole], 120)[0]
+            outputs = [c.output(mine), c.output(theirs)]
+    except NoUser as why:
+        return "SKIP", str(why)
+    finally:
+        subprocess.run([control], input="quit\n", env=daemon_env, capture_output=True, text=True, timeout=30)
+    a, b = rows
+    ran = [f"job {r['id']} ({r['user']}) {r['state']} in {_between(r, 'started_at', 'ended_at'):.1f} s, "
+           f"{'outside MPS' if 'runs outside MPS' in out else 'in MPS'}" for r, out in zip(rows, outputs, strict=True)]
+    overlap = min(a["ended_at"] or "", b["ended_at"] or "") > max(a["started_at"] or "~", b["started_at"] or "~")
+    # Each holds for 8 s after torch's import and its CUDA context: 30 s is far past that, and far
+    # short of one waiting for the other to end (stop 39: 51 s).
+    ok = (all(r["state"] == "succeeded" and _between(r, "started_at", "ended_at") < 30 for r in rows) and overlap
+          and whole_row["state"] == "succeeded")
+    waited = _between(whole_row, "submitted_at", "started_at") if whole_row.get("started_at") else None
+    return ("PASS" if ok else "FAIL"), ("; ".join(ran) + f"; {'at once' if overlap else 'one after the other'}; "
+                                        f"a whole-GPU job beside the MPS server: {whole_row['state']}"
+                                        + (f", {waited:.1f} s from submit to start" if waited is not None else ""))
+
+
+def _between(row: dict[str, Any], first: str, then: str) -> float:
+    """Seconds from a job's ``first`` time to its ``then`` (ISO times, as `gpuq show --json` gives)."""
+    if not row.get(first) or not row.get(then):
+        return float("inf")
+    return (datetime.fromisoformat(row[then]) - datetime.fromisoformat(row[first])).total_seconds()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="where the figures and logs are kept")
@@ -262,7 +344,10 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
     env |= {"GPUQ_HOME": str(base / "home"), "GPUQ_SOCKET": str(base / "gpuq.sock"),
             "GPUQ_REDIS_PORT": str(free_port()), "GPUQ_CONFIG": str(base / "none.toml"),
-            "GPUQ_SAMPLE_INTERVAL": "0.5", "GPUQ_SHARED_MEM_GRACE": "2"}
+            "GPUQ_SAMPLE_INTERVAL": "0.5", "GPUQ_SHARED_MEM_GRACE": "2",
+            # The MPS check's own daemon listens here; none does before it, so the other checks run
+            # without MPS whatever daemon the machine has at the default place.
+            "CUDA_MPS_PIPE_DIRECTORY": str(base / "mps")}
     if not real:
         env |= {"GPUQ_FAKE_GPUS": "1", "GPUQ_WARM_START": "false"}
     check = Check(base / "home", env, real, args.size or (8192 if real else 256))
@@ -279,7 +364,8 @@ def main() -> int:
             for name, body in (("devices", devices), ("workloads", workloads), ("command", command),
                                ("shared", shared), ("watchdog", watchdog), ("detached", detached),
                                ("other-user", other_user),
-                               ("run-alloc", interactive), ("stats", stats_and_metrics)):
+                               ("run-alloc", interactive), ("stats", stats_and_metrics),
+                               ("gpu-type", gpu_type), ("mps", mps)):
                 check.run(name, body)
     finally:
         check.gpuq("down", "--grace", "5", timeout=120)
