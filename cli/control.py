@@ -14,7 +14,7 @@ import typer
 from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.ends import selected
-from gpuq.cli.render import print_json, printable, time_limit, timestamp
+from gpuq.cli.render import mib, print_json, printable, time_limit, timestamp
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 
@@ -102,9 +102,13 @@ def update(job_ids: JobIds = None, array: Array = None,
                show_default=False, parser=numbers.gpu_count)] = None,
            gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="A pending job's new GPU model (any: "
                                                         "no type).")] = None,
+           mem: Annotated[str | None, typer.Option("--mem", help="A pending job's new GPU memory per GPU, e.g. 20G "
+                                                   "(a shared job's share; none: no memory asked).")] = None,
+           node: Annotated[str | None, typer.Option("--node", help="A pending job's new node (any: no node "
+                                                    "asked).")] = None,
            ) -> None:
-    """Change jobs after their submit: a pending job's priority, GPUs and GPU type, a time limit, a
-    name, retries, an array's tasks at once (as `scontrol update job`)."""
+    """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory and node, a
+    time limit, a name, retries, an array's tasks at once (as `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
     if begin is not None:  # the user's own clock and zone read it
@@ -114,10 +118,10 @@ def update(job_ids: JobIds = None, array: Array = None,
     count, gpu_type = typed(gpus, gpu_type)
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
-                                 ("gpu_type", gpu_type)) if v is not None}
+                                 ("gpu_type", gpu_type), ("mem", mem), ("node", node)) if v is not None}
     if not changes:
         raise InvalidSpec("give something to change: --priority, --time, --name, --retries, --array-limit, "
-                          "--begin, --gpus or --gpu-type")
+                          "--begin, --gpus, --gpu-type, --mem or --node")
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]
@@ -134,7 +138,9 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "priority": ("priority", str), "time_limit_s": ("time limit", _limit), "name": ("name", str),
     "max_retries": ("retries", str), "array_limit": ("array limit", lambda v: "none" if v is None else str(v)),
     "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v)), "gpus": ("GPUs", str),
-    "gpu_type": ("GPU type", lambda v: "any" if v is None else v)}
+    "gpu_type": ("GPU type", lambda v: "any" if v is None else v),
+    "mem_mib": ("GPU memory", lambda v: "none" if v is None else mib(v)),
+    "on_node": ("node", lambda v: "any" if v is None else v)}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

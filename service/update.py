@@ -1,20 +1,21 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
 limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
-begin time, and a pending job's GPUs and GPU type.
+begin time, and a pending job's GPUs, GPU type, GPU memory and node.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
-of these; a job that started (dispatched or running) keeps its priority, begin time and GPUs, which
-only ordered or shaped its wait, and its owner may lower its time limit but only root or an admin
-may raise it (a user who could would hold the GPUs past what the backfill promised the jobs
+of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory
+and node, which only ordered or shaped its wait, and its owner may lower its time limit but only
+root or an admin may raise it (a user who could would hold the GPUs past what the backfill promised the jobs
 behind). A running job's worker reads the new limit within a look of its watch (workers/watch.py);
 one below the time it has run stops it there, timed out. Its name changes in the queue, not in the
 ``GPUQ_JOB_NAME`` it started with.
 
-New GPUs or a new GPU type are checked as a submit checks them (no node has that many, no GPU is
-of that type, a workload that cannot run on that many: the request is refused whole, nothing
-changed), and the job leaves every GPU's next-up list, which listed it for what it asked before:
-the scheduler's next pass lists it again for what it asks now. Memory, node and sharing do not
-change here: cancel and submit again, or `gpuq resubmit`.
+New GPUs, GPU type, memory or node are checked as a submit checks them (no node has that many, no
+GPU is of that type or has that much memory, no such node, a workload that cannot run on that
+many, a shared job without a share: the request is refused whole, nothing changed), and the job
+leaves every GPU's next-up list, which listed it for what it asked before: the scheduler's next
+pass lists it again for what it asks now. Sharing does not change here (a shared job's placement
+and watch are another kind of run): cancel and submit again.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from gpuq.service.models import Job, NextUp, UTCDateTime, table
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_resources, check_time_limit
-from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration
+from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_mem
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -59,24 +60,37 @@ _LATER = dict(time_limit_s=_kept("time_limit_s", Integer), name=_kept("name", St
                                else_=_NEW_LIMIT))
 # A GPU type: a model, "" for any model (stored as null), or null to leave it as it is.
 _NEW_TYPE = bindparam("new_gpu_type", type_=String)
+# GPU memory: MiB, 0 for none asked (stored as null), or null to leave it as it is.
+_NEW_MEM = bindparam("new_mem_mib", type_=Integer)
+# A node: its name, "" for any node (stored as null), or null to leave it as it is.
+_NEW_NODE = bindparam("new_on_node", type_=String)
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
                        priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()),
                        gpus=_kept("gpus", Integer),
                        gpu_type=case((_NEW_TYPE.is_(None), _JOBS.c.gpu_type), (_NEW_TYPE == "", None),
-                                     else_=_NEW_TYPE), **_LATER)
+                                     else_=_NEW_TYPE),
+                       mem_mib=case((_NEW_MEM.is_(None), _JOBS.c.mem_mib), (_NEW_MEM == 0, None), else_=_NEW_MEM),
+                       on_node=case((_NEW_NODE.is_(None), _JOBS.c.on_node), (_NEW_NODE == "", None),
+                                    else_=_NEW_NODE), **_LATER)
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
-           _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.array_id)
+           _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.array_id)
 # The columns a change names, as the API and the answer name them.
-FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type")
+FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
+          "mem_mib", "on_node")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
-_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type"}
-_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus or "
-        "--gpu-type")
-# `--gpu-type any`: no type any more, any model will do.
+_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
+                 "mem_mib": "GPU memory", "on_node": "node"}
+# What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
+_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node")
+_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus, "
+        "--gpu-type, --mem or --node")
+# `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
+# `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share).
+NO_MEM = "none"
 
 
 @dataclass(frozen=True)
@@ -91,26 +105,30 @@ class Changes:
     begin_at: datetime | None = None
     gpus: int | None = None
     gpu_type: str | None = None  # "": any model
+    mem_mib: int | None = None  # 0: none asked
+    on_node: str | None = None  # "": any node
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
         ``retries``, ``array_limit``); InvalidSpec for anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
-                               "gpu_type"}
+                               "gpu_type", "mem", "node"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} "
-                              "(priority, time, name, retries, array_limit, begin, gpus, gpu_type)")
+                              "(priority, time, name, retries, array_limit, begin, gpus, gpu_type, mem, node)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
-        priority, time, name, retries, at_once, gpus, gpu_type = (
-            body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type"))
+        priority, time, name, retries, at_once, gpus, gpu_type, mem, node = (
+            body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type", "mem",
+                                  "node"))
         for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once),
                               ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
-        for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type)):
+        for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
+                              ("--node", node)):
             if value is not None and not isinstance(value, str):
                 raise InvalidSpec(f"{option} must be text")
         if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
@@ -125,7 +143,10 @@ class Changes:
                       array_limit=at_once, begin_at=spec.begin_of(begin) if begin is not None else None,
                       gpus=spec.check_gpus(gpus) if gpus is not None else None,
                       gpu_type=None if gpu_type is None else "" if gpu_type.strip().lower() == ANY_TYPE
-                      else spec.check_gpu_type(gpu_type))
+                      else spec.check_gpu_type(gpu_type),
+                      mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
+                      on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
+                      else _node(node))
         if changes.empty:
             raise InvalidSpec(_ASK)
         return changes
@@ -133,6 +154,13 @@ class Changes:
     @property
     def empty(self) -> bool:
         return all(getattr(self, f) is None for f in FIELDS)
+
+
+def _node(text: str) -> str:
+    """A node's name as `--node` gives it; InvalidSpec for none."""
+    if not text.strip():
+        raise InvalidSpec("--node must not be empty (any: no node asked)")
+    return text.strip()
 
 
 @dataclass
@@ -167,7 +195,7 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
     ids = list(dict.fromkeys(job_ids))
     with write_scope(settings) as session:
         found = jobs.changeable(session, settings, ids, caller, *_VALUES)
-        if changes.gpus is not None or changes.gpu_type is not None:
+        if any(getattr(changes, f) is not None for f in _SHAPE):
             _check_resources(session, settings, [i for i in ids if found[i].state == State.PENDING], changes)
         outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
     if any(o.changed for o in outcomes):
@@ -178,23 +206,30 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
 
 
 def _check_resources(session: Session, settings: Settings, job_ids: list[int], changes: Changes) -> None:
-    """InvalidSpec, before anything changes, where a pending job could not run with its new GPUs or
-    GPU type, as its submit would have been refused: no node has that many (of that type), no GPU
-    is of that type, its workload cannot run on that many. Each shape is checked once: an array's
-    tasks are one."""
+    """InvalidSpec, before anything changes, where a pending job could not run with its new GPUs,
+    GPU type, memory or node, as its submit would have been refused: no node has that many (of
+    that type), no GPU is of that type or has that much memory, no such node, a shared job left
+    without its share, its workload cannot run on that many. Each shape is checked once: an
+    array's tasks are one."""
     checked: set[tuple[Any, ...]] = set()
     for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
                             Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type).values():
         gpus = changes.gpus if changes.gpus is not None else job.gpus
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
+        mem_mib = job.mem_mib if changes.mem_mib is None else changes.mem_mib or None
+        on_node = job.on_node if changes.on_node is None else changes.on_node or None
+        if job.shared and mem_mib is None:
+            raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
         params = dict(job.params or {})
-        shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), job.on_node, job.mem_mib,
+        shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
                  job.shared, gpus, gpu_type)
         if shape in checked:
             continue
         checked.add(shape)
+        if job.kind == c.KIND_INTERACTIVE and changes.on_node is not None:
+            raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
-                                                        mem_mib=job.mem_mib, on_node=job.on_node,
+                                                        mem_mib=mem_mib, on_node=on_node,
                                                         shared=bool(job.shared), gpu_type=gpu_type))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
             get_workload(job.workload).check_gpus(params, gpus)
@@ -221,8 +256,8 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         return outcome
     values = {f: getattr(changes, f) for f in FIELDS}
     # The answer's new values as stored: a limit of 0 asks for none, a type of "" for any model.
-    shown = dict(values, array_limit=values["array_limit"] or None,
-                 gpu_type=values["gpu_type"] or None)
+    shown = dict(values, array_limit=values["array_limit"] or None, gpu_type=values["gpu_type"] or None,
+                 mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None)
     outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
                        if v is not None and shown[f] != getattr(job, f)}
     if not outcome.changed:
@@ -235,7 +270,7 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         # PostgreSQL: it started or ended between the read and this write (SQLite's write lock
         # keeps both in one moment).
         outcome.changed, outcome.refused = {}, f"job {job.id} changed state meanwhile; run the update again"
-    elif not started and ("gpus" in outcome.changed or "gpu_type" in outcome.changed):
+    elif not started and any(f in outcome.changed for f in _SHAPE):
         # Listed next on GPUs for what it asked before: the next pass lists it for what it asks now.
         session.execute(delete(NextUp).where(NextUp.job_id == job.id))
     return outcome

@@ -175,6 +175,51 @@ def test_a_pending_jobs_gpus_and_type_change_as_submit_checks_them_and_it_leaves
         update_all(settings, [matmul], Changes(gpus=2), ANN)
 
 
+def test_a_pending_jobs_memory_and_node_change_as_submit_checks_them_and_it_leaves_the_next_up_lists(settings):
+    from gpuq.service import spec, submitting
+    from gpuq.service.models import NextUp
+
+    [a] = register(settings, "a", 1)
+    register(settings, "b", 1)
+    running = submit(settings)
+    Scheduler(settings).schedule_once()
+    waiting = submit(settings, hold=True)
+    shared = submit(settings, hold=True, shared=True, mem="2G")
+    with write_scope(settings) as session:  # listed next on a busy GPU, as a pass lists one-GPU jobs
+        session.add(NextUp(gpu_id=a, job_id=waiting, rank=0))
+
+    def asks(job_id):
+        with write_scope(settings) as session:
+            return tuple(session.execute(select(Job.mem_mib, Job.on_node).where(Job.id == job_id)).one())
+
+    [moved] = update_all(settings, [waiting], Changes.of({"mem": "1G", "node": "b"}), ANN)
+    assert (moved.changed, moved.refused) == ({"mem_mib": [None, 1024], "on_node": [None, "b"]}, None)
+    with write_scope(settings) as session:  # listed for any node and no memory: off the list
+        assert session.scalars(select(NextUp.job_id).where(NextUp.job_id == waiting)).all() == []
+    # What a submit refuses is refused whole, and nothing changes.
+    for body, says in (({"mem": "20G"}, "--mem 20480 MiB is more than any GPU has (8192 MiB)"),
+                       ({"mem": "lots"}, "--mem takes a size like 20G or 512M; got 'lots'"),
+                       ({"mem": "4G", "node": "zz"}, "--node zz: no such node is known to gpuq"),
+                       ({"node": " "}, "--node must not be empty (any: no node asked)"),
+                       ({"node": 3}, "--node must be text")):
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            update_all(settings, [waiting], Changes.of(body), ANN)
+        assert asks(waiting) == (1024, "b")
+    [back] = update_all(settings, [waiting], Changes.of({"mem": "none", "node": "ANY"}), ANN)
+    assert back.changed == {"mem_mib": [1024, None], "on_node": ["b", None]} and asks(waiting) == (None, None)
+    # A shared job's memory is its share: changed, never dropped.
+    [share] = update_all(settings, [shared], Changes.of({"mem": "3G"}), ANN)
+    assert share.changed == {"mem_mib": [2048, 3072]}
+    with pytest.raises(InvalidSpec, match=f"job {shared} is shared: its --mem is its share"):
+        update_all(settings, [shared], Changes.of({"mem": "none"}), ANN)
+    # A started job keeps its memory and node; an allocation's node is its client's.
+    [kept] = update_all(settings, [running], Changes(on_node="b"), ANN)
+    assert kept.refused == f"job {running} is dispatched; only a pending job's node can be changed"
+    alloc = submitting.submit_all(settings, [spec.interactive_spec(None, node="a", user="ann", run_id="r1")])[0].id
+    with pytest.raises(InvalidSpec, match=f"job {alloc} is an allocation: its node is the one its client runs on"):
+        update_all(settings, [alloc], Changes(on_node="b"), ANN)
+
+
 # --- through the server and a real worker -------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["sqlite"])
@@ -231,6 +276,22 @@ def test_update_gpus_takes_sbatchs_type_count_and_prints_the_change(one_gpu):
         run_cli(["cancel", str(job)], s)
 
 
+def test_update_mem_and_node_print_the_change_and_a_bad_one_is_one_line(one_gpu):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--hold", "--", "true"])
+    try:
+        both = run_cli(["update", str(job), "--mem", "512M", "--node", s.node], s)
+        assert (both.returncode, both.stdout) == (0, f"job {job}: GPU memory none → 512M, node any → {s.node}\n"), both
+        for args, says in ((["--node", "nowhere"], "--node nowhere: no such node is known to gpuq"),
+                           (["--mem", "20X"], "--mem takes a size like 20G or 512M")):
+            bad = run_cli(["update", str(job), *args], s)
+            assert (bad.returncode, bad.stderr.count("\n")) == (c.EXIT_USAGE, 1) and says in bad.stderr, bad
+        back = run_cli(["update", str(job), "--mem", "none", "--node", "any"], s)
+        assert back.stdout == f"job {job}: GPU memory 512M → none, node {s.node} → any\n", back
+    finally:
+        run_cli(["cancel", str(job)], s)
+
+
 def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     s = one_gpu.settings
     blocker = cli_submit(s, ["--", sys.executable, "-c", "import time; time.sleep(120)"])
@@ -247,7 +308,7 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     nothing = run_cli(["update", str(first)], s)
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
     assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
-                                      "--array-limit, --begin, --gpus or --gpu-type")
+                                      "--array-limit, --begin, --gpus, --gpu-type, --mem or --node")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
