@@ -136,7 +136,7 @@ ROLLUP_CHUNK_SECONDS = 86400
 # Refresh period of `gpuq devices --watch`, seconds, unless --interval says otherwise.
 DEVICES_WATCH_SECONDS = 1.0
 
-# Next-up lists (policy.next_up): jobs listed per busy GPU, and how far down the queue the
+# Next-up lists (next_up_choice.choose): jobs listed per busy GPU, and how far down the queue the
 # scheduler looks for them each pass.
 NEXT_UP_PER_GPU = 16
 NEXT_UP_SCAN = 2000

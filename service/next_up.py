@@ -2,7 +2,7 @@
 in the very transaction that ends one, with no scheduler pass in between (SLURM's backfill does
 the same planning; gpuq lets the GPU's own worker act on it).
 
-The policy chooses the lists (``policy.next_up``); the scheduler writes them (``Lists``); a worker
+The policy chooses the lists (``next_up_choice.choose``); the scheduler writes them (``Lists``); a worker
 whose GPU fell free takes the first listed job that may still start there (``take_next``)."""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
 def list_runs_short(session: Session, gpu_id: int) -> bool:
     """Whether half or more of this GPU's next-up list is gone since the scheduler wrote it (a
     worker wakes the scheduler then, to refill it). How long a list is depends on the node's busy
-    GPUs and on how much of the queue the pass read (``policy.next_up``), so it is measured against
+    GPUs and on how much of the queue the pass read (``next_up_choice.choose``), so it is measured against
     the rows the pass wrote, not against a constant."""
     left, written = _LEFT_OF.run(session.connection(), {"gpu_id": gpu_id})[0]
     return 2 * left <= written
@@ -217,7 +217,7 @@ def _gpus_in_use(session: Session, user: str) -> int:
 
 class Lists:
     """The next-up rows one scheduler wrote last, and how it rewrites them: each pass writes what
-    changed since, not the hundreds of rows of 64 GPUs' lists. ``policy.next_up`` chooses the lists;
+    changed since, not the hundreds of rows of 64 GPUs' lists. ``next_up_choice.choose`` chooses the lists;
     this writes them."""
 
     def __init__(self) -> None:

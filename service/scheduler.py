@@ -18,7 +18,18 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import allocations, broker, db, leases, lifecycle, next_up, packing, policy, snapshot_retention
+from gpuq.service import (
+    allocations,
+    broker,
+    db,
+    leases,
+    lifecycle,
+    next_up,
+    next_up_choice,
+    packing,
+    policy,
+    snapshot_retention,
+)
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.dialect import savepoint
@@ -187,7 +198,7 @@ class Scheduler:
         with read_scope(self.settings) as session:
             queue = read_queue(session, self.settings, self.fair_share, head)
         decision = policy.decide(queue.policy)
-        lists = policy.next_up(queue.policy, decision, c.NEXT_UP_PER_GPU, c.NEXT_UP_SCAN)
+        lists = next_up_choice.choose(queue.policy, decision, c.NEXT_UP_PER_GPU, c.NEXT_UP_SCAN)
         changes = self.lists.changes(lists, decision.order)
         if quick and self.lists.written is not None and not (queue.doomed or decision.placements or changes):
             return []  # the lists are as they should be: no write lock taken for nothing

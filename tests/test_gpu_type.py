@@ -15,7 +15,8 @@ from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.explain import why
 from gpuq.service.models import Allocation, Gpu
-from gpuq.service.policy import PRIORITY, RESOURCES, GpuState, JobRequest, QueueState, decide, is_model, next_up
+from gpuq.service.next_up_choice import choose as next_up
+from gpuq.service.policy import PRIORITY, RESOURCES, GpuState, JobRequest, QueueState, decide, is_model
 from gpuq.service.scheduler import Scheduler
 from tests.conftest import run_cli
 from tests.test_scheduling import register, state_of, submit

@@ -5,6 +5,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuq.service.next_up_choice import choose as next_up
 from gpuq.service.policy import (
     PRIORITY,
     RESOURCES,
@@ -13,7 +14,6 @@ from gpuq.service.policy import (
     JobRequest,
     QueueState,
     decide,
-    next_up,
     queue_order,
 )
 

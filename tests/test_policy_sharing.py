@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuq.service.next_up_choice import choose as next_up
 from gpuq.service.packing import charged_fraction, charged_gpus, room_lines
 from gpuq.service.policy import (
     PRIORITY,
@@ -16,7 +17,6 @@ from gpuq.service.policy import (
     JobRequest,
     QueueState,
     decide,
-    next_up,
 )
 
 pytestmark = pytest.mark.timeout(60)
