@@ -8,7 +8,18 @@ import typer
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client
-from gpuq.cli.render import drain_reasons, duration, job, job_name, mib, one_line, print_json, result_summary, seconds
+from gpuq.cli.render import (
+    drain_reasons,
+    duration,
+    job,
+    job_name,
+    mib,
+    one_line,
+    print_json,
+    result_summary,
+    seconds,
+    timestamp,
+)
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
 from gpuq.service.display import in_queue_order, with_tasks
@@ -31,12 +42,20 @@ def status(
     name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name, or a pattern "
                                              "('train*'); an array's name takes its tasks.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
+    start: Annotated[bool, typer.Option("--start", help="Pending jobs only, with when each is expected to start "
+                                        "(as squeue --start), earliest first.")] = False,
 ) -> None:
     """The queue (waiting, running and recently ended jobs) and the GPUs."""
     if mine and user is not None:
         raise InvalidSpec("--me and --user cannot be used together: pick one")
     if user is not None and not user.strip():
         raise InvalidSpec("--user needs a user name (--me for yours)")
+    if start:
+        if state is not None or name is not None or every_task or ended != 10:
+            raise InvalidSpec("--start lists every pending job: it takes --me, --user and --json, not "
+                              "--state, --name, --array-tasks or --ended")
+        _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), as_json)
+        return
     collapsed = not (every_task or as_json)
     answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user, state=state, name=name,
                           arrays="collapsed" if collapsed else None)
@@ -61,6 +80,22 @@ def status(
     # A drained node's GPUs carry its reason: one line for the node.
     for why in drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")}):
         typer.echo(why)
+
+
+def _starts(answer: dict[str, Any], as_json: bool) -> None:
+    """`gpuq status --start`: each pending job and its expected start, or why none is known."""
+    if as_json:
+        print_json(answer)
+        return
+    rows = [[str(j["id"]), j["user"], job_name(j["name"]), _gpus(j), timestamp(j["start"]) if j["start"] else "n/a",
+             j["reason"] or "-"] for j in answer["jobs"]]
+    if not rows:
+        typer.echo("no pending jobs")
+        return
+    typer.echo(render("pending", ("ID", "USER", "NAME", "GPUS", "START", "REASON"), rows,
+                      frozenset({"ID", "GPUS"}), colours_wanted()))
+    typer.echo("START: expected if the jobs before each run to their time limits (jobs that end sooner bring it "
+               "forward; n/a: a job before it has no limit, or it waits for something else)")
 
 
 def _gpus(j: dict[str, Any]) -> str:

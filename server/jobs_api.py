@@ -137,6 +137,39 @@ def _states(settings: Settings, ids: list[int]) -> dict[int, str]:
     return found
 
 
+@routes.get(P + "/jobs/start")
+async def starts(request: web.Request) -> web.Response:
+    """Each pending job's expected start (`gpuq status --start`, squeue --start), earliest first;
+    ``mine`` or ``user``: theirs only."""
+    settings, _ = context(request)
+    named = request.query.get("user")
+    if named is not None and not named.strip():
+        raise InvalidSpec("--user needs a user name")
+    user = acting(request)[1].user if request.query.get("mine") in ("1", "true") else named
+    return web.json_response(await call(_starts, settings, user, named is not None))
+
+
+def _starts(settings: Settings, user: str | None, named: bool) -> dict[str, Any]:
+    from gpuq.service.explain import expected_starts
+
+    with reading(settings) as session:
+        if named and user is not None:
+            _check_known_user(session, user)
+        starts = expected_starts(session, settings)
+        query = select(Job.id, Job.name, Job.user, Job.gpus, Job.gpu_type, Job.on_node, Job.reason,
+                       Job.held).where(Job.state == State.PENDING)
+        rows = session.execute(query.where(Job.user == user) if user is not None else query).all()
+    far = utcnow().replace(year=9999)  # unknown starts last, as squeue lists them
+
+    def when(job_id: int) -> Any:
+        return starts.get(job_id) or far
+
+    listed = [{"id": r.id, "name": r.name, "user": r.user, "gpus": r.gpus, "gpu_type": r.gpu_type,
+               "node": r.on_node, "reason": r.reason or ("held" if r.held else None),
+               "start": views.iso(starts.get(r.id))} for r in sorted(rows, key=lambda r: (when(r.id), r.id))]
+    return {"jobs": listed}
+
+
 @routes.get(P + "/jobs/history")
 async def history(request: web.Request) -> web.Response:
     """Ended jobs over a period (`gpuq history`, as sacct): ``since`` and ``until`` (a date, a time,

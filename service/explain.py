@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -11,6 +12,7 @@ from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.display import gpu_hours_text
+from gpuq.service.forecast import DEPTH, start_times
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
@@ -74,10 +76,41 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
+    state, decision = _pass(session, settings)
     if reason == policy.PRIORITY:
-        parts.extend(_ahead_lines(session, settings, job))
+        parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
+    parts.append(_start_line(job.id, start_times(state, decision).get(job.id), state.now))
     return "; ".join(parts)
+
+
+def _pass(session: Session, settings: Settings) -> tuple[policy.QueueState, policy.Decision]:
+    """The queue as a whole pass reads it, and the pass's decision."""
+    from gpuq.service.queue_read import read_queue
+
+    state = read_queue(session, settings).policy
+    return state, policy.decide(state)
+
+
+def expected_starts(session: Session, settings: Settings) -> dict[int, datetime | None]:
+    """Each pending job's expected start (`gpuq status --start`): ``forecast.start_times`` of a
+    whole pass's queue. A job that is not eligible (held, dependency, begin time) has none."""
+    state, decision = _pass(session, settings)
+    return {job_id: None if t is None else datetime.fromtimestamp(t, UTC)
+            for job_id, t in start_times(state, decision).items()}
+
+
+def _start_line(job_id: int, start: float | None, now: float) -> str:
+    from gpuq.service.display import time_limit
+
+    if start is None:
+        return (f"no start time can be counted on yet (a job before it on the GPUs it needs has no time limit, or it "
+                f"is past the first {DEPTH} jobs of the queue)")
+    if start <= now:
+        return "it can start now: the scheduler's next pass places it"
+    at = datetime.fromtimestamp(start, UTC)
+    return (f"expected to start by {at:%Y-%m-%d %H:%M:%S} UTC, in {time_limit(math.ceil(start - now))}, if the jobs "
+            f"before it run to their time limits (`gpuq status --start` for the queue)")
 
 
 def _running_where(session: Session, job: Job) -> str:
@@ -94,13 +127,9 @@ def _running_where(session: Session, job: Job) -> str:
     return text
 
 
-def _ahead_lines(session: Session, settings: Settings, job: Job) -> list[str]:
+def _ahead_lines(state: policy.QueueState, decision: policy.Decision, settings: Settings, job: Job) -> list[str]:
     """The job the queue holds GPUs for (the reservation a whole pass makes now), and why it comes
     before ``job``: its priority, its user's fair share (their GPU-hours, decayed), or its submit."""
-    from gpuq.service.queue_read import read_queue
-
-    state = read_queue(session, settings).policy
-    decision = policy.decide(state)
     mine = next((j for j in decision.order if j.id == job.id), None)
     # The job the GPUs are held for; with no reservation (a running job without a time limit: no
     # one knows when its GPUs free), the first that waits for GPUs, which holds every job behind it.

@@ -125,7 +125,7 @@ def gpuq(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     (["--bogus"], "gpuq: No such option '--bogus' (gpuq --help)"),
     (["--versoin"], "gpuq: No such option '--versoin'. Did you mean '--version'? (gpuq --help)"),
     (["status", "--frobnicate"], "gpuq: No such option '--frobnicate' (gpuq status --help)"),
-    (["status", "--usr"], "gpuq: No such option '--usr'. Did you mean '--user'? (gpuq status --help)"),
+    (["status", "--useer"], "gpuq: No such option '--useer'. Did you mean '--user'? (gpuq status --help)"),
     (["db", "upgrade", "--bogus"], "gpuq: No such option '--bogus' (gpuq db upgrade --help)"),
 ])
 def test_a_usage_error_is_one_line_on_stderr_naming_the_help_and_exit_2(tmp_path, args, line):

@@ -1,0 +1,108 @@
+"""Expected start times (service/forecast.py), a pure function over the queue's state: what starts
+now, what waits for the running jobs' limits, what may go ahead without delaying a job ahead of it,
+and what no one can count on."""
+
+import math
+
+import pytest
+
+from gpuq.service.forecast import start_times
+from gpuq.service.policy import JobRequest, QueueState
+from tests.test_policy import NOW, gpu, job
+
+pytestmark = pytest.mark.timeout(30)
+HOUR = 3600
+
+
+def test_a_gang_waits_for_the_running_jobs_limit_and_a_short_job_goes_ahead_of_it_but_a_long_one_does_not():
+    # GPU 1 runs a job for another hour, GPU 2 is free. Job 1 needs both: it starts when the hour is
+    # up. Job 2 (30 min) fits before that on GPU 2, so it starts now; job 3 (2 h) would delay job 1.
+    gpus = [gpu(1, busy_until=NOW + HOUR), gpu(2)]
+    jobs = [job(1, gpus=2, limit=HOUR), job(2, limit=HOUR // 2), job(3, limit=2 * HOUR)]
+    assert start_times(QueueState(NOW, jobs, gpus)) == {1: NOW + HOUR, 2: NOW, 3: NOW + 2 * HOUR}
+
+
+def test_jobs_queue_one_after_another_on_one_gpu_by_their_limits():
+    jobs = [job(i, limit=HOUR) for i in (1, 2, 3)]
+    assert start_times(QueueState(NOW, jobs, [gpu(1, busy_until=NOW + 600)])) == {
+        1: NOW + 600, 2: NOW + 600 + HOUR, 3: NOW + 600 + 2 * HOUR}
+
+
+def test_behind_a_job_without_a_time_limit_nobody_can_count_on_a_start():
+    # Job 1 has no limit and takes the free GPU now: it could hold it for ever.
+    assert start_times(QueueState(NOW, [job(1), job(2, limit=HOUR)], [gpu(1)])) == {1: NOW, 2: None}
+    # A running job without a limit, the only GPU of the node.
+    assert start_times(QueueState(NOW, [job(3, limit=HOUR)], [gpu(1, busy_until=math.inf)])) == {3: None}
+    # On another node a GPU frees in an hour: there it starts.
+    gpus = [gpu(1, busy_until=math.inf), gpu(2, node="b", busy_until=NOW + HOUR)]
+    assert start_times(QueueState(NOW, [job(4, limit=HOUR)], gpus)) == {4: NOW + HOUR}
+
+
+def test_a_job_with_no_limit_of_its_own_starts_once_nothing_is_planned_after_that_moment():
+    gpus = [gpu(1, busy_until=NOW + HOUR)]
+    assert start_times(QueueState(NOW, [job(1), job(2, limit=60)], gpus)) == {1: NOW + HOUR, 2: None}
+
+
+def test_what_a_job_asks_for_picks_the_gpus_it_is_planned_on():
+    gpus = [gpu(1, busy_until=NOW + HOUR, total=40960), gpu(2, node="b", busy_until=NOW + 600, total=16384)]
+    # 20 GiB: only GPU 1 has it. Node b: GPU 2. No GPU has 64 GiB.
+    jobs = [job(1, mem=20480, limit=60), job(2, node="b", limit=60), job(3, mem=65536, limit=60)]
+    assert start_times(QueueState(NOW, jobs, gpus)) == {1: NOW + HOUR, 2: NOW + 600, 3: None}
+
+
+def test_a_job_its_users_gpu_limit_holds_and_jobs_past_the_depth_have_no_start():
+    jobs = [job(1, user="ann", limit=HOUR), job(2, user="bob", limit=HOUR), job(3, user="cy", limit=HOUR)]
+    state = QueueState(NOW, jobs, [gpu(1, busy_until=NOW + 60)], gpus_in_use={"ann": 1}, user_gpu_limit=1)
+    assert start_times(state) == {1: None, 2: NOW + 60, 3: NOW + 60 + HOUR}
+    assert start_times(state, depth=2) == {1: None, 2: NOW + 60, 3: None}  # job 1 is one of the two
+
+
+def test_a_shared_job_placed_now_starts_now_and_one_that_waits_is_planned_as_a_whole_gpu():
+    shared = JobRequest(id=1, user="u", gpus=1, mem_mib=2048, shared=True, time_limit_s=HOUR, submitted=1)
+    later = JobRequest(id=2, user="u", gpus=1, mem_mib=2048, shared=True, time_limit_s=HOUR, submitted=2)
+    gpus = [gpu(1, busy_until=NOW + 600)]
+    assert start_times(QueueState(NOW, [shared, later], gpus)) == {1: NOW + 600, 2: NOW + 600 + HOUR}
+    assert start_times(QueueState(NOW, [shared], [gpu(1)])) == {1: NOW}
+
+
+# --- through the server and a real worker -------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def one_gpu(request, tmp_path_factory, redis_url):
+    from tests.conftest import stack_on_database
+
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1)
+
+
+@pytest.mark.timeout(120)
+def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_limit(one_gpu):
+    import json
+    import sys
+    from datetime import datetime
+
+    from gpuq.service import constants as c
+    from gpuq.service.constants import State
+    from tests.conftest import cli_submit, run_cli, wait_for_state
+
+    s = one_gpu.settings
+    running = cli_submit(s, ["--time", "1h", "--", sys.executable, "-c", "import time; time.sleep(120)"])
+    waiting = cli_submit(s, ["--time", "30m", "--name", "after", "--", "true"])
+    held = cli_submit(s, ["--hold", "--", "true"])
+    try:
+        assert wait_for_state(s, running, [State.RUNNING]) == State.RUNNING
+        shown = json.loads(run_cli(["show", str(running), "--json"], s).stdout)
+        ends = datetime.fromisoformat(shown["started_at"]).timestamp() + 3600
+        answer = run_cli(["status", "--start", "--json"], s)
+        assert answer.returncode == 0, answer.stderr
+        starts = {j["id"]: j for j in json.loads(answer.stdout)["jobs"]}
+        assert list(starts) == [waiting, held]  # pending jobs only, the known start first
+        assert abs(datetime.fromisoformat(starts[waiting]["start"]).timestamp() - ends) < 5
+        assert starts[held]["start"] is None and starts[held]["reason"] == "held"
+        table = run_cli(["status", "--start"], s)
+        assert table.returncode == 0 and "START" in table.stdout and "after" in table.stdout, table
+        said = run_cli(["why", str(waiting)], s).stdout
+        assert "expected to start by " in said and "if the jobs before it run to their time limits" in said, said
+        mixed = run_cli(["status", "--start", "-t", "running"], s)
+        assert mixed.returncode == c.EXIT_USAGE and mixed.stderr.count("\n") == 1 and "--start" in mixed.stderr
+    finally:
+        run_cli(["cancel", str(running), str(waiting), str(held)], s)
