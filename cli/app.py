@@ -34,7 +34,7 @@ COMMANDS = {
     "show": ("jobs", "app"), "logs": ("jobs", "app"), "wait": ("ends", "app"), "cancel": ("ends", "app"),
     "resubmit": ("jobs", "app"), "why": ("control", "app"), "hold": ("control", "app"),
     "release": ("control", "app"), "update": ("control", "app"), "drain": ("control", "app"),
-    "resume": ("control", "app"),
+    "resume": ("control", "app"), "retire": ("control", "app"),
     "devices": ("devices", "app"), "stats": ("stats", "app"), "share": ("share", "app"), "history": ("history", "app"),
     "up": ("stack", "app"), "down": ("stack", "app"), "reconfigure": ("stack", "app"),
     "server": ("stack", "app"), "worker": ("stack", "app"), "scheduler": ("stack", "app"),

@@ -199,6 +199,25 @@ def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> Non
     typer.echo(f"node {node} resumed")
 
 
+@app.command()
+def retire(node: Annotated[str, typer.Argument(help="The node's name.")],
+           gpu: Annotated[list[int] | None, typer.Option("--gpu", help="Only this GPU (an index; again for more).",
+                                                         parser=numbers.whole(0))] = None) -> None:
+    """Take a node's GPUs (or one) off gpuq's lists once their workers are gone for good (an admin
+    command: it uses the database)."""
+    from gpuq.cli.stack import admin_settings
+    from gpuq.service import inventory
+    from gpuq.service.db import require_schema, write_scope
+
+    settings = admin_settings("retire")
+    require_schema(settings)
+    with write_scope(settings) as session:
+        gone = inventory.retire(session, settings, node, gpu)
+    which = f"GPU{'s' if len(gone) != 1 else ''} {','.join(map(str, gone))} of node {printable(node)}"
+    _audit(settings, f"retire by {_admin()} (uid {os.getuid()}): {which}")
+    typer.echo(f"retired {which}: no longer listed or counted; a worker that starts on one brings it back")
+
+
 def _admin() -> str:
     """Who runs this admin command: the process's user (only root and gpuq's own account open the
     database), and the one who became root through sudo (sudo sets SUDO_USER for root's process)."""

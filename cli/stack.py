@@ -32,7 +32,7 @@ _DOES = {"down": "stops the stack that keeps gpuq's database",
 # The admin commands that start and stop a user's own stack: one beside root's is theirs to run.
 _OWN_STACK = ("up", "down")
 # The admin commands that steer the queue the client uses (a stack of the user's own, if one runs).
-_STEERS = ("drain", "resume", "reconfigure")
+_STEERS = ("drain", "resume", "retire", "reconfigure")
 
 
 def admin_settings(command: str) -> Settings:

@@ -74,6 +74,38 @@ def retire_missing(session: Session, node: str, present: list[int]) -> list[int]
     return gone
 
 
+def retire(session: Session, settings: Settings, node: str, indices: list[int] | None = None) -> list[int]:
+    """Retire GPUs of ``node`` (`gpuq retire`, as a node taken out of slurm.conf): all its GPUs, or
+    those ``indices``; the indices retired. A retired GPU is neither listed nor counted among the
+    node's GPUs; a worker that starts on it again brings it back. Only a GPU with no live worker and
+    no job may go (a live one would be back at its next heartbeat, and a job's GPUs are its own
+    until it ends): InvalidSpec or StateConflict, and nothing retired, for any other."""
+    from gpuq.service.errors import InvalidSpec, StateConflict
+
+    rows = {g.index: g for g in session.scalars(select(Gpu).where(Gpu.node == node, Gpu.retired_at.is_(None)))}
+    if not rows:
+        raise InvalidSpec(f"no node {node} with GPUs is known to gpuq")
+    chosen = sorted(rows) if indices is None else sorted(set(indices))
+    missing = [i for i in chosen if i not in rows]
+    if missing:
+        raise InvalidSpec(f"node {node} has no GPU {missing[0]} (its GPUs: {', '.join(map(str, sorted(rows)))})")
+    cutoff = live_cutoff(settings)
+    for i in chosen:
+        g = rows[i]
+        if g.heartbeat_at is not None and g.heartbeat_at >= cutoff:
+            raise StateConflict(f"GPU {i} of node {node} has a live worker ({g.worker or 'pid ' + str(g.worker_pid)}): "
+                                "stop it first (`gpuq down` there, or its container), or drain the node")
+    held = dict(session.execute(select(Allocation.gpu_id, Allocation.job_id)
+                                .where(Allocation.gpu_id.in_([rows[i].id for i in chosen]))).all())
+    for i in chosen:
+        if rows[i].id in held:
+            raise StateConflict(f"GPU {i} of node {node} holds job {held[rows[i].id]}: it is retired once that job "
+                                "has ended (`gpuq cancel`, or the reaper's end of a lost worker's job)")
+    session.execute(update(Gpu).where(Gpu.id.in_([rows[i].id for i in chosen])).values(
+        retired_at=utcnow(), worker=None, worker_pid=None, heartbeat_at=None, utilization=None, memory_used_mib=None))
+    return chosen
+
+
 def gpu_drain_reason(session: Session, gpu_id: int) -> str | None:
     """Why the GPU (by its row id) is drained on its own; None if it is not."""
     return session.scalar(select(Gpu.drain_reason).where(Gpu.id == gpu_id))

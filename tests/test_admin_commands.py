@@ -24,7 +24,8 @@ pytestmark = [multiuser.pytestmark, pytest.mark.timeout(300)]
 box = multiuser.box  # root's `gpuq up` stack and two OS users (tests/test_multiuser.py)
 
 # Each admin command with the arguments it needs (NODE: the stack's node); none may get as far as running.
-COMMANDS = [("drain", "NODE", "--reason", "mine now"), ("resume", "NODE"), ("reconfigure",), ("db", "upgrade"),
+COMMANDS = [("drain", "NODE", "--reason", "mine now"), ("resume", "NODE"), ("retire", "NODE"), ("reconfigure",),
+            ("db", "upgrade"),
             ("db", "current"),
             ("scheduler",), ("worker", "--gpu", "0"), ("server",)]
 
