@@ -64,15 +64,15 @@ class _Plan:
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH) -> dict[int, float | None]:
     """Each eligible job's expected start (epoch seconds; ``state.now`` for those placed now), or
     None where it cannot be counted on. ``decision``: this state's ``policy.decide``, if made."""
-    decision = decision or policy.decide(state)
+    if decision is None:
+        decision = policy.decide(state)
     plan = _Plan(state)
     jobs = {j.id: j for j in state.jobs}
     found: dict[int, float | None] = {}
     for p in decision.placements:
-        job = jobs[p.job_id]
-        found[job.id] = state.now
-        if not p.shared:  # a shared job's neighbours keep the room they had
-            plan.hold(list(p.gpus), state.now, _end(job, state.now))
+        # A shared job placed now holds its GPUs too, as far as a whole-GPU job is concerned.
+        found[p.job_id] = state.now
+        plan.hold(list(p.gpus), state.now, _end(jobs[p.job_id], state.now))
     by_node: dict[str, list[GpuState]] = defaultdict(list)
     for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)

@@ -5,10 +5,10 @@ begin time, and a pending job's GPUs, GPU type, GPU memory and node.
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
 of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory
 and node, which only ordered or shaped its wait, and its owner may lower its time limit but only
-root or an admin may raise it (a user who could would hold the GPUs past what the backfill promised the jobs
-behind). A running job's worker reads the new limit within a look of its watch (workers/watch.py);
-one below the time it has run stops it there, timed out. Its name changes in the queue, not in the
-``GPUQ_JOB_NAME`` it started with.
+root or an admin may raise it (a user who could would hold the GPUs past what the backfill
+promised the jobs behind). A running job's worker reads the new limit within a look of its watch
+(workers/watch.py); one below the time it has run stops it there, timed out. Its name changes in
+the queue, not in the ``GPUQ_JOB_NAME`` it started with.
 
 New GPUs, GPU type, memory or node are checked as a submit checks them (no node has that many, no
 GPU is of that type or has that much memory, no such node, a workload that cannot run on that
@@ -220,14 +220,14 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
         on_node = job.on_node if changes.on_node is None else changes.on_node or None
         if job.shared and mem_mib is None:
             raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
+        if job.kind == c.KIND_INTERACTIVE and changes.on_node is not None:
+            raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
                  job.shared, gpus, gpu_type)
         if shape in checked:
             continue
         checked.add(shape)
-        if job.kind == c.KIND_INTERACTIVE and changes.on_node is not None:
-            raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
                                                         mem_mib=mem_mib, on_node=on_node,
                                                         shared=bool(job.shared), gpu_type=gpu_type))

@@ -63,6 +63,9 @@ def test_a_shared_job_placed_now_starts_now_and_one_that_waits_is_planned_as_a_w
     gpus = [gpu(1, busy_until=NOW + 600)]
     assert start_times(QueueState(NOW, [shared, later], gpus)) == {1: NOW + 600, 2: NOW + 600 + HOUR}
     assert start_times(QueueState(NOW, [shared], [gpu(1)])) == {1: NOW}
+    # A whole-GPU job behind a shared one placed now waits for it to leave the GPU.
+    whole = job(3, limit=HOUR, submitted=3)
+    assert start_times(QueueState(NOW, [shared, whole], [gpu(1)])) == {1: NOW, 3: NOW + HOUR}
 
 
 # --- through the server and a real worker -------------------------------------------------------
