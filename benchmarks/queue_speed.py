@@ -172,6 +172,13 @@ def decision_pass(n_jobs: int = 10_000) -> None:
         times.append(time.perf_counter() - t0)
     print(f"decision pass, {n_jobs} pending, 64 GPUs on 8 nodes (policy): {statistics.median(times) * 1000:.1f} ms "
           f"(goal 100 ms: {statistics.median(times) * 1000 / 100:.2f}x of it), {len(d.placements)} placed")
+    from gpuq.service.forecast import DEPTH, start_times
+
+    t0 = time.perf_counter()
+    starts = start_times(snap, d)
+    took = time.perf_counter() - t0
+    print(f"expected starts over the same queue (forecast, the first {DEPTH} planned): {took * 1000:.0f} ms, "
+          f"{sum(t is not None for t in starts.values())} known (no goal; `gpuq status --start` and `gpuq why`)")
 
 
 def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
@@ -208,6 +215,12 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
         t = time.perf_counter()
         sched.schedule_once(quick=True)
         quick.append(time.perf_counter() - t)
+    from gpuq.service.explain import expected_starts
+
+    with write_scope(s) as session:  # what the server does for `gpuq status --start`: read, decide, plan
+        t = time.perf_counter()
+        expected_starts(session, s)
+        starts_s = time.perf_counter() - t
     with write_scope(s) as session:  # a database given with --database is the stack's next
         for model in (NextUp, Allocation, Job, Gpu):
             session.execute(delete(model))
@@ -215,7 +228,8 @@ def sql_pass(env: dict[str, str], n_jobs: int = 10_000) -> None:
     print(f"scheduler pass over {where} with {n_jobs} pending: whole pass first {1000 * (t1 - t0):.0f} ms "
           f"({len(first)} placed, every reason written), next {1000 * (t2 - t1):.0f} ms; quick pass (each user's "
           f"queue head, what a submit or a job's end runs) {1000 * statistics.median(quick):.0f} ms "
-          f"(goal 100 ms: {10 * statistics.median(quick):.2f}x of it)")
+          f"(goal 100 ms: {10 * statistics.median(quick):.2f}x of it); expected starts (`gpuq status --start`'s "
+          f"read and plan) {1000 * starts_s:.0f} ms")
     import redis
 
     r = redis.Redis.from_url(s.broker)
