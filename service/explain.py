@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -17,6 +18,9 @@ from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
+
+if TYPE_CHECKING:
+    from gpuq.service.queue_read import QueueRead
 
 
 def _gib(mib: float) -> str:
@@ -55,8 +59,13 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         from gpuq.service.display import time_limit
 
         left = max(int((job.begin_at - utcnow()).total_seconds()), 0)
-        return (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
+        said = (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")
+        read, decision = _pass(session, settings)
+        start = start_times(read.policy, decision, later=read.later).get(job.id)
+        if start is not None and start > job.begin_at.timestamp() + 60:  # its GPUs are busy past its moment
+            said += "; " + _start_line(job.id, start, read.policy.now)
+        return said
     if reason == policy.ARRAY_LIMIT and job.array_id is not None and job.array_limit is not None:
         from gpuq.service.queue_read import arrays_started
 
@@ -76,28 +85,30 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
-    state, decision = _pass(session, settings)
+    read, decision = _pass(session, settings)
+    state = read.policy
     if reason == policy.PRIORITY:
         parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
-    parts.append(_start_line(job.id, start_times(state, decision).get(job.id), state.now))
+    parts.append(_start_line(job.id, start_times(state, decision, later=read.later).get(job.id), state.now))
     return "; ".join(parts)
 
 
-def _pass(session: Session, settings: Settings) -> tuple[policy.QueueState, policy.Decision]:
+def _pass(session: Session, settings: Settings) -> tuple[QueueRead, policy.Decision]:
     """The queue as a whole pass reads it, and the pass's decision."""
     from gpuq.service.queue_read import read_queue
 
-    state = read_queue(session, settings).policy
-    return state, policy.decide(state)
+    read = read_queue(session, settings)
+    return read, policy.decide(read.policy)
 
 
 def expected_starts(session: Session, settings: Settings) -> dict[int, datetime | None]:
     """Each pending job's expected start (`gpuq status --start`): ``forecast.start_times`` of a
-    whole pass's queue. A job that is not eligible (held, dependency, begin time) has none."""
-    state, decision = _pass(session, settings)
+    whole pass's queue, a job waiting for its begin time planned from then on. A job waiting for
+    anything else (held, a dependency, its user's limit) has none."""
+    read, decision = _pass(session, settings)
     return {job_id: None if t is None else datetime.fromtimestamp(t, UTC)
-            for job_id, t in start_times(state, decision).items()}
+            for job_id, t in start_times(read.policy, decision, later=read.later).items()}
 
 
 def _start_line(job_id: int, start: float | None, now: float) -> str:

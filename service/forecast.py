@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 from gpuq.service import packing, policy
 from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState
@@ -61,9 +62,12 @@ class _Plan:
             bisect.insort(self.busy[g.id], (start, end))
 
 
-def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH) -> dict[int, float | None]:
+def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,
+                later: Sequence[tuple[JobRequest, float]] = ()) -> dict[int, float | None]:
     """Each eligible job's expected start (epoch seconds; ``state.now`` for those placed now), or
-    None where it cannot be counted on. ``decision``: this state's ``policy.decide``, if made."""
+    None where it cannot be counted on. ``decision``: this state's ``policy.decide``, if made.
+    ``later``: jobs that may not start before a moment (their ``--begin``), planned from then on,
+    after the jobs that may start now."""
     if decision is None:
         decision = policy.decide(state)
     plan = _Plan(state)
@@ -76,11 +80,16 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     by_node: dict[str, list[GpuState]] = defaultdict(list)
     for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)
-    for looked, job in enumerate(j for j in decision.order if j.id not in found):
+    # A job waiting for its begin time is planned after every job that may start now: until that
+    # moment the scheduler holds nothing for it, and starts whatever fits (its start is the latest).
+    not_before = {job.id: at for job, at in later}
+    order = [*(j for j in decision.order if j.id not in found),
+             *sorted((job for job, _ in later), key=lambda j: policy.order_key(j, state.gpu_hours))]
+    for looked, job in enumerate(order):
         if looked >= depth or decision.waiting.get(job.id) == policy.USER_LIMIT:
             found[job.id] = None
             continue
-        found[job.id] = _earliest(job, state, by_node, plan)
+        found[job.id] = _earliest(job, state, by_node, plan, max(state.now, not_before.get(job.id, state.now)))
     return found
 
 
@@ -88,8 +97,10 @@ def _end(job: JobRequest, start: float) -> float:
     return math.inf if job.time_limit_s is None else start + job.time_limit_s
 
 
-def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuState]], plan: _Plan) -> float | None:
-    """The first moment ``job``'s GPUs are free for its whole limit on one node; it holds them then."""
+def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuState]], plan: _Plan,
+              first: float) -> float | None:
+    """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node;
+    it holds them then."""
     need = packing.need_mib(job, state.shared_context_mib) if job.shared else None
     length = math.inf if job.time_limit_s is None else job.time_limit_s
     best: tuple[float, str, list[GpuState]] | None = None
@@ -100,7 +111,7 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                                      else g.fits(job))]
         if len(suits) < job.gpus:
             continue
-        found = _on_node(suits, job.gpus, length, state.now, plan, best[0] if best is not None else math.inf)
+        found = _on_node(suits, job.gpus, length, first, plan, best[0] if best is not None else math.inf)
         if found is not None and (best is None or (found[0], node) < best[:2]):
             best = (found[0], node, found[1])
     if best is None:
@@ -110,13 +121,13 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
     return start
 
 
-def _on_node(gpus: list[GpuState], count: int, length: float, now: float, plan: _Plan,
+def _on_node(gpus: list[GpuState], count: int, length: float, first: float, plan: _Plan,
              past: float) -> tuple[float, list[GpuState]] | None:
     """The first moment ``count`` of ``gpus`` are free together for ``length`` seconds, and those
     GPUs; None if never, or not before ``past`` (another node's). The count-th soonest moment each
     GPU is free is a lower bound of it: if fewer are free together then, the bound moves there, and
     grows until they are."""
-    at = now
+    at = first
     while True:
         soonest = sorted(plan.next_free(g.id, at, length, past) for g in gpus)[count - 1]
         if math.isinf(soonest):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict, namedtuple
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select
@@ -21,6 +21,7 @@ from gpuq.service.fair_share import FairShare
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
+from gpuq.service.policy import JobRequest
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
@@ -89,6 +90,9 @@ class QueueRead:
     doomed: dict[int, str]
     # The reason each pending job shows now, to write only those that change.
     shown: dict[int, str | None]
+    # Jobs that wait for their begin time alone, and that moment (epoch s): what a forecast plans
+    # from then on (`gpuq status --start`), as SLURM's expected start of a job with a BeginTime.
+    later: list[tuple[JobRequest, float]] = field(default_factory=list)
 
 
 def read_queue(session: Session, settings: Settings, fair_share: FairShare | None = None,
@@ -136,6 +140,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     cut = min((policy.order_key(_request(r), hours) for r in last), default=None) if head is not None else None
     deps, _ = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
+    later: list[tuple[policy.JobRequest, float]] = []
     for row in pending:
         if row.after and not row.after_any:
             # A job (or array) gone from the table counts as cancelled: it will never succeed. Such a
@@ -153,6 +158,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
             continue
         if row.begin_at is not None and row.begin_at > now:
             not_eligible[row.id] = policy.BEGIN_TIME
+            if not (row.after and any(not deps[d].done for d in row.after if d in deps)):
+                later.append((_request(row), row.begin_at.timestamp()))
             continue
         if row.after and any(not deps[d].done for d in row.after if d in deps):
             not_eligible[row.id] = policy.DEPENDENCY
@@ -167,7 +174,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=dict(in_use), user_gpu_limit=settings.user_gpu_limit,
                               shared_context_mib=settings.shared_context_mib)
-    return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending})
+    return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later)
 
 
 def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],

@@ -50,6 +50,19 @@ def test_what_a_job_asks_for_picks_the_gpus_it_is_planned_on():
     assert start_times(QueueState(NOW, jobs, gpus)) == {1: NOW + HOUR, 2: NOW + 600, 3: None}
 
 
+def test_a_job_waiting_for_its_begin_time_is_planned_from_that_moment_after_the_jobs_that_may_start_now():
+    # Job 1 may not start for two hours (--begin); job 2, behind it, ends before that.
+    jobs = [job(2, limit=HOUR, submitted=2)]
+    later = [(job(1, limit=HOUR, submitted=1), NOW + 2 * HOUR)]
+    assert start_times(QueueState(NOW, jobs, [gpu(1)]), later=later) == {2: NOW, 1: NOW + 2 * HOUR}
+    # The scheduler holds nothing for a job before its begin time: a long job that can start before
+    # it does, now or once the GPU frees, and the one waiting for its moment goes after it.
+    jobs = [job(3, limit=3 * HOUR, submitted=3)]
+    assert start_times(QueueState(NOW, jobs, [gpu(1)]), later=later) == {3: NOW, 1: NOW + 3 * HOUR}
+    busy = [gpu(1, busy_until=NOW + HOUR)]
+    assert start_times(QueueState(NOW, jobs, busy), later=later) == {3: NOW + HOUR, 1: NOW + 4 * HOUR}
+
+
 def test_a_job_its_users_gpu_limit_holds_and_jobs_past_the_depth_have_no_start():
     jobs = [job(1, user="ann", limit=HOUR), job(2, user="bob", limit=HOUR), job(3, user="cy", limit=HOUR)]
     state = QueueState(NOW, jobs, [gpu(1, busy_until=NOW + 60)], gpus_in_use={"ann": 1}, user_gpu_limit=1)
@@ -91,6 +104,7 @@ def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_li
     running = cli_submit(s, ["--time", "1h", "--", sys.executable, "-c", "import time; time.sleep(120)"])
     waiting = cli_submit(s, ["--time", "30m", "--name", "after", "--", "true"])
     held = cli_submit(s, ["--hold", "--", "true"])
+    begins = cli_submit(s, ["--begin", "3h", "--time", "10m", "--", "true"])
     try:
         assert wait_for_state(s, running, [State.RUNNING]) == State.RUNNING
         shown = json.loads(run_cli(["show", str(running), "--json"], s).stdout)
@@ -98,8 +112,11 @@ def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_li
         answer = run_cli(["status", "--start", "--json"], s)
         assert answer.returncode == 0, answer.stderr
         starts = {j["id"]: j for j in json.loads(answer.stdout)["jobs"]}
-        assert list(starts) == [waiting, held]  # pending jobs only, the known start first
+        assert list(starts) == [waiting, begins, held]  # pending jobs only, the known starts first
         assert abs(datetime.fromisoformat(starts[waiting]["start"]).timestamp() - ends) < 5
+        # Not before its begin time, when the GPU is free again.
+        begin = json.loads(run_cli(["show", str(begins), "--json"], s).stdout)["begin_at"]
+        assert starts[begins]["start"] == begin and starts[begins]["reason"] == "begin time"
         assert starts[held]["start"] is None and starts[held]["reason"] == "held"
         table = run_cli(["status", "--start"], s)
         assert table.returncode == 0 and "START" in table.stdout and "after" in table.stdout, table
@@ -108,4 +125,4 @@ def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_li
         mixed = run_cli(["status", "--start", "-t", "running"], s)
         assert mixed.returncode == c.EXIT_USAGE and mixed.stderr.count("\n") == 1 and "--start" in mixed.stderr
     finally:
-        run_cli(["cancel", str(running), str(waiting), str(held)], s)
+        run_cli(["cancel", str(running), str(waiting), str(held), str(begins)], s)
