@@ -82,6 +82,8 @@ def retire(session: Session, settings: Settings, node: str, indices: list[int] |
     until it ends): InvalidSpec or StateConflict, and nothing retired, for any other."""
     from gpuq.service.errors import InvalidSpec, StateConflict
 
+    if not node.strip():
+        raise InvalidSpec("give the node's name (gpuq status lists them)")
     rows = {g.index: g for g in session.scalars(select(Gpu).where(Gpu.node == node, Gpu.retired_at.is_(None)))}
     if not rows:
         raise InvalidSpec(f"no node {node} with GPUs is known to gpuq")

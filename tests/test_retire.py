@@ -45,8 +45,9 @@ def test_only_gpus_without_a_live_worker_or_a_job_are_retired_and_a_worker_bring
         with write_scope(settings) as session, pytest.raises(error, match=re.escape(says)):
             inventory.retire(session, settings, "a", indices)
         assert _listed(settings, "a") == [0, 1, 2]  # refused whole: nothing retired
-    with write_scope(settings) as session, pytest.raises(InvalidSpec, match="no node zz with GPUs"):
-        inventory.retire(session, settings, "zz")
+    for node, says in (("zz", "no node zz with GPUs"), (" ", "give the node's name")):
+        with write_scope(settings) as session, pytest.raises(InvalidSpec, match=says):
+            inventory.retire(session, settings, node)
     with write_scope(settings) as session:
         assert inventory.retire(session, settings, "a", [1, 0]) == [0, 1]
     assert _listed(settings, "a") == [2]
