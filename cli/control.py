@@ -120,8 +120,7 @@ def update(job_ids: JobIds = None, array: Array = None,
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node)) if v is not None}
     if not changes:
-        raise InvalidSpec("give something to change: --priority, --time, --name, --retries, --array-limit, "
-                          "--begin, --gpus, --gpu-type, --mem or --node")
+        raise InvalidSpec(c.UPDATE_ASK)  # before a round trip; the server asks the same
     client = Client()
     targets = selected(client, job_ids, array)
     answer = client.post("/jobs/update", {"ids": targets, **changes})["jobs"]

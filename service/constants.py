@@ -200,3 +200,7 @@ ALLOC_GATE_ARGS = ("-I", "-m", "gpuq.cli.gate")
 ALLOC_GATE_SIGNAL = signal.SIGUSR1
 # How long the gate waits for that signal before it lets the shell start anyway (an older worker).
 ALLOC_GATE_SECONDS = 10.0
+
+# What `gpuq update` changes, as the client and the server both ask for one when given none.
+UPDATE_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus, "
+              "--gpu-type, --mem or --node")

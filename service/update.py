@@ -85,8 +85,6 @@ _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs
                  "mem_mib": "GPU memory", "on_node": "node"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
 _SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node")
-_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus, "
-        "--gpu-type, --mem or --node")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share).
@@ -148,7 +146,7 @@ class Changes:
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
                       else _node(node))
         if changes.empty:
-            raise InvalidSpec(_ASK)
+            raise InvalidSpec(c.UPDATE_ASK)
         return changes
 
     @property
