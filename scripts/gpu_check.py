@@ -21,8 +21,9 @@ and prints a line per check, PASS, FAIL or SKIP, with what it measured:
 9. `--gpu-type` of this GPU's model runs, and of a model not here is refused;
 10. MPS with two users, where NVIDIA's MPS control is installed (last: it starts a daemon of its
     own for the stack, then quits it): root's and another user's `--shared` jobs, submitted a
-    second apart, both run at once and neither waits for the other (one joins MPS, the other runs
-    beside it, its output saying why); then a whole-GPU job runs beside the idle MPS server.
+    second apart (root's first, then the other user's first), both run at once and neither waits
+    for the other (one joins MPS, the other runs beside it, its output saying why); then a
+    whole-GPU job runs beside the idle MPS server.
 
 The exit status is 1 if any check failed. The figures (results.json), the summary and the
 stack's logs are kept in --out. Without an NVIDIA GPU the same checks run on one simulated GPU
@@ -295,33 +296,41 @@ def mps(c: Check) -> tuple[str, str]:
     started = subprocess.run([control, "-d"], env=daemon_env, capture_output=True, text=True, timeout=30)
     if started.returncode != 0:
         return "FAIL", f"nvidia-cuda-mps-control -d: {started.stderr.strip()}"
+    pairs: list[list[dict[str, Any]]] = []
+    outputs: dict[int, str] = {}
     try:
         with another_user(c) as (name, env):
             # Each job imports torch (seconds), takes 512 MiB of its GPU and holds it for 8 s: the
             # second, a second later, asks for CUDA while the first may not have yet (stop 39).
+            # Root's first, then the other user's first.
             hold = _gpu_command(True, 512, 8)
-            mine = c.submit("--shared", "--mem", "2G", *hold)
-            time.sleep(1)
-            theirs = c.submit("--shared", "--mem", "2G", *hold, env=env, user=name)
-            rows = c.wait([mine, theirs], 180)
+            for users in ((None, name), (name, None)):
+                ids = []
+                for user in users:
+                    as_user: dict[str, Any] = {"env": env, "user": user} if user else {}
+                    ids.append(c.submit("--shared", "--mem", "2G", *hold, **as_user))
+                    time.sleep(1)
+                pairs.append(c.wait(ids, 180))
+                outputs |= {i: c.output(i) for i in ids}
             whole = c.submit("--", PY, "-c", "import torch; torch.ones(1, device='cuda'); print('whole GPU')")
             whole_row = c.wait([whole], 120)[0]
-            outputs = [c.output(mine), c.output(theirs)]
     except NoUser as why:
         return "SKIP", str(why)
     finally:
         subprocess.run([control], input="quit\n", env=daemon_env, capture_output=True, text=True, timeout=30)
-    a, b = rows
-    ran = [f"job {r['id']} ({r['user']}) {r['state']} in {_between(r, 'started_at', 'ended_at'):.1f} s, "
-           f"{'outside MPS' if 'runs outside MPS' in out else 'in MPS'}" for r, out in zip(rows, outputs, strict=True)]
-    overlap = min(a["ended_at"] or "", b["ended_at"] or "") > max(a["started_at"] or "~", b["started_at"] or "~")
-    # Each holds for 8 s after torch's import and its CUDA context: 30 s is far past that, and far
-    # short of one waiting for the other to end (stop 39: 51 s).
-    ok = (all(r["state"] == "succeeded" and _between(r, "started_at", "ended_at") < 30 for r in rows) and overlap
-          and whole_row["state"] == "succeeded")
+    said, ok = [], whole_row["state"] == "succeeded"
+    for a, b in pairs:
+        ran = [f"job {r['id']} ({r['user']}) {r['state']} in {_between(r, 'started_at', 'ended_at'):.1f} s, "
+               f"{'outside MPS' if 'runs outside MPS' in outputs[r['id']] else 'in MPS'}" for r in (a, b)]
+        overlap = min(a["ended_at"] or "", b["ended_at"] or "") > max(a["started_at"] or "~", b["started_at"] or "~")
+        said.append(", ".join(ran) + f": {'at once' if overlap else 'one after the other'}")
+        # Each holds for 8 s after torch's import and its CUDA context: 30 s is far past that, and
+        # far short of one waiting for the other to end (stop 39: 51 s).
+        ok = ok and overlap and all(r["state"] == "succeeded" and _between(r, "started_at", "ended_at") < 30
+                                    for r in (a, b))
     waited = _between(whole_row, "submitted_at", "started_at") if whole_row.get("started_at") else None
-    return ("PASS" if ok else "FAIL"), ("; ".join(ran) + f"; {'at once' if overlap else 'one after the other'}; "
-                                        f"a whole-GPU job beside the MPS server: {whole_row['state']}"
+    return ("PASS" if ok else "FAIL"), ("; ".join(said) + f"; a whole-GPU job beside the MPS server: "
+                                        f"{whole_row['state']}"
                                         + (f", {waited:.1f} s from submit to start" if waited is not None else ""))
 
 
