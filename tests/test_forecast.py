@@ -5,6 +5,8 @@ and what no one can count on."""
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuq.service.forecast import start_times
 from gpuq.service.policy import JobRequest, QueueState
@@ -79,6 +81,25 @@ def test_a_shared_job_placed_now_starts_now_and_one_that_waits_is_planned_as_a_w
     # A whole-GPU job behind a shared one placed now waits for it to leave the GPU.
     whole = job(3, limit=HOUR, submitted=3)
     assert start_times(QueueState(NOW, [shared, whole], [gpu(1)])) == {1: NOW, 3: NOW + HOUR}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(1, 7200)), min_size=1, max_size=4),
+       st.lists(st.tuples(st.integers(1, 4), st.integers(60, 7200), st.integers(0, 3)), min_size=1, max_size=8))
+def test_the_plan_never_books_more_gpus_than_a_node_has_at_any_moment(busy_for, asks):
+    """Whatever the running jobs and the queue, the jobs planned (and the running ones) never hold
+    more GPUs of the node at once than it has, and none starts before now."""
+    gpus = [gpu(i + 1, busy_until=None if b is None else NOW + b) for i, b in enumerate(busy_for)]
+    jobs = [JobRequest(id=i + 1, user=f"u{user}", gpus=min(n, len(gpus)), time_limit_s=limit, submitted=i)
+            for i, (n, limit, user) in enumerate(asks)]
+    starts = start_times(QueueState(NOW, jobs, gpus))
+    spans = [(NOW, NOW + b, 1) for b in busy_for if b is not None]
+    spans += [(starts[j.id], starts[j.id] + j.time_limit_s, j.gpus) for j in jobs if starts[j.id] is not None]
+    assert all(start >= NOW for start, _, _ in spans)
+    for moment in {start for start, _, _ in spans}:
+        assert sum(n for start, end, n in spans if start <= moment < end) <= len(gpus), (starts, spans)
+    # With time limits all round and nothing else in the way, every job gets a start.
+    assert all(t is not None for t in starts.values())
 
 
 # --- through the server and a real worker -------------------------------------------------------
