@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,26 @@ def test_the_signal_reaches_every_process_of_the_job_before_its_time_limit_and_b
         assert f"[gpuq: SIGUSR1 sent to {to}, 2 s before its time limit (--signal)]" in logs
     shown = run_cli(["show", str(job)], s).stdout
     assert "SIGUSR1 2 s before its time limit (main process)" in shown
+
+
+def test_a_time_limit_raised_after_the_signal_was_sent_asks_for_it_again_before_the_new_limit(one_gpu, tmp_path):
+    # The checkpoint the first signal asked for is not the last, once the job may run on.
+    s = one_gpu.settings
+    job = cli_submit(s, ["--time", "5s", "--signal", "USR1@3", "--", sys.executable, "-c", MARKS, str(tmp_path)])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "main").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "main").exists(), one_gpu.logs()
+    raised = run_cli(["update", str(job), "--time", "12s"], s)  # root (this test) may raise a started job's
+    assert raised.returncode == 0, raised.stderr
+    assert wait_for_state(s, job, c.END_STATES, timeout=60) == State.TIMED_OUT, one_gpu.logs()
+    first, second = map(float, (tmp_path / "main").read_text().split())
+    with write_scope(s) as session:
+        ran = jobs.get_job(session, job)
+        started, ended = ran.started_at.timestamp(), ran.ended_at.timestamp()
+    # Once before each limit: about 2 s in (5 - 3), then about 9 s in (12 - 3), and it ran to 12 s.
+    assert first - started < 4 and 7 < second - started < 11 and ended - started > 11, (started, first, second, ended)
+    assert run_cli(["logs", str(job)], s).stdout.count("[gpuq: SIGUSR1 sent to the job, 3 s before its time limit") == 2
 
 
 def test_a_job_that_ends_before_its_signals_moment_is_never_signalled(one_gpu, tmp_path):

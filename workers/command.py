@@ -88,15 +88,21 @@ def _why_not_started(exc: OSError, program: str, cwd: str, run_as: Identity | No
 @dataclass
 class Ahead:
     """`--signal`: ``signal`` to send the job once ``due`` is set (its watch sets it as the time
-    limit nears), once. Sent by the thread that runs the job, while its main process is unreaped, so
-    its pid and group are still its own."""
+    limit nears), once for each deadline (``deadline``: as the limit now reads; one changed after
+    the signal was sent asks for it again). Sent by the thread that runs the job, while its main
+    process is unreaped, so its pid and group are still its own."""
 
     signal: JobSignal
     due: threading.Event
-    sent: bool = False
+    deadline: Callable[[], float | None]
+    sent_for: float | None = None  # the deadline it was sent before
+
+    @property
+    def wanted(self) -> bool:
+        return self.due.is_set() and self.sent_for != self.deadline()
 
     def send(self, pid: int, found: Finder, sink: OutputSink) -> None:
-        self.sent = True
+        self.sent_for = self.deadline()
         sig = self.signal
         if sig.main_only:
             with contextlib.suppress(ProcessLookupError):
@@ -198,7 +204,7 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
                 sink.note(f"[gpuq: the job's processes hold {over_limit} MiB of host memory, past its --host-mem "
                           f"of {limit_mib} MiB: stopped with SIGKILL]")
                 signal_all(proc.pid, found(), signal.SIGKILL)
-            if ahead is not None and ahead.due.is_set() and not ahead.sent:
+            if ahead is not None and ahead.wanted:
                 ahead.send(proc.pid, found, sink)
         # The job is over when its main process is: anything it left behind is stopped too (SLURM
         # does the same), or it would hold the GPU while gpuq hands it to the next job.

@@ -73,7 +73,7 @@ def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatc
 
 def _ahead(job: JobRun, watcher: StopWatcher) -> Ahead | None:
     """The job's `--signal`, sent once its watch finds the time limit near; None: it has none."""
-    return Ahead(job.signal, watcher.signal_due) if job.signal is not None else None
+    return Ahead(job.signal, watcher.signal_due, lambda: watcher.deadline) if job.signal is not None else None
 
 
 def output_files_of(job: JobRun, node: str) -> OutputFiles | None:

@@ -78,6 +78,12 @@ class StopWatcher:
             if self.started is not None and limit != self.time_limit_s and not cancelled:
                 self.time_limit_s = limit
                 log.info("job %s: its time limit is now %s s", self.job_id, limit)
+                deadline = self.deadline
+                if self.signal_before_s is not None and (deadline is None or
+                                                         time.time() < deadline - self.signal_before_s):
+                    # A limit raised past the signal's moment asks for it again before the new one:
+                    # a run given more time saves its checkpoint again before that limit too.
+                    self.signal_due.clear()
         except Exception:  # noqa: BLE001 - a database blip must not stop the job
             log.warning("job %s: could not check for a cancel request", self.job_id)
         now = time.time()
