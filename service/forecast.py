@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from gpuq.service import packing, policy
 from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState
 
-# How many of the queue's eligible jobs are planned (SLURM's backfill looks at bf_max_job_test, 500).
+# How many of the queue's eligible jobs are planned (SLURM's backfill too looks only so far down the
+# queue: bf_max_job_test).
 DEPTH = 500
 
 
