@@ -53,24 +53,27 @@ def _number(request: web.Request, name: str, default: T, kind: Callable[[str], T
 @routes.get(P + "/jobs")
 async def queue(request: web.Request) -> web.Response:
     """The queue as `gpuq status` shows it: active jobs, the newest ended ones, the GPUs."""
-    settings, caller = context(request)
+    settings, _ = context(request)
     ended = min(_int(request, "ended", 10), history_of.MAX_LISTED)
-    mine = request.query.get("mine") in ("1", "true")
-    # ``user``: one user's jobs (`gpuq status --user`, squeue -u), which everyone may see.
-    named = request.query.get("user")
-    if named is not None and not named.strip():
-        raise InvalidSpec("--user needs a user name")
+    user, named = _whose(request)
     # arrays=collapsed: an array's pending tasks come as entries of "arrays", one for each reason
     # they wait, not as thousands of jobs (`gpuq status` and the dashboard ask for it).
     collapsed = request.query.get("arrays") == "collapsed"
-    user = acting(request)[1].user if mine else named
     # ``state`` and ``name``: those jobs only (`gpuq status -t running --name 'train*'`, squeue's -t, -n).
     state, name = request.query.get("state"), request.query.get("name")
     states = jobs.states_named(state) if state is not None else None
     if name is not None and not name.strip():
         raise InvalidSpec("--name needs a name or a pattern")
-    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named is not None, states,
-                                        name))
+    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named, states, name))
+
+
+def _whose(request: web.Request) -> tuple[str | None, bool]:
+    """Whose jobs a listing asks for: the caller's own (``mine``), one user's (``user``: `gpuq status
+    -u`, squeue -u, which everyone may see), or everyone's (None); and whether a user was named."""
+    named = request.query.get("user")
+    if named is not None and not named.strip():
+        raise InvalidSpec("--user needs a user name")
+    return (acting(request)[1].user if request.query.get("mine") in ("1", "true") else named), named is not None
 
 
 def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = False,
@@ -142,11 +145,7 @@ async def starts(request: web.Request) -> web.Response:
     """Each pending job's expected start (`gpuq status --start`, squeue --start), earliest first;
     ``mine`` or ``user``: theirs only."""
     settings, _ = context(request)
-    named = request.query.get("user")
-    if named is not None and not named.strip():
-        raise InvalidSpec("--user needs a user name")
-    user = acting(request)[1].user if request.query.get("mine") in ("1", "true") else named
-    return web.json_response(await call(_starts, settings, user, named is not None))
+    return web.json_response(await call(_starts, settings, *_whose(request)))
 
 
 def _starts(settings: Settings, user: str | None, named: bool) -> dict[str, Any]:
@@ -159,14 +158,11 @@ def _starts(settings: Settings, user: str | None, named: bool) -> dict[str, Any]
         query = select(Job.id, Job.name, Job.user, Job.gpus, Job.gpu_type, Job.on_node, Job.reason,
                        Job.held).where(Job.state == State.PENDING)
         rows = session.execute(query.where(Job.user == user) if user is not None else query).all()
-    far = utcnow().replace(year=9999)  # unknown starts last, as squeue lists them
-
-    def when(job_id: int) -> Any:
-        return starts.get(job_id) or far
-
+    # Earliest first, unknown starts last, as squeue lists them.
+    earliest = sorted(rows, key=lambda r: (starts.get(r.id) is None, starts.get(r.id) or 0, r.id))
     listed = [{"id": r.id, "name": r.name, "user": r.user, "gpus": r.gpus, "gpu_type": r.gpu_type,
                "node": r.on_node, "reason": r.reason or ("held" if r.held else None),
-               "start": views.iso(starts.get(r.id))} for r in sorted(rows, key=lambda r: (when(r.id), r.id))]
+               "start": views.iso(starts.get(r.id))} for r in earliest]
     return {"jobs": listed}
 
 

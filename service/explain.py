@@ -62,9 +62,9 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         said = (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")
         read, decision = _pass(session, settings)
-        start = start_times(read.policy, decision, later=read.later).get(job.id)
+        start = _starts(read, decision).get(job.id)
         if start is not None and start > job.begin_at.timestamp() + 60:  # its GPUs are busy past its moment
-            said += "; " + _start_line(job.id, start, read.policy.now)
+            said += "; " + _start_line(start, read.policy.now)
         return said
     if reason == policy.ARRAY_LIMIT and job.array_id is not None and job.array_limit is not None:
         from gpuq.service.queue_read import arrays_started
@@ -90,7 +90,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if reason == policy.PRIORITY:
         parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
-    parts.append(_start_line(job.id, start_times(state, decision, later=read.later).get(job.id), state.now))
+    parts.append(_start_line(_starts(read, decision).get(job.id), state.now))
     return "; ".join(parts)
 
 
@@ -106,12 +106,17 @@ def expected_starts(session: Session, settings: Settings) -> dict[int, datetime 
     """Each pending job's expected start (`gpuq status --start`): ``forecast.start_times`` of a
     whole pass's queue, a job waiting for its begin time planned from then on. A job waiting for
     anything else (held, a dependency, its user's limit) has none."""
-    read, decision = _pass(session, settings)
     return {job_id: None if t is None else datetime.fromtimestamp(t, UTC)
-            for job_id, t in start_times(read.policy, decision, later=read.later).items()}
+            for job_id, t in _starts(*_pass(session, settings)).items()}
 
 
-def _start_line(job_id: int, start: float | None, now: float) -> str:
+def _starts(read: QueueRead, decision: policy.Decision) -> dict[int, float | None]:
+    """The expected starts of a read queue and its decision, a job waiting for its begin time
+    planned from then on."""
+    return start_times(read.policy, decision, later=read.later)
+
+
+def _start_line(start: float | None, now: float) -> str:
     from gpuq.service.display import time_limit
 
     if start is None:

@@ -77,7 +77,7 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     for p in decision.placements:
         # A shared job placed now holds its GPUs too, as far as a whole-GPU job is concerned.
         found[p.job_id] = state.now
-        plan.hold(list(p.gpus), state.now, _end(jobs[p.job_id], state.now))
+        plan.hold(list(p.gpus), state.now, state.now + _length(jobs[p.job_id]))
     by_node: dict[str, list[GpuState]] = defaultdict(list)
     for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)
@@ -94,8 +94,9 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     return found
 
 
-def _end(job: JobRequest, start: float) -> float:
-    return math.inf if job.time_limit_s is None else start + job.time_limit_s
+def _length(job: JobRequest) -> float:
+    """How long ``job`` may hold its GPUs: its time limit, or for ever without one."""
+    return math.inf if job.time_limit_s is None else job.time_limit_s
 
 
 def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuState]], plan: _Plan,
@@ -103,7 +104,7 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
     """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node;
     it holds them then."""
     need = packing.need_mib(job, state.shared_context_mib) if job.shared else None
-    length = math.inf if job.time_limit_s is None else job.time_limit_s
+    length = _length(job)
     best: tuple[float, str, list[GpuState]] | None = None
     for node, gpus in by_node.items():
         if job.node is not None and node != job.node:

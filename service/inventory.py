@@ -68,10 +68,14 @@ def retire_missing(session: Session, node: str, present: list[int]) -> list[int]
         Gpu.node == node, Gpu.index.not_in(present), Gpu.retired_at.is_(None), Gpu.id.not_in(held))
         .order_by(Gpu.index)))
     if gone:
-        session.execute(update(Gpu).where(Gpu.node == node, Gpu.index.in_(gone)).values(
-            retired_at=utcnow(), worker=None, worker_pid=None, heartbeat_at=None, utilization=None,
-            memory_used_mib=None))
+        _mark_retired(session, Gpu.node == node, Gpu.index.in_(gone))
     return gone
+
+
+def _mark_retired(session: Session, *where: Any) -> None:
+    """Retire the GPUs ``where`` picks: off the lists, with no worker or live reading left."""
+    session.execute(update(Gpu).where(*where).values(retired_at=utcnow(), worker=None, worker_pid=None,
+                                                      heartbeat_at=None, utilization=None, memory_used_mib=None))
 
 
 def retire(session: Session, settings: Settings, node: str, indices: list[int] | None = None) -> list[int]:
@@ -103,8 +107,7 @@ def retire(session: Session, settings: Settings, node: str, indices: list[int] |
         if rows[i].id in held:
             raise StateConflict(f"GPU {i} of node {node} holds job {held[rows[i].id]}: it is retired once that job "
                                 "has ended (`gpuq cancel`, or the reaper's end of a lost worker's job)")
-    session.execute(update(Gpu).where(Gpu.id.in_([rows[i].id for i in chosen])).values(
-        retired_at=utcnow(), worker=None, worker_pid=None, heartbeat_at=None, utilization=None, memory_used_mib=None))
+    _mark_retired(session, Gpu.id.in_([rows[i].id for i in chosen]))
     return chosen
 
 

@@ -140,7 +140,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     cut = min((policy.order_key(_request(r), hours) for r in last), default=None) if head is not None else None
     deps, _ = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
-    later: list[tuple[policy.JobRequest, float]] = []
+    later: list[tuple[JobRequest, float]] = []
     for row in pending:
         if row.after and not row.after_any:
             # A job (or array) gone from the table counts as cancelled: it will never succeed. Such a
@@ -156,12 +156,13 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if row.held:
             not_eligible[row.id] = policy.HELD
             continue
+        unmet = bool(row.after) and any(not deps[d].done for d in row.after if d in deps)
         if row.begin_at is not None and row.begin_at > now:
             not_eligible[row.id] = policy.BEGIN_TIME
-            if not (row.after and any(not deps[d].done for d in row.after if d in deps)):
+            if not unmet:
                 later.append((_request(row), row.begin_at.timestamp()))
             continue
-        if row.after and any(not deps[d].done for d in row.after if d in deps):
+        if unmet:
             not_eligible[row.id] = policy.DEPENDENCY
             continue
         if row.on_node in drained or (row.on_node is None and in_service < row.gpus <= in_drained):

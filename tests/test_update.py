@@ -244,52 +244,48 @@ def test_a_running_jobs_lowered_time_limit_stops_it_timed_out_at_the_new_limit(o
         assert 3 <= (ran.ended_at - ran.started_at).total_seconds() < 3 + 2 * c.CANCEL_POLL_SECONDS + 5
 
 
-def test_update_prints_both_sides_of_a_time_limit_as_h_mm_ss_and_no_limit_as_none(one_gpu):
-    s = one_gpu.settings
-    job = cli_submit(s, ["--hold", "--", "true"])
-    try:
-        said = [run_cli(["update", str(job), "--time", t], s) for t in ("30m", "90s", "1d", "2:30:00")]
-        assert [(r.returncode, r.stdout) for r in said] == [
-            (0, f"job {job}: time limit none → 0:30:00\n"), (0, f"job {job}: time limit 0:30:00 → 0:01:30\n"),
-            (0, f"job {job}: time limit 0:01:30 → 24:00:00\n"), (0, f"job {job}: time limit 24:00:00 → 2:30:00\n")]
-        # What it prints, `--time` takes back: the same limit, so nothing changes.
-        again = run_cli(["update", str(job), "--time", "2:30:00"], s)
-        assert again.stdout == f"job {job}: unchanged (it has these values already)\n"
-    finally:
-        run_cli(["cancel", str(job)], s)
+@pytest.fixture
+def held(one_gpu):
+    """A held job of the stack's, to change, cancelled after the test."""
+    job = cli_submit(one_gpu.settings, ["--hold", "--", "true"])
+    yield job
+    run_cli(["cancel", str(job)], one_gpu.settings)
 
 
-def test_update_gpus_takes_sbatchs_type_count_and_prints_the_change(one_gpu):
-    s = one_gpu.settings
-    job = cli_submit(s, ["--hold", "--", "true"])
-    try:
-        typed = run_cli(["update", str(job), "--gpus", "simulated:1"], s)
-        assert (typed.returncode, typed.stdout) == (0, f"job {job}: GPU type any → simulated\n"), typed
-        wide = run_cli(["update", str(job), "--gpus", "2"], s)  # the stack has one GPU
-        assert wide.returncode == c.EXIT_USAGE and "--gpus 2 is more than any node has" in wide.stderr, wide
-        assert wide.stderr.count("\n") == 1
-        both = run_cli(["update", str(job), "--gpus", "a100:1", "--gpu-type", "rtx"], s)
-        assert both.returncode == c.EXIT_USAGE and "name two GPU types" in both.stderr
-        back = run_cli(["update", str(job), "--gpu-type", "any"], s)
-        assert back.stdout == f"job {job}: GPU type simulated → any\n", back
-    finally:
-        run_cli(["cancel", str(job)], s)
+def test_update_prints_both_sides_of_a_time_limit_as_h_mm_ss_and_no_limit_as_none(one_gpu, held):
+    s, job = one_gpu.settings, held
+    said = [run_cli(["update", str(job), "--time", t], s) for t in ("30m", "90s", "1d", "2:30:00")]
+    assert [(r.returncode, r.stdout) for r in said] == [
+        (0, f"job {job}: time limit none → 0:30:00\n"), (0, f"job {job}: time limit 0:30:00 → 0:01:30\n"),
+        (0, f"job {job}: time limit 0:01:30 → 24:00:00\n"), (0, f"job {job}: time limit 24:00:00 → 2:30:00\n")]
+    # What it prints, `--time` takes back: the same limit, so nothing changes.
+    again = run_cli(["update", str(job), "--time", "2:30:00"], s)
+    assert again.stdout == f"job {job}: unchanged (it has these values already)\n"
 
 
-def test_update_mem_and_node_print_the_change_and_a_bad_one_is_one_line(one_gpu):
-    s = one_gpu.settings
-    job = cli_submit(s, ["--hold", "--", "true"])
-    try:
-        both = run_cli(["update", str(job), "--mem", "512M", "--node", s.node], s)
-        assert (both.returncode, both.stdout) == (0, f"job {job}: GPU memory none → 512M, node any → {s.node}\n"), both
-        for args, says in ((["--node", "nowhere"], "--node nowhere: no such node is known to gpuq"),
-                           (["--mem", "20X"], "--mem takes a size like 20G or 512M")):
-            bad = run_cli(["update", str(job), *args], s)
-            assert (bad.returncode, bad.stderr.count("\n")) == (c.EXIT_USAGE, 1) and says in bad.stderr, bad
-        back = run_cli(["update", str(job), "--mem", "none", "--node", "any"], s)
-        assert back.stdout == f"job {job}: GPU memory 512M → none, node {s.node} → any\n", back
-    finally:
-        run_cli(["cancel", str(job)], s)
+def test_update_gpus_takes_sbatchs_type_count_and_prints_the_change(one_gpu, held):
+    s, job = one_gpu.settings, held
+    typed = run_cli(["update", str(job), "--gpus", "simulated:1"], s)
+    assert (typed.returncode, typed.stdout) == (0, f"job {job}: GPU type any → simulated\n"), typed
+    wide = run_cli(["update", str(job), "--gpus", "2"], s)  # the stack has one GPU
+    assert wide.returncode == c.EXIT_USAGE and "--gpus 2 is more than any node has" in wide.stderr, wide
+    assert wide.stderr.count("\n") == 1
+    both = run_cli(["update", str(job), "--gpus", "a100:1", "--gpu-type", "rtx"], s)
+    assert both.returncode == c.EXIT_USAGE and "name two GPU types" in both.stderr
+    back = run_cli(["update", str(job), "--gpu-type", "any"], s)
+    assert back.stdout == f"job {job}: GPU type simulated → any\n", back
+
+
+def test_update_mem_and_node_print_the_change_and_a_bad_one_is_one_line(one_gpu, held):
+    s, job = one_gpu.settings, held
+    both = run_cli(["update", str(job), "--mem", "512M", "--node", s.node], s)
+    assert (both.returncode, both.stdout) == (0, f"job {job}: GPU memory none → 512M, node any → {s.node}\n"), both
+    for args, says in ((["--node", "nowhere"], "--node nowhere: no such node is known to gpuq"),
+                       (["--mem", "20X"], "--mem takes a size like 20G or 512M")):
+        bad = run_cli(["update", str(job), *args], s)
+        assert (bad.returncode, bad.stderr.count("\n")) == (c.EXIT_USAGE, 1) and says in bad.stderr, bad
+    back = run_cli(["update", str(job), "--mem", "none", "--node", "any"], s)
+    assert back.stdout == f"job {job}: GPU memory 512M → none, node {s.node} → any\n", back
 
 
 def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
