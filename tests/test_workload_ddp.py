@@ -50,7 +50,11 @@ def ddp_steps(rank: int, world: int, init_method: str) -> dict[str, torch.Tensor
         x, y = global_batch()
         for _ in range(2):
             trainer.step(x, y)
-        return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        # The DDP model (its reducer) goes before its process group, as in the workload: freed after
+        # destroy_process_group, the reducer's gloo group joined its threads forever (a hung run).
+        del trainer
+        return state
     finally:
         dist.destroy_process_group()
 

@@ -52,6 +52,12 @@ def run_rank(ctx: WorkloadContext, rank: int, world_size: int, init_method: str,
                             rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         result = train.fit(ctx, "ddp", [device])
+    except BaseException as exc:
+        # A failed or cancelled rank's traceback holds fit's frames, the DDP model among them: let go
+        # of it before its process group is destroyed. A DDP model freed after its gloo group hung a
+        # test's process for good, joining the group's threads; a warm worker must not hang there.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         dist.destroy_process_group()
     result["devices"] = [str(d) for d in devices]
