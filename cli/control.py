@@ -106,9 +106,12 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                    "(a shared job's share; none: no memory asked).")] = None,
            node: Annotated[str | None, typer.Option("--node", help="A pending job's new node (any: no node "
                                                     "asked).")] = None,
+           shared: Annotated[bool | None, typer.Option("--shared/--whole", help="A pending job shares its GPU "
+                                                       "by its --mem with other --shared jobs, or runs on "
+                                                       "whole GPUs again.", show_default=False)] = None,
            ) -> None:
-    """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory and node, a
-    time limit, a name, retries, an array's tasks at once (as `scontrol update job`)."""
+    """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node and
+    sharing, a time limit, a name, retries, an array's tasks at once (as `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
     if begin is not None:  # the user's own clock and zone read it
@@ -118,7 +121,8 @@ def update(job_ids: JobIds = None, array: Array = None,
     count, gpu_type = typed(gpus, gpu_type)
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
-                                 ("gpu_type", gpu_type), ("mem", mem), ("node", node)) if v is not None}
+                                 ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared))
+               if v is not None}
     if not changes:
         raise InvalidSpec(c.UPDATE_ASK)  # before a round trip; the server asks the same
     client = Client()
@@ -139,7 +143,8 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v)), "gpus": ("GPUs", str),
     "gpu_type": ("GPU type", lambda v: "any" if v is None else v),
     "mem_mib": ("GPU memory", lambda v: "none" if v is None else mib(v)),
-    "on_node": ("node", lambda v: "any" if v is None else v)}
+    "on_node": ("node", lambda v: "any" if v is None else v),
+    "shared": ("sharing", lambda v: "shared" if v else "whole GPUs")}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

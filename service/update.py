@@ -1,21 +1,22 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
 limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
-begin time, and a pending job's GPUs, GPU type, GPU memory and node.
+begin time, and a pending job's GPUs, GPU type, GPU memory, node and sharing.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
-of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory
-and node, which only ordered or shaped its wait, and its owner may lower its time limit but only
+of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory,
+node and sharing, which only ordered or shaped its wait, and its owner may lower its time limit but only
 root or an admin may raise it (a user who could would hold the GPUs past what the backfill
 promised the jobs behind). A running job's worker reads the new limit within a look of its watch
 (workers/watch.py); one below the time it has run stops it there, timed out. Its name changes in
 the queue, not in the ``GPUQ_JOB_NAME`` it started with.
 
-New GPUs, GPU type, memory or node are checked as a submit checks them (no node has that many, no
-GPU is of that type or has that much memory, no such node, a workload that cannot run on that
-many, a shared job without a share: the request is refused whole, nothing changed), and the job
-leaves every GPU's next-up list, which listed it for what it asked before: the scheduler's next
-pass lists it again for what it asks now. Sharing does not change here (a shared job's placement
-and watch are another kind of run): cancel and submit again.
+New GPUs, GPU type, memory, node or sharing are checked as a submit checks them (no node has that
+many, no GPU is of that type or has that much memory, no such node, a workload that cannot run on
+that many, a shared job without a share: the request is refused whole, nothing changed), and the
+job leaves every GPU's next-up list, which listed it for what it asked before: the scheduler's next
+pass lists it again for what it asks now. Sharing changes only while the job waits (as SLURM's
+OverSubscribe): a shared job's placement and the watch over its share are decided when it starts,
+from its row, so a pending job's new sharing is all there is to change.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Integer, String, bindparam, case, delete, func
+from sqlalchemy import Boolean, Integer, String, bindparam, case, delete, func
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, jobs, spec
@@ -71,20 +72,21 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                                      else_=_NEW_TYPE),
                        mem_mib=case((_NEW_MEM.is_(None), _JOBS.c.mem_mib), (_NEW_MEM == 0, None), else_=_NEW_MEM),
                        on_node=case((_NEW_NODE.is_(None), _JOBS.c.on_node), (_NEW_NODE == "", None),
-                                    else_=_NEW_NODE), **_LATER)
+                                    else_=_NEW_NODE), shared=_kept("shared", Boolean), **_LATER)
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
-           _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.array_id)
+           _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
+           _JOBS.c.array_id)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node")
+          "mem_mib", "on_node", "shared")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
-                 "mem_mib": "GPU memory", "on_node": "node"}
+                 "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
-_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node")
+_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share).
@@ -105,19 +107,24 @@ class Changes:
     gpu_type: str | None = None  # "": any model
     mem_mib: int | None = None  # 0: none asked
     on_node: str | None = None  # "": any node
+    shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
-        ``retries``, ``array_limit``); InvalidSpec for anything malformed or for no change at all."""
+        ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``);
+        InvalidSpec for anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
-                               "gpu_type", "mem", "node"}
+                               "gpu_type", "mem", "node", "shared"}
         if unknown:
-            raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} "
-                              "(priority, time, name, retries, array_limit, begin, gpus, gpu_type, mem, node)")
+            raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
+                              "array_limit, begin, gpus, gpu_type, mem, node, shared)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
+        shared = body.get("shared")
+        if shared is not None and type(shared) is not bool:
+            raise InvalidSpec("--shared must be true or false (--whole)")
         priority, time, name, retries, at_once, gpus, gpu_type, mem, node = (
             body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type", "mem",
                                   "node"))
@@ -144,7 +151,7 @@ class Changes:
                       else spec.check_gpu_type(gpu_type),
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
-                      else _node(node))
+                      else _node(node), shared=shared)
         if changes.empty:
             raise InvalidSpec(c.UPDATE_ASK)
         return changes
@@ -207,8 +214,8 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
     """InvalidSpec, before anything changes, where a pending job could not run with its new GPUs,
     GPU type, memory or node, as its submit would have been refused: no node has that many (of
     that type), no GPU is of that type or has that much memory, no such node, a shared job left
-    without its share, its workload cannot run on that many. Each shape is checked once: an
-    array's tasks are one."""
+    without its share (or made shared without one), its workload cannot run on that many. Each
+    shape is checked once: an array's tasks are one."""
     checked: set[tuple[Any, ...]] = set()
     for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
                             Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type).values():
@@ -216,19 +223,22 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
         mem_mib = job.mem_mib if changes.mem_mib is None else changes.mem_mib or None
         on_node = job.on_node if changes.on_node is None else changes.on_node or None
-        if job.shared and mem_mib is None:
-            raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
+        shared = bool(job.shared) if changes.shared is None else changes.shared
+        if shared and mem_mib is None:
+            if job.shared:
+                raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
+            raise InvalidSpec(f"job {job.id} asks no GPU memory: --shared needs --mem, its share of the GPU")
         if job.kind == c.KIND_INTERACTIVE and changes.on_node is not None:
             raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
-                 job.shared, gpus, gpu_type)
+                 shared, gpus, gpu_type)
         if shape in checked:
             continue
         checked.add(shape)
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
                                                         mem_mib=mem_mib, on_node=on_node,
-                                                        shared=bool(job.shared), gpu_type=gpu_type))
+                                                        shared=shared, gpu_type=gpu_type))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
             get_workload(job.workload).check_gpus(params, gpus)
 

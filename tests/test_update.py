@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import pytest
 from sqlalchemy import select
@@ -220,6 +221,40 @@ def test_a_pending_jobs_memory_and_node_change_as_submit_checks_them_and_it_leav
         update_all(settings, [alloc], Changes(on_node="b"), ANN)
 
 
+def test_a_pending_jobs_sharing_changes_with_a_share_to_pack_by_and_it_leaves_the_next_up_lists(settings):
+    from gpuq.service.models import NextUp
+
+    [a] = register(settings, "a", 1)
+    running = submit(settings)
+    Scheduler(settings).schedule_once()
+    whole = submit(settings, hold=True, mem="2G")
+    bare = submit(settings, hold=True)
+    with write_scope(settings) as session:  # listed next on a busy GPU, for a whole GPU
+        session.add(NextUp(gpu_id=a, job_id=whole, rank=0))
+
+    def sharing(job_id):
+        with write_scope(settings) as session:
+            return tuple(session.execute(select(Job.shared, Job.mem_mib).where(Job.id == job_id)).one())
+
+    [made] = update_all(settings, [whole], Changes.of({"shared": True}), ANN)
+    assert (made.changed, made.refused) == ({"shared": [False, True]}, None) and sharing(whole) == (True, 2048)
+    with write_scope(settings) as session:  # listed for a whole GPU: off the list
+        assert session.scalars(select(NextUp.job_id).where(NextUp.job_id == whole)).all() == []
+    # A job that asks no memory has no share to pack by: refused whole, unless the update gives one.
+    with pytest.raises(InvalidSpec, match=f"job {bare} asks no GPU memory: --shared needs --mem, its share"):
+        update_all(settings, [whole, bare], Changes.of({"shared": True}), ANN)
+    assert sharing(bare) == (False, None)
+    [both] = update_all(settings, [bare], Changes.of({"shared": True, "mem": "1G"}), ANN)
+    assert both.changed == {"mem_mib": [None, 1024], "shared": [False, True]} and sharing(bare) == (True, 1024)
+    [back] = update_all(settings, [whole], Changes.of({"shared": False}), ANN)
+    assert back.changed == {"shared": [True, False]} and sharing(whole) == (False, 2048)
+    with pytest.raises(InvalidSpec, match=re.escape("--shared must be true or false (--whole)")):
+        Changes.of({"shared": "yes"})
+    # A started job keeps its sharing: its placement and its watch were made for it.
+    [kept] = update_all(settings, [running], Changes(shared=True), ANN)
+    assert kept.refused == f"job {running} is dispatched; only a pending job's sharing can be changed"
+
+
 # --- through the server and a real worker -------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["sqlite"])
@@ -288,6 +323,22 @@ def test_update_mem_and_node_print_the_change_and_a_bad_one_is_one_line(one_gpu,
     assert back.stdout == f"job {job}: GPU memory 512M → none, node {s.node} → any\n", back
 
 
+def test_a_job_waiting_for_a_whole_gpu_made_shared_runs_beside_the_shared_job_on_it(one_gpu):
+    s = one_gpu.settings
+    beside = cli_submit(s, ["--shared", "--mem", "1G", "--", sys.executable, "-c", "import time; time.sleep(120)"])
+    assert wait_for_state(s, beside, [State.RUNNING]) == State.RUNNING
+    waiting = cli_submit(s, ["--mem", "1G", "--", "true"])  # a whole GPU: it waits for the shared job's end
+    time.sleep(1.5)  # three of the scheduler's passes
+    assert state_of(s, waiting)[0] == State.PENDING
+    made = run_cli(["update", str(waiting), "--shared"], s)
+    assert (made.returncode, made.stdout) == (0, f"job {waiting}: sharing whole GPUs → shared\n"), made
+    assert wait_for_state(s, waiting, c.END_STATES, timeout=30) == State.SUCCEEDED, one_gpu.logs()
+    assert state_of(s, beside)[0] == State.RUNNING
+    started = run_cli(["update", str(beside), "--whole"], s)
+    assert started.returncode == 4 and "only a pending job's sharing can be changed" in started.stderr, started
+    run_cli(["cancel", str(beside)], s)
+
+
 def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     s = one_gpu.settings
     blocker = cli_submit(s, ["--", sys.executable, "-c", "import time; time.sleep(120)"])
@@ -304,7 +355,7 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     nothing = run_cli(["update", str(first)], s)
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
     assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
-                                      "--array-limit, --begin, --gpus, --gpu-type, --mem or --node")
+                                      "--array-limit, --begin, --gpus, --gpu-type, --mem, --node or --shared/--whole")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
