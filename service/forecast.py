@@ -9,10 +9,15 @@ where it ends before that job's planned start. So it is an estimate and says so:
 before their limits bring it forward, jobs of a higher priority or a lighter user submitted later
 push it back.
 
+A shared job is planned by its share: it may start beside other shared jobs wherever its GPUs'
+memory holds them all for its whole limit, and a whole-GPU job waits until no job is on the GPU.
+The shared jobs on a GPU now count as one, their memory together, until the last of them is
+expected to end (a GPU's state holds their sum and last end, not each one's): a shared job that
+waits for room is planned at the latest moment it could start.
+
 Unknown (None) where no such moment can be counted on: a job ahead on those GPUs has no time limit
 (or the job itself has none and something is planned after it), its user's GPU limit holds it, or
-it is past the first ``depth`` jobs of the queue. A shared job is planned as a whole GPU: its share
-is known, but not which of its neighbours leaves first, so its time is the latest it could be.
+it is past the first ``depth`` jobs of the queue.
 """
 
 from __future__ import annotations
@@ -30,37 +35,74 @@ from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState
 DEPTH = 500
 
 
-class _Plan:
-    """Each GPU's busy intervals (start, end) in epoch seconds, sorted and never overlapping; an end
-    is inf without a time limit."""
+class _Usage:
+    """One GPU's memory held by gpuq's jobs over time, a step function: ``held[i]`` MiB from
+    ``times[i]`` until the next moment (the last until for ever); a whole-GPU job holds inf."""
 
-    def __init__(self, state: QueueState) -> None:
-        self.busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for g in state.gpus:
-            clear = packing.GpuLoad.of(g).clear_at(state.now)
-            if clear > state.now:
-                self.busy[g.id].append((state.now, clear))
+    def __init__(self, room: int) -> None:
+        self.room = room  # what gpuq's jobs may hold together: the GPU's memory less foreign processes'
+        self.times: list[float] = [-math.inf]
+        self.held: list[float] = [0.0]
 
-    def next_free(self, gpu: int, t: float, length: float, past: float = math.inf) -> float:
-        """The first moment from ``t`` at which ``gpu`` is free for ``length`` seconds (inf: never, or
-        not before ``past``, where the caller stops looking)."""
-        intervals = self.busy[gpu]
-        # From the first interval that ends after t: the ones before it are past.
-        at = bisect.bisect_right(intervals, (t, math.inf))
-        if at > 0 and intervals[at - 1][1] > t:
-            at -= 1
+    def fits(self, held: float, need: float | None) -> bool:
+        """Whether a job needing ``need`` MiB (None: the whole GPU) fits beside ``held``."""
+        return held == 0 if need is None else held + need <= self.room
+
+    def _at(self, t: float) -> int:
+        """The index of the step starting at ``t``, made where none did."""
+        i = bisect.bisect_left(self.times, t)
+        if i == len(self.times) or self.times[i] != t:
+            self.times.insert(i, t)
+            self.held.insert(i, self.held[i - 1])
+        return i
+
+    def hold(self, start: float, end: float, mib: float) -> None:
+        first = self._at(start)
+        last = len(self.times) if math.isinf(end) else self._at(end)
+        for i in range(first, last):
+            self.held[i] += mib
+
+    def next_free(self, t: float, length: float, need: float | None, past: float) -> float:
+        """The first moment from ``t`` from which a job needing ``need`` fits for ``length`` seconds
+        (inf: never, or not before ``past``, where the caller stops looking). Walks the steps from
+        ``t``'s: one the job does not fit beside moves its start to that step's end."""
+        i = bisect.bisect_right(self.times, t) - 1
         start = t
-        for s, e in intervals[at:]:
-            if s >= start + length:
-                break
-            start = max(start, e)
+        while True:
             if start > past:
                 return math.inf
-        return start
+            ends = self.times[i + 1] if i + 1 < len(self.times) else math.inf
+            if not self.fits(self.held[i], need):
+                if math.isinf(ends):
+                    return math.inf
+                start = ends
+            elif ends >= start + length:
+                return start
+            i += 1
 
-    def hold(self, gpus: list[GpuState], start: float, end: float) -> None:
+
+class _Plan:
+    """Each GPU's memory held over time by the running jobs and the jobs planned so far."""
+
+    def __init__(self, state: QueueState) -> None:
+        self.usage: dict[int, _Usage] = {}
+        for g in state.gpus:
+            usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
+            load = packing.GpuLoad.of(g)
+            if load.whole_until is not None and load.whole_until > state.now:
+                usage.hold(state.now, load.whole_until, math.inf)
+            for end, mib in load.shares:
+                if end > state.now:
+                    usage.hold(state.now, end, mib)
+
+    def next_free(self, gpu: int, t: float, length: float, need: float | None, past: float = math.inf) -> float:
+        """The first moment from ``t`` at which a job needing ``need`` MiB of ``gpu`` (None: all of
+        it) has it for ``length`` seconds; inf: never, or not before ``past``."""
+        return self.usage[gpu].next_free(t, length, need, past)
+
+    def hold(self, gpus: list[GpuState], start: float, end: float, need: float | None) -> None:
         for g in gpus:
-            bisect.insort(self.busy[g.id], (start, end))
+            self.usage[g.id].hold(start, end, math.inf if need is None else need)
 
 
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,
@@ -75,9 +117,8 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     jobs = {j.id: j for j in state.jobs}
     found: dict[int, float | None] = {}
     for p in decision.placements:
-        # A shared job placed now holds its GPUs too, as far as a whole-GPU job is concerned.
         found[p.job_id] = state.now
-        plan.hold(list(p.gpus), state.now, state.now + _length(jobs[p.job_id]))
+        plan.hold(list(p.gpus), state.now, state.now + _length(jobs[p.job_id]), _need(jobs[p.job_id], state))
     by_node: dict[str, list[GpuState]] = defaultdict(list)
     for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)
@@ -99,11 +140,17 @@ def _length(job: JobRequest) -> float:
     return math.inf if job.time_limit_s is None else job.time_limit_s
 
 
+def _need(job: JobRequest, state: QueueState) -> int | None:
+    """The memory a shared job holds on each of its GPUs (its share and context reserve); None for a
+    whole-GPU job, which holds all of each."""
+    return packing.need_mib(job, state.shared_context_mib) if job.shared else None
+
+
 def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuState]], plan: _Plan,
               first: float) -> float | None:
     """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node;
     it holds them then."""
-    need = packing.need_mib(job, state.shared_context_mib) if job.shared else None
+    need = _need(job, state)
     length = _length(job)
     best: tuple[float, str, list[GpuState]] | None = None
     for node, gpus in by_node.items():
@@ -113,28 +160,28 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                                      else g.fits(job))]
         if len(suits) < job.gpus:
             continue
-        found = _on_node(suits, job.gpus, length, first, plan, best[0] if best is not None else math.inf)
+        found = _on_node(suits, job.gpus, need, length, first, plan, best[0] if best is not None else math.inf)
         if found is not None and (best is None or (found[0], node) < best[:2]):
             best = (found[0], node, found[1])
     if best is None:
         return None
     start, _, chosen = best
-    plan.hold(chosen, start, start + length)
+    plan.hold(chosen, start, start + length, need)
     return start
 
 
-def _on_node(gpus: list[GpuState], count: int, length: float, first: float, plan: _Plan,
+def _on_node(gpus: list[GpuState], count: int, need: int | None, length: float, first: float, plan: _Plan,
              past: float) -> tuple[float, list[GpuState]] | None:
-    """The first moment ``count`` of ``gpus`` are free together for ``length`` seconds, and those
-    GPUs; None if never, or not before ``past`` (another node's). The count-th soonest moment each
-    GPU is free is a lower bound of it: if fewer are free together then, the bound moves there, and
-    grows until they are."""
+    """The first moment ``count`` of ``gpus`` each have ``need`` (None: all of it) together for
+    ``length`` seconds, and those GPUs; None if never, or not before ``past`` (another node's). The
+    count-th soonest moment each GPU is free is a lower bound of it: if fewer are free together
+    then, the bound moves there, and grows until they are."""
     at = first
     while True:
-        soonest = sorted(plan.next_free(g.id, at, length, past) for g in gpus)[count - 1]
+        soonest = sorted(plan.next_free(g.id, at, length, need, past) for g in gpus)[count - 1]
         if math.isinf(soonest):
             return None
-        free = [g for g in gpus if plan.next_free(g.id, soonest, length) == soonest]
+        free = [g for g in gpus if plan.next_free(g.id, soonest, length, need) == soonest]
         if len(free) >= count:
             return soonest, free[:count]
         at = soonest

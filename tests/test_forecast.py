@@ -3,6 +3,7 @@ now, what waits for the running jobs' limits, what may go ahead without delaying
 and what no one can count on."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -72,15 +73,29 @@ def test_a_job_its_users_gpu_limit_holds_and_jobs_past_the_depth_have_no_start()
     assert start_times(state, depth=2) == {1: None, 2: NOW + 60, 3: None}  # job 1 is one of the two
 
 
-def test_a_shared_job_placed_now_starts_now_and_one_that_waits_is_planned_as_a_whole_gpu():
-    shared = JobRequest(id=1, user="u", gpus=1, mem_mib=2048, shared=True, time_limit_s=HOUR, submitted=1)
-    later = JobRequest(id=2, user="u", gpus=1, mem_mib=2048, shared=True, time_limit_s=HOUR, submitted=2)
-    gpus = [gpu(1, busy_until=NOW + 600)]
-    assert start_times(QueueState(NOW, [shared, later], gpus)) == {1: NOW + 600, 2: NOW + 600 + HOUR}
-    assert start_times(QueueState(NOW, [shared], [gpu(1)])) == {1: NOW}
-    # A whole-GPU job behind a shared one placed now waits for it to leave the GPU.
-    whole = job(3, limit=HOUR, submitted=3)
-    assert start_times(QueueState(NOW, [shared, whole], [gpu(1)])) == {1: NOW, 3: NOW + HOUR}
+def shared(job_id, mib, limit=HOUR):
+    return JobRequest(id=job_id, user="u", gpus=1, mem_mib=mib, shared=True, time_limit_s=limit, submitted=job_id)
+
+
+def test_shared_jobs_are_planned_side_by_side_as_the_gpus_memory_holds_them_and_a_whole_gpu_job_after_them():
+    # A 16 GiB GPU busy for ten minutes: two 2 GiB shared jobs start together when it frees.
+    busy = [gpu(1, busy_until=NOW + 600)]
+    assert start_times(QueueState(NOW, [shared(1, 2048), shared(2, 2048)], busy)) == {1: NOW + 600, 2: NOW + 600}
+    # Three of 6 GiB (each with its 512 MiB context reserve) do not fit in 16 GiB together: the third
+    # starts when the first of the two before it is expected to end.
+    jobs = [shared(1, 6144, limit=1800), shared(2, 6144), shared(3, 6144)]
+    assert start_times(QueueState(NOW, jobs, busy)) == {1: NOW + 600, 2: NOW + 600, 3: NOW + 2400}
+    # Placed now, a shared job starts now; a whole-GPU job behind it waits for it to leave the GPU.
+    assert start_times(QueueState(NOW, [shared(1, 2048)], [gpu(1)])) == {1: NOW}
+    assert start_times(QueueState(NOW, [shared(1, 2048), job(3, limit=HOUR)], [gpu(1)])) == {1: NOW, 3: NOW + HOUR}
+
+
+def test_the_shared_jobs_running_now_count_as_one_until_the_last_of_them_is_expected_to_end():
+    # Two shared jobs hold 12 GiB of the GPU for at most another hour: a 2 GiB job fits beside them
+    # now; one of 6 GiB has room once they have left, as has a whole-GPU job.
+    held = replace(gpu(1), shared_mib=12288, shared_jobs=2, shared_until=NOW + HOUR)
+    jobs = [shared(1, 2048), shared(2, 6144), job(3, limit=60)]
+    assert start_times(QueueState(NOW, jobs, [held])) == {1: NOW, 2: NOW + HOUR, 3: NOW + 2 * HOUR}
 
 
 @settings(max_examples=200, deadline=None)
@@ -100,6 +115,27 @@ def test_the_plan_never_books_more_gpus_than_a_node_has_at_any_moment(busy_for, 
         assert sum(n for start, end, n in spans if start <= moment < end) <= len(gpus), (starts, spans)
     # With time limits all round and nothing else in the way, every job gets a start.
     assert all(t is not None for t in starts.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(1, 7200)),
+       st.lists(st.tuples(st.one_of(st.none(), st.integers(1, 12)), st.integers(60, 7200)), min_size=1, max_size=8))
+def test_the_plan_never_books_more_of_a_gpus_memory_than_it_has_nor_a_whole_gpu_beside_anything(busy_for, asks):
+    """One 16 GiB GPU, busy or not, and a queue of whole-GPU jobs (None) and shared ones of 1-12 GiB:
+    at no moment do the planned shared jobs need more than the GPU's memory, nor does a whole-GPU job
+    share it with any other job."""
+    jobs = [job(i + 1, limit=limit) if gib is None else shared(i + 1, gib * 1024, limit=limit)
+            for i, (gib, limit) in enumerate(asks)]
+    state = QueueState(NOW, jobs, [gpu(1, busy_until=None if busy_for is None else NOW + busy_for)])
+    starts = start_times(state)
+    spans = [] if busy_for is None else [(NOW, NOW + busy_for, None)]
+    spans += [(starts[j.id], starts[j.id] + j.time_limit_s, j.mem_mib + state.shared_context_mib if j.shared else None)
+              for j in jobs if starts[j.id] is not None]
+    assert all(t is not None for t in starts.values())
+    for moment in {start for start, _, _ in spans}:
+        there = [need for start, end, need in spans if start <= moment < end]
+        assert None not in there or len(there) == 1, (starts, spans)
+        assert sum(n for n in there if n is not None) <= 16384, (starts, spans)
 
 
 # --- through the server and a real worker -------------------------------------------------------
