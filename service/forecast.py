@@ -10,10 +10,8 @@ before their limits bring it forward, jobs of a higher priority or a lighter use
 push it back.
 
 A shared job is planned by its share: it may start beside other shared jobs wherever its GPUs'
-memory holds them all for its whole limit, and a whole-GPU job waits until no job is on the GPU.
-The shared jobs on a GPU now count as one, their memory together, until the last of them is
-expected to end (a GPU's state holds their sum and last end, not each one's): a shared job that
-waits for room is planned at the latest moment it could start.
+memory holds them all for its whole limit, as each running one's share frees at its limit, and a
+whole-GPU job waits until no job is on the GPU.
 
 Unknown (None) where no such moment can be counted on: a job ahead on those GPUs has no time limit
 (or the job itself has none and something is planned after it), its user's GPU limit holds it, or

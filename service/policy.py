@@ -77,6 +77,9 @@ class GpuState:
     shared_jobs: int = 0  # how many shared jobs gpuq runs on it
     # When the last of them is expected to end (epoch s); inf or None when one has no time limit.
     shared_until: float | None = None
+    # Each of them, (expected end, MiB of share and reserve), where the reader knows them: room opens
+    # as each leaves. Empty: only the sum and the last end above are known.
+    shares: tuple[tuple[float, int], ...] = ()
     model: str = ""  # NVML's name of it ("NVIDIA H100 80GB HBM3"), what --gpu-type picks by
 
     @property

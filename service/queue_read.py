@@ -109,6 +109,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     shared_mib: dict[int, int] = defaultdict(int)
     shared_jobs: dict[int, int] = defaultdict(int)
     shared_until: dict[int, float] = {}
+    shares: dict[int, list[tuple[float, int]]] = defaultdict(list)
     in_use: dict[str, float] = defaultdict(float)
     for gpu_id, user, started, limit, share_mib, gpu_share in _ALLOCATED.run(conn, {}):
         ends = (started or now).timestamp() + limit if limit else math.inf
@@ -121,11 +122,13 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         shared_mib[gpu_id] += share_mib
         shared_jobs[gpu_id] += 1
         shared_until[gpu_id] = max(shared_until.get(gpu_id, ends), ends)
+        shares[gpu_id].append((ends, share_mib))
     live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shared_mib=shared_mib.get(g.id, 0),
-                            shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id), model=g.name)
+                            shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id),
+                            shares=tuple(sorted(shares.get(g.id, ()))), model=g.name)
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).

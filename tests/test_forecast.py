@@ -90,12 +90,16 @@ def test_shared_jobs_are_planned_side_by_side_as_the_gpus_memory_holds_them_and_
     assert start_times(QueueState(NOW, [shared(1, 2048), job(3, limit=HOUR)], [gpu(1)])) == {1: NOW, 3: NOW + HOUR}
 
 
-def test_the_shared_jobs_running_now_count_as_one_until_the_last_of_them_is_expected_to_end():
-    # Two shared jobs hold 12 GiB of the GPU for at most another hour: a 2 GiB job fits beside them
-    # now; one of 6 GiB has room once they have left, as has a whole-GPU job.
-    held = replace(gpu(1), shared_mib=12288, shared_jobs=2, shared_until=NOW + HOUR)
+def test_a_shared_job_waiting_for_room_starts_as_the_running_shares_leave_at_their_limits():
+    # Two shared jobs hold 12 GiB of the 16, one for half an hour, one for an hour: a 2 GiB job fits
+    # beside them now, one of 6 GiB once the first has left, a whole-GPU job once both have.
+    held = replace(gpu(1), shared_mib=12288, shared_jobs=2, shared_until=NOW + HOUR,
+                   shares=((NOW + 1800, 6144), (NOW + HOUR, 6144)))
     jobs = [shared(1, 2048), shared(2, 6144), job(3, limit=60)]
-    assert start_times(QueueState(NOW, jobs, [held])) == {1: NOW, 2: NOW + HOUR, 3: NOW + 2 * HOUR}
+    assert start_times(QueueState(NOW, jobs, [held])) == {1: NOW, 2: NOW + 1800, 3: NOW + 1800 + HOUR}
+    # Where only their sum and last end are known, they count as one until that end.
+    summed = replace(held, shares=())
+    assert start_times(QueueState(NOW, jobs, [summed])) == {1: NOW, 2: NOW + HOUR, 3: NOW + 2 * HOUR}
 
 
 @settings(max_examples=200, deadline=None)
@@ -183,3 +187,30 @@ def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_li
         assert mixed.returncode == c.EXIT_USAGE and mixed.stderr.count("\n") == 1 and "--start" in mixed.stderr
     finally:
         run_cli(["cancel", str(running), str(waiting), str(held), str(begins)], s)
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_job_waiting_for_room_is_expected_when_the_first_running_share_reaches_its_limit(one_gpu):
+    import json
+    import sys
+    from datetime import datetime
+
+    from gpuq.service.constants import State
+    from tests.conftest import cli_submit, run_cli, wait_for_state
+
+    s = one_gpu.settings  # one simulated GPU of 8 GiB
+    sleep = ["--", sys.executable, "-c", "import time; time.sleep(120)"]
+    long = cli_submit(s, ["--shared", "--mem", "3G", "--time", "1h", *sleep])
+    short = cli_submit(s, ["--shared", "--mem", "3G", "--time", "30m", *sleep])
+    waiting = cli_submit(s, ["--shared", "--mem", "3G", "--time", "10m", "--", "true"])
+    try:
+        for job_id in (long, short):
+            assert wait_for_state(s, job_id, [State.RUNNING]) == State.RUNNING
+        started = datetime.fromisoformat(json.loads(run_cli(["show", str(short), "--json"], s).stdout)["started_at"])
+        answer = run_cli(["status", "--start", "--json"], s)
+        assert answer.returncode == 0, answer.stderr
+        [planned] = [j for j in json.loads(answer.stdout)["jobs"] if j["id"] == waiting]
+        # Room for a third 3 GiB share (with its reserve) opens when the 30-minute job leaves, not the hour's.
+        assert abs(datetime.fromisoformat(planned["start"]).timestamp() - (started.timestamp() + 1800)) < 5, planned
+    finally:
+        run_cli(["cancel", str(long), str(short), str(waiting)], s)
