@@ -52,9 +52,13 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if reason == policy.USER_LIMIT:
         held = sum(session.scalars(select(Job.gpus).where(Job.user == job.user, Job.state.in_(
             (State.DISPATCHED, State.RUNNING)))))
-        return (f"{head}: {job.user} holds {held} GPU{'' if held == 1 else 's'} and the limit is "
-                f"{settings.user_gpu_limit} at once; "
-                f"this job needs {job.gpus} more")
+        said = (f"{head}: {job.user} holds {held} GPU{'' if held == 1 else 's'} and the limit is "
+                f"{settings.user_gpu_limit} at once; this job needs {job.gpus} more")
+        read, decision = _pass(session, settings)
+        start = _starts(read, decision).get(job.id)
+        if start is not None:  # when their running and earlier jobs leave them room
+            said += "; " + _start_line(start, read.policy.now)
+        return said
     if reason == policy.BEGIN_TIME and job.begin_at is not None:
         from gpuq.service.display import time_limit
 

@@ -13,9 +13,13 @@ A shared job is planned by its share: it may start beside other shared jobs wher
 memory holds them all for its whole limit, as each running one's share frees at its limit, and a
 whole-GPU job waits until no job is on the GPU.
 
-Unknown (None) where no such moment can be counted on: a job ahead on those GPUs has no time limit
-(or the job itself has none and something is planned after it), its user's GPU limit holds it, or
-it is past the first ``depth`` jobs of the queue.
+Under a GPU limit per user (``GPUQ_USER_GPU_LIMIT``) each user's GPUs are planned over time too: a
+job starts no earlier than its user's running and planned jobs leave it room under the limit.
+
+Unknown (None) where no such moment can be counted on: a job ahead on those GPUs (or of its user,
+under the limit) has no time limit (or the job itself has none and something is planned after
+it), it asks more GPUs than its user may hold, its user's limit holds it and their running jobs
+are not known, or it is past the first ``depth`` jobs of the queue.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ class _Usage:
     """One GPU's memory held by gpuq's jobs over time, a step function: ``held[i]`` MiB from
     ``times[i]`` until the next moment (the last until for ever); a whole-GPU job holds inf."""
 
-    def __init__(self, room: int) -> None:
-        self.room = room  # what gpuq's jobs may hold together: the GPU's memory less foreign processes'
+    def __init__(self, room: float) -> None:
+        self.room = room  # what may be held at once: a GPU's memory less foreign processes', a user's limit
         self.times: list[float] = [-math.inf]
         self.held: list[float] = [0.0]
 
@@ -80,9 +84,19 @@ class _Usage:
 
 
 class _Plan:
-    """Each GPU's memory held over time by the running jobs and the jobs planned so far."""
+    """Each GPU's memory held over time by the running jobs and the jobs planned so far, and under a
+    user GPU limit each user's GPUs (their charge, as ``policy.decide`` counts it)."""
 
     def __init__(self, state: QueueState) -> None:
+        self.limit = state.user_gpu_limit
+        self.users: dict[str, _Usage] = {}
+        # Users holding GPUs whose jobs' ends were not read: their room under the limit is unknown.
+        self.unknown = {u for u, n in state.gpus_in_use.items() if n > 0 and u not in state.user_holds}
+        for user, held in state.user_holds.items():
+            usage = self.users[user] = _Usage(self.limit + policy.LIMIT_SLACK)
+            for end, charge in held:
+                if end > state.now:
+                    usage.hold(state.now, end, charge)
         self.usage: dict[int, _Usage] = {}
         for g in state.gpus:
             usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
@@ -102,6 +116,14 @@ class _Plan:
         for g in gpus:
             self.usage[g.id].hold(start, end, math.inf if need is None else need)
 
+    def user(self, name: str) -> _Usage | None:
+        """``name``'s GPUs held over time under the limit; None without a limit or where unknown."""
+        if not self.limit or name in self.unknown:
+            return None
+        if name not in self.users:
+            self.users[name] = _Usage(self.limit + policy.LIMIT_SLACK)
+        return self.users[name]
+
 
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,
                 later: Sequence[tuple[JobRequest, float]] = ()) -> dict[int, float | None]:
@@ -116,7 +138,11 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     found: dict[int, float | None] = {}
     for p in decision.placements:
         found[p.job_id] = state.now
-        plan.hold(list(p.gpus), state.now, state.now + _length(jobs[p.job_id]), _need(jobs[p.job_id], state))
+        placed, ends = jobs[p.job_id], state.now + _length(jobs[p.job_id])
+        plan.hold(list(p.gpus), state.now, ends, _need(placed, state))
+        user = plan.user(placed.user)
+        if user is not None:
+            user.hold(state.now, ends, packing.charged_gpus(placed, list(p.gpus), state.shared_context_mib))
     by_node: dict[str, list[GpuState]] = defaultdict(list)
     for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)
@@ -126,7 +152,7 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     order = [*(j for j in decision.order if j.id not in found),
              *sorted((job for job, _ in later), key=lambda j: policy.order_key(j, state.gpu_hours))]
     for looked, job in enumerate(order):
-        if looked >= depth or decision.waiting.get(job.id) == policy.USER_LIMIT:
+        if looked >= depth or (decision.waiting.get(job.id) == policy.USER_LIMIT and plan.user(job.user) is None):
             found[job.id] = None
             continue
         found[job.id] = _earliest(job, state, by_node, plan, max(state.now, not_before.get(job.id, state.now)))
@@ -146,10 +172,36 @@ def _need(job: JobRequest, state: QueueState) -> int | None:
 
 def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuState]], plan: _Plan,
               first: float) -> float | None:
-    """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node;
-    it holds them then."""
-    need = _need(job, state)
-    length = _length(job)
+    """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node,
+    and under a user limit its user has room for them that long; it holds them then."""
+    need, length, user = _need(job, state), _length(job), plan.user(job.user)
+    # What it counts against its user's limit: a whole job its GPUs; a shared one its share of
+    # them, known once they are chosen (until then, none).
+    charge = 0.0 if job.shared else float(job.gpus)
+    at = first
+    while True:
+        if user is not None:
+            at = user.next_free(at, length, charge, math.inf)
+            if math.isinf(at):
+                return None
+        found = _gpus_from(job, need, length, by_node, plan, at)
+        if found is None:
+            return None
+        start, chosen = found
+        if user is not None:
+            charge = packing.charged_gpus(job, chosen, state.shared_context_mib)
+            if user.next_free(start, length, charge, start) != start:
+                at = start  # the user has no room then: from their next moment with room
+                continue
+            user.hold(start, start + length, charge)
+        plan.hold(chosen, start, start + length, need)
+        return start
+
+
+def _gpus_from(job: JobRequest, need: int | None, length: float, by_node: dict[str, list[GpuState]],
+               plan: _Plan, first: float) -> tuple[float, list[GpuState]] | None:
+    """The first moment from ``first`` that ``job``'s GPUs are free for ``length`` on one node, and
+    those GPUs; None if never."""
     best: tuple[float, str, list[GpuState]] | None = None
     for node, gpus in by_node.items():
         if job.node is not None and node != job.node:
@@ -161,11 +213,7 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
         found = _on_node(suits, job.gpus, need, length, first, plan, best[0] if best is not None else math.inf)
         if found is not None and (best is None or (found[0], node) < best[:2]):
             best = (found[0], node, found[1])
-    if best is None:
-        return None
-    start, _, chosen = best
-    plan.hold(chosen, start, start + length, need)
-    return start
+    return None if best is None else (best[0], best[2])
 
 
 def _on_node(gpus: list[GpuState], count: int, need: int | None, length: float, first: float, plan: _Plan,

@@ -37,7 +37,7 @@ ARRAY_LIMIT = "array limit"  # its array runs as many tasks at once as `--array 
 # The memory held back on a GPU for each shared job's CUDA context, MiB (GPUQ_SHARED_CONTEXT_MIB's default).
 SHARED_CONTEXT_MIB = 512
 # Slack for sums of charged fractions against the user GPU limit (floating point).
-_LIMIT_SLACK = 1e-9
+LIMIT_SLACK = 1e-9
 
 
 @functools.lru_cache(maxsize=1024)
@@ -149,6 +149,9 @@ class QueueState:
     # (packing.charged_gpus), as fair share charges it.
     gpus_in_use: dict[str, float] = field(default_factory=dict)
     user_gpu_limit: int = 0  # 0: unlimited
+    # Each user's running jobs, (expected end, GPUs charged), where the reader knows them: what the
+    # expected starts count down to under the limit (service/forecast.py). Empty: not known.
+    user_holds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     shared_context_mib: int = SHARED_CONTEXT_MIB  # held back on a GPU for each shared job's CUDA context
 
 
@@ -202,7 +205,7 @@ def decide(state: QueueState) -> Decision:
         chosen = gpus.choose(job, decision.reservation)
         if chosen is not None:
             charge = packing.charged_gpus(job, [load.gpu for load in chosen], state.shared_context_mib)
-            if limit and in_use.get(job.user, 0) + charge > limit + _LIMIT_SLACK:
+            if limit and in_use.get(job.user, 0) + charge > limit + LIMIT_SLACK:
                 decision.waiting[job.id] = USER_LIMIT
                 continue
             decision.placements.append(gpus.take(job, chosen))
@@ -229,8 +232,8 @@ def limit_reached(job: JobRequest, held: float, limit: int) -> bool:
     the limit; a shared job's charge is known once its GPUs are chosen, so here only whether its user
     is at the limit already (``decide`` checks the charge after choosing)."""
     if job.shared:
-        return held >= limit - _LIMIT_SLACK
-    return held + job.gpus > limit + _LIMIT_SLACK
+        return held >= limit - LIMIT_SLACK
+    return held + job.gpus > limit + LIMIT_SLACK
 
 
 class _Gpus:

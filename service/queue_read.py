@@ -111,14 +111,17 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     shared_until: dict[int, float] = {}
     shares: dict[int, list[tuple[float, int]]] = defaultdict(list)
     in_use: dict[str, float] = defaultdict(float)
+    holds: dict[str, list[tuple[float, float]]] = defaultdict(list)  # each user's GPUs, (end, charge)
     for gpu_id, user, started, limit, share_mib, gpu_share in _ALLOCATED.run(conn, {}):
         ends = (started or now).timestamp() + limit if limit else math.inf
         if share_mib is None:
             in_use[user] += 1
+            holds[user].append((ends, 1.0))
             busy[gpu_id] = ends
             continue
         # A shared job counts what it is charged (its share of the GPU), as fair share does.
         in_use[user] += gpu_share if gpu_share is not None else 1.0
+        holds[user].append((ends, gpu_share if gpu_share is not None else 1.0))
         shared_mib[gpu_id] += share_mib
         shared_jobs[gpu_id] += 1
         shared_until[gpu_id] = max(shared_until.get(gpu_id, ends), ends)
@@ -177,6 +180,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     jobs = _within_array_limits(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=dict(in_use), user_gpu_limit=settings.user_gpu_limit,
+                              user_holds=dict(holds) if settings.user_gpu_limit else {},
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later)
 

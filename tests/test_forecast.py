@@ -73,6 +73,21 @@ def test_a_job_its_users_gpu_limit_holds_and_jobs_past_the_depth_have_no_start()
     assert start_times(state, depth=2) == {1: None, 2: NOW + 60, 3: None}  # job 1 is one of the two
 
 
+def test_under_a_user_gpu_limit_a_users_jobs_start_as_their_running_and_planned_jobs_leave_them_room():
+    # One GPU each at most. Ann's job on GPU 1 runs another hour; GPU 2 is free and Bob's job takes
+    # it now. Ann's next job starts when her running one ends (GPU 1 is free then too), her third an
+    # hour after that; one asking two GPUs never may.
+    gpus = [gpu(1, busy_until=NOW + HOUR), gpu(2)]
+    jobs = [job(1, user="ann", limit=HOUR), job(2, user="bob", limit=2 * HOUR), job(3, user="ann", limit=HOUR),
+            job(4, user="ann", gpus=2, limit=60)]
+    state = QueueState(NOW, jobs, gpus, gpus_in_use={"ann": 1}, user_gpu_limit=1,
+                       user_holds={"ann": [(NOW + HOUR, 1.0)]})
+    assert start_times(state) == {2: NOW, 1: NOW + HOUR, 3: NOW + 2 * HOUR, 4: None}
+    # Without a limit, Ann's jobs wait for GPUs alone.
+    free = QueueState(NOW, jobs[:3], gpus, gpus_in_use={"ann": 1})
+    assert start_times(free) == {1: NOW, 2: NOW + HOUR, 3: NOW + HOUR}
+
+
 def shared(job_id, mib, limit=HOUR):
     return JobRequest(id=job_id, user="u", gpus=1, mem_mib=mib, shared=True, time_limit_s=limit, submitted=job_id)
 
@@ -140,6 +155,29 @@ def test_the_plan_never_books_more_of_a_gpus_memory_than_it_has_nor_a_whole_gpu_
         there = [need for start, end, need in spans if start <= moment < end]
         assert None not in there or len(there) == 1, (starts, spans)
         assert sum(n for n in there if n is not None) <= 16384, (starts, spans)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.lists(st.one_of(st.none(), st.integers(1, 7200)), min_size=1, max_size=4),
+       st.lists(st.tuples(st.integers(1, 3), st.integers(60, 7200), st.integers(0, 2)), min_size=1, max_size=8))
+def test_under_a_user_gpu_limit_no_user_is_planned_more_gpus_at_once_than_it(limit, busy_for, asks):
+    """The GPUs' running jobs are user 0's; whatever the queue, no user's running and planned jobs
+    hold more GPUs at any moment than the limit, and a job asking more than it has no start."""
+    gpus = [gpu(i + 1, busy_until=None if b is None else NOW + b) for i, b in enumerate(busy_for)]
+    running = [(NOW + b, 1.0) for b in busy_for if b is not None]
+    jobs = [JobRequest(id=i + 1, user=f"u{user}", gpus=min(n, len(gpus)), time_limit_s=length, submitted=i)
+            for i, (n, length, user) in enumerate(asks)]
+    state = QueueState(NOW, jobs, gpus, gpus_in_use={"u0": float(len(running))}, user_gpu_limit=limit,
+                       user_holds={"u0": running})
+    starts = start_times(state)
+    spans = [(NOW, end, 1, "u0") for end, _ in running]
+    spans += [(starts[j.id], starts[j.id] + j.time_limit_s, j.gpus, j.user) for j in jobs if starts[j.id] is not None]
+    for moment in {start for start, _, _, _ in spans}:
+        for user in {u for _, _, _, u in spans}:
+            held = sum(n for start, end, n, u in spans if u == user and start <= moment < end)
+            # The running jobs may be over the limit already (it was lowered): then nothing is added.
+            assert held <= max(limit, len(running) if user == "u0" else 0), (starts, spans)
+    assert all((starts[j.id] is None) == (j.gpus > limit) for j in jobs), starts
 
 
 # --- through the server and a real worker -------------------------------------------------------
@@ -214,3 +252,44 @@ def test_a_shared_job_waiting_for_room_is_expected_when_the_first_running_share_
         assert abs(datetime.fromisoformat(planned["start"]).timestamp() - (started.timestamp() + 1800)) < 5, planned
     finally:
         run_cli(["cancel", str(long), str(short), str(waiting)], s)
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def limited(request, tmp_path_factory, redis_url):
+    """Two simulated GPUs, one at a time per user."""
+    from tests.conftest import stack_on_database
+
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=2, user_gpu_limit=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_job_its_users_limit_holds_is_expected_when_their_running_job_reaches_its_limit(limited):
+    import json
+    import sys
+    import time
+    from datetime import datetime
+
+    from gpuq.service.constants import State
+    from tests.conftest import cli_submit, run_cli, wait_for_state
+
+    s = limited.settings
+    running = cli_submit(s, ["--time", "1h", "--", sys.executable, "-c", "import time; time.sleep(120)"])
+    waiting = cli_submit(s, ["--time", "10m", "--", "true"])
+    try:
+        assert wait_for_state(s, running, [State.RUNNING]) == State.RUNNING
+        started = datetime.fromisoformat(json.loads(run_cli(["show", str(running), "--json"], s).stdout)["started_at"])
+        deadline = time.monotonic() + 30
+        while True:  # until a scheduler's pass has said why it waits
+            answer = run_cli(["status", "--start", "--json"], s)
+            assert answer.returncode == 0, answer.stderr
+            [planned] = [j for j in json.loads(answer.stdout)["jobs"] if j["id"] == waiting]
+            if planned["reason"] is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        # A GPU is free now, but not for this user until their running job's hour is up.
+        assert planned["reason"] == "user limit" and planned["start"] is not None, planned
+        assert abs(datetime.fromisoformat(planned["start"]).timestamp() - (started.timestamp() + 3600)) < 5, planned
+        said = run_cli(["why", str(waiting)], s).stdout
+        assert "expected to start by " in said, said
+    finally:
+        run_cli(["cancel", str(running), str(waiting)], s)
