@@ -50,11 +50,13 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         need = "to end" if job.after_any else "to succeed"
         return f"{head}: it waits for {pending} {need}"
     if reason == policy.USER_LIMIT:
-        held = sum(session.scalars(select(Job.gpus).where(Job.user == job.user, Job.state.in_(
-            (State.DISPATCHED, State.RUNNING)))))
-        said = (f"{head}: {job.user} holds {held} GPU{'' if held == 1 else 's'} and the limit is "
-                f"{settings.user_gpu_limit} at once; this job needs {job.gpus} more")
         read, decision = _pass(session, settings)
+        # As the limit counts them: a shared job its charged part of each of its GPUs.
+        held = round(read.policy.gpus_in_use.get(job.user, 0.0), 2)
+        needs = (f"this job needs {job.gpus} more" if not job.shared
+                 else "a shared job starts only while they hold less, its share counted as its part of the GPU")
+        said = (f"{head}: {job.user} holds {held:g} GPU{'' if held == 1 else 's'} and the limit is "
+                f"{settings.user_gpu_limit} at once; {needs}")
         start = _starts(read, decision).get(job.id)
         if start is not None:  # when their running and earlier jobs leave them room
             said += "; " + _start_line(start, read.policy.now)

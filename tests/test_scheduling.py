@@ -212,6 +212,26 @@ def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
         assert "ann holds 1 GPU and the limit is 1 at once" in why(session, s, second)
 
 
+def test_why_counts_a_users_shared_jobs_against_the_gpu_limit_by_their_part_of_the_gpu(settings):
+    s = settings.with_overrides(user_gpu_limit=1)
+    register(s, "a", 2)  # 8 GiB each: a 3.5 GiB share with its 0.5 GiB reserve is half of one
+    first = submit(s, user="ann", shared=True, mem="3584M")
+    Scheduler(s).schedule_once()
+    whole, second, third = (submit(s, user="ann"), submit(s, user="ann", shared=True, mem="3584M"),
+                            submit(s, user="ann", shared=True, mem="3584M"))
+    Scheduler(s).schedule_once()
+    assert [state_of(s, j)[0] for j in (first, second)] == [State.DISPATCHED] * 2
+    assert [state_of(s, j)[:2] for j in (whole, third)] == [(State.PENDING, "user limit")] * 2
+    with write_scope(s) as session:
+        assert "ann holds 1 GPU and the limit is 1 at once; this job needs 1 more" in why(session, s, whole)
+        assert ("ann holds 1 GPU and the limit is 1 at once; a shared job starts only while they hold less"
+                in why(session, s, third))
+    end(s, second, State.SUCCEEDED)
+    with write_scope(s) as session:
+        session.execute(delete(Allocation).where(Allocation.job_id == second))
+        assert "ann holds 0.5 GPUs and the limit is 1 at once; this job needs 1 more" in why(session, s, whole)
+
+
 def test_held_jobs_wait_until_released_and_only_their_owner_may_release(settings):
     register(settings, "a", 1)
     job = submit(settings, user="ann", hold=True)
