@@ -89,14 +89,13 @@ class _Plan:
 
     def __init__(self, state: QueueState) -> None:
         self.limit = state.user_gpu_limit
-        self.users: dict[str, _Usage] = {}
+        self.users: defaultdict[str, _Usage] = defaultdict(lambda: _Usage(self.limit + policy.LIMIT_SLACK))
         # Users holding GPUs whose jobs' ends were not read: their room under the limit is unknown.
         self.unknown = {u for u, n in state.gpus_in_use.items() if n > 0 and u not in state.user_holds}
         for user, held in state.user_holds.items():
-            usage = self.users[user] = _Usage(self.limit + policy.LIMIT_SLACK)
             for end, charge in held:
                 if end > state.now:
-                    usage.hold(state.now, end, charge)
+                    self.users[user].hold(state.now, end, charge)
         self.usage: dict[int, _Usage] = {}
         for g in state.gpus:
             usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
@@ -118,11 +117,7 @@ class _Plan:
 
     def user(self, name: str) -> _Usage | None:
         """``name``'s GPUs held over time under the limit; None without a limit or where unknown."""
-        if not self.limit or name in self.unknown:
-            return None
-        if name not in self.users:
-            self.users[name] = _Usage(self.limit + policy.LIMIT_SLACK)
-        return self.users[name]
+        return None if not self.limit or name in self.unknown else self.users[name]
 
 
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,

@@ -105,33 +105,24 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     conn = session.connection()  # Prepared statements: a submit reads this to place its job
     drained = {name for name, in _DRAINED.run(conn, {})}
     busy: dict[int, float] = {}
-    # GPUs with shared jobs: their shares' sum, how many, and when the last is expected to end.
-    shared_mib: dict[int, int] = defaultdict(int)
-    shared_jobs: dict[int, int] = defaultdict(int)
-    shared_until: dict[int, float] = {}
+    # Each GPU's shared jobs, (expected end, MiB of share and reserve); each user's GPUs, (expected
+    # end, GPUs charged).
     shares: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    in_use: dict[str, float] = defaultdict(float)
-    holds: dict[str, list[tuple[float, float]]] = defaultdict(list)  # each user's GPUs, (end, charge)
+    holds: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for gpu_id, user, started, limit, share_mib, gpu_share in _ALLOCATED.run(conn, {}):
         ends = (started or now).timestamp() + limit if limit else math.inf
         if share_mib is None:
-            in_use[user] += 1
-            holds[user].append((ends, 1.0))
             busy[gpu_id] = ends
+            holds[user].append((ends, 1.0))
             continue
-        # A shared job counts what it is charged (its share of the GPU), as fair share does.
-        in_use[user] += gpu_share if gpu_share is not None else 1.0
-        holds[user].append((ends, gpu_share if gpu_share is not None else 1.0))
-        shared_mib[gpu_id] += share_mib
-        shared_jobs[gpu_id] += 1
-        shared_until[gpu_id] = max(shared_until.get(gpu_id, ends), ends)
         shares[gpu_id].append((ends, share_mib))
+        # A shared job counts what it is charged (its share of the GPU), as fair share does.
+        holds[user].append((ends, gpu_share if gpu_share is not None else 1.0))
+    in_use = {user: sum(charge for _, charge in held) for user, held in holds.items()}
     live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
-                            busy_until=busy.get(g.id), shared_mib=shared_mib.get(g.id, 0),
-                            shared_jobs=shared_jobs.get(g.id, 0), shared_until=shared_until.get(g.id),
-                            shares=tuple(sorted(shares.get(g.id, ()))), model=g.name)
+                            busy_until=busy.get(g.id), **_sharing(shares.get(g.id, [])), model=g.name)
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).
@@ -179,10 +170,17 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
             jobs.append(job)
     jobs = _within_array_limits(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
-                              gpus_in_use=dict(in_use), user_gpu_limit=settings.user_gpu_limit,
+                              gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
                               user_holds=dict(holds) if settings.user_gpu_limit else {},
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later)
+
+
+def _sharing(held: list[tuple[float, int]]) -> dict[str, Any]:
+    """A GPU's shared jobs as ``GpuState`` gives them: their sum, how many, when the last is expected
+    to end, and each one."""
+    return dict(shared_mib=sum(mib for _, mib in held), shared_jobs=len(held),
+                shared_until=max((end for end, _ in held), default=None), shares=tuple(sorted(held)))
 
 
 def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],
