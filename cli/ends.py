@@ -146,16 +146,27 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
            state: Annotated[str | None, typer.Option("--state", "-t", help="My jobs in this state: pending or "
                                                      "running (as scancel -t).")] = None,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
+           signal: Annotated[str | None, typer.Option("--signal", "-s", help="Send this signal to the running "
+                                                      "jobs instead ([B:]SIG, e.g. USR1; B: to the main process "
+                                                      "alone), as scancel -s; they go on running.")] = None,
            ) -> None:
-    """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree."""
+    """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree. With
+    --signal, send running jobs a signal instead (to save a checkpoint now, say)."""
     mine = user or name is not None or state is not None
     if not job_ids and array is None and not mine:
         raise InvalidSpec("name the jobs: ids, --array ID, --user for all of yours, or --name / --state")
     if (name is not None or state is not None) and (job_ids or array is not None):
         # scancel narrows ids by them; a union here would cancel every job of that name.
         raise InvalidSpec("--name and --state choose among all your jobs: give them without job ids or --array")
+    if signal is not None:
+        from gpuq.service.units import JobSignal
+
+        JobSignal.parse_now(signal)  # bad input is refused before any request
     client = Client()
     targets = selected(client, job_ids, array, mine, name=name, state=state)
+    if signal is not None:
+        _signal(client, targets, signal, array, set(job_ids or []) if array is not None else set(targets))
+        return
     if not targets:
         typer.echo("no active jobs to cancel")
         return
@@ -201,6 +212,33 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
     if array is not None:
         typer.echo(array_cancelled(array, list(tasks.values())))
     if conflict:
+        raise typer.Exit(c.EXIT_CONFLICT)
+
+
+def _signal(client: Client, targets: list[int], signal: str, array: int | None, named: set[int]) -> None:
+    """`gpuq cancel --signal`: ask the workers of the running jobs among ``targets`` to send them
+    ``signal``; a line for each job named by id, one for the others (an array's tasks, all of
+    yours), exit 4 where none of them was running."""
+    if not targets:
+        typer.echo("no active jobs to signal")
+        return
+    answer = client.post("/jobs/signal", {"ids": targets, "signal": signal})
+    sig, main = answer["signal"], answer["main_only"]
+    others: Counter[str | None] = Counter()
+    for outcome in answer["jobs"]:
+        job_id, why = outcome["id"], outcome["not"]
+        if job_id in named:
+            typer.echo(f"job {job_id}: {sig} sent" + (" to its main process" if main else "") if why is None
+                       else f"job {job_id}: no signal sent: {why}")
+        else:
+            others[why] += 1
+    if others:
+        whose = f"of array {array}" if array is not None else "of yours"
+        sent = others.pop(None, 0)
+        rest = "".join(f"; not to {n:,} ({why})" for why, n in sorted(others.items()))
+        typer.echo(f"{sig} sent to {'the main processes of ' if main else ''}{sent:,} running "
+                   f"job{'' if sent == 1 else 's'} {whose}{rest}")
+    if all(o["not"] is not None for o in answer["jobs"]):
         raise typer.Exit(c.EXIT_CONFLICT)
 
 

@@ -1,5 +1,5 @@
-"""The API's moves on jobs: submit, and cancel, hold, release, update and resubmit (of one job or
-of many in one request), and an allocation's client saying it is alive or has ended.
+"""The API's moves on jobs: submit, and cancel, signal, hold, release, update and resubmit (of one
+job or of many in one request), and an allocation's client saying it is alive or has ended.
 
 Each is audited (``audit.audited``); rights are checked in the service function it calls."""
 
@@ -63,6 +63,28 @@ async def cancel_all(request: web.Request) -> web.Response:
                              acted=lambda done: [o.job_id for o in done if not o.ended])
     return web.json_response({"jobs": [{"id": o.job_id, "state": o.state, "ended": o.ended} for o in outcomes],
                               "kill_grace_s": settings.kill_grace})
+
+
+@routes.post(P + "/jobs/signal")
+async def signal_all(request: web.Request) -> web.Response:
+    """Send a signal to the running commands of ``{"ids": [...], "signal": "USR1"}`` (`gpuq cancel
+    --signal`; ``"B:USR1"``: to each one's main process alone), through their workers: all checked
+    first, as a cancel; for each, null where its worker sends it, else why not."""
+    from gpuq.service import job_signals
+    from gpuq.service.units import JobSignal
+
+    settings, caller = acting(request)
+    body = await body_of(request)
+    shape = 'the body must be {"ids": [job ids], "signal": "USR1"}'
+    if set(body) != {"ids", "signal"} or not isinstance(body["signal"], str):
+        raise InvalidSpec(shape)
+    ids = _ids_in(body, shape)
+    sig = JobSignal.parse_now(body["signal"])
+    outcomes = await audited(request, "signal", job_signals.signal_all, settings, ids, sig, caller, ids=ids,
+                             acted=lambda done: [o.job_id for o in done if o.not_sent is None],
+                             note=lambda _: f"SIG{sig.name}" + (" to the main process" if sig.main_only else ""))
+    return web.json_response({"signal": f"SIG{sig.name}", "main_only": sig.main_only,
+                              "jobs": [{"id": o.job_id, "state": o.state, "not": o.not_sent} for o in outcomes]})
 
 
 @routes.post(P + "/jobs/hold")

@@ -335,14 +335,24 @@ def rank_to_run(session: Session, job_id: int, gpu_id: int, rank: int) -> Job | 
     )
 
 
-def stop_asked(session: Session, job_id: int) -> tuple[bool, int | None]:
-    """What a running job's watch reads at each look: whether its worker must stop it (a cancel
-    was asked, or it is no longer running), and its time limit now (`gpuq update --time`)."""
-    row = session.execute(select(Job.state, Job.cancel_requested_at, Job.time_limit_s)
-                          .where(Job.id == job_id)).one_or_none()
+@dataclass(frozen=True)
+class StopAsked:
+    """What a running job's watch reads at each look (``stop_asked``)."""
+
+    stop: bool  # its worker must stop it: a cancel was asked, or it is no longer running
+    time_limit_s: int | None  # its time limit now (`gpuq update --time`)
+    signal: str | None = None  # the last signal asked of it (`gpuq cancel --signal`), and when
+    signal_at: datetime | None = None
+
+
+def stop_asked(session: Session, job_id: int) -> StopAsked:
+    """A running job's row as its watch reads it at each look: one statement, every 0.2 s."""
+    row = session.execute(select(Job.state, Job.cancel_requested_at, Job.time_limit_s, Job.signal_asked,
+                                 Job.signal_asked_at).where(Job.id == job_id)).one_or_none()
     if row is None:
-        return True, None
-    return row.state != State.RUNNING or row.cancel_requested_at is not None, row.time_limit_s
+        return StopAsked(True, None)
+    return StopAsked(row.state != State.RUNNING or row.cancel_requested_at is not None, row.time_limit_s,
+                     row.signal_asked, row.signal_asked_at)
 
 
 def next_output_seq(session: Session, job_id: int) -> int:

@@ -126,6 +126,10 @@ class Job(Base):
     error_file: Mapped[str | None] = mapped_column(Text)
     # A signal sent ahead of its time limit (`--signal USR1@120`, units.JobSignal's text); None: none.
     signal: Mapped[str | None] = mapped_column(Text)
+    # A signal asked of it while it runs (`gpuq cancel --signal`, units.JobSignal.parse_now's text)
+    # and when: its worker sends it once for each asking after the job's start; None: none asked.
+    signal_asked: Mapped[str | None] = mapped_column(Text)
+    signal_asked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # Only GPUs of this type (`--gpu-type a100`: words of the GPU's name, policy.is_model); None: any.
     gpu_type: Mapped[str | None] = mapped_column(Text)
     # Extra environment for a command (GPUQ_ARRAY_INDEX, sweep values).

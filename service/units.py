@@ -227,14 +227,7 @@ class JobSignal:
         if found is None:
             raise InvalidSpec(f"{usage}; got {text[:60]!r}")
         where, which, before = found.groups()
-        if where is not None and where.upper() != "B":
-            raise InvalidSpec(f"--signal: {where}: is not B: (only the job's main process); got {text[:60]!r}")
-        try:
-            number = signal.Signals(int(which)) if which.isdigit() else \
-                signal.Signals["SIG" + which.upper().removeprefix("SIG")]
-        except (KeyError, ValueError):
-            raise InvalidSpec(f"--signal: {which} is no signal here (USR1, USR2, TERM, INT, HUP, or its number); "
-                              f"got {text[:60]!r}") from None
+        number = _signal_number(where, which, text)
         if number in (signal.SIGKILL, signal.SIGSTOP):
             # The time limit's own end is SIGTERM then SIGKILL; a job told SIGKILL early could save nothing.
             raise InvalidSpec(f"--signal {number.name} cannot be caught: give one the job can act on, e.g. USR1")
@@ -242,3 +235,31 @@ class JobSignal:
         if not 0 <= seconds <= MAX_SIGNAL_BEFORE_S:
             raise InvalidSpec(f"--signal: @{before} is more than {MAX_SIGNAL_BEFORE_S} seconds")
         return cls(number.name.removeprefix("SIG"), seconds, where is not None)
+
+    @classmethod
+    def parse_now(cls, text: str) -> JobSignal:
+        """`gpuq cancel --signal [B:]SIG` (scancel's): a signal sent to a running job now, so no
+        @TIME. Any signal, as scancel's: KILL ends the job as killed, STOP pauses it (on its GPU)."""
+        found = _SIGNAL.match(text.strip())
+        if found is None or found.group(3) is not None:
+            raise InvalidSpec(f"--signal takes [B:]SIGNAL, e.g. USR1 or B:INT (sent now: no @TIME); got {text[:60]!r}")
+        where, which, _ = found.groups()
+        return cls(_signal_number(where, which, text).name.removeprefix("SIG"), 0, where is not None)
+
+    @property
+    def asked_text(self) -> str:
+        """As stored for `gpuq cancel --signal`: ``B:USR1`` or ``USR1``."""
+        return f"{'B:' if self.main_only else ''}{self.name}"
+
+
+def _signal_number(where: str | None, which: str, text: str) -> signal.Signals:
+    """The signal of --signal's ``[where:]which`` (``text``, for the error); InvalidSpec if ``where`` is
+    not B or ``which`` names no signal here."""
+    if where is not None and where.upper() != "B":
+        raise InvalidSpec(f"--signal: {where}: is not B: (only the job's main process); got {text[:60]!r}")
+    try:
+        return signal.Signals(int(which)) if which.isdigit() else \
+            signal.Signals["SIG" + which.upper().removeprefix("SIG")]
+    except (KeyError, ValueError):
+        raise InvalidSpec(f"--signal: {which} is no signal here (USR1, USR2, TERM, INT, HUP, or its number); "
+                          f"got {text[:60]!r}") from None

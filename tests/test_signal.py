@@ -24,9 +24,8 @@ from tests.conftest import cli_submit, run_cli, stack_on_database, wait_for_stat
 
 pytestmark = pytest.mark.timeout(120)
 
-# A job of two processes, each noting when SIGUSR1 reached it (a file named for it), then waiting
-# for its time limit.
-MARKS = """
+# A process noting when SIGUSR1 reaches it: a line in a file named for it.
+NOTE = """
 import os, signal, sys, time
 where = sys.argv[1]
 def note(who):
@@ -34,6 +33,9 @@ def note(who):
         with open(os.path.join(where, who), "a") as f:
             f.write(repr(time.time()) + "\\n")
     return handler
+"""
+# A job of two processes, each noting when SIGUSR1 reached it, then waiting for its time limit.
+MARKS = NOTE + """
 if os.fork() == 0:
     signal.signal(signal.SIGUSR1, note("child"))
     time.sleep(60)
@@ -148,3 +150,126 @@ def test_a_job_scripts_gpuq_line_gives_the_signal_and_a_resubmit_keeps_it(one_gp
         assert [j.signal for j in session.scalars(select(Job).where(Job.id >= job).order_by(Job.id))] == \
             ["B:USR2@300", "B:USR2@300"]
     assert run_cli(["cancel", str(job), str(json.loads(again.stdout)["id"])], s).returncode == 0
+
+
+# `gpuq cancel --signal [B:]SIG` (scancel's): a signal sent to a running job now, by its worker.
+
+# A job of two processes, each noting each SIGUSR1 that reached it (a line in a file named for it)
+# and saying it is ready once its handler is set; it runs until cancelled.
+READY_MARKS = NOTE + """
+who = "child" if os.fork() == 0 else "main"
+signal.signal(signal.SIGUSR1, note(who))
+open(os.path.join(where, who + ".ready"), "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def marks(where: Path, who: str) -> int:
+    path = where / who
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_until(check, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def asked_of(settings, job_id: int) -> tuple:
+    with write_scope(settings) as session:
+        job = jobs.get_job(session, job_id)
+        return job.signal_asked, job.signal_asked_at
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("USR1", ("USR1", False)), ("sigusr2", ("USR2", False)), ("B:INT", ("INT", True)), ("b:10", ("USR1", True)),
+    ("KILL", ("KILL", False)), ("STOP", ("STOP", False))])
+def test_cancel_signal_reads_scancels_form_any_signal_and_no_time(text, expected):
+    sent = JobSignal.parse_now(text)
+    assert (sent.name, sent.main_only) == expected
+    assert JobSignal.parse_now(sent.asked_text) == sent
+
+
+@pytest.mark.parametrize("text,says", [
+    ("", r"--signal takes \[B:\]SIGNAL, e\.g\."), ("USR1@60", "no @TIME"), ("R:USR1", "R: is not B:"),
+    ("FOO", "FOO is no signal here"), ("0", "0 is no signal here")])
+def test_a_cancel_signal_that_is_malformed_or_timed_is_refused(text, says):
+    with pytest.raises(InvalidSpec, match=says):
+        JobSignal.parse_now(text)
+
+
+def test_cancel_signal_reaches_every_process_of_a_running_job_and_b_its_main_one_alone_and_the_job_runs_on(
+        one_gpu, tmp_path):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--time", "2m", "--", sys.executable, "-c", READY_MARKS, str(tmp_path)])
+    assert wait_until(lambda: (tmp_path / "main.ready").exists() and (tmp_path / "child.ready").exists()), \
+        one_gpu.logs()
+    sent = run_cli(["cancel", "--signal", "USR1", str(job)], s)
+    assert (sent.returncode, sent.stdout, sent.stderr) == (0, f"job {job}: SIGUSR1 sent\n", ""), sent
+    assert wait_until(lambda: marks(tmp_path, "main") == 1 and marks(tmp_path, "child") == 1), one_gpu.logs()
+    sent = run_cli(["cancel", "-s", "B:USR1", str(job)], s)
+    assert (sent.returncode, sent.stdout) == (0, f"job {job}: SIGUSR1 sent to its main process\n"), sent
+    assert wait_until(lambda: marks(tmp_path, "main") == 2), one_gpu.logs()
+    time.sleep(1)  # five more looks of its watch: each ask is sent once, and only where it was asked
+    assert (marks(tmp_path, "main"), marks(tmp_path, "child")) == (2, 1)
+    with write_scope(s) as session:
+        assert jobs.get_job(session, job).state == State.RUNNING  # a signal is no cancel
+    logs = run_cli(["logs", str(job)], s).stdout
+    assert "[gpuq: SIGUSR1 sent to the job, as asked (gpuq cancel --signal)]" in logs
+    assert "[gpuq: SIGUSR1 sent to its main process, as asked (gpuq cancel --signal)]" in logs
+    assert run_cli(["cancel", str(job)], s).returncode == 0
+    assert wait_for_state(s, job, c.END_STATES) == State.CANCELLED
+
+
+def test_cancel_signal_kill_ends_the_job_as_killed_by_it(one_gpu, tmp_path):
+    s = one_gpu.settings
+    job = cli_submit(s, ["--time", "2m", "--", sys.executable, "-c", READY_MARKS, str(tmp_path)])
+    assert wait_until(lambda: (tmp_path / "main.ready").exists()), one_gpu.logs()
+    assert run_cli(["cancel", "-s", "KILL", str(job)], s).returncode == 0
+    assert wait_for_state(s, job, c.END_STATES) == State.FAILED, one_gpu.logs()
+    assert "SIGKILL" in run_cli(["show", str(job)], s).stdout
+
+
+def test_a_signal_for_jobs_that_are_not_running_commands_is_sent_to_none_exit_4_and_nothing_written(one_gpu):
+    s = one_gpu.settings
+    held = cli_submit(s, ["--hold", "--", "true"])
+    done = cli_submit(s, ["--", "true"])
+    assert wait_for_state(s, done, c.END_STATES) == State.SUCCEEDED
+    refused = run_cli(["cancel", "--signal", "USR1", str(held), str(done)], s)
+    assert refused.returncode == c.EXIT_CONFLICT, refused
+    assert refused.stdout == (f"job {held}: no signal sent: pending, not running\n"
+                              f"job {done}: no signal sent: succeeded, not running\n")
+    assert asked_of(s, held) == asked_of(s, done) == (None, None)
+    for bad, says in ((["-s", "USR1@10", str(held)], "no @TIME"), (["-s", "NOPE", str(held)], "NOPE is no signal"),
+                      (["-s", "USR1", "999999"], "no job 999999")):
+        wrong = run_cli(["cancel", *bad], s)
+        assert wrong.returncode in (2, 3) and wrong.stdout == "" and says in wrong.stderr, wrong
+        assert wrong.stderr.count("\n") == 1, wrong.stderr
+    assert asked_of(s, held) == (None, None)
+    assert run_cli(["cancel", str(held)], s).returncode == 0
+
+
+def test_a_signal_for_a_running_workload_or_another_users_job_is_refused_in_the_service(one_gpu):
+    from gpuq.service.errors import NotAllowed
+    from gpuq.service.job_signals import signal_all, why_not
+
+    s = one_gpu.settings
+    assert why_not(State.RUNNING, c.KIND_WORKLOAD).startswith("a built-in workload")
+    assert why_not(State.RUNNING, c.KIND_INTERACTIVE).startswith("an allocation")
+    assert why_not(State.DISPATCHED, c.KIND_COMMAND) == "not started yet (dispatched)"
+    assert why_not(State.RUNNING, c.KIND_COMMAND) is None
+    held = cli_submit(s, ["--hold", "--", "true"])
+    with pytest.raises(NotAllowed, match="belongs to"):
+        signal_all(s, [held], JobSignal.parse_now("USR1"), "nobody-of-this-job")
+    assert asked_of(s, held) == (None, None)
+    # Through the server: a built-in workload runs inside gpuq's worker, and takes no signal.
+    workload = cli_submit(s, ["sleep", "--seconds", "30"])
+    assert wait_for_state(s, workload, (State.RUNNING,)) == State.RUNNING
+    refused = run_cli(["cancel", "-s", "USR1", str(workload)], s)
+    assert refused.returncode == c.EXIT_CONFLICT and "no signal sent: a built-in workload" in refused.stdout, refused
+    assert asked_of(s, workload) == (None, None)
+    assert run_cli(["cancel", str(held), str(workload)], s).returncode == 0

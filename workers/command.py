@@ -9,6 +9,7 @@ import errno
 import functools
 import os
 import pwd
+import queue
 import signal
 import socket
 import subprocess
@@ -104,20 +105,39 @@ class Ahead:
     def send(self, pid: int, found: Finder, sink: OutputSink) -> None:
         self.sent_for = self.deadline()
         sig = self.signal
-        if sig.main_only:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig.number)
-        else:
-            signal_each_once(pid, found(), sig.number)
+        send_signal(sig, pid, found)
         to = "its main process" if sig.main_only else "the job"
         sink.note(f"[gpuq: SIG{sig.name} sent to {to}, {sig.before_s} s before its time limit (--signal)]")
+
+
+def send_signal(sig: JobSignal, pid: int, found: Finder) -> None:
+    """Send ``sig`` to the job whose main process is ``pid`` (unreaped): to that process alone
+    (``B:``), else once to each of the job's processes."""
+    if sig.main_only:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig.number)
+    else:
+        signal_each_once(pid, found(), sig.number)
+
+
+def send_asked(asked: queue.SimpleQueue[JobSignal], pid: int, found: Finder, sink: OutputSink) -> None:
+    """Send the signals asked of the job since the last look (`gpuq cancel --signal`), in order."""
+    while True:
+        try:
+            sig = asked.get_nowait()
+        except queue.Empty:
+            return
+        send_signal(sig, pid, found)
+        to = "its main process" if sig.main_only else "the job"
+        sink.note(f"[gpuq: SIG{sig.name} sent to {to}, as asked (gpuq cancel --signal)]")
 
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
                 cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
                 on_start: Callable[[int], None] | None = None, limit_mib: int | None = None,
-                files: OutputFiles | None = None, ahead: Ahead | None = None) -> CommandOutcome:
+                files: OutputFiles | None = None, ahead: Ahead | None = None,
+                asked: queue.SimpleQueue[JobSignal] | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -128,7 +148,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     ``limit_mib`` (``--host-mem``) is the cgroup's to enforce; without a cgroup the worker holds the
     job to it by polling (_MemoryWatch). ``files``: the user's files its output is copied to as well,
     opened by the child as the user (workers/output_copy.py). ``ahead``: a signal to send it once
-    its time limit nears (`--signal`).
+    its time limit nears (`--signal`); ``asked``: signals to send it as they come (`gpuq cancel --signal`).
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
@@ -163,7 +183,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         copies = copies_of(got, files)
     try:
         return _run(proc, run_id, sink, cancelled, kill_grace, cgroup, verify_within, on_start, limit_mib,
-                    oom_before, copies, ahead)
+                    oom_before, copies, ahead, asked)
     finally:
         for copy in copies:
             if copy is not None:
@@ -173,7 +193,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
 def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled: threading.Event,
          kill_grace: float, cgroup: JobCgroup | None, verify_within: float,
          on_start: Callable[[int], None] | None, limit_mib: int | None, oom_before: int,
-         copies: tuple[Copy | None, Copy | None], ahead: Ahead | None = None) -> CommandOutcome:
+         copies: tuple[Copy | None, Copy | None], ahead: Ahead | None = None,
+         asked: queue.SimpleQueue[JobSignal] | None = None) -> CommandOutcome:
     """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
     found = Finder(proc.pid, cgroup, run_id)
     with registered(found):  # its share watch finds its every process meanwhile
@@ -206,6 +227,8 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
                 signal_all(proc.pid, found(), signal.SIGKILL)
             if ahead is not None and ahead.wanted:
                 ahead.send(proc.pid, found, sink)
+            if asked is not None and not asked.empty():
+                send_asked(asked, proc.pid, found, sink)
         # The job is over when its main process is: anything it left behind is stopped too (SLURM
         # does the same), or it would hold the GPU while gpuq hands it to the next job.
         stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)

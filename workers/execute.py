@@ -107,7 +107,8 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         with state.guarding(watcher.lease, on_start) as started:
             outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
                                   run_as=identity, on_start=started, limit_mib=job.host_mem_mib,
-                                  files=output_files_of(job, state.node), ahead=_ahead(job, watcher))
+                                  files=output_files_of(job, state.node), ahead=_ahead(job, watcher),
+                                  asked=watcher.asked)
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.

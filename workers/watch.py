@@ -4,14 +4,17 @@ worker's one thread that asks it every CANCEL_POLL_SECONDS."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope
 from gpuq.service.jobs import stop_asked
 from gpuq.service.settings import Settings
+from gpuq.service.units import JobSignal
 
 if TYPE_CHECKING:
     from gpuq.service.leases import Lease
@@ -43,6 +46,11 @@ class StopWatcher:
         # reads); the command's run sends the signal, from the thread that holds its pid.
         self.signal_before_s = signal_before_s
         self.signal_due = threading.Event()
+        # `gpuq cancel --signal`: each signal asked after the job's start, once, for the thread that
+        # runs the command to send (workers/command.py); ``asked_at``, the last ask taken.
+        self.asked: queue.SimpleQueue[JobSignal] = queue.SimpleQueue()
+        self.asked_at: datetime | None = None
+        self.since = started if started is not None else time.time()
 
     @property
     def deadline(self) -> float | None:
@@ -74,7 +82,12 @@ class StopWatcher:
         cancelled = False
         try:
             with read_scope(self.settings) as session:
-                cancelled, limit = stop_asked(session, self.job_id)
+                row = stop_asked(session, self.job_id)
+            cancelled, limit = row.stop, row.time_limit_s
+            if row.signal is not None and row.signal_at is not None and row.signal_at != self.asked_at:
+                self.asked_at = row.signal_at
+                if row.signal_at.timestamp() >= self.since:  # an earlier attempt's ask is not this one's
+                    self.asked.put(JobSignal.parse_now(row.signal))
             if self.started is not None and limit != self.time_limit_s and not cancelled:
                 self.time_limit_s = limit
                 log.info("job %s: its time limit is now %s s", self.job_id, limit)
