@@ -102,6 +102,8 @@ def submit(
                                               "30m or now+2hours (as sbatch --begin).")] = None,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
+    dependency: Annotated[str | None, typer.Option("--dependency", "-d", help="sbatch's form: afterok:ID[:ID] "
+                                                   "(as --after) or afterany:ID[:ID] (as --after-any).")] = None,
     array: Annotated[str | None, typer.Option("--array", "-a", help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
                                                    "(GPUQ_ARRAY_INDEX; {index} in a command); 0-99%4: "
                                                    "at most 4 of them at once.")] = None,
@@ -135,7 +137,7 @@ def submit(
         "gpus": gpus, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem, "shared": shared,
         "node": node,
         "host_mem": host_mem, "time": time, "signal": signal, "retries": retries, "hold": hold, "begin": begin,
-        "after": after, "after_any": after_any,
+        "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}
     origins: dict[str, str] = {}  # the options a job script gave, and its lines

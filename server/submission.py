@@ -36,7 +36,8 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, None),
     "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None),
     "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
-    "after": (str, None), "after_any": (str, None), "array": (str, None), "sweep": (list, []),
+    "after": (str, None), "after_any": (str, None), "dependency": (str, None), "array": (str, None),
+    "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
     "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None),
@@ -116,8 +117,8 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
 
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
-                            host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"], signal=f["signal"],
-                            gpu_type=f["gpu_type"])
+                            dependency=f["dependency"], host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"],
+                            signal=f["signal"], gpu_type=f["gpu_type"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 
@@ -134,8 +135,9 @@ def _output_file(option: str, path: str | None) -> str | None:
 # What an allocation (`gpuq alloc`) cannot ask for: it is one shell, now, in the client's terminal.
 _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", "array": "--array",
                         "sweep": "--sweep", "snapshot": "--snapshot", "retries": "--retries", "hold": "--hold",
-                        "after": "--after", "after_any": "--after-any", "host_mem": "--host-mem", "env": "--env",
-                        "output": "--output", "error": "--error", "begin": "--begin", "signal": "--signal"}
+                        "after": "--after", "after_any": "--after-any", "dependency": "--dependency",
+                        "host_mem": "--host-mem", "env": "--env", "output": "--output", "error": "--error",
+                        "begin": "--begin", "signal": "--signal"}
 
 
 def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:

@@ -21,6 +21,7 @@ from gpuq.service.units import (
     MAX_ARRAY_TASKS,
     JobSignal,
     parse_array,
+    parse_dependency,
     parse_duration,
     parse_job_ids,
     parse_mem,
@@ -87,6 +88,7 @@ class Scheduling:
     hold: bool = False
     after: str | None = None
     after_any: str | None = None
+    dependency: str | None = None  # sbatch's -d afterok:12:13 or afterany:12: --after's or --after-any's
     host_mem: str | None = None
     shared: bool = False
     begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
@@ -106,6 +108,13 @@ class Scheduling:
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
         deps = self.after if self.after is not None else self.after_any  # "" is a mistake, not none
+        after = parse_job_ids(deps, "--after" if self.after is not None else "--after-any") \
+            if deps is not None else None
+        after_any = self.after_any is not None
+        if self.dependency is not None:
+            if deps is not None:
+                raise InvalidSpec("give --dependency or --after / --after-any, not both")
+            after, after_any = parse_dependency(self.dependency)
         return {
             "priority": self.priority,
             "mem_mib": parse_mem(self.mem) if self.mem is not None else None,
@@ -113,9 +122,8 @@ class Scheduling:
             "time_limit_s": parse_duration(self.time) if self.time is not None else None,
             "max_retries": self.retries,
             "held": self.hold,
-            "after": parse_job_ids(deps, "--after" if self.after is not None else "--after-any")
-            if deps is not None else None,
-            "after_any": self.after_any is not None,
+            "after": after,
+            "after_any": after_any,
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
             "shared": self.shared,
             "begin_at": begin_of(self.begin) if self.begin is not None else None,

@@ -179,6 +179,45 @@ def parse_job_ids(text: str, option: str) -> list[int]:
     return ids
 
 
+# sbatch's dependency types gpuq has no counterpart for, and what each would ask.
+_OTHER_DEPENDENCIES = {"after": "once they started", "afternotok": "once they failed",
+                       "aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out",
+                       "singleton": "one job of this name at a time"}
+
+
+def parse_dependency(text: str) -> tuple[list[int], bool]:
+    """sbatch's ``--dependency`` (``-d``), ``afterok:12:13`` or ``afterany:12,afterany:14``, as
+    ``--after``'s or ``--after-any``'s job ids: (the ids, whether any end will do). gpuq waits for
+    all of a job's dependencies, one way; anything else is refused with what gpuq has instead."""
+    usage = (f"--dependency takes afterok:ID[:ID...] or afterany:ID[:ID...] (as sbatch -d; or --after / "
+             f"--after-any ID,ID); got {text[:80]!r}")
+    if "?" in text:
+        raise InvalidSpec(f"--dependency: ? (any one of them) is not one gpuq has: a job waits for all of its "
+                          f"dependencies; got {text[:80]!r}")
+    kinds: set[str] = set()
+    ids: list[int] = []
+    for part in text.split(","):
+        kind, colon, rest = part.strip().partition(":")
+        kind = kind.lower()
+        if kind in _OTHER_DEPENDENCIES:
+            raise InvalidSpec(f"--dependency {kind} ({_OTHER_DEPENDENCIES[kind]}) is not one gpuq has: afterok "
+                              "(--after: once they succeeded) or afterany (--after-any: once they ended)")
+        if kind not in ("afterok", "afterany") or not colon:
+            raise InvalidSpec(usage)
+        for piece in rest.split(":"):
+            if "+" in piece:
+                raise InvalidSpec(f"--dependency: a delay (+MINUTES) is not one gpuq has: --begin starts a job "
+                                  f"later; got {text[:80]!r}")
+            if not re.fullmatch(r"[0-9]+", piece):
+                raise InvalidSpec(usage)
+            ids += parse_job_ids(piece, "--dependency")  # in its bounds
+        kinds.add(kind)
+    if len(kinds) > 1:
+        raise InvalidSpec("--dependency: gpuq waits for all of a job's dependencies one way, afterok or afterany, "
+                          f"not both; got {text[:80]!r}")
+    return list(dict.fromkeys(ids)), kinds == {"afterany"}
+
+
 def parse_sweep(text: str) -> tuple[str, list[str]]:
     """``lr=0.1,0.01`` as (``lr``, [``0.1``, ``0.01``])."""
     name, eq, values = text.partition("=")

@@ -15,6 +15,7 @@ from gpuq.cli.app import app
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
+from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job
 from gpuq.service.units import TIME_FORMS
 from tests.conftest import (
@@ -335,6 +336,18 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "--after", "", "--", "true"], "--after takes job ids like 12 or 12,13"),  # was: no dependency
     (["submit", "--after", "1,,2", "--", "true"], "--after takes job ids like 12 or 12,13"),
     (["submit", "--after-any", "99", "--", "true"], "--after-any: no job 99"),
+    # sbatch's -d: the two kinds gpuq has, and a line for each of the others.
+    (["submit", "-d", "afterok:99", "--", "true"], "--after: no job 99"),
+    (["submit", "-d", "afterok:1,afterany:2", "--", "true"], "one way, afterok or afterany, not both"),
+    (["submit", "-d", "after:1", "--", "true"], "--dependency after (once they started) is not one gpuq has"),
+    (["submit", "-d", "afternotok:1", "--", "true"], "--dependency afternotok (once they failed) is not one"),
+    (["submit", "-d", "singleton", "--", "true"], "--dependency singleton (one job of this name at a time)"),
+    (["submit", "-d", "afterok:1?afterok:2", "--", "true"], "? (any one of them) is not one gpuq has"),
+    (["submit", "-d", "afterany:1+10", "--", "true"], "a delay (+MINUTES) is not one gpuq has"),
+    (["submit", "-d", "12", "--", "true"], "--dependency takes afterok:ID[:ID...] or afterany:ID[:ID...]"),
+    (["submit", "-d", "afterok:", "--", "true"], "--dependency takes afterok:ID"),
+    (["submit", "-d", "afterok:1_0", "--", "true"], "--dependency takes afterok:ID"),
+    (["submit", "-d", "afterok:1", "--after", "1", "--", "true"], "give --dependency or --after / --after-any"),
     (["submit", "--host-mem", "99999999999G", "--", "true"], "is more than any machine has"),
     (["submit", "--mem", "64G", "--", "true"], "more than any GPU has (8192 MiB)"),
     (["submit", "--node", "elsewhere", "--", "true"], "--node elsewhere: no such node"),
@@ -351,6 +364,28 @@ def test_bad_scheduling_requests_are_refused_in_one_line_and_write_nothing(use_s
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
     assert jobs_in(use_settings) == 0
+
+
+def test_sbatchs_dependency_afterok_and_afterany_are_after_and_after_any_on_the_line_and_in_a_script(use_settings,
+                                                                                                       tmp_path):
+    first, second = (json.loads(invoke(["submit", "--json", "--hold", "--", "true"]).output)["id"] for _ in "12")
+    script = tmp_path / "then.sh"
+    script.write_text(f"#!/bin/sh\n#GPUQ -d afterany:{first}\ntrue\n")
+    script.chmod(0o755)
+    for args, expected in ((["-d", f"afterok:{first}:{second}"], ([first, second], False)),
+                           (["--dependency", f"afterok:{first},afterok:{second}"], ([first, second], False)),
+                           (["-d", f"AFTERANY:{second}"], ([second], True)), ([str(script)], ([first], True))):
+        made = invoke(["submit", "--json", *args, "--", "true"] if args[0].startswith("-") else
+                      ["submit", "--json", "--", *args])
+        assert made.exit_code == 0, made.output
+        with write_scope(use_settings) as session:
+            job = session.get(Job, json.loads(made.output)["id"])
+            assert (job.after, job.after_any, job.state, job.reason) == (*expected, State.PENDING, "dependency")
+    # An allocation takes none.
+    with pytest.raises(InvalidSpec, match="an allocation \\(gpuq alloc\\) takes no --dependency"):
+        from gpuq.server.submission import _allocation, _fields
+
+        _allocation(_fields({"dependency": f"afterok:{first}", "node": "n", "interactive": True}), "ann", None)
 
 
 def test_a_command_with_bidirectional_text_is_queued_under_a_name_that_escapes_it(use_settings):
