@@ -13,19 +13,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import update
+from sqlalchemy import bindparam
 
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, write_scope
 from gpuq.service.jobs import changeable
-from gpuq.service.models import Job, utcnow
+from gpuq.service.lifecycle import Actor, move
+from gpuq.service.models import Job, table, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 from gpuq.service.units import JobSignal
 
 # Jobs asked per statement: a bound parameter each, well under SQLite's limit.
 _CHUNK = 1000
+# Still running: the row was read in the same transaction, but on PostgreSQL a worker may have
+# ended the job since, and an ended job's row keeps no ask.
+_ASK = move("ask a running job's worker to send it a signal", Actor.USER, State.RUNNING, None,
+            table(Job).c.id.in_(bindparam("ids", expanding=True)), signal_asked=bindparam("asked"),
+            signal_asked_at=bindparam("now"))
 
 
 @dataclass(frozen=True)
@@ -63,10 +69,7 @@ def signal_all(settings: Settings, job_ids: Sequence[int], sig: JobSignal,
         found = changeable(session, settings, ids, caller, Job.kind)
         outcomes = [SignalOutcome(i, found[i].state, why_not(found[i].state, found[i].kind)) for i in ids]
         asked = [o.job_id for o in outcomes if o.not_sent is None]
-        values = {"signal_asked": sig.asked_text, "signal_asked_at": utcnow()}
+        now = utcnow()
         for start in range(0, len(asked), _CHUNK):
-            # Still running: the row was read in this transaction, but on PostgreSQL a worker may
-            # have ended the job since, and an ended job's row keeps no ask.
-            session.execute(update(Job).where(Job.id.in_(asked[start:start + _CHUNK]), Job.state == State.RUNNING)
-                            .values(**values))
+            session.execute(_ASK, {"ids": asked[start:start + _CHUNK], "asked": sig.asked_text, "now": now})
     return outcomes

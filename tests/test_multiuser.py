@@ -244,29 +244,37 @@ def test_a_user_cannot_signal_another_users_running_job_and_its_owner_can(box):
     # Runs until cancelled; notes each SIGUSR1 on its output (its sleeps die of theirs: a loop goes on).
     job = _submitted(box.gpuq(a, "submit", "--", "sh", "-c",
                               "trap 'echo got-usr1' USR1; echo ready; while :; do sleep 0.1; done"))
-    assert wait_for_state(box.settings, job, (State.RUNNING,)) == State.RUNNING
-    deadline = time.monotonic() + 30
-    while "ready" not in _output(box, a, job) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    try:
+        assert wait_for_state(box.settings, job, (State.RUNNING,)) == State.RUNNING
+        deadline = time.monotonic() + 30
+        while "ready" not in _output(box, a, job) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
-    def asked() -> tuple:
-        with write_scope(box.settings) as session:
-            row = session.get(Job, job)
-            return row.signal_asked, row.signal_asked_at
+        def asked() -> tuple:
+            with write_scope(box.settings) as session:
+                row = session.get(Job, job)
+                return row.signal_asked, row.signal_asked_at
 
-    before = _sql_state(box.settings)
-    for args in (["cancel", "--signal", "USR1", str(job)], ["cancel", "-s", "KILL", str(job)]):
-        assert f"belongs to {a}" in _refused(box.gpuq(b, *args))
-    time.sleep(1)  # five looks of its worker's watch
-    assert asked() == (None, None) and _sql_state(box.settings) == before
-    assert "got-usr1" not in _output(box, a, job)
-    sent = box.gpuq(a, "cancel", "--signal", "USR1", str(job))
-    assert (sent.returncode, sent.stdout) == (0, f"job {job}: SIGUSR1 sent\n"), sent.stderr
-    deadline = time.monotonic() + 30
-    while "got-usr1" not in _output(box, a, job) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "got-usr1" in _output(box, a, job)
-    assert box.gpuq(a, "cancel", str(job)).returncode == 0
+        before = _sql_state(box.settings)
+        for args in (["cancel", "--signal", "USR1", str(job)], ["cancel", "-s", "KILL", str(job)]):
+            assert f"belongs to {a}" in _refused(box.gpuq(b, *args))
+        time.sleep(1)  # five looks of its worker's watch
+        assert asked() == (None, None) and _sql_state(box.settings) == before
+        assert "got-usr1" not in _output(box, a, job)
+        sent = box.gpuq(a, "cancel", "--signal", "USR1", str(job))
+        assert (sent.returncode, sent.stdout) == (0, f"job {job}: SIGUSR1 sent\n"), sent.stderr
+        from tests.test_audit import logged
+
+        log = box.settings.log_dir / "server.log"
+        logged(log, f"signal by {a} (uid {pwd.getpwnam(a).pw_uid}): job {job} (SIGUSR1)")
+        logged(log, f"refused signal by {b} (uid {pwd.getpwnam(b).pw_uid}): job {job} of {a} (job {job} belongs "
+                    f"to {a}; only they or an admin may change it)", "WARNING")
+        deadline = time.monotonic() + 30
+        while "got-usr1" not in _output(box, a, job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "got-usr1" in _output(box, a, job)
+    finally:  # a running job left behind would hold a GPU from the tests after it
+        assert box.gpuq(a, "cancel", str(job)).returncode == 0
 
 
 @pytest.mark.timeout(300)
