@@ -217,8 +217,8 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
 
 def _signal(client: Client, targets: list[int], signal: str, array: int | None, named: set[int]) -> None:
     """`gpuq cancel --signal`: ask the workers of the running jobs among ``targets`` to send them
-    ``signal``; a line for each job named by id, one for the others (an array's tasks, all of
-    yours), exit 4 where none of them was running."""
+    ``signal``; a line for each job in ``named`` (by id, or --user's), one for an array's tasks,
+    exit 4 where none of them was running."""
     if not targets:
         typer.echo("no active jobs to signal")
         return
@@ -232,12 +232,11 @@ def _signal(client: Client, targets: list[int], signal: str, array: int | None, 
                        else f"job {job_id}: no signal sent: {why}")
         else:
             others[why] += 1
-    if others:
-        whose = f"of array {array}" if array is not None else "of yours"
+    if others:  # an array's tasks (jobs named by id, or --user's, have a line each)
         sent = others.pop(None, 0)
         rest = "".join(f"; not to {n:,} ({why})" for why, n in sorted(others.items()))
         typer.echo(f"{sig} sent to {'the main processes of ' if main else ''}{sent:,} running "
-                   f"job{'' if sent == 1 else 's'} {whose}{rest}")
+                   f"job{'' if sent == 1 else 's'} of array {array}{rest}")
     if all(o["not"] is not None for o in answer["jobs"]):
         raise typer.Exit(c.EXIT_CONFLICT)
 

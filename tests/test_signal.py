@@ -273,3 +273,24 @@ def test_a_signal_for_a_running_workload_or_another_users_job_is_refused_in_the_
     assert refused.returncode == c.EXIT_CONFLICT and "no signal sent: a built-in workload" in refused.stdout, refused
     assert asked_of(s, workload) == (None, None)
     assert run_cli(["cancel", str(held), str(workload)], s).returncode == 0
+
+
+def test_cancel_signal_of_an_array_sends_it_to_its_running_tasks_and_counts_the_others_in_one_line(one_gpu, tmp_path):
+    s = one_gpu.settings  # one GPU: one task runs, two wait
+    made = run_cli(["submit", "--json", "--time", "2m", "-a", "0-2", "--", sys.executable, "-c", READY_MARKS,
+                    str(tmp_path / "{index}")], s)
+    assert made.returncode == 0, made.stderr
+    array = json.loads(made.stdout)[0]["array_id"]
+    for index in range(3):
+        (tmp_path / str(index)).mkdir()
+    assert wait_until(lambda: (tmp_path / "0" / "main.ready").exists()), one_gpu.logs()
+    sent = run_cli(["cancel", "--signal", "USR1", "--array", str(array)], s)
+    assert (sent.returncode, sent.stdout) == (
+        0, f"SIGUSR1 sent to 1 running job of array {array}; not to 2 (pending, not running)\n"), sent
+    assert wait_until(lambda: marks(tmp_path / "0", "main") == 1), one_gpu.logs()
+    mine = run_cli(["cancel", "-s", "B:USR1", "--user"], s)  # as `gpuq cancel --user`: a line for each job
+    ids = [j["id"] for j in json.loads(made.stdout)]
+    assert (mine.returncode, mine.stdout) == (0, f"job {ids[0]}: SIGUSR1 sent to its main process\n" + "".join(
+        f"job {i}: no signal sent: pending, not running\n" for i in ids[1:])), mine
+    assert wait_until(lambda: marks(tmp_path / "0", "main") == 2), one_gpu.logs()
+    assert run_cli(["cancel", "--array", str(array)], s).returncode == 0
