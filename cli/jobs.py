@@ -85,6 +85,9 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     what = j.workload + " " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in j.params.items()) \
         if j.kind == c.KIND_WORKLOAD else " ".join(j.argv or [])
     gpus = j.gpu_indices or []
+    # As squeue's TIME_LEFT: a running job's time until its limit stops it (a watch looks every 0.2 s).
+    left = j.time_limit_s - j.elapsed_s if j.state == State.RUNNING and j.time_limit_s and j.elapsed_s is not None \
+        else None
     lines = [
         ("job", f"{j.id}  {j.name}"),
         ("user", j.user),
@@ -98,7 +101,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
         ("submitted", timestamp(j.submitted_at)),
         ("started", timestamp(j.started_at)),
         ("ended", timestamp(j.ended_at)),
-        ("elapsed", duration(seconds(j.elapsed_s))),
+        ("elapsed", duration(seconds(j.elapsed_s)) + (f" ({time_limit(max(left, 0))} left of its time limit)"
+                                                      if left is not None else "")),
     ]
     # A shared job's --mem is its share of each GPU (packing.need_mib), a whole-GPU job's the free
     # memory a GPU must have: the same number, two meanings. A server from before "shared" sends none.

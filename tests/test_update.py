@@ -269,6 +269,9 @@ def test_a_running_jobs_lowered_time_limit_stops_it_timed_out_at_the_new_limit(o
     # Root (this test) may raise it; an ordinary user's raise is refused (tests/test_multiuser.py).
     raised = run_cli(["update", str(job), "--time", "2h"], s)
     assert raised.returncode == 0 and raised.stdout.strip() == f"job {job}: time limit 1:00:00 → 2:00:00"
+    # `gpuq show` gives what is left of it, as squeue's TIME_LEFT: the new limit less the time run.
+    elapsed = next(line for line in run_cli(["show", str(job)], s).stdout.splitlines() if "elapsed" in line)
+    assert re.fullmatch(r"\s*elapsed  [0-9.]+s \(1:59:[0-5][0-9] left of its time limit\)", elapsed), elapsed
     lowered = run_cli(["update", str(job), "--time", "3s"], s)
     assert lowered.returncode == 0, lowered.stderr
     assert lowered.stdout.strip() == f"job {job}: time limit 2:00:00 → 0:00:03"
