@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,15 +102,20 @@ def server(munged, tmp_path_factory, redis_url):
 
 
 @pytest.fixture(scope="module")
-def ordinary_user() -> str:
+def ordinary_user() -> Iterator[str]:
+    """An ordinary user of the machine's, made for the module if absent and removed after it."""
     if not IS_ROOT:
         pytest.skip("making and becoming another user needs root")
+    made = False
     try:
         pwd.getpwnam(USER)
     except KeyError:
         subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", USER], check=True, timeout=30)
+        made = True
     venv_reachable_by_everyone()
-    return USER
+    yield USER
+    if made:
+        subprocess.run(["userdel", "-f", USER], capture_output=True, timeout=30)
 
 
 def gpuq(server, args, user: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
