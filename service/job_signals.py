@@ -13,25 +13,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam
+from sqlalchemy import bindparam, case
 
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, write_scope
 from gpuq.service.jobs import changeable
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Job, table, utcnow
+from gpuq.service.models import Job, UTCDateTime, table, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 from gpuq.service.units import JobSignal
 
 # Jobs asked per statement: a bound parameter each, well under SQLite's limit.
 _CHUNK = 1000
+_jobs = table(Job).c
 # Still running: the row was read in the same transaction, but on PostgreSQL a worker may have
-# ended the job since, and an ended job's row keeps no ask.
+# ended the job since, and an ended job's row keeps no ask. Its moment is never before the job's
+# start: the worker takes an ask made after the start it wrote with its own clock, which on
+# another node may run ahead of the server's.
 _ASK = move("ask a running job's worker to send it a signal", Actor.USER, State.RUNNING, None,
-            table(Job).c.id.in_(bindparam("ids", expanding=True)), signal_asked=bindparam("asked"),
-            signal_asked_at=bindparam("now"))
+            _jobs.id.in_(bindparam("ids", expanding=True)), signal_asked=bindparam("asked"),
+            signal_asked_at=case((_jobs.started_at > bindparam("now", type_=UTCDateTime), _jobs.started_at),
+                                 else_=bindparam("now", type_=UTCDateTime)))
 
 
 @dataclass(frozen=True)

@@ -294,3 +294,28 @@ def test_cancel_signal_of_an_array_sends_it_to_its_running_tasks_and_counts_the_
         f"job {i}: no signal sent: pending, not running\n" for i in ids[1:])), mine
     assert wait_until(lambda: marks(tmp_path / "0", "main") == 2), one_gpu.logs()
     assert run_cli(["cancel", "--array", str(array)], s).returncode == 0
+
+
+def test_a_signal_is_asked_no_earlier_than_the_jobs_start_when_its_workers_clock_runs_ahead(settings):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from gpuq.service import spec, submitting
+    from gpuq.service.job_signals import signal_all
+    from gpuq.service.models import utcnow
+
+    # A worker on another node, its clock 30 s ahead of the server's, started the job: an ask stamped
+    # by the server's clock alone would read as before the start, and the worker would drop it.
+    job = submitting.submit(settings.with_overrides(place_at_submit=False), spec.command_spec(["true"], cwd="/")).id
+    ahead = utcnow() + timedelta(seconds=30)
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job).values(state=State.RUNNING, started_at=ahead))
+    before = utcnow()
+    assert signal_all(settings, [job], JobSignal.parse_now("B:USR2"))[0].not_sent is None
+    assert asked_of(settings, job) == ("B:USR2", ahead)
+    with write_scope(settings) as session:  # a job started by the server's clock or behind it: asked now
+        session.execute(update(Job).where(Job.id == job).values(started_at=before - timedelta(seconds=30)))
+    signal_all(settings, [job], JobSignal.parse_now("USR1"))
+    asked, at = asked_of(settings, job)
+    assert asked == "USR1" and before <= at <= utcnow()
