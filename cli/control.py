@@ -109,9 +109,17 @@ def update(job_ids: JobIds = None, array: Array = None,
            shared: Annotated[bool | None, typer.Option("--shared/--whole", help="A pending job shares its GPU "
                                                        "by its --mem with other --shared jobs, or runs on "
                                                        "whole GPUs again.", show_default=False)] = None,
+           after: Annotated[str | None, typer.Option(help="A pending job starts after these jobs succeeded "
+                                                     "(ID[,ID]), instead of what it waited for.")] = None,
+           after_any: Annotated[str | None, typer.Option(help="A pending job starts after these jobs ended, "
+                                                         "in any state.")] = None,
+           dependency: Annotated[str | None, typer.Option("--dependency", "-d", help="sbatch's form: "
+                                                          "afterok:ID[:ID] or afterany:ID[:ID]; none: wait for "
+                                                          "nothing.")] = None,
            ) -> None:
-    """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node and
-    sharing, a time limit, a name, retries, an array's tasks at once (as `scontrol update job`)."""
+    """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
+    sharing and dependencies, a time limit, a name, retries, an array's tasks at once (as
+    `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
     if begin is not None:  # the user's own clock and zone read it
@@ -121,7 +129,8 @@ def update(job_ids: JobIds = None, array: Array = None,
     count, gpu_type = typed(gpus, gpu_type)
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
-                                 ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared))
+                                 ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
+                                 ("after", after), ("after_any", after_any), ("dependency", dependency))
                if v is not None}
     if not changes:
         raise InvalidSpec(c.UPDATE_ASK)  # before a round trip; the server asks the same
@@ -144,7 +153,8 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "gpu_type": ("GPU type", lambda v: "any" if v is None else v),
     "mem_mib": ("GPU memory", lambda v: "none" if v is None else mib(v)),
     "on_node": ("node", lambda v: "any" if v is None else v),
-    "shared": ("sharing", lambda v: "shared" if v else "whole GPUs")}
+    "shared": ("sharing", lambda v: "shared" if v else "whole GPUs"),
+    "dependency": ("dependency", lambda v: "none" if v is None else v)}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

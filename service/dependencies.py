@@ -73,3 +73,34 @@ def look_up(conn: Any, ids: Iterable[int]) -> tuple[dict[int, Dependency], dict[
         failed = next(((j, s) for j, s in ended if s != State.SUCCEEDED), None)
         out[d] = Dependency(id=d, tasks=len(of_d), ended=len(ended), failed=failed)
     return out, states
+
+
+_WAITING_ON = select(_t.c.id, _t.c.array_id, _t.c.state, _t.c.after).where(or_(
+    _t.c.id.in_(bindparam("ids", expanding=True)), _t.c.array_id.in_(bindparam("ids", expanding=True))))
+
+
+def loop_back(conn: Any, after: Iterable[int], jobs: set[int]) -> str | None:
+    """Why waiting for ``after`` would make one of ``jobs`` (pending jobs given new dependencies by
+    `gpuq update`) wait for itself, or None where it would not. A dependency is followed through
+    the pending jobs it names (an array's id through its every task) and theirs in turn, as far as
+    they go: a job that started will end whatever it was after, so a loop needs pending jobs all
+    round. A submit needs no such look: it may only name jobs that exist, all of them earlier."""
+    # Each id still to look up, with the id of ``after`` it was reached from.
+    frontier = {d: d for d in after}
+    seen: set[int] = set()
+    while frontier:
+        seen |= frontier.keys()
+        reached: dict[int, int] = {}
+        for job_id, array_id, state, waits in conn.execute(_WAITING_ON, {"ids": sorted(frontier)}).all():
+            root = frontier[job_id] if job_id in frontier else frontier[array_id]
+            if job_id in jobs:
+                if job_id == root:
+                    return f"job {job_id} cannot wait for itself"
+                if array_id == root:
+                    return f"job {job_id} is a task of array {root}: it would wait for itself"
+                return (f"job {root} waits for job {job_id} already (directly or through others), so neither "
+                        "would ever start")
+            if state == State.PENDING:
+                reached.update((d, root) for d in waits or () if d not in seen and d not in reached)
+        frontier = reached
+    return None

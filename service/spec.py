@@ -20,10 +20,9 @@ from gpuq.service.settings import secret_env_names
 from gpuq.service.units import (
     MAX_ARRAY_TASKS,
     JobSignal,
+    dependency_of,
     parse_array,
-    parse_dependency,
     parse_duration,
-    parse_job_ids,
     parse_mem,
     parse_sweep,
 )
@@ -97,8 +96,6 @@ class Scheduling:
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
-        if self.after is not None and self.after_any is not None:
-            raise InvalidSpec("give --after or --after-any, not both")
         if self.shared and self.mem is None:
             raise InvalidSpec("--shared needs --mem: the GPU memory the job may use on each GPU (its share)")
         if not -ADMIN_MAX_PRIORITY <= self.priority <= ADMIN_MAX_PRIORITY:
@@ -107,14 +104,7 @@ class Scheduling:
             raise InvalidSpec(f"--retries must be between 0 and {MAX_RETRIES}; got {self.retries}")
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
-        deps = self.after if self.after is not None else self.after_any  # "" is a mistake, not none
-        after = parse_job_ids(deps, "--after" if self.after is not None else "--after-any") \
-            if deps is not None else None
-        after_any = self.after_any is not None
-        if self.dependency is not None:
-            if deps is not None:
-                raise InvalidSpec("give --dependency or --after / --after-any, not both")
-            after, after_any = parse_dependency(self.dependency)
+        after, after_any = dependency_of(self.after, self.after_any, self.dependency) or (None, False)
         return {
             "priority": self.priority,
             "mem_mib": parse_mem(self.mem) if self.mem is not None else None,

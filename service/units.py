@@ -218,6 +218,33 @@ def parse_dependency(text: str) -> tuple[list[int], bool]:
     return list(dict.fromkeys(ids)), kinds == {"afterany"}
 
 
+def dependency_of(after: str | None, after_any: str | None, dependency: str | None, clears: bool = False
+                  ) -> tuple[list[int], bool] | None:
+    """What a job waits for, from ``--after ID,ID``, ``--after-any ID,ID`` or sbatch's
+    ``--dependency`` (one of them): (the ids, whether any end will do), or None where none is given.
+    With ``clears`` (`gpuq update`), ``--dependency none`` (or empty, as scontrol's ``Dependency=``)
+    is ([], False): wait for nothing any more."""
+    if after is not None and after_any is not None:
+        raise InvalidSpec("give --after or --after-any, not both")
+    ids = after if after is not None else after_any  # "" is a mistake, not none
+    if dependency is not None:
+        if ids is not None:
+            raise InvalidSpec("give --dependency or --after / --after-any, not both")
+        if clears and dependency.strip().lower() in ("", "none"):
+            return [], False
+        return parse_dependency(dependency)
+    if ids is None:
+        return None
+    return parse_job_ids(ids, "--after" if after is not None else "--after-any"), after_any is not None
+
+
+def dependency_text(after: list[int] | None, after_any: bool) -> str | None:
+    """A job's dependencies as sbatch's ``--dependency`` writes them (``afterok:5:6``), or None."""
+    if not after:
+        return None
+    return ("afterany:" if after_any else "afterok:") + ":".join(map(str, after))
+
+
 def parse_sweep(text: str) -> tuple[str, list[str]]:
     """``lr=0.1,0.01`` as (``lr``, [``0.1``, ``0.01``])."""
     name, eq, values = text.partition("=")

@@ -1,6 +1,6 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
 limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
-begin time, and a pending job's GPUs, GPU type, GPU memory, node and sharing.
+begin time, and a pending job's GPUs, GPU type, GPU memory, node, sharing and dependencies.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
 of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory,
@@ -17,6 +17,12 @@ job leaves every GPU's next-up list, which listed it for what it asked before: t
 pass lists it again for what it asks now. Sharing changes only while the job waits (as SLURM's
 OverSubscribe): a shared job's placement and the watch over its share are decided when it starts,
 from its row, so a pending job's new sharing is all there is to change.
+
+New dependencies (scontrol's ``Dependency=``) are checked as a submit's (each job exists; one that
+already failed cannot be waited for to succeed) and for a loop, which a submit cannot make (it names
+earlier jobs only) but an update can: a pending job after one that waits for it, directly or
+through others, would never start, so it is refused. A job given dependencies leaves the next-up
+lists too: a worker takes a listed job without looking at them.
 """
 
 from __future__ import annotations
@@ -27,20 +33,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Boolean, Integer, String, bindparam, case, delete, func
+from sqlalchemy import JSON, Boolean, Integer, String, and_, bindparam, case, delete, func
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, jobs, spec
+from gpuq.service import broker, dependencies, jobs, spec
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, NextUp, UTCDateTime, table
+from gpuq.service.policy import DEPENDENCY
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
-from gpuq.service.submit_checks import check_resources, check_time_limit
-from gpuq.service.units import MAX_ARRAY_TASKS, parse_duration, parse_mem
+from gpuq.service.submit_checks import check_dependencies, check_resources, check_time_limit
+from gpuq.service.units import MAX_ARRAY_TASKS, dependency_of, dependency_text, parse_duration, parse_mem
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -73,18 +80,27 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                        mem_mib=case((_NEW_MEM.is_(None), _JOBS.c.mem_mib), (_NEW_MEM == 0, None), else_=_NEW_MEM),
                        on_node=case((_NEW_NODE.is_(None), _JOBS.c.on_node), (_NEW_NODE == "", None),
                                     else_=_NEW_NODE), shared=_kept("shared", Boolean), **_LATER)
+# A pending job's dependencies: the ids (null: none) and whether any end of them will do.
+_WAITS = bindparam("waits", type_=Boolean)
+_CHANGE_DEPENDENCY = move("change the dependencies of a job that waits", Actor.USER, State.PENDING, None, _ID,
+                          after=bindparam("new_after", type_=JSON(none_as_null=True)),
+                          after_any=bindparam("new_after_any", type_=Boolean),
+                          # Its reason at once, as a submit's (a quick pass writes none): a job that waits for
+                          # nothing any more waits for GPUs until the next whole pass says otherwise.
+                          reason=case((and_(_WAITS, _JOBS.c.held == False), DEPENDENCY),  # noqa: E712
+                                      (and_(~_WAITS, _JOBS.c.reason == DEPENDENCY), None), else_=_JOBS.c.reason))
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
-           _JOBS.c.array_id)
+           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_any)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
           "mem_mib", "on_node", "shared")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
-                 "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing"}
+                 "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
 _SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
@@ -108,17 +124,21 @@ class Changes:
     mem_mib: int | None = None  # 0: none asked
     on_node: str | None = None  # "": any node
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
+    # The job ids it waits for and whether any end of them will do; ((), False): none any more.
+    dependency: tuple[tuple[int, ...], bool] | None = None
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
-        ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``);
-        InvalidSpec for anything malformed or for no change at all."""
+        ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``, and
+        ``after``, ``after_any`` or ``dependency`` as a submit takes them, ``dependency`` ``none`` for
+        none); InvalidSpec for anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
-                               "gpu_type", "mem", "node", "shared"}
+                               "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
-                              "array_limit, begin, gpus, gpu_type, mem, node, shared)")
+                              "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
+                              "dependency)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
@@ -132,8 +152,10 @@ class Changes:
                               ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
+        after, after_any, dependency = (body.get(k) for k in ("after", "after_any", "dependency"))
         for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
-                              ("--node", node)):
+                              ("--node", node), ("--after", after), ("--after-any", after_any),
+                              ("--dependency", dependency)):
             if value is not None and not isinstance(value, str):
                 raise InvalidSpec(f"{option} must be text")
         if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
@@ -151,14 +173,20 @@ class Changes:
                       else spec.check_gpu_type(gpu_type),
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
-                      else _node(node), shared=shared)
+                      else _node(node), shared=shared, dependency=_dependency(after, after_any, dependency))
         if changes.empty:
             raise InvalidSpec(c.UPDATE_ASK)
         return changes
 
     @property
     def empty(self) -> bool:
-        return all(getattr(self, f) is None for f in FIELDS)
+        return all(getattr(self, f) is None for f in FIELDS) and self.dependency is None
+
+
+def _dependency(after: str | None, after_any: str | None, dependency: str | None
+                ) -> tuple[tuple[int, ...], bool] | None:
+    waits = dependency_of(after, after_any, dependency, clears=True)
+    return None if waits is None else (tuple(waits[0]), waits[1])
 
 
 def _node(text: str) -> str:
@@ -200,8 +228,11 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
     ids = list(dict.fromkeys(job_ids))
     with write_scope(settings) as session:
         found = jobs.changeable(session, settings, ids, caller, *_VALUES)
+        waiting = [i for i in ids if found[i].state == State.PENDING]
         if any(getattr(changes, f) is not None for f in _SHAPE):
-            _check_resources(session, settings, [i for i in ids if found[i].state == State.PENDING], changes)
+            _check_resources(session, settings, waiting, changes)
+        if changes.dependency is not None and changes.dependency[0] and waiting:
+            _check_dependency(session, changes.dependency, set(waiting))
         outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
     if any(o.changed for o in outcomes):
         # A pending job's new priority or time limit reorders the queue and its backfill now,
@@ -243,6 +274,16 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             get_workload(job.workload).check_gpus(params, gpus)
 
 
+def _check_dependency(session: Session, dependency: tuple[tuple[int, ...], bool], waiting: set[int]) -> None:
+    """InvalidSpec (StateConflict for a job that failed already), before anything changes, where
+    the pending jobs ``waiting`` could not wait for ``dependency``: as a submit's, and no loop."""
+    after, after_any = dependency
+    check_dependencies(session, list(after), after_any)
+    loop = dependencies.loop_back(session, after, waiting)
+    if loop is not None:
+        raise InvalidSpec(f"--dependency {dependency_text(list(after), after_any)}: {loop}")
+
+
 def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
     outcome = Outcome(job.id)
     if job.state in c.END_STATES:
@@ -259,6 +300,9 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = (f"job {job.id} is {job.state}; only root or an admin may raise a started job's "
                            "time limit (you may lower it)")
         return outcome
+    if changes.dependency is not None and job.kind == c.KIND_INTERACTIVE:
+        outcome.refused = f"job {job.id} is an allocation (gpuq alloc): it waits for nothing but GPUs"
+        return outcome
     if changes.array_limit is not None and job.array_id is None:
         outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
         return outcome
@@ -268,17 +312,31 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
                  mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None)
     outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
                        if v is not None and shown[f] != getattr(job, f)}
+    if changes.dependency is not None:
+        # As sbatch writes them, both sides: `afterok:5` → `afterany:5` is one change, not two.
+        old, new = dependency_text(job.after, job.after_any), dependency_text(list(changes.dependency[0]),
+                                                                              changes.dependency[1])
+        if old != new:
+            outcome.changed["dependency"] = [old, new]
     if not outcome.changed:
         return outcome
     if started:
-        for name in _WAITING_ONLY:
+        for name in _WAITING_ONLY.keys() & values.keys():
             del values[name]
     bound = {f"new_{f}": v for f, v in values.items()}
     if not rows_changed(session.execute(_CHANGE_STARTED if started else _CHANGE_WAITING, {"job_id": job.id, **bound})):
         # PostgreSQL: it started or ended between the read and this write (SQLite's write lock
         # keeps both in one moment).
         outcome.changed, outcome.refused = {}, f"job {job.id} changed state meanwhile; run the update again"
-    elif not started and any(f in outcome.changed for f in _SHAPE):
-        # Listed next on GPUs for what it asked before: the next pass lists it for what it asks now.
+        return outcome
+    if "dependency" in outcome.changed:
+        after, after_any = changes.dependency or ((), False)
+        # The job's row is this transaction's since the change above: it is still pending.
+        session.execute(_CHANGE_DEPENDENCY, {"job_id": job.id, "new_after": list(after) or None,
+                                             "new_after_any": after_any and bool(after), "waits": bool(after)})
+    if not started and (any(f in outcome.changed for f in _SHAPE) or "dependency" in outcome.changed):
+        # Listed next on GPUs for what it asked before (or with nothing to wait for: a worker takes
+        # a listed job without looking at its dependencies): the next pass lists it for what it
+        # asks now.
         session.execute(delete(NextUp).where(NextUp.job_id == job.id))
     return outcome

@@ -143,7 +143,7 @@ def _sql_state(settings: Settings) -> tuple:
     "held" may land after the snapshot)."""
     with write_scope(settings) as session:
         rows = session.execute(select(Job.id, Job.user, Job.state, Job.held, Job.priority, Job.time_limit_s,
-                                      Job.name, Job.max_retries, Job.cancel_requested_at, Job.ended_at)
+                                      Job.name, Job.max_retries, Job.cancel_requested_at, Job.ended_at, Job.after)
                                .order_by(Job.id)).all()
         subs = session.scalar(select(func.count()).select_from(Submission))
     return tuple(tuple(r) for r in rows), subs
@@ -219,7 +219,8 @@ def test_a_user_cannot_change_or_read_another_users_job(box):
     for args in (["cancel", str(held)], ["cancel", str(waiting)], ["hold", str(waiting)],
                  ["release", str(held)], ["resubmit", str(failed)], ["resubmit", str(held)],
                  ["update", str(waiting), "--priority", "5"], ["update", str(held), "--time", "1m", "--name", "x"],
-                 ["logs", str(failed)], ["show", "--diff", str(failed)], ["show", "--diff", "--json", str(failed)]):
+                 ["update", str(waiting), "-d", "none"], ["logs", str(failed)], ["show", "--diff", str(failed)],
+                 ["show", "--diff", "--json", str(failed)]):
         line = _refused(box.gpuq(b, *args))
         assert f"belongs to {a}" in line, line
         assert secret not in line and code_secret not in line

@@ -255,6 +255,66 @@ def test_a_pending_jobs_sharing_changes_with_a_share_to_pack_by_and_it_leaves_th
     assert kept.refused == f"job {running} is dispatched; only a pending job's sharing can be changed"
 
 
+def test_a_pending_jobs_new_dependency_holds_it_back_off_the_next_up_lists_and_a_loop_is_refused(settings):
+    from gpuq.service.errors import StateConflict
+    from gpuq.service.models import NextUp
+    from tests.test_scheduling import submit_array
+
+    [gpu] = register(settings, "a", 1)
+    first = submit(settings, hold=True)
+    job = submit(settings)
+    with write_scope(settings) as session:  # listed next on the GPU, as a pass lists one-GPU jobs
+        session.add(NextUp(gpu_id=gpu, job_id=job, rank=0))
+
+    def waits(job_id):
+        with write_scope(settings) as session:
+            return tuple(session.execute(select(Job.after, Job.after_any, Job.reason).where(Job.id == job_id)).one())
+
+    [outcome] = update_all(settings, [job], Changes.of({"dependency": f"afterok:{first}"}), ANN)
+    assert (outcome.changed, outcome.refused) == ({"dependency": [None, f"afterok:{first}"]}, None)
+    # It says why it waits at once, and no worker may take it from a list without looking.
+    assert waits(job) == ([first], False, "dependency")
+    with write_scope(settings) as session:
+        assert session.scalars(select(NextUp.job_id).where(NextUp.job_id == job)).all() == []
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[:2] == (State.PENDING, "dependency")
+    # A loop, which a submit cannot make (it names earlier jobs only), is refused whole: directly,
+    # through another job, on itself, and through its own array's id.
+    then = submit(settings, after=str(job))
+    tasks = submit_array(settings, 2)
+    for target, body, says in (
+            (first, {"after": str(job)}, f"--dependency afterok:{job}: job {job} waits for job {first} already "
+                                         "(directly or through others), so neither would ever start"),
+            (first, {"after_any": str(then)}, f"--dependency afterany:{then}: job {then} waits for job {first}"),
+            (first, {"dependency": f"afterok:{first}"}, f"job {first} cannot wait for itself"),
+            (tasks[1], {"after": str(tasks[0])}, f"job {tasks[1]} is a task of array {tasks[0]}: it would wait "
+                                                 "for itself"),
+            (job, {"after": "999"}, "--after: no job 999")):
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            update_all(settings, [target], Changes.of(body), ANN)
+    assert waits(first) == (None, False, "held") and waits(tasks[1])[0] is None and waits(job)[0] == [first]
+    # A job that failed cannot be waited for to succeed, as at submit; any end of it can.
+    failed = submit(settings, hold=True)
+    end(settings, failed, State.FAILED)
+    with pytest.raises(StateConflict, match=f"--after {failed}: job {failed} failed, so this job would never start"):
+        update_all(settings, [job], Changes.of({"after": str(failed)}), ANN)
+    [any_end] = update_all(settings, [job], Changes.of({"after_any": f"{failed}"}), ANN)
+    assert any_end.changed == {"dependency": [f"afterok:{first}", f"afterany:{failed}"]}
+    # None any more: it runs on the next pass, though the job it waited for first is still held.
+    [cleared] = update_all(settings, [job], Changes.of({"dependency": "none"}), ANN)
+    assert cleared.changed == {"dependency": [f"afterany:{failed}", None]} and waits(job) == (None, False, None)
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == State.DISPATCHED
+    [started] = update_all(settings, [job], Changes.of({"after": str(first)}), ANN)
+    assert started.refused == f"job {job} is dispatched; only a pending job's dependencies can be changed"
+    for body, says in (({"after": "1", "dependency": "afterok:2"}, "give --dependency or --after / --after-any"),
+                       ({"dependency": "singleton"}, "--dependency singleton (one job of this name at a time) is "
+                                                     "not one gpuq has"),
+                       ({"after": 5}, "--after must be text"), ({"after": ""}, "--after")):
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            Changes.of(body)
+
+
 # --- through the server and a real worker -------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["sqlite"])
@@ -326,6 +386,31 @@ def test_update_mem_and_node_print_the_change_and_a_bad_one_is_one_line(one_gpu,
     assert back.stdout == f"job {job}: GPU memory 512M → none, node {s.node} → any\n", back
 
 
+def test_update_dependency_prints_sbatchs_form_a_loop_is_one_line_and_the_job_runs_after_it(one_gpu, held):
+    s, job = one_gpu.settings, held
+    waited = cli_submit(s, ["--hold", "--", "true"])
+    try:
+        given = run_cli(["update", str(job), "-d", f"afterok:{waited}"], s)
+        assert (given.returncode, given.stdout) == (0, f"job {job}: dependency none → afterok:{waited}\n"), given
+        assert f"after job {waited}" in run_cli(["show", str(job)], s).stdout
+        loop = run_cli(["update", str(waited), "--after", str(job)], s)
+        assert (loop.returncode, loop.stdout) == (c.EXIT_USAGE, "")
+        assert loop.stderr == (f"gpuq: --dependency afterok:{job}: job {job} waits for job {waited} already "
+                               "(directly or through others), so neither would ever start\n")
+        # Released, it still waits for the job it was given; that one's success starts it.
+        run_cli(["release", str(job)], s)
+        time.sleep(1)
+        assert wait_for_state(s, job, [State.PENDING]) == State.PENDING
+        run_cli(["release", str(waited)], s)
+        assert wait_for_state(s, waited, c.END_STATES) == State.SUCCEEDED
+        assert wait_for_state(s, job, c.END_STATES) == State.SUCCEEDED, one_gpu.logs()
+        ended = run_cli(["update", str(job), "-d", "none"], s)
+        assert (ended.returncode, ended.stderr) == (c.EXIT_CONFLICT,
+                                                    f"gpuq: job {job} succeeded; an ended job cannot be changed\n")
+    finally:
+        run_cli(["cancel", str(waited)], s)
+
+
 def test_a_job_waiting_for_a_whole_gpu_made_shared_runs_beside_the_shared_job_on_it(one_gpu):
     s = one_gpu.settings
     beside = cli_submit(s, ["--shared", "--mem", "1G", "--", sys.executable, "-c", "import time; time.sleep(120)"])
@@ -358,7 +443,8 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     nothing = run_cli(["update", str(first)], s)
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
     assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
-                                      "--array-limit, --begin, --gpus, --gpu-type, --mem, --node or --shared/--whole")
+                                      "--array-limit, --begin, --gpus, --gpu-type, --mem, --node, --shared/--whole or "
+                                      "--dependency")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
