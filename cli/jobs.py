@@ -122,6 +122,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             f"{j.max_retries} retries" if j.max_retries else "",
             (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
              .replace("  ", " ") if j.after else ""),
+            # A server from before singleton sends none.
+            f"one job named {j.name!r} at a time (singleton)" if getattr(j, "singleton", False) else "",
             f"priority {j.priority}" if j.priority else "",
             held(j) if j.held else "",
             f"host memory limit {j.host_mem_mib} MiB" if j.host_mem_mib else ""]

@@ -1,4 +1,4 @@
-"""Where a job's dependencies (``--after``, ``--after-any``) stand.
+"""Where a job's dependencies (``--after``, ``--after-any``, ``--dependency singleton``) stand.
 
 An id that is an array's (its first task's id, which `gpuq submit` prints as "submitted array N")
 stands for every task of the array, as SLURM's ``afterok:<array job id>`` waits for all of them: a
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, or_, select
+from sqlalchemy import and_, bindparam, or_, select
 
 from gpuq.service import constants as c
 from gpuq.service.constants import State
@@ -104,3 +104,20 @@ def loop_back(conn: Any, after: Iterable[int], jobs: set[int]) -> str | None:
                 reached.update((d, root) for d in waits or () if d not in seen and d not in reached)
         frontier = reached
     return None
+
+
+def singleton_ahead(conn: Any, job_id: int, user: str, name: str, priority: int) -> tuple[int, str] | None:
+    """The job a `--dependency singleton` job waits for, as (id, state): another job of its user and
+    name that holds GPUs, else one of them pending ahead of it (a singleton too, not held, first in
+    queue order); None where none is (it waits for something else, or for its next pass)."""
+    j = _t.c
+    same = (j.user == user, j.name == name, j.id != job_id)
+    started = conn.execute(select(j.id, j.state).where(*same, j.state.in_((State.DISPATCHED, State.RUNNING)))
+                           .order_by(j.id).limit(1)).first()
+    if started is not None:
+        return started.id, started.state
+    ahead = conn.execute(select(j.id, j.state).where(
+        *same, j.state == State.PENDING, j.singleton.is_(True), j.held.is_(False),
+        or_(j.priority > priority, and_(j.priority == priority, j.id < job_id)))
+        .order_by(j.priority.desc(), j.id).limit(1)).first()
+    return None if ahead is None else (ahead.id, ahead.state)

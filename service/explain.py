@@ -46,9 +46,15 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"{head}: it is held; `gpuq release {job.id}` lets it start"
     if reason == policy.DEPENDENCY and job.after:
         deps, states = dependencies.look_up(session, job.after)
-        pending = ", ".join(deps[d].describe(states.get(d)) if d in deps else f"job {d} (gone)" for d in job.after)
-        need = "to end" if job.after_any else "to succeed"
-        return f"{head}: it waits for {pending} {need}"
+        if not job.singleton or not all(d in deps and deps[d].done for d in job.after):
+            pending = ", ".join(deps[d].describe(states.get(d)) if d in deps else f"job {d} (gone)"
+                                for d in job.after)
+            need = "to end" if job.after_any else "to succeed"
+            return f"{head}: it waits for {pending} {need}"
+    if reason == policy.DEPENDENCY and job.singleton:
+        ahead = dependencies.singleton_ahead(session, job.id, job.user, job.name, job.priority)
+        said = f"{head}: --dependency singleton starts one job of {job.user}'s named {job.name!r} at a time"
+        return f"{said}, and job {ahead[0]} ({ahead[1]}) is ahead of it" if ahead else said
     if reason == policy.USER_LIMIT:
         read, decision = _pass(session, settings)
         # As the limit counts them: a shared job its charged part of each of its GPUs.

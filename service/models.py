@@ -114,6 +114,9 @@ class Job(Base):
     # Job ids this one waits for: all succeeded, or (after_any) all ended in any state.
     after: Mapped[list[int] | None] = mapped_column(JSON)
     after_any: Mapped[bool] = mapped_column(default=False)
+    # sbatch's `--dependency singleton`: it waits while another job of its user and name is started,
+    # or pending ahead of it as a singleton (``queue_read.singletons_held``).
+    singleton: Mapped[bool] = mapped_column(default=False, server_default=false())
     # Array and sweep tasks share the id of their first task; each has its index.
     array_id: Mapped[int | None] = mapped_column(Integer, index=True)
     array_index: Mapped[int | None] = mapped_column(Integer)

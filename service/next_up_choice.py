@@ -22,7 +22,8 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
     The lists are for GPUs a whole-GPU job holds, and list whole-GPU jobs only: a GPU with shared
     jobs gets none (one of them leaving frees a share, not the GPU), and a shared job is never
     listed (its room is the scheduler's to count) but closes, as a gang does, the lists of the GPUs
-    it could ever share, so that no job behind it takes a GPU it could use.
+    it could ever share, so that no job behind it takes a GPU it could use; so does a
+    `--dependency singleton` job (whether another job of its name started is the pass's to see).
     The GPUs of a node share their jobs, so each lists ``per_gpu`` times its node's busy GPUs
     (enough for all of them to take several before the scheduler's next pass); the walk looks at
     most ``scan`` jobs.
@@ -47,7 +48,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
             break
         if limit and policy.limit_reached(job, in_use.get(job.user, 0), limit):
             continue
-        if job.gpus > 1 or job.shared:
+        if job.gpus > 1 or job.shared or job.singleton:
             # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
             could = _could_use(job, open_gpus, state)
             open_gpus = [g for g in open_gpus if g.id not in could]

@@ -126,6 +126,9 @@ class JobRequest:
     time_limit_s: int | None = None
     shared: bool = False  # may share its GPUs with other shared jobs, held to mem_mib on each
     gpu_type: str | None = None  # `--gpu-type`: only GPUs whose model is of it (``is_model``)
+    # `--dependency singleton`: placed by a pass alone, which knows its name's other jobs; a worker
+    # takes a listed job without looking (``next_up_choice``).
+    singleton: bool = False
 
     def __post_init__(self) -> None:
         if self.shared and self.mem_mib is None:

@@ -32,7 +32,7 @@ from gpuq.service.settings import Settings
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_any, _t.reason, _t.shared, _t.array_id, _t.array_limit,
-                    _t.begin_at, _t.gpu_type)
+                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -169,6 +169,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if cut is None or policy.order_key(job, hours) <= cut:
             jobs.append(job)
     jobs = _within_array_limits(conn, pending, jobs, hours, not_eligible)
+    jobs = _one_singleton_each(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
                               user_holds=dict(holds) if settings.user_gpu_limit else {},
@@ -214,11 +215,49 @@ def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.Jo
     return kept
 
 
+_STARTED_NAMES = (select(_t.user, _t.name).distinct()
+                  .where(_t.state.in_((State.DISPATCHED, State.RUNNING)),
+                         _t.user.in_(bindparam("users", expanding=True)),
+                         _t.name.in_(bindparam("names", expanding=True))))
+
+
+def started_names(conn: Any, users: Sequence[str], names: Sequence[str]) -> set[tuple[str, str]]:
+    """Which of these users' job names a job holds GPUs under now (dispatched or running), as
+    (user, name): what a `--dependency singleton` job of that user and name waits for."""
+    return {(user, name) for user, name in conn.execute(_STARTED_NAMES, {"users": sorted(set(users)),
+                                                                         "names": sorted(set(names))})}
+
+
+def _one_singleton_each(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],
+                        hours: dict[str, float], not_eligible: dict[int, str]) -> list[policy.JobRequest]:
+    """``jobs`` less the `--dependency singleton` jobs that must wait (for "dependency", in
+    ``not_eligible``): each whose user has a job of its name holding GPUs, and of those left, each
+    but the first in queue order of its user and name. So one such job at a time starts under a
+    name, and from this pass only, never from a next-up list (``JobRequest.singleton``). Only jobs
+    ready otherwise count: one that waits for its ``--after`` or a begin time keeps no other back
+    (and so no two of them can wait for each other)."""
+    name_of = {row.id: (row.user, row.name) for row in pending if row.singleton}
+    ready = [j for j in jobs if j.id in name_of]
+    if not ready:
+        return jobs
+    taken = started_names(conn, [name_of[j.id][0] for j in ready], [name_of[j.id][1] for j in ready])
+    kept = []
+    for job in sorted(jobs, key=lambda j: policy.order_key(j, hours)):
+        if job.id in name_of:
+            if name_of[job.id] in taken:
+                not_eligible[job.id] = policy.DEPENDENCY
+                continue
+            taken.add(name_of[job.id])
+        kept.append(job)
+    return kept
+
+
 def _request(row: Any) -> policy.JobRequest:
     """The policy's view of a pending job row (``_PENDING_COLUMNS``)."""
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
-                             time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type)
+                             time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type,
+                             singleton=bool(row.singleton))
 
 
 def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:

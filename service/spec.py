@@ -20,6 +20,7 @@ from gpuq.service.settings import secret_env_names
 from gpuq.service.units import (
     MAX_ARRAY_TASKS,
     JobSignal,
+    Waits,
     dependency_of,
     parse_array,
     parse_duration,
@@ -51,6 +52,8 @@ class JobSpec:
     held: bool = False
     after: list[int] | None = None
     after_any: bool = False
+    # sbatch's `-d singleton`: one job of its user and name at a time (units.Waits).
+    singleton: bool = False
     env: dict[str, str] | None = None
     array_index: int | None = None
     # How many of its array's tasks may run at once (`--array 0-99%4`); None: as many as fit.
@@ -104,7 +107,7 @@ class Scheduling:
             raise InvalidSpec(f"--retries must be between 0 and {MAX_RETRIES}; got {self.retries}")
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
-        after, after_any = dependency_of(self.after, self.after_any, self.dependency) or (None, False)
+        waits = dependency_of(self.after, self.after_any, self.dependency) or Waits()
         return {
             "priority": self.priority,
             "mem_mib": parse_mem(self.mem) if self.mem is not None else None,
@@ -112,8 +115,9 @@ class Scheduling:
             "time_limit_s": parse_duration(self.time) if self.time is not None else None,
             "max_retries": self.retries,
             "held": self.hold,
-            "after": after,
-            "after_any": after_any,
+            "after": list(waits.after) or None,
+            "after_any": waits.any_end,
+            "singleton": waits.singleton,
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
             "shared": self.shared,
             "begin_at": begin_of(self.begin) if self.begin is not None else None,
@@ -164,6 +168,10 @@ def expand(make: Callable[[list[str]], JobSpec], sched: Scheduling, array: str |
     if len({sweep_variable(n) for n in names}) != len(names):  # lr and LR, a-b and a_b
         raise InvalidSpec(f"--sweep names {', '.join(names)} set the same GPUQ_SWEEP_ variable: name them apart")
     indices, limit = parse_array(array) if array is not None else (None, None)
+    if extra["singleton"] and (indices is not None or axes):
+        # Each task has a name of its own (train[3]): one at a time is the array's %1.
+        raise InvalidSpec("--dependency singleton is for one job of a name; an array's tasks run one at a time "
+                          "with --array 0-9%1")
     if indices is None and not axes:
         return [replace(make([]), **extra)]
     # Counted before it is built: ten sweeps of ten values are 10^10 jobs, which the server would

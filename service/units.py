@@ -181,27 +181,49 @@ def parse_job_ids(text: str, option: str) -> list[int]:
 
 # sbatch's dependency types gpuq has no counterpart for, and what each would ask.
 _OTHER_DEPENDENCIES = {"after": "once they started", "afternotok": "once they failed",
-                       "aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out",
-                       "singleton": "one job of this name at a time"}
+                       "aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out"}
+SINGLETON = "singleton"
 
 
-def parse_dependency(text: str) -> tuple[list[int], bool]:
-    """sbatch's ``--dependency`` (``-d``), ``afterok:12:13`` or ``afterany:12,afterany:14``, as
-    ``--after``'s or ``--after-any``'s job ids: (the ids, whether any end will do). gpuq waits for
-    all of a job's dependencies, one way; anything else is refused with what gpuq has instead."""
-    usage = (f"--dependency takes afterok:ID[:ID...] or afterany:ID[:ID...] (as sbatch -d; or --after / "
-             f"--after-any ID,ID); got {text[:80]!r}")
+@dataclass(frozen=True)
+class Waits:
+    """What a job waits for before it may start: jobs (``after``: all of them succeeded, or with
+    ``any_end`` all ended in any state) and, as sbatch's ``singleton``, every other job of its user
+    and name that holds GPUs or waits ahead of it as a singleton too. ``Waits()``: nothing."""
+
+    after: tuple[int, ...] = ()
+    any_end: bool = False
+    singleton: bool = False
+
+    @property
+    def text(self) -> str | None:
+        """As sbatch's ``--dependency`` writes it (``afterok:5:6``, ``afterany:7,singleton``), or None."""
+        parts = [("afterany:" if self.any_end else "afterok:") + ":".join(map(str, self.after))] if self.after else []
+        return ",".join(parts + [SINGLETON] * self.singleton) or None
+
+
+def parse_dependency(text: str) -> Waits:
+    """sbatch's ``--dependency`` (``-d``): ``afterok:12:13``, ``afterany:12,afterany:14``, ``singleton``
+    or ``afterok:12,singleton``. gpuq waits for all of a job's dependencies, its jobs one way;
+    anything else is refused with what gpuq has instead."""
+    usage = (f"--dependency takes afterok:ID[:ID...], afterany:ID[:ID...] and singleton (as sbatch -d; or "
+             f"--after / --after-any ID,ID); got {text[:80]!r}")
     if "?" in text:
         raise InvalidSpec(f"--dependency: ? (any one of them) is not one gpuq has: a job waits for all of its "
                           f"dependencies; got {text[:80]!r}")
     kinds: set[str] = set()
     ids: list[int] = []
+    singleton = False
     for part in text.split(","):
         kind, colon, rest = part.strip().partition(":")
         kind = kind.lower()
         if kind in _OTHER_DEPENDENCIES:
             raise InvalidSpec(f"--dependency {kind} ({_OTHER_DEPENDENCIES[kind]}) is not one gpuq has: afterok "
-                              "(--after: once they succeeded) or afterany (--after-any: once they ended)")
+                              "(--after: once they succeeded), afterany (--after-any: once they ended) or "
+                              "singleton (one job of its name at a time)")
+        if kind == SINGLETON and not colon:
+            singleton = True
+            continue
         if kind not in ("afterok", "afterany") or not colon:
             raise InvalidSpec(usage)
         for piece in rest.split(":"):
@@ -215,15 +237,14 @@ def parse_dependency(text: str) -> tuple[list[int], bool]:
     if len(kinds) > 1:
         raise InvalidSpec("--dependency: gpuq waits for all of a job's dependencies one way, afterok or afterany, "
                           f"not both; got {text[:80]!r}")
-    return list(dict.fromkeys(ids)), kinds == {"afterany"}
+    return Waits(tuple(dict.fromkeys(ids)), kinds == {"afterany"}, singleton)
 
 
 def dependency_of(after: str | None, after_any: str | None, dependency: str | None, clears: bool = False
-                  ) -> tuple[list[int], bool] | None:
+                  ) -> Waits | None:
     """What a job waits for, from ``--after ID,ID``, ``--after-any ID,ID`` or sbatch's
-    ``--dependency`` (one of them): (the ids, whether any end will do), or None where none is given.
-    With ``clears`` (`gpuq update`), ``--dependency none`` (or empty, as scontrol's ``Dependency=``)
-    is ([], False): wait for nothing any more."""
+    ``--dependency`` (one of them), or None where none is given. With ``clears`` (`gpuq update`),
+    ``--dependency none`` (or empty, as scontrol's ``Dependency=``) is ``Waits()``: nothing any more."""
     if after is not None and after_any is not None:
         raise InvalidSpec("give --after or --after-any, not both")
     ids = after if after is not None else after_any  # "" is a mistake, not none
@@ -231,18 +252,11 @@ def dependency_of(after: str | None, after_any: str | None, dependency: str | No
         if ids is not None:
             raise InvalidSpec("give --dependency or --after / --after-any, not both")
         if clears and dependency.strip().lower() in ("", "none"):
-            return [], False
+            return Waits()
         return parse_dependency(dependency)
     if ids is None:
         return None
-    return parse_job_ids(ids, "--after" if after is not None else "--after-any"), after_any is not None
-
-
-def dependency_text(after: list[int] | None, after_any: bool) -> str | None:
-    """A job's dependencies as sbatch's ``--dependency`` writes them (``afterok:5:6``), or None."""
-    if not after:
-        return None
-    return ("afterany:" if after_any else "afterok:") + ":".join(map(str, after))
+    return Waits(tuple(parse_job_ids(ids, "--after" if after is not None else "--after-any")), after_any is not None)
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:

@@ -47,7 +47,7 @@ from gpuq.service.policy import DEPENDENCY
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_dependencies, check_resources, check_time_limit
-from gpuq.service.units import MAX_ARRAY_TASKS, dependency_of, dependency_text, parse_duration, parse_mem
+from gpuq.service.units import MAX_ARRAY_TASKS, Waits, dependency_of, parse_duration, parse_mem
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -85,6 +85,7 @@ _WAITS = bindparam("waits", type_=Boolean)
 _CHANGE_DEPENDENCY = move("change the dependencies of a job that waits", Actor.USER, State.PENDING, None, _ID,
                           after=bindparam("new_after", type_=JSON(none_as_null=True)),
                           after_any=bindparam("new_after_any", type_=Boolean),
+                          singleton=bindparam("new_singleton", type_=Boolean),
                           # Its reason at once, as a submit's (a quick pass writes none): a job that waits for
                           # nothing any more waits for GPUs until the next whole pass says otherwise.
                           reason=case((and_(_WAITS, _JOBS.c.held == False), DEPENDENCY),  # noqa: E712
@@ -94,7 +95,7 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
-           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_any)
+           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_any, _JOBS.c.singleton)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
           "mem_mib", "on_node", "shared")
@@ -124,8 +125,8 @@ class Changes:
     mem_mib: int | None = None  # 0: none asked
     on_node: str | None = None  # "": any node
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
-    # The job ids it waits for and whether any end of them will do; ((), False): none any more.
-    dependency: tuple[tuple[int, ...], bool] | None = None
+    # What it waits for, in place of what it waited for; Waits(): nothing any more.
+    dependency: Waits | None = None
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
@@ -173,7 +174,8 @@ class Changes:
                       else spec.check_gpu_type(gpu_type),
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
-                      else _node(node), shared=shared, dependency=_dependency(after, after_any, dependency))
+                      else _node(node), shared=shared,
+                      dependency=dependency_of(after, after_any, dependency, clears=True))
         if changes.empty:
             raise InvalidSpec(c.UPDATE_ASK)
         return changes
@@ -181,12 +183,6 @@ class Changes:
     @property
     def empty(self) -> bool:
         return all(getattr(self, f) is None for f in FIELDS) and self.dependency is None
-
-
-def _dependency(after: str | None, after_any: str | None, dependency: str | None
-                ) -> tuple[tuple[int, ...], bool] | None:
-    waits = dependency_of(after, after_any, dependency, clears=True)
-    return None if waits is None else (tuple(waits[0]), waits[1])
 
 
 def _node(text: str) -> str:
@@ -231,7 +227,7 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
         waiting = [i for i in ids if found[i].state == State.PENDING]
         if any(getattr(changes, f) is not None for f in _SHAPE):
             _check_resources(session, settings, waiting, changes)
-        if changes.dependency is not None and changes.dependency[0] and waiting:
+        if changes.dependency is not None and changes.dependency.after and waiting:
             _check_dependency(session, changes.dependency, set(waiting))
         outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
     if any(o.changed for o in outcomes):
@@ -274,14 +270,13 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             get_workload(job.workload).check_gpus(params, gpus)
 
 
-def _check_dependency(session: Session, dependency: tuple[tuple[int, ...], bool], waiting: set[int]) -> None:
+def _check_dependency(session: Session, waits: Waits, waiting: set[int]) -> None:
     """InvalidSpec (StateConflict for a job that failed already), before anything changes, where
-    the pending jobs ``waiting`` could not wait for ``dependency``: as a submit's, and no loop."""
-    after, after_any = dependency
-    check_dependencies(session, list(after), after_any)
-    loop = dependencies.loop_back(session, after, waiting)
+    the pending jobs ``waiting`` could not wait for ``waits``' jobs: as a submit's, and no loop."""
+    check_dependencies(session, list(waits.after), waits.any_end)
+    loop = dependencies.loop_back(session, waits.after, waiting)
     if loop is not None:
-        raise InvalidSpec(f"--dependency {dependency_text(list(after), after_any)}: {loop}")
+        raise InvalidSpec(f"--dependency {waits.text}: {loop}")
 
 
 def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
@@ -303,6 +298,10 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
     if changes.dependency is not None and job.kind == c.KIND_INTERACTIVE:
         outcome.refused = f"job {job.id} is an allocation (gpuq alloc): it waits for nothing but GPUs"
         return outcome
+    if changes.dependency is not None and changes.dependency.singleton and job.array_id is not None:
+        outcome.refused = (f"job {job.id} is a task of array {job.array_id}: each task has a name of its own; "
+                           "--array-limit 1 runs them one at a time")
+        return outcome
     if changes.array_limit is not None and job.array_id is None:
         outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
         return outcome
@@ -314,8 +313,8 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
                        if v is not None and shown[f] != getattr(job, f)}
     if changes.dependency is not None:
         # As sbatch writes them, both sides: `afterok:5` → `afterany:5` is one change, not two.
-        old, new = dependency_text(job.after, job.after_any), dependency_text(list(changes.dependency[0]),
-                                                                              changes.dependency[1])
+        old = Waits(tuple(job.after or ()), bool(job.after_any), bool(job.singleton)).text
+        new = changes.dependency.text
         if old != new:
             outcome.changed["dependency"] = [old, new]
     if not outcome.changed:
@@ -330,10 +329,11 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.changed, outcome.refused = {}, f"job {job.id} changed state meanwhile; run the update again"
         return outcome
     if "dependency" in outcome.changed:
-        after, after_any = changes.dependency or ((), False)
+        waits = changes.dependency or Waits()
         # The job's row is this transaction's since the change above: it is still pending.
-        session.execute(_CHANGE_DEPENDENCY, {"job_id": job.id, "new_after": list(after) or None,
-                                             "new_after_any": after_any and bool(after), "waits": bool(after)})
+        session.execute(_CHANGE_DEPENDENCY, {"job_id": job.id, "new_after": list(waits.after) or None,
+                                             "new_after_any": waits.any_end and bool(waits.after),
+                                             "new_singleton": waits.singleton, "waits": bool(waits.after)})
     if not started and (any(f in outcome.changed for f in _SHAPE) or "dependency" in outcome.changed):
         # Listed next on GPUs for what it asked before (or with nothing to wait for: a worker takes
         # a listed job without looking at its dependencies): the next pass lists it for what it

@@ -308,8 +308,8 @@ def test_a_pending_jobs_new_dependency_holds_it_back_off_the_next_up_lists_and_a
     [started] = update_all(settings, [job], Changes.of({"after": str(first)}), ANN)
     assert started.refused == f"job {job} is dispatched; only a pending job's dependencies can be changed"
     for body, says in (({"after": "1", "dependency": "afterok:2"}, "give --dependency or --after / --after-any"),
-                       ({"dependency": "singleton"}, "--dependency singleton (one job of this name at a time) is "
-                                                     "not one gpuq has"),
+                       ({"dependency": "afternotok:5"}, "--dependency afternotok (once they failed) is "
+                                                        "not one gpuq has"),
                        ({"after": 5}, "--after must be text"), ({"after": ""}, "--after")):
         with pytest.raises(InvalidSpec, match=re.escape(says)):
             Changes.of(body)
