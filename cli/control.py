@@ -114,8 +114,8 @@ def update(job_ids: JobIds = None, array: Array = None,
            after_any: Annotated[str | None, typer.Option(help="A pending job starts after these jobs ended, "
                                                          "in any state.")] = None,
            dependency: Annotated[str | None, typer.Option("--dependency", "-d", help="sbatch's form: "
-                                                          "afterok:ID[:ID], afterany:ID[:ID], singleton; none: "
-                                                          "wait for nothing.")] = None,
+                                                          "afterok:ID[:ID], afterany:, afternotok:, after:, "
+                                                          "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
     sharing and dependencies, a time limit, a name, retries, an array's tasks at once (as

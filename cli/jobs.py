@@ -80,6 +80,12 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", pars
                                                   for k, v in row.items()))
 
 
+# How `gpuq show` says what a job after others waits for them to do, by its kind (a server from before
+# the kinds sends after_any alone).
+_AFTER = {"afterok": "after the success of", "afterany": "after any end of",
+          "afternotok": "after a failure of", "after": "after the start of"}
+
+
 def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     # As a shell would take it back: an empty value reads '' (not two spaces), a space stays in one word.
     what = j.workload + " " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in j.params.items()) \
@@ -120,8 +126,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             _signal_ahead(getattr(j, "signal", None)),  # a server from before --signal sends none
             f"not before {timestamp(j.begin_at)}" if getattr(j, "begin_at", None) else "",
             f"{j.max_retries} retries" if j.max_retries else "",
-            (f"after {'any end of' if j.after_any else ''} job {', '.join(map(str, j.after))}"
-             .replace("  ", " ") if j.after else ""),
+            (f"{_AFTER.get(getattr(j, 'after_kind', None) or ('afterany' if j.after_any else 'afterok'))} job "
+             f"{', '.join(map(str, j.after))}" if j.after else ""),
             # A server from before singleton sends none.
             f"one job named {j.name!r} at a time (singleton)" if getattr(j, "singleton", False) else "",
             f"priority {j.priority}" if j.priority else "",

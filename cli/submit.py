@@ -103,8 +103,10 @@ def submit(
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
     dependency: Annotated[str | None, typer.Option("--dependency", "-d", help="sbatch's form: afterok:ID[:ID] "
-                                                   "(as --after) or afterany:ID[:ID] (as --after-any); "
-                                                   "singleton: one job of your own of its name at a time.")] = None,
+                                                   "(as --after), afterany:ID[:ID] (as --after-any), "
+                                                   "afternotok:ID (once they failed), after:ID (once they "
+                                                   "started); singleton: one job of your own of its name at a "
+                                                   "time.")] = None,
     array: Annotated[str | None, typer.Option("--array", "-a", help="An array of tasks: 0-9, 0-9:2 or 1,3,5 "
                                                    "(GPUQ_ARRAY_INDEX; {index} in a command); 0-99%4: "
                                                    "at most 4 of them at once.")] = None,

@@ -1,4 +1,5 @@
-"""Where a job's dependencies (``--after``, ``--after-any``, ``--dependency singleton``) stand.
+"""Where a job's dependencies (``--after``, ``--after-any``, ``--dependency``'s kinds and
+``singleton``) stand.
 
 An id that is an array's (its first task's id, which `gpuq submit` prints as "submitted array N")
 stands for every task of the array, as SLURM's ``afterok:<array job id>`` waits for all of them: a
@@ -16,6 +17,7 @@ from sqlalchemy import and_, bindparam, or_, select
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.models import Job, table
+from gpuq.service.units import AFTER_NOT_OK, AFTER_OK, AFTER_START
 
 _t = table(Job)
 _ROWS = select(_t.c.id, _t.c.array_id, _t.c.state).where(or_(
@@ -30,25 +32,35 @@ class Dependency:
     tasks: int  # 1 for a job, the array's tasks for an array
     ended: int  # how many of them ended
     failed: tuple[int, str] | None  # the first of them that ended other than succeeded: its id and state
+    started: int = 0  # how many of them are no longer pending (started, or ended without starting)
+    first_success: int | None = None  # the first of them that succeeded
 
     @property
     def done(self) -> bool:
         return self.ended == self.tasks
 
-    @property
-    def succeeded(self) -> bool:
-        return self.done and self.failed is None
-
-    def describe(self, state: str | None = None) -> str:
-        """"job 7 (running)", or "array 7 (2 of 3 tasks ended)"."""
+    def describe(self, state: str | None = None, kind: str = AFTER_OK) -> str:
+        """"job 7 (running)", or "array 7 (2 of 3 tasks ended)" ("started", waiting for their start)."""
         if self.tasks == 1:
             return f"job {self.id} ({state or ('ended' if self.done else 'not ended')})"
+        if kind == AFTER_START:
+            return f"array {self.id} ({self.started} of {self.tasks} tasks started)"
         return f"array {self.id} ({self.ended} of {self.tasks} tasks ended)"
 
-    def never_met(self) -> str:
-        """Why ``--after`` this can no longer be satisfied (``failed`` is set)."""
-        assert self.failed is not None
-        task, state = self.failed
+    def never_met(self, kind: str = AFTER_OK) -> str | None:
+        """Why waiting for this as ``kind`` can no longer be satisfied, or None where it still may be:
+        afterok once one of its jobs ended other than succeeded, afternotok once one succeeded."""
+        if kind == AFTER_OK and self.failed is not None:
+            return self._named(*self.failed)
+        if kind == AFTER_NOT_OK and self.first_success is not None:
+            return self._named(self.first_success, State.SUCCEEDED)
+        return None
+
+    def met(self, kind: str) -> bool:
+        """Whether waiting for this as ``kind`` is over (``never_met`` aside)."""
+        return self.started == self.tasks if kind == AFTER_START else self.done
+
+    def _named(self, task: int, state: str) -> str:
         return f"job {task} {state}" if task == self.id and self.tasks == 1 else \
             f"job {task} {state} (a task of array {self.id})"
 
@@ -71,8 +83,30 @@ def look_up(conn: Any, ids: Iterable[int]) -> tuple[dict[int, Dependency], dict[
     for d, of_d in tasks.items():
         ended = sorted((job_id, state) for job_id, state in of_d if state in c.END_STATES)
         failed = next(((j, s) for j, s in ended if s != State.SUCCEEDED), None)
-        out[d] = Dependency(id=d, tasks=len(of_d), ended=len(ended), failed=failed)
+        succeeded = next((j for j, s in ended if s == State.SUCCEEDED), None)
+        out[d] = Dependency(id=d, tasks=len(of_d), ended=len(ended), failed=failed,
+                            started=sum(state != State.PENDING for _, state in of_d), first_success=succeeded)
     return out, states
+
+
+def never_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> str | None:
+    """Why a job waiting for ``after`` as ``kind`` can never start (``deps``: ``look_up``'s), or None.
+    A job (or array) gone from the table counts as cancelled: it will never succeed, and it has
+    ended other than succeeded and will not start."""
+    for d in after:
+        if d not in deps:
+            if kind == AFTER_OK:
+                return f"job {d} cancelled"
+            continue
+        why = deps[d].never_met(kind)
+        if why is not None:
+            return why
+    return None
+
+
+def all_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> bool:
+    """Whether every one of ``after`` is done waiting for as ``kind`` (one gone from the table is)."""
+    return all(deps[d].met(kind) for d in after if d in deps)
 
 
 _WAITING_ON = select(_t.c.id, _t.c.array_id, _t.c.state, _t.c.after).where(or_(

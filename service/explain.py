@@ -18,6 +18,7 @@ from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
+from gpuq.service.units import AFTER_ANY, AFTER_NOT_OK, AFTER_OK, AFTER_START
 
 if TYPE_CHECKING:
     from gpuq.service.queue_read import QueueRead
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
 
 def _gib(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB"
+
+
+# What a job after others waits for them to do, by its kind of dependency.
+_NEED = {AFTER_OK: "to succeed", AFTER_ANY: "to end", AFTER_NOT_OK: "to end other than succeeded",
+         AFTER_START: "to start"}
 
 
 def why(session: Session, settings: Settings, job_id: int) -> str:
@@ -46,11 +52,10 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"{head}: it is held; `gpuq release {job.id}` lets it start"
     if reason == policy.DEPENDENCY and job.after:
         deps, states = dependencies.look_up(session, job.after)
-        if not job.singleton or not all(d in deps and deps[d].done for d in job.after):
-            pending = ", ".join(deps[d].describe(states.get(d)) if d in deps else f"job {d} (gone)"
+        if not job.singleton or not dependencies.all_met(job.after_kind, job.after, deps):
+            pending = ", ".join(deps[d].describe(states.get(d), job.after_kind) if d in deps else f"job {d} (gone)"
                                 for d in job.after)
-            need = "to end" if job.after_any else "to succeed"
-            return f"{head}: it waits for {pending} {need}"
+            return f"{head}: it waits for {pending} {_NEED[job.after_kind]} (-d {job.after_kind})"
     if reason == policy.DEPENDENCY and job.singleton:
         ahead = dependencies.singleton_ahead(session, job.id, job.user, job.name, job.priority)
         said = f"{head}: --dependency singleton starts one job of {job.user}'s named {job.name!r} at a time"

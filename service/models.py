@@ -111,9 +111,10 @@ class Job(Base):
     held: Mapped[bool] = mapped_column(default=False)
     # Held by an admin (not its owner): only an admin may release it, as SLURM's admin hold.
     admin_hold: Mapped[bool] = mapped_column(default=False, server_default=false())
-    # Job ids this one waits for: all succeeded, or (after_any) all ended in any state.
+    # Job ids this one waits for, each as ``after_kind`` says (units.AFTER_KINDS): all succeeded
+    # (afterok), ended (afterany), ended other than succeeded (afternotok) or started (after).
     after: Mapped[list[int] | None] = mapped_column(JSON)
-    after_any: Mapped[bool] = mapped_column(default=False)
+    after_kind: Mapped[str] = mapped_column(String(16), default="afterok", server_default="afterok")
     # sbatch's `--dependency singleton`: it waits while another job of its user and name is started,
     # or pending ahead of it as a singleton (``queue_read.singletons_held``).
     singleton: Mapped[bool] = mapped_column(default=False, server_default=false())

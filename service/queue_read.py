@@ -31,7 +31,7 @@ from gpuq.service.settings import Settings
 # not (SQLAlchemy makes its rows in C).
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
-                    _t.held, _t.after, _t.after_any, _t.reason, _t.shared, _t.array_id, _t.array_limit,
+                    _t.held, _t.after, _t.after_kind, _t.reason, _t.shared, _t.array_id, _t.array_limit,
                     _t.begin_at, _t.gpu_type, _t.singleton, _t.name)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
@@ -139,21 +139,17 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     jobs, not_eligible, doomed = [], {}, {}
     later: list[tuple[JobRequest, float]] = []
     for row in pending:
-        if row.after and not row.after_any:
-            # A job (or array) gone from the table counts as cancelled: it will never succeed. Such a
-            # job is cancelled now, held or before its begin time alike (as SLURM's
-            # kill_invalid_depend): no release or later moment could let it run, and its --after
-            # chain should learn so as soon as the dependency failed.
-            gone = [d for d in row.after if d not in deps]
-            failed = [deps[d] for d in row.after if d in deps and deps[d].failed is not None]
-            if gone or failed:
-                why = f"job {gone[0]} cancelled" if gone else failed[0].never_met()
-                doomed[row.id] = f"dependency never satisfied: {why}"
-                continue
+        never = dependencies.never_met(row.after_kind, row.after, deps) if row.after else None
+        if never is not None:
+            # Cancelled now, held or before its begin time alike (as SLURM's kill_invalid_depend):
+            # no release or later moment could let it run, and its chain should learn so as soon
+            # as the dependency failed (or, for afternotok, succeeded).
+            doomed[row.id] = f"dependency never satisfied: {never}"
+            continue
         if row.held:
             not_eligible[row.id] = policy.HELD
             continue
-        unmet = bool(row.after) and any(not deps[d].done for d in row.after if d in deps)
+        unmet = bool(row.after) and not dependencies.all_met(row.after_kind, row.after, deps)
         if row.begin_at is not None and row.begin_at > now:
             not_eligible[row.id] = policy.BEGIN_TIME
             if not unmet:

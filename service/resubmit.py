@@ -28,7 +28,7 @@ def spec_of(job: Job) -> JobSpec:
                    workload=job.workload,
                    params=dict(job.params or {}), argv=list(job.argv) if job.argv is not None else None,
                    priority=job.priority, mem_mib=job.mem_mib, on_node=job.on_node, time_limit_s=job.time_limit_s,
-                   max_retries=job.max_retries, held=job.held, after=job.after, after_any=job.after_any,
+                   max_retries=job.max_retries, held=job.held, after=job.after, after_kind=job.after_kind,
                    singleton=job.singleton,
                    env=dict(job.env) if job.env is not None else None, git_commit=job.git_commit,
                    git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,

@@ -18,6 +18,7 @@ from gpuq.service.errors import InvalidSpec
 from gpuq.service.launchable import check_command
 from gpuq.service.settings import secret_env_names
 from gpuq.service.units import (
+    AFTER_OK,
     MAX_ARRAY_TASKS,
     JobSignal,
     Waits,
@@ -51,7 +52,7 @@ class JobSpec:
     max_retries: int = 0
     held: bool = False
     after: list[int] | None = None
-    after_any: bool = False
+    after_kind: str = AFTER_OK  # how it waits for them (units.AFTER_KINDS)
     # sbatch's `-d singleton`: one job of its user and name at a time (units.Waits).
     singleton: bool = False
     env: dict[str, str] | None = None
@@ -116,7 +117,7 @@ class Scheduling:
             "max_retries": self.retries,
             "held": self.hold,
             "after": list(waits.after) or None,
-            "after_any": waits.any_end,
+            "after_kind": waits.kind,
             "singleton": waits.singleton,
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
             "shared": self.shared,

@@ -25,7 +25,7 @@ from gpuq.service.models import Gpu, Job, Submission, table
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
-from gpuq.service.units import JobSignal
+from gpuq.service.units import AFTER_ANY, AFTER_OK, JobSignal
 
 _JOBS = table(Job)
 
@@ -70,7 +70,7 @@ def check_submission(settings: Settings, specs: list[JobSpec], key: str | None) 
                 check_node(session, first.on_node)
             check_resources(session, settings, first)
             check_time_limit(settings, first.time_limit_s)
-            check_dependencies(session, first.after, first.after_any)
+            check_dependencies(session, first.after, first.after_kind)
             near_cap = check_pending_limit(session, settings, first.user, len(specs))
             check_priority(settings, first)
             check_signal(first)
@@ -210,19 +210,19 @@ def check_priority(settings: Settings, spec: JobSpec) -> None:
         raise InvalidSpec(f"--priority {spec.priority} is above the users' limit of {settings.max_priority}")
 
 
-def check_dependencies(session: Session, after: list[int] | None, after_any: bool = False) -> None:
+def check_dependencies(session: Session, after: list[int] | None, kind: str = AFTER_OK) -> None:
     if not after:
         return
-    option = "--after-any" if after_any else "--after"
+    option = {AFTER_OK: "--after", AFTER_ANY: "--after-any"}.get(kind, f"-d {kind}")
     found, _ = dependencies.look_up(session, after)
     missing = [i for i in after if i not in found]
     if missing:
         raise InvalidSpec(f"{option}: no job {missing[0]}")
     # A job after one that already failed would be cancelled at once (`gpuq run` said 130, as if
     # the user had pressed Ctrl-C): refused here instead, as sbatch refuses a dependency that can
-    # never be satisfied. One that fails later still cancels it, with its reason. An array's id
-    # is every task of it (service/dependencies.py).
-    doomed = [] if after_any else [found[i] for i in after if found[i].failed is not None]
-    if doomed:
-        raise StateConflict(f"--after {doomed[0].id}: {doomed[0].never_met()}, so this job would never "
-                            "start (--after-any starts it after any end)")
+    # never be satisfied (afternotok: one that already succeeded). One that fails later still
+    # cancels it, with its reason. An array's id is every task of it (service/dependencies.py).
+    doomed = next(((d, why) for d in after if (why := found[d].never_met(kind)) is not None), None)
+    if doomed is not None:
+        anyway = " (--after-any starts it after any end)" if kind == AFTER_OK else ""
+        raise StateConflict(f"{option} {doomed[0]}: {doomed[1]}, so this job would never start{anyway}")

@@ -174,7 +174,7 @@ def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
     return dict(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
                 cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=_NEW, submitted_at=now,
                 mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
-                attempts=[], held=s.held, admin_hold=False, after=s.after, after_any=s.after_any,
+                attempts=[], held=s.held, admin_hold=False, after=s.after, after_kind=s.after_kind,
                 singleton=s.singleton, env=s.env, array_index=s.array_index, array_id=None, array_limit=s.array_limit,
                 git_commit=s.git_commit,
                 git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
@@ -190,7 +190,7 @@ def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
 def _first_reason(s: JobSpec, now: datetime, position: int) -> str | None:
     """Why a job just submitted waits, where the submit knows it already (a quick pass writes no
     reason, and "waiting for GPUs" beside an idle GPU misleads until the next whole pass)."""
-    if s.after or s.after_any:
+    if s.after:
         return policy.DEPENDENCY
     if s.begin_at is not None and s.begin_at > now:
         return policy.BEGIN_TIME

@@ -180,34 +180,39 @@ def parse_job_ids(text: str, option: str) -> list[int]:
 
 
 # sbatch's dependency types gpuq has no counterpart for, and what each would ask.
-_OTHER_DEPENDENCIES = {"after": "once they started", "afternotok": "once they failed",
-                       "aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out"}
+_OTHER_DEPENDENCIES = {"aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out"}
 SINGLETON = "singleton"
+# sbatch's kinds of dependency on jobs, as a job's ``after_kind`` holds them, and when each is met:
+# every one of its jobs (an array's every task)...
+AFTER_OK, AFTER_ANY, AFTER_NOT_OK, AFTER_START = "afterok", "afterany", "afternotok", "after"
+AFTER_KINDS = {AFTER_OK: "succeeded", AFTER_ANY: "ended, in any state",
+               AFTER_NOT_OK: "ended other than succeeded (failed, cancelled, timed out...)",
+               AFTER_START: "started (or ended without starting)"}
 
 
 @dataclass(frozen=True)
 class Waits:
-    """What a job waits for before it may start: jobs (``after``: all of them succeeded, or with
-    ``any_end`` all ended in any state) and, as sbatch's ``singleton``, every other job of its user
-    and name that holds GPUs or waits ahead of it as a singleton too. ``Waits()``: nothing."""
+    """What a job waits for before it may start: jobs (``after``, each of them as ``kind`` says,
+    one of ``AFTER_KINDS``) and, as sbatch's ``singleton``, every other job of its user and name
+    that holds GPUs or waits ahead of it as a singleton too. ``Waits()``: nothing."""
 
     after: tuple[int, ...] = ()
-    any_end: bool = False
+    kind: str = AFTER_OK
     singleton: bool = False
 
     @property
     def text(self) -> str | None:
         """As sbatch's ``--dependency`` writes it (``afterok:5:6``, ``afterany:7,singleton``), or None."""
-        parts = [("afterany:" if self.any_end else "afterok:") + ":".join(map(str, self.after))] if self.after else []
+        parts = [f"{self.kind}:" + ":".join(map(str, self.after))] if self.after else []
         return ",".join(parts + [SINGLETON] * self.singleton) or None
 
 
 def parse_dependency(text: str) -> Waits:
-    """sbatch's ``--dependency`` (``-d``): ``afterok:12:13``, ``afterany:12,afterany:14``, ``singleton``
-    or ``afterok:12,singleton``. gpuq waits for all of a job's dependencies, its jobs one way;
-    anything else is refused with what gpuq has instead."""
-    usage = (f"--dependency takes afterok:ID[:ID...], afterany:ID[:ID...] and singleton (as sbatch -d; or "
-             f"--after / --after-any ID,ID); got {text[:80]!r}")
+    """sbatch's ``--dependency`` (``-d``): ``afterok:12:13``, ``afterany:12,afterany:14``,
+    ``afternotok:12``, ``after:12``, ``singleton`` or ``afterok:12,singleton``. gpuq waits for all of
+    a job's dependencies, its jobs one way; anything else is refused with what gpuq has instead."""
+    usage = (f"--dependency takes afterok:, afterany:, afternotok: or after:ID[:ID...] and singleton (as "
+             f"sbatch -d; or --after / --after-any ID,ID); got {text[:80]!r}")
     if "?" in text:
         raise InvalidSpec(f"--dependency: ? (any one of them) is not one gpuq has: a job waits for all of its "
                           f"dependencies; got {text[:80]!r}")
@@ -218,13 +223,12 @@ def parse_dependency(text: str) -> Waits:
         kind, colon, rest = part.strip().partition(":")
         kind = kind.lower()
         if kind in _OTHER_DEPENDENCIES:
-            raise InvalidSpec(f"--dependency {kind} ({_OTHER_DEPENDENCIES[kind]}) is not one gpuq has: afterok "
-                              "(--after: once they succeeded), afterany (--after-any: once they ended) or "
-                              "singleton (one job of its name at a time)")
+            raise InvalidSpec(f"--dependency {kind} ({_OTHER_DEPENDENCIES[kind]}) is not one gpuq has: afterok, "
+                              "afterany, afternotok, after or singleton")
         if kind == SINGLETON and not colon:
             singleton = True
             continue
-        if kind not in ("afterok", "afterany") or not colon:
+        if kind not in AFTER_KINDS or not colon:
             raise InvalidSpec(usage)
         for piece in rest.split(":"):
             if "+" in piece:
@@ -235,9 +239,9 @@ def parse_dependency(text: str) -> Waits:
             ids += parse_job_ids(piece, "--dependency")  # in its bounds
         kinds.add(kind)
     if len(kinds) > 1:
-        raise InvalidSpec("--dependency: gpuq waits for all of a job's dependencies one way, afterok or afterany, "
-                          f"not both; got {text[:80]!r}")
-    return Waits(tuple(dict.fromkeys(ids)), kinds == {"afterany"}, singleton)
+        raise InvalidSpec(f"--dependency: gpuq waits for all of a job's jobs one way ({', '.join(sorted(kinds))}: "
+                          f"give one of them); got {text[:80]!r}")
+    return Waits(tuple(dict.fromkeys(ids)), kinds.pop() if kinds else AFTER_OK, singleton)
 
 
 def dependency_of(after: str | None, after_any: str | None, dependency: str | None, clears: bool = False
@@ -256,7 +260,8 @@ def dependency_of(after: str | None, after_any: str | None, dependency: str | No
         return parse_dependency(dependency)
     if ids is None:
         return None
-    return Waits(tuple(parse_job_ids(ids, "--after" if after is not None else "--after-any")), after_any is not None)
+    return Waits(tuple(parse_job_ids(ids, "--after" if after is not None else "--after-any")),
+                 AFTER_OK if after is not None else AFTER_ANY)
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:

@@ -47,7 +47,7 @@ from gpuq.service.policy import DEPENDENCY
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_dependencies, check_resources, check_time_limit
-from gpuq.service.units import MAX_ARRAY_TASKS, Waits, dependency_of, parse_duration, parse_mem
+from gpuq.service.units import AFTER_OK, MAX_ARRAY_TASKS, Waits, dependency_of, parse_duration, parse_mem
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -80,11 +80,12 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                        mem_mib=case((_NEW_MEM.is_(None), _JOBS.c.mem_mib), (_NEW_MEM == 0, None), else_=_NEW_MEM),
                        on_node=case((_NEW_NODE.is_(None), _JOBS.c.on_node), (_NEW_NODE == "", None),
                                     else_=_NEW_NODE), shared=_kept("shared", Boolean), **_LATER)
-# A pending job's dependencies: the ids (null: none) and whether any end of them will do.
+# A pending job's dependencies: the ids (null: none), how it waits for them (units.AFTER_KINDS), and
+# whether it is a singleton.
 _WAITS = bindparam("waits", type_=Boolean)
 _CHANGE_DEPENDENCY = move("change the dependencies of a job that waits", Actor.USER, State.PENDING, None, _ID,
                           after=bindparam("new_after", type_=JSON(none_as_null=True)),
-                          after_any=bindparam("new_after_any", type_=Boolean),
+                          after_kind=bindparam("new_after_kind", type_=String),
                           singleton=bindparam("new_singleton", type_=Boolean),
                           # Its reason at once, as a submit's (a quick pass writes none): a job that waits for
                           # nothing any more waits for GPUs until the next whole pass says otherwise.
@@ -95,7 +96,7 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
-           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_any, _JOBS.c.singleton)
+           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
           "mem_mib", "on_node", "shared")
@@ -273,7 +274,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
 def _check_dependency(session: Session, waits: Waits, waiting: set[int]) -> None:
     """InvalidSpec (StateConflict for a job that failed already), before anything changes, where
     the pending jobs ``waiting`` could not wait for ``waits``' jobs: as a submit's, and no loop."""
-    check_dependencies(session, list(waits.after), waits.any_end)
+    check_dependencies(session, list(waits.after), waits.kind)
     loop = dependencies.loop_back(session, waits.after, waiting)
     if loop is not None:
         raise InvalidSpec(f"--dependency {waits.text}: {loop}")
@@ -313,7 +314,7 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
                        if v is not None and shown[f] != getattr(job, f)}
     if changes.dependency is not None:
         # As sbatch writes them, both sides: `afterok:5` → `afterany:5` is one change, not two.
-        old = Waits(tuple(job.after or ()), bool(job.after_any), bool(job.singleton)).text
+        old = Waits(tuple(job.after or ()), job.after_kind, bool(job.singleton)).text
         new = changes.dependency.text
         if old != new:
             outcome.changed["dependency"] = [old, new]
@@ -332,7 +333,7 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         waits = changes.dependency or Waits()
         # The job's row is this transaction's since the change above: it is still pending.
         session.execute(_CHANGE_DEPENDENCY, {"job_id": job.id, "new_after": list(waits.after) or None,
-                                             "new_after_any": waits.any_end and bool(waits.after),
+                                             "new_after_kind": waits.kind if waits.after else AFTER_OK,
                                              "new_singleton": waits.singleton, "waits": bool(waits.after)})
     if not started and (any(f in outcome.changed for f in _SHAPE) or "dependency" in outcome.changed):
         # Listed next on GPUs for what it asked before (or with nothing to wait for: a worker takes

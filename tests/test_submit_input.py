@@ -338,18 +338,19 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "--after-any", "99", "--", "true"], "--after-any: no job 99"),
     # sbatch's -d: the two kinds gpuq has, and a line for each of the others.
     (["submit", "-d", "afterok:99", "--", "true"], "--after: no job 99"),
-    (["submit", "-d", "afterok:1,afterany:2", "--", "true"], "one way, afterok or afterany, not both"),
-    (["submit", "-d", "after:1", "--", "true"], "--dependency after (once they started) is not one gpuq has"),
-    (["submit", "-d", "afternotok:1", "--", "true"], "--dependency afternotok (once they failed) is not one"),
-    (["submit", "-d", "singleton:5", "--", "true"], "--dependency takes afterok:ID[:ID...], afterany:ID[:ID...] "
-                                                    "and singleton"),
+    (["submit", "-d", "afterok:1,afterany:2", "--", "true"], "one way (afterany, afterok: give one of them)"),
+    (["submit", "-d", "after:99", "--", "true"], "-d after: no job 99"),
+    (["submit", "-d", "afternotok:99", "--", "true"], "-d afternotok: no job 99"),
+    (["submit", "-d", "aftercorr:1", "--", "true"], "--dependency aftercorr (task by task) is not one gpuq has"),
+    (["submit", "-d", "singleton:5", "--", "true"], "--dependency takes afterok:, afterany:, afternotok: or "
+                                                    "after:ID[:ID...] and singleton"),
     (["submit", "-d", "singleton", "--array", "0-3", "--", "true"], "--dependency singleton is for one job of a "
                                                                     "name; an array's tasks run one at a time"),
     (["submit", "-d", "afterok:1?afterok:2", "--", "true"], "? (any one of them) is not one gpuq has"),
     (["submit", "-d", "afterany:1+10", "--", "true"], "a delay (+MINUTES) is not one gpuq has"),
-    (["submit", "-d", "12", "--", "true"], "--dependency takes afterok:ID[:ID...], afterany:ID[:ID...]"),
-    (["submit", "-d", "afterok:", "--", "true"], "--dependency takes afterok:ID"),
-    (["submit", "-d", "afterok:1_0", "--", "true"], "--dependency takes afterok:ID"),
+    (["submit", "-d", "12", "--", "true"], "--dependency takes afterok:, afterany:, afternotok: or after:ID"),
+    (["submit", "-d", "afterok:", "--", "true"], "--dependency takes afterok:, afterany:"),
+    (["submit", "-d", "afterok:1_0", "--", "true"], "--dependency takes afterok:, afterany:"),
     (["submit", "-d", "afterok:1", "--after", "1", "--", "true"], "give --dependency or --after / --after-any"),
     (["submit", "--host-mem", "99999999999G", "--", "true"], "is more than any machine has"),
     (["submit", "--mem", "64G", "--", "true"], "more than any GPU has (8192 MiB)"),
@@ -375,17 +376,19 @@ def test_sbatchs_dependency_afterok_and_afterany_are_after_and_after_any_on_the_
     script = tmp_path / "then.sh"
     script.write_text(f"#!/bin/sh\n#GPUQ -d afterany:{first}\ntrue\n")
     script.chmod(0o755)
-    for args, expected in ((["-d", f"afterok:{first}:{second}"], ([first, second], False, False)),
-                           (["--dependency", f"afterok:{first},afterok:{second}"], ([first, second], False, False)),
-                           (["-d", f"AFTERANY:{second}"], ([second], True, False)),
-                           (["-d", f"afterok:{first},singleton"], ([first], False, True)),
-                           ([str(script)], ([first], True, False))):
+    for args, expected in ((["-d", f"afterok:{first}:{second}"], ([first, second], "afterok", False)),
+                           (["--dependency", f"afterok:{first},afterok:{second}"], ([first, second], "afterok", False)),
+                           (["-d", f"AFTERANY:{second}"], ([second], "afterany", False)),
+                           (["-d", f"afterok:{first},singleton"], ([first], "afterok", True)),
+                           (["-d", f"afternotok:{first}"], ([first], "afternotok", False)),
+                           (["-d", f"after:{first}:{second}"], ([first, second], "after", False)),
+                           ([str(script)], ([first], "afterany", False))):
         made = invoke(["submit", "--json", *args, "--", "true"] if args[0].startswith("-") else
                       ["submit", "--json", "--", *args])
         assert made.exit_code == 0, made.output
         with write_scope(use_settings) as session:
             job = session.get(Job, json.loads(made.output)["id"])
-            assert (job.after, job.after_any, job.singleton, job.state, job.reason) == (
+            assert (job.after, job.after_kind, job.singleton, job.state, job.reason) == (
                 *expected, State.PENDING, "dependency")
     # An allocation takes none.
     with pytest.raises(InvalidSpec, match="an allocation \\(gpuq alloc\\) takes no --dependency"):

@@ -268,12 +268,12 @@ def test_a_pending_jobs_new_dependency_holds_it_back_off_the_next_up_lists_and_a
 
     def waits(job_id):
         with write_scope(settings) as session:
-            return tuple(session.execute(select(Job.after, Job.after_any, Job.reason).where(Job.id == job_id)).one())
+            return tuple(session.execute(select(Job.after, Job.after_kind, Job.reason).where(Job.id == job_id)).one())
 
     [outcome] = update_all(settings, [job], Changes.of({"dependency": f"afterok:{first}"}), ANN)
     assert (outcome.changed, outcome.refused) == ({"dependency": [None, f"afterok:{first}"]}, None)
     # It says why it waits at once, and no worker may take it from a list without looking.
-    assert waits(job) == ([first], False, "dependency")
+    assert waits(job) == ([first], "afterok", "dependency")
     with write_scope(settings) as session:
         assert session.scalars(select(NextUp.job_id).where(NextUp.job_id == job)).all() == []
     Scheduler(settings).schedule_once()
@@ -292,7 +292,7 @@ def test_a_pending_jobs_new_dependency_holds_it_back_off_the_next_up_lists_and_a
             (job, {"after": "999"}, "--after: no job 999")):
         with pytest.raises(InvalidSpec, match=re.escape(says)):
             update_all(settings, [target], Changes.of(body), ANN)
-    assert waits(first) == (None, False, "held") and waits(tasks[1])[0] is None and waits(job)[0] == [first]
+    assert waits(first) == (None, "afterok", "held") and waits(tasks[1])[0] is None and waits(job)[0] == [first]
     # A job that failed cannot be waited for to succeed, as at submit; any end of it can.
     failed = submit(settings, hold=True)
     end(settings, failed, State.FAILED)
@@ -302,14 +302,14 @@ def test_a_pending_jobs_new_dependency_holds_it_back_off_the_next_up_lists_and_a
     assert any_end.changed == {"dependency": [f"afterok:{first}", f"afterany:{failed}"]}
     # None any more: it runs on the next pass, though the job it waited for first is still held.
     [cleared] = update_all(settings, [job], Changes.of({"dependency": "none"}), ANN)
-    assert cleared.changed == {"dependency": [f"afterany:{failed}", None]} and waits(job) == (None, False, None)
+    assert cleared.changed == {"dependency": [f"afterany:{failed}", None]} and waits(job) == (None, "afterok", None)
     Scheduler(settings).schedule_once()
     assert state_of(settings, job)[0] == State.DISPATCHED
     [started] = update_all(settings, [job], Changes.of({"after": str(first)}), ANN)
     assert started.refused == f"job {job} is dispatched; only a pending job's dependencies can be changed"
     for body, says in (({"after": "1", "dependency": "afterok:2"}, "give --dependency or --after / --after-any"),
-                       ({"dependency": "afternotok:5"}, "--dependency afternotok (once they failed) is "
-                                                        "not one gpuq has"),
+                       ({"dependency": "aftercorr:5"}, "--dependency aftercorr (task by task) is not one gpuq "
+                                                       "has"),
                        ({"after": 5}, "--after must be text"), ({"after": ""}, "--after")):
         with pytest.raises(InvalidSpec, match=re.escape(says)):
             Changes.of(body)
@@ -392,7 +392,7 @@ def test_update_dependency_prints_sbatchs_form_a_loop_is_one_line_and_the_job_ru
     try:
         given = run_cli(["update", str(job), "-d", f"afterok:{waited}"], s)
         assert (given.returncode, given.stdout) == (0, f"job {job}: dependency none → afterok:{waited}\n"), given
-        assert f"after job {waited}" in run_cli(["show", str(job)], s).stdout
+        assert f"after the success of job {waited}" in run_cli(["show", str(job)], s).stdout
         loop = run_cli(["update", str(waited), "--after", str(job)], s)
         assert (loop.returncode, loop.stdout) == (c.EXIT_USAGE, "")
         assert loop.stderr == (f"gpuq: --dependency afterok:{job}: job {job} waits for job {waited} already "
