@@ -16,7 +16,7 @@ from sqlalchemy import select
 from gpuq.server import views
 from gpuq.server.request import JOB, acting, call, context, job_id_of, job_ids, reading
 from gpuq.service import constants as c
-from gpuq.service import display, inventory, jobs, policy, rights, usage
+from gpuq.service import display, inventory, job_output, jobs, policy, rights, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.constants import State
@@ -248,10 +248,10 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
     with reading(settings) as session:
         job = jobs.get_job(session, job_id)
         gpus = jobs.gpu_indices(session, job_id)
-        metrics = jobs.read_metrics(session, job_id)
+        metrics = job_output.read_metrics(session, job_id)
         explains = job.failure not in (None, c.FAILURE_CANCELLED, c.FAILURE_TIMEOUT)
         readable = rights.may_read_output(settings, job.user, caller)
-        tail = jobs.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains and readable else []
+        tail = job_output.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains and readable else []
         # Not opened by GPUQ_SHARED_LOGS, as output is: the values may be the owner's secrets.
         env = dict(job.env or {}) if rights.may_read_private(settings, job.user, caller) else None
         data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
@@ -306,9 +306,9 @@ def _output(settings: Settings, caller: Caller, job_id: int, after: int) -> dict
     with reading(settings) as session:
         job = jobs.get_job(session, job_id)
         rights.check_read_output(settings, job_id, job.user, caller)
-        chunks = jobs.read_output(session, job_id, after)
+        chunks = job_output.read_output(session, job_id, after)
         epochs = job.params.get("epochs") if job.workload == "train" else None
-        done = _epochs_done(jobs.read_metrics(session, job_id)) if epochs else 0
+        done = _epochs_done(job_output.read_metrics(session, job_id)) if epochs else 0
         # A held job waits for its release from its submit on, before any pass has written why.
         reason = job.reason or (policy.HELD if job.held and job.state == c.State.PENDING else None)
         answer = {"id": job_id, "state": job.state, "reason": reason, "kind": job.kind,

@@ -1,7 +1,8 @@
 """Jobs as users and the server see them: look them up, list them, cancel, hold and release them,
-their output and metrics, and their ranks' meeting point.
+and their ranks' meeting point.
 
 A job's states and who moves it between them: service/lifecycle.py. Submitting: service/submitting.py.
+Its output and metrics: service/job_output.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, display, lifecycle, rights
@@ -21,7 +22,7 @@ from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.dialect import matches_glob, not_for_an_index
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
 from gpuq.service.lifecycle import Actor, move
-from gpuq.service.models import Allocation, Gpu, Job, JobMetric, JobOutput, JobUsage, table, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, JobUsage, table, utcnow
 from gpuq.service.rights import Caller, check_change
 from gpuq.service.settings import Settings
 
@@ -353,42 +354,6 @@ def stop_asked(session: Session, job_id: int) -> StopAsked:
         return StopAsked(True, None)
     return StopAsked(row.state != State.RUNNING or row.cancel_requested_at is not None, row.time_limit_s,
                      row.signal_asked, row.signal_asked_at)
-
-
-def next_output_seq(session: Session, job_id: int) -> int:
-    """The number the job's next output chunk gets: a retried job's attempts share one log."""
-    last = session.scalar(select(func.max(JobOutput.seq)).where(JobOutput.job_id == job_id))
-    return 0 if last is None else last + 1
-
-
-def append_output(session: Session, job_id: int, seq: int, data: str, stream: int = c.STDOUT) -> None:
-    session.add(JobOutput(job_id=job_id, seq=seq, data=data, stream=stream, written_at=utcnow()))
-
-
-def read_output(session: Session, job_id: int, after_seq: int = -1) -> list[tuple[int, str, int]]:
-    """The job's output chunks after ``after_seq``: (seq, text, stream: c.STDOUT or c.STDERR)."""
-    rows = session.execute(select(JobOutput.seq, JobOutput.data, JobOutput.stream)
-                           .where(JobOutput.job_id == job_id, JobOutput.seq > after_seq)
-                           .order_by(JobOutput.seq)).all()
-    return [(r.seq, r.data, r.stream) for r in rows]
-
-
-def output_tail(session: Session, job_id: int, lines: int) -> list[str]:
-    """The job's last ``lines`` lines of output (what usually explains a failure)."""
-    chunks = session.scalars(select(JobOutput.data).where(JobOutput.job_id == job_id)
-                             .order_by(JobOutput.seq.desc()).limit(4))
-    text = "".join(reversed(list(chunks)))
-    return text.rstrip("\n").splitlines()[-lines:] if text.strip() else []
-
-
-def record_metric(session: Session, job_id: int, values: dict[str, Any]) -> None:
-    seq = session.scalar(select(func.count()).select_from(JobMetric).where(JobMetric.job_id == job_id))
-    session.add(JobMetric(job_id=job_id, seq=seq or 0, values=values, recorded_at=utcnow()))
-
-
-def read_metrics(session: Session, job_id: int) -> list[dict[str, Any]]:
-    return list(session.scalars(select(JobMetric.values).where(JobMetric.job_id == job_id)
-                                .order_by(JobMetric.seq)))
 
 
 def elapsed(job: Job, now: datetime | None = None) -> timedelta | None:

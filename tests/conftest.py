@@ -28,7 +28,7 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from gpuq.service import db, jobs
+from gpuq.service import db, job_output, jobs
 from gpuq.service.db import write_scope
 from gpuq.service.settings import Settings
 
@@ -444,7 +444,7 @@ def wait_for_state(settings, job_id: int, states, timeout: float = 60.0) -> str:
 def output_of(settings, job_id: int) -> str:
     """All the job's output so far, as stored in SQL."""
     with write_scope(settings) as session:
-        return "".join(d for _, d, _ in jobs.read_output(session, job_id))
+        return "".join(d for _, d, _ in job_output.read_output(session, job_id))
 
 
 def cli_submit(settings: Settings, args: list[str], cwd: str | Path | None = None,

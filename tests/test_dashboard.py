@@ -15,7 +15,7 @@ from html import escape
 import pytest
 from sqlalchemy import delete, func, select, update
 
-from gpuq.service import accounting, inventory, jobs, spec, submitting
+from gpuq.service import accounting, inventory, job_output, jobs, spec, submitting
 from gpuq.service.db import write_scope
 from gpuq.service.fair_share import standings
 from gpuq.service.models import Gpu, Job, utcnow
@@ -100,7 +100,7 @@ def test_job_page_shows_parameters_result_metrics_per_epoch_and_device_plots(ran
     assert status == 200
     with write_scope(st.settings) as session:
         job = jobs.get_job(session, j.train)
-        metrics = jobs.read_metrics(session, j.train)
+        metrics = job_output.read_metrics(session, j.train)
     assert f"Job {j.train}: tiny-train" in html
     params = html.split("<h2>Parameters</h2>", 1)[1].split("</table>", 1)[0]
     assert "<th>epochs</th><td>3</td>" in params and "<th>batch_size</th><td>64</td>" in params
@@ -133,7 +133,7 @@ def test_job_page_shows_no_output_by_default_only_whose_it_is_and_how_they_read_
     for job_id in (j.failed, j.train, j.running):
         with write_scope(st.settings) as session:
             job = jobs.get_job(session, job_id)
-            output = jobs.read_output(session, job_id)
+            output = job_output.read_output(session, job_id)
         status, _, html = dash.get(f"/jobs/{job_id}")
         assert status == 200
         section = html.split("<h2>Output</h2>", 1)[1]
@@ -176,7 +176,7 @@ def test_metrics_carry_no_output_even_with_shared_logs(ran, dash, shared_dash):
     st, j = ran
     with write_scope(st.settings) as session:
         lines = {ln.strip() for job_id in (j.failed, j.train, j.matmul, j.running)
-                 for _, data, _ in jobs.read_output(session, job_id)
+                 for _, data, _ in job_output.read_output(session, job_id)
                  for ln in data.splitlines() if len(ln.strip()) > 10}
     assert "about to fail" in lines
     for d in (dash, shared_dash):

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from gpuq.service import constants as c
-from gpuq.service import jobs
+from gpuq.service import job_output, jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from tests.conftest import cli_submit as submit
@@ -249,7 +249,7 @@ def test_a_training_job_records_each_epoch_in_sql_and_show_prints_them(stack):
                         "--train-size", "512", "--test-size", "128", "--lr", "0.5"])
     assert wait_for_state(s, job_id, c.END_STATES, timeout=150) == State.SUCCEEDED, output_of(s, job_id)
     with write_scope(s) as session:
-        metrics = jobs.read_metrics(session, job_id)
+        metrics = job_output.read_metrics(session, job_id)
         result = jobs.get_job(session, job_id).result
     assert [m["epoch"] for m in metrics] == [1, 2]
     assert all({"train_loss", "train_acc", "test_acc", "examples_per_s", "seconds"} <= m.keys() for m in metrics)
@@ -267,7 +267,7 @@ def test_a_two_gpu_ddp_training_job_runs_one_rank_in_each_gpus_own_worker(stack)
         job = jobs.get_job(session, job_id)
         assert job.result["world_size"] == 2 and job.result["strategy"] == "ddp"
         assert job.rendezvous.startswith("tcp://")
-        assert len(jobs.read_metrics(session, job_id)) == 1  # rank 0 alone records
+        assert len(job_output.read_metrics(session, job_id)) == 1  # rank 0 alone records
         rank0 = job.worker
     # Rank 1 ran in the other GPU's warm worker, not in a process rank 0 started.
     other = next(n for n in stack.procs if n.startswith("worker") and not rank0.startswith(f"gpu{n[-1]}@"))

@@ -20,13 +20,13 @@ import pytest
 from sqlalchemy import select
 
 from gpuq.service import constants as c
-from gpuq.service import db, jobs
+from gpuq.service import db, job_output, jobs
 from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
 from gpuq.workers.job_processes import worker_mark
-from tests.conftest import cli_submit, make_settings, run_cli, start_stack
+from tests.conftest import cli_submit, make_settings, output_of, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, stop_outside_a_transaction, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -417,7 +417,7 @@ def test_postgresql_restarted_while_jobs_run_loses_nothing_and_nobody_restarts(t
         assert all(p.poll() is None and p.pid == pids[n] for n, p in st.procs.items())
         # Output written across the outage is all there.
         with write_scope(st.settings) as session:
-            assert all(jobs.read_output(session, j) is not None for j in ids)
+            assert all(job_output.read_output(session, j) is not None for j in ids)
     finally:
         st.stop()
         db.dispose_engines()
@@ -465,15 +465,18 @@ def test_a_command_past_its_host_memory_limit_is_oom_killed_and_classified(stack
     if probe is None:
         pytest.skip("no writable memory cgroup here")
     probe.remove()
-    code = "x = bytearray(512 * 2**20); print(len(x))"
+    # It names its own cgroup first: a stack of another test running beside this one (pytest -n 2)
+    # makes cgroups of the same worker and job id, so a name's prefix is not this job's alone.
+    code = ("print([line for line in open('/proc/self/cgroup') if 'gpuq-' in line][0], flush=True); "
+            "x = bytearray(512 * 2**20); print(len(x))")
     job_id = submit(stack.settings, [sys.executable, "-c", code], tmp_path, host_mem_mib=64)
     j = wait_state(stack.settings, job_id, State.FAILED)
     assert j.failure == c.FAILURE_HOST_OOM and "OOM killer" in j.reason and "64 MiB" in j.reason
-    # The job's cgroup went with it (named after its worker: other tests' job ids start at 1 too).
-    parent = probe.path.parent
-    mine = f"gpuq-{j.worker.replace('@', '-')}-job{job_id}-"
-    assert not [d for d in parent.iterdir() if d.name.startswith(mine)
-                and d.stat().st_mtime >= j.started_at.timestamp() - 1]
+    # The job's cgroup went with it.
+    [line] = [ln for ln in output_of(stack.settings, job_id).splitlines() if "gpuq-" in ln]
+    name = line.rsplit("/", 1)[-1].strip()
+    assert name.startswith(f"gpuq-{j.worker.replace('@', '-')}-job{job_id}-"), line
+    assert not (probe.path.parent / name).exists()
 
 
 def test_cancel_frees_the_gpu_only_once_every_process_of_the_job_is_gone(stack, tmp_path):
@@ -588,5 +591,5 @@ def test_a_retried_job_keeps_the_output_of_every_attempt(stack, tmp_path):
     j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
     assert j.attempts[0]["failure"] == c.FAILURE_EXIT and not j.attempts[0]["requeue"]
     with write_scope(stack.settings) as session:
-        text = "".join(data for _, data, _ in jobs.read_output(session, job_id))
+        text = "".join(data for _, data, _ in job_output.read_output(session, job_id))
     assert text.index("attempt 1 says hello") < text.index("attempt 2 says hello")

@@ -8,7 +8,7 @@ import pytest
 
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
-from gpuq.service.jobs import read_output
+from gpuq.service.job_output import read_output
 from gpuq.service.models import utcnow
 from gpuq.workers.output import OutputSink
 from tests.test_usage import add_job

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import delete, func, select, update
 
 from gpuq.service import constants as c
-from gpuq.service import inventory, jobs, lifecycle, next_up, spec, submitting, usage
+from gpuq.service import inventory, job_output, jobs, lifecycle, next_up, spec, submitting, usage
 from gpuq.service.celery_app import queue_name
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
@@ -524,22 +524,22 @@ def test_a_retried_jobs_progress_rows_are_the_next_attempts_alone(settings):
         session.execute(update(Job).where(Job.id == job).values(state=State.RUNNING, started_at=utcnow(),
                                                                 lease_token="t"))
         for epoch in (1, 2):
-            jobs.record_metric(session, job, {"epoch": epoch})
+            job_output.record_metric(session, job, {"epoch": epoch})
     with write_scope(settings) as session:
         assert lifecycle.end_attempt(session, job, State.FAILED, token="t", failure=c.FAILURE_EXIT, exit_code=1,
                                      reason="exited with status 1")
     with write_scope(settings) as session:
         assert jobs.get_job(session, job).state == State.PENDING
-        assert jobs.read_metrics(session, job) == []
+        assert job_output.read_metrics(session, job) == []
         session.execute(update(Job).where(Job.id == job).values(state=State.RUNNING, started_at=utcnow(),
                                                                 lease_token="u"))
-        jobs.record_metric(session, job, {"epoch": 1})
+        job_output.record_metric(session, job, {"epoch": 1})
     with write_scope(settings) as session:  # an attempt that ends the job keeps its rows
         assert lifecycle.end_attempt(session, job, State.FAILED, token="u", failure=c.FAILURE_EXIT, exit_code=1,
                                      reason="exited with status 1")
     with write_scope(settings) as session:
         assert jobs.get_job(session, job).state == State.FAILED
-        assert jobs.read_metrics(session, job) == [{"epoch": 1}]
+        assert job_output.read_metrics(session, job) == [{"epoch": 1}]
 
 
 @pytest.mark.timeout(60)

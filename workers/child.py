@@ -16,7 +16,8 @@ from typing import Any, cast
 
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
-from gpuq.service.jobs import get_job, record_metric
+from gpuq.service.job_output import record_metric
+from gpuq.service.jobs import get_job
 from gpuq.service.settings import get_settings
 from gpuq.workers.builtin import run_workload
 from gpuq.workers.identity import run_as

@@ -18,7 +18,8 @@ from gpuq.service import failures, output_files, simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
-from gpuq.service.jobs import possible_mps_clients, record_metric
+from gpuq.service.job_output import record_metric
+from gpuq.service.jobs import possible_mps_clients
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
 from gpuq.workers import mps

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from gpuq.service.jobs import next_output_seq
+from gpuq.service.job_output import next_output_seq
 from gpuq.service.leases import Lease
 from gpuq.service.models import Allocation, Gpu, table
 from gpuq.service.units import JobSignal

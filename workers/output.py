@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.errors import Unreachable
-from gpuq.service.jobs import append_output
+from gpuq.service.job_output import append_output
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.worker")
@@ -36,7 +36,7 @@ class OutputSink:
         self._buffered = 0
         self._written = 0
         # The first chunk's number: after the output of the job's earlier attempts, if it is being
-        # retried (``jobs.next_output_seq``, read in the transaction that started the job).
+        # retried (``job_output.next_output_seq``, read in the transaction that started the job).
         self._seq = seq
         self._truncated = False
         # Past the cap: the last OUTPUT_TAIL_CHARS of what was dropped, (stream, text) pieces, and how
