@@ -25,7 +25,7 @@ from gpuq.service.celery_app import make_app, send_run_job
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.models import Allocation, Gpu, Job
-from gpuq.workers.job_processes import worker_mark
+from gpuq.workers.job_processes import cgroup_prefix, worker_mark
 from tests.conftest import cli_submit, make_settings, output_of, run_cli, start_stack
 from tests.faults import PrivatePostgres, PrivateRedis, marker_job, runs, stop_outside_a_transaction, wait_for
 
@@ -166,9 +166,13 @@ def test_a_sigkilled_workers_job_without_retries_fails_as_worker_lost(stack, tmp
 
 
 def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_path):
-    child = tmp_path / "child.pid"
+    from gpuq.workers.cgroup import JobCgroup
+
+    child, cgroup = tmp_path / "child.pid", tmp_path / "cgroup"
     script = tmp_path / "spawn.py"
     script.write_text("import subprocess, sys, time\n"
+                      f"open({str(cgroup)!r}, 'w').write(''.join(line for line in open('/proc/self/cgroup')\n"
+                      "                                         if 'gpuq-' in line))\n"
                       "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
                       f"open({str(child)!r}, 'w').write(str(p.pid))\n"
                       "time.sleep(300)\n")
@@ -184,15 +188,26 @@ def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_pa
     other = stack.settings.with_overrides(database_url=f"sqlite:///{tmp_path / 'another-queue.db'}")
     neighbour = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                                  env={**os.environ, "GPUQ_WORKER": worker_mark(other, j_name(stack, job_id))})
+    # Where the worker makes job cgroups, the killed job's is left (empty once its processes are
+    # killed), and the other stack's worker of the same name has one of its own.
+    theirs = JobCgroup.create(f"{cgroup_prefix(other, j_name(stack, job_id))}job{job_id}-000000", None)
+    left = cgroup.read_text().strip().rsplit("/", 1)[-1]
     try:
         stack.procs.pop(name)
         stack.start_worker(index)
         wait_for(lambda: not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE,
                  30, "the restarted worker to kill the orphan")
         assert neighbour.poll() is None, "the restarted worker killed another stack's job"
+        if theirs is not None:  # a machine that lets the worker make cgroups
+            assert left.startswith(cgroup_prefix(stack.settings, j_name(stack, job_id))), left
+            wait_for(lambda: not (theirs.path.parent / left).exists(), 30, "the restarted worker to remove the "
+                     "cgroup its predecessor left")
+            assert theirs.path.exists(), "the restarted worker removed another stack's cgroup"
     finally:
         neighbour.kill()
         neighbour.wait(10)
+        if theirs is not None:
+            theirs.remove()
 
 
 @pytest.mark.timeout(120)
@@ -475,7 +490,7 @@ def test_a_command_past_its_host_memory_limit_is_oom_killed_and_classified(stack
     # The job's cgroup went with it.
     [line] = [ln for ln in output_of(stack.settings, job_id).splitlines() if "gpuq-" in ln]
     name = line.rsplit("/", 1)[-1].strip()
-    assert name.startswith(f"gpuq-{j.worker.replace('@', '-')}-job{job_id}-"), line
+    assert name.startswith(f"{cgroup_prefix(stack.settings, j.worker)}job{job_id}-"), line
     assert not (probe.path.parent / name).exists()
 
 

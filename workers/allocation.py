@@ -31,7 +31,7 @@ from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
-from gpuq.workers.job_processes import stop_tree, verify_gone
+from gpuq.workers.job_processes import cgroup_prefix, stop_tree, verify_gone
 from gpuq.workers.state import WorkerState
 from gpuq.workers.watch import StopWatcher
 
@@ -94,7 +94,8 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
     found (a shared allocation's: its share watchdog sums what they hold on its GPUs)."""
     identity = run_as(job.user, state.node)  # an unknown user fails the allocation with its reason
     uid = identity.uid if identity is not None else os.getuid()
-    cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-alloc{job.id}-{uuid.uuid4().hex[:6]}", None)
+    cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}alloc{job.id}-{uuid.uuid4().hex[:6]}",
+                              None)
     processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
     try:
         client = _watch(state, job, watcher, processes, on_found)

@@ -127,6 +127,24 @@ class JobCgroup:
                 time.sleep(0.05)
 
 
+def remove_leftovers(prefix: str) -> list[str]:
+    """Remove the cgroups under the worker's own whose names start with ``prefix`` (``job_processes.
+    cgroup_prefix``: this worker's, of this installation and queue): what an earlier run of it,
+    killed mid-job, could not remove. Their processes were killed first (``kill_leftovers``); one
+    still holding a process stays. The names removed."""
+    own = _own_memory_cgroup()
+    if own is None:
+        return []
+    parent, v2 = own
+    removed = []
+    for path in parent.iterdir():
+        if path.is_dir() and path.name.startswith(prefix):
+            JobCgroup(path, v2).remove()
+            if not path.exists():
+                removed.append(path.name)
+    return removed
+
+
 def _own_memory_cgroup() -> tuple[Path, bool] | None:
     """The worker's own memory cgroup directory, and whether it is cgroup v2."""
     try:

@@ -28,7 +28,7 @@ from gpuq.workers.command import Ahead, CannotStart, run_command
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
-from gpuq.workers.job_processes import worker_mark
+from gpuq.workers.job_processes import cgroup_prefix, worker_mark
 from gpuq.workers.output import OutputSink
 from gpuq.workers.output_copy import OutputFiles
 from gpuq.workers.owner_files import OwnerFiles, umask_of
@@ -98,7 +98,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
     except UnknownUser as exc:  # nothing of the job can run here: its line, not a traceback
         sink.note(f"gpuq: {exc}")
         return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}
-    cgroup = JobCgroup.create(f"gpuq-{state.name.replace('@', '-')}-job{job.id}-{uuid.uuid4().hex[:6]}",
+    cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}job{job.id}-{uuid.uuid4().hex[:6]}",
                               job.host_mem_mib)
     try:
         env = job_env(job, state.node, identity, state.settings)

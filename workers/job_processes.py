@@ -33,6 +33,14 @@ def worker_mark(settings: Settings, worker: str) -> str:
     return f"{settings.key_prefix}/{queue}/{worker}"
 
 
+def cgroup_prefix(settings: Settings, worker: str) -> str:
+    """How the names of a worker's job cgroups begin: its name, readable, and a digest of its mark
+    (``worker_mark``), so that a restarted worker removes the cgroups its killed predecessor left
+    (``cgroup.remove_leftovers``) and never another stack's worker's of the same name."""
+    digest = hashlib.sha256(worker_mark(settings, worker).encode()).hexdigest()[:8]
+    return f"gpuq-{worker.replace('@', '-')}-{digest}-"
+
+
 def kill_leftovers(worker: str) -> list[int]:
     """Kill what the jobs of an earlier run of worker ``worker`` left (it was SIGKILLed; its jobs'
     main processes died with it, their children may not have). Called when a worker starts."""

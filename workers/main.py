@@ -74,12 +74,17 @@ def serve(index: int, loglevel: str) -> int:
         from gpuq.workers.builtin import warm_up
 
         log.info("%s: warm on %s", name, warm_up())
+    from gpuq.workers.cgroup import remove_leftovers
     from gpuq.workers.guard import Guard
-    from gpuq.workers.job_processes import kill_leftovers, worker_mark
+    from gpuq.workers.job_processes import cgroup_prefix, kill_leftovers, worker_mark
 
     left = kill_leftovers(worker_mark(settings, name))
     if left:
         log.warning("%s: killed %d processes an earlier run of this worker left: %s", name, len(left), left)
+    # Then their jobs' cgroups, now empty (a cgroup outlives its processes until it is removed).
+    gone = remove_leftovers(cgroup_prefix(settings, name))
+    if gone:
+        log.warning("%s: removed %d cgroups an earlier run of this worker left: %s", name, len(gone), gone)
     probe = GpuProbe(devices, index)
     first = probe.read()
     with write_scope(settings) as session:
