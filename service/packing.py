@@ -49,16 +49,13 @@ class GpuLoad:
     gpu: GpuState
     whole_until: float | None  # a whole-GPU job's expected end (inf: no time limit); None: none
     room: int  # memory a shared job may take now (``GpuState.room_mib`` less what the pass placed)
-    # (expected end, MiB held) of its shared jobs: one per job there before the pass (or, where only
-    # their sum is known, one entry for all of them until the last end), then one per job placed in it.
+    # (expected end, MiB held) of its shared jobs: one per job there before the pass, then one per job
+    # placed in it.
     shares: list[tuple[float, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, gpu: GpuState) -> GpuLoad:
-        shares = list(gpu.shares)
-        if not shares and (gpu.shared_jobs or gpu.shared_mib):
-            shares.append((math.inf if gpu.shared_until is None else gpu.shared_until, gpu.shared_mib))
-        return cls(gpu, gpu.busy_until, gpu.room_mib, shares)
+        return cls(gpu, gpu.busy_until, gpu.room_mib, list(gpu.shares))
 
     @property
     def clear(self) -> bool:

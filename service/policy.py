@@ -62,7 +62,7 @@ def is_model(model: str, gpu_type: str) -> bool:
 @dataclass(frozen=True)
 class GpuState:
     """A live GPU on a node that takes jobs: free, busy with a whole-GPU job (``busy_until``), or
-    partly used by shared jobs (``shared_jobs``; never both)."""
+    partly used by shared jobs (``shares``; never both)."""
 
     id: int
     node: str
@@ -73,14 +73,24 @@ class GpuState:
     foreign_mib: int = 0  # used by processes gpuq did not start
     # None: no whole-GPU job. Else the time (epoch s) its job is expected to end; inf when it has no limit.
     busy_until: float | None = None
-    shared_mib: int = 0  # the shares plus context reserves of the shared jobs gpuq runs on it
-    shared_jobs: int = 0  # how many shared jobs gpuq runs on it
-    # When the last of them is expected to end (epoch s); inf or None when one has no time limit.
-    shared_until: float | None = None
-    # Each of them, (expected end, MiB of share and reserve), where the reader knows them: room opens
-    # as each leaves. Empty: only the sum and the last end above are known.
+    # The shared jobs gpuq runs on it, each as (expected end, epoch s, inf with no time limit; MiB of
+    # its share and context reserve): room opens as each leaves.
     shares: tuple[tuple[float, int], ...] = ()
     model: str = ""  # NVML's name of it ("NVIDIA H100 80GB HBM3"), what --gpu-type picks by
+
+    @property
+    def shared_mib(self) -> int:
+        """The shares and context reserves of its shared jobs together."""
+        return sum(mib for _, mib in self.shares)
+
+    @property
+    def shared_jobs(self) -> int:
+        return len(self.shares)
+
+    @property
+    def shared_until(self) -> float | None:
+        """When the last of its shared jobs is expected to end (inf: one has no time limit); None: none."""
+        return max((end for end, _ in self.shares), default=None)
 
     @property
     def free_mib(self) -> int:

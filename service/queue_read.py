@@ -122,7 +122,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
-                            busy_until=busy.get(g.id), **_sharing(shares.get(g.id, [])), model=g.name)
+                            busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
+                            model=g.name)
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).
@@ -171,13 +172,6 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                               user_holds=dict(holds) if settings.user_gpu_limit else {},
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later)
-
-
-def _sharing(held: list[tuple[float, int]]) -> dict[str, Any]:
-    """A GPU's shared jobs as ``GpuState`` gives them: their sum, how many, when the last is expected
-    to end, and each one."""
-    return dict(shared_mib=sum(mib for _, mib in held), shared_jobs=len(held),
-                shared_until=max((end for end, _ in held), default=None), shares=tuple(sorted(held)))
 
 
 def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],

@@ -108,13 +108,9 @@ def test_shared_jobs_are_planned_side_by_side_as_the_gpus_memory_holds_them_and_
 def test_a_shared_job_waiting_for_room_starts_as_the_running_shares_leave_at_their_limits():
     # Two shared jobs hold 12 GiB of the 16, one for half an hour, one for an hour: a 2 GiB job fits
     # beside them now, one of 6 GiB once the first has left, a whole-GPU job once both have.
-    held = replace(gpu(1), shared_mib=12288, shared_jobs=2, shared_until=NOW + HOUR,
-                   shares=((NOW + 1800, 6144), (NOW + HOUR, 6144)))
+    held = replace(gpu(1), shares=((NOW + 1800, 6144), (NOW + HOUR, 6144)))
     jobs = [shared(1, 2048), shared(2, 6144), job(3, limit=60)]
     assert start_times(QueueState(NOW, jobs, [held])) == {1: NOW, 2: NOW + 1800, 3: NOW + 1800 + HOUR}
-    # Where only their sum and last end are known, they count as one until that end.
-    summed = replace(held, shares=())
-    assert start_times(QueueState(NOW, jobs, [summed])) == {1: NOW, 2: NOW + HOUR, 3: NOW + 2 * HOUR}
 
 
 @settings(max_examples=200, deadline=None)

@@ -19,6 +19,7 @@ from gpuq.service.next_up_choice import choose as next_up
 from gpuq.service.policy import PRIORITY, RESOURCES, GpuState, JobRequest, QueueState, decide, is_model
 from gpuq.service.scheduler import Scheduler
 from tests.conftest import run_cli
+from tests.test_policy_sharing import shares
 from tests.test_scheduling import register, state_of, submit
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +39,7 @@ def test_a_type_is_whole_consecutive_words_of_the_gpus_name(model, gpu_type, exp
 
 def gpu(gpu_id, model, node="a", shared_mib=0, shared_jobs=0, busy=None):
     return GpuState(id=gpu_id, node=node, index=gpu_id, queue=f"q{gpu_id}", memory_total_mib=81920, model=model,
-                    shared_mib=shared_mib, shared_jobs=shared_jobs, busy_until=busy)
+                    shares=shares(shared_mib, shared_jobs, None), busy_until=busy)
 
 
 def job(job_id, gpu_type=None, gpus=1, mem=None, shared=False, limit=None):

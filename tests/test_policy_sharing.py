@@ -27,8 +27,13 @@ GIB = 1024
 
 def gpu(gpu_id, node="a", total=16 * GIB, foreign=0, busy_until=None, shared_mib=0, shared_jobs=0, shared_until=None):
     return GpuState(id=gpu_id, node=node, index=gpu_id, queue=f"q{gpu_id}", memory_total_mib=total,
-                    foreign_mib=foreign, busy_until=busy_until, shared_mib=shared_mib, shared_jobs=shared_jobs,
-                    shared_until=shared_until)
+                    foreign_mib=foreign, busy_until=busy_until, shares=shares(shared_mib, shared_jobs, shared_until))
+
+
+def shares(mib: int, jobs: int, until: float | None) -> tuple[tuple[float, int], ...]:
+    """``jobs`` shared jobs holding ``mib`` together, all until ``until`` (None: no time limit)."""
+    end = math.inf if until is None else until
+    return tuple((end, mib // jobs + (mib % jobs if i == 0 else 0)) for i in range(jobs))
 
 
 def job(job_id, gpus=1, user="u", mem=None, shared=False, limit=None, node=None, priority=0):
