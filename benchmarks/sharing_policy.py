@@ -39,8 +39,10 @@ def gpus(rng: random.Random, now: float, shared: bool, full: bool) -> list[polic
                 state = {"busy_until": now + rng.randint(60, 7200)}
             elif full or (shared and i % 4 == 1):
                 held = 80 * GIB if full else rng.randint(10, 60) * GIB
-                state = {"shared_mib": held, "shared_jobs": rng.randint(1, 6),
-                         "shared_until": rng.choice([now + rng.randint(600, 7200), float("inf")])}
+                count, until = rng.randint(1, 6), rng.choice([now + rng.randint(600, 7200), float("inf")])
+                # ``count`` shared jobs holding ``held`` MiB together, all until ``until``.
+                state = {"shares": tuple((until, held // count + (held % count if k == 0 else 0))
+                                         for k in range(count))}
             out.append(policy.GpuState(id=n * 8 + i, node=f"node{n}", index=i, queue="q", memory_total_mib=80 * GIB,
                                        **state))
     return out
