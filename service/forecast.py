@@ -199,7 +199,7 @@ def _gpus_from(job: JobRequest, need: int | None, length: float, by_node: dict[s
     those GPUs; None if never."""
     best: tuple[float, str, list[GpuState]] | None = None
     for node, gpus in by_node.items():
-        if job.node is not None and node != job.node:
+        if not job.may_use(node):
             continue
         suits = [g for g in gpus if (g.is_of(job) and packing.could_ever_share(g, need) if need is not None
                                      else g.fits(job))]

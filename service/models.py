@@ -103,6 +103,8 @@ class Job(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Scheduling requests: free memory per GPU, a node, a time limit, retries, dependencies.
     mem_mib: Mapped[int | None] = mapped_column(Integer)
+    # Nodes it may not run on (`--exclude a,b`); None: none.
+    exclude_nodes: Mapped[list[str] | None] = mapped_column(JSON)
     on_node: Mapped[str | None] = mapped_column(String(255))
     time_limit_s: Mapped[int | None] = mapped_column(Integer)
     max_retries: Mapped[int] = mapped_column(Integer, default=0)

@@ -53,7 +53,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
             could = _could_use(job, open_gpus, state)
             open_gpus = [g for g in open_gpus if g.id not in could]
             continue
-        usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and g.fits(job)]
+        usable = [g for g in open_gpus if job.may_use(g.node) and g.fits(job)]
         for g in usable:
             lists[g.id].append(job.id)
         if usable and limit:
@@ -69,7 +69,7 @@ def _could_use(job: JobRequest, open_gpus: list[GpuState], state: QueueState) ->
     def suits(g: GpuState) -> bool:
         return g.is_of(job) and packing.could_ever_share(g, need) if job.shared else g.fits(job)
 
-    usable = [g for g in open_gpus if (job.node is None or g.node == job.node) and suits(g)]
+    usable = [g for g in open_gpus if job.may_use(g.node) and suits(g)]
     nodes = {g.node for g in usable}
     could = {n for n in nodes if sum(h.node == n and suits(h) for h in state.gpus) >= job.gpus}
     return {g.id for g in usable if g.node in could}

@@ -150,7 +150,7 @@ def room_lines(job: JobRequest, gpus: Iterable[GpuState], context_mib: int) -> l
     needs = f"job needs {job.mem_mib / 1024:.1f} + {context_mib / 1024:.1f}"
     lines = []
     for g in sorted(gpus, key=lambda g: (g.node, g.index)):
-        if job.node is not None and g.node != job.node:
+        if not job.may_use(g.node):
             continue
         head = f"GPU {g.index} on node {g.node}"
         if g.busy_until is not None:

@@ -139,10 +139,16 @@ class JobRequest:
     # `--dependency singleton`: placed by a pass alone, which knows its name's other jobs; a worker
     # takes a listed job without looking (``next_up_choice``).
     singleton: bool = False
+    exclude: frozenset[str] = frozenset()  # `--exclude`: nodes it may not run on
 
     def __post_init__(self) -> None:
         if self.shared and self.mem_mib is None:
             raise ValueError(f"job {self.id}: a shared job needs a memory request (its share)")
+
+    def may_use(self, node: str) -> bool:
+        """Whether it may run on ``node``: the one it asked for (`--node`), if any, and not one it
+        excluded (`--exclude`)."""
+        return (self.node is None or node == self.node) and node not in self.exclude
 
 
 @dataclass(frozen=True)
@@ -298,7 +304,7 @@ class _Gpus:
         return self.fenced_for[job.gpu_type]
 
     def nodes_for(self, job: JobRequest) -> list[str]:
-        return [n for n in self.by_node if job.node is None or n == job.node]
+        return [n for n in self.by_node if job.may_use(n)]
 
     def ends(self, job: JobRequest) -> float:
         """When ``job`` would end by its time limit if it started now (inf without one)."""
@@ -307,7 +313,7 @@ class _Gpus:
     def choose(self, job: JobRequest, reservation: Reservation | None) -> tuple[GpuLoad, ...] | None:
         """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
         ends_in_time = reservation is not None and self.ends(job) <= reservation.start
-        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.gpu_type, ends_in_time)
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, ends_in_time)
         if shape in self.failed:
             return None
         if job.shared:

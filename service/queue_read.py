@@ -32,7 +32,7 @@ from gpuq.service.settings import Settings
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_kind, _t.reason, _t.shared, _t.array_id, _t.array_limit,
-                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name)
+                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name, _t.exclude_nodes)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -247,7 +247,7 @@ def _request(row: Any) -> policy.JobRequest:
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
                              time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type,
-                             singleton=bool(row.singleton))
+                             singleton=bool(row.singleton), exclude=frozenset(row.exclude_nodes or ()))
 
 
 def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:

@@ -48,6 +48,7 @@ class JobSpec:
     priority: int = 0
     mem_mib: int | None = None
     on_node: str | None = None
+    exclude_nodes: list[str] | None = None  # `--exclude`: nodes it may not run on
     time_limit_s: int | None = None
     max_retries: int = 0
     held: bool = False
@@ -86,6 +87,7 @@ class Scheduling:
     priority: int = 0
     mem: str | None = None
     node: str | None = None
+    exclude: str | None = None  # `--exclude a,b` (sbatch's -x): nodes it may not run on
     time: str | None = None
     retries: int = 0
     hold: bool = False
@@ -113,6 +115,7 @@ class Scheduling:
             "priority": self.priority,
             "mem_mib": parse_mem(self.mem) if self.mem is not None else None,
             "on_node": self.node,
+            "exclude_nodes": exclude_nodes(self.exclude) if self.exclude is not None else None,
             "time_limit_s": parse_duration(self.time) if self.time is not None else None,
             "max_retries": self.retries,
             "held": self.hold,
@@ -309,6 +312,16 @@ def check_gpus(gpus: int) -> int:
     if gpus > MAX_GPUS_PER_JOB:
         raise InvalidSpec(f"--gpus {gpus} is more than any node has")
     return gpus
+
+
+def exclude_nodes(text: str) -> list[str]:
+    """``--exclude a,b`` as node names, each once; InvalidSpec for an empty one or a control character."""
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise InvalidSpec(f"--exclude takes node names like a or a,b; got {text[:80]!r}")
+    if any(not ch.isprintable() for n in names for ch in n):
+        raise InvalidSpec("--exclude: a node name holds a control character")
+    return list(dict.fromkeys(names))
 
 
 def check_name(name: str) -> str:

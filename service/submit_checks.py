@@ -117,6 +117,8 @@ def check_resources(session: Session, settings: Settings, spec: JobSpec) -> None
             raise InvalidSpec(f"--gpus {spec.gpus} is more than node {spec.on_node} has ({n})")
     elif spec.gpus > most:
         raise InvalidSpec(f"--gpus {spec.gpus} is more than any node has (the largest, {node}, has {most})")
+    if spec.exclude_nodes:
+        check_exclude(session, settings, spec, local)
     if spec.gpu_type is not None:
         check_gpu_type(session, settings, spec, local)
     if settings.user_gpu_limit and spec.gpus > settings.user_gpu_limit:
@@ -150,6 +152,26 @@ def check_signal(spec: JobSpec) -> None:
         raise InvalidSpec(f"--signal {sent.text}: {sent.before_s} s before a time limit of {limit} is before its start")
 
 
+def check_exclude(session: Session, settings: Settings, spec: JobSpec, local: list[GpuInfo]) -> None:
+    """InvalidSpec for an ``--exclude`` that names a node gpuq does not know (a typo would exclude
+    nothing), the job's own ``--node``, or every node with room for the job's GPUs (it would wait
+    for ever)."""
+    assert spec.exclude_nodes
+    per_node = dict(_GPUS_PER_NODE.run(session.connection(), {}))
+    if local:
+        per_node[settings.node] = max(per_node.get(settings.node, 0), len(local))
+    unknown = [n for n in spec.exclude_nodes if n not in per_node]
+    if unknown:
+        raise InvalidSpec(f"--exclude {unknown[0]}: no such node is known to gpuq (its nodes: "
+                          f"{', '.join(sorted(per_node))})")
+    if spec.on_node in spec.exclude_nodes:
+        raise InvalidSpec(f"--node {spec.on_node} is one --exclude names")
+    left = {n: k for n, k in per_node.items() if n not in spec.exclude_nodes}
+    if not any(k >= spec.gpus for k in left.values()):
+        raise InvalidSpec(f"--exclude {','.join(spec.exclude_nodes)} leaves no node with {spec.gpus} "
+                          f"GPU{'s' if spec.gpus != 1 else ''}: the job would never start")
+
+
 def check_gpu_type(session: Session, settings: Settings, spec: JobSpec, local: list[GpuInfo]) -> None:
     """InvalidSpec for a --gpu-type no GPU gpuq knows is of (naming the models there are), or of
     which no node (``--node``'s) has ``spec.gpus``: a typo would otherwise wait for ever."""
@@ -158,7 +180,7 @@ def check_gpu_type(session: Session, settings: Settings, spec: JobSpec, local: l
     if not any(node == settings.node for node, _ in gpus):
         gpus += [(settings.node, g.name) for g in local]  # this node's, before its workers registered them
     per_node = Counter(node for node, name in gpus if policy.is_model(name, spec.gpu_type)
-                       and spec.on_node in (None, node))
+                       and spec.on_node in (None, node) and node not in (spec.exclude_nodes or ()))
     if not per_node:
         models = ", ".join(f"{name} ({n})" for name, n in sorted(Counter(name for _, name in gpus).items()))
         where = f" on node {spec.on_node}" if spec.on_node is not None else ""

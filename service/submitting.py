@@ -173,7 +173,8 @@ def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
     ``position``: its place in its submission (an array's task past its limit waits for it)."""
     return dict(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
                 cwd=s.cwd, gpus=s.gpus, priority=s.priority, state=_NEW, submitted_at=now,
-                mem_mib=s.mem_mib, on_node=s.on_node, time_limit_s=s.time_limit_s, max_retries=s.max_retries,
+                mem_mib=s.mem_mib, on_node=s.on_node, exclude_nodes=s.exclude_nodes,
+                time_limit_s=s.time_limit_s, max_retries=s.max_retries,
                 attempts=[], held=s.held, admin_hold=False, after=s.after, after_kind=s.after_kind,
                 singleton=s.singleton, env=s.env, array_index=s.array_index, array_id=None, array_limit=s.array_limit,
                 git_commit=s.git_commit,

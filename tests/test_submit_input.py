@@ -355,6 +355,8 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "--host-mem", "99999999999G", "--", "true"], "is more than any machine has"),
     (["submit", "--mem", "64G", "--", "true"], "more than any GPU has (8192 MiB)"),
     (["submit", "--node", "elsewhere", "--", "true"], "--node elsewhere: no such node"),
+    (["submit", "-x", "elsewhere", "--", "true"], "--exclude elsewhere: no such node is known to gpuq"),
+    (["submit", "--exclude", "testnode", "--", "true"], "--exclude testnode leaves no node with 1 GPU"),
     (["hold", "5"], "no job 5"),
     (["show", "5", "--array", "1"], "give a job id or --array ID, not both"),  # the id was dropped
     (["show", "--diff", "--array", "1"], "--diff is one job's"),

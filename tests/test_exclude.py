@@ -1,0 +1,63 @@
+"""`--exclude` (sbatch's -x): nodes a job may not run on, in the policy, the next-up lists, the
+expected starts and the submit's checks, on both databases."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gpuq.service.errors import InvalidSpec
+from gpuq.service.forecast import start_times
+from gpuq.service.next_up_choice import choose
+from gpuq.service.policy import GpuState, JobRequest, QueueState, decide
+from gpuq.service.scheduler import Scheduler
+from tests.test_scheduling import register, state_of, submit
+
+pytestmark = pytest.mark.timeout(120)
+NOW = 1_000_000.0
+
+
+def gpu(gpu_id: int, node: str, busy_until: float | None = None) -> GpuState:
+    return GpuState(id=gpu_id, node=node, index=gpu_id, queue=f"q{gpu_id}", memory_total_mib=16384,
+                    busy_until=busy_until)
+
+
+def test_the_policy_places_a_job_only_on_a_node_it_did_not_exclude():
+    gpus = [gpu(1, "a"), gpu(2, "b")]
+    placed = decide(QueueState(NOW, [JobRequest(id=1, user="u", gpus=1, exclude=frozenset({"a"}))], gpus)).placements
+    assert [g.node for p in placed for g in p.gpus] == ["b"]
+    # Excluding both, it waits; a gang that would fit only on the excluded node waits too.
+    both = JobRequest(id=2, user="u", gpus=1, exclude=frozenset({"a", "b"}))
+    gang = JobRequest(id=3, user="u", gpus=2, exclude=frozenset({"a"}))
+    state = QueueState(NOW, [both, gang], [gpu(1, "a"), gpu(3, "a"), gpu(2, "b")])
+    assert decide(state).placements == []
+
+
+def test_a_job_is_listed_next_and_expected_to_start_only_on_nodes_it_did_not_exclude():
+    busy = [gpu(1, "a", busy_until=NOW + 60), gpu(2, "b", busy_until=NOW + 600)]
+    job = JobRequest(id=1, user="u", gpus=1, time_limit_s=60, exclude=frozenset({"a"}))
+    state = QueueState(NOW, [job], busy)
+    assert choose(state, decide(state), per_gpu=4, scan=64) == {2: [1]}
+    # Node a frees first, but it may not run there: it starts when b frees.
+    assert start_times(state) == {1: NOW + 600}
+
+
+def test_a_submit_refuses_an_unknown_node_its_own_node_or_excluding_every_node_it_fits(settings):
+    settings = settings.with_overrides(place_at_submit=False)
+    register(settings, "a", 1)
+    register(settings, "b", 3)
+    job = submit(settings, exclude="a")
+    pair = submit(settings, gpus=2, exclude="a")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[2] == "b" and state_of(settings, pair)[2] == "b"
+    # This node ("testnode") has two simulated GPUs of its own, counted before its workers register.
+    for sched, says in (({"exclude": "c"}, "--exclude c: no such node is known to gpuq (its nodes: a, b, testnode)"),
+                        ({"exclude": "a,b,testnode"}, "--exclude a,b,testnode leaves no node with 1 GPU: the job "
+                                                      "would never start"),
+                        ({"exclude": "b", "gpus": 3}, "--exclude b leaves no node with 3 GPUs"),
+                        ({"exclude": "a", "node": "a"}, "--node a is one --exclude names"),
+                        ({"exclude": "a,,b"}, "--exclude takes node names like a or a,b")):
+        gpus = sched.pop("gpus", 1)
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            submit(settings, gpus=gpus, **sched)
