@@ -113,6 +113,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                      "(ID[,ID]), instead of what it waited for.")] = None,
            after_any: Annotated[str | None, typer.Option(help="A pending job starts after these jobs ended, "
                                                          "in any state.")] = None,
+           exclude: Annotated[str | None, typer.Option("--exclude", "-x", help="A pending job's nodes it may not "
+                                                       "run on (NODE[,NODE]; none: none).")] = None,
            dependency: Annotated[str | None, typer.Option("--dependency", "-d", help="sbatch's form: "
                                                           "afterok:ID[:ID], afterany:, afternotok:, after:, "
                                                           "singleton; none: wait for nothing.")] = None,
@@ -130,7 +132,8 @@ def update(job_ids: JobIds = None, array: Array = None,
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
-                                 ("after", after), ("after_any", after_any), ("dependency", dependency))
+                                 ("after", after), ("after_any", after_any), ("dependency", dependency),
+                                 ("exclude", exclude))
                if v is not None}
     if not changes:
         raise InvalidSpec(c.UPDATE_ASK)  # before a round trip; the server asks the same
@@ -154,7 +157,8 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "mem_mib": ("GPU memory", lambda v: "none" if v is None else mib(v)),
     "on_node": ("node", lambda v: "any" if v is None else v),
     "shared": ("sharing", lambda v: "shared" if v else "whole GPUs"),
-    "dependency": ("dependency", lambda v: "none" if v is None else v)}
+    "dependency": ("dependency", lambda v: "none" if v is None else v),
+    "exclude_nodes": ("excluded nodes", lambda v: "none" if not v else ",".join(v))}
 
 
 def _changed(outcome: dict[str, Any]) -> str:

@@ -203,4 +203,4 @@ ALLOC_GATE_SECONDS = 10.0
 
 # What `gpuq update` changes, as the client and the server both ask for one when given none.
 UPDATE_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus, "
-              "--gpu-type, --mem, --node, --shared/--whole or --dependency")
+              "--gpu-type, --mem, --node, --exclude, --shared/--whole or --dependency")

@@ -1,6 +1,7 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
 limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
-begin time, and a pending job's GPUs, GPU type, GPU memory, node, sharing and dependencies.
+begin time, and a pending job's GPUs, GPU type, GPU memory, node, excluded nodes, sharing and
+dependencies.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
 of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory,
@@ -91,20 +92,25 @@ _CHANGE_DEPENDENCY = move("change the dependencies of a job that waits", Actor.U
                           # nothing any more waits for GPUs until the next whole pass says otherwise.
                           reason=case((and_(_WAITS, _JOBS.c.held == False), DEPENDENCY),  # noqa: E712
                                       (and_(~_WAITS, _JOBS.c.reason == DEPENDENCY), None), else_=_JOBS.c.reason))
+# A pending job's excluded nodes (`--exclude`; null: none).
+_CHANGE_EXCLUDE = move("change the nodes a job that waits may not run on", Actor.USER, State.PENDING, None, _ID,
+                       exclude_nodes=bindparam("new_exclude_nodes", type_=JSON(none_as_null=True)))
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
                        **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
-           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton)
+           _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
+           _JOBS.c.exclude_nodes)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
           "mem_mib", "on_node", "shared")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
-                 "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies"}
+                 "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies",
+                 "exclude_nodes": "excluded nodes"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
-_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared")
+_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share).
@@ -128,19 +134,21 @@ class Changes:
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
     # What it waits for, in place of what it waited for; Waits(): nothing any more.
     dependency: Waits | None = None
+    exclude_nodes: list[str] | None = None  # nodes it may not run on; []: none any more
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
         ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``, and
         ``after``, ``after_any`` or ``dependency`` as a submit takes them, ``dependency`` ``none`` for
-        none); InvalidSpec for anything malformed or for no change at all."""
+        none, ``exclude`` as a submit takes it, ``none`` for none); InvalidSpec for anything malformed or
+        for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
-                               "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency"}
+                               "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency)")
+                              "dependency, exclude)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
@@ -154,10 +162,10 @@ class Changes:
                               ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
-        after, after_any, dependency = (body.get(k) for k in ("after", "after_any", "dependency"))
+        after, after_any, dependency, exclude = (body.get(k) for k in ("after", "after_any", "dependency", "exclude"))
         for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
                               ("--node", node), ("--after", after), ("--after-any", after_any),
-                              ("--dependency", dependency)):
+                              ("--dependency", dependency), ("--exclude", exclude)):
             if value is not None and not isinstance(value, str):
                 raise InvalidSpec(f"{option} must be text")
         if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
@@ -176,14 +184,16 @@ class Changes:
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
                       else _node(node), shared=shared,
-                      dependency=dependency_of(after, after_any, dependency, clears=True))
+                      dependency=dependency_of(after, after_any, dependency, clears=True),
+                      exclude_nodes=None if exclude is None else [] if exclude.strip().lower() in ("", "none")
+                      else spec.exclude_nodes(exclude))
         if changes.empty:
             raise InvalidSpec(c.UPDATE_ASK)
         return changes
 
     @property
     def empty(self) -> bool:
-        return all(getattr(self, f) is None for f in FIELDS) and self.dependency is None
+        return all(getattr(self, f) is None for f in FIELDS) and self.dependency is None and self.exclude_nodes is None
 
 
 def _node(text: str) -> str:
@@ -246,27 +256,29 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
     shape is checked once: an array's tasks are one."""
     checked: set[tuple[Any, ...]] = set()
     for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
-                            Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type).values():
+                            Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type, Job.exclude_nodes).values():
         gpus = changes.gpus if changes.gpus is not None else job.gpus
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
         mem_mib = job.mem_mib if changes.mem_mib is None else changes.mem_mib or None
         on_node = job.on_node if changes.on_node is None else changes.on_node or None
         shared = bool(job.shared) if changes.shared is None else changes.shared
+        exclude = job.exclude_nodes if changes.exclude_nodes is None else changes.exclude_nodes
         if shared and mem_mib is None:
             if job.shared:
                 raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
             raise InvalidSpec(f"job {job.id} asks no GPU memory: --shared needs --mem, its share of the GPU")
-        if job.kind == c.KIND_INTERACTIVE and changes.on_node is not None:
+        if job.kind == c.KIND_INTERACTIVE and (changes.on_node is not None or changes.exclude_nodes is not None):
             raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
-                 shared, gpus, gpu_type)
+                 shared, gpus, gpu_type, tuple(exclude or ()))
         if shape in checked:
             continue
         checked.add(shape)
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
                                                         mem_mib=mem_mib, on_node=on_node,
-                                                        shared=shared, gpu_type=gpu_type))
+                                                        shared=shared, gpu_type=gpu_type,
+                                                        exclude_nodes=list(exclude) if exclude else None))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
             get_workload(job.workload).check_gpus(params, gpus)
 
@@ -318,6 +330,8 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         new = changes.dependency.text
         if old != new:
             outcome.changed["dependency"] = [old, new]
+    if changes.exclude_nodes is not None and (job.exclude_nodes or None) != (changes.exclude_nodes or None):
+        outcome.changed["exclude_nodes"] = [job.exclude_nodes or None, changes.exclude_nodes or None]
     if not outcome.changed:
         return outcome
     if started:
@@ -335,6 +349,8 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         session.execute(_CHANGE_DEPENDENCY, {"job_id": job.id, "new_after": list(waits.after) or None,
                                              "new_after_kind": waits.kind if waits.after else AFTER_OK,
                                              "new_singleton": waits.singleton, "waits": bool(waits.after)})
+    if "exclude_nodes" in outcome.changed:
+        session.execute(_CHANGE_EXCLUDE, {"job_id": job.id, "new_exclude_nodes": changes.exclude_nodes or None})
     if not started and (any(f in outcome.changed for f in _SHAPE) or "dependency" in outcome.changed):
         # Listed next on GPUs for what it asked before (or with nothing to wait for: a worker takes
         # a listed job without looking at its dependencies): the next pass lists it for what it

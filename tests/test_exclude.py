@@ -61,3 +61,38 @@ def test_a_submit_refuses_an_unknown_node_its_own_node_or_excluding_every_node_i
         gpus = sched.pop("gpus", 1)
         with pytest.raises(InvalidSpec, match=re.escape(says)):
             submit(settings, gpus=gpus, **sched)
+
+
+def test_update_changes_a_pending_jobs_excluded_nodes_as_a_submit_checks_them_and_unlists_it(settings):
+    from sqlalchemy import select
+
+    from gpuq.service.db import write_scope
+    from gpuq.service.models import NextUp
+    from gpuq.service.rights import Caller
+    from gpuq.service.update import Changes, update_all
+
+    settings = settings.with_overrides(place_at_submit=False)
+    [on_a] = register(settings, "a", 1)
+    register(settings, "b", 1)
+    ann = Caller(5001, "ann")
+    job = submit(settings, hold=True)
+    with write_scope(settings) as session:  # listed next on node a's GPU
+        session.add(NextUp(gpu_id=on_a, job_id=job, rank=0))
+    [outcome] = update_all(settings, [job], Changes.of({"exclude": "a"}), ann)
+    assert (outcome.changed, outcome.refused) == ({"exclude_nodes": [None, ["a"]]}, None)
+    with write_scope(settings) as session:
+        assert session.scalars(select(NextUp.job_id).where(NextUp.job_id == job)).all() == []
+    for body, says in (({"exclude": "c"}, "--exclude c: no such node is known to gpuq"),
+                       ({"exclude": "a,b,testnode"}, "leaves no node with 1 GPU")):
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            update_all(settings, [job], Changes.of(body), ann)
+    from gpuq.service import jobs
+
+    jobs.set_held(settings, job, False, "ann")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[:3:2] == ("dispatched", "b")
+    [started] = update_all(settings, [job], Changes.of({"exclude": "none"}), ann)
+    assert started.refused == f"job {job} is dispatched; only a pending job's excluded nodes can be changed"
+    waiting = submit(settings, hold=True, exclude="b")
+    [cleared] = update_all(settings, [waiting], Changes.of({"exclude": "none"}), ann)
+    assert cleared.changed == {"exclude_nodes": [["b"], None]}

@@ -374,6 +374,13 @@ def test_update_gpus_takes_sbatchs_type_count_and_prints_the_change(one_gpu, hel
     assert back.stdout == f"job {job}: GPU type simulated → any\n", back
 
 
+def test_update_prints_excluded_nodes_and_dependencies_as_sbatch_writes_them():
+    from gpuq.cli.control import _changed
+
+    assert _changed({"id": 7, "changed": {"exclude_nodes": [None, ["a", "b"]], "dependency": ["afterok:5", None]}}) == (
+        "job 7: excluded nodes none → a,b, dependency afterok:5 → none")
+
+
 def test_update_mem_and_node_print_the_change_and_a_bad_one_is_one_line(one_gpu, held):
     s, job = one_gpu.settings, held
     both = run_cli(["update", str(job), "--mem", "512M", "--node", s.node], s)
@@ -443,8 +450,8 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     nothing = run_cli(["update", str(first)], s)
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
     assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
-                                      "--array-limit, --begin, --gpus, --gpu-type, --mem, --node, --shared/--whole or "
-                                      "--dependency")
+                                      "--array-limit, --begin, --gpus, --gpu-type, --mem, --node, --exclude, "
+                                      "--shared/--whole or --dependency")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
