@@ -18,7 +18,7 @@ from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
 from gpuq.service.settings import Settings
-from gpuq.service.units import AFTER_ANY, AFTER_NOT_OK, AFTER_OK, AFTER_START
+from gpuq.service.units import AFTER_KINDS
 
 if TYPE_CHECKING:
     from gpuq.service.queue_read import QueueRead
@@ -26,11 +26,6 @@ if TYPE_CHECKING:
 
 def _gib(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB"
-
-
-# What a job after others waits for them to do, by its kind of dependency.
-_NEED = {AFTER_OK: "to succeed", AFTER_ANY: "to end", AFTER_NOT_OK: "to end other than succeeded",
-         AFTER_START: "to start"}
 
 
 def why(session: Session, settings: Settings, job_id: int) -> str:
@@ -55,7 +50,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         if not job.singleton or not dependencies.all_met(job.after_kind, job.after, deps):
             pending = ", ".join(deps[d].describe(states.get(d), job.after_kind) if d in deps else f"job {d} (gone)"
                                 for d in job.after)
-            return f"{head}: it waits for {pending} {_NEED[job.after_kind]} (-d {job.after_kind})"
+            return f"{head}: it waits for {pending} {AFTER_KINDS[job.after_kind]} (-d {job.after_kind})"
     if reason == policy.DEPENDENCY and job.singleton:
         ahead = dependencies.singleton_ahead(session, job.id, job.user, job.name, job.priority)
         said = f"{head}: --dependency singleton starts one job of {job.user}'s named {job.name!r} at a time"

@@ -182,12 +182,12 @@ def parse_job_ids(text: str, option: str) -> list[int]:
 # sbatch's dependency types gpuq has no counterpart for, and what each would ask.
 _OTHER_DEPENDENCIES = {"aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out"}
 SINGLETON = "singleton"
-# sbatch's kinds of dependency on jobs, as a job's ``after_kind`` holds them, and when each is met:
-# every one of its jobs (an array's every task)...
+# sbatch's kinds of dependency on jobs, as a job's ``after_kind`` holds them, and what each waits for
+# every one of its jobs (an array's every task) to do, as `gpuq why` says it (after: or to end
+# without starting; afternotok: to fail, be cancelled, time out...).
 AFTER_OK, AFTER_ANY, AFTER_NOT_OK, AFTER_START = "afterok", "afterany", "afternotok", "after"
-AFTER_KINDS = {AFTER_OK: "succeeded", AFTER_ANY: "ended, in any state",
-               AFTER_NOT_OK: "ended other than succeeded (failed, cancelled, timed out...)",
-               AFTER_START: "started (or ended without starting)"}
+AFTER_KINDS = {AFTER_OK: "to succeed", AFTER_ANY: "to end", AFTER_NOT_OK: "to end other than succeeded",
+               AFTER_START: "to start"}
 
 
 @dataclass(frozen=True)
