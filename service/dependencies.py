@@ -109,8 +109,9 @@ def all_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> boo
     return all(deps[d].met(kind) for d in after if d in deps)
 
 
-_WAITING_ON = select(_t.c.id, _t.c.array_id, _t.c.state, _t.c.after).where(or_(
-    _t.c.id.in_(bindparam("ids", expanding=True)), _t.c.array_id.in_(bindparam("ids", expanding=True))))
+# ``look_up``'s rows with what each waits for in turn (read apart: a pass reads ``_ROWS`` for every
+# waiting job's dependencies, and needs none of that).
+_WAITING_ON = _ROWS.add_columns(_t.c.after)
 
 
 def loop_back(conn: Any, after: Iterable[int], jobs: set[int]) -> str | None:

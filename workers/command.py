@@ -104,20 +104,19 @@ class Ahead:
 
     def send(self, pid: int, found: Finder, sink: OutputSink) -> None:
         self.sent_for = self.deadline()
-        sig = self.signal
-        send_signal(sig, pid, found)
-        to = "its main process" if sig.main_only else "the job"
-        sink.note(f"[gpuq: SIG{sig.name} sent to {to}, {sig.before_s} s before its time limit (--signal)]")
+        send_signal(self.signal, pid, found, sink, f"{self.signal.before_s} s before its time limit (--signal)")
 
 
-def send_signal(sig: JobSignal, pid: int, found: Finder) -> None:
+def send_signal(sig: JobSignal, pid: int, found: Finder, sink: OutputSink, why: str) -> None:
     """Send ``sig`` to the job whose main process is ``pid`` (unreaped): to that process alone
-    (``B:``), else once to each of the job's processes."""
+    (``B:``), else once to each of the job's processes; and say so, and ``why``, in its output."""
     if sig.main_only:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig.number)
     else:
         signal_each_once(pid, found(), sig.number)
+    to = "its main process" if sig.main_only else "the job"
+    sink.note(f"[gpuq: SIG{sig.name} sent to {to}, {why}]")
 
 
 def send_asked(asked: queue.SimpleQueue[JobSignal], pid: int, found: Finder, sink: OutputSink) -> None:
@@ -127,9 +126,7 @@ def send_asked(asked: queue.SimpleQueue[JobSignal], pid: int, found: Finder, sin
             sig = asked.get_nowait()
         except queue.Empty:
             return
-        send_signal(sig, pid, found)
-        to = "its main process" if sig.main_only else "the job"
-        sink.note(f"[gpuq: SIG{sig.name} sent to {to}, as asked (gpuq cancel --signal)]")
+        send_signal(sig, pid, found, sink, "as asked (gpuq cancel --signal)")
 
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
