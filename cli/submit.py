@@ -81,6 +81,13 @@ def submit(
                                                  "names them: a100, h100, rtx3090.")] = None,
     name: Annotated[str | None, typer.Option("--name", "-J", help="A name to know the job by.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
+    parsable: Annotated[bool, typer.Option("--parsable", help="Print only the job's id (an array's: the array "
+                                           "id), as sbatch --parsable: jid=$(gpuq submit --parsable ...).")] = False,
+    test_only: Annotated[bool, typer.Option("--test-only", help="Check the job and say when it would start; queue "
+                                            "nothing (as sbatch --test-only).")] = False,
+    chdir: Annotated[str | None, typer.Option("--chdir", "-D", help="Run in this directory instead of the current "
+                                              "one (as sbatch -D); its relative paths (-o, a script) are its.")
+                     ] = None,
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
                                           parser=numbers.integer)] = 0,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
@@ -128,7 +135,7 @@ def submit(
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
 
-    A command runs without a shell, in the directory it was submitted from, with
+    A command runs without a shell, in the directory it was submitted from (or -D's), with
     CUDA_VISIBLE_DEVICES set to the GPUs it was given.
     """
     command = ctx.meta.get(COMMAND_KEY)
@@ -137,7 +144,9 @@ def submit(
     if stray and (command is not None or workload is None or workload.startswith("-")):
         # Before `--` only gpuq's own options go (a workload's come after its name): a mistyped one.
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
-    cwd = _cwd()
+    cwd = _cwd() if chdir is None else _directory(chdir)
+    if parsable and (as_json or test_only):
+        raise InvalidSpec(f"give --{'json' if as_json else 'test-only'} or --parsable, not both")
     options: dict[str, Any] = {
         "gpus": gpus, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem, "shared": shared,
         "node": node,
@@ -170,14 +179,23 @@ def submit(
     body["umask"] = _umask()  # what the job's files are made with: a command's, a workload's checkpoint
     if command is not None:
         body["environ"] = _environ(body["env"])
-        body["git"] = _git_state(cwd)
+        # Not for an estimate: nothing of the work tree is recorded.
+        body["git"] = None if test_only else _git_state(cwd)
     running = ctx.command.name == "run"
     if running and (array is not None or sweep):
         given = [f" (--{n} from {origins[n]})" for n in ("array", "sweep") if n in origins]
         raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit" + "".join(given))
-    if running and as_json:
-        raise InvalidSpec("--json is for gpuq submit; gpuq run prints the job's own output")
+    if running and (as_json or parsable):
+        raise InvalidSpec(f"--{'json' if as_json else 'parsable'} is for gpuq submit; gpuq run prints the job's "
+                          "own output")
     client = Client()
+    if test_only:
+        answer = client.post("/jobs/estimate", body)
+        if as_json:
+            print_json(answer)
+        else:
+            typer.echo(answer["line"])
+        return
     # A server restarting meanwhile is waited for, as `gpuq wait` waits (the same key on every try:
     # a lab's submit loop goes on through a restart, each job made once).
     try:
@@ -195,6 +213,8 @@ def submit(
         raise typer.Exit(follow(client, made[0]["id"], cancel_on_interrupt=True, detach=detach))
     if as_json:
         print_json(made[0] if len(made) == 1 and array is None and not sweep else made)
+    elif parsable:
+        typer.echo(made[0]["array_id"] if made[0]["array_id"] is not None else made[0]["id"])
     elif len(made) == 1 and made[0]["array_id"] is None:
         typer.echo(f"submitted job {made[0]['id']}")
     else:
@@ -222,6 +242,15 @@ def _cwd() -> str:
         return os.getcwd()
     except FileNotFoundError:
         raise InvalidSpec("the current directory no longer exists") from None
+
+
+def _directory(path: str) -> str:
+    """``--chdir``'s directory, absolute (a relative one is the current directory's)."""
+    path = os.path.expanduser(path)
+    where = os.path.abspath(path if os.path.isabs(path) else os.path.join(_cwd(), path))
+    if not os.path.isdir(where):
+        raise InvalidSpec(f"--chdir: {where}: no such directory")
+    return where
 
 
 def _umask() -> int:

@@ -1,7 +1,8 @@
 """The API's moves on jobs: submit, and cancel, signal, hold, release, update and resubmit (of one
-job or of many in one request), and an allocation's client saying it is alive or has ended.
+job or of many in one request), and an allocation's client saying it is alive or has ended; and a
+submit tried without queueing it (its estimate).
 
-Each is audited (``audit.audited``); rights are checked in the service function it calls."""
+Each move is audited (``audit.audited``); rights are checked in the service function it calls."""
 
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ async def submit(request: web.Request) -> web.Response:
         await response.write_eof()
         await call(dispatch.send, settings, done.placed)
     return response
+
+
+@routes.post(P + "/jobs/estimate")
+async def estimate(request: web.Request) -> web.Response:
+    """A submit's body tried, not queued (`gpuq submit --test-only`): when its jobs would start.
+    Checked as the caller's submit; nothing is written, so nothing is audited."""
+    settings, caller = acting(request)
+    body = await body_of(request)
+    return web.json_response(await call(submission.estimate, settings, caller, body))
 
 
 @routes.post(JOB + "/cancel")

@@ -25,7 +25,7 @@ from gpuq.service import allocations, jobs, output_files, reach, spec, submittin
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
-from gpuq.service.models import Job
+from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller, submitter
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import DIFF_CUT_NOTE, GitState, Staged, Stager
@@ -208,6 +208,30 @@ def submit(settings: Settings, caller: Caller, body: dict[str, Any]) -> Submitte
         if not rows:
             raise
         return Submitted(rows, [], repeated=True)  # their messages went with the first answer
+
+
+def estimate(settings: Settings, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """When the jobs ``body`` asks for would start if submitted now (`gpuq submit --test-only`),
+    after a submit's checks; nothing is written, copied or sent. Each job's estimate, and the
+    submission's in a line: its one job's, or an array's first and last task's."""
+    from gpuq.service.estimate import estimate as estimate_of
+    from gpuq.service.estimate import sentence
+
+    require_schema(settings)
+    f = _fields(body)
+    specs = specs_of(settings, caller, f)
+    now = utcnow()
+    found = estimate_of(settings, specs)
+    if len(found) == 1 and found[0].index is None:
+        line = f"job {sentence(found[0], now)}"
+    else:
+        first, last = found[0], found[-1]
+        line = f"array of {len(found)}: its first task {sentence(first, now)}"
+        if len(found) > 1:
+            line += f"; its last {sentence(last, now)}"
+    jobs_out = [{"index": e.index, "start": None if e.start is None else e.start.isoformat(), "now": e.now,
+                 "node": e.node, "gpus": e.gpus, "reason": e.reason} for e in found]
+    return {"jobs": jobs_out, "line": line + "; nothing was queued"}
 
 
 def stager(caller: Caller) -> Stager | None:

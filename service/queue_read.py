@@ -96,11 +96,12 @@ class QueueRead:
 
 
 def read_queue(session: Session, settings: Settings, fair_share: FairShare | None = None,
-               head: int | None = None, only: Sequence[Any] | None = None) -> QueueRead:
+               head: int | None = None, only: Sequence[Any] | None = None, also: Sequence[Any] = ()) -> QueueRead:
     """What one pass needs from SQL. With ``head``, only each user's first ``head`` pending jobs
     that are not held (a quick pass; see ``_pending``), else every pending job. ``only``: every
     pending job there is, known to the caller (a submit's own rows, when no other job waits), as
-    rows with ``_PENDING_COLUMNS``' names; they are not read again."""
+    rows with ``_PENDING_COLUMNS``' names; they are not read again. ``also``: jobs not written, as
+    such rows, read as pending with the rest (a submit's estimate, service/estimate.py)."""
     now = utcnow()
     conn = session.connection()  # Prepared statements: a submit reads this to place its job
     drained = {name for name, in _DRAINED.run(conn, {})}
@@ -131,6 +132,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     in_service = max((n for node, n in per_node.items() if node not in drained), default=0)
     in_drained = max((n for node, n in per_node.items() if node in drained), default=0)
     pending, last = _pending(session, head) if only is None else _heads(only, head)
+    pending = [*pending, *also] if also else pending
     # Fair share orders users against each other: a quick pass over one user's queue needs none
     # (the whole pass, which also explains every wait, always reads it).
     users = {row.user for row in pending}

@@ -52,8 +52,6 @@ _INSERT_NUMBERED_JOBS = Prepared(_JOBS.insert())
 _INSERT_SUBMISSION = Prepared(table(Submission).insert())
 
 
-
-
 def submit(settings: Settings, spec: JobSpec) -> Job:
     """Queue one job; see ``submit_all``."""
     return submit_all(settings, [spec])[0]
@@ -83,13 +81,13 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     lock every worker's job end waits for) holds just the inserts and the placement."""
     require_schema(settings)
     broker.check(settings)
-    specs = _with_default_time(settings, specs)
+    specs = with_default_time(settings, specs)
     near_cap = check_submission(settings, specs, key)
     staged = None
     try:
         specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
         now = utcnow()
-        values = [_row(s, now, position) for position, s in enumerate(specs)]
+        values = [job_row(s, now, position) for position, s in enumerate(specs)]
         with write_scope(settings) as session:
             if near_cap:
                 # Two submissions of one user, each under the cap when it was read, could go past it
@@ -118,8 +116,6 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     elif len(placed) < len(ids):
         broker.wake_scheduler(settings)
     return [Job(**row) for row in values]
-
-
 
 
 def _insert(session: Session, values: list[dict[str, Any]], staged: Staged | None, indexed: bool,
@@ -168,7 +164,7 @@ def _used(settings: Settings, key: str, user: str) -> DuplicateSubmission:
         return DuplicateSubmission(key, submitted_with(session, key, user))
 
 
-def _row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
+def job_row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
     """The ``jobs`` row of a spec just submitted, every column given (it is also the Job returned);
     ``position``: its place in its submission (an array's task past its limit waits for it)."""
     return dict(name=s.name, user=s.user, kind=s.kind, workload=s.workload, params=s.params, argv=s.argv,
@@ -222,30 +218,10 @@ def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, re
     return specs, staged
 
 
-
-
-
-
-
-
-def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+def with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
     """The specs, those without --time given the queue's default time limit (GPUQ_DEFAULT_TIME,
     else GPUQ_MAX_TIME), as SLURM gives a partition's DefaultTime."""
     default = settings.time_limits[0]
     if default is None or all(s.time_limit_s is not None for s in specs):
         return specs
     return [s if s.time_limit_s is not None else replace(s, time_limit_s=default) for s in specs]
-
-
-
-
-
-
-
-
-
-
-
-
-
-

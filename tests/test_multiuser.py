@@ -413,8 +413,11 @@ def test_forged_identity_in_fields_or_headers_changes_nothing(box):
 def test_submit_as_another_user_is_refused_to_non_root(box):
     before = _sql_state(box.settings)
     for user, other in ((box.a, box.b), (box.b, box.a), (box.b, "root")):
-        line = _refused(box.gpuq(user, "submit", "--user", other, "--", "id", "-un"))
-        assert "only root may submit as another user" in line
+        for test_only in ([], ["--test-only"]):  # an estimate is checked as the submit it tries
+            line = _refused(box.gpuq(user, "submit", *test_only, "--user", other, "--", "id", "-un"))
+            assert "only root may submit as another user" in line
+    tried = box.gpuq(box.b, "submit", "--test-only", "--", "id", "-un")
+    assert tried.returncode == 0 and tried.stdout.strip().endswith("nothing was queued"), tried.stderr
     assert _sql_state(box.settings) == before
 
 

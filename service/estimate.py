@@ -1,0 +1,91 @@
+"""A submission tried without queueing it (`gpuq submit --test-only`, as sbatch's): the submit's own
+checks, then the queue as a whole pass reads it with the new jobs in it, and when each would start
+(``forecast.start_times``, the estimate `gpuq status --start` gives). Nothing is written.
+
+The new jobs are read as pending rows of ids no job has (negative, in submission order), submitted
+now: they wait behind every job of their priority and their user's fair share as a submit's would,
+through the pass's own rules (held, dependencies, --begin, an array's limit, a singleton's name,
+drained nodes), not a copy of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from gpuq.service import policy
+from gpuq.service.db import read_scope
+from gpuq.service.forecast import DEPTH, start_times
+from gpuq.service.models import utcnow
+from gpuq.service.queue_read import pending_row, read_queue
+from gpuq.service.settings import Settings
+from gpuq.service.spec import JobSpec
+from gpuq.service.submit_checks import check_submission
+from gpuq.service.submitting import job_row, with_default_time
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """When one job of the submission would start: now (``node`` and ``gpus``, its GPUs' indices,
+    say where), by ``start``, or not known (None), and why it would wait (a pass's reason)."""
+
+    index: int | None  # its array index (None: not an array's)
+    start: datetime | None
+    now: bool
+    node: str | None
+    gpus: list[int]
+    reason: str | None
+
+
+def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
+    """When each of ``specs`` would start if submitted now, after the checks a submit makes
+    (InvalidSpec, NotAllowed, OverLimit, StateConflict as it raises them). Reads only."""
+    specs = with_default_time(settings, specs)
+    check_submission(settings, specs, None)
+    now = utcnow()
+    rows = [job_row(s, now, position) for position, s in enumerate(specs)]
+    first = -len(rows)  # ids below every real one, rising in submission order (the queue's tie-break)
+    array = len(rows) > 1 or specs[0].array_index is not None
+    for position, row in enumerate(rows):
+        row.update(id=first + position, array_id=first if array else None)
+    with read_scope(settings) as session:
+        read = read_queue(session, settings, also=[pending_row(r) for r in rows])
+    decision = policy.decide(read.policy)
+    starts = start_times(read.policy, decision, later=read.later)
+    placed = {p.job_id: p for p in decision.placements}
+    out = []
+    for spec, row in zip(specs, rows, strict=True):
+        job_id = row["id"]
+        where = placed.get(job_id)
+        start = starts.get(job_id)
+        out.append(Estimate(
+            index=spec.array_index, now=where is not None,
+            start=None if start is None else datetime.fromtimestamp(start, UTC),
+            node=where.gpus[0].node if where is not None else None,
+            gpus=[g.index for g in where.gpus] if where is not None else [],
+            reason=None if where is not None else read.not_eligible.get(job_id) or decision.waiting.get(job_id)))
+    return out
+
+
+# What a job the estimate cannot plan waits for first, as a sentence's end.
+_WAITS = {policy.HELD: "it is held: it waits for `gpuq release`",
+          policy.DEPENDENCY: "it waits for its dependency first",
+          policy.NODE_DRAINED: "its node is drained",
+          policy.ARRAY_LIMIT: "it waits for its array's limit (%N)",
+          policy.USER_LIMIT: "its user holds the most GPUs allowed at once"}
+
+
+def sentence(e: Estimate, now: datetime) -> str:
+    """``e`` in words, as `gpuq why` says a start: ``would start now on n1 (GPU 0)``."""
+    from gpuq.service.display import time_limit
+
+    if e.now:
+        return f"would start now on {e.node} (GPU {','.join(map(str, e.gpus))})"
+    if e.start is None:
+        why = _WAITS.get(e.reason or "", "a job before it on the GPUs it needs has no time limit, or it is past the "
+                                         f"first {DEPTH} jobs of the queue")
+        return f"has no start time to count on ({why})"
+    wait = int((e.start - now).total_seconds() + 0.999)
+    if wait <= 0:
+        return "would start at the scheduler's next pass"
+    return (f"would start by {e.start:%Y-%m-%d %H:%M:%S} UTC, in {time_limit(wait)}, if the jobs before it run to "
+            "their time limits")
