@@ -62,7 +62,7 @@ def states_of(client: Client, job_ids: list[int], ride_out: bool = False,
     return states
 
 
-def _until_ended(client: Client, job_ids: list[int], deadline: float | None,
+def until_ended(client: Client, job_ids: list[int], deadline: float | None,
                  advance: Callable[[int, str], None] | None = None) -> dict[int, str]:
     """The jobs' states once all have ended, or as last seen when ``deadline`` (time.monotonic())
     passed; ``advance(ended, text)`` is told how many have ended after each look. A server that
@@ -109,7 +109,7 @@ def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", pa
         _timed_out(timeout or 0.0, _still_waiting(list(job_ids or []), {}) or f"the jobs of array {array}")
     show = not quiet and not as_json and wanted(progress, sys.stderr)
     with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
-        states = _until_ended(client, job_ids, deadline, advance)
+        states = until_ended(client, job_ids, deadline, advance)
     if as_json:
         print_json({str(j): states.get(j) for j in job_ids})
     left = _still_waiting(job_ids, states)
@@ -201,7 +201,7 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
                 typer.echo(f"job {job_id} cancelling")
     elif stopping:
         # The worker sends SIGTERM, waits kill_grace, then SIGKILLs: wait a little longer than that.
-        states = _until_ended(client, stopping, time.monotonic() + grace + 15)
+        states = until_ended(client, stopping, time.monotonic() + grace + 15)
         for job_id in stopping:
             state = states.get(job_id)
             if job_id not in named:

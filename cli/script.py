@@ -24,7 +24,7 @@ DIRECTIVE = "#GPUQ"
 HEAD_BYTES = 64 * 1024
 # Options that say how to submit, not what the job is: not for a script to set; and --chdir, the
 # directory the script itself is found from.
-NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "chdir"}
+NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir"}
 
 
 def script_of(command: list[str], cwd: str) -> str | None:

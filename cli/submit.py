@@ -85,6 +85,8 @@ def submit(
                                            "id), as sbatch --parsable: jid=$(gpuq submit --parsable ...).")] = False,
     test_only: Annotated[bool, typer.Option("--test-only", help="Check the job and say when it would start; queue "
                                             "nothing (as sbatch --test-only).")] = False,
+    wait: Annotated[bool, typer.Option("--wait", "-W", help="Return once the job (every task) has ended: exit "
+                                           "0 only if all succeeded, as gpuq wait (sbatch --wait).")] = False,
     chdir: Annotated[str | None, typer.Option("--chdir", "-D", help="Run in this directory instead of the current "
                                               "one (as sbatch -D); its relative paths (-o, a script) are its.")
                      ] = None,
@@ -185,9 +187,11 @@ def submit(
     if running and (array is not None or sweep):
         given = [f" (--{n} from {origins[n]})" for n in ("array", "sweep") if n in origins]
         raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit" + "".join(given))
-    if running and (as_json or parsable):
-        raise InvalidSpec(f"--{'json' if as_json else 'parsable'} is for gpuq submit; gpuq run prints the job's "
-                          "own output")
+    if running and (as_json or parsable or wait):
+        given = "json" if as_json else "parsable" if parsable else "wait"
+        raise InvalidSpec(f"--{given} is for gpuq submit; gpuq run prints the job's own output")
+    if test_only and wait:
+        raise InvalidSpec("give --test-only or --wait, not both: a test queues nothing to wait for")
     client = Client()
     if test_only:
         answer = client.post("/jobs/estimate", body)
@@ -221,6 +225,21 @@ def submit(
         at_once = made[0].get("array_limit")
         typer.echo(f"submitted array {made[0]['array_id']}: jobs {made[0]['id']}-{made[-1]['id']} ({len(made)}"
                    + (f", {at_once} at once at most)" if at_once else ")"))
+    if wait:
+        _wait_for(client, [j["id"] for j in made], say=not (as_json or parsable))
+
+
+def _wait_for(client: Client, job_ids: list[int], say: bool) -> None:
+    """``--wait``: until the jobs have ended, each one's end state said (``say``); exit 1 unless all
+    succeeded."""
+    from gpuq.cli.ends import until_ended
+
+    states = until_ended(client, job_ids, None)
+    if say:
+        for job_id in job_ids:
+            typer.echo(f"job {job_id} {states[job_id]}")
+    if any(s != c.State.SUCCEEDED for s in states.values()):
+        raise typer.Exit(c.EXIT_JOB_FAILED)
 
 
 def typed(ask: numbers.GpuAsk | None, gpu_type: str | None, origins: dict[str, str] | None = None

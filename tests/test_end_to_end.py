@@ -89,6 +89,22 @@ def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
     assert output_of(s, job_id) == "bye\n"
 
 
+def test_submit_wait_returns_once_every_task_ended_and_fails_if_one_failed(stack, tmp_path):
+    s = stack.settings
+    ran = run_cli(["submit", "--wait", "-D", str(tmp_path), "--", "sh", "-c", "pwd > where"], s, timeout=90)
+    assert ran.returncode == 0, ran.stderr
+    first, ended = ran.stdout.splitlines()
+    job_id = int(first.removeprefix("submitted job "))
+    assert ended == f"job {job_id} succeeded" and (tmp_path / "where").read_text() == f"{tmp_path}\n"
+    # An array's tasks, one failing: every task waited for, exit 1; --parsable prints the id alone.
+    tasks = run_cli(["submit", "-W", "--parsable", "-a", "0-1", "--", "sh", "-c", "exit $GPUQ_ARRAY_INDEX"], s,
+                    cwd=tmp_path, timeout=90)
+    assert tasks.returncode == c.EXIT_JOB_FAILED and tasks.stdout.strip().isdigit(), tasks.stderr
+    array = int(tasks.stdout)
+    with write_scope(s) as session:
+        assert [jobs.get_job(session, array + i).state for i in (0, 1)] == [State.SUCCEEDED, State.FAILED]
+
+
 def test_output_with_a_nul_character_is_kept_with_the_nul_shown_and_the_rest_after_it(stack, tmp_path):
     # PostgreSQL's text refuses NUL: the chunk, and at the job's end its usage summary, were lost.
     s = stack.settings

@@ -124,8 +124,11 @@ def test_parsable_prints_the_id_alone_and_an_arrays_id_for_an_array(use_settings
                        (["--test-only"], "give --test-only or --parsable, not both")):
         result = invoke(["submit", "--parsable", *args, "--", "true"])
         assert result.exit_code == c.EXIT_USAGE and says in result.output
-    result = invoke(["run", "--parsable", "--", "true"])
-    assert result.exit_code == c.EXIT_USAGE and "--parsable is for gpuq submit" in result.output
+    for args, says in ((["run", "--parsable"], "--parsable is for gpuq submit"),
+                       (["run", "--wait"], "--wait is for gpuq submit"),
+                       (["submit", "--wait", "--test-only"], "give --test-only or --wait, not both")):
+        result = invoke([*args, "--", "true"])
+        assert result.exit_code == c.EXIT_USAGE and says in result.output
     assert rows_written(use_settings)[0] == 4
 
 
