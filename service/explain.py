@@ -88,7 +88,8 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)
         if job.on_node is None:
-            nodes = ", ".join(f"{n} ({why})" if why else n for n, why in sorted(drained.items()))
+            nodes = ", ".join(f"{n} ({why})" if why else n for n, why in sorted(drained.items())
+                              if n not in (job.exclude_nodes or ()))
             return f"{head}: the nodes with {job.gpus} GPU{'s' if job.gpus != 1 else ''} for it are drained: {nodes}"
         why_drained = drained.get(job.on_node)
         return f"{head}: it asked for node {job.on_node}, which is drained{f' ({why_drained})' if why_drained else ''}"

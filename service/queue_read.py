@@ -131,6 +131,14 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     per_node = Counter(g.node for g in live)
     in_service = max((n for node, n in per_node.items() if node not in drained), default=0)
     in_drained = max((n for node, n in per_node.items() if node in drained), default=0)
+
+    def drain_keeps(gpus: int, exclude: Sequence[str] | None) -> bool:
+        """Whether a job of ``gpus`` GPUs, kept off ``exclude``, would fit a drained node and no other."""
+        if not exclude:
+            return in_service < gpus <= in_drained
+        nodes = [(node, n) for node, n in per_node.items() if node not in exclude]
+        return (max((n for node, n in nodes if node not in drained), default=0) < gpus
+                <= max((n for node, n in nodes if node in drained), default=0))
     pending, last = _pending(session, head) if only is None else _heads(only, head)
     pending = [*pending, *also] if also else pending
     # Fair share orders users against each other: a quick pass over one user's queue needs none
@@ -161,7 +169,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if unmet:
             not_eligible[row.id] = policy.DEPENDENCY
             continue
-        if row.on_node in drained or (row.on_node is None and in_service < row.gpus <= in_drained):
+        if row.on_node in drained or (row.on_node is None and drained and drain_keeps(row.gpus, row.exclude_nodes)):
             not_eligible[row.id] = policy.NODE_DRAINED
             continue
         job = _request(row)

@@ -244,6 +244,7 @@ class Stack:
     settings: Settings
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    workers: set[str] = field(default_factory=set)  # the names of the workers started (gpu0@node)
 
     @property
     def env(self) -> dict[str, str]:
@@ -256,6 +257,7 @@ class Stack:
         if fake_gpus is not None:
             env["GPUQ_FAKE_GPUS"] = str(fake_gpus)
         name = f"worker-{node or self.settings.node}-{index}"
+        self.workers.add(f"gpu{index}@{node or self.settings.node}")
         # Through the CLI, as a user starts one: `gpuq worker --gpu I` pins and execs the worker.
         proc = self._spawn(name, [sys.executable, "-m", "gpuq.cli", "worker", "--gpu", str(index)], env)
         return proc
@@ -314,6 +316,13 @@ class Stack:
             except subprocess.TimeoutExpired:
                 kill_tree(p.pid)
                 p.wait(5)
+        # A worker killed mid-job (a fault test) leaves its job's cgroup, empty, which its restart
+        # removes; one never restarted cannot: removed here, as a restart would.
+        from gpuq.workers.cgroup import remove_leftovers
+        from gpuq.workers.job_processes import cgroup_prefix
+
+        for worker in self.workers:
+            remove_leftovers(cgroup_prefix(self.settings, worker))
 
 
 def kill_tree(pid: int) -> None:

@@ -96,3 +96,26 @@ def test_update_changes_a_pending_jobs_excluded_nodes_as_a_submit_checks_them_an
     waiting = submit(settings, hold=True, exclude="b")
     [cleared] = update_all(settings, [waiting], Changes.of({"exclude": "none"}), ann)
     assert cleared.changed == {"exclude_nodes": [["b"], None]}
+
+
+def test_a_job_whose_only_node_left_is_drained_waits_for_the_node_not_for_resources(settings):
+    from gpuq.service import inventory
+    from gpuq.service.db import write_scope
+    from gpuq.service.explain import why
+
+    settings = settings.with_overrides(place_at_submit=False)
+    register(settings, "a", 1)
+    register(settings, "b", 1)
+    register(settings, "c", 1)
+    with write_scope(settings) as session:
+        inventory.set_drained(session, "b", True, "maintenance")
+        inventory.set_drained(session, "c", True, "new driver")  # excluded too: not named to it
+    busy = submit(settings)  # a's GPU
+    off_a = submit(settings, exclude="a,c")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, busy)[0] == "dispatched"
+    # Only b is left to it and b is drained: not "resources" (a busy, and excluded, counted before).
+    assert state_of(settings, off_a)[:2] == ("pending", "node drained")
+    with write_scope(settings) as session:
+        assert re.search(r"the nodes with 1 GPU for it are drained: b \(maintenance; since [\d: -]+ UTC\)$",
+                         why(session, settings, off_a))
