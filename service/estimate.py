@@ -69,6 +69,8 @@ def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
 # What a job the estimate cannot plan waits for first, as a sentence's end.
 _WAITS = {policy.HELD: "it is held: it waits for `gpuq release`",
           policy.DEPENDENCY: "it waits for its dependency first",
+          # Planned from its begin time, unless a dependency waits too: then this is why it is not.
+          policy.BEGIN_TIME: "it waits for its dependency, and its begin time",
           policy.NODE_DRAINED: "its node is drained",
           policy.ARRAY_LIMIT: "it waits for its array's limit (%N)",
           policy.USER_LIMIT: "its user holds the most GPUs allowed at once"}

@@ -81,6 +81,8 @@ def test_what_a_pass_would_make_a_new_job_wait_for_is_its_reason(settings):
     begin = (utcnow() + timedelta(hours=1)).isoformat()
     [later] = estimate(settings, specs(begin=begin))
     assert later.reason == policy.BEGIN_TIME and later.start >= utcnow() + timedelta(minutes=59)
+    [both] = estimate(settings, specs(begin=begin, after=str(waiting)))
+    assert both.start is None and "its dependency, and its begin time" in sentence(both, utcnow())
     tasks = estimate(settings, specs(array="0-2%1", time="1m"))
     assert [t.index for t in tasks] == [0, 1, 2]
     assert tasks[0].now and [t.reason for t in tasks[1:]] == [policy.ARRAY_LIMIT] * 2
