@@ -8,6 +8,7 @@ it is from the socket's credentials, not from anything sent."""
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -267,8 +268,16 @@ def _directory(path: str) -> str:
     """``--chdir``'s directory, absolute (a relative one is the current directory's)."""
     path = os.path.expanduser(path)
     where = os.path.abspath(path if os.path.isabs(path) else os.path.join(_cwd(), path))
-    if not os.path.isdir(where):
-        raise InvalidSpec(f"--chdir: {where}: no such directory")
+    try:
+        mode = os.stat(where).st_mode
+    except PermissionError:  # a directory on the way this user may not enter
+        raise InvalidSpec(f"--chdir: {where}: permission denied") from None
+    except OSError:
+        raise InvalidSpec(f"--chdir: {where}: no such directory") from None
+    if not stat.S_ISDIR(mode):
+        raise InvalidSpec(f"--chdir: {where}: not a directory")
+    if not os.access(where, os.X_OK):  # the job runs as this user: it could not start there
+        raise InvalidSpec(f"--chdir: {where}: permission denied")
     return where
 
 

@@ -150,6 +150,8 @@ def test_chdir_runs_the_job_there_with_its_relative_paths_read_from_there(use_se
     result = invoke(["submit", "-D", "nowhere", "--", "true"])
     assert result.exit_code == c.EXIT_USAGE
     assert result.output.strip() == f"gpuq: --chdir: {tmp_path / 'nowhere'}: no such directory"
+    result = invoke(["submit", "-D", "exp/train.sh", "--", "true"])
+    assert result.output.strip() == f"gpuq: --chdir: {run_in / 'train.sh'}: not a directory"
     (tmp_path / "job.sh").write_text("#!/bin/sh\n#GPUQ -D /tmp\ntrue\n")
     (tmp_path / "job.sh").chmod(0o755)
     result = invoke(["submit", "--", "./job.sh"])
