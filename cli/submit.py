@@ -194,16 +194,16 @@ def submit(
     if test_only and wait:
         raise InvalidSpec("give --test-only or --wait, not both: a test queues nothing to wait for")
     client = Client()
-    if test_only:
-        answer = client.post("/jobs/estimate", body)
-        if as_json:
-            print_json(answer)
-        else:
-            typer.echo(answer["line"])
-        return
-    # A server restarting meanwhile is waited for, as `gpuq wait` waits (the same key on every try:
-    # a lab's submit loop goes on through a restart, each job made once).
     try:
+        if test_only:
+            answer = client.post("/jobs/estimate", body)
+            if as_json:
+                print_json(answer)
+            else:
+                typer.echo(answer["line"])
+            return
+        # A server restarting meanwhile is waited for, as `gpuq wait` waits (the same key on every try:
+        # a lab's submit loop goes on through a restart, each job made once).
         made = client.post("/jobs", body, retries=c.SUBMIT_RETRIES, ride_out=True)["jobs"]
     except Refused as refused:
         if not origins or refused.exit_code != c.EXIT_USAGE:

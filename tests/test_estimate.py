@@ -114,6 +114,10 @@ def test_test_only_prints_when_the_job_would_start_and_queues_nothing(use_settin
     assert answer["line"].startswith("array of 2: its first task has no start time to count on (it is held")
     result = invoke(["submit", "--test-only", "--gpus", "3", "--", "true"])
     assert result.exit_code == c.EXIT_USAGE and "more than any node has" in result.output
+    (tmp_path / "big.sh").write_text("#!/bin/sh\n#GPUQ --gpus 3\ntrue\n")
+    (tmp_path / "big.sh").chmod(0o755)
+    result = invoke(["submit", "--test-only", "--", "./big.sh"])  # the refusal names the script's line
+    assert result.exit_code == c.EXIT_USAGE and result.output.strip().endswith("(big.sh line 2)"), result.output
     assert rows_written(use_settings) == (0, 0, 0)
 
 
