@@ -189,8 +189,8 @@ def submit(
         given = [f" (--{n} from {origins[n]})" for n in ("array", "sweep") if n in origins]
         raise InvalidSpec("gpuq run follows one job; queue an array or a sweep with gpuq submit" + "".join(given))
     if running and (as_json or parsable or wait):
-        given = "json" if as_json else "parsable" if parsable else "wait"
-        raise InvalidSpec(f"--{given} is for gpuq submit; gpuq run prints the job's own output")
+        option = "json" if as_json else "parsable" if parsable else "wait"
+        raise InvalidSpec(f"--{option} is for gpuq submit; gpuq run prints the job's own output")
     if test_only and wait:
         raise InvalidSpec("give --test-only or --wait, not both: a test queues nothing to wait for")
     client = Client()
