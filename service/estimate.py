@@ -25,8 +25,9 @@ from gpuq.service.submitting import job_row, with_default_time
 
 @dataclass(frozen=True)
 class Estimate:
-    """When one job of the submission would start: now (``node`` and ``gpus``, its GPUs' indices,
-    say where), by ``start``, or not known (None), and why it would wait (a pass's reason)."""
+    """When one job of the submission would start: now, by ``start``, or not known (None); where
+    (``node``, and ``gpus``, its GPUs' indices, as planned: other GPUs may free first); and why it
+    would wait (a pass's reason)."""
 
     index: int | None  # its array index (None: not an array's)
     start: datetime | None
@@ -50,19 +51,17 @@ def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
     with read_scope(settings) as session:
         read = read_queue(session, settings, also=[pending_row(r) for r in rows])
     decision = policy.decide(read.policy)
-    starts = start_times(read.policy, decision, later=read.later)
-    placed = {p.job_id: p for p in decision.placements}
+    gpus: dict[int, list[policy.GpuState]] = {}
+    starts = start_times(read.policy, decision, later=read.later, where=gpus)
+    placed = {p.job_id for p in decision.placements}
     out = []
     for spec, row in zip(specs, rows, strict=True):
-        job_id = row["id"]
-        where = placed.get(job_id)
-        start = starts.get(job_id)
+        job_id, at_once = row["id"], row["id"] in placed
+        start, on = starts.get(job_id), gpus.get(job_id, [])
         out.append(Estimate(
-            index=spec.array_index, now=where is not None,
-            start=None if start is None else datetime.fromtimestamp(start, UTC),
-            node=where.gpus[0].node if where is not None else None,
-            gpus=[g.index for g in where.gpus] if where is not None else [],
-            reason=None if where is not None else read.not_eligible.get(job_id) or decision.waiting.get(job_id)))
+            index=spec.array_index, now=at_once, start=None if start is None else datetime.fromtimestamp(start, UTC),
+            node=on[0].node if on else None, gpus=[g.index for g in on],
+            reason=None if at_once else read.not_eligible.get(job_id) or decision.waiting.get(job_id)))
     return out
 
 
@@ -89,5 +88,6 @@ def sentence(e: Estimate, now: datetime) -> str:
     wait = int((e.start - now).total_seconds() + 0.999)
     if wait <= 0:
         return "would start at the scheduler's next pass"
-    return (f"would start by {e.start:%Y-%m-%d %H:%M:%S} UTC, in {time_limit(wait)}, if the jobs before it run to "
-            "their time limits")
+    on = f" on {e.node} (GPU {','.join(map(str, e.gpus))})" if e.node is not None else ""
+    return (f"would start by {e.start:%Y-%m-%d %H:%M:%S} UTC, in {time_limit(wait)}{on}, if the jobs before it run "
+            "to their time limits")

@@ -121,11 +121,13 @@ class _Plan:
 
 
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,
-                later: Sequence[tuple[JobRequest, float]] = ()) -> dict[int, float | None]:
+                later: Sequence[tuple[JobRequest, float]] = (),
+                where: dict[int, list[GpuState]] | None = None) -> dict[int, float | None]:
     """Each eligible job's expected start (epoch seconds; ``state.now`` for those placed now), or
     None where it cannot be counted on. ``decision``: this state's ``policy.decide``, if made.
     ``later``: jobs that may not start before a moment (their ``--begin``), planned from then on,
-    after the jobs that may start now."""
+    after the jobs that may start now. ``where``, if given, is told each started or planned job's
+    GPUs."""
     if decision is None:
         decision = policy.decide(state)
     plan = _Plan(state)
@@ -133,6 +135,8 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     found: dict[int, float | None] = {}
     for p in decision.placements:
         found[p.job_id] = state.now
+        if where is not None:
+            where[p.job_id] = list(p.gpus)
         placed, ends = jobs[p.job_id], state.now + _length(jobs[p.job_id])
         plan.hold(list(p.gpus), state.now, ends, _need(placed, state))
         user = plan.user(placed.user)
@@ -150,7 +154,7 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
         if looked >= depth or (decision.waiting.get(job.id) == policy.USER_LIMIT and plan.user(job.user) is None):
             found[job.id] = None
             continue
-        found[job.id] = _earliest(job, state, by_node, plan, max(state.now, not_before.get(job.id, state.now)))
+        found[job.id] = _earliest(job, state, by_node, plan, max(state.now, not_before.get(job.id, state.now)), where)
     return found
 
 
@@ -166,9 +170,10 @@ def _need(job: JobRequest, state: QueueState) -> int | None:
 
 
 def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuState]], plan: _Plan,
-              first: float) -> float | None:
+              first: float, where: dict[int, list[GpuState]] | None = None) -> float | None:
     """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node,
-    and under a user limit its user has room for them that long; it holds them then."""
+    and under a user limit its user has room for them that long; it holds them then (and tells
+    ``where`` which)."""
     need, length, user = _need(job, state), _length(job), plan.user(job.user)
     # What it counts against its user's limit: a whole job its GPUs; a shared one its share of
     # them, known once they are chosen (until then, none).
@@ -190,6 +195,8 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                 continue
             user.hold(start, start + length, charge)
         plan.hold(chosen, start, start + length, need)
+        if where is not None:
+            where[job.id] = chosen
         return start
 
 

@@ -4,6 +4,7 @@ queue's own pass and forecast, nothing written; and sbatch's `--parsable` and `-
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -46,7 +47,8 @@ def test_an_idle_gpu_is_named_and_a_busy_queue_gives_the_start_its_forecast_give
     [later] = estimate(settings, specs(time="5m"))
     [gang] = estimate(settings, specs(gpus=2, time="5m"))
     assert rows_written(settings) == before  # nothing written, listed or keyed
-    assert not later.now and later.reason == policy.RESOURCES
+    assert not later.now and later.reason == policy.RESOURCES and later.node == "a" and len(later.gpus) == 1
+    assert gang.node == "a" and sorted(gang.gpus) == [0, 1]
     assert timedelta(minutes=9) < later.start - utcnow() <= timedelta(minutes=10)
     assert gang.start is not None and abs((gang.start - later.start).total_seconds()) < 2
     # Submitted for real, the queue's own forecast (`gpuq status --start`) says the same moment.
@@ -54,7 +56,8 @@ def test_an_idle_gpu_is_named_and_a_busy_queue_gives_the_start_its_forecast_give
     with read_scope(settings) as session:
         forecast = expected_starts(session, settings)[job]
     assert abs((forecast - later.start).total_seconds()) < 2
-    assert sentence(later, utcnow()).startswith(f"would start by {later.start:%Y-%m-%d %H:%M}")
+    assert re.fullmatch(rf"would start by {later.start:%Y-%m-%d %H:%M}:\d\d UTC, in 0:(09:\d\d|10:00) on a \(GPU "
+                        r"[01]\), if the jobs before it run to their time limits", sentence(later, utcnow()))
 
 
 def test_a_new_job_waits_behind_the_queue_and_backfills_only_where_it_ends_in_time(settings):
