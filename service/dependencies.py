@@ -4,20 +4,27 @@
 An id that is an array's (its first task's id, which `gpuq submit` prints as "submitted array N")
 stands for every task of the array, as SLURM's ``afterok:<array job id>`` waits for all of them: a
 sweep's summary job runs once the whole sweep is done. A later task's own id is that task alone.
+
+sbatch's ``aftercorr`` (each task after the task of its own index) holds, from the submit on, the
+ids of those tasks (``corresponding``), each waited for alone, as afterok (``standing``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, bindparam, or_, select
 
 from gpuq.service import constants as c
 from gpuq.service.constants import State
+from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job, table
-from gpuq.service.units import AFTER_NOT_OK, AFTER_OK, AFTER_START
+from gpuq.service.units import AFTER_CORR, AFTER_NOT_OK, AFTER_OK, AFTER_START
+
+if TYPE_CHECKING:
+    from gpuq.service.spec import JobSpec
 
 _t = table(Job)
 _ROWS = select(_t.c.id, _t.c.array_id, _t.c.state).where(or_(
@@ -50,7 +57,7 @@ class Dependency:
     def never_met(self, kind: str = AFTER_OK) -> str | None:
         """Why waiting for this as ``kind`` can no longer be satisfied, or None where it still may be:
         afterok once one of its jobs ended other than succeeded, afternotok once one succeeded."""
-        if kind == AFTER_OK and self.failed is not None:
+        if kind in (AFTER_OK, AFTER_CORR) and self.failed is not None:
             return self._named(*self.failed)
         if kind == AFTER_NOT_OK and self.first_success is not None:
             return self._named(self.first_success, State.SUCCEEDED)
@@ -89,13 +96,27 @@ def look_up(conn: Any, ids: Iterable[int]) -> tuple[dict[int, Dependency], dict[
     return out, states
 
 
+def standing(kind: str, deps: dict[int, Dependency], states: dict[int, str]) -> dict[int, Dependency]:
+    """What a job waiting as ``kind`` waits for, from ``look_up``'s answer: ``deps``, or for
+    aftercorr each job alone (by ``states``), a first task's id being its own and not its array's."""
+    if kind != AFTER_CORR:
+        return deps
+    out = {}
+    for d, state in states.items():
+        ended = state in c.END_STATES
+        out[d] = Dependency(id=d, tasks=1, ended=int(ended), failed=(d, state) if ended and state != State.SUCCEEDED
+                            else None, started=int(state != State.PENDING),
+                            first_success=d if state == State.SUCCEEDED else None)
+    return out
+
+
 def never_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> str | None:
     """Why a job waiting for ``after`` as ``kind`` can never start (``deps``: ``look_up``'s), or None.
     A job (or array) gone from the table counts as cancelled: it will never succeed, and it has
     ended other than succeeded and will not start."""
     for d in after:
         if d not in deps:
-            if kind == AFTER_OK:
+            if kind in (AFTER_OK, AFTER_CORR):
                 return f"job {d} cancelled"
             continue
         why = deps[d].never_met(kind)
@@ -156,3 +177,32 @@ def singleton_ahead(conn: Any, job_id: int, user: str, name: str, priority: int)
         or_(j.priority > priority, and_(j.priority == priority, j.id < job_id)))
         .order_by(j.priority.desc(), j.id).limit(1)).first()
     return None if ahead is None else (ahead.id, ahead.state)
+
+
+_TASKS_OF = select(_t.c.array_id, _t.c.array_index, _t.c.id).where(_t.c.array_id.in_(bindparam("ids", expanding=True)))
+
+
+def corresponding(conn: Any, specs: list[JobSpec]) -> list[JobSpec]:
+    """``specs`` with sbatch's ``aftercorr`` resolved: each task waits for the task of its own index
+    of every array its ``after`` names, by that task's id; specs of another kind as they are.
+    InvalidSpec where the submission is no array (nor sweep), an id is no array's, or an array has
+    no task of some index of this one's."""
+    if not specs or specs[0].after_kind != AFTER_CORR:
+        return specs
+    if specs[0].array_index is None:
+        raise InvalidSpec("--dependency aftercorr is for an array's tasks (--array or --sweep): each waits for the "
+                          "task of its own index")
+    arrays = list(specs[0].after or [])
+    task_of = {(array, index): job_id for array, index, job_id in conn.execute(_TASKS_OF, {"ids": arrays})}
+    for array in arrays:
+        if not any(a == array for a, _ in task_of):
+            raise InvalidSpec(f"--dependency aftercorr:{array}: job {array} is no array's id (the id `gpuq submit` "
+                              "printed for an array)")
+    out = []
+    for spec in specs:
+        missing = next((a for a in arrays if (a, spec.array_index) not in task_of), None)
+        if missing is not None:
+            raise InvalidSpec(f"--dependency aftercorr:{missing}: array {missing} has no task {spec.array_index} "
+                              f"for task {spec.array_index} of this one to wait for")
+        out.append(replace(spec, after=[task_of[a, spec.array_index] for a in arrays]))
+    return out

@@ -47,6 +47,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"{head}: it is held; `gpuq release {job.id}` lets it start"
     if reason == policy.DEPENDENCY and job.after:
         deps, states = dependencies.look_up(session, job.after)
+        deps = dependencies.standing(job.after_kind, deps, states)
         if not job.singleton or not dependencies.all_met(job.after_kind, job.after, deps):
             pending = ", ".join(deps[d].describe(states.get(d), job.after_kind) if d in deps else f"job {d} (gone)"
                                 for d in job.after)

@@ -146,11 +146,12 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     users = {row.user for row in pending}
     hours = (fair_share or FairShare(settings)).gpu_hours(session, now) if head is None or len(users) > 1 else {}
     cut = min((policy.order_key(_request(r), hours) for r in last), default=None) if head is not None else None
-    deps, _ = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
+    deps, states = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
     later: list[tuple[JobRequest, float]] = []
     for row in pending:
-        never = dependencies.never_met(row.after_kind, row.after, deps) if row.after else None
+        waits_for = dependencies.standing(row.after_kind, deps, states) if row.after else deps
+        never = dependencies.never_met(row.after_kind, row.after, waits_for) if row.after else None
         if never is not None:
             # Cancelled now, held or before its begin time alike (as SLURM's kill_invalid_depend):
             # no release or later moment could let it run, and its chain should learn so as soon
@@ -160,7 +161,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if row.held:
             not_eligible[row.id] = policy.HELD
             continue
-        unmet = bool(row.after) and not dependencies.all_met(row.after_kind, row.after, deps)
+        unmet = bool(row.after) and not dependencies.all_met(row.after_kind, row.after, waits_for)
         if row.begin_at is not None and row.begin_at > now:
             not_eligible[row.id] = policy.BEGIN_TIME
             if not unmet:

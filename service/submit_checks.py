@@ -236,7 +236,8 @@ def check_dependencies(session: Session, after: list[int] | None, kind: str = AF
     if not after:
         return
     option = {AFTER_OK: "--after", AFTER_ANY: "--after-any"}.get(kind, f"-d {kind}")
-    found, _ = dependencies.look_up(session, after)
+    found, states = dependencies.look_up(session, after)
+    found = dependencies.standing(kind, found, states)
     missing = [i for i in after if i not in found]
     if missing:
         raise InvalidSpec(f"{option}: no job {missing[0]}")

@@ -13,7 +13,7 @@ from sqlalchemy import bindparam
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, policy
+from gpuq.service import broker, dependencies, policy
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
 from gpuq.service.constants import State
@@ -28,6 +28,7 @@ from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
 from gpuq.service.submit_checks import check_pending_limit, check_submission, submitted_with
+from gpuq.service.units import AFTER_CORR
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING
@@ -81,7 +82,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     lock every worker's job end waits for) holds just the inserts and the placement."""
     require_schema(settings)
     broker.check(settings)
-    specs = with_default_time(settings, specs)
+    specs = with_corresponding(settings, with_default_time(settings, specs))
     near_cap = check_submission(settings, specs, key)
     staged = None
     try:
@@ -216,6 +217,14 @@ def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, re
         specs = [replace(s, git_commit=git.commit, git_dirty=git.dirty, git_diff=git.diff or None,
                          git_diff_cut=git.diff_cut) for s in specs]
     return specs, staged
+
+
+def with_corresponding(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+    """The specs, an aftercorr made each task's afterok on its own tasks (``dependencies.corresponding``)."""
+    if not specs or specs[0].after_kind != AFTER_CORR:
+        return specs
+    with read_scope(settings) as session:
+        return dependencies.corresponding(session.connection(), specs)
 
 
 def with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:

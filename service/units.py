@@ -180,14 +180,18 @@ def parse_job_ids(text: str, option: str) -> list[int]:
 
 
 # sbatch's dependency types gpuq has no counterpart for, and what each would ask.
-_OTHER_DEPENDENCIES = {"aftercorr": "task by task", "afterburstbuffer": "after a burst buffer's stage-out"}
+_OTHER_DEPENDENCIES = {"afterburstbuffer": "after a burst buffer's stage-out"}
 SINGLETON = "singleton"
 # sbatch's kinds of dependency on jobs, as a job's ``after_kind`` holds them, and what each waits for
 # every one of its jobs (an array's every task) to do, as `gpuq why` says it (after: or to end
 # without starting; afternotok: to fail, be cancelled, time out...).
 AFTER_OK, AFTER_ANY, AFTER_NOT_OK, AFTER_START = "afterok", "afterany", "afternotok", "after"
+# sbatch's aftercorr: each task of an array waits for the task of its own index of the arrays named
+# to succeed. A submit gives each task those tasks' own ids (``dependencies.corresponding``), each
+# waited for alone (a first task's id is otherwise its whole array's).
+AFTER_CORR = "aftercorr"
 AFTER_KINDS = {AFTER_OK: "to succeed", AFTER_ANY: "to end", AFTER_NOT_OK: "to end other than succeeded",
-               AFTER_START: "to start"}
+               AFTER_START: "to start", AFTER_CORR: "to succeed"}
 
 
 @dataclass(frozen=True)
@@ -211,8 +215,8 @@ def parse_dependency(text: str) -> Waits:
     """sbatch's ``--dependency`` (``-d``): ``afterok:12:13``, ``afterany:12,afterany:14``,
     ``afternotok:12``, ``after:12``, ``singleton`` or ``afterok:12,singleton``. gpuq waits for all of
     a job's dependencies, its jobs one way; anything else is refused with what gpuq has instead."""
-    usage = (f"--dependency takes afterok:, afterany:, afternotok: or after:ID[:ID...] and singleton (as "
-             f"sbatch -d; or --after / --after-any ID,ID); got {text[:80]!r}")
+    usage = (f"--dependency takes afterok:, afterany:, afternotok:, after: or aftercorr:ID[:ID...] and singleton "
+             f"(as sbatch -d; or --after / --after-any ID,ID); got {text[:80]!r}")
     if "?" in text:
         raise InvalidSpec(f"--dependency: ? (any one of them) is not one gpuq has: a job waits for all of its "
                           f"dependencies; got {text[:80]!r}")
@@ -224,7 +228,7 @@ def parse_dependency(text: str) -> Waits:
         kind = kind.lower()
         if kind in _OTHER_DEPENDENCIES:
             raise InvalidSpec(f"--dependency {kind} ({_OTHER_DEPENDENCIES[kind]}) is not one gpuq has: afterok, "
-                              "afterany, afternotok, after or singleton")
+                              "afterany, afternotok, after, aftercorr or singleton")
         if kind == SINGLETON and not colon:
             singleton = True
             continue

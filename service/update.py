@@ -48,7 +48,7 @@ from gpuq.service.policy import DEPENDENCY
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_dependencies, check_resources, check_time_limit
-from gpuq.service.units import AFTER_OK, MAX_ARRAY_TASKS, Waits, dependency_of, parse_duration, parse_mem
+from gpuq.service.units import AFTER_CORR, AFTER_OK, MAX_ARRAY_TASKS, Waits, dependency_of, parse_duration, parse_mem
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -286,6 +286,10 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
 def _check_dependency(session: Session, waits: Waits, waiting: set[int]) -> None:
     """InvalidSpec (StateConflict for a job that failed already), before anything changes, where
     the pending jobs ``waiting`` could not wait for ``waits``' jobs: as a submit's, and no loop."""
+    if waits.kind == AFTER_CORR:
+        # A submit makes it each task's afterok on the task of its index: that, not aftercorr, is kept.
+        raise InvalidSpec("--dependency aftercorr is given at submit (each task then waits for its own task's id): "
+                          "give a task afterok:ID of the task it waits for")
     check_dependencies(session, list(waits.after), waits.kind)
     loop = dependencies.loop_back(session, waits.after, waiting)
     if loop is not None:

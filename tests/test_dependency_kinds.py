@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import JSON, MetaData, Table, text
 
-from gpuq.service import db
+from gpuq.service import db, spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import StateConflict
@@ -93,6 +94,58 @@ def test_afternotok_on_an_array_waits_for_every_task_and_one_success_cancels_it(
     Scheduler(settings).schedule_once()
     assert state_of(settings, on_failure)[:2] == (
         State.CANCELLED, f"dependency never satisfied: job {tasks[1]} succeeded (a task of array {tasks[0]})")
+
+
+def tasks_of(settings, argv=("true",), array="0-2", **sched) -> list[int]:
+    make = lambda extra: spec.command_spec(list(argv), user="ann")  # noqa: E731
+    return [j.id for j in submitting.submit_all(settings, spec.expand(make, spec.Scheduling(**sched), array, []))]
+
+
+def test_aftercorr_makes_each_task_wait_for_the_task_of_its_own_index(settings):
+    from gpuq.service.models import Job
+
+    register(settings, "a", 3)
+    first = tasks_of(settings, hold=True)
+    # Two arrays named: each task waits for both of its index; the second array's ids interleave.
+    other = tasks_of(settings, hold=True)
+    then = tasks_of(settings, dependency=f"aftercorr:{first[0]}:{other[0]}")
+    with write_scope(settings) as session:
+        kept = [(session.get(Job, j).after, session.get(Job, j).after_kind) for j in then]
+    assert kept == [([first[i], other[i]], "aftercorr") for i in range(3)]
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:  # its own tasks, by their ids: task 0's is its array's id too
+        assert why(session, settings, then[0]) == (
+            f"job {then[0]} waits (dependency): it waits for job {first[0]} (pending), job {other[0]} (pending) to "
+            "succeed (-d aftercorr)")
+    for job in (*first, *other):
+        if job not in (first[1], other[1]):
+            end(settings, job, State.SUCCEEDED)
+    end(settings, first[1], State.FAILED)
+    Scheduler(settings).schedule_once()
+    # Task 0 and 2 start as theirs succeeded; task 1 is cancelled by its own one's failure alone.
+    assert [state_of(settings, j)[0] for j in then] == [State.DISPATCHED, State.CANCELLED, State.DISPATCHED]
+    assert state_of(settings, then[1])[1] == f"dependency never satisfied: job {first[1]} failed"
+
+
+def test_aftercorr_is_refused_for_a_single_job_a_job_that_is_no_array_and_a_task_without_its_pair(settings):
+    from gpuq.service.errors import InvalidSpec
+
+    register(settings, "a", 1)
+    pair = tasks_of(settings, array="0-1", hold=True)
+    single = submit(settings, hold=True)
+    for args, says in (({"array": None}, "--dependency aftercorr is for an array's tasks"),
+                       ({"dependency": f"aftercorr:{single}"}, f"job {single} is no array's id"),
+                       ({"array": "0-2"}, f"array {pair[0]} has no task 2 for task 2 of this one to wait for"),
+                       ({"array": "1-2"}, f"array {pair[0]} has no task 2")):
+        options = {"dependency": f"aftercorr:{pair[0]}", "array": "0-1"} | args
+        array = options.pop("array")
+        with pytest.raises(InvalidSpec, match=re.escape(says)):
+            tasks_of(settings, array=array, **options)
+    # A sweep's tasks are its indices 0..N-1 too: each waits for the task of its own.
+    make = lambda extra: spec.command_spec(["true", *extra], user="ann")  # noqa: E731
+    swept = submitting.submit_all(settings, spec.expand(make, spec.Scheduling(dependency=f"aftercorr:{pair[0]}"),
+                                                        None, ["lr=0.1,0.01"]))
+    assert [j.after for j in swept] == [[pair[0]], [pair[1]]]
 
 
 def test_the_migration_keeps_after_any_as_afterany_and_downgrades_back(database_url, tmp_path):

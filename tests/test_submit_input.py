@@ -341,14 +341,17 @@ def test_a_period_from_before_any_job_is_from_the_start_not_a_server_failure(use
     (["submit", "-d", "afterok:1,afterany:2", "--", "true"], "one way (afterany, afterok: give one of them)"),
     (["submit", "-d", "after:99", "--", "true"], "-d after: no job 99"),
     (["submit", "-d", "afternotok:99", "--", "true"], "-d afternotok: no job 99"),
-    (["submit", "-d", "aftercorr:1", "--", "true"], "--dependency aftercorr (task by task) is not one gpuq has"),
-    (["submit", "-d", "singleton:5", "--", "true"], "--dependency takes afterok:, afterany:, afternotok: or "
-                                                    "after:ID[:ID...] and singleton"),
+    (["submit", "-d", "aftercorr:1", "--", "true"], "--dependency aftercorr is for an array's tasks"),
+    (["submit", "-d", "afterburstbuffer:1", "--", "true"], "--dependency afterburstbuffer (after a burst buffer's "
+                                                           "stage-out) is not one gpuq has"),
+    (["submit", "-d", "singleton:5", "--", "true"], "--dependency takes afterok:, afterany:, afternotok:, after: or "
+                                                    "aftercorr:ID[:ID...] and singleton"),
     (["submit", "-d", "singleton", "--array", "0-3", "--", "true"], "--dependency singleton is for one job of a "
                                                                     "name; an array's tasks run one at a time"),
     (["submit", "-d", "afterok:1?afterok:2", "--", "true"], "? (any one of them) is not one gpuq has"),
     (["submit", "-d", "afterany:1+10", "--", "true"], "a delay (+MINUTES) is not one gpuq has"),
-    (["submit", "-d", "12", "--", "true"], "--dependency takes afterok:, afterany:, afternotok: or after:ID"),
+    (["submit", "-d", "12", "--", "true"], "--dependency takes afterok:, afterany:, afternotok:, after: or "
+                                           "aftercorr:ID"),
     (["submit", "-d", "afterok:", "--", "true"], "--dependency takes afterok:, afterany:"),
     (["submit", "-d", "afterok:1_0", "--", "true"], "--dependency takes afterok:, afterany:"),
     (["submit", "-d", "afterok:1", "--after", "1", "--", "true"], "give --dependency or --after / --after-any"),

@@ -307,9 +307,11 @@ def test_a_pending_jobs_new_dependency_holds_it_back_off_the_next_up_lists_and_a
     assert state_of(settings, job)[0] == State.DISPATCHED
     [started] = update_all(settings, [job], Changes.of({"after": str(first)}), ANN)
     assert started.refused == f"job {job} is dispatched; only a pending job's dependencies can be changed"
+    with pytest.raises(InvalidSpec, match=re.escape("--dependency aftercorr is given at submit")):
+        update_all(settings, [submit(settings, hold=True)], Changes.of({"dependency": f"aftercorr:{first}"}), ANN)
     for body, says in (({"after": "1", "dependency": "afterok:2"}, "give --dependency or --after / --after-any"),
-                       ({"dependency": "aftercorr:5"}, "--dependency aftercorr (task by task) is not one gpuq "
-                                                       "has"),
+                       ({"dependency": "afterburstbuffer:5"}, "--dependency afterburstbuffer (after a burst "
+                                                              "buffer's stage-out) is not one gpuq has"),
                        ({"after": 5}, "--after must be text"), ({"after": ""}, "--after")):
         with pytest.raises(InvalidSpec, match=re.escape(says)):
             Changes.of(body)
