@@ -111,6 +111,8 @@ def test_test_only_prints_when_the_job_would_start_and_queues_nothing(use_settin
     result = invoke(["submit", "--test-only", "--", "true"])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == "job would start now on a (GPU 0); nothing was queued"
+    result = invoke(["run", "--test-only", "--", "true"])  # srun's --test-only too: nothing followed or run
+    assert result.exit_code == 0 and result.output == "job would start now on a (GPU 0); nothing was queued\n"
     result = invoke(["submit", "--test-only", "--json", "-a", "0-1", "--hold", "--", "true"])
     answer = json.loads(result.output)
     assert [(j["index"], j["reason"], j["start"]) for j in answer["jobs"]] == [(0, "held", None), (1, "held", None)]
