@@ -220,7 +220,7 @@ def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, re
 
 
 def with_corresponding(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
-    """The specs, an aftercorr made each task's afterok on its own tasks (``dependencies.corresponding``)."""
+    """The specs, an aftercorr resolved to the ids of each task's own tasks (``dependencies.corresponding``)."""
     if not specs or specs[0].after_kind != AFTER_CORR:
         return specs
     with read_scope(settings) as session:
