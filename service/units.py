@@ -214,8 +214,8 @@ class Waits:
 def parse_dependency(text: str) -> Waits:
     """sbatch's ``--dependency`` (``-d``): ``afterok:12:13``, ``afterany:12,afterany:14``,
     ``afternotok:12``, ``after:12``, ``aftercorr:12`` (an array's, task by task), ``singleton`` or
-    ``afterok:12,singleton``. gpuq waits for all of
-    a job's dependencies, its jobs one way; anything else is refused with what gpuq has instead."""
+    ``afterok:12,singleton``. gpuq waits for all of a job's dependencies, its jobs one way; anything
+    else is refused with what gpuq has instead."""
     usage = (f"--dependency takes afterok:, afterany:, afternotok:, after: or aftercorr:ID[:ID...] and singleton "
              f"(as sbatch -d; or --after / --after-any ID,ID); got {text[:80]!r}")
     if "?" in text:
