@@ -108,8 +108,12 @@ def wait(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", pa
             print_json({str(j): None for j in job_ids or []})
         _timed_out(timeout or 0.0, _still_waiting(list(job_ids or []), {}) or f"the jobs of array {array}")
     show = not quiet and not as_json and wanted(progress, sys.stderr)
-    with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
-        states = until_ended(client, job_ids, deadline, advance)
+    try:
+        with bar(len(job_ids), f"0 of {len(job_ids)} jobs ended", show=show, stream=sys.stderr) as advance:
+            states = until_ended(client, job_ids, deadline, advance)
+    except KeyboardInterrupt:
+        typer.echo("gpuq: stopped waiting; the jobs go on", err=True)  # a wait changes nothing of them
+        raise typer.Exit(c.EXIT_RUN_CANCELLED) from None
     if as_json:
         print_json({str(j): states.get(j) for j in job_ids})
     left = _still_waiting(job_ids, states)

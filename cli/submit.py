@@ -235,7 +235,14 @@ def _wait_for(client: Client, job_ids: list[int], say: bool) -> None:
     succeeded."""
     from gpuq.cli.ends import until_ended
 
-    states = until_ended(client, job_ids, None)
+    try:
+        states = until_ended(client, job_ids, None)
+    except KeyboardInterrupt:
+        # The jobs are queued, not this process's to stop (as sbatch --wait): said, not cancelled.
+        which = f"job {job_ids[0]}" if len(job_ids) == 1 else f"jobs {job_ids[0]}-{job_ids[-1]}"
+        typer.echo(f"gpuq: stopped waiting; {which} go{'es' if len(job_ids) == 1 else ''} on (gpuq wait "
+                   f"{job_ids[0] if len(job_ids) == 1 else '--array ' + str(job_ids[0])})", err=True)
+        raise typer.Exit(c.EXIT_RUN_CANCELLED) from None
     if say:
         for job_id in job_ids:
             typer.echo(f"job {job_id} {states[job_id]}")

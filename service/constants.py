@@ -71,7 +71,9 @@ EXIT_CONFIG = 78  # the settings are wrong
 # made has a code of its own (docker run's 125 for "not the command's doing"; timeout(1)'s 124).
 EXIT_RUN_TIMED_OUT = 124  # its --time ran out
 EXIT_RUN_GPUQ = 125  # gpuq ended it: worker lost or shut down, GPU lost, allocation's client lost, over its share
-EXIT_RUN_CANCELLED = 130  # cancelled by `gpuq run`'s own Ctrl-C, as a shell reports it (otherwise: EXIT_JOB_FAILED)
+# Cancelled by `gpuq run`'s own Ctrl-C, as a shell reports it (otherwise: EXIT_JOB_FAILED); a wait
+# (`gpuq wait`, `submit -W`) that Ctrl-C stopped, the jobs left as they are, exits with it too.
+EXIT_RUN_CANCELLED = 130
 
 # Largest job name we store; SQL column size.
 MAX_NAME_LENGTH = 200

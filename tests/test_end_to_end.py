@@ -105,6 +105,34 @@ def test_submit_wait_returns_once_every_task_ended_and_fails_if_one_failed(stack
         assert [jobs.get_job(session, array + i).state for i in (0, 1)] == [State.SUCCEEDED, State.FAILED]
 
 
+def test_ctrl_c_stops_submit_wait_and_gpuq_wait_and_leaves_the_job_running(stack, tmp_path):
+    import signal
+    import subprocess
+
+    from tests.conftest import settings_env
+
+    s = stack.settings
+    argv = [sys.executable, "-m", "gpuq.cli", "submit", "-W", "-t", "5m", "--", "sleep", "60"]
+    proc = subprocess.Popen(argv, env=settings_env(s), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    job_id = int(proc.stdout.readline().removeprefix("submitted job "))
+    assert wait_for_state(s, job_id, (State.RUNNING,)) == State.RUNNING
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == c.EXIT_RUN_CANCELLED
+    assert err.strip() == f"gpuq: stopped waiting; job {job_id} goes on (gpuq wait {job_id})"
+    with write_scope(s) as session:
+        assert jobs.get_job(session, job_id).state == State.RUNNING
+    # `gpuq wait` as well: one line of gpuq's, not click's "Aborted!".
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "wait", str(job_id)], env=settings_env(s),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err.strip()) == (c.EXIT_RUN_CANCELLED, "gpuq: stopped waiting; the jobs go on")
+    assert run_cli(["cancel", str(job_id)], s).returncode == 0
+
+
 def test_output_with_a_nul_character_is_kept_with_the_nul_shown_and_the_rest_after_it(stack, tmp_path):
     # PostgreSQL's text refuses NUL: the chunk, and at the job's end its usage summary, were lost.
     s = stack.settings
