@@ -52,7 +52,8 @@ def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
         read = read_queue(session, settings, also=[pending_row(r) for r in rows])
     decision = policy.decide(read.policy)
     gpus: dict[int, list[policy.GpuState]] = {}
-    starts = start_times(read.policy, decision, later=read.later, where=gpus)
+    starts = start_times(read.policy, decision, later=read.later, where=gpus, throttled=read.throttled,
+                         arrays=read.array_limits)
     placed = {p.job_id for p in decision.placements}
     out = []
     for spec, row in zip(specs, rows, strict=True):

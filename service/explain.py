@@ -83,9 +83,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         from gpuq.service.queue_read import arrays_started
 
         started = arrays_started(session.connection(), [job.array_id]).get(job.array_id, 0)
-        return (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
+        said = (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
                 f"runs at most {job.array_limit} at once (--array ...%{job.array_limit}; "
                 f"`gpuq update --array {job.array_id} --array-limit N` changes it)")
+        read, decision = _pass(session, settings)
+        start = _starts(read, decision).get(job.id)
+        return said if start is None else f"{said}; {_start_line(start, read.policy.now)}"
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)
         if job.on_node is None:
@@ -126,8 +129,8 @@ def expected_starts(session: Session, settings: Settings) -> dict[int, datetime 
 
 def _starts(read: QueueRead, decision: policy.Decision) -> dict[int, float | None]:
     """The expected starts of a read queue and its decision, a job waiting for its begin time
-    planned from then on."""
-    return start_times(read.policy, decision, later=read.later)
+    planned from then on, and a task its array's limit holds back as the limit lets it run."""
+    return start_times(read.policy, decision, later=read.later, throttled=read.throttled, arrays=read.array_limits)
 
 
 def _start_line(start: float | None, now: float) -> str:

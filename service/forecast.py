@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gpuq.service import packing, policy
 from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState
@@ -84,10 +84,18 @@ class _Usage:
 
 
 class _Plan:
-    """Each GPU's memory held over time by the running jobs and the jobs planned so far, and under a
-    user GPU limit each user's GPUs (their charge, as ``policy.decide`` counts it)."""
+    """Each GPU's memory held over time by the running jobs and the jobs planned so far, under a
+    user GPU limit each user's GPUs (their charge, as ``policy.decide`` counts it), and each
+    limited array's tasks."""
 
-    def __init__(self, state: QueueState) -> None:
+    def __init__(self, state: QueueState, arrays: Mapping[int, tuple[int, Sequence[float]]]) -> None:
+        # Each limited array's tasks over time, its running ones from now to their ends.
+        self.arrays: dict[int, _Usage] = {}
+        for array_id, (most, ends) in arrays.items():
+            tasks = self.arrays[array_id] = _Usage(most)
+            for end in ends:
+                if end > state.now:
+                    tasks.hold(state.now, end, 1)
         self.limit = state.user_gpu_limit
         self.users: defaultdict[str, _Usage] = defaultdict(lambda: _Usage(self.limit + policy.LIMIT_SLACK))
         # Users holding GPUs whose jobs' ends were not read: their room under the limit is unknown.
@@ -115,6 +123,10 @@ class _Plan:
         for g in gpus:
             self.usage[g.id].hold(start, end, math.inf if need is None else need)
 
+    def array(self, job: JobRequest) -> _Usage | None:
+        """The tasks of ``job``'s array over time, where it is a task of a limited array."""
+        return None if job.array is None else self.arrays.get(job.array)
+
     def user(self, name: str) -> _Usage | None:
         """``name``'s GPUs held over time under the limit; None without a limit or where unknown."""
         return None if not self.limit or name in self.unknown else self.users[name]
@@ -122,15 +134,18 @@ class _Plan:
 
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,
                 later: Sequence[tuple[JobRequest, float]] = (),
-                where: dict[int, list[GpuState]] | None = None) -> dict[int, float | None]:
+                where: dict[int, list[GpuState]] | None = None, throttled: Sequence[JobRequest] = (),
+                arrays: Mapping[int, tuple[int, Sequence[float]]] | None = None) -> dict[int, float | None]:
     """Each eligible job's expected start (epoch seconds; ``state.now`` for those placed now), or
     None where it cannot be counted on. ``decision``: this state's ``policy.decide``, if made.
     ``later``: jobs that may not start before a moment (their ``--begin``), planned from then on,
     after the jobs that may start now. ``where``, if given, is told each started or planned job's
-    GPUs."""
+    GPUs. ``throttled``: tasks their array's limit holds back, planned in queue order as the limit
+    lets them run, by ``arrays``: each limited array's limit and its running tasks' ends (a task
+    of one is a ``JobRequest`` whose ``array`` is set)."""
     if decision is None:
         decision = policy.decide(state)
-    plan = _Plan(state)
+    plan = _Plan(state, arrays or {})
     jobs = {j.id: j for j in state.jobs}
     found: dict[int, float | None] = {}
     for p in decision.placements:
@@ -142,14 +157,19 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
         user = plan.user(placed.user)
         if user is not None:
             user.hold(state.now, ends, packing.charged_gpus(placed, list(p.gpus), state.shared_context_mib))
+        array = plan.array(placed)
+        if array is not None:
+            array.hold(state.now, ends, 1)
     by_node: dict[str, list[GpuState]] = defaultdict(list)
     for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
         by_node[g.node].append(g)
     # A job waiting for its begin time is planned after every job that may start now: until that
     # moment the scheduler holds nothing for it, and starts whatever fits (its start is the latest).
     not_before = {job.id: at for job, at in later}
-    order = [*(j for j in decision.order if j.id not in found),
-             *sorted((job for job, _ in later), key=lambda j: policy.order_key(j, state.gpu_hours))]
+    waiting = [j for j in decision.order if j.id not in found]
+    if throttled:  # in their places in the queue (decide's order is the queue's)
+        waiting = sorted([*waiting, *throttled], key=lambda j: policy.order_key(j, state.gpu_hours))
+    order = [*waiting, *sorted((job for job, _ in later), key=lambda j: policy.order_key(j, state.gpu_hours))]
     for looked, job in enumerate(order):
         if looked >= depth or (decision.waiting.get(job.id) == policy.USER_LIMIT and plan.user(job.user) is None):
             found[job.id] = None
@@ -174,12 +194,16 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
     """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node,
     and under a user limit its user has room for them that long; it holds them then (and tells
     ``where`` which)."""
-    need, length, user = _need(job, state), _length(job), plan.user(job.user)
+    need, length, user, array = _need(job, state), _length(job), plan.user(job.user), plan.array(job)
     # What it counts against its user's limit: a whole job its GPUs; a shared one its share of
     # them, known once they are chosen (until then, none).
     charge = 0.0 if job.shared else float(job.gpus)
     at = first
     while True:
+        if array is not None:  # from the first moment its array runs fewer tasks than its limit
+            at = array.next_free(at, length, 1, math.inf)
+            if math.isinf(at):
+                return None
         if user is not None:
             at = user.next_free(at, length, charge, math.inf)
             if math.isinf(at):
@@ -188,6 +212,9 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
         if found is None:
             return None
         start, chosen = found
+        if array is not None and array.next_free(start, length, 1, start) != start:
+            at = start  # its array is at its limit then: from its next moment with room
+            continue
         if user is not None:
             charge = packing.charged_gpus(job, chosen, state.shared_context_mib)
             if user.next_free(start, length, charge, start) != start:
@@ -195,6 +222,8 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                 continue
             user.hold(start, start + length, charge)
         plan.hold(chosen, start, start + length, need)
+        if array is not None:
+            array.hold(start, start + length, 1)
         if where is not None:
             where[job.id] = chosen
         return start

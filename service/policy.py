@@ -140,6 +140,7 @@ class JobRequest:
     # takes a listed job without looking (``next_up_choice``).
     singleton: bool = False
     exclude: frozenset[str] = frozenset()  # `--exclude`: nodes it may not run on
+    array: int | None = None  # a task of an array with a limit (`--array 0-99%4`): its array's id
 
     def __post_init__(self) -> None:
         if self.shared and self.mem_mib is None:

@@ -10,6 +10,7 @@ import math
 from collections import Counter, defaultdict, namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select
@@ -49,6 +50,12 @@ _ARRAYS_STARTED = (select(_t.array_id, func.count()).where(_t.array_id.in_(bindp
                    .group_by(_t.array_id))
 
 
+# The tasks of these arrays that hold GPUs now, with what their expected ends are counted from.
+_ARRAY_TASKS_STARTED = (select(_t.array_id, _t.started_at, _t.time_limit_s)
+                        .where(_t.array_id.in_(bindparam("arrays", expanding=True)),
+                               _t.state.in_((State.DISPATCHED, State.RUNNING))))
+
+
 def arrays_started(conn: Any, arrays: Sequence[int]) -> dict[int, int]:
     """How many tasks of each of ``arrays`` hold GPUs now (dispatched or running): what `--array
     0-99%4` counts against its limit. An array with none is left out."""
@@ -79,6 +86,10 @@ _USER_HEAD = Prepared(select(*_PENDING_COLUMNS).where(*waiting(), _t.user == bin
                       .order_by(_t.priority.desc(), _t.submitted_at, _t.id).limit(bindparam("head")))
 
 
+# Each limited array's limit and its running tasks' expected ends (epoch s; inf: no time limit).
+ArrayLimits = dict[int, tuple[int, list[float]]]
+
+
 @dataclass
 class QueueRead:
     """What the scheduler read from SQL for one pass: the policy's input and what only the scheduler needs."""
@@ -93,6 +104,10 @@ class QueueRead:
     # Jobs that wait for their begin time alone, and that moment (epoch s): what a forecast plans
     # from then on (`gpuq status --start`), as SLURM's expected start of a job with a BeginTime.
     later: list[tuple[JobRequest, float]] = field(default_factory=list)
+    # Tasks held back by their array's limit (`--array 0-99%4`), and each such array's limit and
+    # its running tasks' expected ends (epoch s): a forecast plans them as the limit lets them run.
+    throttled: list[JobRequest] = field(default_factory=list)
+    array_limits: ArrayLimits = field(default_factory=dict)
 
 
 def read_queue(session: Session, settings: Settings, fair_share: FairShare | None = None,
@@ -176,44 +191,48 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         job = _request(row)
         if cut is None or policy.order_key(job, hours) <= cut:
             jobs.append(job)
-    jobs = _within_array_limits(conn, pending, jobs, hours, not_eligible)
+    jobs, throttled, array_limits = _within_array_limits(conn, pending, jobs, hours, not_eligible, now)
     jobs = _one_singleton_each(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
                               user_holds=dict(holds) if settings.user_gpu_limit else {},
                               shared_context_mib=settings.shared_context_mib)
-    return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later)
+    return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later, throttled,
+                     array_limits)
 
 
-def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],
-                         hours: dict[str, float], not_eligible: dict[int, str]) -> list[policy.JobRequest]:
+def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest], hours: dict[str, float],
+                         not_eligible: dict[int, str], now: datetime
+                         ) -> tuple[list[policy.JobRequest], list[policy.JobRequest], ArrayLimits]:
     """``jobs`` less the tasks of arrays at their limit (`--array 0-99%4`), which wait for "array
     limit" (in ``not_eligible``): of an array whose tasks hold GPUs N times short of its limit,
-    only its first N eligible tasks in queue order are considered, as SLURM's array throttle.
+    only its first N eligible tasks in queue order are considered, as SLURM's array throttle. Also
+    the tasks held back, and each limited array's limit and its running tasks' expected ends (for
+    ``forecast.start_times``).
 
     Whatever this pass places or lists on a GPU's next-up list comes from those N, so no more than
     the limit start before the next pass counts again."""
-    array_of: dict[int, int] = {}
     limit: dict[int, int] = {}
     for row in pending:
         if row.array_limit is not None:
-            array_of[row.id] = row.array_id
             # An update may have changed some tasks' limit and not others': the lowest.
             limit[row.array_id] = min(limit.get(row.array_id, row.array_limit), row.array_limit)
     if not limit:
-        return jobs
-    started = arrays_started(conn, sorted(limit))
-    room = {array: max(most - started.get(array, 0), 0) for array, most in limit.items()}
-    kept = []
+        return jobs, [], {}
+    ends: dict[int, list[float]] = {array: [] for array in limit}
+    for array, started, seconds in conn.execute(_ARRAY_TASKS_STARTED, {"arrays": sorted(limit)}):
+        ends[array].append((started or now).timestamp() + seconds if seconds else math.inf)
+    room = {array: max(most - len(ends[array]), 0) for array, most in limit.items()}
+    kept, throttled = [], []
     for job in sorted(jobs, key=lambda j: policy.order_key(j, hours)):
-        if job.id in array_of:
-            array = array_of[job.id]
-            if room[array] == 0:
+        if job.array is not None:
+            if room[job.array] == 0:
                 not_eligible[job.id] = policy.ARRAY_LIMIT
+                throttled.append(job)
                 continue
-            room[array] -= 1
+            room[job.array] -= 1
         kept.append(job)
-    return kept
+    return kept, throttled, {array: (most, ends[array]) for array, most in limit.items()}
 
 
 _STARTED_NAMES = (select(_t.user, _t.name).distinct()
@@ -258,7 +277,8 @@ def _request(row: Any) -> policy.JobRequest:
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
                              time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type,
-                             singleton=bool(row.singleton), exclude=frozenset(row.exclude_nodes or ()))
+                             singleton=bool(row.singleton), exclude=frozenset(row.exclude_nodes or ()),
+                             array=row.array_id if row.array_limit is not None else None)
 
 
 def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:

@@ -5,6 +5,7 @@ waiting for "array limit" while other jobs take the GPUs the array leaves; `gpuq
 from __future__ import annotations
 
 import json
+import re
 import sys
 from itertools import pairwise
 
@@ -17,7 +18,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.explain import why
-from gpuq.service.models import Job, NextUp
+from gpuq.service.models import Job, NextUp, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
 from gpuq.service.units import parse_array
@@ -29,9 +30,9 @@ pytestmark = pytest.mark.timeout(120)
 ANN = Caller(5001, "ann")
 
 
-def submit_array(settings, indices: str, argv=("true",), user="ann") -> list[int]:
+def submit_array(settings, indices: str, argv=("true",), user="ann", **sched) -> list[int]:
     make = lambda extra: spec.command_spec(list(argv), user=user)  # noqa: E731
-    return [j.id for j in submitting.submit_all(settings, spec.expand(make, spec.Scheduling(), indices, []))]
+    return [j.id for j in submitting.submit_all(settings, spec.expand(make, spec.Scheduling(**sched), indices, []))]
 
 
 def states(settings, ids: list[int]) -> list[str]:
@@ -84,6 +85,21 @@ def test_a_limited_array_runs_n_tasks_at_once_and_leaves_the_other_gpus_to_later
     end(settings, tasks[0], State.SUCCEEDED)
     Scheduler(settings).schedule_once()
     assert states(settings, tasks) == [State.SUCCEEDED, State.DISPATCHED, State.DISPATCHED] + [State.PENDING] * 3
+
+
+def test_a_task_its_arrays_limit_holds_back_is_expected_to_start_as_the_tasks_before_it_end(settings):
+    from gpuq.service.explain import expected_starts
+
+    register(settings, "a", 4)
+    tasks = submit_array(settings, "0-3%2", time="10m")
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        starts = expected_starts(session, settings)
+        said = why(session, settings, tasks[3])
+    # Two run for ten minutes; the other two follow them, GPUs free or not (`gpuq status --start`).
+    waits = [(starts[t] - utcnow()).total_seconds() for t in tasks[2:]]
+    assert all(540 < w <= 600 for w in waits), waits
+    assert re.search(r"changes it\); expected to start by [\d: -]+ UTC, in 0:(09:\d\d|10:00), if the jobs", said)
 
 
 def test_a_busy_gpus_next_up_list_holds_no_more_of_a_limited_array_than_may_start(settings):

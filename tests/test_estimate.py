@@ -89,6 +89,8 @@ def test_what_a_pass_would_make_a_new_job_wait_for_is_its_reason(settings):
     tasks = estimate(settings, specs(array="0-2%1", time="1m"))
     assert [t.index for t in tasks] == [0, 1, 2]
     assert tasks[0].now and [t.reason for t in tasks[1:]] == [policy.ARRAY_LIMIT] * 2
+    # One at a time, each as the one before it ends (a minute each), though the GPU is free.
+    assert [round((t.start - tasks[0].start).total_seconds()) for t in tasks] == [0, 60, 120]
 
 
 def test_an_estimate_refuses_what_a_submit_refuses_and_writes_nothing(settings):

@@ -289,3 +289,22 @@ def test_a_job_its_users_limit_holds_is_expected_when_their_running_job_reaches_
         assert "expected to start by " in said, said
     finally:
         run_cli(["cancel", str(running), str(waiting)], s)
+
+
+def test_tasks_their_arrays_limit_holds_back_start_as_its_running_and_planned_tasks_end():
+    # Array 7 runs at most two tasks at once and five GPUs are free: tasks 1 and 2 start now, 3 and 4
+    # (held back) as those two end, GPUs free or not. Array 9 (one at once) runs a task until 600.
+    tasks = [replace(job(i, limit=HOUR), array=7) for i in (1, 2)]
+    held = [replace(job(i, limit=HOUR), array=7) for i in (3, 4)]
+    gpus = [gpu(i) for i in range(1, 6)]
+    state = QueueState(NOW, tasks, gpus)
+    starts = start_times(state, throttled=[*held, replace(job(5, limit=HOUR), array=9)],
+                         arrays={7: (2, []), 9: (1, [NOW + 600])})
+    assert starts == {1: NOW, 2: NOW, 3: NOW + HOUR, 4: NOW + HOUR, 5: NOW + 600}
+    # Behind a running task without a time limit, no start can be counted on.
+    assert start_times(state, throttled=[replace(job(6, limit=HOUR), array=9)], arrays={9: (1, [math.inf])})[6] is None
+    # Held back, a task waits for its array, not behind the jobs submitted after it.
+    later = job(8, limit=HOUR, submitted=100)
+    starts = start_times(QueueState(NOW, [later], [gpu(1, busy_until=NOW + 600)]), throttled=[replace(
+        job(3, limit=HOUR), array=7)], arrays={7: (1, [NOW + 600])})
+    assert starts == {3: NOW + 600, 8: NOW + 600 + HOUR}
