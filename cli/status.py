@@ -88,14 +88,15 @@ def _starts(answer: dict[str, Any], as_json: bool) -> None:
         print_json(answer)
         return
     rows = [[str(j["id"]), j["user"], job_name(j["name"]), _gpus(j), timestamp(j["start"]) if j["start"] else "n/a",
-             j["reason"] or "-"] for j in answer["jobs"]]
+             j.get("planned_node") or "-", j["reason"] or "-"] for j in answer["jobs"]]
     if not rows:
         typer.echo("no pending jobs")
         return
-    typer.echo(render("pending", ("ID", "USER", "NAME", "GPUS", "START", "REASON"), rows,
+    typer.echo(render("pending", ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON"), rows,
                       frozenset({"ID", "GPUS"}), colours_wanted()))
     typer.echo("START: expected if the jobs before each run to their time limits (jobs that end sooner bring it "
-               "forward; n/a: a job before it has no limit, or it waits for something else)")
+               "forward; n/a: a job before it has no limit, or it waits for something else); NODE: where it is "
+               "planned (as squeue --start's SCHEDNODES)")
 
 
 def _gpus(j: dict[str, Any]) -> str:

@@ -154,7 +154,8 @@ def _starts(settings: Settings, user: str | None, named: bool) -> dict[str, Any]
     with reading(settings) as session:
         if named and user is not None:
             _check_known_user(session, user)
-        starts = expected_starts(session, settings)
+        planned: dict[int, str] = {}
+        starts = expected_starts(session, settings, planned)
         query = select(Job.id, Job.name, Job.user, Job.gpus, Job.gpu_type, Job.on_node, Job.reason,
                        Job.held).where(Job.state == State.PENDING)
         rows = session.execute(query.where(Job.user == user) if user is not None else query).all()
@@ -162,7 +163,7 @@ def _starts(settings: Settings, user: str | None, named: bool) -> dict[str, Any]
     earliest = sorted(rows, key=lambda r: (starts.get(r.id) is None, starts.get(r.id) or 0, r.id))
     listed = [{"id": r.id, "name": r.name, "user": r.user, "gpus": r.gpus, "gpu_type": r.gpu_type,
                "node": r.on_node, "reason": r.reason or ("held" if r.held else None),
-               "start": views.iso(starts.get(r.id))} for r in earliest]
+               "start": views.iso(starts.get(r.id)), "planned_node": planned.get(r.id)} for r in earliest]
     return {"jobs": listed}
 
 

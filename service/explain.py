@@ -119,18 +119,26 @@ def _pass(session: Session, settings: Settings) -> tuple[QueueRead, policy.Decis
     return read, policy.decide(read.policy)
 
 
-def expected_starts(session: Session, settings: Settings) -> dict[int, datetime | None]:
+def expected_starts(session: Session, settings: Settings, nodes: dict[int, str] | None = None
+                    ) -> dict[int, datetime | None]:
     """Each pending job's expected start (`gpuq status --start`): ``forecast.start_times`` of a
     whole pass's queue, a job waiting for its begin time planned from then on. A job waiting for
-    anything else (held, a dependency, its user's limit) has none."""
-    return {job_id: None if t is None else datetime.fromtimestamp(t, UTC)
-            for job_id, t in _starts(*_pass(session, settings)).items()}
+    anything else (held, a dependency, its user's limit) has none. ``nodes``, if given, is told the
+    node each is planned on (squeue --start's SCHEDNODES)."""
+    where: dict[int, list[policy.GpuState]] = {}
+    starts = _starts(*_pass(session, settings), where=where)
+    if nodes is not None:
+        nodes.update((job_id, gpus[0].node) for job_id, gpus in where.items() if gpus)
+    return {job_id: None if t is None else datetime.fromtimestamp(t, UTC) for job_id, t in starts.items()}
 
 
-def _starts(read: QueueRead, decision: policy.Decision) -> dict[int, float | None]:
+def _starts(read: QueueRead, decision: policy.Decision, where: dict[int, list[policy.GpuState]] | None = None
+            ) -> dict[int, float | None]:
     """The expected starts of a read queue and its decision, a job waiting for its begin time
-    planned from then on, and a task its array's limit holds back as the limit lets it run."""
-    return start_times(read.policy, decision, later=read.later, throttled=read.throttled, arrays=read.array_limits)
+    planned from then on, and a task its array's limit holds back as the limit lets it run
+    (``where``: told each one's GPUs)."""
+    return start_times(read.policy, decision, later=read.later, where=where, throttled=read.throttled,
+                       arrays=read.array_limits)
 
 
 def _start_line(start: float | None, now: float) -> str:

@@ -213,8 +213,13 @@ def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_li
         begin = json.loads(run_cli(["show", str(begins), "--json"], s).stdout)["begin_at"]
         assert starts[begins]["start"] == begin and starts[begins]["reason"] == "begin time"
         assert starts[held]["start"] is None and starts[held]["reason"] == "held"
+        # Where each is planned, as squeue --start's SCHEDNODES: the one node, or none for a held job.
+        assert starts[waiting]["planned_node"] == s.node and starts[held]["planned_node"] is None
         table = run_cli(["status", "--start"], s)
         assert table.returncode == 0 and "START" in table.stdout and "after" in table.stdout, table
+        rows = {x.split()[0]: x.split() for x in table.stdout.splitlines() if x.split()[:1] in ([str(waiting)],
+                                                                                                 [str(held)])}
+        assert s.node in rows[str(waiting)] and rows[str(held)][-3:] == ["n/a", "-", "held"], rows
         said = run_cli(["why", str(waiting)], s).stdout
         assert "expected to start by " in said and "if the jobs before it run to their time limits" in said, said
         mixed = run_cli(["status", "--start", "-t", "running"], s)
