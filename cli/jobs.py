@@ -29,6 +29,7 @@ from gpuq.cli.render import (
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.units import AFTER_ANY, AFTER_OK, AFTER_SHOWN
 
 app = typer.Typer()
 
@@ -80,12 +81,6 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", pars
                                                   for k, v in row.items()))
 
 
-# How `gpuq show` says what a job after others waits for them to do, by its kind (a server from before
-# the kinds sends after_any alone).
-_AFTER = {"afterok": "after the success of", "afterany": "after any end of",
-          "afternotok": "after a failure of", "after": "after the start of"}
-
-
 def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     # As a shell would take it back: an empty value reads '' (not two spaces), a space stays in one word.
     what = j.workload + " " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in j.params.items()) \
@@ -127,7 +122,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             _signal_ahead(getattr(j, "signal", None)),  # a server from before --signal sends none
             f"not before {timestamp(j.begin_at)}" if getattr(j, "begin_at", None) else "",
             f"{j.max_retries} retries" if j.max_retries else "",
-            (f"{_AFTER.get(getattr(j, 'after_kind', None) or ('afterany' if j.after_any else 'afterok'))} job "
+            # A server from before the kinds sends after_any alone.
+            (f"{AFTER_SHOWN[getattr(j, 'after_kind', None) or (AFTER_ANY if j.after_any else AFTER_OK)]} job "
              f"{', '.join(map(str, j.after))}" if j.after else ""),
             # A server from before singleton sends none.
             f"one job named {j.name!r} at a time (singleton)" if getattr(j, "singleton", False) else "",

@@ -192,6 +192,9 @@ AFTER_OK, AFTER_ANY, AFTER_NOT_OK, AFTER_START = "afterok", "afterany", "afterno
 AFTER_CORR = "aftercorr"
 AFTER_KINDS = {AFTER_OK: "to succeed", AFTER_ANY: "to end", AFTER_NOT_OK: "to end other than succeeded",
                AFTER_START: "to start", AFTER_CORR: "to succeed"}
+# The same, as `gpuq show` says it before the job ids ("after the success of job 5, 6").
+AFTER_SHOWN = {AFTER_OK: "after the success of", AFTER_ANY: "after any end of", AFTER_NOT_OK: "after a failure of",
+               AFTER_START: "after the start of", AFTER_CORR: "after the success of"}
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,24 @@ def test_aftercorr_is_refused_for_a_single_job_a_job_that_is_no_array_and_a_task
     assert [j.after for j in swept] == [[pair[0]], [pair[1]]]
 
 
+@pytest.mark.parametrize(("dependency", "says"), [
+    ("afterok:{0}", "after the success of job {0}"), ("afterany:{0}", "after any end of job {0}"),
+    ("afternotok:{0}", "after a failure of job {0}"), ("after:{0}", "after the start of job {0}"),
+    # Task 1 waits for task 1 of the array alone, by its own id.
+    ("aftercorr:{0}", "after the success of job {1}")])
+def test_show_says_what_a_job_waits_for_its_jobs_to_do_by_its_kind(use_settings, dependency, says):
+    from typer.testing import CliRunner
+
+    from gpuq.cli.app import app
+
+    register(use_settings, "a", 1)
+    first = tasks_of(use_settings, array="0-1", hold=True)
+    made = tasks_of(use_settings, array="0-1", dependency=dependency.format(first[0]))
+    shown = CliRunner().invoke(app, ["show", str(made[1])], prog_name="gpuq")
+    assert shown.exit_code == 0, shown.output
+    assert says.format(*first) in shown.output, shown.output
+
+
 def test_the_migration_keeps_after_any_as_afterany_and_downgrades_back(database_url, tmp_path):
     settings = make_settings(tmp_path, database_url, "redis://127.0.0.1:6379/13")
     db.upgrade(settings, "0025")
