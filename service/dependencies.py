@@ -86,14 +86,16 @@ def look_up(conn: Any, ids: Iterable[int]) -> tuple[dict[int, Dependency], dict[
     for job_id, array_id, state in rows:
         for d in {job_id, array_id} & tasks.keys():
             tasks[d].append((job_id, state))
-    out = {}
-    for d, of_d in tasks.items():
-        ended = sorted((job_id, state) for job_id, state in of_d if state in c.END_STATES)
-        failed = next(((j, s) for j, s in ended if s != State.SUCCEEDED), None)
-        succeeded = next((j for j, s in ended if s == State.SUCCEEDED), None)
-        out[d] = Dependency(id=d, tasks=len(of_d), ended=len(ended), failed=failed,
-                            started=sum(state != State.PENDING for _, state in of_d), first_success=succeeded)
-    return out, states
+    return {d: _standing_of(d, of_d) for d, of_d in tasks.items()}, states
+
+
+def _standing_of(d: int, of_d: list[tuple[int, str]]) -> Dependency:
+    """Where id ``d`` stands, its jobs ``of_d`` being (id, state) each: one, or an array's tasks."""
+    ended = sorted((job_id, state) for job_id, state in of_d if state in c.END_STATES)
+    failed = next(((j, s) for j, s in ended if s != State.SUCCEEDED), None)
+    succeeded = next((j for j, s in ended if s == State.SUCCEEDED), None)
+    return Dependency(id=d, tasks=len(of_d), ended=len(ended), failed=failed,
+                      started=sum(state != State.PENDING for _, state in of_d), first_success=succeeded)
 
 
 def standing(kind: str, deps: dict[int, Dependency], states: dict[int, str]) -> dict[int, Dependency]:
@@ -101,13 +103,7 @@ def standing(kind: str, deps: dict[int, Dependency], states: dict[int, str]) -> 
     aftercorr each job alone (by ``states``), a first task's id being its own and not its array's."""
     if kind != AFTER_CORR:
         return deps
-    out = {}
-    for d, state in states.items():
-        ended = state in c.END_STATES
-        out[d] = Dependency(id=d, tasks=1, ended=int(ended), failed=(d, state) if ended and state != State.SUCCEEDED
-                            else None, started=int(state != State.PENDING),
-                            first_success=d if state == State.SUCCEEDED else None)
-    return out
+    return {d: _standing_of(d, [(d, state)]) for d, state in states.items()}
 
 
 def never_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> str | None:
@@ -194,8 +190,9 @@ def corresponding(conn: Any, specs: list[JobSpec]) -> list[JobSpec]:
                           "task of its own index")
     arrays = list(specs[0].after or [])
     task_of = {(array, index): job_id for array, index, job_id in conn.execute(_TASKS_OF, {"ids": arrays})}
+    known = {array for array, _ in task_of}
     for array in arrays:
-        if not any(a == array for a, _ in task_of):
+        if array not in known:
             raise InvalidSpec(f"--dependency aftercorr:{array}: job {array} is no array's id (the id `gpuq submit` "
                               "printed for an array)")
     out = []

@@ -80,13 +80,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
             said += "; " + _start_line(start, read.policy.now)
         return said
     if reason == policy.ARRAY_LIMIT and job.array_id is not None and job.array_limit is not None:
-        from gpuq.service.queue_read import arrays_started
-
-        started = arrays_started(session.connection(), [job.array_id]).get(job.array_id, 0)
+        read, decision = _pass(session, settings)
+        # Its array's running tasks, as the pass counted them against the limit (their ends).
+        started = len(read.array_limits.get(job.array_id, (0, []))[1])
         said = (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
                 f"runs at most {job.array_limit} at once (--array ...%{job.array_limit}; "
                 f"`gpuq update --array {job.array_id} --array-limit N` changes it)")
-        read, decision = _pass(session, settings)
         start = _starts(read, decision).get(job.id)
         return said if start is None else f"{said}; {_start_line(start, read.policy.now)}"
     if reason == policy.NODE_DRAINED:

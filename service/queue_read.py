@@ -45,21 +45,13 @@ def pending_row(values: dict[str, Any]) -> Any:
 
 
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
-_ARRAYS_STARTED = (select(_t.array_id, func.count()).where(_t.array_id.in_(bindparam("arrays", expanding=True)),
-                                                           _t.state.in_((State.DISPATCHED, State.RUNNING)))
-                   .group_by(_t.array_id))
-
-
-# The tasks of these arrays that hold GPUs now, with what their expected ends are counted from.
+# The tasks of these arrays that hold GPUs now (dispatched or running: what `--array 0-99%4` counts
+# against its limit), with what their expected ends are counted from.
 _ARRAY_TASKS_STARTED = (select(_t.array_id, _t.started_at, _t.time_limit_s)
                         .where(_t.array_id.in_(bindparam("arrays", expanding=True)),
                                _t.state.in_((State.DISPATCHED, State.RUNNING))))
 
 
-def arrays_started(conn: Any, arrays: Sequence[int]) -> dict[int, int]:
-    """How many tasks of each of ``arrays`` hold GPUs now (dispatched or running): what `--array
-    0-99%4` counts against its limit. An array with none is left out."""
-    return dict(conn.execute(_ARRAYS_STARTED, {"arrays": list(arrays)}).all())
 _DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
                              table(Allocation).c.share_mib, _t.gpu_share).join_from(
