@@ -19,8 +19,7 @@ from gpuq.service.models import utcnow
 from gpuq.service.queue_read import pending_row, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
-from gpuq.service.submit_checks import check_submission
-from gpuq.service.submitting import job_row, with_corresponding, with_default_time
+from gpuq.service.submitting import checked, job_row
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,7 @@ class Estimate:
 def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
     """When each of ``specs`` would start if submitted now, after the checks a submit makes
     (InvalidSpec, NotAllowed, OverLimit, StateConflict as it raises them). Reads only."""
-    specs = with_corresponding(settings, with_default_time(settings, specs))
-    check_submission(settings, specs, None)
+    specs, _ = checked(settings, specs)
     now = utcnow()
     rows = [job_row(s, now, position) for position, s in enumerate(specs)]
     first = -len(rows)  # ids below every real one, rising in submission order (the queue's tie-break)

@@ -82,8 +82,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
     lock every worker's job end waits for) holds just the inserts and the placement."""
     require_schema(settings)
     broker.check(settings)
-    specs = with_corresponding(settings, with_default_time(settings, specs))
-    near_cap = check_submission(settings, specs, key)
+    specs, near_cap = checked(settings, specs, key)
     staged = None
     try:
         specs, staged = _code_at_submit(settings, specs, snapshot, record_code, git, stage)
@@ -219,7 +218,15 @@ def _code_at_submit(settings: Settings, specs: list[JobSpec], snapshot: bool, re
     return specs, staged
 
 
-def with_corresponding(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+def checked(settings: Settings, specs: list[JobSpec], key: str | None = None) -> tuple[list[JobSpec], bool]:
+    """The specs as a submit writes them (the queue's default time limit given, an aftercorr
+    resolved), after the submit's checks (``check_submission``, whose answer comes second): what
+    a submit and its estimate (service/estimate.py) both start from."""
+    specs = _with_corresponding(settings, _with_default_time(settings, specs))
+    return specs, check_submission(settings, specs, key)
+
+
+def _with_corresponding(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
     """The specs, an aftercorr resolved to the ids of each task's own tasks (``dependencies.corresponding``)."""
     if not specs or specs[0].after_kind != AFTER_CORR:
         return specs
@@ -227,7 +234,7 @@ def with_corresponding(settings: Settings, specs: list[JobSpec]) -> list[JobSpec
         return dependencies.corresponding(session.connection(), specs)
 
 
-def with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
     """The specs, those without --time given the queue's default time limit (GPUQ_DEFAULT_TIME,
     else GPUQ_MAX_TIME), as SLURM gives a partition's DefaultTime."""
     default = settings.time_limits[0]
