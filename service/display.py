@@ -49,6 +49,14 @@ def time_limit(seconds: int) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
+def expected_at(start: float, now: float) -> str:
+    """An expected moment (epoch s) and how long until it, as `gpuq why` and `--test-only` give a
+    start: ``2026-11-28 05:10:00 UTC, in 1:12:00`` (whole seconds, rounded up)."""
+    from datetime import UTC, datetime
+
+    return f"{datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} UTC, in {time_limit(math.ceil(start - now))}"
+
+
 def exit_status(code: int | None) -> str:
     """A command's exit as a shell and `gpuq run` give it: its status, or for one killed by a
     signal 128+N and the signal's name (-9 is "137 (SIGKILL)"; Python's -N read as a bug)."""

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 from gpuq.service import policy
 from gpuq.service.db import read_scope
-from gpuq.service.forecast import DEPTH, start_times
+from gpuq.service.forecast import NO_START, start_times
 from gpuq.service.models import utcnow
 from gpuq.service.queue_read import pending_row, read_queue
 from gpuq.service.settings import Settings
@@ -76,17 +76,14 @@ _WAITS = {policy.HELD: "it is held: it waits for `gpuq release`",
 
 def sentence(e: Estimate, now: datetime) -> str:
     """``e`` in words, as `gpuq why` says a start: ``would start now on n1 (GPU 0)``."""
-    from gpuq.service.display import time_limit
+    from gpuq.service.display import expected_at
 
     if e.now:
         return f"would start now on {e.node} (GPU {','.join(map(str, e.gpus))})"
     if e.start is None:
-        why = _WAITS.get(e.reason or "", "a job before it on the GPUs it needs has no time limit, or it is past the "
-                                         f"first {DEPTH} jobs of the queue")
-        return f"has no start time to count on ({why})"
-    wait = int((e.start - now).total_seconds() + 0.999)
-    if wait <= 0:
+        return f"has no start time to count on ({_WAITS.get(e.reason or '', NO_START)})"
+    if e.start <= now:
         return "would start at the scheduler's next pass"
     on = f" on {e.node} (GPU {','.join(map(str, e.gpus))})" if e.node is not None else ""
-    return (f"would start by {e.start:%Y-%m-%d %H:%M:%S} UTC, in {time_limit(wait)}{on}, if the jobs before it run "
-            "to their time limits")
+    return (f"would start by {expected_at(e.start.timestamp(), now.timestamp())}{on}, if the jobs before it run to "
+            "their time limits")

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
-from gpuq.service.display import gpu_hours_text
-from gpuq.service.forecast import DEPTH, start_times
+from gpuq.service.display import expected_at, gpu_hours_text
+from gpuq.service.forecast import NO_START, start_times
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
@@ -141,16 +141,12 @@ def _starts(read: QueueRead, decision: policy.Decision, where: dict[int, list[po
 
 
 def _start_line(start: float | None, now: float) -> str:
-    from gpuq.service.display import time_limit
-
     if start is None:
-        return (f"no start time can be counted on yet (a job before it on the GPUs it needs has no time limit, or it "
-                f"is past the first {DEPTH} jobs of the queue)")
+        return f"no start time can be counted on yet ({NO_START})"
     if start <= now:
         return "it can start now: the scheduler's next pass places it"
-    at = datetime.fromtimestamp(start, UTC)
-    return (f"expected to start by {at:%Y-%m-%d %H:%M:%S} UTC, in {time_limit(math.ceil(start - now))}, if the jobs "
-            f"before it run to their time limits (`gpuq status --start` for the queue)")
+    return (f"expected to start by {expected_at(start, now)}, if the jobs before it run to their time limits "
+            "(`gpuq status --start` for the queue)")
 
 
 def _running_where(session: Session, job: Job) -> str:

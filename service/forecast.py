@@ -35,6 +35,9 @@ from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState
 # How many of the queue's eligible jobs are planned (SLURM's backfill too looks only so far down the
 # queue: bf_max_job_test).
 DEPTH = 500
+# Why ``start_times`` counts on no moment for a job it planned, as `gpuq why` and `--test-only` say it.
+NO_START = (f"a job before it on the GPUs it needs has no time limit, or it is past the first {DEPTH} jobs of the "
+            "queue")
 
 
 class _Usage:
