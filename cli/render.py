@@ -54,7 +54,12 @@ def result_lines(result: dict[str, Any]) -> list[str]:
 
 
 def print_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
+    typer.echo(json_text(data))
+
+
+def json_text(data: Any) -> str:
+    """JSON as every command prints it: indented, non-ASCII kept."""
+    return json.dumps(data, indent=2, default=str, ensure_ascii=False)
 
 
 def one_line(text: str, width: int = 60) -> str:

@@ -16,6 +16,7 @@ from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, print_json, timestamp, when
 from gpuq.service import constants as c
+from gpuq.service.display import share, state_counts, time_limit
 from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
@@ -36,6 +37,8 @@ def _percent(v: float | None, fmt: str) -> str:
 def stats(
     job_id: Annotated[int | None, typer.Argument(help="One job's summary instead of the report.",
                                                  parser=numbers.job_id)] = None,
+    array: Annotated[int | None, typer.Option(help="An array's tasks summed instead (--csv: a line for each task).",
+                                              parser=numbers.job_id)] = None,
     since: Annotated[str, typer.Option(help="Start: a date, a time or an age (7d, 12h).")] = "7d",
     until: Annotated[str, typer.Option(help="End: a date, a time, an age or now.")] = "now",
     as_json: Annotated[bool, typer.Option("--json")] = False,
@@ -48,8 +51,12 @@ def stats(
     """GPU-hours, jobs, mean utilisation and energy per user and node; or one job's summary."""
     if as_json and as_csv:
         raise InvalidSpec("--json and --csv cannot be used together: pick one")
-    if rollup and (job_id is not None or as_json or as_csv or plot):
+    if rollup and (job_id is not None or array is not None or as_json or as_csv or plot):
         raise InvalidSpec("--rollup does only the roll-up: give it alone")
+    if array is not None and job_id is not None:
+        raise InvalidSpec("give a job id or --array ID, not both")
+    if array is not None and plot:
+        raise InvalidSpec("--plot draws one job's samples: give a task's id, not --array")
     if plot:
         from gpuq.cli.plots import plot_format
 
@@ -62,6 +69,9 @@ def stats(
         return
     if job_id is not None:
         _job(client, job_id, as_json, as_csv, plot)
+        return
+    if array is not None:
+        _array(client, array, as_json, as_csv)
         return
     answer = client.get("/stats", since=since, until=until, plot=1 if plot else None)
     start, end = when(answer["since"]), when(answer["until"])
@@ -136,15 +146,68 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
         u = job(data)
         lines = [("job", f"{job_id}  {u.name}  ({u.user}, {u.state})"),
                  ("wall time", duration(timedelta(seconds=u.wall_s))),
+                 ("time limit", _limit_used(u.time_limit_s, u.time_used)),
                  ("GPU-hours", f"{u.gpu_hours:.4f}  ({u.gpus} GPU{'s' if u.gpus > 1 else ''})"),
                  ("mean util", _percent(u.utilization_mean, ".1f")),
                  ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB"
                   + (f" of its {u.share_mib} MiB share" if getattr(u, "share_mib", None) else "")
                   + f", mean {_num(u.memory_mean_mib, '.0f')} MiB"),
-                 ("energy", "n/a" if u.energy_j is None else f"{u.energy_j:.0f} J ({u.energy_j / 3.6e6:.4f} kWh)"),
-                 ("idle", f"{u.idle_s:.0f} GPU-seconds below {c.IDLE_UTILIZATION}% utilisation"),
-                 ("samples", str(u.samples))]
-        for key, value in lines:
-            typer.echo(f"{key:>10}  {value}")
+                 *_energy_idle_samples(u)]
+        _echo(lines, u.limit_hint)
     if plot:
         typer.echo(f"plot written to {plot}", err=as_json or as_csv)
+
+
+def _energy_idle_samples(u: SimpleNamespace) -> list[tuple[str, str]]:
+    """A summary's last lines, a job's or an array's."""
+    return [("energy", "n/a" if u.energy_j is None else f"{u.energy_j:.0f} J ({u.energy_j / 3.6e6:.4f} kWh)"),
+            ("idle", f"{u.idle_s:.0f} GPU-seconds below {c.IDLE_UTILIZATION}% utilisation"),
+            ("samples", str(u.samples))]
+
+
+def _echo(lines: list[tuple[str, str]], hint: str | None) -> None:
+    """A summary's lines, their names aligned right, and the nearer limit it suggests, if any."""
+    for key, value in lines:
+        typer.echo(f"{key:>10}  {value}")
+    if hint:
+        typer.echo(hint)
+
+
+def _limit_used(limit_s: int | None, used: float | None) -> str:
+    if not limit_s:
+        return "none"
+    return time_limit(limit_s) + ("" if used is None else f"  ({share(used)} of it used)")
+
+
+# An array's per-task CSV columns, as sacct gives a line for each task.
+_TASK_COLUMNS = ("job_id", "index", "state", "time_limit_s", "wall_s", "gpu_hours", "utilization_mean",
+                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples")
+
+
+def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:
+    data = client.get(f"/arrays/{array_id}/stats")
+    if as_json:
+        print_json(data)
+        return
+    if as_csv:
+        out = csv.DictWriter(sys.stdout, fieldnames=_TASK_COLUMNS, extrasaction="ignore", lineterminator="\n")
+        out.writeheader()
+        out.writerows(data["per_task"])
+        return
+    from datetime import timedelta
+
+    a = job(data)
+    wall = "none started" if a.wall_mean_s is None else (
+        f"mean {duration(timedelta(seconds=a.wall_mean_s))}, longest "
+        f"{duration(timedelta(seconds=a.wall_longest_s))} (job {a.longest_task})")
+    lines = [("array", f"{array_id}  {a.name}  ({a.user})"),
+             ("tasks", f"{a.tasks}: {state_counts(a.states)}"),
+             ("wall time", wall),
+             ("time limit", ("differs between tasks" if a.time_limits > 1 else _limit_used(a.time_limit_s, None))
+              + ("" if a.time_used_max is None else f"  (the longest task used {share(a.time_used_max)} of it)")),
+             ("GPU-hours", f"{a.gpu_hours:.4f}"),
+             ("mean util", _percent(a.utilization_mean, ".1f")),
+             ("memory", "n/a" if a.memory_peak_mib is None else
+              f"peak {a.memory_peak_mib} MiB (job {a.memory_peak_task})"),
+             *_energy_idle_samples(a)]
+    _echo(lines, a.limit_hint)

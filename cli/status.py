@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -13,6 +15,7 @@ from gpuq.cli.render import (
     duration,
     job,
     job_name,
+    json_text,
     mib,
     one_line,
     print_json,
@@ -23,7 +26,7 @@ from gpuq.cli.render import (
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
 from gpuq.service.display import in_queue_order, with_tasks
-from gpuq.service.errors import InvalidSpec
+from gpuq.service.errors import InvalidSpec, Unreachable
 
 app = typer.Typer()
 
@@ -44,6 +47,10 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
     start: Annotated[bool, typer.Option("--start", help="Pending jobs only, with when each is expected to start "
                                         "(as squeue --start), earliest first.")] = False,
+    iterate: Annotated[float | None, typer.Option("--iterate", "-i", metavar="SECONDS", min=0.1, max=86400,
+                                                  help="Again every this many seconds until Ctrl-C (as squeue -i): "
+                                                       "redrawn on a terminal, each under its time when piped.")]
+    = None,
 ) -> None:
     """The queue (waiting, running and recently ended jobs) and the GPUs."""
     if mine and user is not None:
@@ -54,15 +61,50 @@ def status(
         if state is not None or name is not None or every_task or ended != 10:
             raise InvalidSpec("--start lists every pending job: it takes --me, --user and --json, not "
                               "--state, --name, --array-tasks or --ended")
-        _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), as_json)
+    if iterate is None:
+        typer.echo(_listing(ended, mine, user, every_task, state, name, as_json, start), nl=False)
         return
+    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, as_json, start), as_json)
+
+
+def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
+    """`gpuq status -i`, as squeue -i: the listing again every ``every`` seconds until Ctrl-C. On a
+    terminal the screen is redrawn under a line saying when (as watch does); piped, each listing
+    follows its time line (with --json, one document a line), for a log of the queue."""
+    import sys
+    import time
+    from datetime import UTC, datetime
+
+    redraw = sys.stdout.isatty() and not as_json
+    try:
+        text = listing()  # a first that fails ends it, as a `gpuq status` would: the server named is wrong
+        while True:
+            if as_json:
+                typer.echo(json.dumps(json.loads(text)))
+            else:
+                head = f"every {every:g}s: gpuq status    {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC (Ctrl-C stops)"
+                typer.echo(("\x1b[H\x1b[2J" if redraw else "") + head + "\n\n" + text, nl=not redraw)
+            sys.stdout.flush()
+            time.sleep(every)
+            try:  # asked before the screen is cleared: no blank screen while it waits
+                text = listing()
+            except Unreachable as gone:  # a server restarting: said in the listing's place, and asked again
+                text = json_text({"error": str(gone)}) if as_json else f"gpuq: {gone}\n"
+    except KeyboardInterrupt:
+        pass
+
+
+def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: str | None, name: str | None,
+             as_json: bool, start: bool) -> str:
+    """What `gpuq status` prints once, asked of the server now."""
+    if start:
+        return _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), as_json)
     collapsed = not (every_task or as_json)
     answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user, state=state, name=name,
                           arrays="collapsed" if collapsed else None)
     rows, gpus = answer["jobs"], answer["gpus"]
     if as_json:
-        print_json({"jobs": rows, "gpus": gpus})
-        return
+        return json_text({"jobs": rows, "gpus": gpus})
     colour = colours_wanted()
     idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
                  "yellow")
@@ -71,32 +113,29 @@ def status(
               idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)]
              for j in in_queue_order(rows, answer.get("arrays") or [])]
     devices = [row for g in gpus for row in _gpu_rows(g)]
-    typer.echo(render("jobs", ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"), queue,
-                      frozenset({"ID", "GPUS"}), colour) if queue else "no jobs")
-    typer.echo()
-    typer.echo(render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
-                      frozenset({"GPU", "UTIL"}), colour) if gpus else
-               "no GPUs registered: start the workers with `gpuq up`")
+    lines = [render("jobs", ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"), queue,
+                    frozenset({"ID", "GPUS"}), colour) if queue else "no jobs", "",
+             render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
+                    frozenset({"GPU", "UTIL"}), colour) if gpus else
+             "no GPUs registered: start the workers with `gpuq up`"]
     # A drained node's GPUs carry its reason: one line for the node.
-    for why in drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")}):
-        typer.echo(why)
+    lines += drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")})
+    return "\n".join(lines) + "\n"
 
 
-def _starts(answer: dict[str, Any], as_json: bool) -> None:
+def _starts(answer: dict[str, Any], as_json: bool) -> str:
     """`gpuq status --start`: each pending job and its expected start, or why none is known."""
     if as_json:
-        print_json(answer)
-        return
+        return json_text(answer)
     rows = [[str(j["id"]), j["user"], job_name(j["name"]), _gpus(j), timestamp(j["start"]) if j["start"] else "n/a",
              j.get("planned_node") or "-", j["reason"] or "-"] for j in answer["jobs"]]
     if not rows:
-        typer.echo("no pending jobs")
-        return
-    typer.echo(render("pending", ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON"), rows,
-                      frozenset({"ID", "GPUS"}), colours_wanted()))
-    typer.echo("START: expected if the jobs before each run to their time limits (jobs that end sooner bring it "
-               "forward; n/a: a job before it has no limit, or it waits for something else); NODE: where it is "
-               "planned (as squeue --start's SCHEDNODES)")
+        return "no pending jobs\n"
+    return (render("pending", ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON"), rows,
+                   frozenset({"ID", "GPUS"}), colours_wanted()) + "\n"
+            + "START: expected if the jobs before each run to their time limits (jobs that end sooner bring it "
+              "forward; n/a: a job before it has no limit, or it waits for something else); NODE: where it is "
+              "planned (as squeue --start's SCHEDNODES)\n")
 
 
 def _gpus(j: dict[str, Any]) -> str:

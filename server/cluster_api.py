@@ -9,7 +9,7 @@ from aiohttp import web
 
 from gpuq.server import views
 from gpuq.server.request import call, context, job_id_of, reading
-from gpuq.service import accounting, rights, samples, usage
+from gpuq.service import accounting, display, efficiency, rights, samples, usage
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.jobs import get_job
@@ -125,7 +125,10 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
         u = usage.job_usage(session, job_id)
         series = accounting.job_series(session, job_id, job.started_at) if plot else None
         out: dict[str, Any] = dict(job_id=job.id, name=job.name, user=job.user, state=job.state, node=job.node,
-                                   gpus=job.gpus, wall_s=u.wall_s, gpu_hours=u.gpu_hours,
+                                   gpus=job.gpus, time_limit_s=job.time_limit_s,
+                                   time_used=efficiency.time_used(u.wall_s, job.time_limit_s),
+                                   limit_hint=efficiency.job_hint(job.state, u.wall_s, job.time_limit_s),
+                                   wall_s=u.wall_s, gpu_hours=u.gpu_hours,
                                    memory_peak_mib=u.memory_peak_mib, memory_mean_mib=u.memory_mean_mib,
                                    utilization_mean=u.utilization_mean, energy_j=u.energy_j, idle_s=u.idle_s,
                                    samples=u.samples,
@@ -138,6 +141,21 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
                                   for g in (session.get(Gpu, i) for i in sorted({p["gpu_id"] for p in series}))
                                   if g is not None}
     return out
+
+
+@routes.get(P + r"/arrays/{id:\d+}/stats")
+async def array_stats(request: web.Request) -> web.Response:
+    """An array's tasks summed (`gpuq stats --array ID`, as seff gives an array's), and each task's
+    summary (``tasks``)."""
+    settings, _ = context(request)
+    return web.json_response(await call(_array_stats, settings, job_id_of(request)))
+
+
+def _array_stats(settings: Settings, array_id: int) -> dict[str, Any]:
+    with reading(settings) as session:
+        tasks = usage.array_usage(session, array_id)
+    return {"array_id": array_id, "name": display.array_name(tasks[0]["name"]), "user": tasks[0]["user"],
+            **efficiency.array_summary(tasks), "per_task": tasks}
 
 
 @routes.post(P + "/stats/rollup")

@@ -89,6 +89,17 @@ def result_summary(job: Job | Any) -> str:
     return job.reason or ""
 
 
+def array_name(task_name: str) -> str:
+    """An array's name from a task's: a task's is the array's with its index or sweep values
+    (train[5], train[lr=0.1])."""
+    return task_name[:task_name.rindex("[")] if task_name.endswith("]") and "[" in task_name else task_name
+
+
+def share(part: float) -> str:
+    """A share in whole percent, where a small one is not rounded to nothing: 7%, under 1%."""
+    return "under 1%" if 0 < part < 0.005 else f"{part:.0%}"
+
+
 def state_counts(counts: dict[str, int]) -> str:
     """How many jobs ended each way, the most first: "3 failed, 2 succeeded" (`gpuq history`)."""
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -128,9 +128,8 @@ def pending_tasks(session: Session, *, user: str | None = None, name: str | None
     out = []
     for (array_id, held, admin_hold, reason), rows in groups.items():
         first = rows[0]
-        # A task's name is the array's with its index or sweep values: train[5], train[lr=0.1].
-        base = first.name[:first.name.rindex("[")] if first.name.endswith("]") and "[" in first.name else first.name
-        out.append(PendingTasks(array_id, first.user, f"{base}[{display.ranges([r.array_index for r in rows])}]",
+        name = f"{display.array_name(first.name)}[{display.ranges([r.array_index for r in rows])}]"
+        out.append(PendingTasks(array_id, first.user, name,
                                 [r.id for r in rows], first.gpus, held, reason, first.submitted_at, admin_hold))
     return sorted(out, key=lambda g: g.ids[0])
 

@@ -1,6 +1,6 @@
 """How GPUs were used, from the device samples (raw ones, and the minute aggregates they were
-rolled into): totals per job, user, node or time bucket; a job's summary when it ends; and which
-running jobs hold their GPUs idle.
+rolled into): totals per job, user, node or time bucket; a job's summary when it ends, and an
+array's tasks' summaries; and which running jobs hold their GPUs idle.
 """
 
 from __future__ import annotations
@@ -255,3 +255,33 @@ def idle_jobs(session: Session, settings: Settings, now: datetime | None = None)
     return {job_id for job_id, t in per_job.items()
             if t.seconds >= 0.5 * settings.idle_window * running[job_id]
             and t.idle_seconds >= c.IDLE_SHARE * t.seconds}
+
+
+# An array's tasks with what ``summarize`` and the summary's reader need of each.
+_TASKS = select(Job.id, Job.array_index, Job.state, Job.time_limit_s, Job.name, Job.user, Job.gpus, Job.gpu_share,
+                Job.started_at, Job.ended_at).where(Job.array_id == bindparam("array_id")).order_by(Job.id)
+_TASKS_USAGE = select(JobUsage).join(Job, Job.id == JobUsage.job_id).where(Job.array_id == bindparam("array_id"))
+# A summary's fields that a task's line and the array's sums use.
+_TASK_FIELDS = ("wall_s", "gpu_hours", "memory_peak_mib", "memory_mean_mib", "utilization_mean", "energy_j",
+                "idle_s", "samples")
+
+
+def array_usage(session: Session, array_id: int, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Each task of array ``array_id`` in id order: its id, index, state, time limit, name and user,
+    and for one that started its usage summary's fields (the stored one of a task that ended, else
+    one computed now, as ``job_usage`` gives it). JobNotFound if there is no such array."""
+    tasks = session.execute(_TASKS, {"array_id": array_id}).all()
+    if not tasks:
+        raise JobNotFound(f"no array {array_id}")
+    stored = {u.job_id: u for u in session.scalars(_TASKS_USAGE, {"array_id": array_id})}
+    now = now or utcnow()
+    out = []
+    for t in tasks:
+        row: dict[str, Any] = dict(job_id=t.id, index=t.array_index, state=t.state, time_limit_s=t.time_limit_s,
+                                   name=t.name, user=t.user)
+        if t.started_at is not None:
+            u = stored.get(t.id) if t.state in c.END_STATES else None
+            u = u or summarize(session, t, now)
+            row |= {f: getattr(u, f) for f in _TASK_FIELDS}
+        out.append(row)
+    return out

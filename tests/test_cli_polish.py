@@ -163,3 +163,40 @@ def test_why_and_devices_escape_what_a_user_or_a_process_wrote_before_a_terminal
     assert said.exit_code == 0 and "\x1b" not in said.output and "\\x1b]0;PWN\\x07" in said.output, said.output
     listed = _processes([{"name": "\x1b]0;PWN\x07\x1b[2J", "pid": 4242, "memory_mib": 10}])
     assert "\x1b" not in listed and listed.startswith("\\x1b]0;PWN\\x07\\x1b[2J[4242]"), listed
+
+
+def test_status_iterate_lists_the_queue_again_each_time_under_its_time_until_ctrl_c(use_settings, tmp_path):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "status", "-i", "0.2", "-n", "0"],
+                            env=settings_env(use_settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def next_listing() -> list[str]:
+        """The lines of the next listing, after its time line, to the blank line that ends it."""
+        head = proc.stdout.readline()
+        assert re.match(r"every 0\.2s: gpuq status    \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(Ctrl-C stops\)$",
+                        head.rstrip()), head
+        assert proc.stdout.readline() == "\n"
+        lines = []
+        while (line := proc.stdout.readline()) and "GPUs registered" not in line:
+            lines.append(line.rstrip())
+        assert proc.stdout.readline() == "\n"
+        return lines
+
+    assert "no jobs" in next_listing()
+    job_id = cli_submit(use_settings, ["--hold", "--", "true"], cwd=tmp_path)
+    # Asked of the server again each time: the job submitted meanwhile is in a later listing.
+    for _ in range(20):
+        if any(line.split()[:1] == [str(job_id)] for line in next_listing()):
+            break
+    else:
+        pytest.fail("the job submitted meanwhile never appeared")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err) == (0, "")
+
+
+def test_status_iterate_takes_a_tenth_of_a_second_at_least_in_one_line(use_settings):
+    out = run_cli(["status", "-i", "0"], use_settings)
+    assert out.returncode == c.EXIT_USAGE and len(out.stderr.strip().splitlines()) == 1
+    assert "'--iterate': 0.0 is not in the range 0.1<=x<=86400" in out.stderr

@@ -1,5 +1,6 @@
 """`gpuq stats` and `gpuq devices` on recorded samples: JSON, CSV, PNG plots of the right size,
---watch, --rollup, and one-line errors with their exit codes for bad input."""
+--watch, --rollup, an array's tasks summed and a job's time limit against its run, and one-line
+errors with their exit codes for bad input."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from gpuq.cli.app import app
 from gpuq.cli.plots import DPI, FIGSIZE
 from gpuq.service import constants as c
 from gpuq.service import samples
+from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.devices import GpuProcess, GpuReading
 from gpuq.service.models import Allocation, Gpu, utcnow
@@ -213,3 +215,85 @@ def test_a_plot_in_a_folder_the_user_cannot_search_is_one_line_not_a_traceback(t
         assert done.stdout == f"cannot write the plot to {closed / 'x.png'}: Permission denied\n"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def array_run(use_settings):
+    """An array of four one-GPU tasks with a one-hour limit on testnode: tasks 0 and 1 succeeded in
+    2 and 4 minutes (sampled at 80% and 40%), task 2 failed after 1 minute, task 3 waits. Returns
+    the tasks' ids."""
+    from gpuq.service import usage
+    from gpuq.service.models import Job
+
+    now = utcnow()
+    runs = [(State.SUCCEEDED, 2, 80), (State.SUCCEEDED, 4, 40), (State.FAILED, 1, None), (State.PENDING, None, None)]
+    ids = []
+    with write_scope(use_settings) as s:
+        gpu = add_gpu(s, "testnode", 0)
+        for index, (state, minutes, util) in enumerate(runs):
+            start = now - timedelta(minutes=10) if minutes else None
+            job = Job(name=f"sweep[{index}]", user="ann", kind=c.KIND_COMMAND, argv=["true"], cwd="/", gpus=1,
+                      state=state, node="testnode" if start else None, submitted_at=now - timedelta(minutes=10),
+                      started_at=start, ended_at=start + timedelta(minutes=minutes) if start else None,
+                      time_limit_s=3600, array_index=index, array_id=ids[0] if ids else None)
+            s.add(job)
+            s.flush()
+            if not ids:
+                job.array_id = job.id
+            ids.append(job.id)
+            if util is not None:
+                add_samples(s, gpu, job.id, start, [util] * (minutes * 6), mem=1000 * (index + 1), step=10.0)
+    with write_scope(use_settings) as s:
+        for job_id, (_, minutes, _) in zip(ids, runs, strict=True):
+            if minutes:
+                usage.record_usage(s, job_id)
+    return ids
+
+
+def test_stats_of_an_array_sums_its_tasks_and_suggests_a_nearer_limit_once_they_all_ended(array_run, use_settings):
+    first = array_run[0]
+    data = json.loads(invoke("stats", "--array", str(first), "--json").output)
+    assert (data["array_id"], data["name"], data["user"]) == (first, "sweep", "ann")
+    assert (data["tasks"], data["started"]) == (4, 3)
+    assert data["states"] == {"succeeded": 2, "failed": 1, "pending": 1}
+    assert data["wall_longest_s"] == pytest.approx(240) and data["longest_task"] == array_run[1]
+    assert data["utilization_mean"] == pytest.approx((80 * 12 + 40 * 24) / 36)
+    assert data["memory_peak_mib"] == 2000 + 23 and data["memory_peak_task"] == array_run[1]
+    assert [t["job_id"] for t in data["per_task"]] == array_run and "wall_s" not in data["per_task"][3]
+    assert data["limit_hint"] is None  # task 3 has yet to run: it may need longer
+    rows = list(csv.DictReader(io.StringIO(invoke("stats", "--array", str(first), "--csv").output)))
+    assert [(r["index"], r["state"]) for r in rows] == [("0", "succeeded"), ("1", "succeeded"), ("2", "failed"),
+                                                        ("3", "pending")]
+    assert float(rows[1]["wall_s"]) == pytest.approx(240) and rows[3]["wall_s"] == ""
+    # Once the last task ended, a limit nearer the longest successful run is suggested.
+    from gpuq.service.models import Job
+
+    with write_scope(use_settings) as s:
+        s.get(Job, array_run[3]).state = State.CANCELLED
+    text = invoke("stats", "--array", str(first)).output
+    assert "tasks  4: 2 succeeded, 1 cancelled, 1 failed" in text
+    assert "time limit  1:00:00  (the longest task used 7% of it)" in text
+    assert text.strip().endswith("the longest successful task ran 4:00 of its 1:00:00 limit (7%): a limit nearer "
+                                 "that (-t 0:06:00) lets the backfill start such jobs sooner")
+
+
+def test_stats_of_one_job_gives_its_time_limit_and_the_share_it_used(array_run):
+    job = json.loads(invoke("stats", str(array_run[0]), "--json").output)
+    assert (job["time_limit_s"], job["time_used"]) == (3600, pytest.approx(120 / 3600))
+    assert job["limit_hint"].startswith("it ran 2:00 of its 1:00:00 limit (3%)")
+    text = invoke("stats", str(array_run[0])).output
+    assert "time limit  1:00:00  (3% of it used)" in text and "(-t 0:03:00)" in text
+    # A failed job gets no suggestion: an early failure says nothing of what it needs.
+    failed = json.loads(invoke("stats", str(array_run[2]), "--json").output)
+    assert failed["limit_hint"] is None and "lets the backfill" not in invoke("stats", str(array_run[2])).output
+
+
+@pytest.mark.parametrize("args,code,words", [
+    (["stats", "--array", "999"], c.EXIT_NOT_FOUND, "no array 999"),
+    (["stats", "1", "--array", "1"], c.EXIT_USAGE, "give a job id or --array ID, not both"),
+    (["stats", "--array", "1", "--plot", "x.png"], c.EXIT_USAGE, "--plot draws one job's samples"),
+    (["stats", "--array", "1", "--rollup"], c.EXIT_USAGE, "--rollup does only the roll-up"),
+])
+def test_bad_array_stats_input_is_one_line_and_a_named_exit_code(use_settings, args, code, words):
+    out = invoke(*args)
+    assert out.exit_code == code and words in out.output and len(out.output.strip().splitlines()) == 1
