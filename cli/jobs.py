@@ -124,7 +124,7 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             f"{j.max_retries} retries" if j.max_retries else "",
             # A server from before the kinds sends after_any alone.
             (f"{AFTER_SHOWN[getattr(j, 'after_kind', None) or (AFTER_ANY if j.after_any else AFTER_OK)]} job "
-             f"{', '.join(map(str, j.after))}" if j.after else ""),
+             f"{', '.join(_after_job(i, getattr(j, 'after_tasks', None)) for i in j.after)}" if j.after else ""),
             # A server from before singleton sends none.
             f"one job named {j.name!r} at a time (singleton)" if getattr(j, "singleton", False) else "",
             f"priority {j.priority}" if j.priority else "",
@@ -179,6 +179,13 @@ def resubmit(job_id: JobId, as_json: Annotated[bool, typer.Option("--json", help
         print_json(made)
     else:
         typer.echo(f"submitted job {made['id']} (resubmit of {job_id})")
+
+
+def _after_job(job_id: int, tasks: dict[str, list[int]] | None) -> str:
+    """A job waited for, with the array and index it is a task of where ``tasks`` names them (an
+    aftercorr task's: it waits for the task of its index alone, whose id is not the one typed)."""
+    task = (tasks or {}).get(str(job_id))
+    return f"{job_id} (task {task[1]} of array {task[0]})" if task else str(job_id)
 
 
 def _signal_ahead(text: str | None) -> str:

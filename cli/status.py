@@ -25,6 +25,7 @@ from gpuq.cli.render import (
 )
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
+from gpuq.service import units
 from gpuq.service.display import in_queue_order, with_tasks
 from gpuq.service.errors import InvalidSpec, Unreachable
 
@@ -44,6 +45,9 @@ def status(
                                               "failed... or squeue's PD, R, F..., comma-separated.")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name, or a pattern "
                                              "('train*'); an array's name takes its tasks.")] = None,
+    ids: Annotated[str | None, typer.Option("--jobs", "-j", metavar="IDS", help="Only these jobs, comma-separated "
+                                            "(an array's id takes its tasks), ended ones included (as squeue -j).")]
+    = None,
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
     start: Annotated[bool, typer.Option("--start", help="Pending jobs only, with when each is expected to start "
                                         "(as squeue --start), earliest first.")] = False,
@@ -58,13 +62,15 @@ def status(
     if user is not None and not user.strip():
         raise InvalidSpec("--user needs a user name (--me for yours)")
     if start:
-        if state is not None or name is not None or every_task or ended != 10:
+        if state is not None or name is not None or every_task or ended != 10 or ids is not None:
             raise InvalidSpec("--start lists every pending job: it takes --me, --user and --json, not "
-                              "--state, --name, --array-tasks or --ended")
+                              "--state, --name, --jobs, --array-tasks or --ended")
+    if ids is not None:
+        units.parse_job_ids(ids, "--jobs")  # said here, before the server is asked (and again each -i)
     if iterate is None:
-        typer.echo(_listing(ended, mine, user, every_task, state, name, as_json, start), nl=False)
+        typer.echo(_listing(ended, mine, user, every_task, state, name, ids, as_json, start), nl=False)
         return
-    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, as_json, start), as_json)
+    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, ids, as_json, start), as_json)
 
 
 def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
@@ -95,13 +101,13 @@ def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
 
 
 def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: str | None, name: str | None,
-             as_json: bool, start: bool) -> str:
+             ids: str | None, as_json: bool, start: bool) -> str:
     """What `gpuq status` prints once, asked of the server now."""
     if start:
         return _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), as_json)
     collapsed = not (every_task or as_json)
     answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user, state=state, name=name,
-                          arrays="collapsed" if collapsed else None)
+                          jobs=ids, arrays="collapsed" if collapsed else None)
     rows, gpus = answer["jobs"], answer["gpus"]
     if as_json:
         return json_text({"jobs": rows, "gpus": gpus})

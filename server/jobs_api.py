@@ -16,7 +16,7 @@ from sqlalchemy import select
 from gpuq.server import views
 from gpuq.server.request import JOB, acting, call, context, job_id_of, job_ids, reading
 from gpuq.service import constants as c
-from gpuq.service import display, inventory, job_output, jobs, policy, rights, usage
+from gpuq.service import display, inventory, job_output, jobs, policy, rights, units, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.constants import State
@@ -64,7 +64,9 @@ async def queue(request: web.Request) -> web.Response:
     states = jobs.states_named(state) if state is not None else None
     if name is not None and not name.strip():
         raise InvalidSpec("--name needs a name or a pattern")
-    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named, states, name))
+    # ``jobs``: those jobs and the arrays among them, whatever their state (`gpuq status -j`, squeue's -j).
+    ids = units.parse_job_ids(request.query["jobs"], "--jobs") if "jobs" in request.query else None
+    return web.json_response(await call(_queue, settings, user, max(ended, 0), collapsed, named, states, name, ids))
 
 
 def _whose(request: web.Request) -> tuple[str | None, bool]:
@@ -77,15 +79,19 @@ def _whose(request: web.Request) -> tuple[str | None, bool]:
 
 
 def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = False,
-           named: bool = False, states: tuple[str, ...] | None = None, name: str | None = None) -> dict[str, Any]:
+           named: bool = False, states: tuple[str, ...] | None = None, name: str | None = None,
+           ids: list[int] | None = None) -> dict[str, Any]:
     now = utcnow()
     with reading(settings) as session:
         if named and user is not None:
             _check_known_user(session, user)  # as squeue's "Invalid user"
+        if ids is not None and session.scalar(select(Job.id).where(Job.id.in_(ids)).limit(1)) is None:
+            # As squeue's "Invalid job id specified": none of them was ever a job (gpuq forgets none).
+            raise jobs.JobNotFound(f"no job {', '.join(map(str, ids[:10]))}" + (" ..." if len(ids) > 10 else ""))
         rows = jobs.list_jobs(session, ended_limit=ended, user=user, but_pending_tasks=collapsed, states=states,
-                              name=name)
+                              name=name, ids=ids)
         want_tasks = collapsed and (states is None or State.PENDING in states)
-        tasks = jobs.pending_tasks(session, user=user, name=name) if want_tasks else []
+        tasks = jobs.pending_tasks(session, user=user, name=name, ids=ids) if want_tasks else []
         gpus = inventory.view(session, settings)
         idle = usage.idle_jobs(session, settings)
         held = jobs.gpu_indices_of(session, [j.id for j in rows if j.started_at is not None])
@@ -256,6 +262,10 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
         # Not opened by GPUQ_SHARED_LOGS, as output is: the values may be the owner's secrets.
         env = dict(job.env or {}) if rights.may_read_private(settings, job.user, caller) else None
         data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
+        if job.after_kind == units.AFTER_CORR and job.after:
+            # The tasks an aftercorr task waits for, as (array, index) by id: `gpuq show` names them so.
+            data["after_tasks"] = {str(r.id): [r.array_id, r.array_index] for r in session.execute(
+                select(Job.id, Job.array_id, Job.array_index).where(Job.id.in_(job.after)))}
         # A shared job is placed with its share and this reserve for its CUDA context on each GPU.
         context = settings.shared_context_mib if job.shared else None
     return data | {"context_mib": context, "env": env, "metrics": views.plain(metrics), "last_output": tail,

@@ -57,15 +57,22 @@ def states_named(text: str) -> tuple[str, ...]:
 
 def list_jobs(session: Session, *, ended_limit: int = 10, user: str | None = None,
               but_pending_tasks: bool = False, states: Sequence[str] | None = None,
-              name: str | None = None) -> list[Job]:
+              name: str | None = None, ids: Sequence[int] | None = None) -> list[Job]:
     """Active jobs (oldest first), then the ``ended_limit`` most recently ended ones; with
     ``but_pending_tasks``, not the pending tasks of arrays (``pending_tasks`` has them). With
     ``states``, those in them only (the newest ``ended_limit`` of the ended ones asked for); with
-    ``name``, those of that name (``name_matches``)."""
+    ``name``, those of that name (``name_matches``). With ``ids`` (`gpuq status -j`, squeue's -j),
+    those jobs and every task of the arrays among them, in id order, ended ones all included."""
     base = select(Job)
     if user:
         base = base.where(Job.user == user)
     named = [name_matches(session, name)] if name is not None else []
+    if ids is not None:
+        picked = base.where(Job.id.in_(ids) | Job.array_id.in_(ids), *named,
+                            *([Job.state.in_(states)] if states is not None else []))
+        if but_pending_tasks:
+            picked = picked.where(~((Job.state == State.PENDING) & Job.array_id.is_not(None)))
+        return list(session.scalars(picked.order_by(Job.id)))
     active_states = [s for s in c.ACTIVE_STATES if states is None or s in states]
     ended_states = [s for s in c.END_STATES if states is None or s in states]
     active = base.where(Job.state.in_(active_states), *named)
@@ -111,8 +118,10 @@ class PendingTasks:
     admin_hold: bool = False  # held by an admin: only an admin releases them
 
 
-def pending_tasks(session: Session, *, user: str | None = None, name: str | None = None) -> list[PendingTasks]:
-    """The pending tasks of every array (or ``user``'s, or those named ``name``), grouped by array
+def pending_tasks(session: Session, *, user: str | None = None, name: str | None = None,
+                  ids: Sequence[int] | None = None) -> list[PendingTasks]:
+    """The pending tasks of every array (or ``user``'s, those named ``name``, those of the arrays
+    in ``ids`` or the tasks among them), grouped by array
     and by why they wait; the few columns a line needs, not whole rows: 10,000 tasks are 10,000
     small tuples."""
     query = (select(Job.id, Job.array_id, Job.array_index, Job.user, Job.name, Job.gpus, Job.held, Job.reason,
@@ -122,6 +131,8 @@ def pending_tasks(session: Session, *, user: str | None = None, name: str | None
         query = query.where(Job.user == user)
     if name is not None:
         query = query.where(name_matches(session, name))
+    if ids is not None:
+        query = query.where(Job.id.in_(ids) | Job.array_id.in_(ids))
     groups: dict[tuple[int, bool, bool, str | None], list[Any]] = {}
     for row in session.execute(query):
         groups.setdefault((row.array_id, row.held, row.held and row.admin_hold, row.reason), []).append(row)

@@ -1,9 +1,11 @@
 """Small things a user meets at the terminal: `gpuq run` of a job cancelled by someone else or by
 its dependency exits as `gpuq wait` does (130 is only their own Ctrl-C), `gpuq cancel --array` is
-one line however many tasks had ended, and a usage error of `gpuq` itself is one line, exit 2."""
+one line however many tasks had ended, a usage error of `gpuq` itself is one line, exit 2, and
+`gpuq status` as squeue's -i (again until Ctrl-C) and -j (those jobs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -200,3 +202,34 @@ def test_status_iterate_takes_a_tenth_of_a_second_at_least_in_one_line(use_setti
     out = run_cli(["status", "-i", "0"], use_settings)
     assert out.returncode == c.EXIT_USAGE and len(out.stderr.strip().splitlines()) == 1
     assert "'--iterate': 0.0 is not in the range 0.1<=x<=86400" in out.stderr
+
+
+def test_status_jobs_lists_just_those_jobs_and_their_arrays_tasks_ended_ones_included(use_settings, tmp_path):
+    def parsable(*args: str) -> int:
+        out = run_cli(["submit", "--parsable", "--hold", *args, "--", "true"], use_settings, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    done, array, other = parsable(), parsable("-a", "0-2"), parsable()
+    with write_scope(use_settings) as s:  # an ended job is listed too, however long ago it ended
+        s.execute(update(Job).where(Job.id == done).values(state=State.SUCCEEDED, started_at=utcnow(),
+                                                            ended_at=utcnow(), exit_code=0))
+    out = run_cli(["status", "-j", f"{done},{array}", "--json", "-n", "0"], use_settings)
+    assert out.returncode == 0, out.stderr
+    assert [j["id"] for j in json.loads(out.stdout)["jobs"]] == [done, array, array + 1, array + 2]
+    table = run_cli(["status", "-j", str(array)], use_settings).stdout
+    rows = [line.split()[0] for line in table.splitlines()[2:] if line.strip() and line.split()[0][0].isdigit()]
+    assert rows[0] == f"{array}-{array + 2}" and str(other) not in rows and str(done) not in rows
+    # A task's own id is that task alone.
+    one = json.loads(run_cli(["status", "-j", str(array + 1), "--json"], use_settings).stdout)["jobs"]
+    assert [j["id"] for j in one] == [array + 1]
+
+
+@pytest.mark.parametrize("args,code,words", [
+    (["status", "-j", "999999"], c.EXIT_NOT_FOUND, "gpuq: no job 999999"),
+    (["status", "-j", "1,x"], c.EXIT_USAGE, "gpuq: --jobs takes job ids like 12 or 12,13; got '1,x'"),
+    (["status", "-j", "1", "--start"], c.EXIT_USAGE, "--start lists every pending job"),
+])
+def test_status_jobs_of_nothing_or_of_no_id_is_one_line_and_its_exit_code(use_settings, args, code, words):
+    out = run_cli(args, use_settings)
+    assert out.returncode == code and words in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

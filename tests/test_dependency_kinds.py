@@ -151,8 +151,8 @@ def test_aftercorr_is_refused_for_a_single_job_a_job_that_is_no_array_and_a_task
 @pytest.mark.parametrize(("dependency", "says"), [
     ("afterok:{0}", "after the success of job {0}"), ("afterany:{0}", "after any end of job {0}"),
     ("afternotok:{0}", "after a failure of job {0}"), ("after:{0}", "after the start of job {0}"),
-    # Task 1 waits for task 1 of the array alone, by its own id.
-    ("aftercorr:{0}", "after the success of job {1}")])
+    # Task 1 waits for task 1 of the array alone, by its own id, named as that array's task.
+    ("aftercorr:{0}", "after the success of job {1} (task 1 of array {0})")])
 def test_show_says_what_a_job_waits_for_its_jobs_to_do_by_its_kind(use_settings, dependency, says):
     from typer.testing import CliRunner
 
