@@ -114,6 +114,13 @@ class WriterLock:
             raise
         self._owner = threading.get_ident()
 
+    def close(self) -> None:
+        """Close the lock file (its flock with it), once no writer of this process holds it."""
+        with self._threads:
+            if self._fd is not None and self._pid == os.getpid():
+                os.close(self._fd)
+            self._fd = None
+
     def release(self) -> None:
         self._owner = None
         try:
@@ -228,11 +235,15 @@ def get_engine(settings: Settings) -> Engine:
 
 
 def dispose_engines() -> None:
-    """Forget every engine and its pooled connections (tests, and a child process after fork)."""
+    """Close every engine's pooled connections and every writers' lock file, and forget them (the
+    tests, between databases: a session opens hundreds)."""
     for engine in _engines.values():
-        engine.dispose(close=False)
+        engine.dispose()
+    for lock in _writer_locks.values():
+        lock.close()
     _engines.clear()
     _sessionmakers.clear()
+    _writer_locks.clear()
     _schema_ok.clear()
 
 

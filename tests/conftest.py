@@ -374,6 +374,12 @@ class ThreadServer:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.stop_event.set)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            # Its thread pool's threads and the loop's own descriptors (epoll, its wake-up pair) go
+            # with it: left open, a session's hundreds of servers took the test process past 1,024
+            # descriptors, where select() refuses one (the terminal tests' pty).
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
 
 
 @contextmanager
