@@ -47,6 +47,20 @@ def release(job_ids: JobIds = None, array: Array = None) -> None:
     _set_held(job_ids, array, "release", "released")
 
 
+@app.command()
+def requeue(job_ids: JobIds = None, array: Array = None,
+            hold: Annotated[bool, typer.Option("--hold", help="Wait held until `gpuq release` (as scontrol "
+                                               "requeuehold).")] = False) -> None:
+    """Put running jobs back in the queue under their ids (as scontrol requeue): stopped as a
+    cancel stops them, they wait again and rerun from the start; the attempt stays in their record."""
+    client = Client()
+    targets = selected(client, job_ids, array)
+    answer = client.post("/jobs/requeue", {"ids": targets, "hold": hold})["jobs"]
+    done = "requeued and held" if hold else "requeued"
+    _report(answer, set(job_ids or []), array, lambda outcome: f"job {outcome['id']} {done}", done,
+            lambda outcome: outcome["not"])
+
+
 def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str) -> None:
     client = Client()
     targets = selected(client, job_ids, array)

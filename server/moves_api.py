@@ -117,6 +117,22 @@ async def _set_held_all(request: web.Request, held: bool) -> web.Response:
     return web.json_response({"jobs": [{"id": job_id, "not": why} for job_id, why in outcome.items()]})
 
 
+@routes.post(P + "/jobs/requeue")
+async def requeue_all(request: web.Request) -> web.Response:
+    """Requeue the running jobs of ``{"ids": [...], "hold": false}`` (all checked first, as a
+    cancel): their workers stop them and they wait again under their ids (``hold``: held); for each,
+    null where it is being requeued, else why not (not running, an allocation, stopping already)."""
+    settings, caller = acting(request)
+    body = await body_of(request)
+    shape = 'the body must be {"ids": [job ids], "hold": true or false}'
+    if not set(body) <= {"ids", "hold"} or not isinstance(body.get("hold", False), bool):
+        raise InvalidSpec(shape)
+    ids = _ids_in(body, shape)
+    outcome = await audited(request, "requeue", jobs.requeue_all, settings, ids, body.get("hold", False), caller,
+                            ids=ids, acted=lambda done: [i for i, why in done.items() if why is None])
+    return web.json_response({"jobs": [{"id": job_id, "not": why} for job_id, why in outcome.items()]})
+
+
 @routes.post(P + "/jobs/update")
 async def update_all(request: web.Request) -> web.Response:
     """Change the jobs of ``{"ids": [...], "priority": P, "time": "2h", "name": N, "retries": R}``

@@ -253,6 +253,34 @@ def changeable(session: Session, settings: Settings, ids: list[int], caller: Cal
     return found
 
 
+def requeue_all(settings: Settings, job_ids: Sequence[int], hold: bool = False, user: Caller | str | None = None
+                ) -> dict[int, str | None]:
+    """Put running jobs back in the queue (scontrol requeue; ``hold``: requeuehold): each one's
+    worker stops it as for a cancel, and its end makes it pending again under its own id, the
+    attempt kept (and charged to fair share). In one transaction: JobNotFound or NotAllowed for any
+    of them and none changes. For each job, None where it is being requeued, else why not."""
+    require_schema(settings)
+    ids = list(dict.fromkeys(job_ids))
+    caller = Caller.of(user)
+    outcome: dict[int, str | None] = {}
+    asked = {"now": utcnow(), "reason": lifecycle.requeued_by(caller.user, hold)}
+    with write_scope(settings) as session:
+        found = changeable(session, settings, ids, caller, Job.kind, Job.cancel_requested_at, Job.reason)
+        for job_id in ids:
+            job = found[job_id]
+            if job.state != State.RUNNING:
+                outcome[job_id] = f"job {job_id} is {job.state}; only a running job can be requeued" + (
+                    " (gpuq resubmit runs an ended one again)" if job.state in c.END_STATES else "")
+            elif job.kind == c.KIND_INTERACTIVE:
+                outcome[job_id] = f"job {job_id} is an allocation; it cannot run again without its shell"
+            elif job.cancel_requested_at is not None:
+                outcome[job_id] = f"job {job_id} is stopping already; {job.reason or 'cancelled'}"
+            else:
+                session.execute(lifecycle.ASK_TO_REQUEUE, {"job_id": job_id, **asked})
+                outcome[job_id] = None
+    return outcome
+
+
 def set_held(settings: Settings, job_id: int, held: bool, user: Caller | str | None = None) -> None:
     """Hold a pending job (it will not start) or release it; StateConflict if it cannot be."""
     why = set_held_all(settings, [job_id], held, user)[job_id]

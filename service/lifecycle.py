@@ -144,6 +144,17 @@ CANCEL_WAITING = move("cancel a job not started", A.USER, (S.PENDING, S.DISPATCH
 ASK_TO_CANCEL = move("ask a running job's worker to cancel it", A.USER, S.RUNNING, None, _ID,
                      cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
 CANCELLED_BY = "cancelled by "
+# A running job is requeued the same way (scontrol requeue): its worker stops it as for a cancel, and
+# its end puts it back to pending (``end_attempt``), held where asked (scontrol requeuehold). Who
+# asked is its reason, as for a cancel; the reason tells the two apart.
+ASK_TO_REQUEUE = move("ask a running job's worker to requeue it", A.USER, S.RUNNING, None, _ID,
+                      cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
+REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
+
+
+def requeued_by(user: str, hold: bool) -> str:
+    """A requeued job's reason: who requeued it, and whether it waits held."""
+    return (REQUEUED_HELD_BY if hold else REQUEUED_BY) + user
 
 
 def cancelled_by(user: str) -> str:
@@ -239,7 +250,13 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     job = conn.execute(_RUN_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != S.RUNNING:
         return False
-    if job.cancel_requested_at is not None and state != S.SUCCEEDED:
+    requeue_asked = (job.cancel_requested_at is not None and state != S.SUCCEEDED
+                     and (job.reason or "").startswith((REQUEUED_BY, REQUEUED_HELD_BY)))
+    if requeue_asked:
+        # Asked to requeue (`gpuq requeue`): whatever stopped it, it waits again, as the asker wanted
+        # (held with --hold); neither a retry nor one of the requeues the lost-worker cap counts.
+        state, failure, reason = S.CANCELLED, c.FAILURE_CANCELLED, job.reason
+    elif job.cancel_requested_at is not None and state != S.SUCCEEDED:
         # Asked to cancel: it ends cancelled, whatever stopped it, and never runs again (a job
         # whose worker died before it confirmed the stop was requeued, its cancel forgotten).
         asked = job.reason if job.reason and job.reason.startswith(CANCELLED_BY) else CANCELLED_BY + "user"
@@ -248,7 +265,7 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     values: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
                                   failure=failure if state != S.SUCCEEDED else None, lease_token=None,
                                   lease_expires_at=None)
-    again = _runs_again(job, state, failure, max_requeues)
+    again = "asked" if requeue_asked else _runs_again(job, state, failure, max_requeues)
     if again is not None:
         values = _waits_again(job, again, now, max_requeues,
                               dict(state=state, failure=failure, reason=reason, exit_code=exit_code))
@@ -272,16 +289,20 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
 
 
 def _waits_again(job: Any, again: str, now: datetime, max_requeues: int, ended: dict[str, Any]) -> dict[str, Any]:
-    """The values that put a job whose attempt ended back to pending, the attempt kept."""
+    """The values that put a job whose attempt ended back to pending, the attempt kept. ``again``:
+    "requeue" (an infrastructure failure), "retry" (its own), or "asked" (`gpuq requeue`, whose
+    reason says who asked: no retry and no requeue of the cap's is used)."""
     attempt = {"started_at": job.started_at.isoformat() if job.started_at else None, "ended_at": now.isoformat(),
-               **ended, "worker": job.worker, "requeue": again == "requeue"}
+               **ended, "worker": job.worker, "requeue": again != "retry"}
     requeues = job.requeues + (again == "requeue")
     what = (f"requeue {requeues} of at most {max_requeues}" if again == "requeue"
             else f"retry {_retries_used(job) + 1} of {job.max_retries}")
+    held = again == "asked" and ended["reason"].startswith(REQUEUED_HELD_BY)
     return dict(state=S.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
                 node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
                 lease_token=None, lease_expires_at=None, requeues=requeues, failure=None,
-                reason=f"{what} after: {ended['reason']}")
+                reason=ended["reason"] if again == "asked" else f"{what} after: {ended['reason']}",
+                **({"held": True} if held else {}))
 
 
 def _retries_used(job: Any) -> int:

@@ -28,8 +28,8 @@ from tests.test_end_to_end import output_of, submit, wait_for_state
 pytestmark = pytest.mark.timeout(180)
 
 # Commands that change things or run services; every other command reads, and must take --json.
-NOT_READ = {"cancel", "hold", "release", "update", "drain", "resume", "retire", "up", "down", "reconfigure", "worker",
-            "scheduler", "db",
+NOT_READ = {"cancel", "hold", "release", "requeue", "update", "drain", "resume", "retire", "up", "down", "reconfigure",
+            "worker", "scheduler", "db",
             "server", "dashboard",  # a server, like worker and scheduler: it prints no document
             "run", "attach", "alloc"}  # the job's own output, or a shell: in the terminal, as it comes
 

@@ -71,6 +71,8 @@ def test_every_command_on_a_job_imports_no_torch_sqlalchemy_celery_redis_or_work
                  ("cancel", job)):
         code, said = probe(*args)
         assert code == 0, (args, said)
+    code, said = probe("requeue", job)
+    assert code == 4 and "only a running job can be requeued" in said, said  # it ended: refused, nothing heavy
     code, said = probe("wait", job)
     assert code != 0 and "cancelled" in said, said  # ended, not succeeded
 

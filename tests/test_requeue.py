@@ -1,0 +1,97 @@
+"""`gpuq requeue` (scontrol requeue and requeuehold): a running job is stopped as a cancel stops it
+and waits again under its own id, its attempt kept and charged; what is not running is refused
+in one line, and only its owner, root and the admins may ask."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from gpuq.service import constants as c
+from gpuq.service import jobs
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.errors import NotAllowed
+from gpuq.service.models import EarlierAttempt
+from tests.conftest import cli_submit, output_of, run_cli, wait_for_state
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+# The first attempt leaves a mark and runs on; an attempt that finds the mark ends at once.
+TWICE = "if [ -e mark ]; then echo second; else touch mark; echo first; sleep 120; fi"
+
+
+def started(settings, job_id: int, mark) -> None:
+    """Once the job runs and its command has begun (its mark is there)."""
+    import time
+
+    assert wait_for_state(settings, job_id, (State.RUNNING,)) == State.RUNNING
+    deadline = time.monotonic() + 60
+    while not mark.exists():
+        assert time.monotonic() < deadline, "the job's command never began"
+        time.sleep(0.05)
+
+
+def test_requeue_stops_a_running_job_and_runs_it_again_under_its_id_with_the_attempt_kept(stack, tmp_path):
+    s = stack.settings
+    job_id = cli_submit(s, ["-t", "5m", "--", "sh", "-c", TWICE], cwd=tmp_path)
+    started(s, job_id, tmp_path / "mark")
+    asked = run_cli(["requeue", str(job_id)], s)
+    assert (asked.returncode, asked.stdout, asked.stderr) == (0, f"job {job_id} requeued\n", "")
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED, State.CANCELLED)) == State.SUCCEEDED, stack.logs()
+    with write_scope(s) as session:
+        job = jobs.get_job(session, job_id)
+        earlier = session.scalars(select(EarlierAttempt).where(EarlierAttempt.job_id == job_id)).all()
+    # One attempt before, stopped on the asker's word: neither a retry nor a requeue of the cap's.
+    assert [(a["state"], a["reason"], a["requeue"]) for a in job.attempts] == [
+        (State.CANCELLED, "requeued by root", True)]
+    assert job.requeues == 0 and job.exit_code == 0
+    # The GPU time the first attempt held is charged, as a retried job's is.
+    assert len(earlier) == 1 and earlier[0].charged == 1.0
+    assert "second" in output_of(s, job_id)
+
+
+def test_requeue_hold_leaves_it_waiting_held_until_released(stack, tmp_path):
+    s = stack.settings
+    job_id = cli_submit(s, ["-t", "5m", "--", "sh", "-c", TWICE], cwd=tmp_path)
+    started(s, job_id, tmp_path / "mark")
+    asked = run_cli(["requeue", "--hold", str(job_id)], s)
+    assert (asked.returncode, asked.stdout) == (0, f"job {job_id} requeued and held\n"), asked.stderr
+    assert wait_for_state(s, job_id, (State.PENDING,)) == State.PENDING
+    with write_scope(s) as session:
+        job = jobs.get_job(session, job_id)
+        assert job.held and job.reason == "requeued and held by root" and job.started_at is None
+    shown = run_cli(["show", str(job_id)], s).stdout
+    assert "pending" in shown and "held" in shown
+    assert run_cli(["release", str(job_id)], s).returncode == 0
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
+
+
+@pytest.mark.timeout(60)
+def test_requeue_of_a_job_not_running_is_one_line_exit_4_and_changes_nothing(use_settings, tmp_path):
+    s = use_settings
+    held = cli_submit(s, ["--hold", "--", "true"], cwd=tmp_path)
+    out = run_cli(["requeue", str(held)], s)
+    assert out.returncode == c.EXIT_CONFLICT and out.stdout == ""
+    assert out.stderr == f"gpuq: job {held} is pending; only a running job can be requeued\n"
+    cancelled = cli_submit(s, ["--", "true"], cwd=tmp_path)
+    assert run_cli(["cancel", str(cancelled)], s).returncode == 0
+    out = run_cli(["requeue", str(cancelled)], s)
+    assert out.returncode == c.EXIT_CONFLICT and "(gpuq resubmit runs an ended one again)" in out.stderr
+    with write_scope(s) as session:
+        assert jobs.get_job(session, held).held and jobs.get_job(session, held).state == State.PENDING
+    out = run_cli(["requeue", "999999"], s)
+    assert out.returncode == c.EXIT_NOT_FOUND and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_only_a_jobs_owner_root_and_the_admins_may_requeue_it(settings):
+    from gpuq.service import spec, submitting
+
+    job = submitting.submit_all(settings, spec.expand(lambda _: spec.command_spec(["true"], user="ann"),
+                                                      spec.Scheduling(hold=True), None, []))[0]
+    with pytest.raises(NotAllowed):
+        jobs.requeue_all(settings, [job.id], user="bob")
+    # Its owner is told why not (it waits), which is no refusal of rights.
+    assert jobs.requeue_all(settings, [job.id], user="ann") == {
+        job.id: f"job {job.id} is pending; only a running job can be requeued"}
