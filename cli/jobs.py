@@ -148,8 +148,10 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
                                                 if removed else "")))
     for n, attempt in enumerate(j.attempts or [], 1):
         kind = f" [{attempt['failure']}]" if attempt.get("failure") else ""
-        lines.append((f"attempt {n}",
-                      f"{attempt.get('state')}{kind}: {attempt.get('reason')} on {attempt.get('worker')}"))
+        said = f"{attempt.get('reason')}"
+        # "requeued by alice" says its state already.
+        said = said if said.startswith(f"{attempt.get('state')} ") else f"{attempt.get('state')}{kind}: {said}"
+        lines.append((f"attempt {n}", f"{said} on {attempt.get('worker')}"))
     if j.failure:
         lines.append(("failure", j.failure))
     if j.exit_code is not None:

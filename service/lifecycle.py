@@ -150,6 +150,7 @@ CANCELLED_BY = "cancelled by "
 ASK_TO_REQUEUE = move("ask a running job's worker to requeue it", A.USER, S.RUNNING, None, _ID,
                       cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
 REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
+REQUEUED = "requeued"  # the state an attempt stopped by `gpuq requeue` is kept in (no job's state)
 
 
 def requeued_by(user: str, hold: bool) -> str:
@@ -267,8 +268,10 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
                                   lease_expires_at=None)
     again = "asked" if requeue_asked else _runs_again(job, state, failure, max_requeues)
     if again is not None:
+        # The attempt as its record keeps it: stopped to be requeued reads so (sacct's REQUEUED).
         values = _waits_again(job, again, now, max_requeues,
-                              dict(state=state, failure=failure, reason=reason, exit_code=exit_code))
+                              dict(state=REQUEUED if again == "asked" else state,
+                                   failure=None if again == "asked" else failure, reason=reason, exit_code=exit_code))
     elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
         values["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
     check(actor, S.RUNNING, values["state"])

@@ -43,12 +43,13 @@ def test_requeue_stops_a_running_job_and_runs_it_again_under_its_id_with_the_att
         job = jobs.get_job(session, job_id)
         earlier = session.scalars(select(EarlierAttempt).where(EarlierAttempt.job_id == job_id)).all()
     # One attempt before, stopped on the asker's word: neither a retry nor a requeue of the cap's.
-    assert [(a["state"], a["reason"], a["requeue"]) for a in job.attempts] == [
-        (State.CANCELLED, "requeued by root", True)]
+    assert [(a["state"], a["failure"], a["reason"], a["requeue"]) for a in job.attempts] == [
+        ("requeued", None, "requeued by root", True)]
     assert job.requeues == 0 and job.exit_code == 0
     # The GPU time the first attempt held is charged, as a retried job's is.
     assert len(earlier) == 1 and earlier[0].charged == 1.0
     assert "second" in output_of(s, job_id)
+    assert "attempt 1  requeued by root on gpu" in run_cli(["show", str(job_id)], s).stdout
 
 
 def test_requeue_hold_leaves_it_waiting_held_until_released(stack, tmp_path):
