@@ -28,6 +28,7 @@ from gpuq.cli.render import (
 )
 from gpuq.service import constants as c
 from gpuq.service.constants import State
+from gpuq.service.display import stopping
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.units import AFTER_ANY, AFTER_OK, AFTER_SHOWN
 
@@ -92,7 +93,7 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     lines = [
         ("job", f"{j.id}  {j.name}"),
         ("user", j.user),
-        ("state", j.state + (f" ({c.CANCELLING}: {j.reason})" if j.state == State.RUNNING and j.cancel_requested_at
+        ("state", j.state + (f" ({stopping(j)}: {j.reason})" if j.state == State.RUNNING and j.cancel_requested_at
                              else f" ({j.reason})" if j.reason else "")),
         ("runs", what),
         ("directory", j.cwd or "-"),

@@ -23,6 +23,10 @@ ALL_STATES = ACTIVE_STATES + END_STATES
 # Not a state: what a cancel answers, and `gpuq status` shows, for a running job whose worker was
 # asked to stop it and has not yet (its row is still running, with cancel_requested_at set).
 CANCELLING = "cancelling"
+# The same for a running job asked to go back to the queue (`gpuq requeue`), which its reason says:
+# who asked, and whether it will wait held.
+REQUEUEING = "requeueing"
+REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
 
 # Why a job failed or stopped, in one word: shown by `gpuq show` and kept on every attempt.
 FAILURE_EXIT = "exit"  # a command exited non-zero

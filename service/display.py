@@ -83,10 +83,16 @@ def result_summary(job: Job | Any) -> str:
     if job.state == State.PENDING:
         return held(job) if job.held else (job.reason or "waiting for GPUs")
     if job.state == State.RUNNING and job.cancel_requested_at:
-        return c.CANCELLING
+        return stopping(job)
     if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:
         return "interactive (gpuq alloc)"
     return job.reason or ""
+
+
+def stopping(job: Job | Any) -> str:
+    """What a running job its worker was asked to stop is doing: cancelling, or requeueing (`gpuq
+    requeue`, whose reason says so)."""
+    return c.REQUEUEING if (job.reason or "").startswith((c.REQUEUED_BY, c.REQUEUED_HELD_BY)) else c.CANCELLING
 
 
 def array_name(task_name: str) -> str:

@@ -149,7 +149,7 @@ CANCELLED_BY = "cancelled by "
 # asked is its reason, as for a cancel; the reason tells the two apart.
 ASK_TO_REQUEUE = move("ask a running job's worker to requeue it", A.USER, S.RUNNING, None, _ID,
                       cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
-REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
+REQUEUED_BY, REQUEUED_HELD_BY = c.REQUEUED_BY, c.REQUEUED_HELD_BY
 REQUEUED = "requeued"  # the state an attempt stopped by `gpuq requeue` is kept in (no job's state)
 
 

@@ -96,3 +96,17 @@ def test_only_a_jobs_owner_root_and_the_admins_may_requeue_it(settings):
     # Its owner is told why not (it waits), which is no refusal of rights.
     assert jobs.requeue_all(settings, [job.id], user="ann") == {
         job.id: f"job {job.id} is pending; only a running job can be requeued"}
+
+
+@pytest.mark.timeout(30)
+def test_a_running_job_asked_to_stop_reads_requeueing_or_cancelling_by_what_was_asked():
+    from types import SimpleNamespace
+
+    from gpuq.service import display, lifecycle
+
+    def asked(reason: str) -> str:
+        return display.stopping(SimpleNamespace(reason=reason))
+
+    assert asked(lifecycle.requeued_by("ann", hold=False)) == asked(lifecycle.requeued_by("ann", hold=True)) == \
+        c.REQUEUEING
+    assert asked(lifecycle.cancelled_by("ann")) == c.CANCELLING
