@@ -38,13 +38,13 @@ def why(job_id: Annotated[int, typer.Argument(help="The job's id.", parser=numbe
 @app.command()
 def hold(job_ids: JobIds = None, array: Array = None) -> None:
     """Keep pending jobs from starting until `gpuq release`."""
-    _set_held(job_ids, array, "hold", "held")
+    _each(job_ids, array, "hold", "held")
 
 
 @app.command()
 def release(job_ids: JobIds = None, array: Array = None) -> None:
     """Let held jobs start again."""
-    _set_held(job_ids, array, "release", "released")
+    _each(job_ids, array, "release", "released")
 
 
 @app.command()
@@ -53,18 +53,15 @@ def requeue(job_ids: JobIds = None, array: Array = None,
                                                "requeuehold).")] = False) -> None:
     """Put running jobs back in the queue under their ids (as scontrol requeue): stopped as a
     cancel stops them, they wait again and rerun from the start; the attempt stays in their record."""
-    client = Client()
-    targets = selected(client, job_ids, array)
-    answer = client.post("/jobs/requeue", {"ids": targets, "hold": hold})["jobs"]
-    done = "requeued and held" if hold else "requeued"
-    _report(answer, set(job_ids or []), array, lambda outcome: f"job {outcome['id']} {done}", done,
-            lambda outcome: outcome["not"])
+    _each(job_ids, array, "requeue", "requeued and held" if hold else "requeued", hold=hold)
 
 
-def _set_held(job_ids: list[int] | None, array: int | None, move: str, done: str) -> None:
+def _each(job_ids: list[int] | None, array: int | None, move: str, done: str, **body: Any) -> None:
+    """``move`` (hold, release, requeue) asked of the jobs named and an array's, in one request
+    (``body``: its options), each job's outcome said (``_report``)."""
     client = Client()
     targets = selected(client, job_ids, array)
-    answer = client.post(f"/jobs/{move}", {"ids": targets})["jobs"]
+    answer = client.post(f"/jobs/{move}", {"ids": targets, **body})["jobs"]
     _report(answer, set(job_ids or []), array, lambda outcome: f"job {outcome['id']} {done}", done,
             lambda outcome: outcome["not"])
 

@@ -146,7 +146,7 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
 @routes.get(P + r"/arrays/{id:\d+}/stats")
 async def array_stats(request: web.Request) -> web.Response:
     """An array's tasks summed (`gpuq stats --array ID`, as seff gives an array's), and each task's
-    summary (``tasks``)."""
+    summary (``per_task``)."""
     settings, _ = context(request)
     return web.json_response(await call(_array_stats, settings, job_id_of(request)))
 

@@ -92,7 +92,13 @@ def result_summary(job: Job | Any) -> str:
 def stopping(job: Job | Any) -> str:
     """What a running job its worker was asked to stop is doing: cancelling, or requeueing (`gpuq
     requeue`, whose reason says so)."""
-    return c.REQUEUEING if (job.reason or "").startswith((c.REQUEUED_BY, c.REQUEUED_HELD_BY)) else c.CANCELLING
+    return c.REQUEUEING if requeue_asked(job.reason) else c.CANCELLING
+
+
+def requeue_asked(reason: str | None) -> bool:
+    """Whether the reason of a running job whose stop was asked says `gpuq requeue` asked it (it
+    waits again once stopped), not a cancel."""
+    return (reason or "").startswith((c.REQUEUED_BY, c.REQUEUED_HELD_BY))
 
 
 def array_name(task_name: str) -> str:

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite
+from gpuq.service.display import requeue_asked
 from gpuq.service.errors import BugError
 from gpuq.service.models import Allocation, EarlierAttempt, Job, JobMetric, table, utcnow
 from gpuq.service.prepared import Prepared
@@ -149,13 +150,12 @@ CANCELLED_BY = "cancelled by "
 # asked is its reason, as for a cancel; the reason tells the two apart.
 ASK_TO_REQUEUE = move("ask a running job's worker to requeue it", A.USER, S.RUNNING, None, _ID,
                       cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
-REQUEUED_BY, REQUEUED_HELD_BY = c.REQUEUED_BY, c.REQUEUED_HELD_BY
 REQUEUED = "requeued"  # the state an attempt stopped by `gpuq requeue` is kept in (no job's state)
 
 
 def requeued_by(user: str, hold: bool) -> str:
     """A requeued job's reason: who requeued it, and whether it waits held."""
-    return (REQUEUED_HELD_BY if hold else REQUEUED_BY) + user
+    return (c.REQUEUED_HELD_BY if hold else c.REQUEUED_BY) + user
 
 
 def cancelled_by(user: str) -> str:
@@ -251,9 +251,8 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     job = conn.execute(_RUN_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != S.RUNNING:
         return False
-    requeue_asked = (job.cancel_requested_at is not None and state != S.SUCCEEDED
-                     and (job.reason or "").startswith((REQUEUED_BY, REQUEUED_HELD_BY)))
-    if requeue_asked:
+    requeued = job.cancel_requested_at is not None and state != S.SUCCEEDED and requeue_asked(job.reason)
+    if requeued:
         # Asked to requeue (`gpuq requeue`): whatever stopped it, it waits again, as the asker wanted
         # (held with --hold); neither a retry nor one of the requeues the lost-worker cap counts.
         state, failure, reason = S.CANCELLED, c.FAILURE_CANCELLED, job.reason
@@ -266,7 +265,7 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     values: dict[str, Any] = dict(state=state, ended_at=now, exit_code=exit_code, result=result, reason=reason,
                                   failure=failure if state != S.SUCCEEDED else None, lease_token=None,
                                   lease_expires_at=None)
-    again = "asked" if requeue_asked else _runs_again(job, state, failure, max_requeues)
+    again = "asked" if requeued else _runs_again(job, state, failure, max_requeues)
     if again is not None:
         # The attempt as its record keeps it: stopped to be requeued reads so (sacct's REQUEUED).
         values = _waits_again(job, again, now, max_requeues,
@@ -300,7 +299,7 @@ def _waits_again(job: Any, again: str, now: datetime, max_requeues: int, ended: 
     requeues = job.requeues + (again == "requeue")
     what = (f"requeue {requeues} of at most {max_requeues}" if again == "requeue"
             else f"retry {_retries_used(job) + 1} of {job.max_retries}")
-    held = again == "asked" and ended["reason"].startswith(REQUEUED_HELD_BY)
+    held = again == "asked" and ended["reason"].startswith(c.REQUEUED_HELD_BY)
     return dict(state=S.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
                 node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
                 lease_token=None, lease_expires_at=None, requeues=requeues, failure=None,
