@@ -118,6 +118,7 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     asks = [f"{j.mem_mib} MiB free per GPU" if j.mem_mib and not shared else "",
             f"node {j.on_node}" if j.on_node else "",
             f"not on {', '.join(j.exclude_nodes)}" if getattr(j, "exclude_nodes", None) else "",
+            "preemptible" if getattr(j, "preemptible", False) else "",
             f"GPU type {j.gpu_type}" if getattr(j, "gpu_type", None) else "",
             f"time limit {time_limit(j.time_limit_s)}" if j.time_limit_s else "",
             _signal_ahead(getattr(j, "signal", None)),  # a server from before --signal sends none

@@ -100,6 +100,8 @@ def submit(
     node: Annotated[str | None, typer.Option("--node", "-w", help="Run on this node only.")] = None,
     exclude: Annotated[str | None, typer.Option("--exclude", "-x", help="Never on these nodes (NODE[,NODE]), "
                                                 "as sbatch -x.")] = None,
+    preemptible: Annotated[bool, typer.Option("--preemptible", help="Run on GPUs no other job waits for, past "
+                                              "your GPU limit; requeued (SIGTERM first) when one does.")] = False,
     host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
                                                       "8G (past it the OOM killer stops the job).")] = None,
     time: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
@@ -153,7 +155,7 @@ def submit(
     options: dict[str, Any] = {
         "gpus": gpus, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem, "shared": shared,
         "node": node,
-        "exclude": exclude,
+        "exclude": exclude, "preemptible": preemptible,
         "host_mem": host_mem, "time": time, "signal": signal, "retries": retries, "hold": hold, "begin": begin,
         "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,

@@ -35,6 +35,7 @@ _KEY = re.compile(r"[A-Za-z0-9_-]{8,64}")
 _OPTIONS: dict[str, tuple[type, Any]] = {
     "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, None),
     "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None), "exclude": (str, None),
+    "preemptible": (bool, False),
     "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
     "after": (str, None), "after_any": (str, None), "dependency": (str, None), "array": (str, None),
     "sweep": (list, []),
@@ -118,7 +119,8 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
                             dependency=f["dependency"], host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"],
-                            signal=f["signal"], gpu_type=f["gpu_type"], exclude=f["exclude"])
+                            signal=f["signal"], gpu_type=f["gpu_type"], exclude=f["exclude"],
+                            preemptible=f["preemptible"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 
@@ -137,7 +139,8 @@ _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", 
                         "sweep": "--sweep", "snapshot": "--snapshot", "retries": "--retries", "hold": "--hold",
                         "after": "--after", "after_any": "--after-any", "dependency": "--dependency",
                         "host_mem": "--host-mem", "env": "--env", "output": "--output", "error": "--error",
-                        "begin": "--begin", "signal": "--signal", "exclude": "--exclude"}
+                        "begin": "--begin", "signal": "--signal", "exclude": "--exclude",
+                        "preemptible": "--preemptible"}
 
 
 def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:

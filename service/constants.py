@@ -27,6 +27,10 @@ CANCELLING = "cancelling"
 # who asked, and whether it will wait held.
 REQUEUEING = "requeueing"
 REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
+# And a preemptible job stopped for a waiting job's GPUs (`--preemptible`): it is requeued the same
+# way, its reason "preempted by job 12 of alice", and shows as preempting until it stopped.
+PREEMPTING = "preempting"
+PREEMPTED_BY = "preempted by "
 
 # Why a job failed or stopped, in one word: shown by `gpuq show` and kept on every attempt.
 FAILURE_EXIT = "exit"  # a command exited non-zero

@@ -90,15 +90,22 @@ def result_summary(job: Job | Any) -> str:
 
 
 def stopping(job: Job | Any) -> str:
-    """What a running job its worker was asked to stop is doing: cancelling, or requeueing (`gpuq
-    requeue`, whose reason says so)."""
+    """What a running job its worker was asked to stop is doing: cancelling, requeueing (`gpuq
+    requeue`, whose reason says so) or preempting (the scheduler's, for a waiting job)."""
+    if (job.reason or "").startswith(c.PREEMPTED_BY):
+        return c.PREEMPTING
     return c.REQUEUEING if requeue_asked(job.reason) else c.CANCELLING
 
 
 def requeue_asked(reason: str | None) -> bool:
-    """Whether the reason of a running job whose stop was asked says `gpuq requeue` asked it (it
-    waits again once stopped), not a cancel."""
-    return (reason or "").startswith((c.REQUEUED_BY, c.REQUEUED_HELD_BY))
+    """Whether the reason of a running job whose stop was asked says it goes back to the queue once
+    stopped (`gpuq requeue`, or a preemption), not a cancel."""
+    return (reason or "").startswith((c.REQUEUED_BY, c.REQUEUED_HELD_BY, c.PREEMPTED_BY))
+
+
+def preempted_by(job_id: int, user: str) -> str:
+    """A preempted job's reason: the waiting job its GPUs go to."""
+    return f"{c.PREEMPTED_BY}job {job_id} of {user}"
 
 
 def array_name(task_name: str) -> str:

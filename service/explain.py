@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
-from gpuq.service.display import expected_at, gpu_hours_text
+from gpuq.service.display import expected_at, gpu_hours_text, preempted_by
 from gpuq.service.forecast import NO_START, start_times
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
@@ -88,6 +88,15 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
                 f"`gpuq update --array {job.array_id} --array-limit N` changes it)")
         start = _starts(read, decision).get(job.id)
         return said if start is None else f"{said}; {_start_line(start, read.policy.now)}"
+    if reason == policy.PREEMPTING:
+        stopping = session.execute(select(Job.id, Job.user).where(
+            Job.state == State.RUNNING, Job.reason == preempted_by(job.id, job.user)).order_by(Job.id)).all()
+        whose = ", ".join(f"{victim} ({user})" for victim, user in stopping)
+        many = len(stopping) > 1
+        said = (f"{head}: the preemptible {'jobs' if many else 'job'} {whose} on its GPUs {'are' if many else 'is'} "
+                "being stopped and requeued" if stopping else f"{head}: the preemptible jobs on its GPUs are being "
+                "stopped and requeued")
+        return f"{said}; it starts once they have (within GPUQ_KILL_GRACE, {settings.kill_grace:g} s)"
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)
         if job.on_node is None:
@@ -101,6 +110,9 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
+    if job.preemptible:
+        parts.append("it is preemptible (--preemptible): it comes after every job that is not, and starts only "
+                     "on GPUs none of those waits for")
     read, decision = _pass(session, settings)
     state = read.policy
     if reason == policy.PRIORITY:

@@ -61,8 +61,9 @@ TRANSITIONS: dict[State | None, dict[State, frozenset[Actor]]] = {
         S.CANCELLED: frozenset({A.USER}),
     },
     S.RUNNING: {
-        # a cancel asked for, an allocation's client alive or done; the lease renewed, ranks' meeting point
-        S.RUNNING: frozenset({A.USER, A.WORKER}),
+        # a cancel asked for, an allocation's client alive or done; the lease renewed, ranks' meeting
+        # point; a preemptible job asked to stop for a waiting job
+        S.RUNNING: frozenset({A.USER, A.WORKER, A.SCHEDULER}),
         S.SUCCEEDED: frozenset({A.WORKER}),
         S.FAILED: frozenset({A.WORKER, A.REAPER}),  # its own failure; its worker lost
         S.TIMED_OUT: frozenset({A.WORKER}),
@@ -151,6 +152,7 @@ CANCELLED_BY = "cancelled by "
 ASK_TO_REQUEUE = move("ask a running job's worker to requeue it", A.USER, S.RUNNING, None, _ID,
                       cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
 REQUEUED = "requeued"  # the state an attempt stopped by `gpuq requeue` is kept in (no job's state)
+PREEMPTED = "preempted"  # and one stopped by a preemption (sacct's PREEMPTED)
 
 
 def requeued_by(user: str, hold: bool) -> str:
@@ -173,6 +175,11 @@ DISPATCH = Prepared(move("dispatch", A.SCHEDULER, S.PENDING, S.DISPATCHED, _ID, 
 SEND_AGAIN = move("send a dispatched job's message again", A.SCHEDULER, S.DISPATCHED, None, _IDS,
                   dispatched_at=bindparam("now"))
 WHY_WAITING = move("write why jobs wait", A.SCHEDULER, S.PENDING, None, _IDS, reason=bindparam("reason"))
+# A preemptible job whose GPUs a waiting job takes is stopped as `gpuq requeue` stops one (the
+# reason says by whom: ``display.preempted_by``); only if it is still preemptible and not stopping.
+ASK_TO_PREEMPT = move("ask a preemptible job's worker to requeue it", A.SCHEDULER, S.RUNNING, None, _ID,
+                      _JOBS.c.preemptible == True, _JOBS.c.cancel_requested_at.is_(None),  # noqa: E712
+                      cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
 DOOM = move("cancel a job whose dependency ended badly", A.SCHEDULER, S.PENDING, S.CANCELLED, _ID,
             ended_at=bindparam("now"), reason=bindparam("reason"))
 # A dispatched job that never started waits again: its message could not be sent (the
@@ -269,7 +276,7 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     if again is not None:
         # The attempt as its record keeps it: stopped to be requeued reads so (sacct's REQUEUED).
         values = _waits_again(job, again, now, max_requeues,
-                              dict(state=REQUEUED if again == "asked" else state,
+                              dict(state=_asked_state(job.reason) if again == "asked" else state,
                                    failure=None if again == "asked" else failure, reason=reason, exit_code=exit_code))
     elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
         values["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
@@ -288,6 +295,11 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
                     "job_id": job_id, "user": job.user, "node": job.node, "started_at": job.started_at,
                     "charged": job.gpus * (job.gpu_share if job.gpu_share is not None else 1.0), "ended_at": now})
     return done
+
+
+def _asked_state(reason: str) -> str:
+    """The state an attempt stopped to go back to the queue is kept in: preempted or requeued."""
+    return PREEMPTED if reason.startswith(c.PREEMPTED_BY) else REQUEUED
 
 
 def _waits_again(job: Any, again: str, now: datetime, max_requeues: int, ended: dict[str, Any]) -> dict[str, Any]:

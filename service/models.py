@@ -120,6 +120,9 @@ class Job(Base):
     # sbatch's `--dependency singleton`: it waits while another job of its user and name is started,
     # or pending ahead of it as a singleton (``queue_read.singletons_held``).
     singleton: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # `--preemptible`: after every other job, past its user's GPU limit, and stopped and requeued when
+    # a job that is not preemptible needs its GPUs (service/preemption.py).
+    preemptible: Mapped[bool] = mapped_column(default=False, server_default=false())
     # Array and sweep tasks share the id of their first task; each has its index.
     array_id: Mapped[int | None] = mapped_column(Integer, index=True)
     array_index: Mapped[int | None] = mapped_column(Integer)

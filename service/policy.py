@@ -8,6 +8,10 @@ running jobs' time limits; without them nothing starts past a waiting gang (past
 for a GPU type, `--gpu-type`, nothing starts on GPUs of that type, and others stay open to later
 jobs: it could never use them).
 
+A preemptible job (``JobRequest.preemptible``, `--preemptible`) comes after every other job, is not
+held to its user's GPU limit, and is stopped and requeued when a job that is not preemptible
+needs its GPUs (service/preemption.py), as SLURM's scavenger QOS.
+
 A shared job (``JobRequest.shared``) takes its share of memory on each of its GPUs beside other
 shared jobs, never beside a whole-GPU job; shared jobs are packed best fit by memory
 (service/packing.py).
@@ -21,8 +25,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gpuq.service import packing
+from gpuq.service import packing, preemption
 from gpuq.service.packing import GpuLoad
+from gpuq.service.preemption import Preemptible
 
 # Why a pending job waits (the REASON column).
 RESOURCES = "resources"  # first in line, but no node has the GPUs it needs free
@@ -33,6 +38,7 @@ HELD = "held"  # `gpuq hold`
 NODE_DRAINED = "node drained"  # asked for a node that is drained
 BEGIN_TIME = "begin time"  # `--begin`: not before its moment
 ARRAY_LIMIT = "array limit"  # its array runs as many tasks at once as `--array ...%N` lets it
+PREEMPTING = "preempting"  # waits for the preemptible jobs on its GPUs to stop
 
 # The memory held back on a GPU for each shared job's CUDA context, MiB (GPUQ_SHARED_CONTEXT_MIB's default).
 SHARED_CONTEXT_MIB = 512
@@ -77,6 +83,10 @@ class GpuState:
     # its share and context reserve): room opens as each leaves.
     shares: tuple[tuple[float, int], ...] = ()
     model: str = ""  # NVML's name of it ("NVIDIA H100 80GB HBM3"), what --gpu-type picks by
+    # Its whole-GPU job, where that one is preemptible and not asked to stop yet; None: none.
+    preemptible: Preemptible | None = None
+    # Its whole-GPU job was asked to stop by a preemption: the GPU is free once it has.
+    preempted: bool = False
 
     @property
     def shared_mib(self) -> int:
@@ -141,6 +151,7 @@ class JobRequest:
     singleton: bool = False
     exclude: frozenset[str] = frozenset()  # `--exclude`: nodes it may not run on
     array: int | None = None  # a task of an array with a limit (`--array 0-99%4`): its array's id
+    preemptible: bool = False  # `--preemptible`: after every other job, past the user limit, stopped for them
 
     def __post_init__(self) -> None:
         if self.shared and self.mem_mib is None:
@@ -191,11 +202,14 @@ class Decision:
     reservation: Reservation | None = None
     # The eligible jobs in queue order, as decide walked them.
     order: list[JobRequest] = field(default_factory=list)
+    # Running preemptible jobs to stop and requeue: job id -> the waiting job that takes its GPUs.
+    preemptions: dict[int, int] = field(default_factory=dict)
 
 
-def order_key(job: JobRequest, gpu_hours: dict[str, float]) -> tuple[int, float, float, int]:
-    """Where ``job`` stands in the queue: priority, then its user's fair share, then submission."""
-    return -job.priority, gpu_hours.get(job.user, 0.0), job.submitted, job.id
+def order_key(job: JobRequest, gpu_hours: dict[str, float]) -> tuple[bool, int, float, float, int]:
+    """Where ``job`` stands in the queue: preemptible jobs after all others, then priority, then
+    its user's fair share, then submission."""
+    return job.preemptible, -job.priority, gpu_hours.get(job.user, 0.0), job.submitted, job.id
 
 
 def queue_order(state: QueueState) -> list[JobRequest]:
@@ -214,7 +228,8 @@ def decide(state: QueueState) -> Decision:
         if limit and limit_reached(job, in_use.get(job.user, 0), limit):
             decision.waiting[job.id] = USER_LIMIT
             continue
-        if blocked or (decision.reservation is not None and not job.shared and gpus.free_count < job.gpus):
+        if blocked or (decision.reservation is not None and not job.shared and gpus.free_count < job.gpus
+                       and not gpus.may_preempt_for(job)):
             # Behind a waiting job, with too few GPUs free anywhere: no need to look (a full
             # cluster with a long queue is the common case, and it must stay cheap).
             decision.waiting[job.id] = PRIORITY
@@ -225,11 +240,20 @@ def decide(state: QueueState) -> Decision:
         chosen = gpus.choose(job, decision.reservation)
         if chosen is not None:
             charge = packing.charged_gpus(job, [load.gpu for load in chosen], state.shared_context_mib)
-            if limit and in_use.get(job.user, 0) + charge > limit + LIMIT_SLACK:
+            if limit and not job.preemptible and in_use.get(job.user, 0) + charge > limit + LIMIT_SLACK:
                 decision.waiting[job.id] = USER_LIMIT
                 continue
             decision.placements.append(gpus.take(job, chosen))
-            in_use[job.user] = in_use.get(job.user, 0) + charge
+            if not job.preemptible:
+                in_use[job.user] = in_use.get(job.user, 0) + charge
+            continue
+        plan = gpus.preempt(job, decision.reservation)
+        if plan is not None:
+            # Its GPUs are its own from now on in this pass and the next ones, until they are free.
+            decision.preemptions.update(dict.fromkeys(plan.victims, job.id))
+            decision.waiting[job.id] = PREEMPTING
+            in_use[job.user] = in_use.get(job.user, 0) + packing.charged_gpus(
+                job, [load.gpu for load in plan.gpus], state.shared_context_mib)
             continue
         if decision.reservation is not None:
             decision.waiting[job.id] = PRIORITY
@@ -250,7 +274,10 @@ def decide(state: QueueState) -> Decision:
 def limit_reached(job: JobRequest, held: float, limit: int) -> bool:
     """Whether ``job``'s user may not take it, holding ``held`` GPUs: a whole job's GPUs would pass
     the limit; a shared job's charge is known once its GPUs are chosen, so here only whether its user
-    is at the limit already (``decide`` checks the charge after choosing)."""
+    is at the limit already (``decide`` checks the charge after choosing). A preemptible job is
+    held to none."""
+    if job.preemptible:
+        return False
     if job.shared:
         return held >= limit - LIMIT_SLACK
     return held + job.gpus > limit + LIMIT_SLACK
@@ -273,6 +300,21 @@ class _Gpus:
             if load.whole_until is None:
                 self.shareable[g.node].append(load)
         self.free_count = sum(len(gs) for gs in self.free.values())
+        # What preemption may take, by node: each preemptible job's GPUs, and GPUs being freed by
+        # an earlier preemption that no job of this pass claimed yet (service/preemption.py).
+        self.held: dict[str, dict[Preemptible, list[GpuLoad]]] = defaultdict(lambda: defaultdict(list))
+        self.freeing: dict[str, list[GpuLoad]] = defaultdict(list)
+        for loads in self.by_node.values():
+            for load in loads:
+                if load.gpu.preemptible is not None:
+                    self.held[load.gpu.node][load.gpu.preemptible].append(load)
+                elif load.gpu.preempted:
+                    self.freeing[load.gpu.node].append(load)
+        self.preemptible_gpus = sum(len(gs) for by_job in self.held.values() for gs in by_job.values()) + \
+            sum(len(gs) for gs in self.freeing.values())
+        # The kinds of job (as ``failed``'s) that found no GPUs to take by preemption: taking GPUs
+        # never gives any back within a pass, so these stay so until it ends.
+        self.cannot_preempt: set[tuple[object, ...]] = set()
         # The kinds of job (shared or not, GPUs, memory, node, whether it ends before the reserved
         # start) that found no GPUs since the last placement or reservation: a job of the same
         # kind finds none either (most of a long queue, behind a waiting job).
@@ -360,6 +402,55 @@ class _Gpus:
                 self.shareable[node].remove(load)
         self.failed.clear()
         return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared)
+
+    def may_preempt_for(self, job: JobRequest) -> bool:
+        """Whether ``job`` might still take GPUs by preemption in this pass."""
+        return not job.preemptible and self.preemptible_gpus > 0
+
+    def preempt(self, job: JobRequest, reservation: Reservation | None) -> preemption.Plan | None:
+        """The GPUs ``job`` takes by stopping preemptible jobs (or waiting for those being stopped),
+        claimed for it in this pass; None if it cannot. GPUs kept for a reservation or a fenced job
+        ahead of it are not taken."""
+        if not self.may_preempt_for(job):
+            return None
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type)
+        if shape in self.cannot_preempt:
+            return None
+        reserved = reservation.gpu_ids if reservation is not None else frozenset()
+
+        def usable(load: GpuLoad) -> bool:
+            return (load.gpu.id not in reserved and (not self.fenced or self.open_to_later(load.gpu))
+                    and preemption.fits_once_clear(load.gpu, job, self.context_mib))
+
+        def held(node: str) -> dict[Preemptible, list[GpuLoad]]:
+            return {victim: usable_loads for victim, loads in self.held[node].items()
+                    if (usable_loads := [g for g in loads if usable(g)])}
+
+        plan = preemption.plan(job, self.nodes_for(job),
+                               lambda node: [g for g in (*self.freeing[node], *self.free[node]) if usable(g)], held)
+        if plan is None:
+            self.cannot_preempt.add(shape)
+            return None
+        self._claim(job, plan)
+        return plan
+
+    def _claim(self, job: JobRequest, plan: preemption.Plan) -> None:
+        """Hold ``plan``'s GPUs for ``job`` in this pass; its victims' other GPUs are being freed."""
+        node, end = plan.node, self.ends(job)
+        for victim in [v for v in self.held[node] if v.job_id in plan.victims]:
+            loads = self.held[node].pop(victim)
+            self.freeing[node] += [g for g in loads if g not in plan.gpus]
+        for load in plan.gpus:
+            if load in self.freeing[node]:
+                self.freeing[node].remove(load)
+            if load in self.free[node]:
+                self.free[node].remove(load)
+                self.free_count -= 1
+            if load in self.shareable[node]:
+                self.shareable[node].remove(load)
+            load.take_whole(end)
+        self.preemptible_gpus = sum(len(gs) for by_job in self.held.values() for gs in by_job.values()) + \
+            sum(len(gs) for gs in self.freeing.values())
 
     def could_ever_fit(self, job: JobRequest) -> bool:
         if job.shared:

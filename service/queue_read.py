@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict, namedtuple
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
+from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.fair_share import FairShare
@@ -23,6 +24,7 @@ from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
 from gpuq.service.policy import JobRequest
+from gpuq.service.preemption import Preemptible
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 
@@ -33,7 +35,7 @@ from gpuq.service.settings import Settings
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_kind, _t.reason, _t.shared, _t.array_id, _t.array_limit,
-                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name, _t.exclude_nodes)
+                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name, _t.exclude_nodes, _t.preemptible)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -54,7 +56,8 @@ _ARRAY_TASKS_STARTED = (select(_t.array_id, _t.started_at, _t.time_limit_s)
 
 _DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
-                             table(Allocation).c.share_mib, _t.gpu_share).join_from(
+                             table(Allocation).c.share_mib, _t.gpu_share, _t.id, _t.preemptible, _t.priority,
+                             _t.cancel_requested_at, _t.reason).join_from(
     table(Allocation), table(Job), table(Allocation).c.job_id == _t.id))
 _g = table(Gpu).c
 _LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
@@ -117,11 +120,20 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     # end, GPUs charged).
     shares: dict[int, list[tuple[float, int]]] = defaultdict(list)
     holds: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for gpu_id, user, started, limit, share_mib, gpu_share in _ALLOCATED.run(conn, {}):
+    preemptible: dict[int, Preemptible] = {}
+    preempted: set[int] = set()
+    for a in _ALLOCATED.run(conn, {}):
+        gpu_id, user, started, limit, share_mib, gpu_share = a[:6]
         ends = (started or now).timestamp() + limit if limit else math.inf
         if share_mib is None:
             busy[gpu_id] = ends
-            holds[user].append((ends, 1.0))
+            if a.cancel_requested_at is not None:
+                if a.reason is not None and a.reason.startswith(c.PREEMPTED_BY):
+                    preempted.add(gpu_id)
+            elif a.preemptible:
+                preemptible[gpu_id] = Preemptible(a.id, a.priority, (started or now).timestamp())
+            if not a.preemptible:  # held to no user limit, and counting against none
+                holds[user].append((ends, 1.0))
             continue
         shares[gpu_id].append((ends, share_mib))
         # A shared job counts what it is charged (its share of the GPU), as fair share does.
@@ -131,7 +143,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
-                            model=g.name)
+                            model=g.name, preemptible=preemptible.get(g.id), preempted=g.id in preempted)
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).
@@ -152,7 +164,10 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     # (the whole pass, which also explains every wait, always reads it).
     users = {row.user for row in pending}
     hours = (fair_share or FairShare(settings)).gpu_hours(session, now) if head is None or len(users) > 1 else {}
-    cut = min((policy.order_key(_request(r), hours) for r in last), default=None) if head is not None else None
+    # The earliest place in the queue a user's job left unread could have: a preemptible job read
+    # may come after one left out, which is not (a quick pass leaves it to the next whole one).
+    cut = min((policy.order_key(replace(_request(r), preemptible=False), hours) for r in last),
+              default=None) if head is not None else None
     deps, states = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
     later: list[tuple[JobRequest, float]] = []
@@ -270,7 +285,8 @@ def _request(row: Any) -> policy.JobRequest:
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,
                              time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type,
                              singleton=bool(row.singleton), exclude=frozenset(row.exclude_nodes or ()),
-                             array=row.array_id if row.array_limit is not None else None)
+                             array=row.array_id if row.array_limit is not None else None,
+                             preemptible=bool(row.preemptible))
 
 
 def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:

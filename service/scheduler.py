@@ -22,6 +22,7 @@ from gpuq.service import (
     allocations,
     broker,
     db,
+    display,
     leases,
     lifecycle,
     next_up,
@@ -200,7 +201,8 @@ class Scheduler:
         decision = policy.decide(queue.policy)
         lists = next_up_choice.choose(queue.policy, decision, c.NEXT_UP_PER_GPU, c.NEXT_UP_SCAN)
         changes = self.lists.changes(lists, decision.order)
-        if quick and self.lists.written is not None and not (queue.doomed or decision.placements or changes):
+        if quick and self.lists.written is not None and not (queue.doomed or decision.placements or changes
+                                                             or decision.preemptions):
             return []  # the lists are as they should be: no write lock taken for nothing
         try:
             placements = self._write(queue, decision, lists, changes, quick)
@@ -250,10 +252,25 @@ class Scheduler:
                 elif missed == JOB_MOVED and (stand_in := _stand_in(session, p, lists, placed)) is not None:
                     placements.append(stand_in)
                     placed.add(stand_in.job_id)
+            self._preempt(session, queue, decision)
             if not quick:
                 self._record_reasons(session, queue, decision)
             self.lists.write(session, changes)
         return placements
+
+    @staticmethod
+    def _preempt(session: Session, queue: QueueRead, decision: policy.Decision) -> None:
+        """Ask the workers of the preemptible jobs the decision stops to requeue them (they poll
+        their row, as for a cancel): the job they make room for is their reason."""
+        if not decision.preemptions:
+            return
+        user_of = {j.id: j.user for j in queue.policy.jobs}
+        now = utcnow()
+        for victim, by in decision.preemptions.items():
+            asked = session.execute(lifecycle.ASK_TO_PREEMPT, {"job_id": victim, "now": now,
+                                                               "reason": display.preempted_by(by, user_of[by])})
+            if db.rows_changed(asked):
+                log.info("job %s: preempted for job %s of %s", victim, by, user_of[by])
 
     def _redis_restarted(self) -> bool:
         """Whether Redis restarted since the last pass (a new run id), maybe empty of our messages."""

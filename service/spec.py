@@ -72,6 +72,8 @@ class JobSpec:
     gpu_type: str | None = None
     # May share its GPUs with other shared jobs, held to mem_mib on each (`--shared`).
     shared: bool = False
+    # Runs on GPUs no other job waits for, and is requeued when one does (`--preemptible`).
+    preemptible: bool = False
     # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.
     git_commit: str | None = None
     git_dirty: bool | None = None
@@ -99,6 +101,7 @@ class Scheduling:
     begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
     signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
     gpu_type: str | None = None  # `--gpu-type a100`
+    preemptible: bool = False  # `--preemptible`
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -108,6 +111,9 @@ class Scheduling:
             raise InvalidSpec(f"--priority must be between -{ADMIN_MAX_PRIORITY} and {ADMIN_MAX_PRIORITY}")
         if not 0 <= self.retries <= MAX_RETRIES:
             raise InvalidSpec(f"--retries must be between 0 and {MAX_RETRIES}; got {self.retries}")
+        if self.preemptible and self.shared:
+            # A shared job's GPU is not its own to give back: stopping it would free a share only.
+            raise InvalidSpec("--preemptible is for jobs with whole GPUs; a --shared job cannot be preempted")
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
         waits = dependency_of(self.after, self.after_any, self.dependency) or Waits()
@@ -127,6 +133,7 @@ class Scheduling:
             "begin_at": begin_of(self.begin) if self.begin is not None else None,
             "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,
             "gpu_type": check_gpu_type(self.gpu_type) if self.gpu_type is not None else None,
+            "preemptible": self.preemptible,
         }
 
 

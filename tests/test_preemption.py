@@ -1,0 +1,112 @@
+"""Preemptible jobs on a real stack (`gpuq submit --preemptible`, SLURM's scavenger QOS with
+PreemptMode=REQUEUE): one runs on a GPU nobody waits for; a job that is not preemptible and
+needs that GPU has it stopped (SIGTERM first) and requeued under its own id, its attempt kept as
+preempted; it runs again once the GPU is free."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import pytest
+
+from gpuq.service import jobs
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from tests.conftest import cli_submit, output_of, run_cli, stack_on_database, wait_for_state
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+# The first attempt leaves a mark and runs until stopped, saying when SIGTERM came; an attempt
+# that finds the mark ends at once.
+SCAVENGER = ("trap 'echo got SIGTERM; exit 143' TERM; if [ -e mark ]; then echo second; "
+             "else touch mark; echo first; sleep 120 & wait; fi")
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def one_gpu(request, tmp_path_factory, redis_url):
+    """A stack of one simulated GPU: a second job there has to preempt the first."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1, kill_grace=5.0)
+
+
+def _job(settings, job_id):
+    with write_scope(settings) as session:
+        return jobs.get_job(session, job_id)
+
+
+def test_a_waiting_job_preempts_a_preemptible_one_which_is_requeued_and_runs_again(one_gpu, tmp_path):
+    s = one_gpu.settings
+    scavenger = cli_submit(s, ["--preemptible", "-t", "10m", "--", "sh", "-c", SCAVENGER], cwd=tmp_path)
+    assert wait_for_state(s, scavenger, (State.RUNNING,)) == State.RUNNING
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "mark").exists():
+        assert time.monotonic() < deadline, "the preemptible job's command never began"
+        time.sleep(0.05)
+    assert "preemptible" in run_cli(["show", str(scavenger)], s).stdout
+
+    urgent = cli_submit(s, ["-t", "5m", "--", "echo", "urgent"], cwd=tmp_path)
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    assert wait_for_state(s, scavenger, (State.SUCCEEDED, State.FAILED, State.CANCELLED)) == State.SUCCEEDED, \
+        one_gpu.logs()
+
+    job = _job(s, scavenger)
+    reason = f"preempted by job {urgent} of {job.user}"
+    # One attempt stopped by the preemption: neither a retry nor a requeue of the lost-worker cap's.
+    assert [(a["state"], a["failure"], a["reason"], a["requeue"]) for a in job.attempts] == [
+        ("preempted", None, reason, True)]
+    assert job.requeues == 0 and job.exit_code == 0
+    out = output_of(s, scavenger)
+    assert out.index("first") < out.index("got SIGTERM") < out.index("second")
+    assert f"attempt 1  {reason} on gpu" in run_cli(["show", str(scavenger)], s).stdout
+    # The urgent job started only once the preempted one had let its GPU go.
+    assert _job(s, urgent).started_at >= datetime.fromisoformat(job.attempts[0]["ended_at"])
+
+
+def test_a_job_that_is_not_preemptible_is_never_preempted(one_gpu, tmp_path):
+    s = one_gpu.settings
+    first = cli_submit(s, ["-t", "5m", "--", "sleep", "3"], cwd=tmp_path)
+    assert wait_for_state(s, first, (State.RUNNING,)) == State.RUNNING
+    second = cli_submit(s, ["--priority", "10", "-t", "5m", "--", "true"], cwd=tmp_path)
+    assert wait_for_state(s, first, (State.SUCCEEDED, State.FAILED, State.CANCELLED)) == State.SUCCEEDED
+    assert _job(s, first).attempts == []
+    assert wait_for_state(s, second, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED
+
+
+def test_preemptible_is_refused_for_a_shared_job_in_one_line(one_gpu, tmp_path):
+    out = run_cli(["submit", "--preemptible", "--shared", "--mem", "1G", "--", "true"], one_gpu.settings,
+                  cwd=tmp_path)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == "gpuq: --preemptible is for jobs with whole GPUs; a --shared job cannot be preempted\n"
+
+
+def test_why_and_show_say_who_preempts_whom_while_the_preempted_job_stops(one_gpu, tmp_path):
+    s = one_gpu.settings
+    # It ignores SIGTERM: it stops only at SIGKILL, GPUQ_KILL_GRACE (5 s here) later.
+    stubborn = cli_submit(s, ["--preemptible", "-t", "10m", "--", "sh", "-c",
+                              "trap '' TERM; touch began; sleep 120"], cwd=tmp_path)
+    assert wait_for_state(s, stubborn, (State.RUNNING,)) == State.RUNNING
+    urgent = cli_submit(s, ["-t", "5m", "--", "sleep", "2"], cwd=tmp_path)
+    deadline = time.monotonic() + 5
+    said = ""
+    while "(preempting)" not in said and time.monotonic() < deadline:
+        said = run_cli(["why", str(urgent)], s).stdout
+        time.sleep(0.1)
+    assert said == (f"job {urgent} waits (preempting): the preemptible job {stubborn} (root) on its GPUs is being "
+                    f"stopped and requeued; it starts once they have (within GPUQ_KILL_GRACE, 5 s)\n"), said
+    shown = run_cli(["show", str(stubborn)], s).stdout
+    assert f"running (preempting: preempted by job {urgent} of root)" in shown, shown
+    assert wait_for_state(s, urgent, (State.RUNNING,), timeout=30) == State.RUNNING
+    # Back in the queue, behind every job that is not preemptible.
+    assert _job(s, stubborn).state == State.PENDING
+    assert "it is preemptible (--preemptible)" in run_cli(["why", str(stubborn)], s).stdout
+    assert run_cli(["cancel", str(stubborn)], s).returncode == 0
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED
+
+
+@pytest.mark.timeout(30)
+def test_an_allocation_cannot_be_preemptible():
+    from gpuq.server.submission import _allocation, _fields
+    from gpuq.service.errors import InvalidSpec
+
+    with pytest.raises(InvalidSpec, match=r"^an allocation \(gpuq alloc\) takes no --preemptible$"):
+        _allocation(_fields({"preemptible": True, "node": "n", "interactive": True}), "ann", None)

@@ -1,0 +1,148 @@
+"""Preemption in the policy, a pure function: which preemptible jobs a waiting job stops, and what
+it never stops (service/preemption.py, policy.decide)."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuq.service.policy import (
+    PREEMPTING,
+    PRIORITY,
+    RESOURCES,
+    USER_LIMIT,
+    GpuState,
+    JobRequest,
+    QueueState,
+    decide,
+    queue_order,
+)
+from gpuq.service.preemption import Preemptible
+
+NOW = 1_000_000.0
+
+
+def gpu(gpu_id, node="a", busy_until=None, victim=None, preempted=False, foreign=0, total=16384):
+    """A GPU; ``victim``: (job id, priority, started) of the preemptible job on it."""
+    return GpuState(id=gpu_id, node=node, index=gpu_id, queue=f"q{gpu_id}", memory_total_mib=total,
+                    foreign_mib=foreign,
+                    busy_until=math.inf if victim is not None or preempted else busy_until,
+                    preemptible=Preemptible(*victim) if victim is not None else None, preempted=preempted)
+
+
+def job(job_id, gpus=1, user="u", priority=0, preemptible=False, limit=None, mem=None, shared=False):
+    return JobRequest(id=job_id, user=user, gpus=gpus, priority=priority, submitted=job_id, time_limit_s=limit,
+                      preemptible=preemptible, mem_mib=mem, shared=shared)
+
+
+def placed(decision):
+    return {p.job_id: [g.id for g in p.gpus] for p in decision.placements}
+
+
+def test_a_waiting_job_stops_the_preemptible_job_on_the_gpu_it_needs():
+    d = decide(QueueState(NOW, [job(5)], [gpu(1, victim=(90, 0, NOW - 60))]))
+    assert d.preemptions == {90: 5} and d.waiting == {5: PREEMPTING} and placed(d) == {}
+
+
+def test_a_free_gpu_is_taken_before_anyone_is_preempted():
+    d = decide(QueueState(NOW, [job(5)], [gpu(1, victim=(90, 0, NOW - 60)), gpu(2)]))
+    assert placed(d) == {5: [2]} and d.preemptions == {}
+
+
+def test_the_lowest_priority_then_the_latest_started_is_preempted_first():
+    gpus = [gpu(1, victim=(90, 0, NOW - 600)), gpu(2, victim=(91, 0, NOW - 60)), gpu(3, victim=(92, 5, NOW - 1))]
+    assert decide(QueueState(NOW, [job(5)], gpus)).preemptions == {91: 5}
+    gpus[0] = gpu(1, victim=(90, -1, NOW - 600))
+    assert decide(QueueState(NOW, [job(5)], gpus)).preemptions == {90: 5}
+
+
+def test_a_gang_preempts_on_one_node_the_fewest_jobs_it_can():
+    gpus = [gpu(1, "a", victim=(90, 0, NOW)), gpu(2, "a", victim=(91, 0, NOW)),
+            gpu(3, "b", victim=(92, 0, NOW)), gpu(4, "b", victim=(92, 0, NOW)), gpu(5, "c")]
+    d = decide(QueueState(NOW, [job(5, gpus=2)], gpus))
+    assert d.preemptions == {92: 5}  # one two-GPU job on b, not two jobs on a
+    # With a free GPU on a node, one job there is enough.
+    gpus[4] = gpu(5, "a")
+    assert decide(QueueState(NOW, [job(5, gpus=2)], gpus)).preemptions in ({90: 5}, {91: 5})
+
+
+def test_gpus_being_freed_by_a_preemption_are_waited_for_not_preempted_again():
+    # The pass after: the victim was asked to stop and has not yet; nothing more is preempted.
+    gpus = [gpu(1, preempted=True), gpu(2, victim=(91, 0, NOW))]
+    d = decide(QueueState(NOW, [job(5)], gpus))
+    assert d.preemptions == {} and d.waiting == {5: PREEMPTING}
+    # A second waiting job takes the other one, not the GPU the first is waiting for.
+    d = decide(QueueState(NOW, [job(5), job(6)], gpus))
+    assert d.preemptions == {91: 6} and d.waiting == {5: PREEMPTING, 6: PREEMPTING}
+
+
+def test_a_gpu_claimed_by_a_preemptor_is_not_given_to_a_later_job():
+    # Job 5 needs two GPUs: the free one and a preempted one; job 6 behind it gets neither.
+    gpus = [gpu(1), gpu(2, victim=(90, 0, NOW))]
+    d = decide(QueueState(NOW, [job(5, gpus=2), job(6, preemptible=True)], gpus))
+    assert d.preemptions == {90: 5} and placed(d) == {} and d.waiting[6] in (PRIORITY, RESOURCES)
+
+
+def test_preemptible_jobs_never_preempt_and_come_after_every_other_job():
+    gpus = [gpu(1, victim=(90, 0, NOW))]
+    d = decide(QueueState(NOW, [job(5, priority=100, preemptible=True)], gpus))
+    assert d.preemptions == {} and d.waiting == {5: RESOURCES}
+    order = queue_order(QueueState(NOW, [job(1, preemptible=True, priority=100), job(2, priority=-100)], []))
+    assert [j.id for j in order] == [2, 1]
+
+
+def test_a_preemptible_job_is_held_to_no_user_gpu_limit_and_counts_against_none():
+    d = decide(QueueState(NOW, [job(1, preemptible=True), job(2, preemptible=True)], [gpu(1), gpu(2)],
+                          gpus_in_use={"u": 4}, user_gpu_limit=2))
+    assert placed(d) == {1: [1], 2: [2]}
+    # A job that is not preemptible is held to it, and preempts nothing past it.
+    d = decide(QueueState(NOW, [job(3)], [gpu(1, victim=(90, 0, NOW))], gpus_in_use={"u": 2}, user_gpu_limit=2))
+    assert d.preemptions == {} and d.waiting == {3: USER_LIMIT}
+
+
+def test_a_job_that_fits_no_preemptible_gpu_preempts_nothing():
+    gpus = [gpu(1, victim=(90, 0, NOW), foreign=2000)]  # another program's memory: an unsized job never goes there
+    assert decide(QueueState(NOW, [job(5)], gpus)).preemptions == {}
+    assert decide(QueueState(NOW, [job(5, mem=8000)], gpus)).preemptions == {90: 5}
+    assert decide(QueueState(NOW, [job(5, gpus=2)], gpus)).preemptions == {}
+
+
+def test_a_shared_job_may_preempt_a_whole_gpu():
+    d = decide(QueueState(NOW, [job(5, mem=4000, shared=True)], [gpu(1, victim=(90, 0, NOW))]))
+    assert d.preemptions == {90: 5}
+
+
+def test_the_gpus_reserved_for_the_first_in_line_are_not_preempted_for_a_later_job():
+    # Job 1 (two GPUs) cannot start or preempt enough (one GPU is a normal job's); it reserves GPUs
+    # 1 and 2 from job 80's end. Job 2 behind it preempts the preemptible job on node b, not a.
+    gpus = [gpu(1, "a", busy_until=NOW + 100), gpu(2, "a", victim=(90, 0, NOW)), gpu(3, "b", victim=(91, 0, NOW))]
+    gpus[1] = GpuState(**{**gpus[1].__dict__, "busy_until": NOW + 50})
+    d = decide(QueueState(NOW, [job(1, gpus=2, limit=3600), job(2, limit=3600)], gpus))
+    assert d.reservation is not None and d.reservation.job_id == 1
+    assert d.preemptions == {91: 2}
+
+
+victims = st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.sampled_from(["a", "b"])), min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(gpus=victims, waiting=st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=5))
+def test_no_gpu_is_preempted_twice_or_given_to_two_jobs_and_only_preemptible_jobs_are_stopped(gpus, waiting):
+    """Whatever the GPUs (free, normal, preemptible or being freed) and the waiting jobs, a pass
+    stops only preemptible jobs, each for one job, and every job that preempts finds enough GPUs
+    on one node, none of them placed or claimed twice."""
+    states = []
+    for i, (kind, _, node) in enumerate(gpus):
+        states.append(gpu(i, node, busy_until=NOW + 100 if kind == 1 else None,
+                          victim=(100 + i, 0, NOW) if kind == 2 else None, preempted=kind == 3))
+    jobs = [job(j, gpus=n, preemptible=p) for j, (n, p) in enumerate(waiting, 1)]
+    d = decide(QueueState(NOW, jobs, states))
+    preemptible_ids = {g.preemptible.job_id for g in states if g.preemptible is not None}
+    assert set(d.preemptions) <= preemptible_ids
+    by_id = {j.id: j for j in jobs}
+    assert not any(by_id[j].preemptible for j in d.preemptions.values())
+    placed_gpus = [g for p in d.placements for g in placed(d)[p.job_id]]
+    assert len(placed_gpus) == len(set(placed_gpus))
+    victims_gpus = {g.id for g in states if g.preemptible is not None and g.preemptible.job_id in d.preemptions}
+    assert not victims_gpus & set(placed_gpus)
+    assert all(d.waiting[j] == PREEMPTING for j in d.preemptions.values())
