@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from gpuq.service import packing, policy
-from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState
+from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
 
 # How many of the queue's eligible jobs are planned (SLURM's backfill too looks only so far down the
 # queue: bf_max_job_test).

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from gpuq.service import packing, policy
-from gpuq.service.policy import Decision, GpuState, JobRequest, QueueState, queue_order
+from gpuq.service.policy import queue_order
+from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
 
 
 def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> dict[int, list[int]]:

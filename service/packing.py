@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # policy imports this module; the types are only named here
-    from gpuq.service.policy import GpuState, JobRequest, Reservation
+if TYPE_CHECKING:  # the types are only named here
+    from gpuq.service.queue_state import GpuState, JobRequest, Reservation
 
 
 def need_mib(job: JobRequest, context_mib: int) -> int:

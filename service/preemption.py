@@ -20,16 +20,7 @@ from gpuq.service import packing
 
 if TYPE_CHECKING:
     from gpuq.service.packing import GpuLoad
-    from gpuq.service.policy import GpuState, JobRequest
-
-
-@dataclass(frozen=True)
-class Preemptible:
-    """A running whole-GPU job that may be preempted, as the GPUs it holds see it."""
-
-    job_id: int
-    priority: int
-    started: float  # epoch s
+    from gpuq.service.queue_state import GpuState, JobRequest, Preemptible
 
 
 @dataclass(frozen=True)

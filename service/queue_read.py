@@ -23,9 +23,8 @@ from gpuq.service.fair_share import FairShare
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
-from gpuq.service.policy import JobRequest
-from gpuq.service.preemption import Preemptible
 from gpuq.service.prepared import Prepared
+from gpuq.service.queue_state import JobRequest, Preemptible
 from gpuq.service.settings import Settings
 
 # Core rows, and statements built once: the ORM's per-row bookkeeping is most of the cost at

@@ -17,7 +17,7 @@ from gpuq.service.policy import (
     decide,
     queue_order,
 )
-from gpuq.service.preemption import Preemptible
+from gpuq.service.queue_state import Preemptible
 
 NOW = 1_000_000.0
 

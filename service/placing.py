@@ -1,0 +1,212 @@
+"""Placing: the GPUs as one ``policy.decide`` pass places jobs on them, free, shared, reserved for
+the first job in line, fenced for a typed one, or taken by preemption (service/preemption.py)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from gpuq.service import packing, preemption
+from gpuq.service.packing import GpuLoad
+from gpuq.service.queue_state import GpuState, JobRequest, Placement, Preemptible, QueueState, Reservation
+
+
+class Gpus:
+    """The GPUs as one ``decide`` pass places jobs on them."""
+
+    def __init__(self, state: QueueState) -> None:
+        self.now = state.now
+        self.context_mib = state.shared_context_mib
+        self.by_node: dict[str, list[GpuLoad]] = defaultdict(list)
+        self.free: dict[str, list[GpuLoad]] = defaultdict(list)  # no gpuq job: whole-GPU jobs' GPUs
+        self.shareable: dict[str, list[GpuLoad]] = defaultdict(list)  # no whole-GPU job: shared jobs' GPUs
+        for g in sorted(state.gpus, key=lambda g: (g.node, g.index)):
+            load = GpuLoad.of(g)
+            self.by_node[g.node].append(load)
+            if load.clear:
+                self.free[g.node].append(load)
+            if load.whole_until is None:
+                self.shareable[g.node].append(load)
+        self.free_count = sum(len(gs) for gs in self.free.values())
+        # What preemption may take, by node: each preemptible job's GPUs, and GPUs being freed by
+        # an earlier preemption that no job of this pass claimed yet (service/preemption.py).
+        self.held: dict[str, dict[Preemptible, list[GpuLoad]]] = defaultdict(lambda: defaultdict(list))
+        self.freeing: dict[str, list[GpuLoad]] = defaultdict(list)
+        for loads in self.by_node.values():
+            for load in loads:
+                if load.gpu.preemptible is not None:
+                    self.held[load.gpu.node][load.gpu.preemptible].append(load)
+                elif load.gpu.preempted:
+                    self.freeing[load.gpu.node].append(load)
+        self.preemptible_gpus = sum(len(gs) for by_job in self.held.values() for gs in by_job.values()) + \
+            sum(len(gs) for gs in self.freeing.values())
+        # The kinds of job (as ``failed``'s) that found no GPUs to take by preemption: taking GPUs
+        # never gives any back within a pass, so these stay so until it ends.
+        self.cannot_preempt: set[tuple[object, ...]] = set()
+        # The kinds of job (shared or not, GPUs, memory, node, whether it ends before the reserved
+        # start) that found no GPUs since the last placement or reservation: a job of the same
+        # kind finds none either (most of a long queue, behind a waiting job).
+        self.failed: set[tuple[object, ...]] = set()
+        # GPU types of waiting jobs no reservation protects (`--gpu-type`, no time limits to reserve
+        # by): no later job starts on a GPU of theirs, as no later job at all starts behind an untyped
+        # one; GPUs of other models, which they could never use, stay open.
+        self.fenced: list[JobRequest] = []
+        # ``all_fenced_for``'s answer by GPU type (it depends on nothing else), until the next fence:
+        # a long queue behind a fenced job would ask it once per job.
+        self.fenced_for: dict[str | None, bool] = {}
+
+    def fence(self, job: JobRequest) -> None:
+        """Keep the GPUs typed ``job`` could use for it: later jobs start on others only."""
+        self.fenced.append(job)
+        self.failed.clear()
+        self.fenced_for.clear()
+
+    def open_to_later(self, gpu: GpuState) -> bool:
+        """Whether a job behind the fenced ones may start on ``gpu``."""
+        return not any(gpu.is_of(waiting) for waiting in self.fenced)
+
+    def all_fenced_for(self, job: JobRequest) -> bool:
+        """Whether every GPU of ``job``'s type is kept for a typed job ahead of it."""
+        if not self.fenced:
+            return False
+        if job.gpu_type not in self.fenced_for:
+            self.fenced_for[job.gpu_type] = not any(g.gpu.is_of(job) and self.open_to_later(g.gpu)
+                                                    for loads in self.by_node.values() for g in loads)
+        return self.fenced_for[job.gpu_type]
+
+    def nodes_for(self, job: JobRequest) -> list[str]:
+        return [n for n in self.by_node if job.may_use(n)]
+
+    def ends(self, job: JobRequest) -> float:
+        """When ``job`` would end by its time limit if it started now (inf without one)."""
+        return math.inf if job.time_limit_s is None else self.now + job.time_limit_s
+
+    def choose(self, job: JobRequest, reservation: Reservation | None) -> tuple[GpuLoad, ...] | None:
+        """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
+        ends_in_time = reservation is not None and self.ends(job) <= reservation.start
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, ends_in_time)
+        if shape in self.failed:
+            return None
+        if job.shared:
+            shareable = self.shareable if not self.fenced else \
+                {n: [g for g in loads if self.open_to_later(g.gpu)] for n, loads in self.shareable.items()}
+            chosen = packing.choose_shared(job, packing.need_mib(job, self.context_mib), shareable,
+                                           self.nodes_for(job), reservation, self.ends(job))
+        else:
+            chosen = self._choose_whole(job, reservation, ends_in_time)
+        if chosen is None:
+            self.failed.add(shape)
+        return chosen
+
+    def _choose_whole(self, job: JobRequest, reservation: Reservation | None,
+                      ends_in_time: bool) -> tuple[GpuLoad, ...] | None:
+        """Best fit for a whole-GPU job: the node with the fewest suitable GPUs free of gpuq jobs."""
+        options = []
+        for node in self.nodes_for(job):
+            usable = [g for g in self.free[node] if g.gpu.fits(job) and (not self.fenced or self.open_to_later(g.gpu))]
+            if reservation is not None and node == reservation.node and not ends_in_time:
+                usable = [g for g in usable if g.gpu.id not in reservation.gpu_ids]
+            if len(usable) >= job.gpus:
+                # Unreserved GPUs first, so a backfilled job leaves the reserved ones alone if it can.
+                reserved = reservation.gpu_ids if reservation is not None else frozenset()
+                usable.sort(key=lambda g: (g.gpu.id in reserved, g.gpu.index))
+                options.append((len(usable), node, tuple(usable[: job.gpus])))
+        if not options:
+            return None
+        return min(options, key=lambda o: (o[0], o[1]))[2]
+
+    def take(self, job: JobRequest, chosen: tuple[GpuLoad, ...]) -> Placement:
+        """Place ``job`` on ``chosen``: they hold it from now on in this pass."""
+        node = chosen[0].gpu.node
+        end = self.ends(job)
+        for load in chosen:
+            if load.clear:
+                self.free[node].remove(load)
+                self.free_count -= 1
+            if job.shared:
+                load.take_share(packing.need_mib(job, self.context_mib), end)
+            else:
+                load.take_whole(end)
+                self.shareable[node].remove(load)
+        self.failed.clear()
+        return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared)
+
+    def may_preempt_for(self, job: JobRequest) -> bool:
+        """Whether ``job`` might still take GPUs by preemption in this pass."""
+        return not job.preemptible and self.preemptible_gpus > 0
+
+    def preempt(self, job: JobRequest, reservation: Reservation | None) -> preemption.Plan | None:
+        """The GPUs ``job`` takes by stopping preemptible jobs (or waiting for those being stopped),
+        claimed for it in this pass; None if it cannot. GPUs kept for a reservation or a fenced job
+        ahead of it are not taken."""
+        if not self.may_preempt_for(job):
+            return None
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type)
+        if shape in self.cannot_preempt:
+            return None
+        reserved = reservation.gpu_ids if reservation is not None else frozenset()
+
+        def usable(load: GpuLoad) -> bool:
+            return (load.gpu.id not in reserved and (not self.fenced or self.open_to_later(load.gpu))
+                    and preemption.fits_once_clear(load.gpu, job, self.context_mib))
+
+        def held(node: str) -> dict[Preemptible, list[GpuLoad]]:
+            return {victim: usable_loads for victim, loads in self.held[node].items()
+                    if (usable_loads := [g for g in loads if usable(g)])}
+
+        plan = preemption.plan(job, self.nodes_for(job),
+                               lambda node: [g for g in (*self.freeing[node], *self.free[node]) if usable(g)], held)
+        if plan is None:
+            self.cannot_preempt.add(shape)
+            return None
+        self._claim(job, plan)
+        return plan
+
+    def _claim(self, job: JobRequest, plan: preemption.Plan) -> None:
+        """Hold ``plan``'s GPUs for ``job`` in this pass; its victims' other GPUs are being freed."""
+        node, end = plan.node, self.ends(job)
+        for victim in [v for v in self.held[node] if v.job_id in plan.victims]:
+            loads = self.held[node].pop(victim)
+            self.freeing[node] += [g for g in loads if g not in plan.gpus]
+        for load in plan.gpus:
+            if load in self.freeing[node]:
+                self.freeing[node].remove(load)
+            if load in self.free[node]:
+                self.free[node].remove(load)
+                self.free_count -= 1
+            if load in self.shareable[node]:
+                self.shareable[node].remove(load)
+            load.take_whole(end)
+        self.preemptible_gpus = sum(len(gs) for by_job in self.held.values() for gs in by_job.values()) + \
+            sum(len(gs) for gs in self.freeing.values())
+
+    def could_ever_fit(self, job: JobRequest) -> bool:
+        if job.shared:
+            need = packing.need_mib(job, self.context_mib)
+            return any(sum(g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need) for g in self.by_node[n])
+                       >= job.gpus
+                       for n in self.nodes_for(job))
+        return any(sum(1 for g in self.by_node[n] if g.gpu.fits(job)) >= job.gpus for n in self.nodes_for(job))
+
+    def reserve(self, job: JobRequest) -> Reservation | None:
+        """The earliest start ``job`` can count on, from the running jobs' time limits (those
+        placed in this pass included); None if unknown. The GPUs kept for a typed job ahead of it
+        (``fence``) count for nothing: that job takes them first, at a time no one knows."""
+        need = packing.need_mib(job, self.context_mib) if job.shared else None
+        best: Reservation | None = None
+        for node in self.nodes_for(job):
+            loads = [g for g in self.by_node[node] if not self.fenced or self.open_to_later(g.gpu)]
+            if need is not None:
+                suitable = sorted((g.ready_at(need, self.now), g.gpu.index, g.gpu.id) for g in loads
+                                  if g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need))
+            else:
+                suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in loads if g.gpu.fits(job))
+            if len(suitable) < job.gpus:
+                continue
+            needed = suitable[: job.gpus]
+            start = needed[-1][0]
+            if math.isinf(start):
+                continue
+            if best is None or start < best.start:
+                best = Reservation(job.id, node, start, frozenset(gpu_id for _, _, gpu_id in needed), need)
+        return best
