@@ -42,6 +42,8 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
         job_of = {j.id: j for j in state.jobs}
         for p in decision.placements:
             j = job_of[p.job_id]
+            if j.preemptible:  # held to no limit, counted against none
+                continue
             in_use[j.user] = in_use.get(j.user, 0) + packing.charged_gpus(j, p.gpus, state.shared_context_mib)
     order = decision.order or queue_order(state)
     for looked, job in enumerate(j for j in order if j.id not in placed):
@@ -57,7 +59,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
         usable = [g for g in open_gpus if job.may_use(g.node) and g.fits(job)]
         for g in usable:
             lists[g.id].append(job.id)
-        if usable and limit:
+        if usable and limit and not job.preemptible:
             in_use[job.user] = in_use.get(job.user, 0) + 1
         open_gpus = [g for g in open_gpus if len(lists[g.id]) < per_gpu * busy_on[g.node]]
     return {gpu: jobs for gpu, jobs in lists.items() if jobs}

@@ -146,3 +146,18 @@ def test_no_gpu_is_preempted_twice_or_given_to_two_jobs_and_only_preemptible_job
     victims_gpus = {g.id for g in states if g.preemptible is not None and g.preemptible.job_id in d.preemptions}
     assert not victims_gpus & set(placed_gpus)
     assert all(d.waiting[j] == PREEMPTING for j in d.preemptions.values())
+
+
+def test_the_preempted_gpu_lists_its_preemptor_first_and_preemptible_jobs_past_the_user_limit():
+    from gpuq.service.next_up_choice import choose as next_up
+
+    state = QueueState(NOW, [job(6, preemptible=True), job(5), job(7, preemptible=True)],
+                       [gpu(1, victim=(90, 0, NOW)), gpu(2, busy_until=NOW + 60)], gpus_in_use={"u": 1},
+                       user_gpu_limit=1)
+    d = decide(state)
+    assert d.preemptions == {} and d.waiting[5] == USER_LIMIT  # u holds its one GPU (gpu 2)
+    # Whichever GPU frees first takes u's preemptible jobs, past the limit, in their order.
+    assert next_up(state, d, 4, 100) == {1: [6, 7], 2: [6, 7]}
+    state = QueueState(NOW, [job(6, preemptible=True), job(5)], [gpu(1, victim=(90, 0, NOW))])
+    d = decide(state)
+    assert d.preemptions == {90: 5} and next_up(state, d, 4, 100) == {1: [5, 6]}
