@@ -120,6 +120,10 @@ def update(job_ids: JobIds = None, array: Array = None,
            shared: Annotated[bool | None, typer.Option("--shared/--whole", help="A pending job shares its GPU "
                                                        "by its --mem with other --shared jobs, or runs on "
                                                        "whole GPUs again.", show_default=False)] = None,
+           preemptible: Annotated[bool | None, typer.Option("--preemptible/--no-preemptible", help="A pending "
+                                                            "job runs on GPUs no other job waits for and is "
+                                                            "requeued when one does, or no longer.",
+                                                            show_default=False)] = None,
            after: Annotated[str | None, typer.Option(help="A pending job starts after these jobs succeeded "
                                                      "(ID[,ID]), instead of what it waited for.")] = None,
            after_any: Annotated[str | None, typer.Option(help="A pending job starts after these jobs ended, "
@@ -131,7 +135,7 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                           "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
-    sharing and dependencies, a time limit, a name, retries, an array's tasks at once (as
+    sharing, preemptibility and dependencies, a time limit, a name, retries, an array's tasks at once (as
     `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
@@ -143,8 +147,8 @@ def update(job_ids: JobIds = None, array: Array = None,
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
-                                 ("after", after), ("after_any", after_any), ("dependency", dependency),
-                                 ("exclude", exclude))
+                                 ("preemptible", preemptible), ("after", after), ("after_any", after_any),
+                                 ("dependency", dependency), ("exclude", exclude))
                if v is not None}
     if not changes:
         raise InvalidSpec(c.UPDATE_ASK)  # before a round trip; the server asks the same
@@ -168,6 +172,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "mem_mib": ("GPU memory", lambda v: "none" if v is None else mib(v)),
     "on_node": ("node", lambda v: "any" if v is None else v),
     "shared": ("sharing", lambda v: "shared" if v else "whole GPUs"),
+    "preemptible": ("preemptible", lambda v: "yes" if v else "no"),
     "dependency": ("dependency", lambda v: "none" if v is None else v),
     "exclude_nodes": ("excluded nodes", lambda v: "none" if not v else ",".join(v))}
 

@@ -1,7 +1,7 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
 limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
-begin time, and a pending job's GPUs, GPU type, GPU memory, node, excluded nodes, sharing and
-dependencies.
+begin time, and a pending job's GPUs, GPU type, GPU memory, node, excluded nodes, sharing,
+preemptibility (as scontrol's QOS=) and dependencies.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
 of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory,
@@ -80,7 +80,8 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                                      else_=_NEW_TYPE),
                        mem_mib=case((_NEW_MEM.is_(None), _JOBS.c.mem_mib), (_NEW_MEM == 0, None), else_=_NEW_MEM),
                        on_node=case((_NEW_NODE.is_(None), _JOBS.c.on_node), (_NEW_NODE == "", None),
-                                    else_=_NEW_NODE), shared=_kept("shared", Boolean), **_LATER)
+                                    else_=_NEW_NODE), shared=_kept("shared", Boolean),
+                       preemptible=_kept("preemptible", Boolean), **_LATER)
 # A pending job's dependencies: the ids (null: none), how it waits for them (units.AFTER_KINDS), and
 # whether it is a singleton.
 _WAITS = bindparam("waits", type_=Boolean)
@@ -101,16 +102,17 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes)
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node", "shared")
+          "mem_mib", "on_node", "shared", "preemptible")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
                  "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies",
-                 "exclude_nodes": "excluded nodes"}
+                 "exclude_nodes": "excluded nodes", "preemptible": "preemptibility"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
-_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes")
+# (A job made preemptible or not leaves the lists too: it goes after every other job, or no longer.)
+_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share).
@@ -132,6 +134,7 @@ class Changes:
     mem_mib: int | None = None  # 0: none asked
     on_node: str | None = None  # "": any node
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
+    preemptible: bool | None = None  # `--preemptible` / `--no-preemptible`
     # What it waits for, in place of what it waited for; Waits(): nothing any more.
     dependency: Waits | None = None
     exclude_nodes: list[str] | None = None  # nodes it may not run on; []: none any more
@@ -141,20 +144,24 @@ class Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
         ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``, and
         ``after``, ``after_any`` or ``dependency`` as a submit takes them, ``dependency`` ``none`` for
-        none, ``exclude`` as a submit takes it, ``none`` for none); InvalidSpec for anything malformed or
-        for no change at all."""
+        none, ``exclude`` as a submit takes it, ``none`` for none, ``preemptible``); InvalidSpec for
+        anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
-                               "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude"}
+                               "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude",
+                               "preemptible"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency, exclude)")
+                              "dependency, exclude, preemptible)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
         shared = body.get("shared")
         if shared is not None and type(shared) is not bool:
             raise InvalidSpec("--shared must be true or false (--whole)")
+        preemptible = body.get("preemptible")
+        if preemptible is not None and type(preemptible) is not bool:
+            raise InvalidSpec("--preemptible must be true or false (--no-preemptible)")
         priority, time, name, retries, at_once, gpus, gpu_type, mem, node = (
             body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type", "mem",
                                   "node"))
@@ -183,7 +190,7 @@ class Changes:
                       else spec.check_gpu_type(gpu_type),
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
-                      else _node(node), shared=shared,
+                      else _node(node), shared=shared, preemptible=preemptible,
                       dependency=dependency_of(after, after_any, dependency, clears=True),
                       exclude_nodes=None if exclude is None else [] if exclude.strip().lower() in ("", "none")
                       else spec.exclude_nodes(exclude))
@@ -256,7 +263,8 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
     shape is checked once: an array's tasks are one."""
     checked: set[tuple[Any, ...]] = set()
     for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
-                            Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type, Job.exclude_nodes).values():
+                            Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type, Job.exclude_nodes,
+                            Job.preemptible).values():
         gpus = changes.gpus if changes.gpus is not None else job.gpus
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
         mem_mib = job.mem_mib if changes.mem_mib is None else changes.mem_mib or None
@@ -269,6 +277,11 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             raise InvalidSpec(f"job {job.id} asks no GPU memory: --shared needs --mem, its share of the GPU")
         if job.kind == c.KIND_INTERACTIVE and (changes.on_node is not None or changes.exclude_nodes is not None):
             raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
+        if job.kind == c.KIND_INTERACTIVE and changes.preemptible:
+            raise InvalidSpec(f"job {job.id} is an allocation: its shell cannot be requeued, so it cannot be preempted")
+        if shared and (job.preemptible if changes.preemptible is None else changes.preemptible):
+            raise InvalidSpec(f"job {job.id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be "
+                              "preempted")
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
                  shared, gpus, gpu_type, tuple(exclude or ()))

@@ -110,3 +110,29 @@ def test_an_allocation_cannot_be_preemptible():
 
     with pytest.raises(InvalidSpec, match=r"^an allocation \(gpuq alloc\) takes no --preemptible$"):
         _allocation(_fields({"preemptible": True, "node": "n", "interactive": True}), "ann", None)
+
+
+def test_update_makes_a_pending_job_preemptible_or_not_and_refuses_what_cannot_be(one_gpu, tmp_path):
+    s = one_gpu.settings
+    held = cli_submit(s, ["--hold", "--", "true"], cwd=tmp_path)
+    out = run_cli(["update", str(held), "--preemptible"], s)
+    assert (out.returncode, out.stdout) == (0, f"job {held}: preemptible no → yes\n"), out.stderr
+    assert _job(s, held).preemptible and "preemptible" in run_cli(["show", str(held)], s).stdout
+    out = run_cli(["update", str(held), "--no-preemptible"], s)
+    assert (out.returncode, out.stdout) == (0, f"job {held}: preemptible yes → no\n"), out.stderr
+    assert not _job(s, held).preemptible
+    # A shared job cannot be preemptible, nor can a job be made shared while it is: nothing changes.
+    shared = cli_submit(s, ["--hold", "--shared", "--mem", "1G", "--", "true"], cwd=tmp_path)
+    out = run_cli(["update", str(shared), "--preemptible"], s)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (f"gpuq: job {shared}: --preemptible is for jobs with whole GPUs; a --shared job cannot "
+                          "be preempted\n")
+    assert not _job(s, shared).preemptible
+    # A running job keeps it, as it keeps its sharing.
+    running = cli_submit(s, ["-t", "5m", "--", "sleep", "30"], cwd=tmp_path)
+    assert wait_for_state(s, running, (State.RUNNING,)) == State.RUNNING
+    out = run_cli(["update", str(running), "--preemptible"], s)
+    assert out.returncode == 4 and f"job {running} is running; only a pending job's preemptibility can be " \
+        "changed" in out.stderr, out.stderr
+    for job_id in (held, shared, running):
+        run_cli(["cancel", str(job_id)], s)
