@@ -28,8 +28,9 @@ CANCELLING = "cancelling"
 REQUEUEING = "requeueing"
 REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
 # And a preemptible job stopped for a waiting job's GPUs (`--preemptible`): it is requeued the same
-# way, its reason "preempted by job 12 of alice", and shows as preempting until it stopped.
-PREEMPTING = "preempting"
+# way, its reason "preempted by job 12 of alice", and is being preempted until it stopped (the job
+# it makes room for waits for "preempting", policy.PREEMPTING).
+BEING_PREEMPTED = "being preempted"
 PREEMPTED_BY = "preempted by "
 
 # Why a job failed or stopped, in one word: shown by `gpuq show` and kept on every attempt.

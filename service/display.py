@@ -83,7 +83,9 @@ def result_summary(job: Job | Any) -> str:
     if job.state == State.PENDING:
         return held(job) if job.held else (job.reason or "waiting for GPUs")
     if job.state == State.RUNNING and job.cancel_requested_at:
-        return stopping(job)
+        # Preempted: by which job, which the listing shows waiting for "preempting".
+        reason: str = job.reason or ""
+        return reason if reason.startswith(c.PREEMPTED_BY) else stopping(job)
     if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:
         return "interactive (gpuq alloc)"
     return job.reason or ""
@@ -91,9 +93,9 @@ def result_summary(job: Job | Any) -> str:
 
 def stopping(job: Job | Any) -> str:
     """What a running job its worker was asked to stop is doing: cancelling, requeueing (`gpuq
-    requeue`, whose reason says so) or preempting (the scheduler's, for a waiting job)."""
+    requeue`, whose reason says so) or being preempted (the scheduler's, for a waiting job)."""
     if (job.reason or "").startswith(c.PREEMPTED_BY):
-        return c.PREEMPTING
+        return c.BEING_PREEMPTED
     return c.REQUEUEING if requeue_asked(job.reason) else c.CANCELLING
 
 

@@ -94,7 +94,9 @@ def test_why_and_show_say_who_preempts_whom_while_the_preempted_job_stops(one_gp
     assert said == (f"job {urgent} waits (preempting): the preemptible job {stubborn} (root) on its GPUs is being "
                     f"stopped and requeued; it starts once they have (within GPUQ_KILL_GRACE, 5 s)\n"), said
     shown = run_cli(["show", str(stubborn)], s).stdout
-    assert f"running (preempting: preempted by job {urgent} of root)" in shown, shown
+    assert f"running (being preempted: preempted by job {urgent} of root)" in shown, shown
+    listed = run_cli(["status"], s).stdout
+    assert f"preempted by job {urgent} of root" in listed and "preempting" in listed, listed
     assert wait_for_state(s, urgent, (State.RUNNING,), timeout=30) == State.RUNNING
     # Back in the queue, behind every job that is not preemptible.
     assert _job(s, stubborn).state == State.PENDING

@@ -110,4 +110,4 @@ def test_a_running_job_asked_to_stop_reads_requeueing_or_cancelling_by_what_was_
     assert asked(lifecycle.requeued_by("ann", hold=False)) == asked(lifecycle.requeued_by("ann", hold=True)) == \
         c.REQUEUEING
     assert asked(lifecycle.cancelled_by("ann")) == c.CANCELLING
-    assert asked(display.preempted_by(7, "bob")) == c.PREEMPTING  # the scheduler's, for job 7 of bob
+    assert asked(display.preempted_by(7, "bob")) == c.BEING_PREEMPTED  # the scheduler's, for job 7 of bob
