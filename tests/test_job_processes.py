@@ -91,3 +91,34 @@ def test_a_cancelled_command_and_a_child_left_in_its_group_are_stopped_and_its_s
     assert outcome.cancelled and outcome.leftover == ()
     assert outcome.exit_code == -signal.SIGTERM  # its own end, read when the worker reaped it
     assert group_signals[0] == signal.SIGTERM and signal.SIGKILL in group_signals
+
+
+def test_a_job_process_left_a_zombie_counts_as_ended_though_nobody_reaps_it_yet():
+    """A job's process other than its main one is not the worker's child: once it ended, its pid
+    stays until its parent (or init, where it was orphaned) reaps it, which may be late or never.
+    The stop waits for it to end, not to be reaped: a cancel here waited 0.7 s for this VM's init."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from gpuq.workers.job_processes import wait_ended
+
+    # A parent that never reaps its child: the child stays a zombie while the parent sleeps.
+    parent = subprocess.Popen([sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+                               "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 10
+        while child.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        began = time.monotonic()
+        assert wait_ended([child], 5) == []
+        assert time.monotonic() - began < 1
+        # A process that runs on is still there when the time is up.
+        assert wait_ended([psutil.Process(parent.pid)], 0.1) == [psutil.Process(parent.pid)]
+    finally:
+        parent.kill()
+        parent.wait()

@@ -145,7 +145,7 @@ def verify_gone(found: Callable[[], list[psutil.Process]], within: float, pgid: 
         if time.monotonic() >= deadline:
             return [p.pid for p in procs]
         signal_all(pgid, procs, signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=0.2)
+        wait_ended(procs, 0.2)
     return []
 
 
@@ -154,6 +154,22 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds for ``procs`` to end; those still alive then.
+
+    A zombie has ended: it holds nothing but its pid. The job's processes other than its main one
+    are not the worker's children: orphaned, they are reaped by init, which may be late (here, a
+    VM's init reaped them 0.7 s later; a container's PID 1 that is not an init, never), and
+    psutil.wait_procs waits for the pid to be gone: every cancel, requeue and preemption waited
+    that long, or the whole grace."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+        alive = [p for p in alive if _alive(p)]
+    return alive
 
 
 def stop_tree(pid: int | None, grace: float, found: Callable[[], list[psutil.Process]]) -> None:
@@ -165,11 +181,11 @@ def stop_tree(pid: int | None, grace: float, found: Callable[[], list[psutil.Pro
     if grace > 0:
         signal_all(pid, procs, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        _, procs = psutil.wait_procs(procs, timeout=grace)
+        procs = wait_ended(procs, grace)
         _wait_until_exited(pid, deadline)
     if procs or (pid is not None and not exited(pid)):
         signal_all(pid, procs, signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=5)
+        wait_ended(procs, 5)
         _wait_until_exited(pid, time.monotonic() + 5)
 
 
