@@ -42,8 +42,9 @@ _GPU_OPEN = (_NEXT.c.gpu_id == bindparam("gpu_id"),
                              table(Node).c.drained.is_(True)))
 _GPU_TAKES = (*_GPU_OPEN, ~exists().where(table(Allocation).c.gpu_id == bindparam("gpu_id")))
 # This GPU's listed jobs that are still pending and not held: one read.
-_LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user")).where(*_GPU_TAKES, _LISTED_USER.is_not(None))
-           .order_by(_NEXT.c.rank))
+_LISTED_PREEMPTIBLE = select(_JOBS.c.preemptible).where(_JOBS.c.id == _NEXT.c.job_id).scalar_subquery()
+_LISTED = (select(_NEXT.c.job_id, _LISTED_USER.label("user"), _LISTED_PREEMPTIBLE.label("preemptible"))
+           .where(*_GPU_TAKES, _LISTED_USER.is_not(None)).order_by(_NEXT.c.rank))
 
 
 def _started_here(token: str = "token") -> dict[str, Any]:
@@ -160,9 +161,9 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
             return _take(session, _TAKE_FIRST, take)
         return _take(session, _TAKE_FIRST_UNLOCKED, take, allocates=True)
     listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
-    for job_id, user in listed:
-        if _gpus_in_use(session, user) + 1 > user_gpu_limit:
-            continue
+    for job_id, user, preemptible in listed:
+        if not preemptible and _gpus_in_use(session, user) + 1 > user_gpu_limit:
+            continue  # a preemptible job is held to no limit
         taken = _take(session, _TAKE, {**take, "job_id": job_id})
         if taken is not None:
             return taken
@@ -211,8 +212,9 @@ def anything_waits(session: Session, besides: Sequence[int] = ()) -> bool:
 
 
 def _gpus_in_use(session: Session, user: str) -> int:
+    """The GPUs ``user``'s jobs hold against their limit: a preemptible job's count for none."""
     return session.scalar(select(func.count()).select_from(Allocation).join(Job, Job.id == Allocation.job_id)
-                          .where(Job.user == user)) or 0
+                          .where(Job.user == user, Job.preemptible == False)) or 0  # noqa: E712
 
 
 class Lists:

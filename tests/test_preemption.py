@@ -138,3 +138,27 @@ def test_update_makes_a_pending_job_preemptible_or_not_and_refuses_what_cannot_b
         "changed" in out.stderr, out.stderr
     for job_id in (held, shared, running):
         run_cli(["cancel", str(job_id)], s)
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def limited(request, tmp_path_factory, redis_url):
+    """Two simulated GPUs, each user held to one at a time."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=2, user_gpu_limit=1)
+
+
+def test_preemptible_jobs_run_past_the_user_gpu_limit_and_count_against_none_of_it(limited, tmp_path):
+    s = limited.settings
+    held = cli_submit(s, ["-t", "5m", "--", "sleep", "60"], cwd=tmp_path)
+    assert wait_for_state(s, held, (State.RUNNING,)) == State.RUNNING
+    # The user holds their one GPU: their preemptible jobs take the other one, one after the other.
+    extra = [cli_submit(s, ["--preemptible", "-t", "5m", "--", "sleep", "0.5"], cwd=tmp_path) for _ in range(3)]
+    for job_id in extra:
+        assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, limited.logs()
+    assert _job(s, held).state == State.RUNNING
+    # A job that is not preemptible is still held to the limit.
+    waits = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
+    deadline = time.monotonic() + 10
+    while _job(s, waits).reason != "user limit":
+        assert time.monotonic() < deadline, _job(s, waits).reason
+        time.sleep(0.1)
+    assert run_cli(["cancel", str(held), str(waits)], s).returncode == 0
