@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service.constants import ACTIVE_STATES, State
@@ -21,6 +21,14 @@ from gpuq.service.settings import Settings
 # What a job is charged per hour it runs: its GPUs, each times its share of the GPU's memory for a
 # shared job (``jobs.gpu_share``, written at dispatch), whole for any other.
 _CHARGED = Job.gpus * func.coalesce(Job.gpu_share, 1.0)
+
+
+def _factor(settings: Settings, column: Any, preemptible: Any) -> Any:
+    """``column`` (what a job or attempt is charged an hour) as fair share counts it: a preemptible
+    job's times GPUQ_PREEMPTIBLE_CHARGE. The GPU-hours `gpuq stats` reports are the GPUs' own."""
+    if settings.preemptible_charge == 1.0:
+        return column
+    return column * case((preemptible == True, settings.preemptible_charge), else_=1.0)  # noqa: E712
 
 
 class FairShare:
@@ -39,6 +47,9 @@ class FairShare:
     def __init__(self, settings: Settings) -> None:
         self.rate = math.log(2) / (settings.fairshare_half_life_h * 3600.0)
         self.horizon = timedelta(seconds=10 * settings.fairshare_half_life_h * 3600.0)
+        self.charged = _factor(settings, _CHARGED, Job.preemptible)
+        # An earlier attempt is charged as its job is now (a pending job's preemptibility may change).
+        self.attempt_charged = _factor(settings, EarlierAttempt.charged, Job.preemptible)
         self.anchor: datetime | None = None
         self.folded: dict[str, float] = defaultdict(float)
         # Jobs that ended before this are in ``folded``; later ones are read each pass.
@@ -49,15 +60,16 @@ class FairShare:
         return (math.exp(self.rate * (end - self.anchor).total_seconds())
                 - math.exp(self.rate * (start - self.anchor).total_seconds()))
 
-    @staticmethod
-    def _ended(session: Session, since: datetime, before: datetime | None = None) -> list[Any]:
+    def _ended(self, session: Session, since: datetime, before: datetime | None = None) -> list[Any]:
         """The jobs, and the earlier attempts of jobs that ran again, that ended in [since, before)."""
         out: list[Any] = []
-        for query, ended in ((select(Job.user, _CHARGED, Job.started_at, Job.ended_at).where(
+        attempts = select(EarlierAttempt.user, self.attempt_charged, EarlierAttempt.started_at,
+                          EarlierAttempt.ended_at).where(EarlierAttempt.ended_at >= since)
+        if self.attempt_charged is not EarlierAttempt.charged:
+            attempts = attempts.join(Job, Job.id == EarlierAttempt.job_id)
+        for query, ended in ((select(Job.user, self.charged, Job.started_at, Job.ended_at).where(
                                  Job.ended_at >= since, Job.started_at.is_not(None)), Job.ended_at),
-                             (select(EarlierAttempt.user, EarlierAttempt.charged, EarlierAttempt.started_at,
-                                     EarlierAttempt.ended_at).where(EarlierAttempt.ended_at >= since),
-                              EarlierAttempt.ended_at)):
+                             (attempts, EarlierAttempt.ended_at)):
             out += session.execute(query.where(ended < before) if before is not None else query)
         return out
 
@@ -72,7 +84,7 @@ class FairShare:
             self.until = settled
         decay = math.exp(-self.rate * (now - self.anchor).total_seconds()) / self.rate / 3600.0
         hours = {user: total * decay for user, total in self.folded.items()}
-        fresh: list[Any] = list(session.execute(select(Job.user, _CHARGED, Job.started_at, Job.ended_at)
+        fresh: list[Any] = list(session.execute(select(Job.user, self.charged, Job.started_at, Job.ended_at)
                                                 .where(Job.state == State.RUNNING, Job.started_at.is_not(None))))
         fresh += self._ended(session, self.until)
         for user, gpus, started, ended in fresh:  # started: never null here (the queries ask so)

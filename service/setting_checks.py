@@ -164,6 +164,8 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
             fail(name, "must be above 0")
     if not 1 <= settings.redis_port <= 65535:
         fail("redis_port", "must be a TCP port, 1 to 65535")
+    if not 0 <= settings.preemptible_charge <= 1:
+        fail("preemptible_charge", "must be between 0 and 1 (what a preemptible job's GPU-hour counts in fair share)")
     if settings.max_priority > ADMIN_MAX_PRIORITY:
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
     _check_time_limits(settings, sources, path)

@@ -109,6 +109,9 @@ class Settings:
     advertise_addr: str = ""
     # Fair share: a GPU-hour used this many hours ago counts half as much as one used now.
     fairshare_half_life_h: float = 168.0
+    # What a preemptible job's GPU-hour counts in fair share, 0 to 1 (SLURM's UsageFactor of a
+    # scavenger QOS): 1, as any job's; 0, free, since it yields its GPUs to anyone who waits.
+    preemptible_charge: float = 1.0
     # GPUs one user's jobs may hold at once; 0: no limit.
     user_gpu_limit: int = 0
     # The queue's time limits, in --time's forms (SLURM's DefaultTime and MaxTime): a job submitted

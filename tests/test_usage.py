@@ -275,3 +275,40 @@ def test_an_attempt_before_a_retry_is_charged_to_its_user_in_the_report_and_in_f
     assert users["ann"].gpu_hours == pytest.approx(2.0, rel=1e-3) and users["ann"].jobs == 0
     assert {r.name: r.gpu_hours for r in rep["nodes"]}["n1"] == pytest.approx(2.0, rel=1e-3)
     assert 1.0 < hours["ann"] <= 2.0  # two GPU-hours, decayed by the half-life
+
+
+@pytest.mark.parametrize("charge", [1.0, 0.5, 0.0])
+def test_a_preemptible_jobs_gpu_hours_count_in_fair_share_as_gpuq_preemptible_charge_says(settings, charge):
+    """GPUQ_PREEMPTIBLE_CHARGE (a scavenger QOS's UsageFactor): a preemptible job's GPU-hours, its
+    earlier attempts' (a preempted one's) too, count that much in fair share; `gpuq stats` reports
+    the GPUs' own hours whatever it is."""
+    from dataclasses import replace
+
+    from gpuq.service import lifecycle
+    from gpuq.service.fair_share import FairShare
+    from gpuq.service.models import utcnow
+
+    s_ = replace(settings, preemptible_charge=charge)
+    now = utcnow()
+    with write_scope(s_) as s:
+        plain = add_job(s, "ann", "n1", now - timedelta(hours=1), now)
+        scavenger = add_job(s, "bob", "n1", now - timedelta(hours=1), None)
+        s.execute(Job.__table__.update().where(Job.id == scavenger).values(
+            lease_token="t", preemptible=True, cancel_requested_at=now, reason="preempted by job 1 of ann"))
+    with write_scope(s_) as s:
+        # Preempted after its hour: the attempt is kept, and the job waits again.
+        assert lifecycle.end_attempt(s, scavenger, State.CANCELLED, token="t", reason="stopped", now=now)
+        assert s.get(Job, plain).state == State.SUCCEEDED and s.get(Job, scavenger).state == State.PENDING
+    with write_scope(s_) as s:
+        hours = FairShare(s_).gpu_hours(s, now + timedelta(seconds=5))
+        rep = accounting.report(s, now - timedelta(hours=2), now + timedelta(seconds=1), now)
+    assert hours.get("bob", 0.0) == pytest.approx(hours["ann"] * charge, rel=1e-6)
+    assert {r.name: r.gpu_hours for r in rep["users"]}["bob"] == pytest.approx(1.0, rel=1e-3)
+
+
+def test_gpuq_preemptible_charge_past_0_to_1_is_refused_naming_it(tmp_path):
+    from gpuq.service.errors import ConfigError
+    from gpuq.service.settings import load_settings
+
+    with pytest.raises(ConfigError, match="preemptible_charge must be between 0 and 1"):
+        load_settings({"GPUQ_HOME": str(tmp_path), "GPUQ_PREEMPTIBLE_CHARGE": "1.5"})
