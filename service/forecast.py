@@ -91,7 +91,9 @@ class _Plan:
     user GPU limit each user's GPUs (their charge, as ``policy.decide`` counts it), and each
     limited array's tasks."""
 
-    def __init__(self, state: QueueState, arrays: Mapping[int, tuple[int, Sequence[float]]]) -> None:
+    def __init__(self, state: QueueState, arrays: Mapping[int, tuple[int, Sequence[float]]],
+                 freed: frozenset[int] = frozenset()) -> None:
+        """``freed``: GPUs whose whole-GPU job is being preempted for a waiting job: held by that one."""
         # Each limited array's tasks over time, its running ones from now to their ends.
         self.arrays: dict[int, _Usage] = {}
         for array_id, (most, ends) in arrays.items():
@@ -111,7 +113,7 @@ class _Plan:
         for g in state.gpus:
             usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
             load = packing.GpuLoad.of(g)
-            if load.whole_until is not None and load.whole_until > state.now:
+            if load.whole_until is not None and load.whole_until > state.now and g.id not in freed:
                 usage.hold(state.now, load.whole_until, math.inf)
             for end, mib in load.shares:
                 if end > state.now:
@@ -148,10 +150,11 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     of one is a ``JobRequest`` whose ``array`` is set)."""
     if decision is None:
         decision = policy.decide(state)
-    plan = _Plan(state, arrays or {})
+    plan = _Plan(state, arrays or {}, frozenset(g.id for p in decision.claims for g in p.gpus))
     jobs = {j.id: j for j in state.jobs}
     found: dict[int, float | None] = {}
-    for p in decision.placements:
+    # A job that preempts starts once its victims stopped (within the kill grace): as one placed now.
+    for p in [*decision.placements, *decision.claims]:
         found[p.job_id] = state.now
         if where is not None:
             where[p.job_id] = list(p.gpus)

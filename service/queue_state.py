@@ -182,3 +182,5 @@ class Decision:
     order: list[JobRequest] = field(default_factory=list)
     # Running preemptible jobs to stop and requeue: job id -> the waiting job that takes its GPUs.
     preemptions: dict[int, int] = field(default_factory=dict)
+    # The GPUs each waiting job that preempts holds for itself until they are free (as a placement).
+    claims: list[Placement] = field(default_factory=list)

@@ -161,3 +161,12 @@ def test_the_preempted_gpu_lists_its_preemptor_first_and_preemptible_jobs_past_t
     state = QueueState(NOW, [job(6, preemptible=True), job(5)], [gpu(1, victim=(90, 0, NOW))])
     d = decide(state)
     assert d.preemptions == {90: 5} and next_up(state, d, 4, 100) == {1: [5, 6]}
+
+
+def test_a_job_that_preempts_is_expected_to_start_now_on_its_gpus_and_the_next_after_it():
+    from gpuq.service.forecast import start_times
+
+    state = QueueState(NOW, [job(5, limit=600), job(6, limit=600)], [gpu(1, victim=(90, 0, NOW))])
+    d = decide(state)
+    assert d.preemptions == {90: 5} and [p.job_id for p in d.claims] == [5]
+    assert start_times(state, d) == {5: NOW, 6: NOW + 600}
