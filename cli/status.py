@@ -30,6 +30,7 @@ from gpuq.service.display import in_queue_order, with_tasks
 from gpuq.service.errors import InvalidSpec, Unreachable
 
 app = typer.Typer()
+_JOB_COLUMNS = ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON")
 
 
 @app.command()
@@ -49,6 +50,8 @@ def status(
                                             "(an array's id takes its tasks), ended ones included (as squeue -j).")]
     = None,
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
+    noheader: Annotated[bool, typer.Option("--noheader", "-h", help="The job lines alone: no titles, headers, "
+                                           "notes or GPUs (as squeue -h), for a script to count or cut.")] = False,
     start: Annotated[bool, typer.Option("--start", help="Pending jobs only, with when each is expected to start "
                                         "(as squeue --start), earliest first.")] = False,
     iterate: Annotated[float | None, typer.Option("--iterate", "-i", metavar="SECONDS", min=0.1, max=86400,
@@ -65,12 +68,15 @@ def status(
         if state is not None or name is not None or every_task or ended != 10 or ids is not None:
             raise InvalidSpec("--start lists every pending job: it takes --me, --user and --json, not "
                               "--state, --name, --jobs, --array-tasks or --ended")
+    if noheader and as_json:
+        raise InvalidSpec("--noheader is the table's; --json has no header: give one of them")
     if ids is not None:
         units.parse_job_ids(ids, "--jobs")  # said here, before the server is asked (and again each -i)
+    form = "json" if as_json else "lines" if noheader else "table"
     if iterate is None:
-        typer.echo(_listing(ended, mine, user, every_task, state, name, ids, as_json, start), nl=False)
+        typer.echo(_listing(ended, mine, user, every_task, state, name, ids, form, start), nl=False)
         return
-    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, ids, as_json, start), as_json)
+    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, ids, form, start), as_json)
 
 
 def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
@@ -101,10 +107,12 @@ def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
 
 
 def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: str | None, name: str | None,
-             ids: str | None, as_json: bool, start: bool) -> str:
-    """What `gpuq status` prints once, asked of the server now."""
+             ids: str | None, form: str, start: bool) -> str:
+    """What `gpuq status` prints once, asked of the server now: as a ``form`` of "table" (titles,
+    headers, the GPUs), "lines" (the job lines alone, `-h`) or "json"."""
+    as_json = form == "json"
     if start:
-        return _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), as_json)
+        return _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), form)
     collapsed = not (every_task or as_json)
     answer = Client().get("/jobs", ended=ended, mine=1 if mine else None, user=user, state=state, name=name,
                           jobs=ids, arrays="collapsed" if collapsed else None)
@@ -118,9 +126,11 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
               j["node"] or "-", duration(seconds(j["elapsed_s"])),
               idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)]
              for j in in_queue_order(rows, answer.get("arrays") or [])]
+    if form == "lines":
+        return render("jobs", _JOB_COLUMNS, queue, frozenset({"ID", "GPUS"}), colour, headed=False) + "\n" \
+            if queue else ""
     devices = [row for g in gpus for row in _gpu_rows(g)]
-    lines = [render("jobs", ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON"), queue,
-                    frozenset({"ID", "GPUS"}), colour) if queue else "no jobs", "",
+    lines = [render("jobs", _JOB_COLUMNS, queue, frozenset({"ID", "GPUS"}), colour) if queue else "no jobs", "",
              render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
                     frozenset({"GPU", "UTIL"}), colour) if gpus else
              "no GPUs registered: start the workers with `gpuq up`"]
@@ -129,16 +139,19 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     return "\n".join(lines) + "\n"
 
 
-def _starts(answer: dict[str, Any], as_json: bool) -> str:
+def _starts(answer: dict[str, Any], form: str) -> str:
     """`gpuq status --start`: each pending job and its expected start, or why none is known."""
-    if as_json:
+    if form == "json":
         return json_text(answer)
     rows = [[str(j["id"]), j["user"], job_name(j["name"]), _gpus(j), timestamp(j["start"]) if j["start"] else "n/a",
              j.get("planned_node") or "-", j["reason"] or "-"] for j in answer["jobs"]]
+    columns = ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON")
+    if form == "lines":
+        return render("pending", columns, rows, frozenset({"ID", "GPUS"}), colours_wanted(), headed=False) + "\n" \
+            if rows else ""
     if not rows:
         return "no pending jobs\n"
-    return (render("pending", ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON"), rows,
-                   frozenset({"ID", "GPUS"}), colours_wanted()) + "\n"
+    return (render("pending", columns, rows, frozenset({"ID", "GPUS"}), colours_wanted()) + "\n"
             + "START: expected if the jobs before each run to their time limits (jobs that end sooner bring it "
               "forward; n/a: a job before it has no limit, or it waits for something else); NODE: where it is "
               "planned (as squeue --start's SCHEDNODES)\n")

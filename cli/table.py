@@ -29,12 +29,13 @@ def width(text: str) -> int:
 
 
 def render(title: str, header: Sequence[str], rows: Sequence[Sequence[Cell]], right: frozenset[str] = frozenset(),
-           colour: bool = False) -> str:
+           colour: bool = False, headed: bool = True) -> str:
     """The table as text: a title line, a bold header, a line per row; columns two spaces apart,
-    those named in ``right`` aligned right. Control characters in cells are shown escaped."""
+    those named in ``right`` aligned right. Control characters in cells are shown escaped. Not
+    ``headed``: the rows alone, as squeue -h prints them (the columns as wide as the rows need)."""
     cells = [[c if isinstance(c, tuple) else (c, None) for c in row] for row in rows]
     cells = [[(printable(text), tone) for text, tone in row] for row in cells]
-    widths = [max([width(h)] + [width(row[i][0]) for row in cells]) for i, h in enumerate(header)]
+    widths = [max([width(h) if headed else 0] + [width(row[i][0]) for row in cells]) for i, h in enumerate(header)]
 
     def line(row: Sequence[tuple[str, str | None]]) -> str:
         out = []
@@ -44,6 +45,6 @@ def render(title: str, header: Sequence[str], rows: Sequence[Sequence[Cell]], ri
             out.append(pad + shown if header[i] in right else shown + pad)
         return "  ".join(out).rstrip()
 
-    lines = [title, line([(h, "bold") for h in header])]
+    lines = [title, line([(h, "bold") for h in header])] if headed else []
     lines += [line(row) for row in cells]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ one line however many tasks had ended, a usage error of `gpuq` itself is one lin
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import pwd
@@ -223,6 +224,25 @@ def test_status_jobs_lists_just_those_jobs_and_their_arrays_tasks_ended_ones_inc
     # A task's own id is that task alone.
     one = json.loads(run_cli(["status", "-j", str(array + 1), "--json"], use_settings).stdout)["jobs"]
     assert [j["id"] for j in one] == [array + 1]
+
+
+def test_status_noheader_prints_the_job_lines_alone_for_a_script_to_count(use_settings, tmp_path):
+    """`gpuq status -h` (squeue -h): no title, header, note or GPU table; nothing at all where no job is."""
+    assert run_cli(["status", "-h", "--me"], use_settings).stdout == ""
+    assert run_cli(["status", "--start", "-h"], use_settings).stdout == ""
+    ids = [run_cli(["submit", "--parsable", "--hold", "--", "true"], use_settings, cwd=tmp_path).stdout.strip()
+           for _ in range(3)]
+    out = run_cli(["status", "-h", "--me"], use_settings)
+    assert out.returncode == 0, out.stderr
+    # In queue order, as the table lists them: the first submitted first.
+    assert [line.split()[:4] for line in out.stdout.splitlines()] == [
+        [i, getpass.getuser(), "true", "pending"] for i in ids], out.stdout
+    assert "ID" not in out.stdout and "gpus" not in out.stdout
+    starts = run_cli(["status", "--start", "-h"], use_settings).stdout
+    assert sorted(line.split()[0] for line in starts.splitlines()) == sorted(ids), starts
+    both = run_cli(["status", "-h", "--json"], use_settings)
+    assert (both.returncode, both.stdout) == (c.EXIT_USAGE, "")
+    assert both.stderr == "gpuq: --noheader is the table's; --json has no header: give one of them\n"
 
 
 @pytest.mark.parametrize("args,code,words", [
