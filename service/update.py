@@ -271,6 +271,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
         on_node = job.on_node if changes.on_node is None else changes.on_node or None
         shared = bool(job.shared) if changes.shared is None else changes.shared
         exclude = job.exclude_nodes if changes.exclude_nodes is None else changes.exclude_nodes
+        preemptible = bool(job.preemptible) if changes.preemptible is None else changes.preemptible
         if shared and mem_mib is None:
             if job.shared:
                 raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
@@ -279,18 +280,18 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
         if job.kind == c.KIND_INTERACTIVE and changes.preemptible:
             raise InvalidSpec(f"job {job.id} is an allocation: its shell cannot be requeued, so it cannot be preempted")
-        if shared and (job.preemptible if changes.preemptible is None else changes.preemptible):
+        if shared and preemptible:
             raise InvalidSpec(f"job {job.id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be "
                               "preempted")
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
-                 shared, gpus, gpu_type, tuple(exclude or ()))
+                 shared, gpus, gpu_type, tuple(exclude or ()), preemptible)
         if shape in checked:
             continue
         checked.add(shape)
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
                                                         mem_mib=mem_mib, on_node=on_node,
-                                                        shared=shared, gpu_type=gpu_type,
+                                                        shared=shared, gpu_type=gpu_type, preemptible=preemptible,
                                                         exclude_nodes=list(exclude) if exclude else None))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
             get_workload(job.workload).check_gpus(params, gpus)

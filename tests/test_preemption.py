@@ -162,3 +162,20 @@ def test_preemptible_jobs_run_past_the_user_gpu_limit_and_count_against_none_of_
         assert time.monotonic() < deadline, _job(s, waits).reason
         time.sleep(0.1)
     assert run_cli(["cancel", str(held), str(waits)], s).returncode == 0
+
+
+def test_a_two_gpu_preemptible_job_is_preempted_whole_for_a_one_gpu_job_and_runs_again_on_both(limited, tmp_path):
+    s = limited.settings
+    gang = cli_submit(s, ["--preemptible", "--gpus", "2", "-t", "10m", "--", "sh", "-c", SCAVENGER], cwd=tmp_path)
+    assert wait_for_state(s, gang, (State.RUNNING,)) == State.RUNNING
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "mark").exists():
+        assert time.monotonic() < deadline, "the preemptible job's command never began"
+        time.sleep(0.05)
+    urgent = cli_submit(s, ["-t", "5m", "--", "sleep", "1"], cwd=tmp_path)
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, limited.logs()
+    assert wait_for_state(s, gang, (State.SUCCEEDED, State.FAILED, State.CANCELLED)) == State.SUCCEEDED, \
+        limited.logs()
+    job = _job(s, gang)
+    assert [a["state"] for a in job.attempts] == ["preempted"] and job.gpus == 2
+    assert "second" in output_of(s, gang)
