@@ -121,6 +121,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     holds: dict[str, list[tuple[float, float]]] = defaultdict(list)
     preemptible: dict[int, Preemptible] = {}
     preempted: set[int] = set()
+    exempt = settings.preempt_exempt_s
     for a in _ALLOCATED.run(conn, {}):
         gpu_id, user, started, limit, share_mib, gpu_share = a[:6]
         ends = (started or now).timestamp() + limit if limit else math.inf
@@ -129,7 +130,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
             if a.cancel_requested_at is not None:
                 if a.reason is not None and a.reason.startswith(c.PREEMPTED_BY):
                     preempted.add(gpu_id)
-            elif a.preemptible:
+            elif a.preemptible and (now - (started or now)).total_seconds() >= exempt:
+                # (One started less than GPUQ_PREEMPT_EXEMPT ago is not yet: a later pass preempts it.)
                 preemptible[gpu_id] = Preemptible(a.id, a.priority, (started or now).timestamp())
             if not a.preemptible:  # held to no user limit, and counting against none
                 holds[user].append((ends, 1.0))

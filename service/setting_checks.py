@@ -233,20 +233,21 @@ def _check_addresses(settings: Settings, sources: Mapping[str, str], path: Path)
 
 
 def _check_time_limits(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
-    """default_time and max_time read as --time does, the default no longer than the maximum."""
+    """default_time, max_time and preempt_exempt read as --time does, the default no longer than
+    the maximum."""
     from gpuq.service.errors import InvalidSpec
     from gpuq.service.units import parse_duration
 
     seconds = {}
-    for name in ("default_time", "max_time"):
+    for name in ("default_time", "max_time", "preempt_exempt"):
         text = getattr(settings, name)
         if text:
             try:
                 seconds[name] = parse_duration(text)
             except InvalidSpec as exc:
-                raise ConfigError(f"setting {name} is not a time limit as --time reads one ({exc}; "
+                raise ConfigError(f"setting {name} is not a time as --time reads one ({exc}; "
                                   f"{origin(name, sources, path)})") from None
-    if len(seconds) == 2 and seconds["default_time"] > seconds["max_time"]:
+    if "default_time" in seconds and "max_time" in seconds and seconds["default_time"] > seconds["max_time"]:
         raise ConfigError(f"setting default_time ({settings.default_time}, {origin('default_time', sources, path)}) "
                           f"is longer than max_time ({settings.max_time}, {origin('max_time', sources, path)})")
 

@@ -112,6 +112,10 @@ class Settings:
     # What a preemptible job's GPU-hour counts in fair share, 0 to 1 (SLURM's UsageFactor of a
     # scavenger QOS): 1, as any job's; 0, free, since it yields its GPUs to anyone who waits.
     preemptible_charge: float = 1.0
+    # How long a preemptible job runs before it may be preempted (SLURM's PreemptExemptTime), in
+    # --time's forms: a job that spends its first minutes loading data is not stopped just after.
+    # Empty: from its start.
+    preempt_exempt: str = ""
     # GPUs one user's jobs may hold at once; 0: no limit.
     user_gpu_limit: int = 0
     # The queue's time limits, in --time's forms (SLURM's DefaultTime and MaxTime): a job submitted
@@ -195,6 +199,13 @@ class Settings:
 
         most = parse_duration(self.max_time) if self.max_time else None
         return (parse_duration(self.default_time) if self.default_time else most), most
+
+    @functools.cached_property
+    def preempt_exempt_s(self) -> int:
+        """preempt_exempt in seconds (0: none)."""
+        from gpuq.service.units import parse_duration
+
+        return parse_duration(self.preempt_exempt) if self.preempt_exempt else 0
 
     @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:

@@ -179,3 +179,23 @@ def test_a_two_gpu_preemptible_job_is_preempted_whole_for_a_one_gpu_job_and_runs
     job = _job(s, gang)
     assert [a["state"] for a in job.attempts] == ["preempted"] and job.gpus == 2
     assert "second" in output_of(s, gang)
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def exempt(request, tmp_path_factory, redis_url):
+    """One simulated GPU, a preemptible job exempt from preemption for its first 3 s."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1, preempt_exempt="3s")
+
+
+def test_a_preemptible_job_runs_its_exempt_time_before_it_is_preempted(exempt, tmp_path):
+    s = exempt.settings
+    scavenger = cli_submit(s, ["--preemptible", "-t", "10m", "--", "sh", "-c", SCAVENGER], cwd=tmp_path)
+    assert wait_for_state(s, scavenger, (State.RUNNING,)) == State.RUNNING
+    urgent = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED), timeout=30) == State.SUCCEEDED, exempt.logs()
+    job = _job(s, scavenger)
+    attempt = job.attempts[0]
+    assert attempt["state"] == "preempted"
+    ran = datetime.fromisoformat(attempt["ended_at"]) - datetime.fromisoformat(attempt["started_at"])
+    assert ran.total_seconds() >= 3, ran
+    run_cli(["cancel", str(scavenger)], s)

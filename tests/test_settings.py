@@ -134,9 +134,10 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_DATABASE_URL": "mysql+pymysql://u:pw@db/gpuq"}, r"SQLite or PostgreSQL URL .*, got mysql\+pymysql://u:\*\*\*@"),
     ({"GPUQ_BROKER_URL": "redis://broker:99999/0"}, r"GPUQ_BROKER_URL is not a URL \(Port out of range"),
     ({"GPUQ_BROKER_URL": "unix:///run/redis.sock"}, "redis:// or rediss://"),
-    ({"GPUQ_MAX_TIME": "a week"}, r"setting max_time is not a time limit as --time reads one \(--time takes .*"
+    ({"GPUQ_MAX_TIME": "a week"}, r"setting max_time is not a time as --time reads one \(--time takes .*"
                                   r"got 'a week'; GPUQ_MAX_TIME\)"),
-    ({"GPUQ_DEFAULT_TIME": "0"}, r"setting default_time is not a time limit .*at least 1s"),
+    ({"GPUQ_DEFAULT_TIME": "0"}, r"setting default_time is not a time .*at least 1s"),
+    ({"GPUQ_PREEMPT_EXEMPT": "soon"}, r"setting preempt_exempt is not a time as --time reads one .*PREEMPT_EXEMPT\)"),
     ({"GPUQ_DEFAULT_TIME": "2-00:00:00", "GPUQ_MAX_TIME": "1d"},
      r"setting default_time \(2-00:00:00, GPUQ_DEFAULT_TIME\) is longer than max_time \(1d, GPUQ_MAX_TIME\)"),
     # Refused by the server only as it started (`gpuq up`: exit 69 after seconds), `gpuq config` said 0.
