@@ -119,7 +119,7 @@ def main() -> int:
                 freed.append((min(ended) - u.submitted_at).total_seconds())
             cancel(client, settings, [urgent, *victims])
         print(f"stack: {GPUS} simulated GPUs, SQLite, {args.rounds} rounds; the workers look at a running job's "
-              f"row every 0.2 s; GPUQ_KILL_GRACE {settings.kill_grace:g} s (the victims exit at SIGTERM)")
+              f"row every 0.2 s; GPUQ_PREEMPT_GRACE {settings.preempt_grace:g} s (the victims exit at SIGTERM)")
         print(f"submit -> running on an idle GPU:              {ms(idle)}")
         print(f"submit -> running by preempting a job:         {ms(preempting)}")
         print(f"  of which submit -> the victim's attempt ended: {ms(freed)} ({len(freed)} of {args.rounds} "

@@ -96,7 +96,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         said = (f"{head}: the preemptible {'jobs' if many else 'job'} {whose} on its GPUs {'are' if many else 'is'} "
                 "being stopped and requeued" if stopping else f"{head}: the preemptible jobs on its GPUs are being "
                 "stopped and requeued")
-        return f"{said}; it starts once they have (within GPUQ_KILL_GRACE, {settings.kill_grace:g} s)"
+        return f"{said}; it starts once they have (within GPUQ_PREEMPT_GRACE, {settings.preempt_grace:g} s)"
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)
         if job.on_node is None:

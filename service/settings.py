@@ -96,6 +96,9 @@ class Settings:
     place_at_submit: bool = True
     # Seconds between SIGTERM and SIGKILL when a running job is cancelled.
     kill_grace: float = 10.0
+    # The same when a preemptible job is preempted (SLURM's GraceTime of a scavenger QOS): a job may
+    # need longer to save a checkpoint than a cancelled one, and the job that preempts it waits.
+    preempt_grace: float = 10.0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
     max_output_bytes: int = 16 * 1024 * 1024
     # `gpuq up`'s logs (home/logs: the supervisor's and each process's it runs) are rotated when one

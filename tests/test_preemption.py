@@ -26,7 +26,7 @@ SCAVENGER = ("trap 'echo got SIGTERM; exit 143' TERM; if [ -e mark ]; then echo 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def one_gpu(request, tmp_path_factory, redis_url):
     """A stack of one simulated GPU: a second job there has to preempt the first."""
-    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1, kill_grace=5.0)
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1, preempt_grace=5.0)
 
 
 def _job(settings, job_id):
@@ -81,7 +81,7 @@ def test_preemptible_is_refused_for_a_shared_job_in_one_line(one_gpu, tmp_path):
 
 def test_why_and_show_say_who_preempts_whom_while_the_preempted_job_stops(one_gpu, tmp_path):
     s = one_gpu.settings
-    # It ignores SIGTERM: it stops only at SIGKILL, GPUQ_KILL_GRACE (5 s here) later.
+    # It ignores SIGTERM: it stops only at SIGKILL, GPUQ_PREEMPT_GRACE (5 s here) later.
     stubborn = cli_submit(s, ["--preemptible", "-t", "10m", "--", "sh", "-c",
                               "trap '' TERM; touch began; sleep 120"], cwd=tmp_path)
     assert wait_for_state(s, stubborn, (State.RUNNING,)) == State.RUNNING
@@ -92,7 +92,7 @@ def test_why_and_show_say_who_preempts_whom_while_the_preempted_job_stops(one_gp
         said = run_cli(["why", str(urgent)], s).stdout
         time.sleep(0.1)
     assert said == (f"job {urgent} waits (preempting): the preemptible job {stubborn} (root) on its GPUs is being "
-                    f"stopped and requeued; it starts once they have (within GPUQ_KILL_GRACE, 5 s)\n"), said
+                    f"stopped and requeued; it starts once they have (within GPUQ_PREEMPT_GRACE, 5 s)\n"), said
     shown = run_cli(["show", str(stubborn)], s).stdout
     assert f"running (being preempted: preempted by job {urgent} of root)" in shown, shown
     listed = run_cli(["status"], s).stdout
@@ -199,3 +199,28 @@ def test_a_preemptible_job_runs_its_exempt_time_before_it_is_preempted(exempt, t
     ran = datetime.fromisoformat(attempt["ended_at"]) - datetime.fromisoformat(attempt["started_at"])
     assert ran.total_seconds() >= 3, ran
     run_cli(["cancel", str(scavenger)], s)
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def graced(request, tmp_path_factory, redis_url):
+    """One simulated GPU; a cancel gives a job 30 s after SIGTERM, a preemption 1 s."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=1, kill_grace=30.0,
+                                 preempt_grace=1.0)
+
+
+def test_a_preempted_job_gets_gpuq_preempt_grace_after_sigterm_not_the_cancels_grace(graced, tmp_path):
+    s = graced.settings
+    # Its first attempt ignores SIGTERM; the one after the preemption ends at once.
+    stubborn = cli_submit(s, ["--preemptible", "-t", "10m", "--", "sh", "-c",
+                              "if [ -e mark ]; then exit 0; fi; touch mark; trap '' TERM; sleep 120"], cwd=tmp_path)
+    assert wait_for_state(s, stubborn, (State.RUNNING,)) == State.RUNNING
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "mark").exists():
+        assert time.monotonic() < deadline, "the preemptible job's command never began"
+        time.sleep(0.05)
+    urgent = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
+    # SIGKILLed 1 s after SIGTERM: the urgent job runs long before the cancel's 30 s.
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED), timeout=15) == State.SUCCEEDED, graced.logs()
+    assert "[gpuq: stopping the job: SIGTERM, then SIGKILL after 1 s]" in output_of(s, stubborn)
+    assert wait_for_state(s, stubborn, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, graced.logs()
+    assert [a["state"] for a in _job(s, stubborn).attempts] == ["preempted"]

@@ -130,7 +130,8 @@ def send_asked(asked: queue.SimpleQueue[JobSignal], pid: int, found: Finder, sin
 
 
 def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputSink,
-                cancelled: threading.Event, kill_grace: float, cgroup: JobCgroup | None = None,
+                cancelled: threading.Event, kill_grace: float | Callable[[], float],
+                cgroup: JobCgroup | None = None,
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
                 on_start: Callable[[int], None] | None = None, limit_mib: int | None = None,
                 files: OutputFiles | None = None, ahead: Ahead | None = None,
@@ -146,6 +147,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     job to it by polling (_MemoryWatch). ``files``: the user's files its output is copied to as well,
     opened by the child as the user (workers/output_copy.py). ``ahead``: a signal to send it once
     its time limit nears (`--signal`); ``asked``: signals to send it as they come (`gpuq cancel --signal`).
+    ``kill_grace``: seconds from SIGTERM to SIGKILL once ``cancelled`` is set, or what says them then
+    (a preemption's grace is known only once the stop is asked).
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
@@ -188,7 +191,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
 
 
 def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled: threading.Event,
-         kill_grace: float, cgroup: JobCgroup | None, verify_within: float,
+         kill_grace: float | Callable[[], float], cgroup: JobCgroup | None, verify_within: float,
          on_start: Callable[[int], None] | None, limit_mib: int | None, oom_before: int,
          copies: tuple[Copy | None, Copy | None], ahead: Ahead | None = None,
          asked: queue.SimpleQueue[JobSignal] | None = None) -> CommandOutcome:
@@ -205,6 +208,7 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
         for reader in readers:
             reader.start()
         was_cancelled = False
+        grace = 0.0
         over_limit: int | None = None
         # Its end is watched without reaping it (``exited``): until ``proc.wait`` below, its pid, which
         # is its process group's id too, stays its own, and no signal to the group can reach a
@@ -212,8 +216,9 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
         while not exited(proc.pid):
             if cancelled.wait(POLL_SECONDS):
                 was_cancelled = True
-                sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {kill_grace:g} s]")
-                stop_tree(proc.pid, kill_grace, found)
+                grace = kill_grace() if callable(kill_grace) else kill_grace
+                sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {grace:g} s]")
+                stop_tree(proc.pid, grace, found)
                 break
             if memory is not None and over_limit is None and (over_limit := memory.over()) is not None:
                 # As the OOM killer would: SIGKILL, no grace (a job past its memory has no time to
@@ -228,7 +233,7 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
                 send_asked(asked, proc.pid, found, sink)
         # The job is over when its main process is: anything it left behind is stopped too (SLURM
         # does the same), or it would hold the GPU while gpuq hands it to the next job.
-        stop_tree(proc.pid, 0 if not was_cancelled else kill_grace, found)
+        stop_tree(proc.pid, grace, found)
         code = proc.wait()  # reaped: from here on, nothing is sent to its process group
         for reader in readers:
             reader.join(timeout=5)

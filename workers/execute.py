@@ -106,7 +106,8 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         # A restarted worker finds what an earlier run left by it.
         env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
         with state.guarding(watcher.lease, on_start) as started:
-            outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, state.settings.kill_grace, cgroup,
+            # The grace as the watch found the stop: a preemption's is GPUQ_PREEMPT_GRACE.
+            outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, lambda: watcher.grace, cgroup,
                                   run_as=identity, on_start=started, limit_mib=job.host_mem_mib,
                                   files=output_files_of(job, state.node), ahead=_ahead(job, watcher),
                                   asked=watcher.asked)
@@ -191,7 +192,7 @@ def execute_in_child(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             env[c.MEMORY_FRACTION_VARIABLE] = f"{job.mem_mib / job.memory_total_mib:.6f}"
         argv = [sys.executable, "-m", "gpuq.workers.child", str(job.id), result_path]
         with state.guarding(watcher.lease, on_start) as started:
-            outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, state.settings.kill_grace,
+            outcome = run_command(argv, job.cwd or tmp, env, sink, watcher.stopped, lambda: watcher.grace,
                                   on_start=started)
         if outcome.cancelled:
             return stopped_end(state, job, watcher)

@@ -51,6 +51,8 @@ class StopWatcher:
         self.asked: queue.SimpleQueue[JobSignal] = queue.SimpleQueue()
         self.asked_at: datetime | None = None
         self.since = started if started is not None else time.time()
+        # Seconds from SIGTERM to SIGKILL when the job is stopped: a preemption's own, once seen.
+        self.grace = settings.kill_grace
 
     @property
     def deadline(self) -> float | None:
@@ -84,6 +86,8 @@ class StopWatcher:
             with read_scope(self.settings) as session:
                 row = stop_asked(session, self.job_id)
             cancelled, limit = row.stop, row.time_limit_s
+            if row.preempted:
+                self.grace = self.settings.preempt_grace
             if row.signal is not None and row.signal_at is not None and row.signal_at != self.asked_at:
                 self.asked_at = row.signal_at
                 if row.signal_at.timestamp() >= self.since:  # an earlier attempt's ask is not this one's
