@@ -224,3 +224,27 @@ def test_a_preempted_job_gets_gpuq_preempt_grace_after_sigterm_not_the_cancels_g
     assert "[gpuq: stopping the job: SIGTERM, then SIGKILL after 1 s]" in output_of(s, stubborn)
     assert wait_for_state(s, stubborn, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, graced.logs()
     assert [a["state"] for a in _job(s, stubborn).attempts] == ["preempted"]
+
+
+def test_gpuq_run_of_a_preemptible_job_follows_it_through_its_preemption_to_its_end(one_gpu, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import settings_env
+
+    s = one_gpu.settings
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--preemptible", "-t", "10m", "--", "sh", "-c",
+                            SCAVENGER], env=settings_env(s), cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "mark").exists():
+            assert time.monotonic() < deadline and run.poll() is None, "the preemptible job's command never began"
+            time.sleep(0.05)
+        urgent = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err
+    assert out.index("first") < out.index("got SIGTERM") < out.index("second"), out
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED
