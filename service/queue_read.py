@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
+from gpuq.service.display import ADMIN_HELD
 from gpuq.service.fair_share import FairShare
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
@@ -182,7 +183,10 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
             doomed[row.id] = f"dependency never satisfied: {never}"
             continue
         if row.held:
-            not_eligible[row.id] = policy.HELD
+            # In the hold's own words where it wrote them: who requeued and held it, an admin's hold
+            # (a whole pass wrote "held" over them, and `gpuq why` lost who held the job).
+            held_by = row.reason is not None and row.reason.startswith((c.REQUEUED_HELD_BY, ADMIN_HELD))
+            not_eligible[row.id] = row.reason if held_by else policy.HELD
             continue
         unmet = bool(row.after) and not dependencies.all_met(row.after_kind, row.after, waits_for)
         if row.begin_at is not None and row.begin_at > now:

@@ -62,6 +62,12 @@ def test_requeue_hold_leaves_it_waiting_held_until_released(stack, tmp_path):
     with write_scope(s) as session:
         job = jobs.get_job(session, job_id)
         assert job.held and job.reason == "requeued and held by root" and job.started_at is None
+    # The scheduler's whole passes leave the hold's words as they are (they wrote "held" over them).
+    import time
+
+    time.sleep(2 * s.scheduler_interval + 0.2)
+    with write_scope(s) as session:
+        assert jobs.get_job(session, job_id).reason == "requeued and held by root"
     shown = run_cli(["show", str(job_id)], s).stdout
     assert "pending" in shown and "held" in shown
     assert run_cli(["release", str(job_id)], s).returncode == 0
