@@ -84,8 +84,7 @@ def result_summary(job: Job | Any) -> str:
         return held(job) if job.held else (job.reason or "waiting for GPUs")
     if job.state == State.RUNNING and job.cancel_requested_at:
         # Preempted: by which job, which the listing shows waiting for "preempting".
-        reason: str = job.reason or ""
-        return reason if reason.startswith(c.PREEMPTED_BY) else stopping(job)
+        return str(job.reason) if preemption_asked(job.reason) else stopping(job)
     if job.state == State.RUNNING and job.kind == c.KIND_INTERACTIVE:
         return "interactive (gpuq alloc)"
     return job.reason or ""
@@ -94,7 +93,7 @@ def result_summary(job: Job | Any) -> str:
 def stopping(job: Job | Any) -> str:
     """What a running job its worker was asked to stop is doing: cancelling, requeueing (`gpuq
     requeue`, whose reason says so) or being preempted (the scheduler's, for a waiting job)."""
-    if (job.reason or "").startswith(c.PREEMPTED_BY):
+    if preemption_asked(job.reason):
         return c.BEING_PREEMPTED
     return c.REQUEUEING if requeue_asked(job.reason) else c.CANCELLING
 
@@ -103,6 +102,12 @@ def requeue_asked(reason: str | None) -> bool:
     """Whether the reason of a running job whose stop was asked says it goes back to the queue once
     stopped (`gpuq requeue`, or a preemption), not a cancel."""
     return (reason or "").startswith((c.REQUEUED_BY, c.REQUEUED_HELD_BY, c.PREEMPTED_BY))
+
+
+def preemption_asked(reason: str | None) -> bool:
+    """Whether the reason of a running job whose stop was asked says the scheduler asked it for a
+    waiting job (``preempted_by``): requeued as preempted, with GPUQ_PREEMPT_GRACE to stop."""
+    return (reason or "").startswith(c.PREEMPTED_BY)
 
 
 def preempted_by(job_id: int, user: str) -> str:

@@ -92,11 +92,10 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         stopping = session.execute(select(Job.id, Job.user).where(
             Job.state == State.RUNNING, Job.reason == preempted_by(job.id, job.user)).order_by(Job.id)).all()
         whose = ", ".join(f"{victim} ({user})" for victim, user in stopping)
-        many = len(stopping) > 1
-        said = (f"{head}: the preemptible {'jobs' if many else 'job'} {whose} on its GPUs {'are' if many else 'is'} "
-                "being stopped and requeued" if stopping else f"{head}: the preemptible jobs on its GPUs are being "
-                "stopped and requeued")
-        return f"{said}; it starts once they have (within GPUQ_PREEMPT_GRACE, {settings.preempt_grace:g} s)"
+        them = f"job {whose} on its GPUs is" if len(stopping) == 1 else \
+            f"jobs {whose} on its GPUs are" if stopping else "jobs on its GPUs are"
+        return (f"{head}: the preemptible {them} being stopped and requeued; it starts once they have (within "
+                f"GPUQ_PREEMPT_GRACE, {settings.preempt_grace:g} s)")
     if reason == policy.NODE_DRAINED:
         drained = drained_nodes(session)
         if job.on_node is None:

@@ -153,7 +153,7 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     plan = _Plan(state, arrays or {}, frozenset(g.id for p in decision.claims for g in p.gpus))
     jobs = {j.id: j for j in state.jobs}
     found: dict[int, float | None] = {}
-    # A job that preempts starts once its victims stopped (within the kill grace): as one placed now.
+    # A job that preempts starts once its victims stopped (within GPUQ_PREEMPT_GRACE): as one placed now.
     for p in [*decision.placements, *decision.claims]:
         found[p.job_id] = state.now
         if where is not None:

@@ -391,7 +391,7 @@ def stop_asked(session: Session, job_id: int) -> StopAsked:
                                  Job.signal_asked_at, Job.reason).where(Job.id == job_id)).one_or_none()
     if row is None:
         return StopAsked(True, None)
-    preempted = row.cancel_requested_at is not None and (row.reason or "").startswith(c.PREEMPTED_BY)
+    preempted = row.cancel_requested_at is not None and display.preemption_asked(row.reason)
     return StopAsked(row.state != State.RUNNING or row.cancel_requested_at is not None, row.time_limit_s,
                      row.signal_asked, row.signal_asked_at, preempted)
 

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.dialect import is_sqlite
-from gpuq.service.display import requeue_asked
+from gpuq.service.display import preemption_asked, requeue_asked
 from gpuq.service.errors import BugError
 from gpuq.service.models import Allocation, EarlierAttempt, Job, JobMetric, table, utcnow
 from gpuq.service.prepared import Prepared
@@ -299,7 +299,7 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
 
 def _asked_state(reason: str) -> str:
     """The state an attempt stopped to go back to the queue is kept in: preempted or requeued."""
-    return PREEMPTED if reason.startswith(c.PREEMPTED_BY) else REQUEUED
+    return PREEMPTED if preemption_asked(reason) else REQUEUED
 
 
 def _waits_again(job: Any, again: str, now: datetime, max_requeues: int, ended: dict[str, Any]) -> dict[str, Any]:

@@ -38,8 +38,7 @@ class Gpus:
                     self.held[load.gpu.node][load.gpu.preemptible].append(load)
                 elif load.gpu.preempted:
                     self.freeing[load.gpu.node].append(load)
-        self.preemptible_gpus = sum(len(gs) for by_job in self.held.values() for gs in by_job.values()) + \
-            sum(len(gs) for gs in self.freeing.values())
+        self.preemptible_gpus = self._preemptible_left()
         # The kinds of job (as ``failed``'s) that found no GPUs to take by preemption: taking GPUs
         # never gives any back within a pass, so these stay so until it ends.
         self.cannot_preempt: set[tuple[object, ...]] = set()
@@ -177,8 +176,13 @@ class Gpus:
             if load in self.shareable[node]:
                 self.shareable[node].remove(load)
             load.take_whole(end)
-        self.preemptible_gpus = sum(len(gs) for by_job in self.held.values() for gs in by_job.values()) + \
-            sum(len(gs) for gs in self.freeing.values())
+        self.preemptible_gpus = self._preemptible_left()
+
+    def _preemptible_left(self) -> int:
+        """GPUs preemption may still take in this pass (kept as ``preemptible_gpus``: every job of a
+        long queue asks whether there are any)."""
+        return (sum(len(gs) for by_job in self.held.values() for gs in by_job.values())
+                + sum(len(gs) for gs in self.freeing.values()))
 
     def could_ever_fit(self, job: JobRequest) -> bool:
         if job.shared:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
-from gpuq.service.display import ADMIN_HELD
+from gpuq.service.display import ADMIN_HELD, preemption_asked
 from gpuq.service.fair_share import FairShare
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
@@ -129,7 +129,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if share_mib is None:
             busy[gpu_id] = ends
             if a.cancel_requested_at is not None:
-                if a.reason is not None and a.reason.startswith(c.PREEMPTED_BY):
+                if preemption_asked(a.reason):
                     preempted.add(gpu_id)
             elif a.preemptible and (now - (started or now)).total_seconds() >= exempt:
                 # (One started less than GPUQ_PREEMPT_EXEMPT ago is not yet: a later pass preempts it.)
