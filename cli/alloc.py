@@ -55,6 +55,8 @@ def alloc(
                                                  "the allocation's share).")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
     = False,
+    cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="CPU cores the shell's processes may use "
+                                             "together, e.g. 4 or 0.5.")] = None,
     time_limit: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
                                                                   "2-0:00): warned of 5 minutes before, then "
                                                                   "everything is stopped.")]
@@ -76,7 +78,7 @@ def alloc(
     _check_program(command, cwd)
     count, gpu_type = typed(gpus, gpu_type)
     body: dict[str, Any] = {"interactive": True, "command": command, "gpus": count, "gpu_type": gpu_type, "mem": mem,
-                            "shared": shared,
+                            "shared": shared, "cpus": cpus,
                             "time": time_limit, "name": name, "priority": priority, "node": load_settings().node,
                             "cwd": cwd, "key": uuid.uuid4().hex}
     client = Client()

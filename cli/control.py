@@ -124,6 +124,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                             "job runs on GPUs no other job waits for and is "
                                                             "requeued when one does, or no longer.",
                                                             show_default=False)] = None,
+           cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="A pending command's CPU cores, e.g. 4 "
+                                                    "or 0.5 (none: no limit).")] = None,
            after: Annotated[str | None, typer.Option(help="A pending job starts after these jobs succeeded "
                                                      "(ID[,ID]), instead of what it waited for.")] = None,
            after_any: Annotated[str | None, typer.Option(help="A pending job starts after these jobs ended, "
@@ -135,7 +137,7 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                           "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
-    sharing, preemptibility and dependencies, a time limit, a name, retries, an array's tasks at once (as
+    sharing, preemptibility, CPU cores and dependencies, a time limit, a name, retries, an array's tasks at once (as
     `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
@@ -147,7 +149,8 @@ def update(job_ids: JobIds = None, array: Array = None,
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
                                  ("array_limit", array_limit), ("begin", begin), ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
-                                 ("preemptible", preemptible), ("after", after), ("after_any", after_any),
+                                 ("preemptible", preemptible), ("cpus", cpus), ("after", after),
+                                 ("after_any", after_any),
                                  ("dependency", dependency), ("exclude", exclude))
                if v is not None}
     if not changes:
@@ -173,6 +176,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "on_node": ("node", lambda v: "any" if v is None else v),
     "shared": ("sharing", lambda v: "shared" if v else "whole GPUs"),
     "preemptible": ("preemptible", lambda v: "yes" if v else "no"),
+    "cpus": ("CPU cores", lambda v: "none" if v is None else f"{v:g}"),
     "dependency": ("dependency", lambda v: "none" if v is None else v),
     "exclude_nodes": ("excluded nodes", lambda v: "none" if not v else ",".join(v))}
 

@@ -131,7 +131,9 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             f"one job named {j.name!r} at a time (singleton)" if getattr(j, "singleton", False) else "",
             f"priority {j.priority}" if j.priority else "",
             held(j) if j.held else "",
-            f"host memory limit {j.host_mem_mib} MiB" if j.host_mem_mib else ""]
+            f"host memory limit {j.host_mem_mib} MiB" if j.host_mem_mib else "",
+            # A server from before --cpus sends none.
+            f"{j.cpus:g} CPU cores" if getattr(j, "cpus", None) else ""]
     if any(asks):
         lines.append(("asks", "; ".join(a for a in asks if a)))
     if j.array_id is not None:

@@ -104,6 +104,8 @@ def submit(
                                               "your GPU limit; requeued (SIGTERM first) when one does.")] = False,
     host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
                                                       "8G (past it the OOM killer stops the job).")] = None,
+    cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="CPU cores a command's processes may use "
+                                             "together, e.g. 4 or 0.5 (held to it, as docker --cpus).")] = None,
     time: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
                                                                "2-0:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",
@@ -156,7 +158,8 @@ def submit(
         "gpus": gpus, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem, "shared": shared,
         "node": node,
         "exclude": exclude, "preemptible": preemptible,
-        "host_mem": host_mem, "time": time, "signal": signal, "retries": retries, "hold": hold, "begin": begin,
+        "host_mem": host_mem, "cpus": cpus, "time": time, "signal": signal, "retries": retries, "hold": hold,
+        "begin": begin,
         "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}

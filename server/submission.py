@@ -36,7 +36,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, None),
     "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None), "exclude": (str, None),
     "preemptible": (bool, False),
-    "host_mem": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
+    "host_mem": (str, None), "cpus": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
     "after": (str, None), "after_any": (str, None), "dependency": (str, None), "array": (str, None),
     "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
@@ -118,8 +118,8 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
 
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
-                            dependency=f["dependency"], host_mem=f["host_mem"], shared=f["shared"], begin=f["begin"],
-                            signal=f["signal"], gpu_type=f["gpu_type"], exclude=f["exclude"],
+                            dependency=f["dependency"], host_mem=f["host_mem"], cpus=f["cpus"], shared=f["shared"],
+                            begin=f["begin"], signal=f["signal"], gpu_type=f["gpu_type"], exclude=f["exclude"],
                             preemptible=f["preemptible"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
@@ -152,7 +152,7 @@ def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spe
     made = spec.interactive_spec(command, node=f["node"], gpus=f["gpus"], name=f["name"], cwd=f["cwd"], user=owner,
                                  run_id=allocations.new_run_id())
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"], shared=f["shared"],
-                            gpu_type=f["gpu_type"])
+                            gpu_type=f["gpu_type"], cpus=f["cpus"])
     return replace(made, **sched.fields(), env=made.env)
 
 

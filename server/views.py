@@ -32,7 +32,7 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "array_index": j.array_index, "array_limit": j.array_limit, "output_file": j.output_file,
         "error_file": j.error_file,
         "begin_at": iso(j.begin_at), "signal": j.signal, "gpu_type": j.gpu_type,
-        "failure": j.failure, "requeues": j.requeues, "host_mem_mib": j.host_mem_mib,
+        "failure": j.failure, "requeues": j.requeues, "host_mem_mib": j.host_mem_mib, "cpus": j.cpus,
         "submitted_at": iso(j.submitted_at), "dispatched_at": iso(j.dispatched_at),
         "started_at": iso(j.started_at), "ended_at": iso(j.ended_at),
         "git_commit": j.git_commit, "git_dirty": j.git_dirty, "git_diff_cut": j.git_diff_cut,

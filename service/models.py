@@ -156,6 +156,9 @@ class Job(Base):
     failure: Mapped[str | None] = mapped_column(String(16))
     # Host memory limit of a command job's processes (a memory cgroup), MiB; None: no limit.
     host_mem_mib: Mapped[int | None] = mapped_column(Integer)
+    # CPU cores a command job's processes may use together (a cgroup's CPU quota, `--cpus`, or
+    # GPUQ_CPUS_PER_GPU for each of its GPUs); None: no limit.
+    cpus: Mapped[float | None] = mapped_column(Float)
     # The code as it was at submit (a command submitted in a git work tree): commit, uncommitted
     # changes, the diff against the commit (cut at GPUQ_GIT_DIFF_MAX_BYTES, git_diff_cut then true),
     # and with --snapshot the copy of the work tree the job runs from.

@@ -33,7 +33,7 @@ def spec_of(job: Job) -> JobSpec:
                    singleton=job.singleton, preemptible=job.preemptible,
                    env=dict(job.env) if job.env is not None else None, git_commit=job.git_commit,
                    git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,
-                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, shared=job.shared,
+                   snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, cpus=job.cpus, shared=job.shared,
                    output_file=output_files.fill_array(job.output_file, job.array_id, job.array_index),
                    error_file=output_files.fill_array(job.error_file, job.array_id, job.array_index),
                    signal=job.signal, gpu_type=job.gpu_type)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from gpuq.service.errors import ConfigError
+from gpuq.service.units import MAX_CPUS
 
 if TYPE_CHECKING:
     from gpuq.service.settings import Settings
@@ -164,6 +165,8 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
             fail(name, "must be above 0")
     if not 1 <= settings.redis_port <= 65535:
         fail("redis_port", "must be a TCP port, 1 to 65535")
+    if not 0 <= settings.cpus_per_gpu <= MAX_CPUS:
+        fail("cpus_per_gpu", f"must be between 0 (no limit) and {MAX_CPUS} (CPU cores a job may use for each GPU)")
     if not 0 <= settings.preemptible_charge <= 1:
         fail("preemptible_charge", "must be between 0 and 1 (what a preemptible job's GPU-hour counts in fair share)")
     if settings.max_priority > ADMIN_MAX_PRIORITY:

@@ -99,6 +99,10 @@ class Settings:
     # The same when a preemptible job is preempted (SLURM's GraceTime of a scavenger QOS): a job may
     # need longer to save a checkpoint than a cancelled one, and the job that preempts it waits.
     preempt_grace: float = 10.0
+    # CPU cores a command job (or an allocation) may use for each of its GPUs when it gives no
+    # --cpus (SLURM's DefCpuPerGPU, held to as docker's --cpus is: a cgroup's CPU quota); 0: no limit.
+    # On a box whose GPUs' jobs starve each other's data loaders, its cores over its GPUs.
+    cpus_per_gpu: float = 0.0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
     max_output_bytes: int = 16 * 1024 * 1024
     # `gpuq up`'s logs (home/logs: the supervisor's and each process's it runs) are rotated when one

@@ -24,6 +24,7 @@ from gpuq.service.units import (
     Waits,
     dependency_of,
     parse_array,
+    parse_cpus,
     parse_duration,
     parse_mem,
     parse_sweep,
@@ -61,6 +62,8 @@ class JobSpec:
     # How many of its array's tasks may run at once (`--array 0-99%4`); None: as many as fit.
     array_limit: int | None = None
     host_mem_mib: int | None = None
+    # CPU cores its processes may use together (`--cpus`, a cgroup's quota); None: no limit.
+    cpus: float | None = None
     # Not started before this moment (`--begin`); None: as soon as it can.
     begin_at: datetime | None = None
     # A command's output copied to these files of the user's as well (service/output_files.py).
@@ -97,6 +100,7 @@ class Scheduling:
     after_any: str | None = None
     dependency: str | None = None  # sbatch's -d afterok:12:13 or afterany:12: --after's or --after-any's
     host_mem: str | None = None
+    cpus: str | None = None  # `--cpus 4`
     shared: bool = False
     begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
     signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
@@ -129,6 +133,7 @@ class Scheduling:
             "after_kind": waits.kind,
             "singleton": waits.singleton,
             "host_mem_mib": parse_mem(self.host_mem, "--host-mem") if self.host_mem is not None else None,
+            "cpus": parse_cpus(self.cpus) if self.cpus is not None else None,
             "shared": self.shared,
             "begin_at": begin_of(self.begin) if self.begin is not None else None,
             "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,

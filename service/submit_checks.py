@@ -76,6 +76,8 @@ def check_submission(settings: Settings, specs: list[JobSpec], key: str | None) 
             check_signal(first)
             if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
                 raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
+            if first.cpus is not None and first.kind == c.KIND_WORKLOAD:
+                raise InvalidSpec("--cpus limits a command's processes; a built-in workload runs in its worker")
         except GpuqError:
             if key is not None and (made := submitted_with(session, key, first.user)) is not None:
                 raise DuplicateSubmission(key, made) from None

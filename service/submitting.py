@@ -28,7 +28,7 @@ from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
 from gpuq.service.submit_checks import check_pending_limit, check_submission, submitted_with
-from gpuq.service.units import AFTER_CORR
+from gpuq.service.units import AFTER_CORR, MAX_CPUS
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING
@@ -175,7 +175,8 @@ def job_row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
                 singleton=s.singleton, env=s.env, array_index=s.array_index, array_id=None, array_limit=s.array_limit,
                 git_commit=s.git_commit,
                 git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
-                host_mem_mib=s.host_mem_mib, requeues=0, output_file=s.output_file, error_file=s.error_file,
+                host_mem_mib=s.host_mem_mib, cpus=s.cpus, requeues=0, output_file=s.output_file,
+                error_file=s.error_file,
                 begin_at=s.begin_at, signal=s.signal, gpu_type=s.gpu_type,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
@@ -222,7 +223,7 @@ def checked(settings: Settings, specs: list[JobSpec], key: str | None = None) ->
     """The specs as a submit writes them (the queue's default time limit given, an aftercorr
     resolved), after the submit's checks (``check_submission``, whose answer comes second): what
     a submit and its estimate (service/estimate.py) both start from."""
-    specs = _with_corresponding(settings, _with_default_time(settings, specs))
+    specs = _with_corresponding(settings, _with_default_cpus(settings, _with_default_time(settings, specs)))
     return specs, check_submission(settings, specs, key)
 
 
@@ -232,6 +233,16 @@ def _with_corresponding(settings: Settings, specs: list[JobSpec]) -> list[JobSpe
         return specs
     with read_scope(settings) as session:
         return dependencies.corresponding(session.connection(), specs)
+
+
+def _with_default_cpus(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+    """The specs, a command's or an allocation's without --cpus held to GPUQ_CPUS_PER_GPU for each
+    of its GPUs (SLURM's DefCpuPerGPU); a built-in workload runs in its worker, which no job's limit holds."""
+    per_gpu = settings.cpus_per_gpu
+    if not per_gpu:
+        return specs
+    return [replace(s, cpus=round(min(per_gpu * s.gpus, MAX_CPUS), 2))
+            if s.cpus is None and s.kind != c.KIND_WORKLOAD else s for s in specs]
 
 
 def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:

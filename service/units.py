@@ -37,6 +37,22 @@ def parse_mem(text: str, option: str = "--mem") -> int:
     return mib
 
 
+# A CPU quota's finest step: the kernel's least quota is 1 ms a 100 ms period.
+MIN_CPUS, MAX_CPUS = 0.01, 4096
+
+
+def parse_cpus(text: str) -> float:
+    """``--cpus``: ``4``, ``0.5`` or ``2.25`` CPU cores (as docker --cpus), a float."""
+    try:
+        cpus = float(text.strip())
+    except ValueError:
+        cpus = float("nan")
+    if not MIN_CPUS <= cpus <= MAX_CPUS:  # NaN and inf fail both
+        raise InvalidSpec(f"--cpus takes a number of CPU cores from {MIN_CPUS:g} to {MAX_CPUS}, e.g. 4 or 0.5; "
+                          f"got {text.strip()[:40]!r}")
+    return round(cpus, 2)
+
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE | re.ASCII)
 _SECONDS = {"s": 1, "m": 60, "": 60, "h": 3600, "d": 86400}
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Integer, String, and_, bindparam, case, delete, func
+from sqlalchemy import JSON, Boolean, Float, Integer, String, and_, bindparam, case, cast, delete, func
 from sqlalchemy.orm import Session
 
 from gpuq.service import broker, dependencies, jobs, spec
@@ -48,7 +48,16 @@ from gpuq.service.policy import DEPENDENCY
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_dependencies, check_resources, check_time_limit
-from gpuq.service.units import AFTER_CORR, AFTER_OK, MAX_ARRAY_TASKS, Waits, dependency_of, parse_duration, parse_mem
+from gpuq.service.units import (
+    AFTER_CORR,
+    AFTER_OK,
+    MAX_ARRAY_TASKS,
+    Waits,
+    dependency_of,
+    parse_cpus,
+    parse_duration,
+    parse_mem,
+)
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -73,6 +82,9 @@ _NEW_TYPE = bindparam("new_gpu_type", type_=String)
 _NEW_MEM = bindparam("new_mem_mib", type_=Integer)
 # A node: its name, "" for any node (stored as null), or null to leave it as it is.
 _NEW_NODE = bindparam("new_on_node", type_=String)
+# CPU cores: a number, 0 for no limit (stored as null), or null to leave it as it is.
+# (Cast: PostgreSQL cannot tell a null float parameter's type, where an integer's is written with it.)
+_NEW_CPUS = cast(bindparam("new_cpus", type_=Float), Float)
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
                        priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()),
                        gpus=_kept("gpus", Integer),
@@ -81,7 +93,9 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                        mem_mib=case((_NEW_MEM.is_(None), _JOBS.c.mem_mib), (_NEW_MEM == 0, None), else_=_NEW_MEM),
                        on_node=case((_NEW_NODE.is_(None), _JOBS.c.on_node), (_NEW_NODE == "", None),
                                     else_=_NEW_NODE), shared=_kept("shared", Boolean),
-                       preemptible=_kept("preemptible", Boolean), **_LATER)
+                       preemptible=_kept("preemptible", Boolean),
+                       cpus=case((_NEW_CPUS.is_(None), _JOBS.c.cpus), (_NEW_CPUS == 0, None), else_=_NEW_CPUS),
+                       **_LATER)
 # A pending job's dependencies: the ids (null: none), how it waits for them (units.AFTER_KINDS), and
 # whether it is a singleton.
 _WAITS = bindparam("waits", type_=Boolean)
@@ -102,20 +116,23 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes, _JOBS.c.preemptible)
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node", "shared", "preemptible")
+          "mem_mib", "on_node", "shared", "preemptible", "cpus")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
                  "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies",
-                 "exclude_nodes": "excluded nodes", "preemptible": "preemptibility"}
+                 "exclude_nodes": "excluded nodes", "preemptible": "preemptibility",
+                 # Its cgroup's quota is made as it starts.
+                 "cpus": "CPU cores"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
 # (A job made preemptible or not leaves the lists too: it goes after every other job, or no longer.)
 _SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
-# `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share).
+# `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share); `--cpus
+# none`: no CPU limit.
 NO_MEM = "none"
 
 
@@ -135,6 +152,7 @@ class Changes:
     on_node: str | None = None  # "": any node
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
     preemptible: bool | None = None  # `--preemptible` / `--no-preemptible`
+    cpus: float | None = None  # `--cpus`; 0: no limit
     # What it waits for, in place of what it waited for; Waits(): nothing any more.
     dependency: Waits | None = None
     exclude_nodes: list[str] | None = None  # nodes it may not run on; []: none any more
@@ -148,11 +166,11 @@ class Changes:
         anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
                                "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude",
-                               "preemptible"}
+                               "preemptible", "cpus"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency, exclude, preemptible)")
+                              "dependency, exclude, preemptible, cpus)")
         begin = body.get("begin")
         if begin is not None and not isinstance(begin, str):
             raise InvalidSpec("--begin must be text")
@@ -162,9 +180,9 @@ class Changes:
         preemptible = body.get("preemptible")
         if preemptible is not None and type(preemptible) is not bool:
             raise InvalidSpec("--preemptible must be true or false (--no-preemptible)")
-        priority, time, name, retries, at_once, gpus, gpu_type, mem, node = (
+        priority, time, name, retries, at_once, gpus, gpu_type, mem, node, cpus = (
             body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type", "mem",
-                                  "node"))
+                                  "node", "cpus"))
         for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once),
                               ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
@@ -172,7 +190,7 @@ class Changes:
         after, after_any, dependency, exclude = (body.get(k) for k in ("after", "after_any", "dependency", "exclude"))
         for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
                               ("--node", node), ("--after", after), ("--after-any", after_any),
-                              ("--dependency", dependency), ("--exclude", exclude)):
+                              ("--dependency", dependency), ("--exclude", exclude), ("--cpus", cpus)):
             if value is not None and not isinstance(value, str):
                 raise InvalidSpec(f"{option} must be text")
         if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
@@ -191,6 +209,7 @@ class Changes:
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
                       else _node(node), shared=shared, preemptible=preemptible,
+                      cpus=None if cpus is None else 0.0 if cpus.strip().lower() == NO_MEM else parse_cpus(cpus),
                       dependency=dependency_of(after, after_any, dependency, clears=True),
                       exclude_nodes=None if exclude is None else [] if exclude.strip().lower() in ("", "none")
                       else spec.exclude_nodes(exclude))
@@ -333,13 +352,16 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = (f"job {job.id} is a task of array {job.array_id}: each task has a name of its own; "
                            "--array-limit 1 runs them one at a time")
         return outcome
+    if changes.cpus and job.kind == c.KIND_WORKLOAD:
+        outcome.refused = f"job {job.id} is a built-in workload: it runs in its worker, which --cpus cannot hold"
+        return outcome
     if changes.array_limit is not None and job.array_id is None:
         outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
         return outcome
     values = {f: getattr(changes, f) for f in FIELDS}
     # The answer's new values as stored: a limit of 0 asks for none, a type of "" for any model.
     shown = dict(values, array_limit=values["array_limit"] or None, gpu_type=values["gpu_type"] or None,
-                 mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None)
+                 mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None, cpus=values["cpus"] or None)
     outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
                        if v is not None and shown[f] != getattr(job, f)}
     if changes.dependency is not None:

@@ -95,7 +95,7 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
     identity = run_as(job.user, state.node)  # an unknown user fails the allocation with its reason
     uid = identity.uid if identity is not None else os.getuid()
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}alloc{job.id}-{uuid.uuid4().hex[:6]}",
-                              None)
+                              None, job.cpus)
     processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
     try:
         client = _watch(state, job, watcher, processes, on_found)

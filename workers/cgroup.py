@@ -1,9 +1,12 @@
 """A memory cgroup per command job: its memory limit, whether the OOM killer struck, and every
-process it left, even ones that double-forked out of its session.
+process it left, even ones that double-forked out of its session; and its CPU quota (`--cpus`).
 
 Made under the worker's own memory cgroup (cgroup v1's memory controller, or v2 where the parent
 delegates memory); where neither can be written (not root, a read-only /sys/fs/cgroup), jobs run
-without one and the worker falls back to the process tree, group and session.
+without one and the worker falls back to the process tree, group and session. The CPU quota is
+cgroup v1's cpu controller (a directory of the same name in its own hierarchy, under the worker's
+own) or v2's cpu.max where the parent delegates cpu; where neither is there, a job's --cpus is
+not held (its output says so).
 """
 
 from __future__ import annotations
@@ -17,19 +20,27 @@ from pathlib import Path
 log = logging.getLogger("gpuq.worker")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# A CPU quota's period, microseconds (the kernel's default): a job of --cpus 2 may run 200 ms of
+# CPU time in each 100 ms, over however many cores.
+CPU_PERIOD_US = 100_000
 
 
 class JobCgroup:
-    """One job's cgroup directory and the files gpuq uses in it."""
+    """One job's cgroup directory and the files gpuq uses in it; ``cpus``, the cores its CPU quota
+    holds it to (None: none), and on cgroup v1 the quota's own directory (``cpu_path``)."""
 
-    def __init__(self, path: Path, v2: bool) -> None:
+    def __init__(self, path: Path, v2: bool, cpu_path: Path | None = None) -> None:
         self.path, self.v2 = path, v2
         self._procs = str(path / "cgroup.procs")
+        self.cpu_path = cpu_path
+        self._cpu_procs = str(cpu_path / "cgroup.procs") if cpu_path is not None else None
+        self.cpus: float | None = None
 
     @classmethod
-    def create(cls, name: str, limit_mib: int | None) -> JobCgroup | None:
-        """A new cgroup ``name`` with ``limit_mib`` of memory (None: no limit); None if this
-        machine does not let the worker make one."""
+    def create(cls, name: str, limit_mib: int | None, cpus: float | None = None) -> JobCgroup | None:
+        """A new cgroup ``name`` with ``limit_mib`` of memory (None: no limit) and a CPU quota of
+        ``cpus`` cores (None: none; where the machine has no CPU quota to give, the cgroup is made
+        without one: ``cpus`` stays None); None if this machine does not let the worker make one."""
         parent = _own_memory_cgroup()
         if parent is None:
             return None
@@ -50,30 +61,65 @@ class JobCgroup:
             log.info("no memory cgroup for jobs here (%s); using the process tree", exc)
             group.remove()
             return None
+        if cpus is not None:
+            group._hold_to(name, cpus)
         return group
+
+    def _hold_to(self, name: str, cpus: float) -> None:
+        """Hold it to ``cpus`` cores: v2's cpu.max in its own directory, v1's quota in a directory
+        ``name`` of the cpu hierarchy (joined with it); ``cpus`` stays None where neither can be."""
+        quota = max(1000, round(cpus * CPU_PERIOD_US))  # the kernel's least quota: 1 ms
+        if self.v2:
+            try:
+                if "cpu" in (self.path.parent / "cgroup.subtree_control").read_text().split():
+                    (self.path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+                    self.cpus = cpus
+            except OSError as exc:
+                log.info("no CPU quota for jobs here (%s)", exc)
+            return
+        parent = _own_cpu_cgroup()
+        if parent is None:
+            return
+        cpu_path = parent / name
+        try:
+            cpu_path.mkdir()
+            (cpu_path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (cpu_path / "cpu.cfs_quota_us").write_text(str(quota))
+        except OSError as exc:
+            log.info("no CPU quota for jobs here (%s)", exc)
+            _remove_dir(cpu_path)
+            return
+        self.cpu_path, self._cpu_procs, self.cpus = cpu_path, str(cpu_path / "cgroup.procs"), cpus
+
+    def throttled(self) -> tuple[int, int] | None:
+        """Of the quota's periods its processes ran in, how many they wanted more CPU than it gave
+        (the kernel's nr_periods and nr_throttled); None without a quota."""
+        if self.cpus is None:
+            return None
+        try:
+            stat = (self.cpu_path or self.path) / "cpu.stat"
+            values = dict(line.split() for line in stat.read_text().splitlines() if line.count(" ") == 1)
+            return int(values["nr_periods"]), int(values["nr_throttled"])
+        except (OSError, KeyError, ValueError):
+            return None
 
     def join(self) -> bool:
         """Put the calling process in this cgroup: called in the job's child between fork and exec,
         so nothing it starts can be outside. Raw system calls only (no locks after a fork). False if
         the kernel refused (cgroup v2 wants write access to the worker's own cgroup as well): the job
         then runs outside it, found by its process tree and GPUQ_RUN_ID instead."""
-        try:
-            fd = os.open(self._procs, os.O_WRONLY)
-        except OSError:
-            return False
-        try:
-            os.write(fd, str(os.getpid()).encode())
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+        joined = _write_raw(self._procs, os.getpid())
+        if joined and self._cpu_procs is not None:
+            _write_raw(self._cpu_procs, os.getpid())  # refused: it runs without its quota, nothing worse
+        return joined
 
     def place(self, pid: int) -> bool:
         """Move process ``pid`` into this cgroup (an allocation's processes, which the worker did
         not start); False if the kernel refused or the process is gone."""
         try:
             Path(self._procs).write_text(str(pid))
+            if self._cpu_procs is not None:
+                Path(self._cpu_procs).write_text(str(pid))
             return True
         except OSError:
             return False
@@ -113,18 +159,39 @@ class JobCgroup:
 
     def remove(self, within: float = 2.0) -> None:
         """Remove it; a process that was just killed may take a moment to leave (EBUSY till then)."""
-        deadline = time.monotonic() + within
-        while True:
-            try:
-                self.path.rmdir()
+        _remove_dir(self.path, within)
+        if self.cpu_path is not None:
+            _remove_dir(self.cpu_path, within)
+
+
+def _remove_dir(path: Path, within: float = 2.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                log.warning("could not remove %s: %s", path, exc)
                 return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                if time.monotonic() >= deadline:
-                    log.warning("could not remove %s: %s", self.path, exc)
-                    return
-                time.sleep(0.05)
+            time.sleep(0.05)
+
+
+def _write_raw(path: str, pid: int) -> bool:
+    """Write ``pid`` to a cgroup's procs file with raw system calls (safe between fork and exec)."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        os.write(fd, str(pid).encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def remove_leftovers(prefix: str) -> list[str]:
@@ -142,21 +209,19 @@ def remove_leftovers(prefix: str) -> list[str]:
             JobCgroup(path, v2).remove()
             if not path.exists():
                 removed.append(path.name)
+    cpu_parent = None if v2 else _own_cpu_cgroup()
+    for path in cpu_parent.iterdir() if cpu_parent is not None else ():
+        if path.is_dir() and path.name.startswith(prefix):  # the quota's, on v1: empty with its memory's
+            _remove_dir(path)
     return removed
 
 
 def _own_memory_cgroup() -> tuple[Path, bool] | None:
     """The worker's own memory cgroup directory, and whether it is cgroup v2."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            where = CGROUP_ROOT / "memory" / path.lstrip("/")
-            if os.access(where, os.W_OK):
-                return where, False
+    lines = _own_lines()
+    v1 = _own_v1(lines, "memory")
+    if v1 is not None:
+        return v1, False
     for line in lines:
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and controllers == "":
@@ -167,6 +232,31 @@ def _own_memory_cgroup() -> tuple[Path, bool] | None:
                 return None
             if delegated and os.access(where, os.W_OK):
                 return where, True
+    return None
+
+
+def _own_cpu_cgroup() -> Path | None:
+    """cgroup v1: the worker's own directory in the cpu controller's hierarchy, if it may write there."""
+    return _own_v1(_own_lines(), "cpu")
+
+
+def _own_lines() -> list[str]:
+    try:
+        return Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _own_v1(lines: list[str], controller: str) -> Path | None:
+    """cgroup v1: the worker's own directory in ``controller``'s hierarchy, if it may write there."""
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            # Mounted under the controller's name, or as cpu,cpuacct with cpu a link to it (systemd's).
+            for mount in dict.fromkeys((controller, controllers)):
+                where = CGROUP_ROOT / mount / path.lstrip("/")
+                if where.is_dir() and os.access(where, os.W_OK):
+                    return where
     return None
 
 

@@ -99,7 +99,10 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         sink.note(f"gpuq: {exc}")
         return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}job{job.id}-{uuid.uuid4().hex[:6]}",
-                              job.host_mem_mib)
+                              job.host_mem_mib, job.cpus)
+    if job.cpus is not None and (cgroup is None or cgroup.cpus is None):
+        # Said where the user reads the job's output: it was not held to what it asked for.
+        sink.note(f"[gpuq: --cpus {job.cpus:g} is not held to on {state.node}: its worker may make no CPU cgroup]")
     try:
         env = job_env(job, state.node, identity, state.settings)
         env.update(mps_env(job, os.geteuid() if identity is None else identity.uid, state, sink))
@@ -119,6 +122,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
                 "reason": f"cannot start: {exc.why}"}
     finally:
         if cgroup is not None:
+            note_throttled(cgroup, sink)
             cgroup.remove()
     drain_if_left(state, job, outcome.leftover)
     if outcome.cancelled:
@@ -128,6 +132,22 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
     failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
     return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
             "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib, outcome.over_limit_mib)}
+
+
+# The share of its quota's periods past which a job hears that it wanted more CPU than --cpus gave.
+THROTTLED_NOTE_SHARE = 0.2
+
+
+def note_throttled(cgroup: JobCgroup, sink: OutputSink) -> None:
+    """Tell the job's output, at its end, that its CPU quota held it back often (as seff tells a
+    SLURM job's CPU efficiency): a slow job's first question is whether it was starved of CPU."""
+    periods_throttled = cgroup.throttled()
+    if periods_throttled is None or cgroup.cpus is None:
+        return
+    periods, throttled = periods_throttled
+    if periods and throttled >= THROTTLED_NOTE_SHARE * periods:
+        sink.note(f"[gpuq: held to --cpus {cgroup.cpus:g}: it wanted more CPU in {100 * throttled / periods:.0f}% "
+                  f"of its {periods / 10:.0f} s of running; a larger --cpus may make it faster]")
 
 
 def _peer_lost(state: WorkerState, sink: OutputSink, lost: list[Peer], when: str) -> dict[str, Any]:

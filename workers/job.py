@@ -36,6 +36,7 @@ class JobRun:
     env: dict[str, str] = field(default_factory=dict)
     time_limit_s: int | None = None
     host_mem_mib: int | None = None
+    cpus: float | None = None  # `--cpus`: the cores its processes may use together
     user: str = ""
     started_at: datetime | None = None
     # Whether it ran before (a retry, a requeue): its output and usage go on from the earlier attempts'.
@@ -102,7 +103,7 @@ def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...],
     return JobRun(id=job.id, name=job.name, kind=job.kind, workload=job.workload, params=dict(job.params),
                   argv=job.argv, cwd=job.cwd, gpu_indices=gpu_indices, gpu_queues=gpu_queues,
                   env=dict(job.env or {}), time_limit_s=job.time_limit_s,
-                  host_mem_mib=job.host_mem_mib, user=job.user, started_at=job.started_at,
+                  host_mem_mib=job.host_mem_mib, cpus=job.cpus, user=job.user, started_at=job.started_at,
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
                   memory_total_mib=memory_total_mib, gpu_share=job.gpu_share, array_id=job.array_id,
                   array_index=job.array_index, output_file=job.output_file, error_file=job.error_file,
