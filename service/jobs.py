@@ -263,7 +263,9 @@ def requeue_all(settings: Settings, job_ids: Sequence[int], hold: bool = False, 
     ids = list(dict.fromkeys(job_ids))
     caller = Caller.of(user)
     outcome: dict[int, str | None] = {}
-    asked = {"now": utcnow(), "reason": lifecycle.requeued_by(caller.user, hold)}
+    now = utcnow()
+    # An admin's requeuehold of another user's job waits as an admin's hold (SLURM's admin hold).
+    admin = hold and rights.is_admin(settings, caller)
     with write_scope(settings) as session:
         found = changeable(session, settings, ids, caller, Job.kind, Job.cancel_requested_at, Job.reason)
         for job_id in ids:
@@ -276,7 +278,8 @@ def requeue_all(settings: Settings, job_ids: Sequence[int], hold: bool = False, 
             elif job.cancel_requested_at is not None:
                 outcome[job_id] = f"job {job_id} is stopping already; {job.reason or 'cancelled'}"
             else:
-                session.execute(lifecycle.ASK_TO_REQUEUE, {"job_id": job_id, **asked})
+                reason = lifecycle.requeued_by(caller.user, hold, by_admin=admin and job.user != caller.user)
+                session.execute(lifecycle.ASK_TO_REQUEUE, {"job_id": job_id, "now": now, "reason": reason})
                 outcome[job_id] = None
     return outcome
 

@@ -155,8 +155,11 @@ REQUEUED = "requeued"  # the state an attempt stopped by `gpuq requeue` is kept 
 PREEMPTED = "preempted"  # and one stopped by a preemption (sacct's PREEMPTED)
 
 
-def requeued_by(user: str, hold: bool) -> str:
-    """A requeued job's reason: who requeued it, and whether it waits held."""
+def requeued_by(user: str, hold: bool, by_admin: bool = False) -> str:
+    """A requeued job's reason: who requeued it, and whether it waits held (``by_admin``: as an
+    admin's hold of another user's job, which its owner may not release)."""
+    if hold and by_admin:
+        return f"{c.REQUEUED_ADMIN_HELD} ({user})"
     return (c.REQUEUED_HELD_BY if hold else c.REQUEUED_BY) + user
 
 
@@ -312,11 +315,12 @@ def _waits_again(job: Any, again: str, now: datetime, max_requeues: int, ended: 
     what = (f"requeue {requeues} of at most {max_requeues}" if again == "requeue"
             else f"retry {_retries_used(job) + 1} of {job.max_retries}")
     held = again == "asked" and ended["reason"].startswith(c.REQUEUED_HELD_BY)
+    by_admin = held and ended["reason"].startswith(c.REQUEUED_ADMIN_HELD)
     return dict(state=S.PENDING, attempts=[*(job.attempts or []), attempt], started_at=None, dispatched_at=None,
                 node=None, worker=None, exit_code=None, result=None, cancel_requested_at=None, rendezvous=None,
                 lease_token=None, lease_expires_at=None, requeues=requeues, failure=None,
                 reason=ended["reason"] if again == "asked" else f"{what} after: {ended['reason']}",
-                **({"held": True} if held else {}))
+                **({"held": True, "admin_hold": by_admin} if held else {}))
 
 
 def _retries_used(job: Any) -> int:

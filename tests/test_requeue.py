@@ -117,3 +117,34 @@ def test_a_running_job_asked_to_stop_reads_requeueing_or_cancelling_by_what_was_
         c.REQUEUEING
     assert asked(lifecycle.cancelled_by("ann")) == c.CANCELLING
     assert asked(display.preempted_by(7, "bob")) == c.BEING_PREEMPTED  # the scheduler's, for job 7 of bob
+
+
+@pytest.mark.timeout(60)
+def test_an_admins_requeue_hold_of_another_users_job_is_an_admin_hold_its_owner_cannot_release(settings):
+    from gpuq.service import lifecycle, spec, submitting
+    from gpuq.service.models import Job
+
+    settings = settings.with_overrides(admins="carol")
+    made = submitting.submit_all(settings, spec.expand(lambda _: spec.command_spec(["true"], user="ann"),
+                                                       spec.Scheduling(), None, []))
+    own = submitting.submit_all(settings, spec.expand(lambda _: spec.command_spec(["true"], user="carol"),
+                                                      spec.Scheduling(), None, []))
+    ids = [made[0].id, own[0].id]
+    with write_scope(settings) as session:  # as a worker's claim leaves them: running, with a lease
+        session.execute(Job.__table__.update().where(Job.id.in_(ids)).values(state=State.RUNNING, lease_token="t"))
+    assert jobs.requeue_all(settings, ids, hold=True, user="carol") == {i: None for i in ids}
+    with write_scope(settings) as session:
+        for job_id in ids:
+            assert lifecycle.end_attempt(session, job_id, State.CANCELLED, token="t")
+    with write_scope(settings) as session:
+        anns, carols = jobs.get_job(session, ids[0]), jobs.get_job(session, ids[1])
+    assert (anns.state, anns.held, anns.admin_hold) == (State.PENDING, True, True)
+    assert anns.reason == "requeued and held by an admin (carol)"
+    assert anns.attempts[0]["state"] == "requeued"
+    # Her own job is her own hold, as `gpuq requeue --hold` of one's own job always was.
+    assert (carols.held, carols.admin_hold, carols.reason) == (True, False, "requeued and held by carol")
+    with pytest.raises(NotAllowed, match=f"job {ids[0]} was held by an admin; only an admin may release it"):
+        jobs.set_held_all(settings, [ids[0]], False, user="ann")
+    assert jobs.set_held_all(settings, [ids[0]], False, user="carol") == {ids[0]: None}
+    with write_scope(settings) as session:
+        assert not jobs.get_job(session, ids[0]).held
