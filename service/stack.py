@@ -35,6 +35,7 @@ from gpuq.service.devices import open_devices
 from gpuq.service.dialect import sqlite_file
 from gpuq.service.errors import StackError, StateConflict
 from gpuq.service.models import Gpu
+from gpuq.service.process_end import wait_ended
 from gpuq.service.settings import Settings
 from gpuq.service.stop_mark import Stopping, claim_stop, stop_under_way, stopping_file, write_stop_mark
 
@@ -283,7 +284,7 @@ def _stop_orphans(settings: Settings, procs: list[psutil.Process], grace: float)
                 p.terminate()
             except psutil.Error:
                 pass
-        _, procs = psutil.wait_procs(procs, timeout=wait)
+        procs = wait_ended(procs, wait)  # orphans: init reaps them, perhaps late
         if not procs:
             return
     for p in procs:
@@ -291,7 +292,7 @@ def _stop_orphans(settings: Settings, procs: list[psutil.Process], grace: float)
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=5)
+    wait_ended(procs, 5)
 
 
 # Seconds between `gpuq down`'s two stop requests at least.

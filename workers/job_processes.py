@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
+from gpuq.service.process_end import alive, wait_ended
 from gpuq.service.settings import Settings, mask_url
 from gpuq.workers.cgroup import JobCgroup
 
@@ -141,35 +142,12 @@ def verify_gone(found: Callable[[], list[psutil.Process]], within: float, pgid: 
         if left:
             return left
     deadline = time.monotonic() + within
-    while procs := [p for p in found() if _alive(p)]:
+    while procs := [p for p in found() if alive(p)]:
         if time.monotonic() >= deadline:
             return [p.pid for p in procs]
         signal_all(pgid, procs, signal.SIGKILL)
         wait_ended(procs, 0.2)
     return []
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait up to ``timeout`` seconds for ``procs`` to end; those still alive then.
-
-    A zombie has ended: it holds nothing but its pid. The job's processes other than its main one
-    are not the worker's children: orphaned, they are reaped by init, which may be late (here, a
-    VM's init reaped them 0.7 s later; a container's PID 1 that is not an init, never), and
-    psutil.wait_procs waits for the pid to be gone: every cancel, requeue and preemption waited
-    that long, or the whole grace."""
-    deadline = time.monotonic() + timeout
-    alive = [p for p in procs if _alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.01)
-        alive = [p for p in alive if _alive(p)]
-    return alive
 
 
 def stop_tree(pid: int | None, grace: float, found: Callable[[], list[psutil.Process]]) -> None:
