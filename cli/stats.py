@@ -16,6 +16,7 @@ from gpuq.cli import numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, print_json, timestamp, when
 from gpuq.service import constants as c
+from gpuq.service import efficiency
 from gpuq.service.display import share, state_counts, time_limit
 from gpuq.service.errors import InvalidSpec
 
@@ -152,6 +153,7 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
                  ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB"
                   + (f" of its {u.share_mib} MiB share" if getattr(u, "share_mib", None) else "")
                   + f", mean {_num(u.memory_mean_mib, '.0f')} MiB"),
+                 *efficiency.host_use(u),
                  *_energy_idle_samples(u)]
         _echo(lines, u.limit_hint)
     if plot:

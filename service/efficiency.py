@@ -102,3 +102,21 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
 def job_hint(state: str, wall_s: float | None, limit_s: int | None) -> str | None:
     """A nearer limit for a job that succeeded (``limit_hint``), else None."""
     return limit_hint(wall_s, limit_s) if state == State.SUCCEEDED else None
+
+
+def host_use(u: Any) -> list[tuple[str, str]]:
+    """A command's CPU and host memory lines of its stats (``GET /v1/jobs/ID/stats``), as seff
+    gives them: CPU seconds, the cores used on average (against its --cpus), the peak resident
+    memory of its largest process (against its --host-mem). None for a workload, an allocation, a
+    running job or a server from before them."""
+    cpu_s, rss = getattr(u, "cpu_s", None), getattr(u, "rss_peak_mib", None)
+    if cpu_s is None:
+        return []
+    cores = cpu_s / u.wall_s if u.wall_s else None
+    cpu = f"{cpu_s:.1f} s" + ("" if cores is None else f", {cores:.2f} cores on average")
+    if cores is not None and getattr(u, "cpus", None):
+        cpu += f" ({share(cores / u.cpus)} of its --cpus {u.cpus:g})"
+    memory = "n/a" if rss is None else f"peak {rss} MiB RSS (its largest process)"
+    if rss is not None and getattr(u, "host_mem_mib", None):
+        memory += f" of its --host-mem {u.host_mem_mib} MiB"
+    return [("CPU", cpu), ("host mem", memory)]

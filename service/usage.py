@@ -183,7 +183,8 @@ def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]
                 # No more idle than held: a first sample's interval can reach back before the start.
                 energy_j=t.energy_j if t.samples else None, idle_s=min(t.idle_seconds, wall * charged),
                 samples=t.samples,
-                gpu_indices=list(getattr(job, "gpu_indices", ())) or None, recorded_at=utcnow())
+                gpu_indices=list(getattr(job, "gpu_indices", ())) or None, recorded_at=utcnow(),
+                cpu_s=getattr(job, "cpu_s", None), rss_peak_mib=getattr(job, "rss_peak_mib", None))
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,10 @@ class Ended:
     # The GPUs it ran on, by index on its node, in rank order (kept in its summary: its allocation
     # goes with its end).
     gpu_indices: tuple[int, ...] = ()
+    # A command's CPU seconds and its largest process's peak resident memory (MiB), as its worker
+    # reaped it (workers/command.py); None: not known (a workload, an allocation, a lost worker).
+    cpu_s: float | None = None
+    rss_peak_mib: int | None = None
 
 
 def record_usage(session: Session, job_id: int, ended: Ended | None = None,

@@ -17,7 +17,7 @@ from urllib.parse import urlencode
 
 from gpuq.cli.client import Client
 from gpuq.service import constants as c
-from gpuq.service import display
+from gpuq.service import display, efficiency
 from gpuq.service.display import duration, gpu_hours_text, result_summary
 from gpuq.web import svg
 from gpuq.web.html import facts, mib, page, state, table, value, when
@@ -146,7 +146,8 @@ def job(api: Client, job_id: int) -> str:
             ("memory peak", mib(used.memory_peak_mib)), ("memory mean", mib(used.memory_mean_mib)),
             ("utilisation mean", "n/a" if used.utilization_mean is None else f"{used.utilization_mean:.1f}%"),
             ("energy", "n/a" if used.energy_j is None else f"{used.energy_j:.1f} J"),
-            ("idle GPU time", f"{used.idle_s:.1f} s"), ("samples", str(used.samples))])]
+            ("idle GPU time", f"{used.idle_s:.1f} s"), ("samples", str(used.samples)),
+            *((k, escape(v)) for k, v in efficiency.host_use(used))])]
     if not readable:
         body += [f"<h2>Output</h2><p class=\"muted\">the output is {escape(j.user)}'s: <code>gpuq logs {j.id}</code> "
                  f"as them (or an admin) shows it</p>"]

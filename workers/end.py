@@ -5,6 +5,7 @@ transaction, retried while the database is away."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -30,6 +31,26 @@ from gpuq.workers.watch import StopWatcher
 
 log = logging.getLogger("gpuq.worker")
 
+# A command's end carries what its processes used of the host under this key (``HostUse``): for its
+# usage summary, not a column ``end_attempt`` writes (``host_use_of`` takes it out).
+HOST_USE = "host_use"
+
+
+@dataclass(frozen=True)
+class HostUse:
+    """A command's CPU seconds and its largest process's peak resident memory, MiB (``CommandOutcome``'s)."""
+
+    cpu_s: float | None
+    rss_peak_mib: int | None
+
+
+def host_use_of(end: dict[str, Any]) -> tuple[dict[str, Any], HostUse | None]:
+    """``end`` without its host use, and the host use (None: none known)."""
+    if HOST_USE not in end:
+        return end, None
+    rest = dict(end)
+    return rest, rest.pop(HOST_USE)
+
 
 def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any],
               sink: OutputSink, flush_mark: int | None = None) -> tuple[bool, Started | None, bool]:
@@ -38,6 +59,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
     database is away: an end is never dropped. Returns whether the end was ours to write (False:
     the reaper took the job back meanwhile), the next job started here (None: the GPU is free),
     and whether to wake the scheduler."""
+    end, host = host_use_of(end)
     readings = state.sampler.end_rows(lease.job_id) if state.sampler is not None else []
     in_hand = _totals_in_hand(state, job, readings, flush_mark)
     mark = state.flush_mark()  # before the next job is taken
@@ -46,7 +68,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
     while True:
         try:
             done, following, wake = _end_transaction(state, job, lease, end, sink, last_words, readings, in_hand,
-                                                     mark)
+                                                     mark, host)
             if last_words:
                 sink.rest_stored()
             if not done:
@@ -69,7 +91,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
 
 def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any], sink: OutputSink,
                      last_words: bool, readings: list[dict[str, Any]], in_hand: usage.Totals | None,
-                     mark: int | None) -> tuple[bool, Started | None, bool]:
+                     mark: int | None, host: HostUse | None = None) -> tuple[bool, Started | None, bool]:
     """One try at ``write_end``'s transaction, returning what it returns; without ``last_words``
     (the database refused them) the rest of the job's output, its last ``readings`` and its usage
     summary are left out (``gpuq stats JOB`` then sums its samples when asked)."""
@@ -79,14 +101,14 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
             samples.record(session, state.gpu_id, readings)
         now = utcnow()
         if _hands_over(state, session, job, end, last_words, in_hand):
-            done, taken = _hand_over(state, session, job, lease, end, now, in_hand if last_words else None)
+            done, taken = _hand_over(state, session, job, lease, end, now, in_hand if last_words else None, host)
         else:
             done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
                                now=now, **end)
             if done and last_words:
                 # No savepoint of its own (two statements fewer at every end on PostgreSQL): a summary
                 # the database refuses fails this try, and the end is written again without it.
-                _store_usage(state, session, ended_of(job, now), in_hand)
+                _store_usage(state, session, ended_of(job, now, host), in_hand)
             taken = _take_next(state, session) if done else None
         if not done:
             return False, None, True
@@ -112,12 +134,13 @@ def _hands_over(state: WorkerState, session: Session, job: JobRun, end: dict[str
 
 
 def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, end: dict[str, Any],
-               now: datetime, in_hand: usage.Totals | None) -> tuple[bool, tuple[Any, str] | None]:
+               now: datetime, in_hand: usage.Totals | None, host: HostUse | None = None
+               ) -> tuple[bool, tuple[Any, str] | None]:
     """The end and the take as one statement: whether the end was written, and what was taken."""
     summary = None
     if in_hand is not None:
         try:
-            summary = usage.summary(ended_of(job, now), in_hand)
+            summary = usage.summary(ended_of(job, now, host), in_hand)
         except Exception:  # as ``_store_usage``: a summary that cannot be made is no reason to lose the end
             log.exception("%s: job %s: could not sum its usage", state.name, job.id)
     return handover.end_and_take(session, job_id=lease.job_id, token=lease.token, now=now,
@@ -126,10 +149,11 @@ def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, 
                                  lease_s=state.settings.lease_timeout)
 
 
-def ended_of(job: JobRun, now: datetime) -> usage.Ended:
-    """What this worker knows of a job it ended, for its usage summary."""
+def ended_of(job: JobRun, now: datetime, host: HostUse | None = None) -> usage.Ended:
+    """What this worker knows of a job it ended, for its usage summary (``host``: what its
+    processes used of the host, where it knows)."""
     return usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before, job.gpu_share,
-                       job.gpu_indices)
+                       job.gpu_indices, *((host.cpu_s, host.rss_peak_mib) if host is not None else ()))
 
 
 def _take_next(state: WorkerState, session: Session) -> tuple[Any, str] | None:

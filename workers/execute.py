@@ -25,7 +25,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
-from gpuq.workers.end import drain_if_left, stopped_end
+from gpuq.workers.end import HOST_USE, HostUse, drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.job_processes import cgroup_prefix, worker_mark
@@ -125,13 +125,14 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             note_throttled(cgroup, sink)
             cgroup.remove()
     drain_if_left(state, job, outcome.leftover)
+    used = {HOST_USE: HostUse(outcome.cpu_s, outcome.rss_peak_mib)} if outcome.cpu_s is not None else {}
     if outcome.cancelled:
-        return stopped_end(state, job, watcher)
+        return stopped_end(state, job, watcher) | used
     if outcome.exit_code == 0:
-        return {"state": State.SUCCEEDED, "exit_code": 0}
+        return {"state": State.SUCCEEDED, "exit_code": 0, **used}
     failure = failures.from_exit(outcome.exit_code, outcome.oom_killed, sink.tail)
     return {"state": State.FAILED, "failure": failure, "exit_code": outcome.exit_code,
-            "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib, outcome.over_limit_mib)}
+            "reason": failures.explain(failure, outcome.exit_code, job.host_mem_mib, outcome.over_limit_mib), **used}
 
 
 # The share of its quota's periods past which a job hears that it wanted more CPU than --cpus gave.

@@ -1,1 +1,1 @@
-HEAD = "0029"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0030"  # the newest revision; tests/test_migrations.py checks it against Alembic

@@ -1,0 +1,87 @@
+"""What a command used of the host, as seff and sacct give it (TotalCPU, MaxRSS): its worker reaps
+its main process with the kernel's count of it and every process of it that was waited for, and
+`gpuq stats ID` gives the CPU seconds, the cores used on average (against its --cpus) and the peak
+resident memory of its largest process (against its --host-mem)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from gpuq.service.constants import State
+from gpuq.workers.command import _reap
+from tests.conftest import cli_submit, run_cli, wait_for_state
+
+pytestmark = pytest.mark.timeout(180)
+
+# Spins 0.6 s of CPU itself and 0.4 s in a child it waits for, which holds 160 MiB meanwhile; then
+# exits with the code it is given.
+BURN = """
+import subprocess, sys, time
+def spin(seconds):
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+child = subprocess.Popen([sys.executable, "-c",
+    "import time\\nx = bytearray(160 * 2**20)\\nfor i in range(0, len(x), 4096): x[i] = 1\\n"
+    "t = time.process_time()\\nwhile time.process_time() - t < 0.4: pass"])
+spin(0.6)
+child.wait()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _stats(settings, job_id: int) -> dict:
+    out = run_cli(["stats", str(job_id), "--json"], settings)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("code, state", [(0, State.SUCCEEDED), (3, State.FAILED)])
+def test_stats_give_a_commands_cpu_seconds_with_its_waited_for_children_and_its_peak_rss(stack, tmp_path, code,
+                                                                                          state):
+    s = stack.settings
+    job_id = cli_submit(s, ["--host-mem", "1G", "--", sys.executable, "-c", BURN, str(code)], cwd=tmp_path)
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == state, stack.logs()
+    got = _stats(s, job_id)
+    assert 0.9 <= got["cpu_s"] <= 5.0, got
+    assert 160 <= got["rss_peak_mib"] <= 400, got
+    text = run_cli(["stats", str(job_id)], s).stdout
+    assert f"       CPU  {got['cpu_s']:.1f} s, " in text and " cores on average" in text, text
+    assert f"  host mem  peak {got['rss_peak_mib']} MiB RSS (its largest process) of its --host-mem 1024 MiB" in text
+
+
+def test_stats_read_a_commands_cores_against_its_cpus(stack, tmp_path):
+    s = stack.settings
+    job_id = cli_submit(s, ["--cpus", "4", "--", sys.executable, "-c", BURN, "0"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
+    got = _stats(s, job_id)
+    cores = got["cpu_s"] / got["wall_s"]
+    assert f"{cores:.2f} cores on average ({cores / 4:.0%} of its --cpus 4)" in run_cli(["stats", str(job_id)],
+                                                                                        s).stdout
+
+
+def test_a_workload_has_no_host_use_and_its_stats_say_nothing_of_it(stack, tmp_path):
+    s = stack.settings
+    job_id = cli_submit(s, ["matmul", "--size", "32", "--repeat", "2"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
+    got = _stats(s, job_id)
+    assert got["cpu_s"] is None and got["rss_peak_mib"] is None
+    text = run_cli(["stats", str(job_id)], s).stdout
+    assert "CPU" not in text and "host mem" not in text
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["sh", "-c", "exit 7"], 7),
+    (["sh", "-c", "kill -TERM $$"], -signal.SIGTERM),
+])
+def test_reaping_gives_the_exit_code_as_popen_does_with_the_cpu_used(argv, code):
+    proc = subprocess.Popen(argv)
+    got, cpu_s, rss_mib = _reap(proc)
+    assert got == proc.returncode == code
+    assert proc.poll() == code  # Popen knows it ended: nothing is waited for twice
+    assert cpu_s is not None and cpu_s >= 0 and rss_mib is not None and rss_mib > 0
