@@ -33,14 +33,12 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.stack import stop_on_sigterm  # noqa: E402
+from benchmarks.stack import BenchStack, stop_on_sigterm  # noqa: E402
 
 GOAL_MS = 150.0
 RUN_GOAL_MS = 300.0  # `gpuq run -- true`, a whole job's round trip
@@ -117,26 +115,12 @@ def main() -> int:
     args = ap.parse_args()
     stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
 
-
-    from gpuq.service import db
-    from gpuq.service.settings import Settings
-    from tests.conftest import start_stack
-
-    tmp = Path(tempfile.mkdtemp(prefix="gpuq-client-"))
-    tag = uuid.uuid4().hex[:8]
-    broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
-    # A socket path must fit in 108 bytes: a short one in /tmp, whatever TMPDIR is.
-    sock = f"/tmp/gpuqc-{tag}.sock"
-    settings = Settings(home=tmp / "home", database_url=f"sqlite:///{tmp / 'gpuq.db'}", broker_url=broker,
-                        socket=sock, key_prefix=f"bench-client-{tag}", node="benchnode", fake_gpus=2,
-                        warm_start=False, kill_grace=1.0, fake_gpu_memory_dir=str(tmp / "simulated-gpu-memory"))
-    stack = None
-    try:
-        db.upgrade(settings)
+    with BenchStack("client", fake_gpus=2, kill_grace=1.0) as bench:
+        settings, sock, tmp = bench.settings, bench.socket, bench.tmp
         t0 = time.perf_counter()
-        stack = start_stack(settings, tmp / "logs")
+        bench.start()
         print(f"stack up in {time.perf_counter() - t0:.1f} s: server on {sock}, scheduler, 2 workers on "
-              f"simulated GPUs (warm start off), SQLite, {broker} prefix {settings.key_prefix}")
+              f"simulated GPUs (warm start off), SQLite, {settings.broker_url} prefix {settings.key_prefix}")
 
         bindir = venv_bin()
         py, gpuq = str(bindir / "python"), str(bindir / "gpuq")
@@ -211,10 +195,6 @@ def main() -> int:
         print("  costliest top-level imports: " + ", ".join(f"{n} {s * 1000:.0f} ms" for s, n in costliest))
         print(f"(waited {waited:.1f} s in all for the queue to empty between groups)")
         return 0
-    finally:
-        from benchmarks.stack import tear_down
-
-        tear_down(stack, settings, sock, tmp)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.client_speed import timed, venv_bin  # noqa: E402
 from benchmarks.queue_speed import own_database  # noqa: E402
-from benchmarks.stack import stop_on_sigterm, tear_down  # noqa: E402
+from benchmarks.stack import BenchStack, stop_on_sigterm  # noqa: E402
 
 USERS = 7
 DAYS = 6
@@ -79,57 +77,51 @@ def main() -> int:
     args = ap.parse_args()
     stop_on_sigterm()
 
-    from gpuq.cli.client import Client
-    from gpuq.service import db
-    from gpuq.service.settings import Settings
-    from tests.conftest import start_stack
-
-    tmp = Path(tempfile.mkdtemp(prefix="gpuq-history-"))
-    tag = uuid.uuid4().hex[:8]
-    sock = f"/tmp/gpuqh-{tag}.sock"
-    url, drop = own_database(args.database) if args.database else (f"sqlite:///{tmp / 'gpuq.db'}", lambda: None)
-    settings = Settings(home=tmp / "home", database_url=url,
-                        broker_url=os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12"), socket=sock,
-                        key_prefix=f"bench-history-{tag}", node="benchnode", fake_gpus=2, warm_start=False,
-                        fake_gpu_memory_dir=str(tmp / "simulated-gpu-memory"))
-    stack = None
+    url, drop = own_database(args.database) if args.database else (None, lambda: None)
     try:
-        db.upgrade(settings)
-        took = fill(settings, args.jobs)
-        where = "SQLite" if url.startswith("sqlite") else "PostgreSQL"
-        print(f"{args.jobs} ended jobs of {USERS} users over {DAYS} days written to {where} in {took:.1f} s")
-        if where == "PostgreSQL" and not args.no_analyze:
-            analyze(settings)
-        stack = start_stack(settings, tmp / "logs")
-        gpuq = str(venv_bin() / "gpuq")
-        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", str(tmp)),
-               "GPUQ_SOCKET": sock}
-        api = Client(sock)
-        bounds = ",".join(str(b) for b in (0.1, 1, 10, 60, 600, 3600, 86400))
-
-        def scrape() -> float:
-            t0 = time.perf_counter()
-            api.get("/metrics", wait_le=bounds, duration_le=bounds)
-            return time.perf_counter() - t0
-
-        figures = {
-            "gpuq status": lambda: timed([gpuq, "status"], env, str(tmp))[0],
-            "gpuq stats (the last 7 days)": lambda: timed([gpuq, "stats"], env, str(tmp))[0],
-            "gpuq history --all (a day)": lambda: timed([gpuq, "history", "--all"], env, str(tmp))[0],
-            "gpuq history (a user, 7 days, failed)": lambda: timed(
-                [gpuq, "history", "--user", "user3", "--since", "7d", "--state", "failed"], env, str(tmp))[0],
-            "gpuq history (a name pattern, 7 days)": lambda: timed(
-                [gpuq, "history", "--all", "--since", "7d", "--name", "task?1*"], env, str(tmp))[0],
-            "GET /v1/metrics (a scrape)": scrape,
-        }
-        print(f"\n{'':40} {'p50':>9}  (of {args.runs} runs)")
-        for name, run in figures.items():
-            run()  # once untimed
-            print(f"{name:40} {statistics.median(run() for _ in range(args.runs)) * 1000:6.0f} ms")
-        return 0
+        with BenchStack("history", database_url=url, fake_gpus=2) as bench:
+            return measure(args, bench)
     finally:
-        tear_down(stack, settings, sock, tmp)
         drop()
+
+
+def measure(args: argparse.Namespace, bench: BenchStack) -> int:
+    """Fill the stack's database with ended jobs, start it, and time the commands that read them."""
+    from gpuq.cli.client import Client
+
+    settings, tmp = bench.settings, bench.tmp
+    took = fill(settings, args.jobs)
+    where = "SQLite" if settings.database_url.startswith("sqlite") else "PostgreSQL"
+    print(f"{args.jobs} ended jobs of {USERS} users over {DAYS} days written to {where} in {took:.1f} s")
+    if where == "PostgreSQL" and not args.no_analyze:
+        analyze(settings)
+    bench.start()
+    gpuq = str(venv_bin() / "gpuq")
+    env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", str(tmp)),
+           "GPUQ_SOCKET": bench.socket}
+    api = Client(bench.socket)
+    bounds = ",".join(str(b) for b in (0.1, 1, 10, 60, 600, 3600, 86400))
+
+    def scrape() -> float:
+        t0 = time.perf_counter()
+        api.get("/metrics", wait_le=bounds, duration_le=bounds)
+        return time.perf_counter() - t0
+
+    figures = {
+        "gpuq status": lambda: timed([gpuq, "status"], env, str(tmp))[0],
+        "gpuq stats (the last 7 days)": lambda: timed([gpuq, "stats"], env, str(tmp))[0],
+        "gpuq history --all (a day)": lambda: timed([gpuq, "history", "--all"], env, str(tmp))[0],
+        "gpuq history (a user, 7 days, failed)": lambda: timed(
+            [gpuq, "history", "--user", "user3", "--since", "7d", "--state", "failed"], env, str(tmp))[0],
+        "gpuq history (a name pattern, 7 days)": lambda: timed(
+            [gpuq, "history", "--all", "--since", "7d", "--name", "task?1*"], env, str(tmp))[0],
+        "GET /v1/metrics (a scrape)": scrape,
+    }
+    print(f"\n{'':40} {'p50':>9}  (of {args.runs} runs)")
+    for name, run in figures.items():
+        run()  # once untimed
+        print(f"{name:40} {statistics.median(run() for _ in range(args.runs)) * 1000:6.0f} ms")
+    return 0
 
 
 if __name__ == "__main__":

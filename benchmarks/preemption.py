@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from datetime import datetime
@@ -30,7 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.stack import stop_on_sigterm  # noqa: E402
+from benchmarks.stack import BenchStack, stop_on_sigterm  # noqa: E402
 
 GPUS = 2
 # Runs until SIGTERM, and ends at once when it comes.
@@ -85,22 +84,11 @@ def main() -> int:
     stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
 
     from gpuq.cli.client import Client
-    from gpuq.service import db
-    from gpuq.service.settings import Settings
-    from tests.conftest import start_stack
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpuq-preemption-"))
-    tag = uuid.uuid4().hex[:8]
-    broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
-    sock = f"/tmp/gpuqs-{tag}.sock"
-    settings = Settings(home=tmp / "home", database_url=f"sqlite:///{tmp / 'gpuq.db'}", broker_url=broker,
-                        socket=sock, key_prefix=f"bench-preemption-{tag}", node="benchnode", fake_gpus=GPUS,
-                        warm_start=False, sample_interval=0)
-    stack = None
-    try:
-        db.upgrade(settings)
-        stack = start_stack(settings, tmp / "logs")
-        client = Client(sock)
+    with BenchStack("preemption", fake_gpus=GPUS, sample_interval=0) as bench:
+        settings = bench.settings
+        bench.start()
+        client = Client(bench.socket)
         idle, preempting, freed = [], [], []
         for _ in range(args.rounds):
             alone = submit(client, SCAVENGER)
@@ -128,10 +116,6 @@ def main() -> int:
         print(f"preempting costs {statistics.median(preempting) - statistics.median(idle):.2f} s more at the "
               f"median (no goal)")
         return 0
-    finally:
-        from benchmarks.stack import tear_down
-
-        tear_down(stack, settings, sock, tmp)
 
 
 if __name__ == "__main__":

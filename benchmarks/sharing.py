@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.stack import stop_on_sigterm  # noqa: E402
+from benchmarks.stack import BenchStack, stop_on_sigterm  # noqa: E402
 
 GPU_MIB = 16384
 GPUS = 2
@@ -77,25 +76,12 @@ def main() -> int:
     args = ap.parse_args()
     stop_on_sigterm()  # a `timeout` or a killed run still takes the stack down
 
-
     from gpuq.cli.client import Client
-    from gpuq.service import db
-    from gpuq.service.settings import Settings
-    from tests.conftest import start_stack
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpuq-sharing-"))
-    tag = uuid.uuid4().hex[:8]
-    broker = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/12")
-    sock = f"/tmp/gpuqs-{tag}.sock"
-    settings = Settings(home=tmp / "home", database_url=f"sqlite:///{tmp / 'gpuq.db'}", broker_url=broker,
-                        socket=sock, key_prefix=f"bench-sharing-{tag}", node="benchnode", fake_gpus=GPUS,
-                        fake_gpu_memory_mib=GPU_MIB, warm_start=False, sample_interval=0,
-                        fake_gpu_memory_dir=str(tmp / "simulated-gpu-memory"))
-    stack = None
-    try:
-        db.upgrade(settings)
-        stack = start_stack(settings, tmp / "logs")
-        client = Client(sock)
+    with BenchStack("sharing", fake_gpus=GPUS, fake_gpu_memory_mib=GPU_MIB, sample_interval=0) as bench:
+        settings = bench.settings
+        bench.start()
+        client = Client(bench.socket)
         print(f"stack: {GPUS} simulated GPUs of {GPU_MIB // 1024} GiB, shared jobs' context reserve "
               f"{settings.shared_context_mib} MiB; {args.jobs} jobs each holding {args.mem_mib} MiB for "
               f"{args.seconds:g} s")
@@ -109,10 +95,6 @@ def main() -> int:
         ratio = results[False]["makespan_s"] / results[True]["makespan_s"]
         print(f"\nshared makespan {ratio:.1f}x shorter (goal: at least 4x: {'met' if ratio >= 4 else 'not met'})")
         return 0
-    finally:
-        from benchmarks.stack import tear_down
-
-        tear_down(stack, settings, sock, tmp)
 
 
 if __name__ == "__main__":
