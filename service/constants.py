@@ -27,6 +27,9 @@ CANCELLING = "cancelling"
 # who asked, and whether it will wait held.
 REQUEUEING = "requeueing"
 REQUEUED_BY, REQUEUED_HELD_BY = "requeued by ", "requeued and held by "
+# An admin's requeuehold of another user's job: held as an admin's hold, which only an admin releases
+# ("requeued and held by an admin (root)"; it reads as a REQUEUED_HELD_BY too).
+REQUEUED_ADMIN_HELD = REQUEUED_HELD_BY + "an admin"
 # And a preemptible job stopped for a waiting job's GPUs (`--preemptible`): it is requeued the same
 # way, its reason "preempted by job 12 of alice", and is being preempted until it stopped (the job
 # it makes room for waits for "preempting", policy.PREEMPTING).
@@ -215,3 +218,7 @@ ALLOC_GATE_SECONDS = 10.0
 # What `gpuq update` changes, as the client and the server both ask for one when given none.
 UPDATE_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus, "
               "--gpu-type, --mem, --node, --exclude, --shared/--whole or --dependency")
+
+# `--cpus`, CPU cores: the kernel's least quota is 1 ms of each 100 ms period (0.01), and no node
+# has more than the most.
+MIN_CPUS, MAX_CPUS = 0.01, 4096

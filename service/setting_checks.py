@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from gpuq.service.constants import MAX_CPUS
 from gpuq.service.errors import ConfigError
-from gpuq.service.units import MAX_CPUS
 
 if TYPE_CHECKING:
     from gpuq.service.settings import Settings

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import broker, dependencies, policy
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
-from gpuq.service.constants import State
+from gpuq.service.constants import MAX_CPUS, State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
 from gpuq.service.errors import DuplicateSubmission
@@ -28,7 +28,7 @@ from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec
 from gpuq.service.submit_checks import check_pending_limit, check_submission, submitted_with
-from gpuq.service.units import AFTER_CORR, MAX_CPUS
+from gpuq.service.units import AFTER_CORR
 
 # A new job's state, as the lifecycle's table has it.
 _NEW = State.PENDING

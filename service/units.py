@@ -8,6 +8,7 @@ import signal
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from gpuq.service.constants import MAX_CPUS, MIN_CPUS
 from gpuq.service.errors import InvalidSpec
 
 MAX_ARRAY_TASKS = 10_000  # one submission; a bigger sweep is a mistake more often than a plan
@@ -35,10 +36,6 @@ def parse_mem(text: str, option: str = "--mem") -> int:
     if mib < 1:
         raise InvalidSpec(f"{option} must be at least 1M; got {text!r}")
     return mib
-
-
-# A CPU quota's finest step: the kernel's least quota is 1 ms a 100 ms period.
-MIN_CPUS, MAX_CPUS = 0.01, 4096
 
 
 def parse_cpus(text: str) -> float:
