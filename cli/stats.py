@@ -160,6 +160,15 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
         typer.echo(f"plot written to {plot}", err=as_json or as_csv)
 
 
+def _array_host_use(a: SimpleNamespace) -> list[tuple[str, str]]:
+    """An array's commands' CPU seconds, summed, and the highest peak RSS, and whose (a server from
+    before sends none; an array of workloads has none)."""
+    if getattr(a, "cpu_s", None) is None:
+        return []
+    return [("CPU", f"{a.cpu_s:.1f} s over its tasks"),
+            ("host mem", "n/a" if a.rss_peak_mib is None else f"peak {a.rss_peak_mib} MiB RSS (job {a.rss_peak_task})")]
+
+
 def _energy_idle_samples(u: SimpleNamespace) -> list[tuple[str, str]]:
     """A summary's last lines, a job's or an array's."""
     return [("energy", "n/a" if u.energy_j is None else f"{u.energy_j:.0f} J ({u.energy_j / 3.6e6:.4f} kWh)"),
@@ -183,7 +192,7 @@ def _limit_used(limit_s: int | None, used: float | None) -> str:
 
 # An array's per-task CSV columns, as sacct gives a line for each task.
 _TASK_COLUMNS = ("job_id", "index", "state", "time_limit_s", "wall_s", "gpu_hours", "utilization_mean",
-                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples")
+                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples", "cpu_s", "rss_peak_mib")
 
 
 def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:
@@ -211,5 +220,6 @@ def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:
              ("mean util", _percent(a.utilization_mean, ".1f")),
              ("memory", "n/a" if a.memory_peak_mib is None else
               f"peak {a.memory_peak_mib} MiB (job {a.memory_peak_task})"),
+             *_array_host_use(a),
              *_energy_idle_samples(a)]
     _echo(lines, a.limit_hint)

@@ -57,8 +57,8 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     """An array's tasks summed (``tasks``: each with ``job_id``, ``index``, ``state``,
     ``time_limit_s`` and, for one that started, its usage summary's fields): their states, wall
     times (mean, longest), GPU-hours, utilisation (the mean of their samples), memory peak (the
-    highest, and whose), energy and idle GPU-seconds, and the longest successful task against its
-    limit."""
+    highest, and whose), energy and idle GPU-seconds, commands' CPU seconds (summed) and peak RSS
+    (the highest, and whose), and the longest successful task against its limit."""
     started = [t for t in tasks if t.get("wall_s") is not None]
     succeeded = [t for t in started if t["state"] == State.SUCCEEDED]
     sampled = [t for t in started if t.get("utilization_mean") is not None and t.get("samples")]
@@ -67,6 +67,8 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     longest = max(started, key=lambda t: t["wall_s"], default=None)
     longest_ok = max(succeeded, key=lambda t: t["wall_s"], default=None)
     peak = max(peaks, key=lambda t: t["memory_peak_mib"], default=None)
+    cpu = [t["cpu_s"] for t in started if t.get("cpu_s") is not None]  # commands' (host_use)
+    rss = max((t for t in started if t.get("rss_peak_mib") is not None), key=lambda t: t["rss_peak_mib"], default=None)
     limits = {t["time_limit_s"] for t in tasks}
     samples = sum(t["samples"] for t in sampled)
     states = Counter(t["state"] for t in tasks)
@@ -94,6 +96,9 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "energy_j": sum(energies) if energies else None,
         "idle_s": sum(t["idle_s"] for t in started),
         "samples": sum(t.get("samples") or 0 for t in started),
+        "cpu_s": sum(cpu) if cpu else None,
+        "rss_peak_mib": rss["rss_peak_mib"] if rss else None,
+        "rss_peak_task": rss["job_id"] if rss else None,
         "limit_hint": limit_hint(longest_ok["wall_s"], longest_ok["time_limit_s"], "the longest successful task")
         if settled and longest_ok else None,
     }

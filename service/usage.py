@@ -268,7 +268,7 @@ _TASKS = select(Job.id, Job.array_index, Job.state, Job.time_limit_s, Job.name, 
 _TASKS_USAGE = select(JobUsage).join(Job, Job.id == JobUsage.job_id).where(Job.array_id == bindparam("array_id"))
 # A summary's fields that a task's line and the array's sums use.
 _TASK_FIELDS = ("wall_s", "gpu_hours", "memory_peak_mib", "memory_mean_mib", "utilization_mean", "energy_j",
-                "idle_s", "samples")
+                "idle_s", "samples", "cpu_s", "rss_peak_mib")
 
 
 def array_usage(session: Session, array_id: int, now: datetime | None = None) -> list[dict[str, Any]]:

@@ -191,3 +191,45 @@ def test_update_changes_a_pending_command_s_cpus_but_not_a_workload_s_or_a_runni
     assert out.returncode == 4 and out.stderr == (f"gpuq: job {running} is running; only a pending job's CPU cores "
                                                   "can be changed\n")
     assert run_cli(["cancel", str(held), str(workload), str(running)], s).returncode == 0
+
+
+def _fake_tree(tmp_path, monkeypatch, lines: list[str]):
+    """A cgroup file system of plain directories under ``tmp_path``, and a worker whose
+    /proc/self/cgroup reads ``lines``: the layouts this machine has not (v2, systemd's v1)."""
+    from gpuq.workers import cgroup
+
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(cgroup, "_own_lines", lambda: lines)
+    return cgroup
+
+
+def test_on_cgroup_v2_the_quota_is_cpu_max_in_the_jobs_own_cgroup_where_cpu_is_delegated(tmp_path, monkeypatch):
+    cgroup = _fake_tree(tmp_path, monkeypatch, ["0::/system.slice/gpuq.service"])
+    own = tmp_path / "system.slice" / "gpuq.service"
+    own.mkdir(parents=True)
+    (own / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    group = cgroup.JobCgroup.create("gpuq-job1", 2048, 1.5)
+    assert group is not None and group.v2 and group.cpus == 1.5 and group.cpu_path is None
+    assert (own / "gpuq-job1" / "memory.max").read_text() == str(2048 * 2**20)
+    assert (own / "gpuq-job1" / "cpu.max").read_text() == "150000 100000"
+    (own / "gpuq-job1" / "cpu.stat").write_text("usage_usec 900\nnr_periods 40\nnr_throttled 12\n"
+                                                "throttled_usec 5000\n")
+    assert group.throttled() == (40, 12)
+    # Memory delegated but not cpu: the job runs in its cgroup, its --cpus not held (its output says so).
+    (own / "cgroup.subtree_control").write_text("memory\n")
+    unheld = cgroup.JobCgroup.create("gpuq-job2", None, 1.5)
+    assert unheld is not None and unheld.cpus is None and unheld.throttled() is None
+    assert not (own / "gpuq-job2" / "cpu.max").exists()
+
+
+def test_on_systemds_cgroup_v1_the_quota_is_made_in_the_cpu_and_cpuacct_hierarchy(tmp_path, monkeypatch):
+    cgroup = _fake_tree(tmp_path, monkeypatch, ["5:cpu,cpuacct:/user.slice", "4:memory:/user.slice"])
+    (tmp_path / "memory" / "user.slice").mkdir(parents=True)
+    (tmp_path / "cpu,cpuacct" / "user.slice").mkdir(parents=True)  # systemd mounts it so, cpu a link to it
+    group = cgroup.JobCgroup.create("gpuq-job3", None, 0.25)
+    assert group is not None and not group.v2 and group.cpus == 0.25
+    held = tmp_path / "cpu,cpuacct" / "user.slice" / "gpuq-job3"
+    assert group.cpu_path == held
+    assert (held / "cpu.cfs_quota_us").read_text() == "25000" and (held / "cpu.cfs_period_us").read_text() == "100000"
+    (held / "cpu.stat").write_text("nr_periods 8\nnr_throttled 8\nthrottled_time 123456\n")
+    assert group.throttled() == (8, 8)

@@ -85,3 +85,24 @@ def test_reaping_gives_the_exit_code_as_popen_does_with_the_cpu_used(argv, code)
     assert got == proc.returncode == code
     assert proc.poll() == code  # Popen knows it ended: nothing is waited for twice
     assert cpu_s is not None and cpu_s >= 0 and rss_mib is not None and rss_mib > 0
+
+
+def test_array_stats_sum_its_commands_cpu_and_name_the_task_of_the_highest_rss(stack, tmp_path):
+    s = stack.settings
+    out = run_cli(["submit", "--parsable", "--array", "0-2", "--", sys.executable, "-c", BURN, "0"], s, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    array_id = int(out.stdout)
+    stats = run_cli(["stats", "--array", str(array_id), "--json"], s)
+    task_ids = [t["job_id"] for t in json.loads(stats.stdout)["per_task"]]
+    for job_id in task_ids:
+        assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
+    data = json.loads(run_cli(["stats", "--array", str(array_id), "--json"], s).stdout)
+    per_task = {t["job_id"]: t for t in data["per_task"]}
+    assert data["cpu_s"] == pytest.approx(sum(t["cpu_s"] for t in per_task.values())) and data["cpu_s"] >= 2.7
+    assert data["rss_peak_mib"] == max(t["rss_peak_mib"] for t in per_task.values()) >= 160
+    assert per_task[data["rss_peak_task"]]["rss_peak_mib"] == data["rss_peak_mib"]
+    text = run_cli(["stats", "--array", str(array_id)], s).stdout
+    assert f"       CPU  {data['cpu_s']:.1f} s over its tasks" in text
+    assert f"  host mem  peak {data['rss_peak_mib']} MiB RSS (job {data['rss_peak_task']})" in text
+    csv_head = run_cli(["stats", "--array", str(array_id), "--csv"], s).stdout.splitlines()[0]
+    assert csv_head.endswith(",samples,cpu_s,rss_peak_mib")
