@@ -161,12 +161,11 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
 
 
 def _array_host_use(a: SimpleNamespace) -> list[tuple[str, str]]:
-    """An array's commands' CPU seconds, summed, and the highest peak RSS, and whose (a server from
-    before sends none; an array of workloads has none)."""
+    """An array's commands' CPU seconds, summed (a server from before sends none; an array of
+    workloads has none)."""
     if getattr(a, "cpu_s", None) is None:
         return []
-    return [("CPU", f"{a.cpu_s:.1f} s over its tasks"),
-            ("host mem", "n/a" if a.rss_peak_mib is None else f"peak {a.rss_peak_mib} MiB RSS (job {a.rss_peak_task})")]
+    return [("CPU", f"{a.cpu_s:.1f} s over its tasks")]
 
 
 def _energy_idle_samples(u: SimpleNamespace) -> list[tuple[str, str]]:
@@ -192,7 +191,7 @@ def _limit_used(limit_s: int | None, used: float | None) -> str:
 
 # An array's per-task CSV columns, as sacct gives a line for each task.
 _TASK_COLUMNS = ("job_id", "index", "state", "time_limit_s", "wall_s", "gpu_hours", "utilization_mean",
-                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples", "cpu_s", "rss_peak_mib")
+                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples", "cpu_s")
 
 
 def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:

@@ -57,8 +57,8 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     """An array's tasks summed (``tasks``: each with ``job_id``, ``index``, ``state``,
     ``time_limit_s`` and, for one that started, its usage summary's fields): their states, wall
     times (mean, longest), GPU-hours, utilisation (the mean of their samples), memory peak (the
-    highest, and whose), energy and idle GPU-seconds, commands' CPU seconds (summed) and peak RSS
-    (the highest, and whose), and the longest successful task against its limit."""
+    highest, and whose), energy and idle GPU-seconds, commands' CPU seconds (summed), and the
+    longest successful task against its limit."""
     started = [t for t in tasks if t.get("wall_s") is not None]
     succeeded = [t for t in started if t["state"] == State.SUCCEEDED]
     sampled = [t for t in started if t.get("utilization_mean") is not None and t.get("samples")]
@@ -68,7 +68,6 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     longest_ok = max(succeeded, key=lambda t: t["wall_s"], default=None)
     peak = max(peaks, key=lambda t: t["memory_peak_mib"], default=None)
     cpu = [t["cpu_s"] for t in started if t.get("cpu_s") is not None]  # commands' (host_use)
-    rss = max((t for t in started if t.get("rss_peak_mib") is not None), key=lambda t: t["rss_peak_mib"], default=None)
     limits = {t["time_limit_s"] for t in tasks}
     samples = sum(t["samples"] for t in sampled)
     states = Counter(t["state"] for t in tasks)
@@ -97,8 +96,6 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_s": sum(t["idle_s"] for t in started),
         "samples": sum(t.get("samples") or 0 for t in started),
         "cpu_s": sum(cpu) if cpu else None,
-        "rss_peak_mib": rss["rss_peak_mib"] if rss else None,
-        "rss_peak_task": rss["job_id"] if rss else None,
         "limit_hint": limit_hint(longest_ok["wall_s"], longest_ok["time_limit_s"], "the longest successful task")
         if settled and longest_ok else None,
     }
@@ -110,18 +107,14 @@ def job_hint(state: str, wall_s: float | None, limit_s: int | None) -> str | Non
 
 
 def host_use(u: Any) -> list[tuple[str, str]]:
-    """A command's CPU and host memory lines of its stats (``GET /v1/jobs/ID/stats``), as seff
-    gives them: CPU seconds, the cores used on average (against its --cpus), the peak resident
-    memory of its largest process (against its --host-mem). None for a workload, an allocation, a
-    running job or a server from before them."""
-    cpu_s, rss = getattr(u, "cpu_s", None), getattr(u, "rss_peak_mib", None)
+    """A command's CPU line of its stats (``GET /v1/jobs/ID/stats``), as seff gives it: CPU seconds
+    and the cores used on average (against its --cpus). None for a workload, an allocation, a
+    running job or a server from before it."""
+    cpu_s = getattr(u, "cpu_s", None)
     if cpu_s is None:
         return []
     cores = cpu_s / u.wall_s if u.wall_s else None
     cpu = f"{cpu_s:.1f} s" + ("" if cores is None else f", {cores:.2f} cores on average")
     if cores is not None and getattr(u, "cpus", None):
         cpu += f" ({share(cores / u.cpus)} of its --cpus {u.cpus:g})"
-    memory = "n/a" if rss is None else f"peak {rss} MiB RSS (its largest process)"
-    if rss is not None and getattr(u, "host_mem_mib", None):
-        memory += f" of its --host-mem {u.host_mem_mib} MiB"
-    return [("CPU", cpu), ("host mem", memory)]
+    return [("CPU", cpu)]

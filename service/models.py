@@ -392,10 +392,9 @@ class JobUsage(Base):
     # The GPUs it ran on (their indices on its node, rank order), as sacct keeps a job's: its
     # allocation rows go when it ends. None where its worker did not say (a summary summed later).
     gpu_indices: Mapped[list[int] | None] = mapped_column(JSON)
-    # A command's host use, as its worker reaped it (sacct's TotalCPU and MaxRSS): CPU seconds of its
-    # processes that were waited for, and the largest one's peak resident memory; None: not known.
+    # A command's CPU seconds, as its worker reaped it (sacct's TotalCPU): its processes that were
+    # waited for, user and system time; None: not known (a workload, an allocation, a lost worker).
     cpu_s: Mapped[float | None] = mapped_column(Float)
-    rss_peak_mib: Mapped[int | None] = mapped_column(Integer)
 
 
 class EarlierAttempt(Base):

@@ -184,7 +184,7 @@ def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]
                 energy_j=t.energy_j if t.samples else None, idle_s=min(t.idle_seconds, wall * charged),
                 samples=t.samples,
                 gpu_indices=list(getattr(job, "gpu_indices", ())) or None, recorded_at=utcnow(),
-                cpu_s=getattr(job, "cpu_s", None), rss_peak_mib=getattr(job, "rss_peak_mib", None))
+                cpu_s=getattr(job, "cpu_s", None))
 
 
 @dataclass(frozen=True)
@@ -202,10 +202,9 @@ class Ended:
     # The GPUs it ran on, by index on its node, in rank order (kept in its summary: its allocation
     # goes with its end).
     gpu_indices: tuple[int, ...] = ()
-    # A command's CPU seconds and its largest process's peak resident memory (MiB), as its worker
-    # reaped it (workers/command.py); None: not known (a workload, an allocation, a lost worker).
+    # A command's CPU seconds, as its worker reaped it (workers/command.py); None: not known (a
+    # workload, an allocation, a lost worker).
     cpu_s: float | None = None
-    rss_peak_mib: int | None = None
 
 
 def record_usage(session: Session, job_id: int, ended: Ended | None = None,
@@ -268,7 +267,7 @@ _TASKS = select(Job.id, Job.array_index, Job.state, Job.time_limit_s, Job.name, 
 _TASKS_USAGE = select(JobUsage).join(Job, Job.id == JobUsage.job_id).where(Job.array_id == bindparam("array_id"))
 # A summary's fields that a task's line and the array's sums use.
 _TASK_FIELDS = ("wall_s", "gpu_hours", "memory_peak_mib", "memory_mean_mib", "utilization_mean", "energy_j",
-                "idle_s", "samples", "cpu_s", "rss_peak_mib")
+                "idle_s", "samples", "cpu_s")
 
 
 def array_usage(session: Session, array_id: int, now: datetime | None = None) -> list[dict[str, Any]]:

@@ -127,9 +127,8 @@ def test_job_page_of_a_pending_job_says_why_it_waits_and_a_failed_one_shows_its_
     assert "<script>" not in html and f"Job {j.failed}: {escape(XSS_NAME)}" in html
     assert "about to fail" in html.split("<h2>Output</h2>", 1)[1]
     assert "<th>exit code</th><td>3</td>" in html
-    # A command's host use, as `gpuq stats ID` gives it.
+    # A command's CPU time, as `gpuq stats ID` gives it.
     assert re.search(r"<th>CPU</th><td>[0-9.]+ s, [0-9.]+ cores on average</td>", html), html
-    assert re.search(r"<th>host mem</th><td>peak [0-9]+ MiB RSS \(its largest process\)</td>", html)
 
 
 def test_job_page_shows_no_output_by_default_only_whose_it_is_and_how_they_read_it(ran, dash):

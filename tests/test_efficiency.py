@@ -76,21 +76,19 @@ def test_an_array_none_of_whose_tasks_started_sums_to_nothing_and_several_limits
     assert (a["time_limit_s"], a["time_limits"], a["gpu_hours"], a["limit_hint"]) == (None, 2, 0, None)
 
 
-def test_an_arrays_commands_cpu_is_summed_and_its_highest_rss_named_and_a_workloads_array_has_none():
-    tasks = [task(1) | dict(cpu_s=12.5, rss_peak_mib=300), task(2) | dict(cpu_s=7.5, rss_peak_mib=900),
-             task(3, State.RUNNING) | dict(cpu_s=None, rss_peak_mib=None), task(4, wall=None)]
-    a = efficiency.array_summary(tasks)
-    assert (a["cpu_s"], a["rss_peak_mib"], a["rss_peak_task"]) == (20.0, 900, 2)
-    workloads = efficiency.array_summary([task(1), task(2)])
-    assert (workloads["cpu_s"], workloads["rss_peak_mib"], workloads["rss_peak_task"]) == (None, None, None)
+def test_an_arrays_commands_cpu_is_summed_and_a_workloads_array_has_none():
+    tasks = [task(1) | dict(cpu_s=12.5), task(2) | dict(cpu_s=7.5), task(3, State.RUNNING) | dict(cpu_s=None),
+             task(4, wall=None)]
+    assert efficiency.array_summary(tasks)["cpu_s"] == 20.0
+    assert efficiency.array_summary([task(1), task(2)])["cpu_s"] is None
 
 
-def test_a_jobs_host_use_lines_read_its_cores_against_its_cpus_and_its_rss_against_its_host_mem():
+def test_a_jobs_cpu_line_reads_its_cores_against_its_cpus():
     from types import SimpleNamespace
 
-    u = SimpleNamespace(cpu_s=30.0, rss_peak_mib=512, wall_s=20.0, cpus=3.0, host_mem_mib=2048)
-    assert efficiency.host_use(u) == [("CPU", "30.0 s, 1.50 cores on average (50% of its --cpus 3)"),
-                                      ("host mem", "peak 512 MiB RSS (its largest process) of its --host-mem 2048 MiB")]
-    bare = SimpleNamespace(cpu_s=0.5, rss_peak_mib=None, wall_s=0.0, cpus=None, host_mem_mib=None)
-    assert efficiency.host_use(bare) == [("CPU", "0.5 s"), ("host mem", "n/a")]
+    u = SimpleNamespace(cpu_s=30.0, wall_s=20.0, cpus=3.0)
+    assert efficiency.host_use(u) == [("CPU", "30.0 s, 1.50 cores on average (50% of its --cpus 3)")]
+    assert efficiency.host_use(SimpleNamespace(cpu_s=30.0, wall_s=20.0, cpus=None)) == [
+        ("CPU", "30.0 s, 1.50 cores on average")]
+    assert efficiency.host_use(SimpleNamespace(cpu_s=0.5, wall_s=0.0, cpus=None)) == [("CPU", "0.5 s")]
     assert efficiency.host_use(SimpleNamespace(wall_s=10.0)) == []  # a server from before, or a workload

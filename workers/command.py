@@ -50,11 +50,11 @@ class CommandOutcome:
     over_limit_mib: int | None = None
     # Processes of the job still alive after everything was done to stop them (their pids).
     leftover: tuple[int, ...] = ()
-    # The CPU seconds of its main process and every process of it that was waited for (the kernel's
-    # rusage of a reaped child: a process orphaned to init is not counted), and the peak resident
-    # memory of the largest of them, MiB (sacct's TotalCPU and MaxRSS); None where not known.
+    # The CPU seconds, user and system, of its main process and every process of it that was waited
+    # for (the kernel's rusage of a reaped child: a process orphaned to init is not counted; sacct's
+    # TotalCPU). Not its peak memory: a child forked from the worker carries the worker's resident
+    # size into its ru_maxrss, so a small job's would read as the worker's.
     cpu_s: float | None = None
-    rss_peak_mib: int | None = None
 
 
 class CannotStart(Exception):
@@ -239,25 +239,24 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
         # The job is over when its main process is: anything it left behind is stopped too (SLURM
         # does the same), or it would hold the GPU while gpuq hands it to the next job.
         stop_tree(proc.pid, grace, found)
-        code, cpu_s, rss_peak_mib = _reap(proc)  # from here on, nothing is sent to its process group
+        code, cpu_s = _reap(proc)  # from here on, nothing is sent to its process group
         for reader in readers:
             reader.join(timeout=5)
         leftover = verify_gone(found, verify_within, None, cgroup)
         oom = over_limit is not None or (cgroup is not None and cgroup.oom_kills() > oom_before)
         return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, over_limit_mib=over_limit,
-                              leftover=tuple(leftover), cpu_s=cpu_s, rss_peak_mib=rss_peak_mib)
+                              leftover=tuple(leftover), cpu_s=cpu_s)
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, float | None, int | None]:
-    """Reap the job's ended main process: its exit code as Popen gives it (-N for signal N), and what
-    the kernel counted of it and its waited-for descendants: CPU seconds, user and system, and the
-    largest one's peak resident memory in MiB (``ru_maxrss`` is KiB on Linux)."""
+def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, float | None]:
+    """Reap the job's ended main process: its exit code as Popen gives it (-N for signal N), and the
+    CPU seconds, user and system, the kernel counted of it and its waited-for descendants."""
     try:
         _, status, used = os.wait4(proc.pid, 0)
-    except ChildProcessError:  # reaped already (it never is here): its code without its usage
-        return proc.wait(), None, None
+    except ChildProcessError:  # reaped already (it never is here): its code without its CPU time
+        return proc.wait(), None
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, used.ru_utime + used.ru_stime, used.ru_maxrss // 1024
+    return proc.returncode, used.ru_utime + used.ru_stime
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

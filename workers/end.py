@@ -38,10 +38,9 @@ HOST_USE = "host_use"
 
 @dataclass(frozen=True)
 class HostUse:
-    """A command's CPU seconds and its largest process's peak resident memory, MiB (``CommandOutcome``'s)."""
+    """A command's CPU seconds (``CommandOutcome``'s)."""
 
     cpu_s: float | None
-    rss_peak_mib: int | None
 
 
 def host_use_of(end: dict[str, Any]) -> tuple[dict[str, Any], HostUse | None]:
@@ -153,7 +152,7 @@ def ended_of(job: JobRun, now: datetime, host: HostUse | None = None) -> usage.E
     """What this worker knows of a job it ended, for its usage summary (``host``: what its
     processes used of the host, where it knows)."""
     return usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before, job.gpu_share,
-                       job.gpu_indices, *((host.cpu_s, host.rss_peak_mib) if host is not None else ()))
+                       job.gpu_indices, host.cpu_s if host is not None else None)
 
 
 def _take_next(state: WorkerState, session: Session) -> tuple[Any, str] | None:

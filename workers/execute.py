@@ -125,7 +125,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             note_throttled(cgroup, sink)
             cgroup.remove()
     drain_if_left(state, job, outcome.leftover)
-    used = {HOST_USE: HostUse(outcome.cpu_s, outcome.rss_peak_mib)} if outcome.cpu_s is not None else {}
+    used = {HOST_USE: HostUse(outcome.cpu_s)} if outcome.cpu_s is not None else {}
     if outcome.cancelled:
         return stopped_end(state, job, watcher) | used
     if outcome.exit_code == 0:

@@ -1,5 +1,5 @@
-"""A command's host use in its usage summary (sacct's TotalCPU and MaxRSS): the CPU seconds of its
-processes and the largest one's peak resident memory, as its worker reaped it.
+"""A command's CPU time in its usage summary (sacct's TotalCPU): the CPU seconds of its processes,
+as its worker reaped it.
 
 Revision ID: 0030
 Revises: 0029
@@ -17,10 +17,8 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column("job_usage", sa.Column("cpu_s", sa.Float(), nullable=True))
-    op.add_column("job_usage", sa.Column("rss_peak_mib", sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("job_usage") as batch:
-        batch.drop_column("rss_peak_mib")
         batch.drop_column("cpu_s")
