@@ -51,6 +51,11 @@ def stop_outside_a_transaction(proc: psutil.Process, database: str, tries: int =
     test of what a stopped worker's peers do would then wait on those locks instead."""
     for _ in range(tries):
         proc.suspend()
+        # SIGSTOP takes effect when the kernel next schedules it: probed before that, a loaded
+        # machine let it begin a transaction after the probe (a submit then waited on its lock).
+        deadline = time.monotonic() + 5
+        while proc.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) and time.monotonic() < deadline:
+            time.sleep(0.001)
         if not _in_transaction(proc, database):
             return
         proc.resume()
