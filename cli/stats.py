@@ -153,14 +153,14 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
                  ("memory", f"peak {_num(u.memory_peak_mib, 'd')} MiB"
                   + (f" of its {u.share_mib} MiB share" if getattr(u, "share_mib", None) else "")
                   + f", mean {_num(u.memory_mean_mib, '.0f')} MiB"),
-                 *efficiency.host_use(u),
+                 *efficiency.cpu_use(u),
                  *_energy_idle_samples(u)]
         _echo(lines, u.limit_hint)
     if plot:
         typer.echo(f"plot written to {plot}", err=as_json or as_csv)
 
 
-def _array_host_use(a: SimpleNamespace) -> list[tuple[str, str]]:
+def _array_cpu_use(a: SimpleNamespace) -> list[tuple[str, str]]:
     """An array's commands' CPU seconds, summed (a server from before sends none; an array of
     workloads has none)."""
     if getattr(a, "cpu_s", None) is None:
@@ -219,6 +219,6 @@ def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:
              ("mean util", _percent(a.utilization_mean, ".1f")),
              ("memory", "n/a" if a.memory_peak_mib is None else
               f"peak {a.memory_peak_mib} MiB (job {a.memory_peak_task})"),
-             *_array_host_use(a),
+             *_array_cpu_use(a),
              *_energy_idle_samples(a)]
     _echo(lines, a.limit_hint)

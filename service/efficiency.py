@@ -67,7 +67,7 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     longest = max(started, key=lambda t: t["wall_s"], default=None)
     longest_ok = max(succeeded, key=lambda t: t["wall_s"], default=None)
     peak = max(peaks, key=lambda t: t["memory_peak_mib"], default=None)
-    cpu = [t["cpu_s"] for t in started if t.get("cpu_s") is not None]  # commands' (host_use)
+    cpu = [t["cpu_s"] for t in started if t.get("cpu_s") is not None]  # commands' (cpu_use)
     limits = {t["time_limit_s"] for t in tasks}
     samples = sum(t["samples"] for t in sampled)
     states = Counter(t["state"] for t in tasks)
@@ -106,7 +106,7 @@ def job_hint(state: str, wall_s: float | None, limit_s: int | None) -> str | Non
     return limit_hint(wall_s, limit_s) if state == State.SUCCEEDED else None
 
 
-def host_use(u: Any) -> list[tuple[str, str]]:
+def cpu_use(u: Any) -> list[tuple[str, str]]:
     """A command's CPU line of its stats (``GET /v1/jobs/ID/stats``), as seff gives it: CPU seconds
     and the cores used on average (against its --cpus). None for a workload, an allocation, a
     running job or a server from before it."""

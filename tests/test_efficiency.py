@@ -87,8 +87,8 @@ def test_a_jobs_cpu_line_reads_its_cores_against_its_cpus():
     from types import SimpleNamespace
 
     u = SimpleNamespace(cpu_s=30.0, wall_s=20.0, cpus=3.0)
-    assert efficiency.host_use(u) == [("CPU", "30.0 s, 1.50 cores on average (50% of its --cpus 3)")]
-    assert efficiency.host_use(SimpleNamespace(cpu_s=30.0, wall_s=20.0, cpus=None)) == [
+    assert efficiency.cpu_use(u) == [("CPU", "30.0 s, 1.50 cores on average (50% of its --cpus 3)")]
+    assert efficiency.cpu_use(SimpleNamespace(cpu_s=30.0, wall_s=20.0, cpus=None)) == [
         ("CPU", "30.0 s, 1.50 cores on average")]
-    assert efficiency.host_use(SimpleNamespace(cpu_s=0.5, wall_s=0.0, cpus=None)) == [("CPU", "0.5 s")]
-    assert efficiency.host_use(SimpleNamespace(wall_s=10.0)) == []  # a server from before, or a workload
+    assert efficiency.cpu_use(SimpleNamespace(cpu_s=0.5, wall_s=0.0, cpus=None)) == [("CPU", "0.5 s")]
+    assert efficiency.cpu_use(SimpleNamespace(wall_s=10.0)) == []  # a server from before, or a workload

@@ -25,7 +25,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
-from gpuq.workers.end import HOST_USE, HostUse, drain_if_left, stopped_end
+from gpuq.workers.end import CPU_S, drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.job_processes import cgroup_prefix, worker_mark
@@ -125,7 +125,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             note_throttled(cgroup, sink)
             cgroup.remove()
     drain_if_left(state, job, outcome.leftover)
-    used = {HOST_USE: HostUse(outcome.cpu_s)} if outcome.cpu_s is not None else {}
+    used = {CPU_S: outcome.cpu_s} if outcome.cpu_s is not None else {}
     if outcome.cancelled:
         return stopped_end(state, job, watcher) | used
     if outcome.exit_code == 0:
