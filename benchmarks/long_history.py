@@ -6,7 +6,8 @@ as a lab's database holds after months of arrays.
 
 It writes the jobs straight into a new database (SQLite in a temporary directory, or with
 --database a PostgreSQL server's URL, on which it makes and drops a database of its own), as
-succeeded jobs of seven users spread over the last six days, then starts a stack (a server, a
+succeeded jobs of seven users spread over the last six days, each with its usage summary (a
+command's, with its CPU seconds, as a worker writes it at the end), then starts a stack (a server, a
 scheduler, 2 workers on simulated GPUs) and times each command as a whole process, as a user runs
 it (p50 of --runs), and the scrape as one request over the server's socket. `gpuq stats` covers
 the last seven days, so every job. Figures are printed; nothing is asserted.
@@ -33,11 +34,11 @@ DAYS = 6
 
 
 def fill(settings, n: int) -> float:
-    """``n`` succeeded jobs, the newest ending now; the seconds it took."""
-    from sqlalchemy import insert
+    """``n`` succeeded jobs, the newest ending now, each with its usage summary; the seconds it took."""
+    from sqlalchemy import insert, literal, select
 
     from gpuq.service.db import write_scope
-    from gpuq.service.models import Job, utcnow
+    from gpuq.service.models import Job, JobUsage, utcnow
 
     t0 = time.perf_counter()
     now, step = utcnow(), timedelta(days=DAYS) / n
@@ -51,6 +52,10 @@ def fill(settings, n: int) -> float:
                              ended_at=ended, exit_code=0, attempts=[]))
         with write_scope(settings) as session:
             session.execute(insert(Job), rows)
+    with write_scope(settings) as session:
+        columns = ("job_id", "wall_s", "gpu_hours", "idle_s", "samples", "cpu_s", "recorded_at")
+        session.execute(insert(JobUsage).from_select(columns, select(
+            Job.id, literal(3.0), literal(3.0 / 3600), literal(0.0), literal(3), literal(2.5), Job.ended_at)))
     return time.perf_counter() - t0
 
 
@@ -64,6 +69,7 @@ def analyze(settings) -> None:
 
     with write_scope(settings) as session:
         session.execute(text("ANALYZE jobs"))
+        session.execute(text("ANALYZE job_usage"))
 
 
 def main() -> int:

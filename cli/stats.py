@@ -22,7 +22,8 @@ from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
 
-_COLUMNS = ("jobs", "gpu_hours", "utilization_mean", "energy_j", "idle_hours")
+# cpu_hours last: a script that reads the CSV by position keeps its columns.
+_COLUMNS = ("jobs", "gpu_hours", "utilization_mean", "energy_j", "idle_hours", "cpu_hours")
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -49,7 +50,7 @@ def stats(
     rollup: Annotated[bool, typer.Option("--rollup", help="Roll raw samples past retention into "
                                                           "1-minute aggregates, and do nothing else.")] = False,
 ) -> None:
-    """GPU-hours, jobs, mean utilisation and energy per user and node; or one job's summary."""
+    """GPU-hours, jobs, mean utilisation, energy and CPU-hours per user and node; or one job's summary."""
     if as_json and as_csv:
         raise InvalidSpec("--json and --csv cannot be used together: pick one")
     if rollup and (job_id is not None or array is not None or as_json or as_csv or plot):
@@ -106,17 +107,19 @@ def _report_tables(rep: dict[str, list[SimpleNamespace]], start: datetime | None
     console.print(f"from {timestamp(start)} to {timestamp(end)}")
     for part, title in (("users", "USER"), ("nodes", "NODE")):
         t = Table(box=None, header_style="bold", title_justify="left")
-        for col in (title, "JOBS", "GPU-HOURS", "MEAN UTIL", "ENERGY kWh", "IDLE GPU-HOURS"):
+        for col in (title, "JOBS", "GPU-HOURS", "MEAN UTIL", "ENERGY kWh", "IDLE GPU-HOURS", "CPU-HOURS"):
             t.add_column(col, justify="left" if col == title else "right")
         for r in rep[part]:
             t.add_row(r.name, str(r.jobs), f"{r.gpu_hours:.2f}", _percent(r.utilization_mean, ".0f"),
-                      f"{r.energy_j / 3.6e6:.3f}", f"{r.idle_hours:.2f}")
+                      f"{r.energy_j / 3.6e6:.3f}", f"{r.idle_hours:.2f}", f"{r.cpu_hours:.2f}")
         console.print()
         console.print(t if rep[part] else f"no {part} with GPU use in this period")
         if part == "nodes" and rep[part]:
             # The same columns, counted otherwise: a node's are every GPU of it, busy or not.
             console.print("per node, MEAN UTIL, ENERGY and IDLE GPU-HOURS count all its GPUs' samples, idle GPUs "
                           "included; per user, only their jobs'")
+            console.print("CPU-HOURS are the CPU time of commands that ended in the period (built-in workloads' "
+                          "and allocations' are not known)")
 
 
 def gpu_names(gpus: dict[str, dict[str, Any]]) -> dict[int, str]:

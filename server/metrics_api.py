@@ -1,6 +1,7 @@
 """GET /v1/metrics: what a Prometheus exporter needs, as JSON (the dashboard's /metrics is built
 from it): every GPU now with its UUID and sampled energy, jobs by state and user, pending jobs by
-reason, and the queue-wait and run-time histograms at the bounds the caller asks for.
+reason, each user's CPU seconds of ended commands, and the queue-wait and run-time histograms at
+the bounds the caller asks for.
 
 Only what every user may see (states, users, reasons, resources, times): no output, diff or
 environment value, whoever asks.
@@ -67,6 +68,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
                                   .group_by(Job.reason)).all()
         wait = settled.histogram(session, "wait", wait_le, now)
         duration = settled.histogram(session, "duration", duration_le, now)
+        cpu = settled.cpu(session, now)
     out_gpus = []
     for d in devices:
         gpu_id, uuid = ids.get((d.node, d.index), (None, None))
@@ -74,6 +76,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
     return {"gpus": out_gpus,
             "jobs": [{"state": s, "user": u, "count": n} for (s, u), n in by_state_user],
             "pending": [{"reason": r, "count": n} for r, n in pending],
+            "cpu": [{"user": u, "cpu_s": s} for u, s in sorted(cpu.items())],
             "wait": wait, "duration": duration}
 
 

@@ -1,9 +1,11 @@
-"""Accounting over a period, as SLURM's sreport does it: GPU-hours, jobs, mean utilisation and
-energy per user and per node; and the time series that the plots draw.
+"""Accounting over a period, as SLURM's sreport does it: GPU-hours, jobs, mean utilisation,
+energy and CPU-hours per user and per node; and the time series that the plots draw.
 
 GPU-hours are allocated time (a job's wall time in the period times its GPUs); utilisation and
 energy come from the device samples. Per user they cover the samples of the user's jobs; per node,
-every sample of the node's GPUs, idle ones included.
+every sample of the node's GPUs, idle ones included. CPU-hours are what commands used (sacct's
+TotalCPU, not an allocation's cores times its time), known once a command has ended: a job's count
+in the period whose end falls in it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, literal, or_, select
+from sqlalchemy import and_, case, func, literal, or_, select
 from sqlalchemy.orm import Session
 
 from gpuq.service.dialect import epoch_seconds, greatest, least, seconds_between
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Job, UTCDateTime, utcnow
+from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Job, JobUsage, UTCDateTime, utcnow
 from gpuq.service.samples import floor_minute
 from gpuq.service.usage import Totals, by_node, by_user, totals
 
@@ -68,6 +70,8 @@ class UsageRow:
     utilization_mean: float | None
     energy_j: float
     idle_hours: float
+    # Its commands' CPU time, of those that ended in the period (a workload's or an allocation's is not known).
+    cpu_hours: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -85,28 +89,32 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     end = least(func.coalesce(Job.ended_at, at_now), at_until, session)
     gpu_s = greatest(seconds_between(end, start, session), 0.0, session) * Job.gpus * func.coalesce(Job.gpu_share, 1.0)
     ran = (Job.started_at.is_not(None), Job.started_at < until, or_(Job.ended_at.is_(None), Job.ended_at > since))
+    # A command's CPU seconds, counted whole where its end falls (known only then, from its reaped
+    # process); a job that ended in the period ran in it, so the same pass sums them.
+    cpu_s = case((and_(Job.ended_at >= since, Job.ended_at < until), JobUsage.cpu_s), else_=None)
     # One pass grouped by user and node together (a few rows), added up each way here: a pass per
-    # grouping worked out every job's seconds twice. The earlier attempts of jobs that ran again
-    # add their GPU time (not a job each).
-    alloc: dict[str, dict[str, tuple[int, float]]] = {"users": {}, "nodes": {}}
+    # grouping worked out every job's seconds twice (and a pass of its own for the CPU seconds
+    # was a fifth more). The earlier attempts of jobs that ran again add their GPU time (not a job each).
+    alloc: dict[str, dict[str, tuple[int, float, float]]] = {"users": {}, "nodes": {}}
     node = func.coalesce(Job.node, "-")
     a = EarlierAttempt
     a_start, a_end = greatest(a.started_at, at_since, session), least(a.ended_at, at_until, session)
     a_seconds = greatest(seconds_between(a_end, a_start, session), 0.0, session) * a.charged
-    by_job = select(Job.user, node, func.count(), func.sum(gpu_s)).where(*ran).group_by(Job.user, node)
-    by_attempt = (select(a.user, func.coalesce(a.node, "-"), literal(0), func.sum(a_seconds))
+    by_job = (select(Job.user, node, func.count(), func.sum(gpu_s), func.sum(cpu_s))
+              .outerjoin(JobUsage, JobUsage.job_id == Job.id).where(*ran).group_by(Job.user, node))
+    by_attempt = (select(a.user, func.coalesce(a.node, "-"), literal(0), func.sum(a_seconds), literal(0.0))
                   .where(a.started_at < until, a.ended_at > since).group_by(a.user, a.node))
-    for user, node_name, jobs, seconds in [*session.execute(by_job), *session.execute(by_attempt)]:
+    for user, node_name, jobs, seconds, cpu in [*session.execute(by_job), *session.execute(by_attempt)]:
         for part, name in (("users", user), ("nodes", node_name)):
-            had_jobs, had_seconds = alloc[part].get(name, (0, 0.0))
-            alloc[part][name] = (had_jobs + jobs, had_seconds + float(seconds or 0.0))
+            had_jobs, had_seconds, had_cpu = alloc[part].get(name, (0, 0.0, 0.0))
+            alloc[part][name] = (had_jobs + jobs, had_seconds + float(seconds or 0.0), had_cpu + float(cpu or 0.0))
     out = {}
     for part, group in (("users", by_user), ("nodes", by_node)):
         sampled = totals(session, group, since=since, until=until)
         rows = []
         for name in sorted(set(alloc[part]) | set(sampled)):
             t = sampled.get(name, Totals())
-            jobs, seconds = alloc[part].get(name, (0, 0.0))
+            jobs, seconds, cpu = alloc[part].get(name, (0, 0.0, 0.0))
             idle = t.idle_seconds
             if part == "users":
                 # A job's first sample covers the interval before it, which can start before the
@@ -114,7 +122,7 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
                 idle = min(idle, seconds)
             rows.append(UsageRow(name=name, jobs=jobs, gpu_hours=seconds / 3600.0,
                                  utilization_mean=t.utilization_mean, energy_j=t.energy_j,
-                                 idle_hours=idle / 3600.0))
+                                 idle_hours=idle / 3600.0, cpu_hours=cpu / 3600.0))
         out[part] = sorted(rows, key=lambda r: (-r.gpu_hours, r.name))
     return out
 

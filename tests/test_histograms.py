@@ -14,7 +14,7 @@ from gpuq.service import constants as c
 from gpuq.service import spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
-from gpuq.service.models import Job, utcnow
+from gpuq.service.models import Job, JobUsage, utcnow
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,3 +119,41 @@ def test_the_jobs_by_state_and_user_are_always_what_counting_every_job_gives(set
         assert counted(settings, settled, when) == every_job_by_state_and_user(settings)
     assert sum(settled.counted.counts.values()) == 4
     assert counted(settings, Settled(), now + timedelta(hours=2)) == every_job_by_state_and_user(settings)
+
+
+def cpu_of_every_job(settings) -> dict:
+    with write_scope(settings) as session:
+        return {u: pytest.approx(t) for u, t in session.execute(
+            select(Job.user, func.sum(JobUsage.cpu_s)).join(JobUsage, JobUsage.job_id == Job.id)
+            .where(JobUsage.cpu_s.is_not(None), Job.state.in_(c.END_STATES)).group_by(Job.user))}
+
+
+def used(settings, job_id: int, cpu_s: float | None, user: str = "ann") -> None:
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(user=user))
+        session.add(JobUsage(job_id=job_id, wall_s=1.0, gpu_hours=0.0, idle_s=0.0, samples=0, cpu_s=cpu_s))
+
+
+def test_each_users_cpu_seconds_are_always_what_summing_every_ended_command_gives(settings):
+    now = utcnow()
+    ago = lambda **kw: now - timedelta(**kw)  # noqa: E731
+    used(settings, job(settings, submitted=ago(hours=3), started=ago(hours=3), ended=ago(hours=2)), 12.5)
+    used(settings, job(settings, submitted=ago(hours=3), started=ago(hours=3), ended=ago(hours=2)), 0.0, "bob")
+    used(settings, job(settings, submitted=ago(hours=3), started=ago(hours=3), ended=ago(hours=2)), None, "cy")
+    running = job(settings, submitted=ago(minutes=3), started=ago(minutes=2), ended=None, state=State.RUNNING)
+    settled = Settled()
+
+    def cpu(when: datetime, settled: Settled = settled) -> dict:
+        with write_scope(settings) as session:
+            return settled.cpu(session, when)
+
+    assert cpu(now) == cpu_of_every_job(settings) == {"ann": 12.5, "bob": 0.0}  # a user who used none is there
+    # The running job ends with its CPU time, and one more ends late (inside SETTLE); then the line passes them.
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == running).values(state=State.SUCCEEDED, ended_at=now))
+    used(settings, running, 3.0)
+    used(settings, job(settings, submitted=ago(minutes=9), started=ago(minutes=8), ended=ago(minutes=6)), 4.0, "bob")
+    for when in (now + timedelta(seconds=30), now + timedelta(hours=2)):
+        assert cpu(when) == cpu_of_every_job(settings) == {"ann": 15.5, "bob": 4.0}
+    assert settled.summed_cpu.seconds == {"ann": 15.5, "bob": 4.0}
+    assert cpu(now + timedelta(hours=2), Settled()) == cpu_of_every_job(settings)

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from gpuq.service.db import write_scope
 from gpuq.service.device_status import device_status
-from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job
+from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage
 from gpuq.web.metrics import WAIT_BUCKETS
 from tests.dashboard_stack import stack_with_jobs
 
@@ -48,6 +48,20 @@ def test_jobs_by_state_and_user_equal_the_jobs_table(ran, dash):
     share = {s.labels["user"]: s.value for s in samples(families["gpuq_user_fairshare_gpu_hours"])}
     assert set(share) == {user for _, user in expected} and all(v >= 0 for v in share.values())
     assert any(v > 0 for v in share.values())  # the jobs that ran
+
+
+def test_each_users_cpu_seconds_are_a_counter_equal_to_their_ended_commands_in_sql(ran, dash):
+    st, jobs = ran
+    families = scrape(dash)
+    with write_scope(st.settings) as session:
+        expected = {user: pytest.approx(seconds) for user, seconds in session.execute(
+            select(Job.user, func.sum(JobUsage.cpu_s)).join(JobUsage, JobUsage.job_id == Job.id)
+            .where(JobUsage.cpu_s.is_not(None)).group_by(Job.user))}
+        failed_cpu = session.scalar(select(JobUsage.cpu_s).where(JobUsage.job_id == jobs.failed))
+    cpu = families["gpuq_user_cpu_seconds"]
+    assert cpu.type == "counter"
+    assert {s.labels["user"]: s.value for s in samples(cpu, "gpuq_user_cpu_seconds_total")} == expected
+    assert failed_cpu is not None and failed_cpu > 0  # the failed command's python counted; the workloads have none
 
 
 def test_queue_wait_and_duration_histograms_count_the_jobs_that_started_and_ended(ran, dash):

@@ -105,8 +105,9 @@ def test_stats_reports_users_and_nodes_as_json_and_csv(recorded):
     assert [n["name"] for n in data["nodes"]] == ["testnode"]
     rows = list(csv.DictReader(io.StringIO(invoke("stats", "--since", "1h", "--csv").output)))
     assert {(r["by"], r["name"]) for r in rows} == {("user", "ann"), ("user", "bob"), ("node", "testnode")}
+    assert all(r["cpu_hours"] == "0.0" for r in rows)  # no command of theirs ended with its CPU time
     table = invoke("stats").output
-    assert "GPU-HOURS" in table
+    assert "GPU-HOURS" in table and "CPU-HOURS" in table
     # A node's figures count its idle GPUs too, a user's only their jobs': said under the table.
     assert "per node, MEAN UTIL, ENERGY and IDLE GPU-HOURS count all its GPUs' samples, idle GPUs included" in table
 

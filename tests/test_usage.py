@@ -147,6 +147,25 @@ def test_report_counts_gpu_hours_in_the_period_per_user_and_node(settings):
     assert [r.name for r in rep["users"]] == ["bob", "ann"]  # most GPU-hours first
 
 
+def test_report_counts_the_cpu_hours_of_commands_that_ended_in_the_period_per_user_and_node(settings):
+    def used(session, job_id: int, cpu_s: float | None) -> None:
+        session.add(JobUsage(job_id=job_id, wall_s=1.0, gpu_hours=0.0, idle_s=0.0, samples=0, cpu_s=cpu_s))
+
+    with write_scope(settings) as s:
+        used(s, add_job(s, "ann", "n1", NOW - timedelta(hours=3), NOW - timedelta(hours=1)), 1800.0)
+        used(s, add_job(s, "ann", "n2", NOW - timedelta(hours=1), NOW - timedelta(minutes=30)), 3600.0)
+        used(s, add_job(s, "bob", "n2", NOW - timedelta(hours=4), NOW - timedelta(hours=3)), 7200.0)  # ended before
+        used(s, add_job(s, "bob", "n2", NOW - timedelta(hours=1), NOW - timedelta(minutes=10)), None)  # a workload
+        add_job(s, "cy", "n1", NOW - timedelta(hours=1), None)  # running: not known yet
+    with write_scope(settings) as s:
+        rep = accounting.report(s, NOW - timedelta(hours=2), NOW, NOW)
+    users = {r.name: r.cpu_hours for r in rep["users"]}
+    nodes = {r.name: r.cpu_hours for r in rep["nodes"]}
+    assert users == {"ann": pytest.approx(1.5), "bob": 0.0, "cy": 0.0}
+    assert nodes == {"n1": pytest.approx(0.5), "n2": pytest.approx(1.0)}
+    assert rep["users"][0].as_dict()["cpu_hours"] >= 0
+
+
 def test_rollup_turns_old_samples_into_minutes_keeping_sums_and_maxima(settings):
     old = NOW - timedelta(days=settings.sample_retention_days, minutes=10)
     with write_scope(settings) as s:

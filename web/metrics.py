@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
 from gpuq.cli.client import Client
@@ -52,6 +52,11 @@ class GpuqCollector:
         for u in self.api.get("/share")["users"]:
             share.add_metric([u["user"]], u["gpu_hours"])
         yield share
+        cpu = CounterMetricFamily("gpuq_user_cpu_seconds", "CPU time used by each user's commands that ended "
+                                  "(sacct's TotalCPU: a command's processes that were waited for).", labels=["user"])
+        for row in m["cpu"]:
+            cpu.add_metric([row["user"]], row["cpu_s"])
+        yield cpu
         yield _histogram("gpuq_job_queue_wait_seconds", "Time from submission to start, of every job that started.",
                          m["wait"])
         yield _histogram("gpuq_job_duration_seconds", "Run time (start to end) of every job that ended after starting.",

@@ -189,7 +189,7 @@ def _device_plots(series: list[dict[str, Any]], names: dict[int, str], j: Simple
 
 
 def usage_page(api: Client, period: str) -> str:
-    """GPU-hours, jobs, mean utilisation and energy per user and per node over the last day or week
+    """GPU-hours, jobs, mean utilisation, energy and CPU-hours per user and per node over the last day or week
     (`gpuq stats --since 1d` / `7d`), with each user's busy GPUs over the period."""
     rep = api.get("/stats", since=PERIODS[period], until="now", plot=1, buckets=USAGE_BUCKETS)
     since, now = parse_when(rep["since"]), parse_when(rep["until"])
@@ -204,9 +204,10 @@ def usage_page(api: Client, period: str) -> str:
         rows = [[escape(r.name), str(r.jobs), f"{r.gpu_hours:.3f}",
                  svg.bar(100 * r.gpu_hours / total, f"{100 * r.gpu_hours / total:.0f}%", 120, "#8ab6e0"),
                  "n/a" if r.utilization_mean is None else f"{r.utilization_mean:.1f}%",
-                 f"{r.energy_j / 3.6e6:.4f}", f"{r.idle_hours:.3f}"] for r in parts[part]]
+                 f"{r.energy_j / 3.6e6:.4f}", f"{r.idle_hours:.3f}", f"{r.cpu_hours:.3f}"] for r in parts[part]]
         body.append(f"<h2>{title}</h2>" + (table([part[:-1], "jobs", "GPU-hours", "share", "mean utilisation",
-                                                  "energy (kWh)", "idle GPU-hours"], rows, numeric={1, 2, 4, 5, 6},
+                                                  "energy (kWh)", "idle GPU-hours", "CPU-hours"], rows,
+                                                 numeric={1, 2, 4, 5, 6, 7},
                                                  cls=f"usage-{part}") if rows else "<p>no use in this period</p>"))
     body.append(_fair_share(api.get("/share")))
     hours = [(e - now).total_seconds() / 3600 for e in edges]
