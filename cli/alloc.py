@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import signal
 import subprocess
 import sys
@@ -147,16 +148,22 @@ def _cancel_quietly(client: Client, job_id: int) -> None:
 
 
 # What the server's answer may add to the shell's environment: where simulated GPUs keep their
-# memory (service/simulated_memory.py). Nothing else: an answer forged over plain HTTP, or from a
-# wrong GPUQ_SERVER, set LD_PRELOAD or BASH_ENV and ran its code as this user.
-FROM_SERVER = ("GPUQ_SIMULATED_MEMORY_DIR",)
+# memory (service/simulated_memory.py), and the allocation's --cpus as a number and as OpenMP's
+# threads (service/job_cpus.py; this terminal's OMP_NUM_THREADS wins). Nothing else: an answer
+# forged over plain HTTP, or from a wrong GPUQ_SERVER, set LD_PRELOAD or BASH_ENV and ran its code
+# as this user.
+FROM_SERVER = ("GPUQ_SIMULATED_MEMORY_DIR", "GPUQ_CPUS", "OMP_NUM_THREADS")
+_NUMBERS = re.compile(r"\d{1,4}(\.\d{1,2})?", re.ASCII)  # what FROM_SERVER's last two may be
 
 
 def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
     """The environment the allocation's shell runs with: ``base`` (this terminal's), what of the
     server's answer ``FROM_SERVER`` lets through, and the allocation's own variables."""
     job_id = held["id"]
-    given = {k: v for k, v in (held.get("env") or {}).items() if k in FROM_SERVER and isinstance(v, str)}
+    given = {k: v for k, v in (held.get("env") or {}).items() if k in FROM_SERVER and isinstance(v, str)
+             and (k == "GPUQ_SIMULATED_MEMORY_DIR" or _NUMBERS.fullmatch(v))}
+    if "OMP_NUM_THREADS" in base:
+        given.pop("OMP_NUM_THREADS", None)
     # Out of NVIDIA MPS: it serves one user at a time, and a shell's CUDA processes would keep other
     # users' jobs waiting, or wait for theirs (workers/mps.py).
     return dict(base, **given, CUDA_VISIBLE_DEVICES=",".join(map(str, held["gpu_indices"])),

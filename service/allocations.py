@@ -23,6 +23,7 @@ from gpuq.service import simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
+from gpuq.service.job_cpus import cpu_variables
 from gpuq.service.jobs import get_job, job_gpus
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Gpu, Job, table, utcnow
@@ -73,8 +74,9 @@ class Held:
     keepalive_s: float
     failure: str | None
     exit_code: int | None
-    # What the shell gets beside its GPUs' variables, as a job does from its worker: on simulated
-    # GPUs, where it says what simulated GPU memory it holds (a shared allocation's watchdog reads it).
+    # What the shell gets beside its GPUs' variables, as a job does from its worker: its --cpus
+    # (service/job_cpus.py), and on simulated GPUs where it says what simulated GPU memory it holds
+    # (a shared allocation's watchdog reads it).
     env: dict[str, str]
 
     def as_json(self) -> dict[str, Any]:
@@ -92,13 +94,16 @@ def keep_alive(settings: Settings, job_id: int, caller: Caller) -> Held:
         deadline = (job.started_at.timestamp() + job.time_limit_s) if job.started_at and job.time_limit_s else None
         return Held(id=job.id, state=job.state, reason=job.reason, run_id=(job.env or {}).get(RUN_ID_VARIABLE, ""),
                     gpu_indices=gpus, node=job.node, deadline=deadline, keepalive_s=settings.alloc_keepalive / 3,
-                    failure=job.failure, exit_code=job.exit_code, env=_shell_env(settings))
+                    failure=job.failure, exit_code=job.exit_code, env=_shell_env(settings, job.cpus))
 
 
-def _shell_env(settings: Settings) -> dict[str, str]:
-    if not settings.fake_gpus:
-        return {}
-    return {simulated_memory.ENV_VARIABLE: str(simulated_memory.memory_dir(settings))}
+def _shell_env(settings: Settings, cpus: float | None) -> dict[str, str]:
+    """Its cores' variables (the client keeps its terminal's OMP_NUM_THREADS over this one), and
+    on simulated GPUs where the shell's processes say what simulated GPU memory they hold."""
+    env = cpu_variables(cpus, {})
+    if settings.fake_gpus:
+        env[simulated_memory.ENV_VARIABLE] = str(simulated_memory.memory_dir(settings))
+    return env
 
 
 def end_by_client(settings: Settings, job_id: int, exit_code: int, caller: Caller) -> None:

@@ -60,22 +60,28 @@ def test_alloc_of_a_shell_that_cannot_start_says_to_set_shell_and_queues_nothing
     assert _jobs(s) == before + 1
 
 
-def test_the_shell_takes_from_the_servers_answer_only_where_simulated_gpus_keep_memory():
+def test_the_shell_takes_from_the_servers_answer_only_simulated_memory_and_its_cores_as_numbers():
     # An answer forged over plain HTTP (or from a wrong GPUQ_SERVER) set LD_PRELOAD and BASH_ENV in
     # the user's shell: code of the forger's, run as them.
     from gpuq.cli.alloc import FROM_SERVER, shell_env
     from gpuq.service import simulated_memory
 
-    assert FROM_SERVER == (simulated_memory.ENV_VARIABLE,)
+    assert FROM_SERVER == (simulated_memory.ENV_VARIABLE, "GPUQ_CPUS", "OMP_NUM_THREADS")
     held = {"id": 7, "gpu_indices": [0, 2], "run_id": "r1", "node": "n1",
             "env": {"LD_PRELOAD": "/tmp/evil.so", "BASH_ENV": "/tmp/evil.sh", "PATH": "/tmp/evil",
-                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory", "OTHER_DIR": 3}}
+                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory", "OTHER_DIR": 3,
+                    "GPUQ_CPUS": "2.5", "OMP_NUM_THREADS": "2"}}
     env = shell_env(held, {"PATH": "/usr/bin", "HOME": "/home/ann"})
     assert env == {"PATH": "/usr/bin", "HOME": "/home/ann",
                    simulated_memory.ENV_VARIABLE: "/var/lib/gpuq/simulated-gpu-memory",
+                   "GPUQ_CPUS": "2.5", "OMP_NUM_THREADS": "2",
                    "CUDA_VISIBLE_DEVICES": "0,2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                    "CUDA_MPS_PIPE_DIRECTORY": "/nonexistent/gpuq-outside-mps", "GPUQ_JOB_ID": "7",
                    "GPUQ_RUN_ID": "r1", "GPUQ_ALLOC": "7", "GPUQ_GPUS": "2", "GPUQ_NODE": "n1"}
+    # The terminal's own OpenMP threads win; a value that is not a number never reaches the shell.
+    assert shell_env(held, {"OMP_NUM_THREADS": "16"})["OMP_NUM_THREADS"] == "16"
+    forged = dict(held, env={"GPUQ_CPUS": "2; rm -rf ~", "OMP_NUM_THREADS": "$(evil)"})
+    assert not {"GPUQ_CPUS", "OMP_NUM_THREADS"} & set(shell_env(forged, {}))
 
 
 def _gate(*argv: str) -> subprocess.Popen[str]:

@@ -13,9 +13,10 @@ import pytest
 
 from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
+from gpuq.service.job_cpus import cpu_variables
 from gpuq.service.units import parse_cpus
 from gpuq.workers.cgroup import JobCgroup
-from tests.conftest import cli_submit, output_of, run_cli, stack_on_database, wait_for_state
+from tests.conftest import cli_submit, output_of, run_cli, settings_env, stack_on_database, wait_for_state
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -154,6 +155,44 @@ def test_an_allocation_s_shell_is_held_to_its_cpus(stack, tmp_path):
     assert out.returncode == 0, out.stderr
     got = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.startswith(("share ", "quota ")))
     assert float(got["share"]) <= 0.3, out.stdout
+
+
+@pytest.mark.parametrize("cpus, threads", [(0.01, 1), (0.5, 1), (1, 1), (2.99, 2), (16, 16)])
+def test_openmp_gets_a_thread_for_each_whole_core_asked_for_and_at_least_one(cpus, threads):
+    assert cpu_variables(cpus, {}) == {"GPUQ_CPUS": f"{cpus:g}", "OMP_NUM_THREADS": str(threads)}
+    assert cpu_variables(cpus, {"OMP_NUM_THREADS": "7"}) == {"GPUQ_CPUS": f"{cpus:g}"}  # the job's own wins
+    assert cpu_variables(None, {}) == {}
+
+
+# What a job's processes are told of their cores, and how many threads torch's CPU pool starts.
+SAYS_CORES = ("import os, torch; print('cores', os.environ.get('GPUQ_CPUS'), os.environ.get('OMP_NUM_THREADS'), "
+              "torch.get_num_threads())")
+
+
+def test_a_command_is_told_its_cpus_and_torch_starts_a_thread_for_each_core(stack, tmp_path):
+    s = stack.settings
+    held = cli_submit(s, ["--cpus", "2.5", "--", sys.executable, "-c", SAYS_CORES], cwd=tmp_path)
+    own = cli_submit(s, ["--cpus", "2.5", "--env", "OMP_NUM_THREADS=3", "--", sys.executable, "-c", SAYS_CORES],
+                     cwd=tmp_path)
+    default = cli_submit(s, ["--", sys.executable, "-c", SAYS_CORES], cwd=tmp_path)  # GPUQ_CPUS_PER_GPU's 1.5
+    said = {}
+    for job_id in (held, own, default):
+        assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED), timeout=120) == State.SUCCEEDED, \
+            stack.logs()
+        said[job_id] = next(line for line in output_of(s, job_id).splitlines() if line.startswith("cores "))
+    assert said[held] == "cores 2.5 2 2"
+    assert said[own].startswith("cores 2.5 3 ")  # its own setting wins (torch takes at most the machine's cores)
+    assert said[default] == "cores 1.5 1 1"
+
+
+def test_an_allocation_s_shell_is_told_its_cpus(stack, tmp_path):
+    env = settings_env(stack.settings)
+    del env["OMP_NUM_THREADS"]  # the tests' own, which a terminal's would beat
+    out = subprocess.run([sys.executable, "-m", "gpuq.cli", "alloc", "--cpus", "2.5", "--", "sh", "-c",
+                          "echo cores $GPUQ_CPUS $OMP_NUM_THREADS"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "cores 2.5 2\n" in out.stdout
 
 
 @pytest.mark.parametrize("value", ["-1", "5000"])

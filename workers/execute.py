@@ -18,6 +18,7 @@ from gpuq.service import failures, output_files, simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
+from gpuq.service.job_cpus import cpu_variables
 from gpuq.service.job_output import record_metric
 from gpuq.service.jobs import possible_mps_clients
 from gpuq.service.settings import Settings
@@ -232,8 +233,9 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
             settings: Settings | None = None) -> dict[str, str]:
     """The environment a job runs with: the variables recorded at submit (the submitter's chosen
     ones, array and sweep values) and gpuq's own, nothing of the worker's (no database or broker
-    URL, no password); HOME, USER, LOGNAME and SHELL from ``identity``'s passwd entry if given; on
-    simulated GPUs (``settings``), where it may declare simulated GPU memory."""
+    URL, no password); its CPU cores' (service/job_cpus.py); HOME, USER, LOGNAME and SHELL from
+    ``identity``'s passwd entry if given; on simulated GPUs (``settings``), where it may declare
+    simulated GPU memory."""
     env = dict(job.env)
     env.update(
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
@@ -244,6 +246,7 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
         GPUQ_GPUS=str(len(job.gpu_indices)),
         GPUQ_NODE=node,
     )
+    env.update(cpu_variables(job.cpus, job.env))
     if identity is not None:
         env.update(identity.env())
     if settings is not None and settings.fake_gpus:
