@@ -157,18 +157,22 @@ def _job(client: Client, job_id: int, as_json: bool, as_csv: bool, plot: Path | 
                   + (f" of its {u.share_mib} MiB share" if getattr(u, "share_mib", None) else "")
                   + f", mean {_num(u.memory_mean_mib, '.0f')} MiB"),
                  *efficiency.cpu_use(u),
+                 *efficiency.host_memory_use(u),
                  *_energy_idle_samples(u)]
         _echo(lines, u.limit_hint)
     if plot:
         typer.echo(f"plot written to {plot}", err=as_json or as_csv)
 
 
-def _array_cpu_use(a: SimpleNamespace) -> list[tuple[str, str]]:
-    """An array's commands' CPU seconds, summed (a server from before sends none; an array of
-    workloads has none)."""
-    if getattr(a, "cpu_s", None) is None:
-        return []
-    return [("CPU", f"{a.cpu_s:.1f} s over its tasks")]
+def _array_host_use(a: SimpleNamespace) -> list[tuple[str, str]]:
+    """An array's commands' CPU seconds, summed, and their highest host memory peak (a server from
+    before sends neither; an array of workloads has neither)."""
+    lines = []
+    if getattr(a, "cpu_s", None) is not None:
+        lines.append(("CPU", f"{a.cpu_s:.1f} s over its tasks"))
+    if getattr(a, "host_mem_peak_mib", None) is not None:
+        lines.append(("host memory", f"peak {a.host_mem_peak_mib} MiB (job {a.host_mem_peak_task})"))
+    return lines
 
 
 def _energy_idle_samples(u: SimpleNamespace) -> list[tuple[str, str]]:
@@ -194,7 +198,7 @@ def _limit_used(limit_s: int | None, used: float | None) -> str:
 
 # An array's per-task CSV columns, as sacct gives a line for each task.
 _TASK_COLUMNS = ("job_id", "index", "state", "time_limit_s", "wall_s", "gpu_hours", "utilization_mean",
-                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples", "cpu_s")
+                 "memory_peak_mib", "memory_mean_mib", "energy_j", "idle_s", "samples", "cpu_s", "host_mem_peak_mib")
 
 
 def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:
@@ -222,6 +226,6 @@ def _array(client: Client, array_id: int, as_json: bool, as_csv: bool) -> None:
              ("mean util", _percent(a.utilization_mean, ".1f")),
              ("memory", "n/a" if a.memory_peak_mib is None else
               f"peak {a.memory_peak_mib} MiB (job {a.memory_peak_task})"),
-             *_array_cpu_use(a),
+             *_array_host_use(a),
              *_energy_idle_samples(a)]
     _echo(lines, a.limit_hint)

@@ -132,6 +132,8 @@ def _job_stats(settings: Settings, job_id: int, plot: bool) -> dict[str, Any]:
                                    memory_peak_mib=u.memory_peak_mib, memory_mean_mib=u.memory_mean_mib,
                                    utilization_mean=u.utilization_mean, energy_j=u.energy_j, idle_s=u.idle_s,
                                    samples=u.samples, cpu_s=u.cpu_s, cpus=job.cpus,
+                                   host_mem_peak_mib=getattr(u, "host_mem_peak_mib", None),
+                                   host_mem_mib=job.host_mem_mib,
                                    # A shared job's share (with its context reserve), to read its peak against.
                                    share_mib=job.mem_mib + settings.shared_context_mib if job.shared and job.mem_mib
                                    else None)

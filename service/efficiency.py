@@ -57,8 +57,8 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     """An array's tasks summed (``tasks``: each with ``job_id``, ``index``, ``state``,
     ``time_limit_s`` and, for one that started, its usage summary's fields): their states, wall
     times (mean, longest), GPU-hours, utilisation (the mean of their samples), memory peak (the
-    highest, and whose), energy and idle GPU-seconds, commands' CPU seconds (summed), and the
-    longest successful task against its limit."""
+    highest, and whose), energy and idle GPU-seconds, commands' CPU seconds (summed) and host memory
+    peak (the highest, and whose), and the longest successful task against its limit."""
     started = [t for t in tasks if t.get("wall_s") is not None]
     succeeded = [t for t in started if t["state"] == State.SUCCEEDED]
     sampled = [t for t in started if t.get("utilization_mean") is not None and t.get("samples")]
@@ -68,6 +68,8 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
     longest_ok = max(succeeded, key=lambda t: t["wall_s"], default=None)
     peak = max(peaks, key=lambda t: t["memory_peak_mib"], default=None)
     cpu = [t["cpu_s"] for t in started if t.get("cpu_s") is not None]  # commands' (cpu_use)
+    host_peak = max((t for t in started if t.get("host_mem_peak_mib") is not None),
+                    key=lambda t: t["host_mem_peak_mib"], default=None)
     limits = {t["time_limit_s"] for t in tasks}
     samples = sum(t["samples"] for t in sampled)
     states = Counter(t["state"] for t in tasks)
@@ -96,6 +98,8 @@ def array_summary(tasks: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_s": sum(t["idle_s"] for t in started),
         "samples": sum(t.get("samples") or 0 for t in started),
         "cpu_s": sum(cpu) if cpu else None,
+        "host_mem_peak_mib": host_peak["host_mem_peak_mib"] if host_peak else None,
+        "host_mem_peak_task": host_peak["job_id"] if host_peak else None,
         "limit_hint": limit_hint(longest_ok["wall_s"], longest_ok["time_limit_s"], "the longest successful task")
         if settled and longest_ok else None,
     }
@@ -118,3 +122,15 @@ def cpu_use(u: Any) -> list[tuple[str, str]]:
     if cores is not None and getattr(u, "cpus", None):
         cpu += f" ({share(cores / u.cpus)} of its --cpus {u.cpus:g})"
     return [("CPU", cpu)]
+
+
+def host_memory_use(u: Any) -> list[tuple[str, str]]:
+    """A command's host memory line of its stats, as seff's Memory Utilized and Efficiency: the
+    most its processes were seen to hold (against its --host-mem). None where that is not known."""
+    peak = getattr(u, "host_mem_peak_mib", None)
+    if peak is None:
+        return []
+    text = f"{peak} MiB at its peak"
+    if getattr(u, "host_mem_mib", None):
+        text += f" ({share(peak / u.host_mem_mib)} of its --host-mem {u.host_mem_mib} MiB)"
+    return [("host memory", text)]

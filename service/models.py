@@ -395,6 +395,9 @@ class JobUsage(Base):
     # A command's CPU seconds, as its worker reaped it (sacct's TotalCPU): its processes that were
     # waited for, user and system time; None: not known (a workload, an allocation, a lost worker).
     cpu_s: Mapped[float | None] = mapped_column(Float)
+    # The most host memory a command's processes were seen to hold (anonymous and shared, sampled:
+    # workers/host_memory.py), MiB; None: not known (as cpu_s, or it ended before the first look).
+    host_mem_peak_mib: Mapped[int | None] = mapped_column(Integer)
 
 
 class EarlierAttempt(Base):

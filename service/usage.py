@@ -184,7 +184,7 @@ def _summary(job: Any, t: Totals, now: datetime | None = None) -> dict[str, Any]
                 energy_j=t.energy_j if t.samples else None, idle_s=min(t.idle_seconds, wall * charged),
                 samples=t.samples,
                 gpu_indices=list(getattr(job, "gpu_indices", ())) or None, recorded_at=utcnow(),
-                cpu_s=getattr(job, "cpu_s", None))
+                cpu_s=getattr(job, "cpu_s", None), host_mem_peak_mib=getattr(job, "host_mem_peak_mib", None))
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,17 @@ class Ended:
     # A command's CPU seconds, as its worker reaped it (workers/command.py); None: not known (a
     # workload, an allocation, a lost worker).
     cpu_s: float | None = None
+    # The most host memory a command's processes were seen to hold, MiB (workers/host_memory.py).
+    host_mem_peak_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class HostUse:
+    """What a command used of its node besides the GPUs, as its worker measured it: its CPU
+    seconds and its host memory's peak (None: not known)."""
+
+    cpu_s: float | None = None
+    host_mem_peak_mib: int | None = None
 
 
 def record_usage(session: Session, job_id: int, ended: Ended | None = None,
@@ -267,7 +278,7 @@ _TASKS = select(Job.id, Job.array_index, Job.state, Job.time_limit_s, Job.name, 
 _TASKS_USAGE = select(JobUsage).join(Job, Job.id == JobUsage.job_id).where(Job.array_id == bindparam("array_id"))
 # A summary's fields that a task's line and the array's sums use.
 _TASK_FIELDS = ("wall_s", "gpu_hours", "memory_peak_mib", "memory_mean_mib", "utilization_mean", "energy_j",
-                "idle_s", "samples", "cpu_s")
+                "idle_s", "samples", "cpu_s", "host_mem_peak_mib")
 
 
 def array_usage(session: Session, array_id: int, now: datetime | None = None) -> list[dict[str, Any]]:

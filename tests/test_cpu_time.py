@@ -79,7 +79,7 @@ def test_array_stats_sum_their_commands_cpu_seconds(stack, tmp_path):
     assert data["cpu_s"] == pytest.approx(sum(t["cpu_s"] for t in data["per_task"])) and data["cpu_s"] >= 2.7
     assert f"       CPU  {data['cpu_s']:.1f} s over its tasks" in run_cli(["stats", "--array", str(array_id)], s).stdout
     csv_head = run_cli(["stats", "--array", str(array_id), "--csv"], s).stdout.splitlines()[0]
-    assert csv_head.endswith(",samples,cpu_s")
+    assert csv_head.endswith(",samples,cpu_s,host_mem_peak_mib")
 
 
 @pytest.mark.parametrize("argv, code", [

@@ -147,7 +147,7 @@ def job(api: Client, job_id: int) -> str:
             ("utilisation mean", "n/a" if used.utilization_mean is None else f"{used.utilization_mean:.1f}%"),
             ("energy", "n/a" if used.energy_j is None else f"{used.energy_j:.1f} J"),
             ("idle GPU time", f"{used.idle_s:.1f} s"), ("samples", str(used.samples)),
-            *((k, escape(v)) for k, v in efficiency.cpu_use(used))])]
+            *((k, escape(v)) for k, v in [*efficiency.cpu_use(used), *efficiency.host_memory_use(used)])])]
     if not readable:
         body += [f"<h2>Output</h2><p class=\"muted\">the output is {escape(j.user)}'s: <code>gpuq logs {j.id}</code> "
                  f"as them (or an admin) shows it</p>"]

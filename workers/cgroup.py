@@ -130,6 +130,17 @@ class JobCgroup:
         except OSError:
             return []
 
+    def resident(self) -> int | None:
+        """Bytes its processes hold that the kernel cannot drop: anonymous and shared memory (not
+        the page cache); None if the kernel does not say."""
+        names = ("anon", "shmem") if self.v2 else ("total_rss", "total_shmem")
+        try:
+            values = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines()
+                          if line.count(" ") == 1)
+            return sum(int(values[name]) for name in names)
+        except (OSError, KeyError, ValueError):
+            return None
+
     def oom_kills(self) -> int:
         """How many of its processes the OOM killer has killed."""
         name = "memory.events" if self.v2 else "memory.oom_control"

@@ -14,19 +14,17 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
-
-import psutil
 
 from gpuq.service import constants as c
 from gpuq.service import reach
 from gpuq.service.launchable import interpreter_of
 from gpuq.service.units import JobSignal
 from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.host_memory import HostMemory, tree_of
 from gpuq.workers.identity import Identity
 from gpuq.workers.job_processes import Finder, exited, registered, signal_all, signal_each_once, stop_tree, verify_gone
 from gpuq.workers.output import OutputSink
@@ -35,8 +33,6 @@ from gpuq.workers.owner_files import umask_of
 
 # Seconds between looks at the child and at the cancel flag.
 POLL_SECONDS = 0.05
-# Seconds between looks at a job's host memory where no memory cgroup holds it to --host-mem.
-MEMORY_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,6 +51,9 @@ class CommandOutcome:
     # TotalCPU). Not its peak memory: a child forked from the worker carries the worker's resident
     # size into its ru_maxrss, so a small job's would read as the worker's.
     cpu_s: float | None = None
+    # The most host memory its processes were seen to hold, MiB (workers/host_memory.py); None: none
+    # seen (it ended before the first look).
+    host_mem_peak_mib: int | None = None
 
 
 class CannotStart(Exception):
@@ -149,9 +148,10 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     of the job inherits in its environment. ``run_as`` switches the child to that user (after it
     joined the cgroup, which takes root); the pipe and the signals stay the worker's, root then.
     ``limit_mib`` (``--host-mem``) is the cgroup's to enforce; without a cgroup the worker holds the
-    job to it by polling (_MemoryWatch). ``files``: the user's files its output is copied to as well,
-    opened by the child as the user (workers/output_copy.py). ``ahead``: a signal to send it once
-    its time limit nears (`--signal`); ``asked``: signals to send it as they come (`gpuq cancel --signal`).
+    job to it by polling (workers/host_memory.py, which watches its peak either way). ``files``: the
+    user's files its output is copied to as well, opened by the child as the user
+    (workers/output_copy.py). ``ahead``: a signal to send it once its time limit nears
+    (`--signal`); ``asked``: signals to send it as they come (`gpuq cancel --signal`).
     ``kill_grace``: seconds from SIGTERM to SIGKILL once ``cancelled`` is set, or what says them then
     (a preemption's grace is known only once the stop is asked).
     """
@@ -203,7 +203,7 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
     """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
     found = Finder(proc.pid, cgroup, run_id)
     with registered(found):  # its share watch finds its every process meanwhile
-        memory = _MemoryWatch(found, limit_mib) if cgroup is None and limit_mib is not None else None
+        memory = HostMemory(cgroup, found, tree_of(proc.pid), limit_mib)
         if on_start is not None:
             on_start(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
@@ -225,7 +225,8 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
                 sink.note(f"[gpuq: stopping the job: SIGTERM, then SIGKILL after {grace:g} s]")
                 stop_tree(proc.pid, grace, found)
                 break
-            if memory is not None and over_limit is None and (over_limit := memory.over()) is not None:
+            if (held := memory.look()) is not None and over_limit is None:
+                over_limit = held
                 # As the OOM killer would: SIGKILL, no grace (a job past its memory has no time to
                 # spare), and the job is host_oom. The loop goes on until the main process ends, and
                 # its status, which ``proc.wait`` reads, is the SIGKILL.
@@ -245,7 +246,7 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
         leftover = verify_gone(found, verify_within, None, cgroup)
         oom = over_limit is not None or (cgroup is not None and cgroup.oom_kills() > oom_before)
         return CommandOutcome(exit_code=code, cancelled=was_cancelled, oom_killed=oom, over_limit_mib=over_limit,
-                              leftover=tuple(leftover), cpu_s=cpu_s)
+                              leftover=tuple(leftover), cpu_s=cpu_s, host_mem_peak_mib=memory.peak_mib)
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, float | None]:
@@ -296,33 +297,6 @@ def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str
         open_in_child(*opener)
     # Last: the kernel clears the parent-death signal when the credentials change.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-class _MemoryWatch:
-    """A job's host memory limit where no memory cgroup enforces it (a user's own stack, a
-    container without a delegated cgroup): every MEMORY_POLL_SECONDS the resident memory of all of
-    the job's processes, summed, against the limit, as SLURM's OverMemoryKill does without cgroups.
-    Pages two processes share are counted in each, so the sum errs high; and a job that grows past
-    its limit and further between two looks is seen only at the next (the kernel's OOM killer, not
-    the worker, stops a job that exhausts the machine in that time)."""
-
-    def __init__(self, found: Callable[[], list[psutil.Process]], limit_mib: int) -> None:
-        self.found, self.limit = found, limit_mib * 2**20
-        self.next_look = time.monotonic() + MEMORY_POLL_SECONDS
-
-    def over(self) -> int | None:
-        """The MiB the job holds if that is past its limit, else None (and None between looks)."""
-        now = time.monotonic()
-        if now < self.next_look:
-            return None
-        self.next_look = now + MEMORY_POLL_SECONDS
-        held = 0
-        for p in self.found():
-            try:
-                held += p.memory_info().rss
-            except psutil.Error:  # gone since it was found
-                pass
-        return held // 2**20 if held > self.limit else None
 
 
 def _pump(pipe: IO[bytes], stream: int, sink: OutputSink, copy: Copy | None = None) -> None:

@@ -30,17 +30,18 @@ from gpuq.workers.watch import StopWatcher
 
 log = logging.getLogger("gpuq.worker")
 
-# A command's end carries its CPU seconds (``CommandOutcome``'s) under this key: for its usage
-# summary, not a column ``end_attempt`` writes (``cpu_of`` takes it out).
-CPU_S = "cpu_s"
+# A command's end carries what it used of its node (``usage.HostUse``: its CPU seconds and host
+# memory's peak, from ``CommandOutcome``) under this key: for its usage summary, not a column
+# ``end_attempt`` writes (``host_use_of`` takes it out).
+HOST_USE = "host_use"
 
 
-def cpu_of(end: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
-    """``end`` without its CPU seconds, and those (None: not known)."""
-    if CPU_S not in end:
+def host_use_of(end: dict[str, Any]) -> tuple[dict[str, Any], usage.HostUse | None]:
+    """``end`` without what it used of its node, and that (None: not known)."""
+    if HOST_USE not in end:
         return end, None
     rest = dict(end)
-    return rest, rest.pop(CPU_S)
+    return rest, rest.pop(HOST_USE)
 
 
 def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any],
@@ -50,7 +51,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
     database is away: an end is never dropped. Returns whether the end was ours to write (False:
     the reaper took the job back meanwhile), the next job started here (None: the GPU is free),
     and whether to wake the scheduler."""
-    end, cpu_s = cpu_of(end)
+    end, host = host_use_of(end)
     readings = state.sampler.end_rows(lease.job_id) if state.sampler is not None else []
     in_hand = _totals_in_hand(state, job, readings, flush_mark)
     mark = state.flush_mark()  # before the next job is taken
@@ -59,7 +60,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
     while True:
         try:
             done, following, wake = _end_transaction(state, job, lease, end, sink, last_words, readings, in_hand,
-                                                     mark, cpu_s)
+                                                     mark, host)
             if last_words:
                 sink.rest_stored()
             if not done:
@@ -82,7 +83,7 @@ def write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any]
 
 def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any], sink: OutputSink,
                      last_words: bool, readings: list[dict[str, Any]], in_hand: usage.Totals | None,
-                     mark: int | None, cpu_s: float | None = None) -> tuple[bool, Started | None, bool]:
+                     mark: int | None, host: usage.HostUse | None = None) -> tuple[bool, Started | None, bool]:
     """One try at ``write_end``'s transaction, returning what it returns; without ``last_words``
     (the database refused them) the rest of the job's output, its last ``readings`` and its usage
     summary are left out (``gpuq stats JOB`` then sums its samples when asked)."""
@@ -92,14 +93,14 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
             samples.record(session, state.gpu_id, readings)
         now = utcnow()
         if _hands_over(state, session, job, end, last_words, in_hand):
-            done, taken = _hand_over(state, session, job, lease, end, now, in_hand if last_words else None, cpu_s)
+            done, taken = _hand_over(state, session, job, lease, end, now, in_hand if last_words else None, host)
         else:
             done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
                                now=now, **end)
             if done and last_words:
                 # No savepoint of its own (two statements fewer at every end on PostgreSQL): a summary
                 # the database refuses fails this try, and the end is written again without it.
-                _store_usage(state, session, ended_of(job, now, cpu_s), in_hand)
+                _store_usage(state, session, ended_of(job, now, host), in_hand)
             taken = _take_next(state, session) if done else None
         if not done:
             return False, None, True
@@ -125,13 +126,13 @@ def _hands_over(state: WorkerState, session: Session, job: JobRun, end: dict[str
 
 
 def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, end: dict[str, Any],
-               now: datetime, in_hand: usage.Totals | None, cpu_s: float | None = None
+               now: datetime, in_hand: usage.Totals | None, host: usage.HostUse | None = None
                ) -> tuple[bool, tuple[Any, str] | None]:
     """The end and the take as one statement: whether the end was written, and what was taken."""
     summary = None
     if in_hand is not None:
         try:
-            summary = usage.summary(ended_of(job, now, cpu_s), in_hand)
+            summary = usage.summary(ended_of(job, now, host), in_hand)
         except Exception:  # as ``_store_usage``: a summary that cannot be made is no reason to lose the end
             log.exception("%s: job %s: could not sum its usage", state.name, job.id)
     return handover.end_and_take(session, job_id=lease.job_id, token=lease.token, now=now,
@@ -140,11 +141,12 @@ def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, 
                                  lease_s=state.settings.lease_timeout)
 
 
-def ended_of(job: JobRun, now: datetime, cpu_s: float | None = None) -> usage.Ended:
-    """What this worker knows of a job it ended, for its usage summary (``cpu_s``: a command's CPU
-    seconds, where it knows)."""
+def ended_of(job: JobRun, now: datetime, host: usage.HostUse | None = None) -> usage.Ended:
+    """What this worker knows of a job it ended, for its usage summary (``host``: what a command
+    used of its node, where it knows)."""
+    host = host or usage.HostUse()
     return usage.Ended(job.id, len(job.gpu_indices), job.started_at, now, job.ran_before, job.gpu_share,
-                       job.gpu_indices, cpu_s)
+                       job.gpu_indices, host.cpu_s, host.host_mem_peak_mib)
 
 
 def _take_next(state: WorkerState, session: Session) -> tuple[Any, str] | None:

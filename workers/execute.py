@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service import failures, output_files, simulated_memory
+from gpuq.service import failures, output_files, simulated_memory, usage
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
@@ -26,7 +26,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
-from gpuq.workers.end import CPU_S, drain_if_left, stopped_end
+from gpuq.workers.end import HOST_USE, drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.job import JobRun
 from gpuq.workers.job_processes import cgroup_prefix, worker_mark
@@ -126,7 +126,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             note_throttled(cgroup, sink)
             cgroup.remove()
     drain_if_left(state, job, outcome.leftover)
-    used = {CPU_S: outcome.cpu_s} if outcome.cpu_s is not None else {}
+    used = {HOST_USE: usage.HostUse(outcome.cpu_s, outcome.host_mem_peak_mib)}
     if outcome.cancelled:
         return stopped_end(state, job, watcher) | used
     if outcome.exit_code == 0:

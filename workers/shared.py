@@ -28,7 +28,7 @@ from gpuq.service.errors import Unreachable
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
-from gpuq.workers.end import cpu_of, ended_of, gave_up_waiting, record_usage
+from gpuq.workers.end import ended_of, gave_up_waiting, host_use_of, record_usage
 from gpuq.workers.execute import end_of, execute
 from gpuq.workers.job import JobRun, Started
 from gpuq.workers.job_processes import is_process_of
@@ -148,7 +148,7 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
     lease runs out)."""
     delay = 0.2
     settings = state.settings
-    end, cpu_s = cpu_of(end)
+    end, host = host_use_of(end)
     while True:
         try:
             with write_scope(settings) as session:
@@ -157,7 +157,7 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
                 done = end_attempt(session, job.id, token=lease.token, max_requeues=settings.max_requeues, now=now,
                                    **end)
                 if done:
-                    ended = ended_of(job, now, cpu_s)
+                    ended = ended_of(job, now, host)
                     record_usage(state, session, ended, usage.Totals(memory_used_max=peak_mib))
             sink.rest_stored()
             return done
