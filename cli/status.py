@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
-from gpuq.cli import numbers
+from gpuq.cli import job_fields, numbers
 from gpuq.cli.client import Client
+from gpuq.cli.job_fields import coloured, gpus_cell
 from gpuq.cli.render import (
     drain_reasons,
     duration,
@@ -58,6 +59,10 @@ def status(
                                                   help="Again every this many seconds until Ctrl-C (as squeue -i): "
                                                        "redrawn on a terminal, each under its time when piped.")]
     = None,
+    fields: Annotated[str | None, typer.Option("--format", "-o", metavar="FIELDS",
+                                               help="The job table's columns, comma-separated (as squeue -o, "
+                                                    "sacct --format): id, user, state, cpus, time_left... "
+                                                    "(a wrong one lists them all).")] = None,
 ) -> None:
     """The queue (waiting, running and recently ended jobs) and the GPUs."""
     if mine and user is not None:
@@ -70,13 +75,16 @@ def status(
                               "--state, --name, --jobs, --array-tasks or --ended")
     if noheader and as_json:
         raise InvalidSpec("--noheader is the table's; --json has no header: give one of them")
+    chosen = job_fields.parse(fields) if fields is not None else None
+    if chosen is not None and (as_json or start):
+        raise InvalidSpec("--format picks the job table's columns: not with --json (every field) or --start")
     if ids is not None:
         units.parse_job_ids(ids, "--jobs")  # said here, before the server is asked (and again each -i)
     form = "json" if as_json else "lines" if noheader else "table"
     if iterate is None:
-        typer.echo(_listing(ended, mine, user, every_task, state, name, ids, form, start), nl=False)
+        typer.echo(_listing(ended, mine, user, every_task, state, name, ids, form, start, chosen), nl=False)
         return
-    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, ids, form, start), as_json)
+    _repeat(iterate, lambda: _listing(ended, mine, user, every_task, state, name, ids, form, start, chosen), as_json)
 
 
 def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
@@ -107,9 +115,10 @@ def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
 
 
 def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: str | None, name: str | None,
-             ids: str | None, form: str, start: bool) -> str:
+             ids: str | None, form: str, start: bool, chosen: list[str] | None = None) -> str:
     """What `gpuq status` prints once, asked of the server now: as a ``form`` of "table" (titles,
-    headers, the GPUs), "lines" (the job lines alone, `-h`) or "json"."""
+    headers, the GPUs), "lines" (the job lines alone, `-h`) or "json"; the job table's columns are
+    the ``chosen`` fields (`-o`), else the default ones."""
     as_json = form == "json"
     if start:
         return _starts(Client().get("/jobs/start", mine=1 if mine else None, user=user), form)
@@ -122,15 +131,19 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     colour = colours_wanted()
     idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
                  "yellow")
-    queue = [[j.get("ids") or str(j["id"]), j["user"], job_name(j["name"]), _state(j["state"]), _gpus(j),
-              j["node"] or "-", duration(seconds(j["elapsed_s"])),
-              idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)]
-             for j in in_queue_order(rows, answer.get("arrays") or [])]
+    listed = in_queue_order(rows, answer.get("arrays") or [])
+    if chosen is not None:
+        header, right = job_fields.columns(chosen)
+        queue = [job_fields.cells(chosen, j) for j in listed]
+    else:
+        header, right = _JOB_COLUMNS, frozenset({"ID", "GPUS"})
+        queue = [[j.get("ids") or str(j["id"]), j["user"], job_name(j["name"]), coloured(j["state"]), gpus_cell(j),
+                  j["node"] or "-", duration(seconds(j["elapsed_s"])),
+                  idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)] for j in listed]
     if form == "lines":
-        return render("jobs", _JOB_COLUMNS, queue, frozenset({"ID", "GPUS"}), colour, headed=False) + "\n" \
-            if queue else ""
+        return render("jobs", header, queue, right, colour, headed=False) + "\n" if queue else ""
     devices = [row for g in gpus for row in _gpu_rows(g)]
-    lines = [render("jobs", _JOB_COLUMNS, queue, frozenset({"ID", "GPUS"}), colour) if queue else "no jobs", "",
+    lines = [render("jobs", header, queue, right, colour) if queue else "no jobs", "",
              render("gpus", ("NODE", "GPU", "NAME", "MEMORY", "UTIL", "STATE", "JOB"), devices,
                     frozenset({"GPU", "UTIL"}), colour) if gpus else
              "no GPUs registered: start the workers with `gpuq up`"]
@@ -143,7 +156,7 @@ def _starts(answer: dict[str, Any], form: str) -> str:
     """`gpuq status --start`: each pending job and its expected start, or why none is known."""
     if form == "json":
         return json_text(answer)
-    rows = [[str(j["id"]), j["user"], job_name(j["name"]), _gpus(j), timestamp(j["start"]) if j["start"] else "n/a",
+    rows = [[str(j["id"]), j["user"], job_name(j["name"]), gpus_cell(j), timestamp(j["start"]) if j["start"] else "n/a",
              j.get("planned_node") or "-", j["reason"] or "-"] for j in answer["jobs"]]
     columns = ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON")
     if form == "lines":
@@ -157,25 +170,15 @@ def _starts(answer: dict[str, Any], form: str) -> str:
               "planned (as squeue --start's SCHEDNODES)\n")
 
 
-def _gpus(j: dict[str, Any]) -> str:
-    """The GPUS cell: how many, and for a shared job its share of each (``share 3.0G``, ``2×share
-    3.0G``), as squeue's TRES tells a GPU from a shard; then the type asked for (``2 a100``)."""
-    typed = f" {j['gpu_type']}" if j.get("gpu_type") else ""  # a server from before --gpu-type sends none
-    if not (j.get("shared") and j.get("mem_mib")):
-        return f"{j['gpus']}{typed}"
-    share = f"share {j['mem_mib'] / 1024:.1f}G"
-    return (share if j["gpus"] == 1 else f"{j['gpus']}×{share}") + typed
-
-
 def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:
     """A GPU's line, or on a GPU shared by small jobs a line for each, with what it uses of its share."""
     head = [g["node"], str(g["index"]), g["name"]]
     util = "n/a" if g["utilization"] is None else f"{g['utilization']}%"
     shares = g.get("shares") or []
     if not shares:
-        return [[*head, f"{mib(g['memory_used_mib'])} / {mib(g['memory_total_mib'])}", util, _state(_gpu_state(g)),
+        return [[*head, f"{mib(g['memory_used_mib'])} / {mib(g['memory_total_mib'])}", util, coloured(_gpu_state(g)),
                  f"{g['job_id']} ({g['job_user'] or ''})" if g["job_id"] else "-"]]
-    state = _state(_gpu_state(g))
+    state = coloured(_gpu_state(g))
     return [[*head, f"{mib(s['used_mib'])} of {mib(s['share_mib'])} share", util, state,
              f"{s['job_id']} ({s['user'] or ''})"] for s in shares]
 
@@ -188,12 +191,6 @@ def _gpu_state(g: dict[str, Any]) -> str:
     if g["foreign_mib"]:
         state += f" +{mib(g['foreign_mib'])} foreign"
     return state
-
-
-def _state(state: str) -> tuple[str, str | None]:
-    return state, {"running": "green", "busy": "green", "succeeded": "bold green", "failed": "red",
-                   "offline": "red", "cancelled": "yellow", "timed_out": "red",
-                   "pending": "cyan"}.get(state.split(" ")[0])
 
 
 @app.command()

@@ -1,0 +1,47 @@
+"""`gpuq status -o/--format`: the job table's columns picked by name, as squeue -o and sacct
+--format pick theirs, on a real stack; a wrong name is one line listing the fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuq.cli.job_fields import FIELDS
+from gpuq.service.constants import State
+from tests.conftest import cli_submit, run_cli, wait_for_state
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_status_shows_the_fields_asked_for_in_their_order(stack, tmp_path):
+    s = stack.settings
+    running = cli_submit(s, ["--time", "1:00:00", "--cpus", "1.5", "--host-mem", "2G", "--", "sleep", "60"],
+                         cwd=tmp_path)
+    held = cli_submit(s, ["--hold", "--after", str(running), "--name", "later", "--", "true"], cwd=tmp_path)
+    assert wait_for_state(s, running, (State.RUNNING,)) == State.RUNNING, stack.logs()
+    try:
+        out = run_cli(["status", "--me", "-o", "ID,state,cpus,host_mem,time_limit,time_left,after,command,workdir"],
+                      s)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[:2] == ["jobs", lines[1]] and lines[1].split() == [
+            "ID", "STATE", "CPUS", "HOST", "MEM", "TIME", "LIMIT", "TIME", "LEFT", "AFTER", "COMMAND", "WORKDIR"]
+        rows = {int(cells[0]): cells for cells in map(str.split, lines[2:]) if cells and cells[0].isdigit()}
+        run = rows[running]
+        assert run[1:5] == ["running", "1.5", "2.0G", "1:00:00"] and run[5].startswith("0:59:"), run
+        assert run[6:] == ["-", "sleep", "60", str(tmp_path)], run
+        assert rows[held][1:7] == ["pending", "-", "-", "-", "-", str(running)], rows[held]
+        # -h: the lines alone, in the same columns.
+        bare = run_cli(["status", "--me", "-h", "-o", "id,name"], s).stdout.split()
+        assert bare[bare.index(str(held)) + 1] == "later"
+    finally:
+        assert run_cli(["cancel", str(running), str(held)], s).returncode == 0
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-o", "id,colour"], f"gpuq: --format: no field 'colour'; the fields are {', '.join(FIELDS)}"),
+    (["-o", "id,,user"], "gpuq: --format takes field names separated by commas, e.g. id,user,state; got 'id,,user'"),
+    (["-o", "id", "--json"], "gpuq: --format picks the job table's columns: not with --json (every field) or --start"),
+])
+def test_a_wrong_format_is_one_line_and_exit_2(stack, args, line):
+    out = run_cli(["status", *args], stack.settings)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", line + "\n")
