@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gpuq.cli import numbers
+from gpuq.cli import job_fields, numbers
 from gpuq.cli.client import Client
 from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp
 from gpuq.cli.table import colours_wanted, render
@@ -34,12 +34,19 @@ def history(
     limit: Annotated[int, typer.Option("--limit", "-n", help="List at most this many, newest first.",
                                        parser=numbers.whole(1))] = 100,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    fields: Annotated[str | None, typer.Option("--format", "-o", metavar="FIELDS",
+                                               help="The table's columns, comma-separated (as sacct --format): "
+                                                    "id, state, exit_code, elapsed, cpus... (a wrong one lists "
+                                                    "them all).")] = None,
 ) -> None:
     """The jobs that ended over a period, newest first: how each ended, where, how long it waited and ran."""
     if user is not None and not user.strip():
         raise InvalidSpec("--user needs a user name (or --all for everyone's jobs)")
     if everyone and user:
         raise InvalidSpec("--all and --user cannot be used together: pick one")
+    chosen = job_fields.parse(fields) if fields is not None else None
+    if chosen is not None and as_json:
+        raise InvalidSpec("--format picks the table's columns: not with --json (every field)")
     states = ",".join(s for part in state or [] for s in part.split(",")) or None
     answer = Client().get("/jobs/history", since=since, until=until, state=states, name=name, array=array,
                           limit=limit, user=user, mine=None if everyone or user else 1)
@@ -51,14 +58,18 @@ def history(
     if not rows:
         typer.echo(f"no job ended {period}")
         return
-    table = [[str(j["id"]), j["user"], job_name(j["name"]), (j["state"], _TONE.get(j["state"])),
-              exit_status(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
-              timestamp(j["ended_at"]), duration(seconds(j["waited_s"])), duration(seconds(j["elapsed_s"])),
-              one_line(result_summary(job(j)), 50)]
-             for j in rows]
-    typer.echo(render("ended jobs", ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED",
-                                     "RAN", "RESULT / REASON"), table, frozenset({"ID", "EXIT", "GPUS"}),
-                      colours_wanted()))
+    if chosen is not None:
+        header, right = job_fields.columns(chosen)
+        table = [job_fields.cells(chosen, j) for j in rows]
+    else:
+        header = ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED", "RAN", "RESULT / REASON")
+        right = frozenset({"ID", "EXIT", "GPUS"})
+        table = [[str(j["id"]), j["user"], job_name(j["name"]), (j["state"], _TONE.get(j["state"])),
+                  exit_status(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
+                  timestamp(j["ended_at"]), duration(seconds(j["waited_s"])), duration(seconds(j["elapsed_s"])),
+                  one_line(result_summary(job(j)), 50)]
+                 for j in rows]
+    typer.echo(render("ended jobs", header, table, right, colours_wanted()))
     counts = state_counts(answer["counts"])
     total = answer["total"]
     typer.echo(f"\n{total} job{'s' if total != 1 else ''} ended {period}: {counts}"

@@ -1,5 +1,5 @@
-"""The fields `gpuq status -o/--format` may show of a job, as squeue's -o and sacct's --format
-pick theirs: ``gpuq status -o id,user,state,cpus,time_left``. Each field is a column with a header,
+"""The fields `gpuq status -o/--format` and `gpuq history -o` may show of a job, as squeue's -o and
+sacct's --format pick theirs: ``gpuq status -o id,user,state,cpus,time_left``. Each field is a column with a header,
 read from the job's line as the server gives it (service/display.py's helpers format it as the
 default columns do); a field a line does not have (an array's pending tasks, one line for many)
 shows "-"."""
@@ -12,7 +12,7 @@ from typing import Any
 
 from gpuq.cli.render import duration, job, job_name, mib, one_line, result_summary, seconds, timestamp
 from gpuq.cli.table import Cell
-from gpuq.service.display import time_limit, with_tasks
+from gpuq.service.display import exit_status, time_limit, with_tasks
 from gpuq.service.errors import InvalidSpec
 
 Row = dict[str, Any]
@@ -63,13 +63,17 @@ def _array(j: Row) -> str:
     return f"{j['array_id']}_{j['array_index']}" if j.get("array_index") is not None else str(j["array_id"])
 
 
-def _age(key: str) -> Callable[[Row], str]:
-    def age(j: Row) -> str:
-        t = j.get(key)
-        if not t:
-            return "-"
-        return duration(datetime.now(UTC) - datetime.fromisoformat(t))
-    return age
+def _waited(j: Row) -> str:
+    """How long it waited to start: from its submit to its start, or to now while it is pending
+    ("-" for one that ended without starting)."""
+    if j.get("waited_s") is not None:  # `gpuq history`'s lines carry it
+        return duration(seconds(j["waited_s"]))
+    if not j.get("submitted_at"):
+        return "-"
+    submitted = datetime.fromisoformat(j["submitted_at"])
+    if j.get("started_at"):
+        return duration(datetime.fromisoformat(j["started_at"]) - submitted)
+    return duration(datetime.now(UTC) - submitted) if j.get("state") == "pending" else "-"
 
 
 # name: (header, right-aligned, the cell of a job's line)
@@ -91,11 +95,11 @@ FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
     "submitted": ("SUBMITTED", False, _time("submitted_at")),
     "started": ("STARTED", False, _time("started_at")),
     "ended": ("ENDED", False, _time("ended_at")),
-    "waited": ("WAITED", True, _age("submitted_at")),
+    "waited": ("WAITED", True, _waited),
     "elapsed": ("ELAPSED", True, lambda j: duration(seconds(j.get("elapsed_s")))),
     "time_limit": ("TIME LIMIT", True, lambda j: time_limit(j["time_limit_s"]) if j.get("time_limit_s") else "-"),
     "time_left": ("TIME LEFT", True, _time_left),
-    "exit_code": ("EXIT", True, _get("exit_code")),
+    "exit_code": ("EXIT", True, lambda j: exit_status(j.get("exit_code"))),
     "after": ("AFTER", False, lambda j: ",".join(map(str, j["after"])) if j.get("after") else "-"),
     "workdir": ("WORKDIR", False, _get("cwd")),
     "command": ("COMMAND", False, _command),

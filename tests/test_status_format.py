@@ -1,5 +1,5 @@
-"""`gpuq status -o/--format`: the job table's columns picked by name, as squeue -o and sacct
---format pick theirs, on a real stack; a wrong name is one line listing the fields."""
+"""`gpuq status -o/--format` and `gpuq history -o`: the job table's columns picked by name, as
+squeue -o and sacct --format pick theirs, on a real stack; a wrong name is one line listing the fields."""
 
 from __future__ import annotations
 
@@ -45,3 +45,23 @@ def test_status_shows_the_fields_asked_for_in_their_order(stack, tmp_path):
 def test_a_wrong_format_is_one_line_and_exit_2(stack, args, line):
     out = run_cli(["status", *args], stack.settings)
     assert (out.returncode, out.stdout, out.stderr) == (2, "", line + "\n")
+
+
+def test_history_shows_the_fields_asked_for_of_the_jobs_that_ended(stack, tmp_path):
+    s = stack.settings
+    failed = cli_submit(s, ["--cpus", "0.5", "--", "sh", "-c", "exit 3"], cwd=tmp_path)
+    killed = cli_submit(s, ["--", "sh", "-c", "kill -9 $$"], cwd=tmp_path)
+    for job_id in (failed, killed):
+        assert wait_for_state(s, job_id, (State.FAILED,)) == State.FAILED, stack.logs()
+    out = run_cli(["history", "-o", "id,state,exit_code,cpus,waited,elapsed"], s)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split() == ["ID", "STATE", "EXIT", "CPUS", "WAITED", "ELAPSED"]
+    table = lines[2:lines.index("")]  # then a blank line and the count of each end state
+    rows = {int(cells[0]): cells for cells in map(str.split, table)}
+    assert rows[failed][1:4] == ["failed", "3", "0.5"], rows[failed]
+    assert rows[killed][1:5] == ["failed", "137", "(SIGKILL)", "-"], rows[killed]
+    assert " ended from " in lines[-1]
+    refused = run_cli(["history", "-o", "id", "--json"], s)
+    assert (refused.returncode, refused.stderr) == (
+        2, "gpuq: --format picks the table's columns: not with --json (every field)\n")
