@@ -127,7 +127,9 @@ def gpuq(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     (["nosuchcommand"], "gpuq: No such command 'nosuchcommand' (gpuq --help)"),
     (["--bogus"], "gpuq: No such option '--bogus' (gpuq --help)"),
     (["--versoin"], "gpuq: No such option '--versoin'. Did you mean '--version'? (gpuq --help)"),
-    (["status", "--frobnicate"], "gpuq: No such option '--frobnicate' (gpuq status --help)"),
+    (["status", "--quux"], "gpuq: No such option '--quux' (gpuq status --help)"),
+    # Near one of its options (-o's --format): click's suggestion stays on the line.
+    (["status", "--frobnicate"], "gpuq: No such option '--frobnicate'. Did you mean '--format'? (gpuq status --help)"),
     (["status", "--useer"], "gpuq: No such option '--useer'. Did you mean '--user'? (gpuq status --help)"),
     (["db", "upgrade", "--bogus"], "gpuq: No such option '--bogus' (gpuq db upgrade --help)"),
 ])
