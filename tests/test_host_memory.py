@@ -5,6 +5,7 @@ memory; without one, their resident memory summed), and `gpuq stats` gives the p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 
 from gpuq.service.constants import State
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.host_memory import FIRST_LOOK_SECONDS, HostMemory, tree_of
+from gpuq.workers.host_memory import FIRST_LOOK_SECONDS, HostMemory
+from gpuq.workers.job_processes import tree
 from tests.conftest import cli_submit, run_cli, wait_for_state
 
 pytestmark = pytest.mark.timeout(180)
@@ -79,7 +81,7 @@ def test_in_its_cgroup_a_job_holds_its_anonymous_and_shared_memory_not_the_page_
 def test_without_a_cgroup_a_job_holds_the_resident_memory_of_its_process_tree(tmp_path):
     proc = _holding(150, 0, 0, tmp_path)
     try:
-        memory = HostMemory(None, lambda: [], tree_of(proc.pid))
+        memory = HostMemory(None, lambda: [], functools.partial(tree, proc.pid))
         assert 150 <= _peak(memory) < 300, memory.peak_mib
         assert memory.look() is None  # no limit of the worker's to pass
     finally:
@@ -100,7 +102,7 @@ def test_without_a_cgroup_a_limit_is_held_by_the_sum_and_said_in_mib(tmp_path):
 
 
 def test_a_job_over_before_the_first_look_has_no_peak():
-    memory = HostMemory(None, lambda: [], tree_of(os.getpid()))
+    memory = HostMemory(None, lambda: [], functools.partial(tree, os.getpid()))
     assert memory.look() is None and memory.peak_mib is None
 
 

@@ -24,9 +24,18 @@ from gpuq.service import reach
 from gpuq.service.launchable import interpreter_of
 from gpuq.service.units import JobSignal
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.host_memory import HostMemory, tree_of
+from gpuq.workers.host_memory import HostMemory
 from gpuq.workers.identity import Identity
-from gpuq.workers.job_processes import Finder, exited, registered, signal_all, signal_each_once, stop_tree, verify_gone
+from gpuq.workers.job_processes import (
+    Finder,
+    exited,
+    registered,
+    signal_all,
+    signal_each_once,
+    stop_tree,
+    tree,
+    verify_gone,
+)
 from gpuq.workers.output import OutputSink
 from gpuq.workers.output_copy import Copy, OutputFiles, copies_of, open_in_child, receive
 from gpuq.workers.owner_files import umask_of
@@ -203,7 +212,7 @@ def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled
     """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
     found = Finder(proc.pid, cgroup, run_id)
     with registered(found):  # its share watch finds its every process meanwhile
-        memory = HostMemory(cgroup, found, tree_of(proc.pid), limit_mib)
+        memory = HostMemory(cgroup, found, functools.partial(tree, proc.pid), limit_mib)
         if on_start is not None:
             on_start(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None

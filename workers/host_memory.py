@@ -9,7 +9,7 @@ the kernel takes back before a limit's OOM kill would strike. Without a cgroup: 
 of its processes summed, so pages two of them share count in each and the sum errs high.
 
 It is looked at every LOOK_SECONDS from FIRST_LOOK_SECONDS after the start (every TREE_LOOK_SECONDS
-where a look at the peak alone walks the process table: no cgroup and no limit): a peak between two
+where a look at the peak alone walks the job's process tree: no cgroup and no limit): a peak between two
 looks is missed, as SLURM's sampled MaxRSS misses it, and a job over before the first look has none.
 Not the kernel's own high-water marks: v1's max_usage_in_bytes counts the page cache, and a forked
 process's ru_maxrss starts at its worker's size (workers/command.py).
@@ -80,15 +80,3 @@ class HostMemory:
                 pass
         return held
 
-
-def tree_of(pid: int) -> Callable[[], list[psutil.Process]]:
-    """Process ``pid`` and its descendants as they are at each call."""
-
-    def tree() -> list[psutil.Process]:
-        try:
-            root = psutil.Process(pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return []
-
-    return tree

@@ -85,6 +85,49 @@ def is_process_of(main: int, pid: int) -> bool | None:
     return finder.owns(pid) if finder is not None else None
 
 
+def descendants(root: int) -> list[int] | None:
+    """The pids below ``root``, from Linux's per-thread children lists: a few small reads instead
+    of psutil's scan of every process on the machine. None where the kernel does not offer them."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return None
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and its descendants now (none if it is gone), for a look at what they hold.
+    Not for stopping them (``Finder``): the kernel's children lists may miss a process forked while
+    they are read, which psutil's scan of the table does not."""
+    try:
+        root = psutil.Process(pid)
+        pids = descendants(pid)
+        if pids is None:  # no per-thread children lists here: psutil's scan of every process
+            return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+    procs = [root]
+    for child in pids:
+        try:
+            procs.append(psutil.Process(child))
+        except psutil.Error:  # gone since it was listed
+            continue
+    return procs
+
+
 class Finder:
     """Finds every live process of one job run, in one pass over the process table: its tree, its
     process group and session (children that left the tree), its cgroup, and whatever carries its

@@ -18,6 +18,7 @@ import time
 import psutil
 
 from gpuq.service.devices import Devices, GpuProcess, GpuReading
+from gpuq.workers.job_processes import descendants
 
 # A simulated GPU's power draw idle and at full load (watts), and its SM clock likewise (MHz):
 # roughly an A100 PCIe's, so summaries in joules look like a lab's.
@@ -65,7 +66,7 @@ class GpuProbe:
 
     def _tree(self) -> dict[int, psutil.Process]:
         # Keep the Process objects between readings: cpu_percent measures since the previous call.
-        pids = _descendants(self._root.pid)
+        pids = descendants(self._root.pid)
         if pids is None:  # no /proc/PID/task/TID/children here: psutil's scan of every process
             try:
                 pids = [p.pid for p in self._root.children(recursive=True)]
@@ -154,29 +155,6 @@ class GpuProbe:
             sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
             energy_mj=None, processes=(worker, *procs, *others), lost=device.lost,
         )
-
-
-def _descendants(root: int) -> list[int] | None:
-    """The pids below ``root``, from Linux's per-thread children lists: a few small reads instead
-    of psutil's scan of every process on the machine. None where the kernel does not offer them."""
-    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
-        return None
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            out.extend(kids)
-            todo.extend(kids)
-    return out
 
 
 def _cpu_since_start(p: psutil.Process) -> float:
