@@ -11,13 +11,14 @@ worker's clock, in a transaction that may commit a little later, and one whose e
 the line after the line has moved would never be counted (until the server restarts). The jobs by state and
 user are kept the same way (``Settled.jobs``): a GROUP BY over every job was 70 ms a scrape at
 200,000 jobs on SQLite; and so is each user's CPU time of ended commands (``Settled.cpu``), which a
-job's end writes in the same transaction as its end state.
+job's end writes in the same transaction as its end state (both ``Settled._ended``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -58,58 +59,48 @@ class _Line:
 
 
 @dataclass
-class _Counted:
-    upto: datetime  # the jobs that ended before this are in ``counts``
-    counts: Counter[tuple[str, str]]
-
-
-@dataclass
-class _Summed:
-    upto: datetime  # the jobs that ended before this are in ``seconds``
-    seconds: Counter[str]
+class _Kept:
+    upto: datetime  # the jobs that ended before this are in ``sums``
+    sums: Counter[Any]
 
 
 @dataclass
 class Settled:
     """Each histogram's sums over the jobs that ended before its line, by kind and bounds, and the
-    count of those jobs by end state and user (one server's memory: a restart sums them again, once)."""
+    count of those jobs by end state and user and their CPU seconds by user (``kept``, by name; one
+    server's memory: a restart sums them again, once)."""
 
     lines: dict[tuple[str, tuple[float, ...]], _Line] = field(default_factory=dict)
-    counted: _Counted | None = None
-    summed_cpu: _Summed | None = None
+    kept: dict[str, _Kept] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def jobs(self, session: Session, now: datetime) -> dict[tuple[str, str], int]:
         """Every job, counted by (state, user): the settled count brought up to ``now - SETTLE``,
         plus the jobs that ended since and those still active, read afresh."""
-        upto = now - SETTLE
-        with self.lock:
-            if self.counted is None:
-                self.counted = _Counted(upto, _by_state_user(session, Job.ended_at < upto))
-            elif upto > self.counted.upto:
-                self.counted.counts += _by_state_user(session, Job.ended_at >= self.counted.upto,
-                                                      Job.ended_at < upto)
-                self.counted.upto = upto
-            counts, since = Counter(self.counted.counts), self.counted.upto
-        counts += _by_state_user(session, Job.ended_at >= since)
-        counts += _by_state_user(session, active=True)
+        counts = self._ended("jobs", lambda *where: _by_state_user(session, *where), now)
+        counts.update(_by_state_user(session, active=True))
         return dict(counts)
 
     def cpu(self, session: Session, now: datetime) -> dict[str, float]:
         """Each user's CPU seconds of every command that ended (a running one's is not known until
         it ends): the settled sums brought up to ``now - SETTLE``, plus the jobs that ended since."""
+        return dict(self._ended("cpu", lambda *where: _cpu_by_user(session, *where), now))
+
+    def _ended(self, name: str, read: Callable[..., Counter[Any]], now: datetime) -> Counter[Any]:
+        """What ``read`` sums over the ended jobs its conditions say, over every job that ended: the
+        sums kept as ``name`` brought up to ``now - SETTLE``, plus the jobs that ended since, read afresh.
+        (``update``, not ``+=``: a Counter's + drops a sum of 0, a user whose commands used no CPU.)"""
         upto = now - SETTLE
         with self.lock:
-            if self.summed_cpu is None:
-                self.summed_cpu = _Summed(upto, _cpu_by_user(session, Job.ended_at < upto))
-            elif upto > self.summed_cpu.upto:
-                # update, not +=: a Counter's + drops a user whose commands used no CPU at all
-                self.summed_cpu.seconds.update(_cpu_by_user(session, Job.ended_at >= self.summed_cpu.upto,
-                                                            Job.ended_at < upto))
-                self.summed_cpu.upto = upto
-            seconds, since = Counter(self.summed_cpu.seconds), self.summed_cpu.upto
-        fresh = _cpu_by_user(session, Job.ended_at >= since)
-        return {user: seconds.get(user, 0.0) + fresh.get(user, 0.0) for user in seconds.keys() | fresh.keys()}
+            kept = self.kept.get(name)
+            if kept is None:
+                kept = self.kept[name] = _Kept(upto, read(Job.ended_at < upto))
+            elif upto > kept.upto:  # the jobs that ended between the old line and the new
+                kept.sums.update(read(Job.ended_at >= kept.upto, Job.ended_at < upto))
+                kept.upto = upto
+            sums, since = Counter(kept.sums), kept.upto
+        sums.update(read(Job.ended_at >= since))
+        return sums
 
     def histogram(self, session: Session, kind: str, bounds: list[float], now: datetime) -> dict[str, Any]:
         """``kind`` ("wait": submit to start of every job that started; "duration": start to end

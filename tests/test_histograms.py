@@ -110,14 +110,14 @@ def test_the_jobs_by_state_and_user_are_always_what_counting_every_job_gives(set
     job(settings, submitted=ago(minutes=1), started=None, ended=None, state=State.PENDING)
     settled = Settled()
     assert counted(settings, settled, now) == every_job_by_state_and_user(settings)
-    assert settled.counted.counts == {(State.SUCCEEDED, "ann"): 1, (State.FAILED, "ann"): 1}
+    assert settled.kept["jobs"].sums == {(State.SUCCEEDED, "ann"): 1, (State.FAILED, "ann"): 1}
     # The running job ends and one more ends late (inside SETTLE); then the line passes them all.
     with write_scope(settings) as session:
         session.execute(update(Job).where(Job.id == running).values(state=State.TIMED_OUT, ended_at=now))
     job(settings, submitted=ago(minutes=9), started=ago(minutes=8), ended=ago(minutes=6))
     for when in (now + timedelta(seconds=30), now + timedelta(hours=2)):
         assert counted(settings, settled, when) == every_job_by_state_and_user(settings)
-    assert sum(settled.counted.counts.values()) == 4
+    assert sum(settled.kept["jobs"].sums.values()) == 4
     assert counted(settings, Settled(), now + timedelta(hours=2)) == every_job_by_state_and_user(settings)
 
 
@@ -155,5 +155,5 @@ def test_each_users_cpu_seconds_are_always_what_summing_every_ended_command_give
     used(settings, job(settings, submitted=ago(minutes=9), started=ago(minutes=8), ended=ago(minutes=6)), 4.0, "bob")
     for when in (now + timedelta(seconds=30), now + timedelta(hours=2)):
         assert cpu(when) == cpu_of_every_job(settings) == {"ann": 15.5, "bob": 4.0}
-    assert settled.summed_cpu.seconds == {"ann": 15.5, "bob": 4.0}
+    assert settled.kept["cpu"].sums == {"ann": 15.5, "bob": 4.0}
     assert cpu(now + timedelta(hours=2), Settled()) == cpu_of_every_job(settings)
