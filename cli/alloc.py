@@ -34,6 +34,7 @@ from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd, typed
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import GpuqError, InvalidSpec
+from gpuq.service.job_cpus import CPUS_VARIABLE, THREADS_VARIABLE
 from gpuq.service.settings import load_settings
 
 app = typer.Typer()
@@ -152,7 +153,7 @@ def _cancel_quietly(client: Client, job_id: int) -> None:
 # threads (service/job_cpus.py; this terminal's OMP_NUM_THREADS wins). Nothing else: an answer
 # forged over plain HTTP, or from a wrong GPUQ_SERVER, set LD_PRELOAD or BASH_ENV and ran its code
 # as this user.
-FROM_SERVER = ("GPUQ_SIMULATED_MEMORY_DIR", "GPUQ_CPUS", "OMP_NUM_THREADS")
+FROM_SERVER = ("GPUQ_SIMULATED_MEMORY_DIR", CPUS_VARIABLE, THREADS_VARIABLE)
 _NUMBERS = re.compile(r"\d{1,4}(\.\d{1,2})?", re.ASCII)  # what FROM_SERVER's last two may be
 
 
@@ -162,8 +163,8 @@ def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
     job_id = held["id"]
     given = {k: v for k, v in (held.get("env") or {}).items() if k in FROM_SERVER and isinstance(v, str)
              and (k == "GPUQ_SIMULATED_MEMORY_DIR" or _NUMBERS.fullmatch(v))}
-    if "OMP_NUM_THREADS" in base:
-        given.pop("OMP_NUM_THREADS", None)
+    if THREADS_VARIABLE in base:
+        given.pop(THREADS_VARIABLE, None)
     # Out of NVIDIA MPS: it serves one user at a time, and a shell's CUDA processes would keep other
     # users' jobs waiting, or wait for theirs (workers/mps.py).
     return dict(base, **given, CUDA_VISIBLE_DEVICES=",".join(map(str, held["gpu_indices"])),
