@@ -9,14 +9,13 @@ import typer
 
 from gpuq.cli import job_fields, numbers
 from gpuq.cli.client import Client
+from gpuq.cli.job_fields import coloured
 from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service.display import exit_status, state_counts
 from gpuq.service.errors import InvalidSpec
 
 app = typer.Typer()
-
-_TONE = {"succeeded": "bold green", "failed": "red", "timed_out": "red", "cancelled": "yellow"}
 
 
 @app.command()
@@ -64,7 +63,7 @@ def history(
     else:
         header = ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED", "RAN", "RESULT / REASON")
         right = frozenset({"ID", "EXIT", "GPUS"})
-        table = [[str(j["id"]), j["user"], job_name(j["name"]), (j["state"], _TONE.get(j["state"])),
+        table = [[str(j["id"]), j["user"], job_name(j["name"]), coloured(j["state"]),
                   exit_status(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
                   timestamp(j["ended_at"]), duration(seconds(j["waited_s"])), duration(seconds(j["elapsed_s"])),
                   one_line(result_summary(job(j)), 50)]

@@ -76,7 +76,7 @@ def _waited(j: Row) -> str:
     return duration(datetime.now(UTC) - submitted) if j.get("state") == "pending" else "-"
 
 
-# name: (header, right-aligned, the cell of a job's line)
+# name: (header, right-aligned, the cell of a job's line); durations left-aligned, as the default tables have them.
 FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
     "id": ("ID", True, lambda j: str(j.get("ids") or j["id"])),
     "array": ("ARRAY", False, _array),
@@ -95,8 +95,8 @@ FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
     "submitted": ("SUBMITTED", False, _time("submitted_at")),
     "started": ("STARTED", False, _time("started_at")),
     "ended": ("ENDED", False, _time("ended_at")),
-    "waited": ("WAITED", True, _waited),
-    "elapsed": ("ELAPSED", True, lambda j: duration(seconds(j.get("elapsed_s")))),
+    "waited": ("WAITED", False, _waited),
+    "elapsed": ("ELAPSED", False, lambda j: duration(seconds(j.get("elapsed_s")))),
     "time_limit": ("TIME LIMIT", True, lambda j: time_limit(j["time_limit_s"]) if j.get("time_limit_s") else "-"),
     "time_left": ("TIME LEFT", True, _time_left),
     "exit_code": ("EXIT", True, lambda j: exit_status(j.get("exit_code"))),
@@ -104,6 +104,10 @@ FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
     "workdir": ("WORKDIR", False, _get("cwd")),
     "command": ("COMMAND", False, _command),
 }
+
+
+# `gpuq status`'s job table without -o.
+STATUS_DEFAULT = ["id", "user", "name", "state", "gpus", "node", "elapsed", "result"]
 
 
 def parse(text: str) -> list[str]:

@@ -13,25 +13,19 @@ from gpuq.cli.client import Client
 from gpuq.cli.job_fields import coloured, gpus_cell
 from gpuq.cli.render import (
     drain_reasons,
-    duration,
-    job,
     job_name,
     json_text,
     mib,
-    one_line,
     print_json,
-    result_summary,
-    seconds,
     timestamp,
 )
 from gpuq.cli.table import colours_wanted, render
 from gpuq.service import constants as c
 from gpuq.service import units
-from gpuq.service.display import in_queue_order, with_tasks
+from gpuq.service.display import in_queue_order
 from gpuq.service.errors import InvalidSpec, Unreachable
 
 app = typer.Typer()
-_JOB_COLUMNS = ("ID", "USER", "NAME", "STATE", "GPUS", "NODE", "ELAPSED", "RESULT / REASON")
 
 
 @app.command()
@@ -131,15 +125,14 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     colour = colours_wanted()
     idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
                  "yellow")
-    listed = in_queue_order(rows, answer.get("arrays") or [])
-    if chosen is not None:
-        header, right = job_fields.columns(chosen)
-        queue = [job_fields.cells(chosen, j) for j in listed]
-    else:
-        header, right = _JOB_COLUMNS, frozenset({"ID", "GPUS"})
-        queue = [[j.get("ids") or str(j["id"]), j["user"], job_name(j["name"]), coloured(j["state"]), gpus_cell(j),
-                  j["node"] or "-", duration(seconds(j["elapsed_s"])),
-                  idle_note if j["idle"] else one_line(with_tasks(j, result_summary(job(j))), 50)] for j in listed]
+    fields = chosen or job_fields.STATUS_DEFAULT
+    header, right = job_fields.columns(fields)
+    queue = []
+    for j in in_queue_order(rows, answer.get("arrays") or []):
+        line = job_fields.cells(fields, j)
+        if chosen is None and j["idle"]:  # the default table says so where the result would be
+            line[-1] = idle_note
+        queue.append(line)
     if form == "lines":
         return render("jobs", header, queue, right, colour, headed=False) + "\n" if queue else ""
     devices = [row for g in gpus for row in _gpu_rows(g)]
