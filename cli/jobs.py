@@ -155,7 +155,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
         said = f"{attempt.get('reason')}"
         # "requeued by alice" says its state already.
         said = said if said.startswith(f"{attempt.get('state')} ") else f"{attempt.get('state')}{kind}: {said}"
-        lines.append((f"attempt {n}", f"{said} on {attempt.get('worker')}"))
+        cpu = f" (CPU {attempt['cpu_s']:.1f} s)" if attempt.get("cpu_s") is not None else ""
+        lines.append((f"attempt {n}", f"{said} on {attempt.get('worker')}{cpu}"))
     if j.failure:
         lines.append(("failure", j.failure))
     if j.exit_code is not None:

@@ -11,7 +11,8 @@ worker's clock, in a transaction that may commit a little later, and one whose e
 the line after the line has moved would never be counted (until the server restarts). The jobs by state and
 user are kept the same way (``Settled.jobs``): a GROUP BY over every job was 70 ms a scrape at
 200,000 jobs on SQLite; and so is each user's CPU time of ended commands (``Settled.cpu``), which a
-job's end writes in the same transaction as its end state (both ``Settled._ended``).
+job's end writes in the same transaction as its end state, and the attempts of jobs that ran again
+by cause (``Settled.reruns``, an earlier attempt's row written with its end): all ``Settled._ended``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
 from gpuq.service.dialect import not_for_an_index, seconds_between
-from gpuq.service.models import Job, JobUsage
+from gpuq.service.models import EarlierAttempt, Job, JobUsage
 
 # How far behind the clock the line of settled jobs stays.
 SETTLE = timedelta(minutes=10)
@@ -77,29 +78,37 @@ class Settled:
     def jobs(self, session: Session, now: datetime) -> dict[tuple[str, str], int]:
         """Every job, counted by (state, user): the settled count brought up to ``now - SETTLE``,
         plus the jobs that ended since and those still active, read afresh."""
-        counts = self._ended("jobs", lambda *where: _by_state_user(session, *where), now)
+        counts = self._ended("jobs", lambda since, before: _by_state_user(session, since, before), now)
         counts.update(_by_state_user(session, active=True))
         return dict(counts)
 
     def cpu(self, session: Session, now: datetime) -> dict[str, float]:
         """Each user's CPU seconds of every command that ended (a running one's is not known until
-        it ends): the settled sums brought up to ``now - SETTLE``, plus the jobs that ended since."""
-        return dict(self._ended("cpu", lambda *where: _cpu_by_user(session, *where), now))
+        it ends), earlier attempts of jobs that ran again included: the settled sums brought up to
+        ``now - SETTLE``, plus those that ended since."""
+        return dict(self._ended("cpu", lambda since, before: _cpu_by_user(session, since, before), now))
 
-    def _ended(self, name: str, read: Callable[..., Counter[Any]], now: datetime) -> Counter[Any]:
-        """What ``read`` sums over the ended jobs its conditions say, over every job that ended: the
-        sums kept as ``name`` brought up to ``now - SETTLE``, plus the jobs that ended since, read afresh.
-        (``update``, not ``+=``: a Counter's + drops a sum of 0, a user whose commands used no CPU.)"""
+    def reruns(self, session: Session, now: datetime) -> dict[tuple[str, str], int]:
+        """The attempts that ended with their job running again, counted by (user, cause): preempted,
+        requeued, or the failure that retried or requeued it (``EarlierAttempt.cause``)."""
+        return dict(self._ended("reruns", lambda since, before: _reruns(session, since, before), now))
+
+    def _ended(self, name: str, read: Callable[[datetime | None, datetime | None], Counter[Any]],
+               now: datetime) -> Counter[Any]:
+        """What ``read(since, before)`` sums over what ended in [since, before) (None: unbounded),
+        over all that ever ended: the sums kept as ``name`` brought up to ``now - SETTLE``, plus
+        what ended since, read afresh. (``update``, not ``+=``: a Counter's + drops a sum of 0, a
+        user whose commands used no CPU.)"""
         upto = now - SETTLE
         with self.lock:
             kept = self.kept.get(name)
             if kept is None:
-                kept = self.kept[name] = _Kept(upto, read(Job.ended_at < upto))
-            elif upto > kept.upto:  # the jobs that ended between the old line and the new
-                kept.sums.update(read(Job.ended_at >= kept.upto, Job.ended_at < upto))
+                kept = self.kept[name] = _Kept(upto, read(None, upto))
+            elif upto > kept.upto:  # what ended between the old line and the new
+                kept.sums.update(read(kept.upto, upto))
                 kept.upto = upto
             sums, since = Counter(kept.sums), kept.upto
-        sums.update(read(Job.ended_at >= since))
+        sums.update(read(since, None))
         return sums
 
     def histogram(self, session: Session, kind: str, bounds: list[float], now: datetime) -> dict[str, Any]:
@@ -149,9 +158,16 @@ def _sums(session: Session, kind: str, bounds: list[float], *where: Any, active:
     return Sums([int(n) for n in row[2:]], int(row[0]), float(row[1]))
 
 
-def _by_state_user(session: Session, *where: Any, active: bool = False) -> Counter[tuple[str, str]]:
-    """The ended jobs ``where`` says (or, with ``active``, the jobs still waiting or running),
-    counted by state and user: for the ended, from the index on ended_at, state and user alone."""
+def _between(ended_at: Any, since: datetime | None, before: datetime | None) -> list[Any]:
+    """The conditions that ``ended_at`` falls in [since, before), either end open where None."""
+    return [*([] if since is None else [ended_at >= since]), *([] if before is None else [ended_at < before])]
+
+
+def _by_state_user(session: Session, since: datetime | None = None, before: datetime | None = None,
+                   active: bool = False) -> Counter[tuple[str, str]]:
+    """The jobs that ended in [since, before) (or, with ``active``, the jobs still waiting or
+    running), counted by state and user: for the ended, from the index on ended_at, state and user alone."""
+    where = _between(Job.ended_at, since, before)
     if active:
         state, user = Job.state, Job.user
         states = state.in_(c.ACTIVE_STATES)
@@ -164,11 +180,28 @@ def _by_state_user(session: Session, *where: Any, active: bool = False) -> Count
     return Counter({(state, user): n for state, user, n in rows})
 
 
-def _cpu_by_user(session: Session, *where: Any) -> Counter[str]:
-    """The CPU seconds of the ended jobs ``where`` says, summed by user (those that have them: commands),
-    read down the index on ended_at (grouped by the column as it is, SQLite walked the index on user
-    over every job ever run: 150 ms a scrape at 200,000 jobs)."""
-    user = not_for_an_index(Job.user, session)
-    rows = session.execute(select(user, func.sum(JobUsage.cpu_s)).join(JobUsage, JobUsage.job_id == Job.id)
-                           .where(JobUsage.cpu_s.is_not(None), *where).group_by(user))
-    return Counter({user: float(seconds) for user, seconds in rows})
+def _cpu_by_user(session: Session, since: datetime | None, before: datetime | None) -> Counter[str]:
+    """The CPU seconds of the jobs, and of the earlier attempts, that ended in [since, before),
+    summed by user (those that have them: commands), read down the indexes on ended_at (grouped by
+    the column as it is, SQLite walked the index on user over every job ever run: 150 ms a scrape at
+    200,000 jobs)."""
+    a = EarlierAttempt
+    out: dict[str, float] = {}
+    for user, seconds in [
+            *session.execute(select(not_for_an_index(Job.user, session), func.sum(JobUsage.cpu_s))
+                             .join(JobUsage, JobUsage.job_id == Job.id)
+                             .where(JobUsage.cpu_s.is_not(None), *_between(Job.ended_at, since, before))
+                             .group_by(not_for_an_index(Job.user, session))),
+            *session.execute(select(a.user, func.sum(a.cpu_s))
+                             .where(a.cpu_s.is_not(None), *_between(a.ended_at, since, before)).group_by(a.user))]:
+        out[user] = out.get(user, 0.0) + float(seconds)
+    return Counter(out)
+
+
+def _reruns(session: Session, since: datetime | None, before: datetime | None) -> Counter[tuple[str, str]]:
+    """The earlier attempts that ended in [since, before), counted by user and cause (those kept
+    since the cause is: migration 0032)."""
+    a = EarlierAttempt
+    rows = session.execute(select(a.user, a.cause, func.count())
+                           .where(a.cause.is_not(None), *_between(a.ended_at, since, before)).group_by(a.user, a.cause))
+    return Counter({(user, str(cause)): n for user, cause, n in rows})

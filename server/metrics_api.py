@@ -1,7 +1,8 @@
 """GET /v1/metrics: what a Prometheus exporter needs, as JSON (the dashboard's /metrics is built
 from it): every GPU now with its UUID and sampled energy, jobs by state and user, pending jobs by
-reason, each user's CPU seconds of ended commands, and the queue-wait and run-time histograms at
-the bounds the caller asks for.
+reason, each user's CPU seconds of ended commands, the attempts that ended with their job running
+again by user and cause (preempted, requeued, a failure), and the queue-wait and run-time
+histograms at the bounds the caller asks for.
 
 Only what every user may see (states, users, reasons, resources, times): no output, diff or
 environment value, whoever asks.
@@ -69,6 +70,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
         wait = settled.histogram(session, "wait", wait_le, now)
         duration = settled.histogram(session, "duration", duration_le, now)
         cpu = settled.cpu(session, now)
+        reruns = settled.reruns(session, now)
     out_gpus = []
     for d in devices:
         gpu_id, uuid = ids.get((d.node, d.index), (None, None))
@@ -77,6 +79,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
             "jobs": [{"state": s, "user": u, "count": n} for (s, u), n in by_state_user],
             "pending": [{"reason": r, "count": n} for r, n in pending],
             "cpu": [{"user": u, "cpu_s": s} for u, s in sorted(cpu.items())],
+            "reruns": [{"user": u, "cause": why, "count": n} for (u, why), n in sorted(reruns.items())],
             "wait": wait, "duration": duration}
 
 

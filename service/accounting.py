@@ -5,7 +5,7 @@ GPU-hours are allocated time (a job's wall time in the period times its GPUs); u
 energy come from the device samples. Per user they cover the samples of the user's jobs; per node,
 every sample of the node's GPUs, idle ones included. CPU-hours are what commands used (sacct's
 TotalCPU, not an allocation's cores times its time), known once a command has ended: a job's count
-in the period whose end falls in it.
+in the period whose end falls in it, and so does each attempt's of a job that ran again.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     cpu_s = case((and_(Job.ended_at >= since, Job.ended_at < until), JobUsage.cpu_s), else_=None)
     # One pass grouped by user and node together (a few rows), added up each way here: a pass per
     # grouping worked out every job's seconds twice (and a pass of its own for the CPU seconds
-    # was a fifth more). The earlier attempts of jobs that ran again add their GPU time (not a job each).
+    # was a fifth more). The earlier attempts of jobs that ran again add their GPU time (not a job
+    # each), and their CPU seconds where they ended in the period, as a job's.
     alloc: dict[str, dict[str, tuple[int, float, float]]] = {"users": {}, "nodes": {}}
     node = func.coalesce(Job.node, "-")
     a = EarlierAttempt
@@ -102,7 +103,8 @@ def report(session: Session, since: datetime, until: datetime, now: datetime | N
     a_seconds = greatest(seconds_between(a_end, a_start, session), 0.0, session) * a.charged
     by_job = (select(Job.user, node, func.count(), func.sum(gpu_s), func.sum(cpu_s))
               .outerjoin(JobUsage, JobUsage.job_id == Job.id).where(*ran).group_by(Job.user, node))
-    by_attempt = (select(a.user, func.coalesce(a.node, "-"), literal(0), func.sum(a_seconds), literal(0.0))
+    a_cpu_s = case((and_(a.ended_at >= since, a.ended_at < until), a.cpu_s), else_=None)
+    by_attempt = (select(a.user, func.coalesce(a.node, "-"), literal(0), func.sum(a_seconds), func.sum(a_cpu_s))
                   .where(a.started_at < until, a.ended_at > since).group_by(a.user, a.node))
     for user, node_name, jobs, seconds, cpu in [*session.execute(by_job), *session.execute(by_attempt)]:
         for part, name in (("users", user), ("nodes", node_name)):

@@ -232,7 +232,7 @@ _LEASE_RAN_OUT = _JOBS.c.lease_expires_at < bindparam("expired_before")
 def end_attempt(session: Session, job_id: int, state: State, *, token: str | None = None,
                 expired_before: datetime | None = None, failure: str | None = None, exit_code: int | None = None,
                 result: dict[str, Any] | None = None, reason: str | None = None, max_requeues: int = 0,
-                now: datetime | None = None) -> bool:
+                now: datetime | None = None, cpu_s: float | None = None) -> bool:
     """End a running job's attempt in ``state``: the job ends there and frees its GPUs, or it
     waits again (pending) for another attempt when it may run again:
 
@@ -240,9 +240,10 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
       without using one up, at most ``max_requeues`` times;
     - any other failure is retried while the job has retries left.
 
-    Every attempt is kept. The worker holding the lease ``token`` ends its job; the reaper passes
-    ``expired_before`` instead (the lease must have run out before then). False if the job was not
-    running under that lease: it had ended, or was taken back.
+    Every attempt is kept, with its command's CPU seconds (``cpu_s``, where its worker knows them:
+    the job's usage summary will be its last attempt's). The worker holding the lease ``token``
+    ends its job; the reaper passes ``expired_before`` instead (the lease must have run out before
+    then). False if the job was not running under that lease: it had ended, or was taken back.
     """
     if state not in c.END_STATES or (token is None) == (expired_before is None):
         raise BugError(f"end_attempt: an end state and either a lease token or a reaping time, got {state!r}")
@@ -278,9 +279,10 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     again = "asked" if requeued else _runs_again(job, state, failure, max_requeues)
     if again is not None:
         # The attempt as its record keeps it: stopped to be requeued reads so (sacct's REQUEUED).
-        values = _waits_again(job, again, now, max_requeues,
-                              dict(state=_asked_state(job.reason) if again == "asked" else state,
-                                   failure=None if again == "asked" else failure, reason=reason, exit_code=exit_code))
+        attempt = dict(state=_asked_state(job.reason) if again == "asked" else state,
+                       failure=None if again == "asked" else failure, reason=reason, exit_code=exit_code,
+                       **({} if cpu_s is None else {"cpu_s": cpu_s}))
+        values = _waits_again(job, again, now, max_requeues, attempt)
     elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
         values["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
     check(actor, S.RUNNING, values["state"])
@@ -293,10 +295,11 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
             # Its progress rows start again with the next attempt (a retried train job listed epochs
             # 1-4 of the lost attempt, then 1-6): the attempt that ends it is the one they describe.
             conn.execute(_CLEAR_METRICS, {"job_id": job_id})
-            if job.started_at is not None:  # the GPU time it held, which its row will no longer show
+            if job.started_at is not None:  # the GPU and CPU time it held, which its row will no longer show
                 conn.execute(_EARLIER.insert(), {
                     "job_id": job_id, "user": job.user, "node": job.node, "started_at": job.started_at,
-                    "charged": job.gpus * (job.gpu_share if job.gpu_share is not None else 1.0), "ended_at": now})
+                    "charged": job.gpus * (job.gpu_share if job.gpu_share is not None else 1.0), "ended_at": now,
+                    "cause": attempt["failure"] or attempt["state"], "cpu_s": cpu_s})
     return done
 
 

@@ -401,7 +401,7 @@ class JobUsage(Base):
 
 
 class EarlierAttempt(Base):
-    """The GPU time an attempt of a job held before the job ran again (retried or requeued): the
+    """The GPU and CPU time an attempt of a job held before the job ran again (retried or requeued): the
     job's own ``started_at``/``ended_at`` are its last attempt's, so fair share and `gpuq stats`
     read these too (a job retried a hundred times after an hour each held the GPUs a hundred hours,
     and was charged one)."""
@@ -415,6 +415,12 @@ class EarlierAttempt(Base):
     charged: Mapped[float] = mapped_column(Float)  # its GPUs, each times its share of a shared GPU
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     ended_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    # Why it ran again: "preempted", "requeued" (`gpuq requeue`), or the failure that retried or
+    # requeued it (``constants.FAILURES``: exit, worker_lost, ...); None: kept before it was recorded.
+    cause: Mapped[str | None] = mapped_column(String(32))
+    # Its command's CPU seconds, as its worker reaped it (``JobUsage.cpu_s`` is the last attempt's):
+    # None where not known (a workload, an allocation, an attempt the reaper ended).
+    cpu_s: Mapped[float | None] = mapped_column(Float)
 
 
 class Submission(Base):

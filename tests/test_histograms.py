@@ -14,7 +14,7 @@ from gpuq.service import constants as c
 from gpuq.service import spec, submitting
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
-from gpuq.service.models import Job, JobUsage, utcnow
+from gpuq.service.models import EarlierAttempt, Job, JobUsage, utcnow
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,3 +157,52 @@ def test_each_users_cpu_seconds_are_always_what_summing_every_ended_command_give
         assert cpu(when) == cpu_of_every_job(settings) == {"ann": 15.5, "bob": 4.0}
     assert settled.kept["cpu"].sums == {"ann": 15.5, "bob": 4.0}
     assert cpu(now + timedelta(hours=2), Settled()) == cpu_of_every_job(settings)
+
+
+def attempt(settings, job_id: int, user: str, ended: datetime, cause: str | None, cpu_s: float | None) -> None:
+    with write_scope(settings) as session:
+        session.add(EarlierAttempt(job_id=job_id, user=user, node="n1", charged=1.0, started_at=ended - timedelta(
+            minutes=5), ended_at=ended, cause=cause, cpu_s=cpu_s))
+
+
+def every_attempt(settings) -> tuple[dict, dict]:
+    """Every earlier attempt's CPU seconds by user, and the attempts by user and cause, summed in SQL."""
+    a = EarlierAttempt
+    with write_scope(settings) as session:
+        cpu = dict(session.execute(select(a.user, func.sum(a.cpu_s)).where(a.cpu_s.is_not(None))
+                                   .group_by(a.user)).all())
+        reruns = {(u, why): n for u, why, n in session.execute(
+            select(a.user, a.cause, func.count()).where(a.cause.is_not(None)).group_by(a.user, a.cause))}
+    return cpu, reruns
+
+
+def test_earlier_attempts_add_their_cpu_seconds_and_count_as_reruns_by_cause_as_they_settle(settings):
+    now = utcnow()
+    ago = lambda **kw: now - timedelta(**kw)  # noqa: E731
+    # A job preempted once long ago and retried after a failure, now succeeded with 2 s of CPU.
+    done = job(settings, submitted=ago(hours=4), started=ago(hours=3), ended=ago(hours=2))
+    used(settings, done, 2.0)
+    attempt(settings, done, "ann", ago(hours=3, minutes=30), "preempted", 5.0)
+    attempt(settings, done, "ann", ago(hours=3), "exit", None)  # a workload's: no CPU seconds
+    attempt(settings, done, "ann", ago(hours=3), None, 1.0)  # kept before causes were: CPU, no rerun
+    settled = Settled()
+
+    def read(when: datetime, settled: Settled = settled) -> tuple[dict, dict]:
+        with write_scope(settings) as session:
+            return settled.cpu(session, when), settled.reruns(session, when)
+
+    assert read(now) == ({"ann": 8.0}, {("ann", "preempted"): 1, ("ann", "exit"): 1})
+    # A job running again after its worker was lost, and bob's job requeued by hand a moment ago
+    # (inside SETTLE); then the line passes them all.
+    running = job(settings, submitted=ago(minutes=30), started=ago(minutes=1), ended=None, state=State.RUNNING)
+    attempt(settings, running, "ann", ago(minutes=2), "worker_lost", None)
+    attempt(settings, running, "bob", ago(minutes=1), "requeued", 0.5)
+    for when in (now + timedelta(seconds=30), now + timedelta(hours=2)):
+        cpu, reruns = read(when)
+        sql_cpu, sql_reruns = every_attempt(settings)
+        assert cpu == {"ann": 8.0, "bob": 0.5}
+        assert sql_cpu == {"ann": 6.0, "bob": 0.5} and cpu_of_every_job(settings) == {"ann": 2.0}
+        assert reruns == sql_reruns == {("ann", "preempted"): 1, ("ann", "exit"): 1, ("ann", "worker_lost"): 1,
+                                        ("bob", "requeued"): 1}
+    assert settled.kept["reruns"].sums == every_attempt(settings)[1]
+    assert read(now + timedelta(hours=2), Settled()) == read(now + timedelta(hours=2))

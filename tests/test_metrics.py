@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from gpuq.service.db import write_scope
 from gpuq.service.device_status import device_status
-from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage
+from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Gpu, Job, JobUsage
 from gpuq.web.metrics import WAIT_BUCKETS
 from tests.dashboard_stack import stack_with_jobs
 
@@ -50,18 +50,37 @@ def test_jobs_by_state_and_user_equal_the_jobs_table(ran, dash):
     assert any(v > 0 for v in share.values())  # the jobs that ran
 
 
-def test_each_users_cpu_seconds_are_a_counter_equal_to_their_ended_commands_in_sql(ran, dash):
+def test_each_users_cpu_seconds_are_a_counter_equal_to_their_ended_commands_and_attempts_in_sql(ran, dash):
     st, jobs = ran
     families = scrape(dash)
     with write_scope(st.settings) as session:
-        expected = {user: pytest.approx(seconds) for user, seconds in session.execute(
+        expected = Counter({user: seconds for user, seconds in session.execute(
             select(Job.user, func.sum(JobUsage.cpu_s)).join(JobUsage, JobUsage.job_id == Job.id)
-            .where(JobUsage.cpu_s.is_not(None)).group_by(Job.user))}
+            .where(JobUsage.cpu_s.is_not(None)).group_by(Job.user))})
         failed_cpu = session.scalar(select(JobUsage.cpu_s).where(JobUsage.job_id == jobs.failed))
+        first_cpu = session.scalar(select(EarlierAttempt.cpu_s).where(EarlierAttempt.job_id == jobs.failed))
+        expected.update(dict(session.execute(select(EarlierAttempt.user, func.sum(EarlierAttempt.cpu_s))
+                                             .group_by(EarlierAttempt.user)).all()))
     cpu = families["gpuq_user_cpu_seconds"]
     assert cpu.type == "counter"
-    assert {s.labels["user"]: s.value for s in samples(cpu, "gpuq_user_cpu_seconds_total")} == expected
-    assert failed_cpu is not None and failed_cpu > 0  # the failed command's python counted; the workloads have none
+    assert {s.labels["user"]: s.value for s in samples(cpu, "gpuq_user_cpu_seconds_total")} == {
+        user: pytest.approx(seconds) for user, seconds in expected.items()}
+    # The failed command's python counted, its first attempt's too; the workloads have none.
+    assert failed_cpu is not None and failed_cpu > 0 and first_cpu is not None and first_cpu > 0
+
+
+def test_reruns_are_a_counter_by_user_and_cause_equal_to_the_earlier_attempts_in_sql(ran, dash):
+    st, jobs = ran
+    families = scrape(dash)
+    with write_scope(st.settings) as session:
+        expected = {(user, cause): n for user, cause, n in session.execute(
+            select(EarlierAttempt.user, EarlierAttempt.cause, func.count())
+            .group_by(EarlierAttempt.user, EarlierAttempt.cause))}
+        user = session.get(Job, jobs.failed).user
+    reruns = families["gpuq_job_reruns"]
+    assert reruns.type == "counter"
+    shown = {(s.labels["user"], s.labels["cause"]): s.value for s in samples(reruns, "gpuq_job_reruns_total")}
+    assert shown == expected == {(user, "exit"): 1}  # the failed job's first attempt, retried
 
 
 def test_queue_wait_and_duration_histograms_count_the_jobs_that_started_and_ended(ran, dash):

@@ -9,18 +9,20 @@ import time
 from datetime import datetime
 
 import pytest
+from sqlalchemy import select
 
 from gpuq.service import jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
+from gpuq.service.models import EarlierAttempt
 from tests.conftest import cli_submit, output_of, run_cli, stack_on_database, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
-# The first attempt leaves a mark and runs until stopped, saying when SIGTERM came; an attempt
-# that finds the mark ends at once.
+# The first attempt spins a moment (CPU time its record keeps), leaves a mark and runs until
+# stopped, saying when SIGTERM came; an attempt that finds the mark ends at once.
 SCAVENGER = ("trap 'echo got SIGTERM; exit 143' TERM; if [ -e mark ]; then echo second; "
-             "else touch mark; echo first; sleep 120 & wait; fi")
+             "else i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done; touch mark; echo first; sleep 120 & wait; fi")
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
@@ -57,7 +59,15 @@ def test_a_waiting_job_preempts_a_preemptible_one_which_is_requeued_and_runs_aga
     assert job.requeues == 0 and job.exit_code == 0
     out = output_of(s, scavenger)
     assert out.index("first") < out.index("got SIGTERM") < out.index("second")
+    # Its CPU time is kept with the attempt (the usage summary is the last attempt's), and the
+    # attempt's row says why the job ran again.
+    cpu_s = job.attempts[0]["cpu_s"]
+    assert cpu_s > 0
+    with write_scope(s) as session:
+        assert session.execute(select(EarlierAttempt.cause, EarlierAttempt.cpu_s)
+                               .where(EarlierAttempt.job_id == scavenger)).all() == [("preempted", cpu_s)]
     assert f"attempt 1  {reason} on gpu" in run_cli(["show", str(scavenger)], s).stdout
+    assert f"(CPU {cpu_s:.1f} s)" in run_cli(["show", str(scavenger)], s).stdout
     # The urgent job started only once the preempted one had let its GPU go.
     assert _job(s, urgent).started_at >= datetime.fromisoformat(job.attempts[0]["ended_at"])
 

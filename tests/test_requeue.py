@@ -48,6 +48,8 @@ def test_requeue_stops_a_running_job_and_runs_it_again_under_its_id_with_the_att
     assert job.requeues == 0 and job.exit_code == 0
     # The GPU time the first attempt held is charged, as a retried job's is.
     assert len(earlier) == 1 and earlier[0].charged == 1.0
+    # It says why the job ran again, with the attempt's CPU seconds (a command's, reaped).
+    assert earlier[0].cause == "requeued" and earlier[0].cpu_s == job.attempts[0]["cpu_s"] >= 0
     assert "second" in output_of(s, job_id)
     assert "attempt 1  requeued by root on gpu" in run_cli(["show", str(job_id)], s).stdout
 

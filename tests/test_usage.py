@@ -17,7 +17,7 @@ from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.devices import GpuProcess, GpuReading
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.models import DeviceMinute, DeviceSample, Gpu, Job, JobUsage
+from gpuq.service.models import DeviceMinute, DeviceSample, EarlierAttempt, Gpu, Job, JobUsage
 
 NOW = datetime(2026, 3, 2, 12, 0, 0, tzinfo=UTC)
 
@@ -164,6 +164,22 @@ def test_report_counts_the_cpu_hours_of_commands_that_ended_in_the_period_per_us
     assert users == {"ann": pytest.approx(1.5), "bob": 0.0, "cy": 0.0}
     assert nodes == {"n1": pytest.approx(0.5), "n2": pytest.approx(1.0)}
     assert rep["users"][0].as_dict()["cpu_hours"] >= 0
+
+
+def test_report_counts_an_earlier_attempts_cpu_hours_in_the_period_it_ended_in(settings):
+    """A preempted job's first attempt used CPU its usage summary (its last attempt's) no longer
+    shows: the report adds it where the attempt ended, as a job's."""
+    with write_scope(settings) as s:
+        job = add_job(s, "ann", "n1", NOW - timedelta(minutes=30), NOW - timedelta(minutes=10))
+        s.add(JobUsage(job_id=job, wall_s=1200.0, gpu_hours=0.33, idle_s=0.0, samples=0, cpu_s=900.0))
+        for ended, cpu_s in ((NOW - timedelta(hours=1), 1800.0), (NOW - timedelta(hours=3), 7200.0)):  # in, before
+            s.add(EarlierAttempt(job_id=job, user="ann", node="n2", charged=1.0, started_at=ended - timedelta(hours=1),
+                                 ended_at=ended, cause="preempted", cpu_s=cpu_s))
+    with write_scope(settings) as s:
+        rep = accounting.report(s, NOW - timedelta(hours=2), NOW, NOW)
+    assert {r.name: r.cpu_hours for r in rep["users"]} == {"ann": pytest.approx(0.75)}
+    assert {r.name: r.cpu_hours for r in rep["nodes"]} == {"n1": pytest.approx(0.25), "n2": pytest.approx(0.5)}
+    assert {r.name: r.jobs for r in rep["users"]} == {"ann": 1}  # an attempt is not a job of its own
 
 
 def test_rollup_turns_old_samples_into_minutes_keeping_sums_and_maxima(settings):

@@ -16,7 +16,7 @@ from gpuq.service.celery_app import make_app, queue_name
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.devices import open_devices
-from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.models import Allocation, EarlierAttempt, Gpu, Job, utcnow
 from gpuq.service.scheduler import Scheduler
 from gpuq.workers.runner import run_job
 from gpuq.workers.state import WorkerState
@@ -186,6 +186,10 @@ def test_worker_lost_requeues_without_using_a_retry_and_stops_at_the_cap(setting
                 assert "requeued 2 times already: the cap" in j.reason
             # Requeues are not the job's own retries: that one is still unused.
             assert all(a["requeue"] for a in j.attempts)
+            # Each requeued attempt's row says why, with no CPU seconds: no worker reaped its command.
+            assert session.execute(select(EarlierAttempt.cause, EarlierAttempt.cpu_s)
+                                   .where(EarlierAttempt.job_id == job.id)).all() == [("worker_lost", None)] * min(
+                                       lap + 1, 2)
 
 
 def test_a_job_cancelled_while_its_worker_is_lost_ends_cancelled_and_never_runs_again(settings, tmp_path):

@@ -57,6 +57,12 @@ class GpuqCollector:
         for row in m["cpu"]:
             cpu.add_metric([row["user"]], row["cpu_s"])
         yield cpu
+        reruns = CounterMetricFamily("gpuq_job_reruns", "Attempts that ended with their job queued to run again, by "
+                                     "user and cause: preempted, requeued (gpuq requeue), or the failure that retried "
+                                     "or requeued it (exit, worker_lost, ...).", labels=["user", "cause"])
+        for row in m.get("reruns", ()):  # a server from before reruns sends none
+            reruns.add_metric([row["user"], row["cause"]], row["count"])
+        yield reruns
         yield _histogram("gpuq_job_queue_wait_seconds", "Time from submission to start, of every job that started.",
                          m["wait"])
         yield _histogram("gpuq_job_duration_seconds", "Run time (start to end) of every job that ended after starting.",
