@@ -184,8 +184,8 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
                     + ("; exit the shell to free it" if command is None else "") + "\n")
     try:
         # Behind the gate (cli/gate.py): the shell starts once its worker has put it in the
-        # allocation's cgroup. SIGUSR1 is blocked from the fork on: the worker may find and signal
-        # the gate before its Python has started.
+        # allocation's cgroup. Its signals are blocked from the fork on: the worker may find and
+        # signal the gate before its Python has started.
         child = subprocess.Popen([sys.executable, *c.ALLOC_GATE_ARGS, "--", *argv], env=env,
                                  preexec_fn=_block_gate_signal)
     except OSError as exc:
@@ -228,7 +228,7 @@ def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> in
 
 
 def _block_gate_signal() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {c.ALLOC_GATE_SIGNAL})
+    signal.pthread_sigmask(signal.SIG_BLOCK, c.ALLOC_GATE_SIGNALS)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

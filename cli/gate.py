@@ -5,10 +5,11 @@ worker finds its processes by looking (workers/allocation.py). A process the she
 that left at once (`(env -u GPUQ_RUN_ID setsid cmd &)`) was gone from every trace before the
 worker's first look, and outlived the allocation. So the client starts this gate in the shell's
 place, with the shell's environment: the worker finds it by its run id, puts it in the
-allocation's cgroup where it has one, and then sends it SIGUSR1; only then does it exec the shell,
-in the same process, so the shell and everything it starts are in that cgroup from their first
-instruction. Without the signal within ALLOC_GATE_SECONDS (a worker of an older gpuq) it goes on
-as before. Imports nothing heavy: it stands between a keystroke and the user's prompt.
+allocation's cgroup where it has one, and then sends it SIGUSR1 (SIGUSR2 where it could not hold it
+to its --cpus, which the gate says on the terminal); only then does it exec the shell, in the same
+process, so the shell and everything it starts are in that cgroup from their first instruction.
+Without a signal within ALLOC_GATE_SECONDS (a worker of an older gpuq) it goes on as before.
+Imports nothing heavy: it stands between a keystroke and the user's prompt.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import os
 import signal
 import sys
 
-from gpuq.service.constants import ALLOC_GATE_SECONDS, ALLOC_GATE_SIGNAL
+from gpuq.service.constants import ALLOC_GATE_SECONDS, ALLOC_GATE_SIGNALS, ALLOC_GATE_UNHELD_SIGNAL
+from gpuq.service.job_cpus import CPUS_VARIABLE, not_held
 
 
 def main(argv: list[str]) -> int:
@@ -26,11 +28,14 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -I -m gpuq.cli.gate -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    # Blocked, the signal waits for sigtimedwait whenever it comes; the mask is given back before
-    # the exec, which keeps it (the shell must get SIGUSR1 as any program does).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {ALLOC_GATE_SIGNAL})
-    signal.sigtimedwait({ALLOC_GATE_SIGNAL}, ALLOC_GATE_SECONDS)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {ALLOC_GATE_SIGNAL})
+    # Blocked, the signals wait for sigtimedwait whenever one comes; the mask is given back before
+    # the exec, which keeps it (the shell must get SIGUSR1 and SIGUSR2 as any program does).
+    signal.pthread_sigmask(signal.SIG_BLOCK, ALLOC_GATE_SIGNALS)
+    got = signal.sigtimedwait(ALLOC_GATE_SIGNALS, ALLOC_GATE_SECONDS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ALLOC_GATE_SIGNALS)
+    if got is not None and got.si_signo == ALLOC_GATE_UNHELD_SIGNAL and os.environ.get(CPUS_VARIABLE):
+        print(f"gpuq: {not_held(os.environ[CPUS_VARIABLE], os.environ.get('GPUQ_NODE') or 'its node')}",
+              file=sys.stderr)
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

@@ -212,6 +212,10 @@ MPS_OUTSIDE = "/nonexistent/gpuq-outside-mps"
 # cgroup (workers/allocation.py).
 ALLOC_GATE_ARGS = ("-I", "-m", "gpuq.cli.gate")
 ALLOC_GATE_SIGNAL = signal.SIGUSR1
+# What it sends instead where it could not hold the shell to the allocation's --cpus (no CPU
+# cgroup): the gate says so on the terminal before the shell starts, as a command's output says it.
+ALLOC_GATE_UNHELD_SIGNAL = signal.SIGUSR2
+ALLOC_GATE_SIGNALS = {ALLOC_GATE_SIGNAL, ALLOC_GATE_UNHELD_SIGNAL}
 # How long the gate waits for that signal before it lets the shell start anyway (an older worker).
 ALLOC_GATE_SECONDS = 10.0
 

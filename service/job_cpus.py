@@ -20,6 +20,13 @@ def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
 
+def not_held(cpus: str, node: str) -> str:
+    """What a job (or an allocation's shell) is told where its worker could not hold it to its
+    ``cpus`` cores (as ``CPUS_VARIABLE`` gives them): no CPU cgroup on ``node`` (a user's own
+    stack, a cgroup tree not delegated)."""
+    return f"--cpus {cpus} is not held to on {node}: its worker may make no CPU cgroup"
+
+
 def cpu_variables(cpus: float | None, env: Mapping[str, str]) -> dict[str, str]:
     """What a job of ``cpus`` cores (None: it asked for none) gets beside ``env``, its own variables."""
     if cpus is None:

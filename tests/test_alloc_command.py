@@ -5,9 +5,11 @@ gate the shell starts behind (cli/gate.py) waits for its worker's word."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import func, select
@@ -15,6 +17,7 @@ from sqlalchemy import func, select
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope
 from gpuq.service.models import Job
+from gpuq.workers.allocation import held_to_cpus
 from tests.conftest import run_cli, stack_on_database
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,11 +87,11 @@ def test_the_shell_takes_from_the_servers_answer_only_simulated_memory_and_its_c
     assert not {"GPUQ_CPUS", "OMP_NUM_THREADS"} & set(shell_env(forged, {}))
 
 
-def _gate(*argv: str) -> subprocess.Popen[str]:
-    """The gate as `gpuq alloc` starts it: its signal blocked from the fork on."""
-    return subprocess.Popen([sys.executable, *c.ALLOC_GATE_ARGS, "--", *argv], text=True,
+def _gate(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """The gate as `gpuq alloc` starts it: its signals blocked from the fork on."""
+    return subprocess.Popen([sys.executable, *c.ALLOC_GATE_ARGS, "--", *argv], text=True, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {c.ALLOC_GATE_SIGNAL}))
+                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, c.ALLOC_GATE_SIGNALS))
 
 
 def test_the_gate_starts_the_shell_in_its_own_process_only_once_the_worker_signals():
@@ -109,6 +112,24 @@ def test_the_gate_starts_the_shell_in_its_own_process_only_once_the_worker_signa
         assert held.communicate(timeout=20)[0] == "ran\n"
     finally:
         held.kill()
+
+
+def test_the_gate_says_on_the_terminal_when_its_worker_could_not_hold_the_shell_to_its_cpus():
+    env = dict(os.environ, GPUQ_CPUS="2.5", GPUQ_NODE="n1")
+    unheld = _gate("sh", "-c", "echo ran", env=env)
+    unheld.send_signal(c.ALLOC_GATE_UNHELD_SIGNAL)
+    out, err = unheld.communicate(timeout=20)
+    assert (unheld.returncode, out) == (0, "ran\n")
+    assert err == "gpuq: --cpus 2.5 is not held to on n1: its worker may make no CPU cgroup\n"
+    held = _gate("sh", "-c", "echo ran", env=env)  # held: not a word
+    held.send_signal(c.ALLOC_GATE_SIGNAL)
+    assert held.communicate(timeout=20) == ("ran\n", "")
+
+
+def test_the_worker_lets_the_gate_through_as_unheld_only_where_cpus_were_asked_and_no_quota_holds_them():
+    quota = SimpleNamespace(cpus=2.5)
+    assert held_to_cpus(None, None) and held_to_cpus(2.5, quota)
+    assert not held_to_cpus(2.5, None) and not held_to_cpus(2.5, SimpleNamespace(cpus=None))
 
 
 def test_the_gate_says_in_one_line_what_it_cannot_run():

@@ -150,7 +150,7 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
                 if on_found is not None:
                     on_found(p.pid)
                 if not gated and _is_gate(p):
-                    _let_through(p)
+                    _let_through(p, held_to_cpus(job.cpus, processes.cgroup))
                     gated = True
     return None
 
@@ -162,11 +162,17 @@ def _is_gate(p: psutil.Process) -> bool:
         return False
 
 
-def _let_through(p: psutil.Process) -> None:
-    """Tell the gate it is placed: the shell starts, in the allocation's cgroup (sent once: after
-    its exec the shell's own SIGUSR1 would end it)."""
+def held_to_cpus(cpus: float | None, cgroup: JobCgroup | None) -> bool:
+    """Whether an allocation that asked for ``cpus`` cores (None: none) is held to them in ``cgroup``."""
+    return cpus is None or (cgroup is not None and cgroup.cpus is not None)
+
+
+def _let_through(p: psutil.Process, held: bool) -> None:
+    """Tell the gate it is placed: the shell starts, in the allocation's cgroup, and the gate says
+    so where it is not ``held`` to its --cpus (sent once: after its exec the shell's own SIGUSR1 or
+    SIGUSR2 would end it)."""
     try:
-        os.kill(p.pid, c.ALLOC_GATE_SIGNAL)
+        os.kill(p.pid, c.ALLOC_GATE_SIGNAL if held else c.ALLOC_GATE_UNHELD_SIGNAL)
     except OSError:
         pass  # gone: the client's end says why
 

@@ -18,7 +18,7 @@ from gpuq.service import failures, output_files, simulated_memory, usage
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
-from gpuq.service.job_cpus import cpu_variables
+from gpuq.service.job_cpus import cpu_variables, not_held
 from gpuq.service.job_output import record_metric
 from gpuq.service.jobs import possible_mps_clients
 from gpuq.service.settings import Settings
@@ -103,7 +103,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
                               job.host_mem_mib, job.cpus)
     if job.cpus is not None and (cgroup is None or cgroup.cpus is None):
         # Said where the user reads the job's output: it was not held to what it asked for.
-        sink.note(f"[gpuq: --cpus {job.cpus:g} is not held to on {state.node}: its worker may make no CPU cgroup]")
+        sink.note(f"[gpuq: {not_held(format(job.cpus, 'g'), state.node)}]")
     try:
         env = job_env(job, state.node, identity, state.settings)
         env.update(mps_env(job, os.geteuid() if identity is None else identity.uid, state, sink))

@@ -8,9 +8,11 @@ workers hand their batches over in shared memory), not the page cache of the fil
 the kernel takes back before a limit's OOM kill would strike. Without a cgroup: the resident memory
 of its processes summed, so pages two of them share count in each and the sum errs high.
 
-It is looked at every LOOK_SECONDS from FIRST_LOOK_SECONDS after the start (every TREE_LOOK_SECONDS
-where a look at the peak alone walks the job's process tree: no cgroup and no limit): a peak between two
-looks is missed, as SLURM's sampled MaxRSS misses it, and a job over before the first look has none.
+It is looked at every LOOK_SECONDS from FIRST_LOOK_SECONDS after the start (without a cgroup, a
+look walks the job's process tree from the kernel's children lists and reads each one's memory:
+134 µs for a shell and its command here, 387 µs for nine processes, under 0.1% of a core at this
+pace): a peak between two looks is missed, as SLURM's sampled MaxRSS misses it, and a job over
+before the first look has none.
 Not the kernel's own high-water marks: v1's max_usage_in_bytes counts the page cache, and a forked
 process's ru_maxrss starts at its worker's size (workers/command.py).
 """
@@ -27,7 +29,6 @@ from gpuq.workers.cgroup import JobCgroup
 
 FIRST_LOOK_SECONDS = 0.1
 LOOK_SECONDS = 0.5
-TREE_LOOK_SECONDS = 2.0
 
 
 class HostMemory:
@@ -43,7 +44,6 @@ class HostMemory:
         # The worker enforces a limit only where no cgroup does.
         self.limit = limit_mib * 2**20 if cgroup is None and limit_mib is not None else None
         self.processes = found if self.limit is not None else tree
-        self.every = LOOK_SECONDS if cgroup is not None or self.limit is not None else TREE_LOOK_SECONDS
         self.next_look = time.monotonic() + FIRST_LOOK_SECONDS
         self.peak: int | None = None  # bytes
 
@@ -53,7 +53,7 @@ class HostMemory:
         now = time.monotonic()
         if now < self.next_look:
             return None
-        self.next_look = now + self.every
+        self.next_look = now + LOOK_SECONDS
         held = self._held()
         if held is None:
             return None
