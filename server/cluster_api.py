@@ -53,7 +53,8 @@ def _devices(settings: Settings) -> dict[str, Any]:
 @routes.get(P + "/share")
 async def share(request: web.Request) -> web.Response:
     """Each user's standing in the fair share (`gpuq share`, sshare's): their recent GPU-hours,
-    decayed, the order those put users in at equal priority, and their jobs and GPUs now."""
+    decayed, the order those put users in at equal priority, their jobs and GPUs now, and the GPUs
+    they may hold at once (``limited``: whether anyone is held to a limit)."""
     settings, _ = context(request)
     return web.json_response(await call(_share, settings))
 
@@ -62,7 +63,7 @@ def _share(settings: Settings) -> dict[str, Any]:
     from gpuq.service.fair_share import standings
 
     with reading(settings) as session:
-        return {"half_life_h": settings.fairshare_half_life_h,
+        return {"half_life_h": settings.fairshare_half_life_h, "limited": settings.gpu_limited,
                 "users": [dataclasses.asdict(s) for s in standings(session, settings)]}
 
 

@@ -63,7 +63,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         needs = (f"this job needs {job.gpus} more" if not job.shared
                  else "a shared job starts only while they hold less, its share counted as its part of the GPU")
         said = (f"{head}: {job.user} holds {held:g} GPU{'' if held == 1 else 's'} and the limit is "
-                f"{settings.user_gpu_limit} at once; {needs}")
+                f"{settings.gpu_limit_of(job.user)} at once; {needs}")
         start = _starts(read, decision).get(job.id)
         if start is not None:  # when their running and earlier jobs leave them room
             said += "; " + _start_line(start, read.policy.now)

@@ -104,6 +104,7 @@ class Standing:
     gpus: float  # GPUs held now, a shared job's counted as it is charged (its share of the GPU)
     running: int  # jobs that hold GPUs (dispatched or running)
     pending: int  # jobs that wait, held ones among them
+    gpu_limit: int = 0  # the GPUs their jobs may hold at once (service/gpu_limits.py); 0: no limit
 
 
 def standings(session: Session, settings: Settings, now: datetime | None = None) -> list[Standing]:
@@ -124,4 +125,5 @@ def standings(session: Session, settings: Settings, now: datetime | None = None)
     users = sorted(set(hours) | set(running) | set(pending), key=lambda u: (hours.get(u, 0.0), u))
     ranked = [hours.get(u, 0.0) for u in users]
     return [Standing(user=u, gpu_hours=ranked[i], order=bisect.bisect_left(ranked, ranked[i]) + 1, gpus=held[u],
-                     running=running[u], pending=pending[u]) for i, u in enumerate(users)]
+                     running=running[u], pending=pending[u], gpu_limit=settings.gpu_limit_of(u))
+            for i, u in enumerate(users)]

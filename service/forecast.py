@@ -13,8 +13,9 @@ A shared job is planned by its share: it may start beside other shared jobs wher
 memory holds them all for its whole limit, as each running one's share frees at its limit, and a
 whole-GPU job waits until no job is on the GPU.
 
-Under a GPU limit per user (``GPUQ_USER_GPU_LIMIT``) each user's GPUs are planned over time too: a
-job starts no earlier than its user's running and planned jobs leave it room under the limit.
+Under a GPU limit per user (``GPUQ_USER_GPU_LIMIT``, or a user's own in ``GPUQ_USER_GPU_LIMITS``)
+each user's GPUs are planned over time too: a job starts no earlier than its user's running and
+planned jobs leave it room under the limit.
 
 Unknown (None) where no such moment can be counted on: a job ahead on those GPUs (or of its user,
 under the limit) has no time limit (or the job itself has none and something is planned after
@@ -101,14 +102,15 @@ class _Plan:
             for end in ends:
                 if end > state.now:
                     tasks.hold(state.now, end, 1)
-        self.limit = state.user_gpu_limit
-        self.users: defaultdict[str, _Usage] = defaultdict(lambda: _Usage(self.limit + policy.LIMIT_SLACK))
+        self.limit_of = state.limit_of
+        self.users: dict[str, _Usage] = {}
         # Users holding GPUs whose jobs' ends were not read: their room under the limit is unknown.
         self.unknown = {u for u, n in state.gpus_in_use.items() if n > 0 and u not in state.user_holds}
         for user, held in state.user_holds.items():
+            usage = self.user(user)
             for end, charge in held:
-                if end > state.now:
-                    self.users[user].hold(state.now, end, charge)
+                if end > state.now and usage is not None:
+                    usage.hold(state.now, end, charge)
         self.usage: dict[int, _Usage] = {}
         for g in state.gpus:
             usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
@@ -133,8 +135,13 @@ class _Plan:
         return None if job.array is None else self.arrays.get(job.array)
 
     def user(self, name: str) -> _Usage | None:
-        """``name``'s GPUs held over time under the limit; None without a limit or where unknown."""
-        return None if not self.limit or name in self.unknown else self.users[name]
+        """``name``'s GPUs held over time under their limit; None without one or where unknown."""
+        limit = self.limit_of(name)
+        if not limit or name in self.unknown:
+            return None
+        if name not in self.users:
+            self.users[name] = _Usage(limit + policy.LIMIT_SLACK)
+        return self.users[name]
 
 
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,

@@ -8,7 +8,7 @@ whose GPU fell free takes the first listed job that may still start there (``tak
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -136,7 +136,7 @@ _FIRST_WAITING = Prepared(select(_JOBS.c.id).where(*waiting()).limit(bindparam("
 
 
 def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: float,
-              user_gpu_limit: int = 0) -> tuple[Any, str] | None:
+              limit_of: Callable[[str], int] | None = None) -> tuple[Any, str] | None:
     """Start the first job of this GPU's next-up list that may still start here, as a claim would:
     running on this GPU with a lease. Returns (the job's row as ``STARTED_COLUMNS``, its lease
     token), or None: nothing listed still pending, or the GPU or its node was drained. Call it in
@@ -146,13 +146,14 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
     GPU limit; a job another GPU's worker took first is passed over. If the scheduler allocated
     this GPU meanwhile (it saw it free), the unique allocation key refuses the take. The taken
     job's row stays listed on other GPUs until the scheduler's next pass drops it: every take reads
-    only pending jobs, so that costs nothing but a row."""
+    only pending jobs, so that costs nothing but a row. ``limit_of``: each user's GPU limit (0:
+    none), where any user has one; None: nobody does."""
     conn = session.connection()
     now = utcnow()
     token = uuid.uuid4().hex
     take = {"gpu_id": gpu_id, "now": now, "node": node, "worker": worker, "token": token,
             "expires": now + timedelta(seconds=lease_s)}
-    if not user_gpu_limit:
+    if limit_of is None:
         # The usual take: the list's first waiting job, in one statement. On SQLite this
         # transaction holds the write lock, so nothing moves meanwhile. On PostgreSQL the workers
         # of a node's GPUs, whose lists hold the same jobs, take at once: each passes over the jobs
@@ -162,7 +163,8 @@ def take_next(session: Session, gpu_id: int, worker: str, node: str, lease_s: fl
         return _take(session, _TAKE_FIRST_UNLOCKED, take, allocates=True)
     listed = conn.execute(_LISTED, {"gpu_id": gpu_id}).all()
     for job_id, user, preemptible in listed:
-        if not preemptible and _gpus_in_use(session, user) + 1 > user_gpu_limit:
+        limit = limit_of(user)
+        if limit and not preemptible and _gpus_in_use(session, user) + 1 > limit:
             continue  # a preemptible job is held to no limit
         taken = _take(session, _TAKE, {**take, "job_id": job_id})
         if taken is not None:

@@ -37,8 +37,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
         busy_on[g.node] += 1
     lists: dict[int, list[int]] = {g.id: [] for g in open_gpus}
     in_use = dict(state.gpus_in_use)
-    limit = state.user_gpu_limit
-    if limit:
+    if state.limited:
         job_of = {j.id: j for j in state.jobs}
         for p in decision.placements:
             j = job_of[p.job_id]
@@ -49,6 +48,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
     for looked, job in enumerate(j for j in order if j.id not in placed):
         if not open_gpus or looked >= scan:
             break
+        limit = state.limit_of(job.user)
         if limit and policy.limit_reached(job, in_use.get(job.user, 0), limit):
             continue
         if job.gpus > 1 or job.shared or job.singleton:

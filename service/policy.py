@@ -62,10 +62,10 @@ def decide(state: QueueState) -> Decision:
     """Place what can start now and say why everything else waits."""
     gpus = Gpus(state)
     in_use = dict(state.gpus_in_use)
-    limit = state.user_gpu_limit
     decision = Decision([], {}, order=queue_order(state))
     blocked = False  # a job waits and no reservation can protect it: nothing else may start
     for job in decision.order:
+        limit = state.limit_of(job.user)
         if limit and limit_reached(job, in_use.get(job.user, 0), limit):
             decision.waiting[job.id] = USER_LIMIT
             continue

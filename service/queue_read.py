@@ -207,7 +207,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     jobs = _one_singleton_each(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
-                              user_holds=dict(holds) if settings.user_gpu_limit else {},
+                              user_gpu_limits=settings.gpu_limits,
+                              user_holds=dict(holds) if settings.gpu_limited else {},
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later, throttled,
                      array_limits)

@@ -158,10 +158,21 @@ class QueueState:
     # (packing.charged_gpus), as fair share charges it.
     gpus_in_use: dict[str, float] = field(default_factory=dict)
     user_gpu_limit: int = 0  # 0: unlimited
+    # Some users' own limits in its place (service/gpu_limits.py; 0: unlimited): read by ``limit_of``.
+    user_gpu_limits: dict[str, int] = field(default_factory=dict)
     # Each user's running jobs, (expected end, GPUs charged), where the reader knows them: what the
     # expected starts count down to under the limit (service/forecast.py). Empty: not known.
     user_holds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     shared_context_mib: int = SHARED_CONTEXT_MIB  # held back on a GPU for each shared job's CUDA context
+
+    def limit_of(self, user: str) -> int:
+        """The GPUs ``user``'s jobs may hold at once; 0: no limit."""
+        return self.user_gpu_limits.get(user, self.user_gpu_limit)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any user is held to a GPU limit."""
+        return bool(self.user_gpu_limit) or any(self.user_gpu_limits.values())
 
 
 @dataclass(frozen=True)

@@ -110,11 +110,15 @@ def coerce(name: str, raw: Any, kind: type) -> Any:
             raise ConfigError(f"setting {name} must be a finite number, got {_shown(raw)}")
     elif name == "admins" and isinstance(raw, list) and all(isinstance(u, str) for u in raw):
         value = ",".join(u.strip() for u in raw)  # admins = ["ann", "bob"]: what a TOML user writes
+    elif name == "user_gpu_limits" and isinstance(raw, dict) and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in raw.values()):
+        value = ",".join(f"{u}={n}" for u, n in raw.items())  # user_gpu_limits = {alice = 1}: a TOML table
     else:  # str, Path: text only; a TOML list or number here is a mistake, not a name
         value = (Path(raw).expanduser() if kind is Path else raw) if isinstance(raw, str) else None
     if value is None:
+        text = {"admins": "text or a list of names", "user_gpu_limits": "text or a table of users' GPUs"}
         what = {int: "int (a whole number)", float: "float (a number)", bool: "bool (true or false)",
-                Path: "a path (text)"}.get(kind, "text or a list of names" if name == "admins" else "text")
+                Path: "a path (text)"}.get(kind, text.get(name, "text"))
         raise ConfigError(f"setting {name} must be {what}, got {_shown(raw)}")
     if kind in (int, float) and value < 0:
         raise ConfigError(f"setting {name} must not be negative, got {_shown(raw)}")
@@ -172,6 +176,13 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
     if settings.max_priority > ADMIN_MAX_PRIORITY:
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
     _check_time_limits(settings, sources, path)
+    if settings.user_gpu_limits:
+        from gpuq.service.gpu_limits import parse
+
+        try:
+            parse(settings.user_gpu_limits)
+        except ConfigError as exc:
+            raise ConfigError(f"setting {exc} ({origin('user_gpu_limits', sources, path)})") from None
     _check_addresses(settings, sources, path)
     if settings.fake_gpu_names:
         from gpuq.service.devices import parse_names  # only where it is set: the client's path stays light

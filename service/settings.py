@@ -125,6 +125,9 @@ class Settings:
     preempt_exempt: str = ""
     # GPUs one user's jobs may hold at once; 0: no limit.
     user_gpu_limit: int = 0
+    # Some users' own limits in place of it, "USER=GPUS,..." (SLURM's MaxTRESPerUser on a user's
+    # association): "alice=1,pi=0" holds alice to 1 and the pi to none. Empty: everyone's is the one above.
+    user_gpu_limits: str = ""
     # The queue's time limits, in --time's forms (SLURM's DefaultTime and MaxTime): a job submitted
     # without --time gets default_time (else max_time); one asking for more than max_time is refused
     # at submit. Empty: none (a job without --time runs until it ends).
@@ -265,6 +268,22 @@ class Settings:
     @property
     def admin_users(self) -> frozenset[str]:
         return frozenset(u.strip() for u in self.admins.split(",") if u.strip())
+
+    @functools.cached_property
+    def gpu_limits(self) -> dict[str, int]:
+        """``user_gpu_limits`` by user (checked at load: ``gpu_limits.parse``); read once."""
+        from gpuq.service.gpu_limits import parse
+
+        return parse(self.user_gpu_limits)
+
+    def gpu_limit_of(self, user: str) -> int:
+        """The GPUs ``user``'s jobs may hold at once; 0: no limit."""
+        return self.gpu_limits.get(user, self.user_gpu_limit) if self.user_gpu_limits else self.user_gpu_limit
+
+    @property
+    def gpu_limited(self) -> bool:
+        """Whether any user is held to a GPU limit."""
+        return bool(self.user_gpu_limit) or any(self.gpu_limits.values())
 
     def with_overrides(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -123,11 +123,13 @@ def check_resources(session: Session, settings: Settings, spec: JobSpec) -> None
         check_exclude(session, settings, spec, local)
     if spec.gpu_type is not None:
         check_gpu_type(session, settings, spec, local)
-    if settings.user_gpu_limit and spec.gpus > settings.user_gpu_limit and not spec.preemptible:
+    limit = settings.gpu_limit_of(spec.user)
+    if limit and spec.gpus > limit and not spec.preemptible:
         # Accepted, it waited for ever ("user limit"), as one past any node's GPUs would; a
         # preemptible job is held to no limit.
-        raise InvalidSpec(f"--gpus {spec.gpus} is more than the {settings.user_gpu_limit} a user may hold at once "
-                          "(GPUQ_USER_GPU_LIMIT): it would never start")
+        whose = (f"{spec.user} may hold at once (GPUQ_USER_GPU_LIMITS)" if spec.user in settings.gpu_limits
+                 else "a user may hold at once (GPUQ_USER_GPU_LIMIT)")
+        raise InvalidSpec(f"--gpus {spec.gpus} is more than the {limit} {whose}: it would never start")
     if spec.mem_mib is not None:
         biggest = session.scalar(select(func.max(Gpu.memory_total_mib)).where(Gpu.retired_at.is_(None))) or 0
         here = max((g.memory_total_mib for g in local), default=0)

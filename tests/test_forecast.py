@@ -83,9 +83,13 @@ def test_under_a_user_gpu_limit_a_users_jobs_start_as_their_running_and_planned_
     state = QueueState(NOW, jobs, gpus, gpus_in_use={"ann": 1}, user_gpu_limit=1,
                        user_holds={"ann": [(NOW + HOUR, 1.0)]})
     assert start_times(state) == {2: NOW, 1: NOW + HOUR, 3: NOW + 2 * HOUR, 4: None}
-    # Without a limit, Ann's jobs wait for GPUs alone.
+    # Without a limit, Ann's jobs wait for GPUs alone; and so they do where her own is none, or 2.
     free = QueueState(NOW, jobs[:3], gpus, gpus_in_use={"ann": 1})
     assert start_times(free) == {1: NOW, 2: NOW + HOUR, 3: NOW + HOUR}
+    for own in (0, 2):
+        exempt = QueueState(NOW, jobs[:3], gpus, gpus_in_use={"ann": 1}, user_gpu_limit=1,
+                            user_gpu_limits={"ann": own}, user_holds={"ann": [(NOW + HOUR, 1.0)]})
+        assert start_times(exempt) == {1: NOW, 2: NOW + HOUR, 3: NOW + HOUR}
 
 
 def shared(job_id, mib, limit=HOUR):

@@ -47,6 +47,17 @@ def test_a_user_over_the_gpu_limit_waits_without_holding_up_others():
     assert placed(d) == {2: [1]} and d.waiting == {1: USER_LIMIT}
 
 
+def test_a_users_own_gpu_limit_stands_in_for_everyones_and_zero_is_none():
+    jobs = [job(1, gpus=2, user="ann"), job(2, gpus=3, user="pi"), job(3, user="bob"), job(4, user="bob")]
+    state = QueueState(NOW, jobs, [gpu(i) for i in range(1, 9)], user_gpu_limit=2,
+                       user_gpu_limits={"bob": 1, "pi": 0})
+    d = decide(state)
+    # ann under everyone's 2, the pi under none, bob under his own 1.
+    assert placed(d) == {1: [1, 2], 2: [3, 4, 5], 3: [6]} and d.waiting == {4: USER_LIMIT}
+    assert (state.limit_of("ann"), state.limit_of("bob"), state.limit_of("pi"), state.limited) == (2, 1, 0, True)
+    assert QueueState(NOW, [], [], user_gpu_limits={"pi": 0}).limited is False
+
+
 def test_memory_request_counts_memory_foreign_processes_hold():
     gpus = [gpu(1, foreign=10000), gpu(2, foreign=2000)]
     d = decide(QueueState(NOW, [job(1, mem=12000)], gpus))
@@ -99,11 +110,17 @@ job_lists = st.lists(
                      for i, (g, u, p, m, n, t) in enumerate(specs)])
 
 
+# Some users' own GPU limits (GPUQ_USER_GPU_LIMITS) in place of everyone's: 0 is none.
+own_limits = st.dictionaries(st.sampled_from("xyz"), st.sampled_from([0, 1, 2]), max_size=2)
+
+
 @settings(max_examples=300, deadline=None)
-@given(gpus=gpu_lists, jobs=job_lists, limit=st.sampled_from([0, 0, 2, 3]),
-       held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)))
-def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_first_in_line(gpus, jobs, limit, held):
-    snap = QueueState(NOW, jobs, gpus, gpu_hours={"x": 3.0, "y": 1.0}, gpus_in_use=held, user_gpu_limit=limit)
+@given(gpus=gpu_lists, jobs=job_lists, default=st.sampled_from([0, 0, 2, 3]),
+       held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)), own=own_limits)
+def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_first_in_line(gpus, jobs, default, held,
+                                                                                            own):
+    snap = QueueState(NOW, jobs, gpus, gpu_hours={"x": 3.0, "y": 1.0}, gpus_in_use=held, user_gpu_limit=default,
+                      user_gpu_limits=own)
     d = decide(snap)
     by_id = {g.id: g for g in gpus}
     jobs_by_id = {j.id: j for j in jobs}
@@ -116,11 +133,12 @@ def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_f
         assert len(p.gpus) == j.gpus and len({g.node for g in p.gpus}) == 1
         assert all(g.fits(j) for g in p.gpus) and (j.node is None or p.gpus[0].node == j.node)
         per_user[j.user] = per_user.get(j.user, 0) + j.gpus
-    if limit:
-        assert all(per_user[j.user] <= limit for p in d.placements for j in [jobs_by_id[p.job_id]])
+    for j in (jobs_by_id[p.job_id] for p in d.placements):
+        assert not snap.limit_of(j.user) or per_user[j.user] <= snap.limit_of(j.user)
     assert set(d.waiting) | {p.job_id for p in d.placements} == set(jobs_by_id)
     # The first job in line that its user's limit allows is never delayed by a job behind it.
-    order = [j for j in queue_order(snap) if not (limit and held.get(j.user, 0) + j.gpus > limit)]
+    order = [j for j in queue_order(snap)
+             if not (snap.limit_of(j.user) and held.get(j.user, 0) + j.gpus > snap.limit_of(j.user))]
     if order:
         first = order[0]
         fits_now = any(sum(1 for g in gpus if g.node == n and g.busy_until is None and g.fits(first)) >= first.gpus
@@ -136,11 +154,12 @@ def test_policy_never_double_books_splits_a_gang_exceeds_a_limit_or_delays_the_f
 
 
 @settings(max_examples=300, deadline=None)
-@given(gpus=gpu_lists, jobs=job_lists, limit=st.sampled_from([0, 0, 2, 3]),
-       held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)))
+@given(gpus=gpu_lists, jobs=job_lists, default=st.sampled_from([0, 0, 2, 3]),
+       held=st.dictionaries(st.sampled_from("xyz"), st.integers(0, 2)), own=own_limits)
 def test_next_up_lists_only_fitting_one_gpu_jobs_in_queue_order_and_never_ahead_of_one_that_could_use_the_gpu(
-        gpus, jobs, limit, held):
-    snap = QueueState(NOW, jobs, gpus, gpu_hours={"x": 3.0, "y": 1.0}, gpus_in_use=held, user_gpu_limit=limit)
+        gpus, jobs, default, held, own):
+    snap = QueueState(NOW, jobs, gpus, gpu_hours={"x": 3.0, "y": 1.0}, gpus_in_use=held, user_gpu_limit=default,
+                      user_gpu_limits=own)
     d = decide(snap)
     lists = next_up(snap, d, per_gpu=2, scan=1000)
     by_id = {g.id: g for g in gpus}
@@ -155,9 +174,9 @@ def test_next_up_lists_only_fitting_one_gpu_jobs_in_queue_order_and_never_ahead_
         for job_id in listed:
             j = jobs_by_id[job_id]
             assert job_id not in placed_now and j.gpus == 1 and g.fits(j) and j.node in (None, g.node)
-            if limit:
-                assert held.get(j.user, 0) + 1 <= limit
-        if limit:
+            if snap.limit_of(j.user):
+                assert held.get(j.user, 0) + 1 <= snap.limit_of(j.user)
+        if snap.limited:
             continue  # (which jobs a limit lets through depends on who takes what first)
         # Every job ahead of the last one listed that could use this GPU is listed before it
         # (a one-GPU job) or ended the list (a gang that could run on this node): taking the

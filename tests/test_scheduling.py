@@ -212,6 +212,36 @@ def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
         assert "ann holds 1 GPU and the limit is 1 at once" in why(session, s, second)
 
 
+def test_a_users_own_gpu_limit_holds_them_in_place_of_everyones(settings):
+    s = settings.with_overrides(user_gpu_limit=1, user_gpu_limits="ann=2,cy=0")
+    register(s, "a", 6)
+    anns = [submit(s, user="ann") for _ in range(3)]
+    bobs = [submit(s, user="bob") for _ in range(2)]
+    cys = [submit(s, user="cy", gpus=2)]
+    Scheduler(s).schedule_once()
+    started = {j for j in (*anns, *bobs, *cys) if state_of(s, j)[0] == State.DISPATCHED}
+    assert started == {anns[0], anns[1], bobs[0], cys[0]}
+    assert state_of(s, anns[2])[:2] == state_of(s, bobs[1])[:2] == (State.PENDING, "user limit")
+    with write_scope(s) as session:
+        assert "ann holds 2 GPUs and the limit is 2 at once" in why(session, s, anns[2])
+        assert "bob holds 1 GPU and the limit is 1 at once" in why(session, s, bobs[1])
+
+
+def test_a_worker_takes_a_listed_job_only_while_its_user_is_under_their_own_limit(settings):
+    from gpuq.service.models import NextUp
+
+    s = settings.with_overrides(user_gpu_limits="ann=1")
+    gpus = register(s, "a", 2)
+    running, anns, bobs = submit(s, user="ann"), submit(s, user="ann"), submit(s, user="bob")
+    with write_scope(s) as session:
+        session.add(Allocation(job_id=running, gpu_id=gpus[0], rank=0))
+        session.add_all(NextUp(gpu_id=gpus[1], job_id=j, rank=r) for r, j in enumerate((anns, bobs)))
+    with write_scope(s) as session:
+        taken = next_up.take_next(session, gpus[1], "w1", "a", 60, s.gpu_limit_of)
+    assert taken is not None and taken[0].id == bobs  # ann holds her one GPU: her listed job is passed over
+    assert state_of(s, anns)[0] == State.PENDING
+
+
 def test_why_counts_a_users_shared_jobs_against_the_gpu_limit_by_their_part_of_the_gpu(settings):
     s = settings.with_overrides(user_gpu_limit=1)
     register(s, "a", 2)  # 8 GiB each: a 3.5 GiB share with its 0.5 GiB reserve is half of one
@@ -582,6 +612,15 @@ def test_a_job_of_more_gpus_than_a_user_may_hold_at_once_is_refused_not_left_wai
                                           r"\(GPUQ_USER_GPU_LIMIT\): it would never start"):
         submit(limited, gpus=3)
     assert state_of(limited, submit(limited, gpus=2))[0] in (State.PENDING, State.DISPATCHED)
+    # A user's own limit stands in for it, either way; 0 is none.
+    own = settings.with_overrides(user_gpu_limit=2, user_gpu_limits="ann=3, bob=1,cy=0")
+    with pytest.raises(InvalidSpec, match=r"--gpus 2 is more than the 1 bob may hold at once "
+                                          r"\(GPUQ_USER_GPU_LIMITS\): it would never start"):
+        submit(own, gpus=2, user="bob")
+    with pytest.raises(InvalidSpec, match=r"--gpus 4 is more than the 3 ann may hold"):
+        submit(own, gpus=4)
+    for user, gpus in (("ann", 3), ("cy", 4), ("dee", 2)):
+        assert state_of(own, submit(own, gpus=gpus, user=user))[0] in (State.PENDING, State.DISPATCHED)
 
 
 def test_the_queues_default_time_limit_goes_to_jobs_without_time_and_past_its_maximum_is_refused(settings):

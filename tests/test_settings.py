@@ -129,6 +129,13 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_REDIS_PORT": "70000"}, "setting redis_port must be a TCP port, 1 to 65535, got 70000"),
     ({"GPUQ_REDIS_PORT": "0"}, "redis_port must be a TCP port"),
     ({"GPUQ_MAX_PRIORITY": "1001"}, "setting max_priority must be at most 1000, the admins' highest --priority"),
+    ({"GPUQ_USER_GPU_LIMITS": "alice:1"}, r"setting user_gpu_limits takes USER=GPUS pairs separated by commas, e\.g\. "
+                                         r"alice=1,pi=0 \(0: no limit\), got 'alice:1' \(GPUQ_USER_GPU_LIMITS\)"),
+    ({"GPUQ_USER_GPU_LIMITS": "alice=1,bob=-2"}, "USER=GPUS pairs .* got 'bob=-2'"),
+    ({"GPUQ_USER_GPU_LIMITS": "alice=two"}, "USER=GPUS pairs .* got 'alice=two'"),
+    ({"GPUQ_USER_GPU_LIMITS": "al ice=2"}, "USER=GPUS pairs .* got 'al ice=2'"),
+    ({"GPUQ_USER_GPU_LIMITS": "alice=1,alice=2"},
+     r"setting user_gpu_limits gives alice twice \(GPUQ_USER_GPU_LIMITS\)"),
     ({"GPUQ_DATABASE_URL": "foo://bar"}, "GPUQ_DATABASE_URL must be a SQLite or PostgreSQL URL"),
     ({"GPUQ_DATABASE_URL": "postgres://db/gpuq"}, "GPUQ_DATABASE_URL must be a SQLite or PostgreSQL URL"),
     ({"GPUQ_DATABASE_URL": "mysql+pymysql://u:pw@db/gpuq"}, r"SQLite or PostgreSQL URL .*, got mysql\+pymysql://u:\*\*\*@"),
@@ -205,6 +212,8 @@ def test_a_lease_or_worker_timeout_under_two_heartbeats_names_both_settings(vari
     ('kill_grace = inf\n', "setting kill_grace must be a finite number, got inf"),
     ('warm_start = 0.5\n', "setting warm_start must be bool (true or false), got 0.5"),
     ('home = 3\n', "setting home must be a path (text), got 3"),
+    ('user_gpu_limits = {alice = "two"}\n', "setting user_gpu_limits must be text or a table of users' GPUs, got "
+                                              "{'alice': 'two'}"),
 ])
 def test_a_toml_value_of_the_wrong_type_is_refused_naming_the_setting_and_the_file(content, says, tmp_path):
     cfg = tmp_path / "c.toml"
@@ -212,6 +221,19 @@ def test_a_toml_value_of_the_wrong_type_is_refused_naming_the_setting_and_the_fi
     with pytest.raises(ConfigError) as caught:
         load_settings({"GPUQ_CONFIG": str(cfg)})
     assert str(caught.value) == f"{says} (in {cfg})"
+
+
+def test_some_users_own_gpu_limits_stand_in_for_everyones_from_the_environment_or_a_toml_table(tmp_path):
+    s = load_settings(_env(tmp_path, GPUQ_USER_GPU_LIMIT="2", GPUQ_USER_GPU_LIMITS=" alice=1, pi=0,"))
+    assert s.gpu_limits == {"alice": 1, "pi": 0}
+    assert [s.gpu_limit_of(u) for u in ("alice", "pi", "bob")] == [1, 0, 2] and s.gpu_limited
+    assert not load_settings(_env(tmp_path, GPUQ_USER_GPU_LIMITS="pi=0")).gpu_limited  # nobody is held to one
+    assert load_settings(_env(tmp_path, GPUQ_USER_GPU_LIMITS="bob=3")).gpu_limit_of("bob") == 3
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('user_gpu_limit = 4\n[user_gpu_limits]\nalice = 1\n"svc.bot" = 0\n')
+    s = load_settings({"GPUQ_CONFIG": str(cfg), "XDG_DATA_HOME": str(tmp_path)})
+    assert (s.user_gpu_limits, s.gpu_limit_of("alice"), s.gpu_limit_of("svc.bot"), s.gpu_limit_of("x")) == (
+        "alice=1,svc.bot=0", 1, 0, 4)
 
 
 def test_a_toml_list_of_admins_and_integral_floats_are_taken_as_meant(tmp_path):

@@ -64,3 +64,24 @@ def test_gpuq_share_shows_every_users_standing_as_a_table_and_as_json(use_settin
     assert [(u["user"], u["order"], u["pending"]) for u in answer["users"]] == [
         ("bob", 1, 2), ("dan", 1, 1), ("carl", 3, 0), ("ann", 4, 0)]
     assert run_cli(["share", "extra"], s).returncode == c.EXIT_USAGE
+
+
+def test_gpuq_share_gives_each_users_gpu_limit_where_anyone_has_one(settings, monkeypatch):
+    from tests.conftest import ThreadServer, settings_env
+
+    limited = settings.with_overrides(user_gpu_limit=2, user_gpu_limits="carl=1,dan=0")
+    _lab(limited)
+    for key, value in settings_env(limited).items():
+        monkeypatch.setenv(key, value)
+    server = ThreadServer(limited)
+    try:
+        out = run_cli(["share"], limited)
+        answer = json.loads(run_cli(["share", "--json"], limited).stdout)
+    finally:
+        server.stop()
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == "ORDER  USER  GPU-HOURS  GPUS  LIMIT  RUNNING  PENDING"
+    assert [ln.split()[1::3] for ln in lines[2:6]] == [["bob", "2"], ["dan", "-"], ["carl", "1"], ["ann", "2"]]
+    assert answer["limited"] is True
+    assert {u["user"]: u["gpu_limit"] for u in answer["users"]} == {"bob": 2, "dan": 0, "carl": 1, "ann": 2}

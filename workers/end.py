@@ -122,7 +122,7 @@ def _hands_over(state: WorkerState, session: Session, job: JobRun, end: dict[str
     the common end on PostgreSQL, a whole job's success whose summary is in hand (or not stored),
     on a worker that takes its next job with no GPU limit per user to check."""
     return (end["state"] == State.SUCCEEDED and not job.shared and (in_hand is not None or not last_words)
-            and not state.settings.user_gpu_limit and state.may_take_next() and handover.hands_over(session))
+            and not state.settings.gpu_limited and state.may_take_next() and handover.hands_over(session))
 
 
 def _hand_over(state: WorkerState, session: Session, job: JobRun, lease: Lease, end: dict[str, Any],
@@ -155,8 +155,9 @@ def _take_next(state: WorkerState, session: Session) -> tuple[Any, str] | None:
     start."""
     if not state.may_take_next():
         return None
-    return take_next(session, state.gpu_id, state.name, state.node,
-                     state.settings.lease_timeout, state.settings.user_gpu_limit)
+    settings = state.settings
+    return take_next(session, state.gpu_id, state.name, state.node, settings.lease_timeout,
+                     settings.gpu_limit_of if settings.gpu_limited else None)
 
 
 def gave_up_waiting(state: WorkerState, lease: Lease, readings: list[dict[str, Any]], delay: float,
