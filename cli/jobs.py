@@ -143,6 +143,9 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
     copied = _copied_to(getattr(j, "output_file", None), getattr(j, "error_file", None))
     if copied:
         lines.append(("copied", copied))
+    asked = getattr(j, "mail", None)  # a server from before job mail sends none
+    if asked:
+        lines.append(("mail", asked["events"] + (f" to {asked['to']}" if asked.get("to") else "")))
     if j.git_commit or j.git_dirty:
         lines.append(("commit", (j.git_commit or "none yet") + (f" (dirty: `gpuq show --diff {j.id}`)"
                                                                 if j.git_dirty else "")))

@@ -114,6 +114,11 @@ def submit(
                                                "60) before the time limit, to save a checkpoint; B: its main "
                                                "process only (as sbatch --signal).")] = None,
     hold: Annotated[bool, typer.Option("--hold", "-H", help="Queue it held, until `gpuq release`.")] = False,
+    mail_type: Annotated[str | None, typer.Option("--mail-type", help="Mail when it begins, ends or fails: BEGIN, "
+                                                  "END, FAIL or ALL, comma-separated (as sbatch --mail-type; an "
+                                                  "array's mail is about the whole array).")] = None,
+    mail_user: Annotated[str | None, typer.Option("--mail-user", help="Where its mail goes (default: you).")
+                         ] = None,
     begin: Annotated[str | None, typer.Option("--begin", "-b", help="Not before then: 16:00, 2026-12-24T09:00, "
                                               "30m or now+2hours (as sbatch --begin).")] = None,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
@@ -159,7 +164,7 @@ def submit(
         "node": node,
         "exclude": exclude, "preemptible": preemptible,
         "host_mem": host_mem, "cpus": cpus, "time": time, "signal": signal, "retries": retries, "hold": hold,
-        "begin": begin,
+        "begin": begin, "mail_type": mail_type, "mail_user": mail_user,
         "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from gpuq.server import views
 from gpuq.server.request import JOB, acting, call, context, job_id_of, job_ids, reading
 from gpuq.service import constants as c
-from gpuq.service import display, inventory, job_output, jobs, policy, rights, units, usage
+from gpuq.service import display, inventory, job_output, jobs, mail, policy, rights, units, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.constants import State
@@ -246,7 +246,8 @@ def _array(settings: Settings, array_id: int) -> list[dict[str, Any]]:
 async def show(request: web.Request) -> web.Response:
     """One job (`gpuq show`): what everyone may see, its last output lines if it failed and the
     caller may read its output, and its environment (``env``, the variables it was submitted with)
-    if the caller may read its private data (its owner, root, the admins), else ``env`` null."""
+    and where its mail goes (``mail.to``) if the caller may read its private data (its owner,
+    root, the admins), else null."""
     settings, caller = context(request)
     return web.json_response(await call(_show, settings, caller, job_id_of(request)))
 
@@ -260,8 +261,13 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
         readable = rights.may_read_output(settings, job.user, caller)
         tail = job_output.output_tail(session, job_id, c.FAILURE_TAIL_LINES) if explains and readable else []
         # Not opened by GPUQ_SHARED_LOGS, as output is: the values may be the owner's secrets.
-        env = dict(job.env or {}) if rights.may_read_private(settings, job.user, caller) else None
+        private = rights.may_read_private(settings, job.user, caller)
+        env = dict(job.env or {}) if private else None
         data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
+        asked = mail.asked(session, job_id)
+        # Its mail's events for all to see; where it goes, as its environment, for those who may read that.
+        data["mail"] = None if asked is None else {
+            "events": asked[0], "to": mail.address_of(job.user, asked[1], settings.mail_domain) if private else None}
         if job.after_kind == units.AFTER_CORR and job.after:
             # The tasks an aftercorr task waits for, as (array, index) by id: `gpuq show` names them so.
             data["after_tasks"] = {str(r.id): [r.array_id, r.array_index] for r in session.execute(

@@ -143,6 +143,8 @@ IDLE_SHARE = 0.9
 ROLLUP_EVERY = 3600.0
 # How often the scheduler removes snapshots past GPUQ_SNAPSHOT_RETENTION_DAYS, seconds (and at start).
 SNAPSHOT_PRUNE_EVERY = 3600.0
+# How often the scheduler's mail thread looks for jobs to mail about (`--mail-type`), seconds.
+MAIL_EVERY = 2.0
 # Width of an aggregate row, seconds: raw samples past retention become one row per GPU, job and minute.
 AGGREGATE_SECONDS = 60
 # Raw samples are rolled up a day at a time, each day in its own transaction.

@@ -423,6 +423,21 @@ class EarlierAttempt(Base):
     cpu_s: Mapped[float | None] = mapped_column(Float)
 
 
+class JobMail(Base):
+    """Mail a job's owner asked for (`gpuq submit --mail-type END`, service/mail.py): what about, to
+    whom, and what is still to be sent. Beside the job's row, not in it: an ended job's row is final
+    (service/lifecycle.py), and its end mail is sent after it ended."""
+
+    __tablename__ = "job_mail"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    events: Mapped[str] = mapped_column(String(32))  # "BEGIN,END,FAIL" (mail.EVENTS), as asked
+    address: Mapped[str | None] = mapped_column(String(255))  # `--mail-user`; None: the job's owner
+    # The events not yet mailed about, as ``events``; None once none is left (the index finds the
+    # jobs the scheduler's mail thread still watches).
+    due: Mapped[str | None] = mapped_column(String(32), index=True)
+
+
 class Submission(Base):
     """A submit's idempotency key and the jobs it made: a client that lost the answer (the server
     restarted mid-submit) asks again with the same key and gets these jobs, never a second copy."""

@@ -7,9 +7,10 @@ resubmit of a user's job ran it as root, and an admin's of root's job as the adm
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from gpuq.service import constants as c
-from gpuq.service import jobs, output_files, reach, submitting
+from gpuq.service import jobs, mail, output_files, reach, submitting
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.launchable import check_command
@@ -51,6 +52,9 @@ def resubmit(settings: Settings, job_id: int, user: Caller | str | None = None) 
             raise InvalidSpec(f"job {job_id} is an allocation: its shell ran in its client's terminal; "
                               "run gpuq alloc again")
         spec = spec_of(job)
+        asked = mail.asked(session, job_id)
+        if asked is not None:  # its mail too, as it asked for it
+            spec = replace(spec, mail_events=asked[0], mail_address=asked[1])
         removed = job.snapshot_removed_at
     if removed is not None:
         raise InvalidSpec(f"job {job_id}'s snapshot was removed on {removed:%Y-%m-%d}, past its retention "

@@ -25,6 +25,7 @@ from gpuq.service import (
     display,
     leases,
     lifecycle,
+    mail,
     next_up,
     next_up_choice,
     packing,
@@ -342,6 +343,15 @@ class Scheduler:
             if stop.wait(c.SNAPSHOT_PRUNE_EVERY):
                 return
 
+    def _mail(self, stop: threading.Event) -> None:
+        """Mail about the jobs that asked for it (service/mail.py) every MAIL_EVERY seconds, beside
+        the passes: a mail program that takes its time holds up no pass."""
+        while not stop.wait(c.MAIL_EVERY):
+            try:
+                mail.send_due(self.settings)
+            except Exception:
+                log.exception("mailing about jobs failed; trying again later")
+
     def run(self, stop: threading.Event) -> None:
         """Schedule until ``stop`` is set: a quick pass after every wake-up (a submit, a job's end,
         a new worker), and a whole pass at least every interval, which also writes why each job
@@ -349,6 +359,7 @@ class Scheduler:
         placed at submit are sent as soon as they are handed over, with no pass before or after."""
         log.info("scheduler started (node %s)", self.settings.node)
         threading.Thread(target=self._prune_snapshots, args=(stop,), name="snapshots", daemon=True).start()
+        threading.Thread(target=self._mail, args=(stop,), name="mail", daemon=True).start()
         why, last_pass, last_checkpoint = broker.TIMEOUT, -math.inf, time.monotonic()
         while not stop.is_set():
             try:

@@ -137,6 +137,11 @@ class Settings:
     max_priority: int = 10
     # Users (comma-separated) who may act on anyone's jobs and use higher priorities.
     admins: str = ""
+    # The program job mail is handed to (`gpuq submit --mail-type`): `PROG -s SUBJECT ADDRESS`, the
+    # body on its stdin (mailx's, SLURM's MailProg); and the domain added to an address that is a
+    # bare user name (SLURM's MailDomain; empty: none, the machine's own mail delivers it).
+    mail_prog: str = "/usr/bin/mail"
+    mail_domain: str = ""
     # Simulated foreign use: "GPU:MIB:PID:USER[,...]", processes gpuq did not start on simulated GPUs.
     fake_gpu_foreign: str = ""
     # Where the processes of jobs on simulated GPUs say how much simulated GPU memory they hold (a

@@ -26,6 +26,8 @@ from gpuq.service.units import (
     parse_array,
     parse_cpus,
     parse_duration,
+    parse_mail_address,
+    parse_mail_events,
     parse_mem,
     parse_sweep,
 )
@@ -77,6 +79,10 @@ class JobSpec:
     shared: bool = False
     # Runs on GPUs no other job waits for, and is requeued when one does (`--preemptible`).
     preemptible: bool = False
+    # Mail about it (`--mail-type`, `--mail-user`; service/mail.py): its events ("BEGIN,END"), None
+    # for none, and the address, None for its owner.
+    mail_events: str | None = None
+    mail_address: str | None = None
     # The code at submit (service/snapshot.py): recorded by submitting.submit_all, copied by a resubmit.
     git_commit: str | None = None
     git_dirty: bool | None = None
@@ -106,6 +112,8 @@ class Scheduling:
     signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
     gpu_type: str | None = None  # `--gpu-type a100`
     preemptible: bool = False  # `--preemptible`
+    mail_type: str | None = None  # `--mail-type END,FAIL`
+    mail_user: str | None = None  # `--mail-user alice@lab.example`
 
     def fields(self) -> dict[str, Any]:
         """The JobSpec fields these options set; InvalidSpec for a malformed one."""
@@ -120,6 +128,8 @@ class Scheduling:
             raise InvalidSpec("--preemptible is for jobs with whole GPUs; a --shared job cannot be preempted")
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
+        if self.mail_user is not None and self.mail_type is None:
+            raise InvalidSpec("--mail-user needs --mail-type: what to mail about (BEGIN, END, FAIL or ALL)")
         waits = dependency_of(self.after, self.after_any, self.dependency) or Waits()
         return {
             "priority": self.priority,
@@ -139,6 +149,8 @@ class Scheduling:
             "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,
             "gpu_type": check_gpu_type(self.gpu_type) if self.gpu_type is not None else None,
             "preemptible": self.preemptible,
+            "mail_events": parse_mail_events(self.mail_type) if self.mail_type is not None else None,
+            "mail_address": parse_mail_address(self.mail_user) if self.mail_user is not None else None,
         }
 
 

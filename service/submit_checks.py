@@ -78,6 +78,10 @@ def check_submission(settings: Settings, specs: list[JobSpec], key: str | None) 
                 raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
             if first.cpus is not None and first.kind == c.KIND_WORKLOAD:
                 raise InvalidSpec("--cpus limits a command's processes; a built-in workload runs in its worker")
+            if first.mail_events is not None:
+                from gpuq.service.mail import check_can_mail
+
+                check_can_mail(settings)
         except GpuqError:
             if key is not None and (made := submitted_with(session, key, first.user)) is not None:
                 raise DuplicateSubmission(key, made) from None

@@ -13,7 +13,7 @@ from sqlalchemy import bindparam
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, dependencies, policy
+from gpuq.service import broker, dependencies, mail, policy
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
 from gpuq.service.constants import MAX_CPUS, State
@@ -96,6 +96,7 @@ def submit_all(settings: Settings, specs: list[JobSpec], *, snapshot: bool = Fal
                 one_at_a_time(session, f"gpuq pending cap: {specs[0].user}")
                 check_pending_limit(session, settings, specs[0].user, len(specs))
             ids = _insert(session, values, staged, specs[0].array_index is not None, key, now)
+            mail.ask(session, [(job_id, s.mail_events, s.mail_address) for job_id, s in zip(ids, specs, strict=True)])
             placed = place_at_submit(session, settings, values)
     except BaseException as failed:
         if staged is not None:

@@ -1,1 +1,1 @@
-HEAD = "0032"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0033"  # the newest revision; tests/test_migrations.py checks it against Alembic
