@@ -11,6 +11,7 @@ ids of those tasks (``corresponding``), each waited for alone, as afterok (``sta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,30 @@ def never_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> s
 def all_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> bool:
     """Whether every one of ``after`` is done waiting for as ``kind`` (one gone from the table is)."""
     return all(deps[d].met(kind) for d in after if d in deps)
+
+
+_UNENDED = select(_t.c.id, _t.c.array_id, _t.c.state, _t.c.started_at, _t.c.time_limit_s).where(
+    or_(_t.c.id.in_(bindparam("ids", expanding=True)), _t.c.array_id.in_(bindparam("ids", expanding=True))),
+    _t.c.state.not_in(c.END_STATES))
+
+
+def unended(conn: Any, ids: Iterable[int], now: float) -> tuple[dict[int, list[int]], dict[int, float]]:
+    """For a forecast of the jobs waiting for ``ids``: the jobs not ended that each id stands for
+    (its own, or an array's tasks; an aftercorr task's id is its own alone, which the caller
+    picks), and each started one's expected end (epoch s; inf without a time limit; a dispatched
+    one counted from ``now``)."""
+    wanted = sorted(set(ids))
+    jobs: dict[int, list[int]] = {d: [] for d in wanted}
+    ends: dict[int, float] = {}
+    if not wanted:
+        return jobs, ends
+    for job_id, array_id, state, started_at, limit_s in conn.execute(_UNENDED, {"ids": wanted}).all():
+        for d in {job_id, array_id} & jobs.keys():
+            jobs[d].append(job_id)
+        if state != State.PENDING:  # dispatched (its start is a moment away) or running
+            start = started_at.timestamp() if started_at is not None else now
+            ends[job_id] = math.inf if limit_s is None else start + limit_s
+    return jobs, ends
 
 
 # ``look_up``'s rows with what each waits for in turn (read apart: a pass reads ``_ROWS`` for every

@@ -51,7 +51,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         if not job.singleton or not dependencies.all_met(job.after_kind, job.after, deps):
             pending = ", ".join(deps[d].describe(states.get(d), job.after_kind) if d in deps else f"job {d} (gone)"
                                 for d in job.after)
-            return f"{head}: it waits for {pending} {AFTER_KINDS[job.after_kind]} (-d {job.after_kind})"
+            said = f"{head}: it waits for {pending} {AFTER_KINDS[job.after_kind]} (-d {job.after_kind})"
+            read, decision = _pass(session, settings)
+            start = _starts(session, read, decision).get(job.id)
+            if start is not None:  # when those are expected to end (start), and then its GPUs free
+                said += "; " + _start_line(start, read.policy.now)
+            return said
     if reason == policy.DEPENDENCY and job.singleton:
         ahead = dependencies.singleton_ahead(session, job.id, job.user, job.name, job.priority)
         said = f"{head}: --dependency singleton starts one job of {job.user}'s named {job.name!r} at a time"
@@ -64,7 +69,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
                  else "a shared job starts only while they hold less, its share counted as its part of the GPU")
         said = (f"{head}: {job.user} holds {held:g} GPU{'' if held == 1 else 's'} and the limit is "
                 f"{settings.gpu_limit_of(job.user)} at once; {needs}")
-        start = _starts(read, decision).get(job.id)
+        start = _starts(session, read, decision).get(job.id)
         if start is not None:  # when their running and earlier jobs leave them room
             said += "; " + _start_line(start, read.policy.now)
         return said
@@ -75,7 +80,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         said = (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")
         read, decision = _pass(session, settings)
-        start = _starts(read, decision).get(job.id)
+        start = _starts(session, read, decision).get(job.id)
         if start is not None and start > job.begin_at.timestamp() + 60:  # its GPUs are busy past its moment
             said += "; " + _start_line(start, read.policy.now)
         return said
@@ -86,7 +91,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         said = (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
                 f"runs at most {job.array_limit} at once (--array ...%{job.array_limit}; "
                 f"`gpuq update --array {job.array_id} --array-limit N` changes it)")
-        start = _starts(read, decision).get(job.id)
+        start = _starts(session, read, decision).get(job.id)
         return said if start is None else f"{said}; {_start_line(start, read.policy.now)}"
     if reason == policy.PREEMPTING:
         stopping = session.execute(select(Job.id, Job.user).where(
@@ -117,7 +122,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if reason == policy.PRIORITY:
         parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
-    parts.append(_start_line(_starts(read, decision).get(job.id), state.now))
+    parts.append(_start_line(_starts(session, read, decision).get(job.id), state.now))
     return "; ".join(parts)
 
 
@@ -132,23 +137,27 @@ def _pass(session: Session, settings: Settings) -> tuple[QueueRead, policy.Decis
 def expected_starts(session: Session, settings: Settings, nodes: dict[int, str] | None = None
                     ) -> dict[int, datetime | None]:
     """Each pending job's expected start (`gpuq status --start`): ``forecast.start_times`` of a
-    whole pass's queue, a job waiting for its begin time planned from then on. A job waiting for
-    anything else (held, a dependency, its user's limit) has none. ``nodes``, if given, is told the
+    whole pass's queue, a job waiting for its begin time planned from then on, and one waiting for
+    other jobs from their expected ends. A job waiting for anything else (held, a singleton, its
+    user's limit where their running jobs are not known) has none. ``nodes``, if given, is told the
     node each is planned on (squeue --start's SCHEDNODES)."""
     where: dict[int, list[policy.GpuState]] = {}
-    starts = _starts(*_pass(session, settings), where=where)
+    starts = _starts(session, *_pass(session, settings), where=where)
     if nodes is not None:
         nodes.update((job_id, gpus[0].node) for job_id, gpus in where.items() if gpus)
     return {job_id: None if t is None else datetime.fromtimestamp(t, UTC) for job_id, t in starts.items()}
 
 
-def _starts(read: QueueRead, decision: policy.Decision, where: dict[int, list[policy.GpuState]] | None = None
-            ) -> dict[int, float | None]:
+def _starts(session: Session, read: QueueRead, decision: policy.Decision,
+            where: dict[int, list[policy.GpuState]] | None = None) -> dict[int, float | None]:
     """The expected starts of a read queue and its decision, a job waiting for its begin time
-    planned from then on, and a task its array's limit holds back as the limit lets it run
-    (``where``: told each one's GPUs)."""
+    planned from then on, a task its array's limit holds back as the limit lets it run, and a job
+    waiting for others from their expected ends (``where``: told each one's GPUs)."""
+    from gpuq.service.queue_read import awaiting
+
+    waits, ends = awaiting(session, read)
     return start_times(read.policy, decision, later=read.later, where=where, throttled=read.throttled,
-                       arrays=read.array_limits)
+                       arrays=read.array_limits, awaiting=waits, awaited_ends=ends)
 
 
 def _start_line(start: float | None, now: float) -> str:

@@ -17,10 +17,16 @@ Under a GPU limit per user (``GPUQ_USER_GPU_LIMIT``, or a user's own in ``GPUQ_U
 each user's GPUs are planned over time too: a job starts no earlier than its user's running and
 planned jobs leave it room under the limit.
 
+A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
+start) is planned after every job that may start now, from the moment the jobs it waits for are
+expected to end (or start): a running one's by its time limit, a pending one's by its own plan,
+each as if it succeeded. squeue --start gives such a job none.
+
 Unknown (None) where no such moment can be counted on: a job ahead on those GPUs (or of its user,
 under the limit) has no time limit (or the job itself has none and something is planned after
 it), it asks more GPUs than its user may hold, its user's limit holds it and their running jobs
-are not known, or it is past the first ``depth`` jobs of the queue.
+are not known, a job it waits for has no expected end (held, no time limit, itself unknown), or
+it is past the first ``depth`` jobs of the queue.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from gpuq.service import packing, policy
 from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
@@ -39,6 +46,16 @@ DEPTH = 500
 # Why ``start_times`` counts on no moment for a job it planned, as `gpuq why` and `--test-only` say it.
 NO_START = (f"a job before it on the GPUs it needs has no time limit, or it is past the first {DEPTH} jobs of the "
             "queue")
+
+
+@dataclass(frozen=True)
+class Awaiting:
+    """A job that waits for other jobs, as a forecast plans it."""
+
+    job: JobRequest
+    after: tuple[int, ...]  # the jobs not ended it waits for (an array's id read as its tasks)
+    start: bool  # for their start (after:), not their end
+    not_before: float  # its begin time, or now (epoch s)
 
 
 class _Usage:
@@ -147,14 +164,18 @@ class _Plan:
 def start_times(state: QueueState, decision: Decision | None = None, depth: int = DEPTH,
                 later: Sequence[tuple[JobRequest, float]] = (),
                 where: dict[int, list[GpuState]] | None = None, throttled: Sequence[JobRequest] = (),
-                arrays: Mapping[int, tuple[int, Sequence[float]]] | None = None) -> dict[int, float | None]:
+                arrays: Mapping[int, tuple[int, Sequence[float]]] | None = None,
+                awaiting: Sequence[Awaiting] = (), awaited_ends: Mapping[int, float] | None = None
+                ) -> dict[int, float | None]:
     """Each eligible job's expected start (epoch seconds; ``state.now`` for those placed now), or
     None where it cannot be counted on. ``decision``: this state's ``policy.decide``, if made.
     ``later``: jobs that may not start before a moment (their ``--begin``), planned from then on,
     after the jobs that may start now. ``where``, if given, is told each started or planned job's
     GPUs. ``throttled``: tasks their array's limit holds back, planned in queue order as the limit
     lets them run, by ``arrays``: each limited array's limit and its running tasks' ends (a task
-    of one is a ``JobRequest`` whose ``array`` is set)."""
+    of one is a ``JobRequest`` whose ``array`` is set). ``awaiting``: jobs that wait for others,
+    planned last, from those jobs' expected ends (or starts), given ``awaited_ends``: the expected
+    end of each started one they wait for (epoch s; inf without a time limit)."""
     if decision is None:
         decision = policy.decide(state)
     plan = _Plan(state, arrays or {}, frozenset(g.id for p in decision.claims for g in p.gpus))
@@ -188,7 +209,53 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
             found[job.id] = None
             continue
         found[job.id] = _earliest(job, state, by_node, plan, max(state.now, not_before.get(job.id, state.now)), where)
+    if awaiting:
+        lengths = {j.id: _length(j) for j in [*state.jobs, *throttled, *(job for job, _ in later)]}
+        in_order = sorted(awaiting, key=lambda a: policy.order_key(a.job, state.gpu_hours))
+        _plan_awaiting(in_order, awaited_ends or {}, lengths, found, len(order), depth,
+                       lambda job, first: _earliest(job, state, by_node, plan, max(state.now, first), where))
     return found
+
+
+def _plan_awaiting(awaiting: Sequence[Awaiting], ends: Mapping[int, float], lengths: dict[int, float],
+                   found: dict[int, float | None], looked: int, depth: int,
+                   earliest: Callable[[JobRequest, float], float | None]) -> None:
+    """Plan each of ``awaiting`` (in queue order, none before a job it waits for is planned) from
+    the moment the jobs it waits for are expected to end or start, into ``found``."""
+    lengths.update((a.job.id, _length(a.job)) for a in awaiting)
+    left = list(awaiting)
+    while left:
+        planned_now = False
+        for a in list(left):
+            unplanned = {b.job.id for b in left}
+            if any(j in unplanned for j in a.after):
+                continue  # it waits for a job of ``left`` not planned yet
+            first = _awaited(a, ends, lengths, found)
+            left.remove(a)
+            planned_now = True
+            found[a.job.id] = None if first is None or looked >= depth else earliest(a.job, first)
+            looked += 1
+        if not planned_now:  # (a loop of dependencies cannot be made; were one there, none starts)
+            found.update((a.job.id, None) for a in left)
+            return
+
+
+def _awaited(a: Awaiting, ends: Mapping[int, float], lengths: Mapping[int, float],
+             found: Mapping[int, float | None]) -> float | None:
+    """When the jobs ``a`` waits for are expected to have ended (started), from its own begin time;
+    None where one of them has no expected moment."""
+    first = a.not_before
+    for j in a.after:
+        if j in ends:  # started: it ends by its time limit (and has started already)
+            at = a.not_before if a.start else ends[j]
+        elif found.get(j) is not None:
+            start = found[j]
+            assert start is not None
+            at = start if a.start else start + lengths.get(j, math.inf)
+        else:  # held, drained, past the depth, or with no start itself
+            return None
+        first = max(first, at)
+    return None if math.isinf(first) else first
 
 
 def _length(job: JobRequest) -> float:

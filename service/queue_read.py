@@ -21,12 +21,14 @@ from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.display import ADMIN_HELD, preemption_asked
 from gpuq.service.fair_share import FairShare
+from gpuq.service.forecast import Awaiting
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_state import JobRequest, Preemptible
 from gpuq.service.settings import Settings
+from gpuq.service.units import AFTER_ANY, AFTER_CORR, AFTER_OK, AFTER_START
 
 # Core rows, and statements built once: the ORM's per-row bookkeeping is most of the cost at
 # 10,000 jobs, and building the statement most of it for a submit's few. What a quick pass (many a
@@ -103,6 +105,10 @@ class QueueRead:
     # its running tasks' expected ends (epoch s): a forecast plans them as the limit lets them run.
     throttled: list[JobRequest] = field(default_factory=list)
     array_limits: ArrayLimits = field(default_factory=dict)
+    # Jobs that wait for other jobs to succeed, end or start, as their rows (``_PENDING_COLUMNS``;
+    # the pass needs no more of them): a forecast plans them from their dependencies' expected ends
+    # (``forecast.Awaited``). Not a singleton's wait, nor afternotok's, which waits for a failure.
+    awaiting: list[Any] = field(default_factory=list)
 
 
 def read_queue(session: Session, settings: Settings, fair_share: FairShare | None = None,
@@ -168,11 +174,12 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     hours = (fair_share or FairShare(settings)).gpu_hours(session, now) if head is None or len(users) > 1 else {}
     # The earliest place in the queue a user's job left unread could have: a preemptible job read
     # may come after one left out, which is not (a quick pass leaves it to the next whole one).
-    cut = min((policy.order_key(replace(_request(r), preemptible=False), hours) for r in last),
+    cut = min((policy.order_key(replace(request_of(r), preemptible=False), hours) for r in last),
               default=None) if head is not None else None
     deps, states = dependencies.look_up(conn, (d for row in pending for d in (row.after or [])))
     jobs, not_eligible, doomed = [], {}, {}
     later: list[tuple[JobRequest, float]] = []
+    awaiting: list[Any] = []
     for row in pending:
         waits_for = dependencies.standing(row.after_kind, deps, states) if row.after else deps
         never = dependencies.never_met(row.after_kind, row.after, waits_for) if row.after else None
@@ -192,15 +199,19 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         if row.begin_at is not None and row.begin_at > now:
             not_eligible[row.id] = policy.BEGIN_TIME
             if not unmet:
-                later.append((_request(row), row.begin_at.timestamp()))
+                later.append((request_of(row), row.begin_at.timestamp()))
+            elif row.after_kind in FORESEEN_KINDS and not row.singleton:
+                awaiting.append(row)  # from its begin time or its dependencies' end, the later
             continue
         if unmet:
             not_eligible[row.id] = policy.DEPENDENCY
+            if row.after_kind in FORESEEN_KINDS and not row.singleton:
+                awaiting.append(row)
             continue
         if row.on_node in drained or (row.on_node is None and drained and drain_keeps(row.gpus, row.exclude_nodes)):
             not_eligible[row.id] = policy.NODE_DRAINED
             continue
-        job = _request(row)
+        job = request_of(row)
         if cut is None or policy.order_key(job, hours) <= cut:
             jobs.append(job)
     jobs, throttled, array_limits = _within_array_limits(conn, pending, jobs, hours, not_eligible, now)
@@ -211,7 +222,35 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                               user_holds=dict(holds) if settings.gpu_limited else {},
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later, throttled,
-                     array_limits)
+                     array_limits, awaiting)
+
+
+# The dependencies a forecast can plan a job after: their success or end (assumed a success), or start.
+FORESEEN_KINDS = (AFTER_OK, AFTER_ANY, AFTER_CORR, AFTER_START)
+
+
+def awaiting(session: Session, read: QueueRead) -> tuple[list[Awaiting], dict[int, float]]:
+    """The jobs ``read`` found waiting for others, as a forecast plans them, and the expected end
+    of each started job they wait for (``forecast.start_times``' ``awaiting`` and ``ends``): read
+    only for a forecast, which a pass makes none of."""
+    if not read.awaiting:
+        return [], {}
+    now = read.policy.now
+    jobs, ends = dependencies.unended(session.connection(), (d for row in read.awaiting for d in row.after), now)
+
+    def not_ended(d: int, kind: str) -> list[int]:
+        """The jobs not ended that id ``d`` stands for: an aftercorr task's own alone (its id may be
+        its array's too), else the job's or every task of the array's."""
+        if kind == AFTER_CORR:
+            return [d] if d in jobs.get(d, ()) else []
+        return jobs.get(d, [])
+
+    out = []
+    for row in read.awaiting:
+        after = tuple(dict.fromkeys(j for d in row.after for j in not_ended(d, row.after_kind)))
+        begin = row.begin_at.timestamp() if row.begin_at is not None else now
+        out.append(Awaiting(request_of(row), after, row.after_kind == AFTER_START, max(now, begin)))
+    return out, ends
 
 
 def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest], hours: dict[str, float],
@@ -285,7 +324,7 @@ def _one_singleton_each(conn: Any, pending: Sequence[Any], jobs: list[policy.Job
     return kept
 
 
-def _request(row: Any) -> policy.JobRequest:
+def request_of(row: Any) -> policy.JobRequest:
     """The policy's view of a pending job row (``_PENDING_COLUMNS``)."""
     return policy.JobRequest(id=row.id, user=row.user, gpus=row.gpus, priority=row.priority,
                              submitted=row.submitted_at.timestamp(), mem_mib=row.mem_mib, node=row.on_node,

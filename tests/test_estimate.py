@@ -73,6 +73,17 @@ def test_a_new_job_waits_behind_the_queue_and_backfills_only_where_it_ends_in_ti
     assert timedelta(minutes=29) < endless.start - utcnow() <= timedelta(minutes=30)
 
 
+def test_a_new_job_after_a_placed_one_would_start_as_that_one_reaches_its_time_limit(settings):
+    settings = settings.with_overrides(place_at_submit=False)
+    register(settings, "a", 2)
+    first = submit(settings, time="10m")
+    Scheduler(settings).schedule_once()  # placed: it runs ten minutes at most, from now
+    [after] = estimate(settings, specs(after=str(first), time="5m"))
+    assert after.reason == policy.DEPENDENCY and not after.now
+    assert timedelta(minutes=9) < after.start - utcnow() <= timedelta(minutes=10)
+    assert "would start by " in sentence(after, utcnow())
+
+
 def test_what_a_pass_would_make_a_new_job_wait_for_is_its_reason(settings):
     settings = settings.with_overrides(place_at_submit=False)
     register(settings, "a", 1)
@@ -80,7 +91,7 @@ def test_what_a_pass_would_make_a_new_job_wait_for_is_its_reason(settings):
     [held] = estimate(settings, specs(hold=True))
     [dependent] = estimate(settings, specs(after=str(waiting)))
     assert (held.reason, held.start) == (policy.HELD, None) and "gpuq release" in sentence(held, utcnow())
-    assert (dependent.reason, dependent.start) == (policy.DEPENDENCY, None)
+    assert (dependent.reason, dependent.start) == (policy.DEPENDENCY, None)  # after a held job: none
     begin = (utcnow() + timedelta(hours=1)).isoformat()
     [later] = estimate(settings, specs(begin=begin))
     assert later.reason == policy.BEGIN_TIME and later.start >= utcnow() + timedelta(minutes=59)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuq.service.forecast import start_times
+from gpuq.service.forecast import Awaiting, start_times
 from gpuq.service.policy import JobRequest, QueueState
 from tests.test_policy import NOW, gpu, job
 
@@ -64,6 +64,33 @@ def test_a_job_waiting_for_its_begin_time_is_planned_from_that_moment_after_the_
     assert start_times(QueueState(NOW, jobs, [gpu(1)]), later=later) == {3: NOW, 1: NOW + 3 * HOUR}
     busy = [gpu(1, busy_until=NOW + HOUR)]
     assert start_times(QueueState(NOW, jobs, busy), later=later) == {3: NOW + HOUR, 1: NOW + 4 * HOUR}
+
+
+def test_a_job_waiting_for_others_is_planned_from_their_expected_ends_and_starts():
+    # Two GPUs. Job 9 runs on GPU 1 for another hour; job 1 (2 h) takes GPU 2 now. Job 2 waits for
+    # 9 to end, job 3 for 1 and 9 (an array's tasks), job 4 for job 3 (a chain), job 5 for 1's start.
+    gpus = [gpu(1, busy_until=NOW + HOUR), gpu(2)]
+    first = job(1, limit=2 * HOUR)
+    waits = [Awaiting(job(2, limit=HOUR), (9,), False, NOW), Awaiting(job(3, limit=HOUR), (1, 9), False, NOW),
+             Awaiting(job(4, limit=HOUR), (3,), False, NOW), Awaiting(job(5, limit=HOUR), (1,), True, NOW)]
+    got = start_times(QueueState(NOW, [first], gpus), awaiting=waits, awaited_ends={9: NOW + HOUR})
+    # In queue order: job 2 takes GPU 1 as job 9's hour ends; job 3 GPU 2 as job 1's two hours do;
+    # job 4 an hour after job 3; job 5 might start with job 1 (now), but no GPU is free before GPU
+    # 1 is again, at 2 h.
+    assert got == {1: NOW, 2: NOW + HOUR, 3: NOW + 2 * HOUR, 4: NOW + 3 * HOUR, 5: NOW + 2 * HOUR}
+
+
+def test_a_job_waiting_for_a_held_job_or_one_without_a_time_limit_has_no_start():
+    gpus = [gpu(1), gpu(2)]
+    waits = [Awaiting(job(2, limit=HOUR), (8,), False, NOW),  # 8: held, planned by no one
+             Awaiting(job(3, limit=HOUR), (9,), False, NOW),  # 9: runs with no time limit
+             Awaiting(job(4, limit=HOUR), (2,), False, NOW),  # after job 2, which has none
+             Awaiting(job(5, limit=HOUR), (9,), True, NOW + HOUR)]  # after 9's start: from its begin
+    got = start_times(QueueState(NOW, [], gpus), awaiting=waits, awaited_ends={9: math.inf})
+    assert got == {2: None, 3: None, 4: None, 5: NOW + HOUR}
+    # Past the depth (the first jobs of the queue that wait, planned first): none either.
+    assert start_times(QueueState(NOW, [job(1, limit=60)], [gpu(1, busy_until=NOW + 60)]), depth=1,
+                       awaiting=waits[3:], awaited_ends={9: math.inf}) == {1: NOW + 60, 5: None}
 
 
 def test_a_job_its_users_gpu_limit_holds_and_jobs_past_the_depth_have_no_start():
@@ -230,6 +257,37 @@ def test_status_start_and_why_give_a_waiting_jobs_start_from_the_running_jobs_li
         assert mixed.returncode == c.EXIT_USAGE and mixed.stderr.count("\n") == 1 and "--start" in mixed.stderr
     finally:
         run_cli(["cancel", str(running), str(waiting), str(held), str(begins)], s)
+
+
+@pytest.mark.timeout(120)
+def test_status_start_and_why_give_a_chain_of_dependent_jobs_their_starts_from_the_running_jobs_limit(one_gpu):
+    import json
+    import sys
+    from datetime import datetime
+
+    from gpuq.service.constants import State
+    from tests.conftest import cli_submit, run_cli, wait_for_state
+
+    s = one_gpu.settings
+    running = cli_submit(s, ["--time", "1h", "--", sys.executable, "-c", "import time; time.sleep(120)"])
+    train = cli_submit(s, ["--time", "30m", "--after", str(running), "--", "true"])
+    evaluate = cli_submit(s, ["--time", "10m", "-d", f"afterany:{train}", "--", "true"])
+    held = cli_submit(s, ["--hold", "--time", "10m", "--", "true"])
+    report = cli_submit(s, ["--time", "10m", "--after", str(held), "--", "true"])
+    try:
+        assert wait_for_state(s, running, [State.RUNNING]) == State.RUNNING
+        shown = json.loads(run_cli(["show", str(running), "--json"], s).stdout)
+        ends = datetime.fromisoformat(shown["started_at"]).timestamp() + 3600
+        starts = {j["id"]: j for j in json.loads(run_cli(["status", "--start", "--json"], s).stdout)["jobs"]}
+        when = {j: datetime.fromisoformat(starts[j]["start"]).timestamp() for j in (train, evaluate)}
+        assert abs(when[train] - ends) < 5 and abs(when[evaluate] - (ends + 1800)) < 5, starts
+        assert starts[train]["reason"] == starts[evaluate]["reason"] == "dependency"
+        assert starts[report]["start"] is None  # it waits for a held job: no one can count on a start
+        said = run_cli(["why", str(evaluate)], s).stdout
+        assert f"it waits for job {train} (pending) to end (-d afterany); expected to start by " in said, said
+        assert "expected to start" not in run_cli(["why", str(report)], s).stdout
+    finally:
+        run_cli(["cancel", str(running), str(train), str(evaluate), str(held), str(report)], s)
 
 
 @pytest.mark.timeout(120)
