@@ -114,9 +114,10 @@ def submit(
                                                "60) before the time limit, to save a checkpoint; B: its main "
                                                "process only (as sbatch --signal).")] = None,
     hold: Annotated[bool, typer.Option("--hold", "-H", help="Queue it held, until `gpuq release`.")] = False,
-    mail_type: Annotated[str | None, typer.Option("--mail-type", help="Mail when it begins, ends or fails: BEGIN, "
-                                                  "END, FAIL or ALL, comma-separated (as sbatch --mail-type; an "
-                                                  "array's mail is about the whole array).")] = None,
+    mail_type: Annotated[str | None, typer.Option("--mail-type", help="Mail when it begins, ends, fails or is "
+                                                  "requeued: BEGIN, END, FAIL, REQUEUE or ALL, comma-separated (as "
+                                                  "sbatch --mail-type; an array's mail is about the whole array).")
+                         ] = None,
     mail_user: Annotated[str | None, typer.Option("--mail-user", help="Where its mail goes (default: you).")
                          ] = None,
     begin: Annotated[str | None, typer.Option("--begin", "-b", help="Not before then: 16:00, 2026-12-24T09:00, "

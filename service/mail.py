@@ -1,8 +1,9 @@
 """Mail about a job's start and end (`gpuq submit --mail-type END`), as SLURM's MailProg and
 task-spooler's `ts -m` send it.
 
-A job asks for events (``units.MAIL_EVENTS``: BEGIN, it started; END, it ended, however; FAIL, it failed or
-ran out of time; ALL, the three) and may name an address (`--mail-user`; else its owner, with
+A job asks for events (``units.MAIL_EVENTS``: BEGIN, it started; END, it ended, however; FAIL, it
+failed or ran out of time; REQUEUE, it went back to the queue, preempted, requeued or retried; ALL,
+the four) and may name an address (`--mail-user`; else its owner, with
 GPUQ_MAIL_DOMAIN added where set, as SLURM's MailDomain). Its ``job_mail`` row keeps what is still
 due. The scheduler's mail thread (``send_due``, every MAIL_EVERY seconds) finds the jobs whose
 events happened, marks them sent and then hands each message to GPUQ_MAIL_PROG (``mail -s
@@ -10,7 +11,8 @@ SUBJECT ADDRESS``, the body on its stdin): a message is sent at most once, and o
 refuses is logged, not tried again (SLURM's too).
 
 An array is one job to mail about, as SLURM mails about it unless asked for each task: BEGIN
-when its first task starts, END (or FAIL) once all its tasks have ended, with how many ended each way.
+when its first task starts, END (or FAIL) once all its tasks have ended, with how many ended each
+way; a REQUEUE is about the task that went back.
 
 A message says what `gpuq status` and `gpuq show` say to anyone (names, states, times, the node),
 never a job's output: an address is the owner's to choose, and mail leaves the machine.
@@ -34,9 +36,9 @@ from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.display import array_name, duration, printable, state_counts
 from gpuq.service.errors import InvalidSpec
-from gpuq.service.models import Job, JobMail, table
+from gpuq.service.models import EarlierAttempt, Job, JobMail, table
 from gpuq.service.settings import Settings
-from gpuq.service.units import BEGIN, END, FAIL, MAIL_EVENTS
+from gpuq.service.units import BEGIN, END, FAIL, MAIL_EVENTS, REQUEUE
 
 log = logging.getLogger("gpuq.mail")
 
@@ -71,7 +73,7 @@ class Message:
 def ask(session: Session, jobs: Iterable[tuple[int, str | None, str | None]]) -> None:
     """Write the mail each job of a submission asks for: (job id, events, address), none where
     events is None."""
-    rows = [{"job_id": job_id, "events": events, "address": address, "due": events}
+    rows = [{"job_id": job_id, "events": events, "address": address, "due": events, "reruns_mailed": 0}
             for job_id, events, address in jobs if events is not None]
     if rows:
         session.execute(table(JobMail).insert(), rows)
@@ -83,8 +85,12 @@ def asked(session: Session, job_id: int) -> tuple[str, str | None] | None:
     return None if row is None else (row.events, row.address)
 
 
-_DUE = (select(JobMail.job_id, JobMail.due, JobMail.address, Job.name, Job.user, Job.state, Job.reason, Job.node,
-               Job.array_id, Job.array_index, Job.submitted_at, Job.started_at, Job.ended_at, Job.exit_code)
+# How many times each job ran again (its earlier attempts), read by their index on job_id.
+_RERUNS = (select(func.count()).select_from(EarlierAttempt).where(EarlierAttempt.job_id == JobMail.job_id)
+           .scalar_subquery())
+_DUE = (select(JobMail.job_id, JobMail.due, JobMail.address, JobMail.reruns_mailed, _RERUNS.label("reruns"),
+               Job.name, Job.user, Job.state, Job.reason, Job.node, Job.array_id, Job.array_index, Job.submitted_at,
+               Job.started_at, Job.ended_at, Job.exit_code, Job.attempts)
         .join(Job, Job.id == JobMail.job_id).where(JobMail.due.is_not(None)))
 
 
@@ -107,9 +113,10 @@ def send_due(settings: Settings, send: Callable[[Settings, Message], None] | Non
     if not left:
         return 0
     with write_scope(settings) as session:
-        for job_id, (was, now) in left.items():
+        for job_id, (was, now, reruns) in left.items():
             # Only if no other mail thread (a second scheduler) sent it meanwhile.
-            session.execute(update(JobMail).where(JobMail.job_id == job_id, JobMail.due == was).values(due=now))
+            session.execute(update(JobMail).where(JobMail.job_id == job_id, JobMail.due == was)
+                            .values(due=now, reruns_mailed=reruns))
     for message in messages:
         try:
             (send or run_mail_prog)(settings, message)
@@ -119,11 +126,12 @@ def send_due(settings: Settings, send: Callable[[Settings, Message], None] | Non
 
 
 def due_messages(rows: Sequence[Any], unended: Mapping[Any, int], counts: Mapping[Any, Counter[str]], domain: str
-                 ) -> tuple[list[Message], dict[int, tuple[str, str | None]]]:
+                 ) -> tuple[list[Message], dict[int, tuple[str, str | None, int]]]:
     """The messages ``rows`` (``_DUE``'s) call for, and each changed job's due events (before,
-    after); ``unended``: each array's tasks not ended, ``counts``: its tasks by state."""
+    after) and the reruns mailed about; ``unended``: each array's tasks not ended, ``counts``: its
+    tasks by state."""
     messages: list[Message] = []
-    left: dict[int, tuple[str, str | None]] = {}
+    left: dict[int, tuple[str, str | None, int]] = {}
     groups: dict[Any, list[Any]] = defaultdict(list)
     for r in rows:
         groups[("array", r.array_id) if r.array_id is not None else ("job", r.job_id)].append(r)
@@ -131,26 +139,31 @@ def due_messages(rows: Sequence[Any], unended: Mapping[Any, int], counts: Mappin
         first = min(members, key=lambda r: r.job_id)
         due = set(first.due.split(","))
         to = address_of(first.user, first.address, domain)
+        # (A job requeued since it began has no start of its own, and began all the same.)
         if kind == "job":
             ended = first.state in c.END_STATES
-            started = first.started_at is not None
+            started = first.started_at is not None or first.reruns > 0
             failed = first.state in FAILED
         else:
             ended = unended.get(first.array_id, 0) == 0
-            started = any(r.started_at is not None or r.state in c.END_STATES for r in members)
+            started = any(r.started_at is not None or r.reruns > 0 or r.state in c.END_STATES for r in members)
             failed = any(counts.get(first.array_id, Counter())[s] for s in FAILED)
         after = set(due)
-        # A job that began and ended between two looks gets both messages, in their order.
+        # Events that came between two looks are each mailed, in their order.
         if BEGIN in due and started:
             messages.append(_begin(first, members, kind, to))
             after.discard(BEGIN)
+        requeued = [r for r in members if r.reruns > r.reruns_mailed] if REQUEUE in due else []
+        messages += [_requeue(r, to) for r in requeued]
         if ended:
             if END in due or (FAIL in due and failed):
                 messages.append(_end(first, members, kind, to, counts.get(first.array_id)))
             after = set()
         if after != due:
             now = ",".join(e for e in MAIL_EVENTS if e in after) or None
-            left.update({r.job_id: (r.due, now) for r in members})
+            left.update({r.job_id: (r.due, now, r.reruns) for r in members})
+        else:
+            left.update({r.job_id: (r.due, r.due, r.reruns) for r in requeued})
     return messages, left
 
 
@@ -168,6 +181,17 @@ def _begin(first: Any, members: list[Any], kind: str, to: str) -> Message:
     if kind == "array":
         lines.insert(0, ("first task", f"{began.job_id} (task {began.array_index}){where}"))
     return Message(to, subject, _body(lines, first, kind))
+
+
+def _requeue(r: Any, to: str) -> Message:
+    """A job (an array's task: this one) went back to the queue: preempted, requeued, or retried."""
+    last = (r.attempts or [{}])[-1]
+    said = printable(str(last.get("reason") or last.get("state") or "requeued"))
+    subject = f"gpuq job {r.job_id} ({printable(r.name)}) requeued: {said}"
+    lines = [("user", r.user), ("attempt", f"{r.reruns} ended {last.get('state', '-')} at "
+                                           f"{str(last.get('ended_at', '-'))[:19].replace('T', ' ')} UTC"),
+             ("reason", said), ("now", "it waits to run again")]
+    return Message(to, subject, _body(lines, r, "job"))
 
 
 def _end(first: Any, members: list[Any], kind: str, to: str, counts: Counter[str] | None) -> Message:

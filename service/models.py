@@ -431,11 +431,13 @@ class JobMail(Base):
     __tablename__ = "job_mail"
 
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    events: Mapped[str] = mapped_column(String(32))  # "BEGIN,END,FAIL" (mail.EVENTS), as asked
+    events: Mapped[str] = mapped_column(String(32))  # "BEGIN,END" (units.MAIL_EVENTS), as asked
     address: Mapped[str | None] = mapped_column(String(255))  # `--mail-user`; None: the job's owner
     # The events not yet mailed about, as ``events``; None once none is left (the index finds the
     # jobs the scheduler's mail thread still watches).
     due: Mapped[str | None] = mapped_column(String(32), index=True)
+    # The job's earlier attempts mailed about (REQUEUE): one more each time it goes back to the queue.
+    reruns_mailed: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Submission(Base):

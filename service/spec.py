@@ -129,7 +129,7 @@ class Scheduling:
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
         if self.mail_user is not None and self.mail_type is None:
-            raise InvalidSpec("--mail-user needs --mail-type: what to mail about (BEGIN, END, FAIL or ALL)")
+            raise InvalidSpec("--mail-user needs --mail-type: what to mail about (BEGIN, END, FAIL, REQUEUE or ALL)")
         waits = dependency_of(self.after, self.after_any, self.dependency) or Waits()
         return {
             "priority": self.priority,

@@ -371,9 +371,10 @@ def _signal_number(where: str | None, which: str, text: str) -> signal.Signals:
                           f"got {text[:60]!r}") from None
 
 
-# Job mail (`--mail-type`, service/mail.py): it started, it ended (however), it failed or ran out of time.
-BEGIN, END, FAIL = "BEGIN", "END", "FAIL"
-MAIL_EVENTS = (BEGIN, END, FAIL)
+# Job mail (`--mail-type`, service/mail.py): it started, it ended (however), it failed or ran out of
+# time, it went back to the queue (preempted, requeued, retried).
+BEGIN, END, FAIL, REQUEUE = "BEGIN", "END", "FAIL", "REQUEUE"
+MAIL_EVENTS = (BEGIN, END, FAIL, REQUEUE)
 # A mail address as `--mail-user` takes it: a user name, or local@domain; never an option (-...).
 _ADDRESS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._%+-]*(@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*)?", re.ASCII)
 MAX_ADDRESS = 254
@@ -381,14 +382,15 @@ MAX_ADDRESS = 254
 
 def parse_mail_events(text: str) -> str | None:
     """`--mail-type`'s comma-separated events as stored ("BEGIN,END", in ``MAIL_EVENTS``' order);
-    None for NONE; InvalidSpec naming what it takes. ALL is the three."""
+    None for NONE; InvalidSpec naming what it takes. ALL is the four."""
     words = {w.strip().upper() for w in text.split(",") if w.strip()}
     if words == {"NONE"}:
         return None
     if "ALL" in words:
         words = (words - {"ALL"}) | set(MAIL_EVENTS)
     if not words or not words <= set(MAIL_EVENTS):
-        raise InvalidSpec(f"--mail-type takes BEGIN, END, FAIL, ALL or NONE, comma-separated; got {text[:40]!r}")
+        raise InvalidSpec(f"--mail-type takes BEGIN, END, FAIL, REQUEUE, ALL or NONE, comma-separated; got "
+                          f"{text[:40]!r}")
     return ",".join(e for e in MAIL_EVENTS if e in words)
 
 

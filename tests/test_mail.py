@@ -29,14 +29,16 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize("text, events", [("END", "END"), ("end,fail", "END,FAIL"), ("FAIL, BEGIN", "BEGIN,FAIL"),
-                                          ("ALL", "BEGIN,END,FAIL"), ("all,end", "BEGIN,END,FAIL"), ("NONE", None)])
+                                          ("ALL", "BEGIN,END,FAIL,REQUEUE"), ("all,end", "BEGIN,END,FAIL,REQUEUE"),
+                                          ("requeue,fail", "FAIL,REQUEUE"), ("NONE", None)])
 def test_mail_type_takes_slurms_events_in_any_case_and_order(text, events):
     assert parse_mail_events(text) == events
 
 
-@pytest.mark.parametrize("text", ["", ",", "SOMETIMES", "END,REQUEUE", "NONE,END"])
+@pytest.mark.parametrize("text", ["", ",", "SOMETIMES", "END,TIME_LIMIT", "NONE,END"])
 def test_a_mail_type_it_does_not_know_is_refused_in_one_line(text):
-    with pytest.raises(InvalidSpec, match=r"^--mail-type takes BEGIN, END, FAIL, ALL or NONE, comma-separated; got "):
+    with pytest.raises(InvalidSpec, match=r"^--mail-type takes BEGIN, END, FAIL, REQUEUE, ALL or NONE, "
+                                          r"comma-separated; got "):
         parse_mail_events(text)
 
 
@@ -126,6 +128,29 @@ def test_a_job_that_began_and_ended_between_two_looks_gets_both_messages_in_thei
                                                                 f"gpuq job {job} (train) succeeded"]
 
 
+def test_requeue_mails_each_time_a_job_goes_back_to_the_queue_with_why(mailer):
+    from gpuq.service.models import EarlierAttempt
+
+    job = _submit(mailer, "REQUEUE,END")[0]
+    now = utcnow()
+
+    def back(reason: str) -> None:  # an attempt ends and the job waits again, as lifecycle.end_attempt writes it
+        with write_scope(mailer) as session:
+            attempts = session.get(Job, job).attempts or []
+            session.execute(update(Job).where(Job.id == job).values(attempts=[*attempts, {
+                "state": "preempted", "reason": reason, "ended_at": now.isoformat(), "worker": "gpu0@n1"}]))
+            session.add(EarlierAttempt(job_id=job, user="ann", node="n1", charged=1.0, started_at=now, ended_at=now,
+                                       cause="preempted"))
+
+    back("preempted by job 7 of bob")
+    assert [m.subject for m in _sent(mailer)] == [f"gpuq job {job} (train) requeued: preempted by job 7 of bob"]
+    assert _sent(mailer) == []
+    back("preempted by job 9 of cy")
+    _move(mailer, job, state=State.SUCCEEDED, started_at=now, ended_at=now + timedelta(seconds=5), exit_code=0)
+    assert [m.subject for m in _sent(mailer)] == [f"gpuq job {job} (train) requeued: preempted by job 9 of cy",
+                                                  f"gpuq job {job} (train) succeeded, run time 5.0s"]
+
+
 def test_a_job_cancelled_before_it_began_gets_its_end_mail_only(mailer):
     job = _submit(mailer, "BEGIN,END")[0]
     _move(mailer, job, state=State.CANCELLED, ended_at=utcnow(), reason="cancelled by ann")
@@ -213,10 +238,10 @@ def test_the_scheduler_runs_the_mail_program_as_a_job_begins_and_fails(mailing, 
 def test_bad_mail_options_are_refused_in_one_line_and_nothing_is_queued(mailing, tmp_path):
     s = mailing.settings
     before = json.loads(run_cli(["status", "--json"], s).stdout)["jobs"]
-    for args, line in ((["--mail-type", "SOMETIMES"], "gpuq: --mail-type takes BEGIN, END, FAIL, ALL or NONE, "
-                                                       "comma-separated; got 'SOMETIMES'"),
+    for args, line in ((["--mail-type", "SOMETIMES"], "gpuq: --mail-type takes BEGIN, END, FAIL, REQUEUE, ALL "
+                                                       "or NONE, comma-separated; got 'SOMETIMES'"),
                        (["--mail-user", "pi"], "gpuq: --mail-user needs --mail-type: what to mail about (BEGIN, END, "
-                                               "FAIL or ALL)"),
+                                               "FAIL, REQUEUE or ALL)"),
                        (["--mail-type", "END", "--mail-user", "-oQ/tmp/x"],
                         "gpuq: --mail-user takes a user name or an address (name@host); got '-oQ/tmp/x'")):
         out = run_cli(["submit", *args, "--", "true"], s, cwd=tmp_path)

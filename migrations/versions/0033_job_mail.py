@@ -22,6 +22,7 @@ def upgrade() -> None:
         sa.Column("events", sa.String(length=32), nullable=False),
         sa.Column("address", sa.String(length=255), nullable=True),
         sa.Column("due", sa.String(length=32), nullable=True),
+        sa.Column("reruns_mailed", sa.Integer(), nullable=False),
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_job_mail_job_id_jobs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", name=op.f("pk_job_mail")),
     )
