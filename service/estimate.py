@@ -16,7 +16,7 @@ from gpuq.service import policy
 from gpuq.service.db import read_scope
 from gpuq.service.forecast import NO_START, start_times
 from gpuq.service.models import utcnow
-from gpuq.service.queue_read import awaiting, pending_row, read_queue
+from gpuq.service.queue_read import awaited, pending_row, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
 from gpuq.service.submitting import checked, job_row
@@ -48,7 +48,7 @@ def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
         row.update(id=first + position, array_id=first if array else None)
     with read_scope(settings) as session:
         read = read_queue(session, settings, also=[pending_row(r) for r in rows])
-        waits, ends = awaiting(session, read)
+        waits, ends = awaited(session, read)
     decision = policy.decide(read.policy)
     gpus: dict[int, list[policy.GpuState]] = {}
     starts = start_times(read.policy, decision, later=read.later, where=gpus, throttled=read.throttled,

@@ -153,9 +153,9 @@ def _starts(session: Session, read: QueueRead, decision: policy.Decision,
     """The expected starts of a read queue and its decision, a job waiting for its begin time
     planned from then on, a task its array's limit holds back as the limit lets it run, and a job
     waiting for others from their expected ends (``where``: told each one's GPUs)."""
-    from gpuq.service.queue_read import awaiting
+    from gpuq.service.queue_read import awaited
 
-    waits, ends = awaiting(session, read)
+    waits, ends = awaited(session, read)
     return start_times(read.policy, decision, later=read.later, where=where, throttled=read.throttled,
                        arrays=read.array_limits, awaiting=waits, awaited_ends=ends)
 

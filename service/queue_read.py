@@ -229,7 +229,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
 FORESEEN_KINDS = (AFTER_OK, AFTER_ANY, AFTER_CORR, AFTER_START)
 
 
-def awaiting(session: Session, read: QueueRead) -> tuple[list[Awaiting], dict[int, float]]:
+def awaited(session: Session, read: QueueRead) -> tuple[list[Awaiting], dict[int, float]]:
     """The jobs ``read`` found waiting for others, as a forecast plans them, and the expected end
     of each started job they wait for (``forecast.start_times``' ``awaiting`` and ``ends``): read
     only for a forecast, which a pass makes none of."""
