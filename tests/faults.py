@@ -72,6 +72,17 @@ def _in_transaction(proc: psutil.Process, database: str) -> bool:
     from gpuq.service.dialect import is_sqlite_url, sqlite_file
 
     if is_sqlite_url(database):
+        # A writer queues on its writers' lock file (service/db.WriterLock) before it begins: one
+        # stopped holding that lock, between it and its BEGIN, held up every writer as well (a
+        # submit waited 60 s in CI), and SQLite's own lock below was free.
+        import fcntl
+
+        with open(sqlite_file(database) + "-writer", "a+b") as queue:
+            try:
+                fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(queue, fcntl.LOCK_UN)
         try:  # a write transaction anywhere holds the write lock: another BEGIN IMMEDIATE waits
             probe = sqlite3.connect(sqlite_file(database), timeout=0.3, isolation_level=None)
             try:
