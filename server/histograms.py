@@ -186,15 +186,15 @@ def _cpu_by_user(session: Session, since: datetime | None, before: datetime | No
     the column as it is, SQLite walked the index on user over every job ever run: 150 ms a scrape at
     200,000 jobs)."""
     a = EarlierAttempt
+    user = not_for_an_index(Job.user, session)
     out: dict[str, float] = {}
-    for user, seconds in [
-            *session.execute(select(not_for_an_index(Job.user, session), func.sum(JobUsage.cpu_s))
-                             .join(JobUsage, JobUsage.job_id == Job.id)
+    for name, seconds in [
+            *session.execute(select(user, func.sum(JobUsage.cpu_s)).join(JobUsage, JobUsage.job_id == Job.id)
                              .where(JobUsage.cpu_s.is_not(None), *_between(Job.ended_at, since, before))
-                             .group_by(not_for_an_index(Job.user, session))),
+                             .group_by(user)),
             *session.execute(select(a.user, func.sum(a.cpu_s))
                              .where(a.cpu_s.is_not(None), *_between(a.ended_at, since, before)).group_by(a.user))]:
-        out[user] = out.get(user, 0.0) + float(seconds)
+        out[name] = out.get(name, 0.0) + float(seconds)
     return Counter(out)
 
 

@@ -127,9 +127,8 @@ def all_met(kind: str, after: Iterable[int], deps: dict[int, Dependency]) -> boo
     return all(deps[d].met(kind) for d in after if d in deps)
 
 
-_UNENDED = select(_t.c.id, _t.c.array_id, _t.c.state, _t.c.started_at, _t.c.time_limit_s).where(
-    or_(_t.c.id.in_(bindparam("ids", expanding=True)), _t.c.array_id.in_(bindparam("ids", expanding=True))),
-    _t.c.state.not_in(c.END_STATES))
+# ``look_up``'s rows not ended, with when each started and its time limit (a forecast's read).
+_UNENDED = _ROWS.add_columns(_t.c.started_at, _t.c.time_limit_s).where(_t.c.state.not_in(c.END_STATES))
 
 
 def unended(conn: Any, ids: Iterable[int], now: float) -> tuple[dict[int, list[int]], dict[int, float]]:

@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 
 from gpuq.service import policy
 from gpuq.service.db import read_scope
-from gpuq.service.forecast import NO_START, start_times
+from gpuq.service.forecast import NO_START
 from gpuq.service.models import utcnow
-from gpuq.service.queue_read import awaited, pending_row, read_queue
+from gpuq.service.queue_read import pending_row, planned_starts, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
 from gpuq.service.submitting import checked, job_row
@@ -48,11 +48,9 @@ def estimate(settings: Settings, specs: list[JobSpec]) -> list[Estimate]:
         row.update(id=first + position, array_id=first if array else None)
     with read_scope(settings) as session:
         read = read_queue(session, settings, also=[pending_row(r) for r in rows])
-        waits, ends = awaited(session, read)
-    decision = policy.decide(read.policy)
-    gpus: dict[int, list[policy.GpuState]] = {}
-    starts = start_times(read.policy, decision, later=read.later, where=gpus, throttled=read.throttled,
-                         arrays=read.array_limits, awaiting=waits, awaited_ends=ends)
+        decision = policy.decide(read.policy)
+        gpus: dict[int, list[policy.GpuState]] = {}
+        starts = planned_starts(session, read, decision, where=gpus)
     placed = {p.job_id for p in decision.placements}
     out = []
     for spec, row in zip(specs, rows, strict=True):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -13,15 +12,13 @@ from gpuq.service import constants as c
 from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.display import expected_at, gpu_hours_text, preempted_by
-from gpuq.service.forecast import NO_START, start_times
+from gpuq.service.forecast import NO_START
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.queue_read import QueueRead, planned_starts, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.units import AFTER_KINDS
-
-if TYPE_CHECKING:
-    from gpuq.service.queue_read import QueueRead
 
 
 def _gib(mib: float) -> str:
@@ -53,7 +50,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
                                 for d in job.after)
             said = f"{head}: it waits for {pending} {AFTER_KINDS[job.after_kind]} (-d {job.after_kind})"
             read, decision = _pass(session, settings)
-            start = _starts(session, read, decision).get(job.id)
+            start = planned_starts(session, read, decision).get(job.id)
             if start is not None:  # when those are expected to end (start), and then its GPUs free
                 said += "; " + _start_line(start, read.policy.now)
             return said
@@ -69,7 +66,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
                  else "a shared job starts only while they hold less, its share counted as its part of the GPU")
         said = (f"{head}: {job.user} holds {held:g} GPU{'' if held == 1 else 's'} and the limit is "
                 f"{settings.gpu_limit_of(job.user)} at once; {needs}")
-        start = _starts(session, read, decision).get(job.id)
+        start = planned_starts(session, read, decision).get(job.id)
         if start is not None:  # when their running and earlier jobs leave them room
             said += "; " + _start_line(start, read.policy.now)
         return said
@@ -80,7 +77,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         said = (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")
         read, decision = _pass(session, settings)
-        start = _starts(session, read, decision).get(job.id)
+        start = planned_starts(session, read, decision).get(job.id)
         if start is not None and start > job.begin_at.timestamp() + 60:  # its GPUs are busy past its moment
             said += "; " + _start_line(start, read.policy.now)
         return said
@@ -91,7 +88,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         said = (f"{head}: {started} task{'' if started == 1 else 's'} of array {job.array_id} run now, and it "
                 f"runs at most {job.array_limit} at once (--array ...%{job.array_limit}; "
                 f"`gpuq update --array {job.array_id} --array-limit N` changes it)")
-        start = _starts(session, read, decision).get(job.id)
+        start = planned_starts(session, read, decision).get(job.id)
         return said if start is None else f"{said}; {_start_line(start, read.policy.now)}"
     if reason == policy.PREEMPTING:
         stopping = session.execute(select(Job.id, Job.user).where(
@@ -122,14 +119,12 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
     if reason == policy.PRIORITY:
         parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
-    parts.append(_start_line(_starts(session, read, decision).get(job.id), state.now))
+    parts.append(_start_line(planned_starts(session, read, decision).get(job.id), state.now))
     return "; ".join(parts)
 
 
 def _pass(session: Session, settings: Settings) -> tuple[QueueRead, policy.Decision]:
     """The queue as a whole pass reads it, and the pass's decision."""
-    from gpuq.service.queue_read import read_queue
-
     read = read_queue(session, settings)
     return read, policy.decide(read.policy)
 
@@ -142,22 +137,10 @@ def expected_starts(session: Session, settings: Settings, nodes: dict[int, str] 
     user's limit where their running jobs are not known) has none. ``nodes``, if given, is told the
     node each is planned on (squeue --start's SCHEDNODES)."""
     where: dict[int, list[policy.GpuState]] = {}
-    starts = _starts(session, *_pass(session, settings), where=where)
+    starts = planned_starts(session, *_pass(session, settings), where=where)
     if nodes is not None:
         nodes.update((job_id, gpus[0].node) for job_id, gpus in where.items() if gpus)
     return {job_id: None if t is None else datetime.fromtimestamp(t, UTC) for job_id, t in starts.items()}
-
-
-def _starts(session: Session, read: QueueRead, decision: policy.Decision,
-            where: dict[int, list[policy.GpuState]] | None = None) -> dict[int, float | None]:
-    """The expected starts of a read queue and its decision, a job waiting for its begin time
-    planned from then on, a task its array's limit holds back as the limit lets it run, and a job
-    waiting for others from their expected ends (``where``: told each one's GPUs)."""
-    from gpuq.service.queue_read import awaited
-
-    waits, ends = awaited(session, read)
-    return start_times(read.policy, decision, later=read.later, where=where, throttled=read.throttled,
-                       arrays=read.array_limits, awaiting=waits, awaited_ends=ends)
 
 
 def _start_line(start: float | None, now: float) -> str:
@@ -211,7 +194,6 @@ def _ahead_lines(state: policy.QueueState, decision: policy.Decision, settings: 
 def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     """A shared job's figures: each live GPU's room for shares, and what the job needs there."""
     from gpuq.service import packing
-    from gpuq.service.queue_read import read_queue
 
     gpus = read_queue(session, settings, head=1).policy.gpus
     request = policy.JobRequest(id=job.id, user=job.user, gpus=job.gpus, mem_mib=job.mem_mib, node=job.on_node,

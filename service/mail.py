@@ -102,14 +102,12 @@ def send_due(settings: Settings, send: Callable[[Settings, Message], None] | Non
         if not rows:
             return 0
         arrays = {r.array_id for r in rows if r.array_id is not None}
-        unended = dict(session.execute(select(Job.array_id, func.count()).where(
-            Job.array_id.in_(arrays), Job.state.not_in(c.END_STATES)).group_by(Job.array_id)).all()) if arrays else {}
         counts: dict[Any, Counter[str]] = defaultdict(Counter)
         if arrays:
             for array_id, state, n in session.execute(select(Job.array_id, Job.state, func.count()).where(
                     Job.array_id.in_(arrays)).group_by(Job.array_id, Job.state)):
                 counts[array_id][state] += n
-    messages, left = due_messages(rows, unended, counts, settings.mail_domain)
+    messages, left = due_messages(rows, counts, settings.mail_domain)
     if not left:
         return 0
     with write_scope(settings) as session:
@@ -125,11 +123,10 @@ def send_due(settings: Settings, send: Callable[[Settings, Message], None] | Non
     return len(messages)
 
 
-def due_messages(rows: Sequence[Any], unended: Mapping[Any, int], counts: Mapping[Any, Counter[str]], domain: str
+def due_messages(rows: Sequence[Any], counts: Mapping[Any, Counter[str]], domain: str
                  ) -> tuple[list[Message], dict[int, tuple[str, str | None, int]]]:
     """The messages ``rows`` (``_DUE``'s) call for, and each changed job's due events (before,
-    after) and the reruns mailed about; ``unended``: each array's tasks not ended, ``counts``: its
-    tasks by state."""
+    after) and the reruns mailed about; ``counts``: each array's tasks by state."""
     messages: list[Message] = []
     left: dict[int, tuple[str, str | None, int]] = {}
     groups: dict[Any, list[Any]] = defaultdict(list)
@@ -145,9 +142,10 @@ def due_messages(rows: Sequence[Any], unended: Mapping[Any, int], counts: Mappin
             started = first.started_at is not None or first.reruns > 0
             failed = first.state in FAILED
         else:
-            ended = unended.get(first.array_id, 0) == 0
+            tasks = counts.get(first.array_id, Counter())  # its tasks by state
+            ended = all(s in c.END_STATES for s in tasks)
             started = any(r.started_at is not None or r.reruns > 0 or r.state in c.END_STATES for r in members)
-            failed = any(counts.get(first.array_id, Counter())[s] for s in FAILED)
+            failed = any(tasks[s] for s in FAILED)
         after = set(due)
         # Events that came between two looks are each mailed, in their order.
         if BEGIN in due and started:

@@ -21,7 +21,7 @@ from gpuq.service import dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.display import ADMIN_HELD, preemption_asked
 from gpuq.service.fair_share import FairShare
-from gpuq.service.forecast import Awaiting
+from gpuq.service.forecast import Awaiting, start_times
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
@@ -227,6 +227,17 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
 
 # The dependencies a forecast can plan a job after: their success or end (assumed a success), or start.
 FORESEEN_KINDS = (AFTER_OK, AFTER_ANY, AFTER_CORR, AFTER_START)
+
+
+def planned_starts(session: Session, read: QueueRead, decision: policy.Decision,
+                   where: dict[int, list[policy.GpuState]] | None = None) -> dict[int, float | None]:
+    """The expected starts of a read queue and its decision (``forecast.start_times``): a job
+    waiting for its begin time planned from then on, a task its array's limit holds back as the
+    limit lets it run, and a job waiting for others from their expected ends (``where``: told each
+    one's GPUs). `gpuq status --start`, `gpuq why` and `submit --test-only` all read it."""
+    waits, ends = awaited(session, read)
+    return start_times(read.policy, decision, later=read.later, where=where, throttled=read.throttled,
+                       arrays=read.array_limits, awaiting=waits, awaited_ends=ends)
 
 
 def awaited(session: Session, read: QueueRead) -> tuple[list[Awaiting], dict[int, float]]:

@@ -8,6 +8,8 @@ import functools
 import re
 from dataclasses import dataclass, field
 
+from gpuq.service import gpu_limits
+
 
 @dataclass(frozen=True)
 class Preemptible:
@@ -167,12 +169,12 @@ class QueueState:
 
     def limit_of(self, user: str) -> int:
         """The GPUs ``user``'s jobs may hold at once; 0: no limit."""
-        return self.user_gpu_limits.get(user, self.user_gpu_limit)
+        return gpu_limits.limit_of(user, self.user_gpu_limit, self.user_gpu_limits)
 
     @property
     def limited(self) -> bool:
         """Whether any user is held to a GPU limit."""
-        return bool(self.user_gpu_limit) or any(self.user_gpu_limits.values())
+        return gpu_limits.any_limit(self.user_gpu_limit, self.user_gpu_limits)
 
 
 @dataclass(frozen=True)

@@ -283,12 +283,16 @@ class Settings:
 
     def gpu_limit_of(self, user: str) -> int:
         """The GPUs ``user``'s jobs may hold at once; 0: no limit."""
-        return self.gpu_limits.get(user, self.user_gpu_limit) if self.user_gpu_limits else self.user_gpu_limit
+        from gpuq.service.gpu_limits import limit_of
+
+        return limit_of(user, self.user_gpu_limit, self.gpu_limits)
 
     @property
     def gpu_limited(self) -> bool:
         """Whether any user is held to a GPU limit."""
-        return bool(self.user_gpu_limit) or any(self.gpu_limits.values())
+        from gpuq.service.gpu_limits import any_limit
+
+        return any_limit(self.user_gpu_limit, self.gpu_limits)
 
     def with_overrides(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
