@@ -2,8 +2,9 @@
 ``--snapshot`` a copy of the work tree that the job runs from.
 
 Git is asked, never parsed from ``.git``: ``rev-parse`` for the top level and commit, ``status`` for
-dirtiness, ``diff HEAD`` for the changes, ``ls-files`` for what a snapshot copies (tracked files and
-untracked ones that .gitignore does not exclude). No git, or a directory outside a work tree, means
+dirtiness, ``diff HEAD`` for the changes (a submodule's inline), ``ls-files`` for what a snapshot
+copies (tracked files and untracked ones that .gitignore does not exclude, and each checked-out
+submodule's, listed by its own git). No git, or a directory outside a work tree, means
 nothing is recorded; only ``--snapshot`` makes that an error.
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +59,9 @@ def capture(cwd: str, max_diff_bytes: int) -> GitState | None:
     dirty = bool(status is not None and status.stdout.strip())
     diff_bytes = b""
     if commit:  # staged and unstaged changes to tracked files; untracked ones only count as dirty
-        out = _git(cwd, "diff", "HEAD", "--no-color", "--no-ext-diff")
+        # --submodule=diff: a submodule's changes (its commit moved, its own edits) as the lines
+        # that changed in it, where plain diff gives only its two commit ids.
+        out = _git(cwd, "diff", "HEAD", "--no-color", "--no-ext-diff", "--submodule=diff")
         diff_bytes = out.stdout if out is not None and out.returncode == 0 else b""
     cut = len(diff_bytes) > max_diff_bytes
     diff = diff_bytes[:max_diff_bytes].decode("utf-8", errors="replace").replace("\x00", "")
@@ -123,21 +127,11 @@ def copy_tree(cwd: str, git: GitState | None, target: Path, max_bytes: int) -> s
     over ``max_bytes``; the caller removes ``target`` on any error."""
     if git is None:
         raise InvalidSpec(f"--snapshot needs a git work tree, and {cwd} is not in one (or git is not installed)")
-    listed = _git(git.top, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
-    if listed is None or listed.returncode != 0:
-        raise InvalidSpec(f"--snapshot: git could not list the files of {git.top}")
     files = []
     total = 0
-    for name in dict.fromkeys(p for p in listed.stdout.decode("utf-8", "surrogateescape").split("\0") if p):
-        src = os.path.join(git.top, name)
-        try:
-            st = os.lstat(src)
-        except FileNotFoundError:
-            continue  # tracked but deleted in the work tree: the job sees it deleted
-        if os.path.isdir(src) and not os.path.islink(src):
-            continue  # a submodule's directory: its files are not the parent's to copy
+    for name, src, size in _listed(git.top, ""):
         files.append((name, src))
-        total += st.st_size
+        total += size
     if total > max_bytes:
         raise InvalidSpec(f"--snapshot: the work tree {git.top} holds {total / 2**20:.1f} MiB of files; the limit "
                           f"is {max_bytes / 2**20:.1f} MiB (GPUQ_SNAPSHOT_MAX_BYTES)")
@@ -145,12 +139,43 @@ def copy_tree(cwd: str, git: GitState | None, target: Path, max_bytes: int) -> s
     try:
         for name, src in files:
             dst = target / name
+            if src is None:
+                dst.mkdir(parents=True, exist_ok=True)
+                continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst, follow_symlinks=False)
         (target / rel).mkdir(parents=True, exist_ok=True)  # an untracked-only submit directory
     except OSError as exc:
         raise InvalidSpec(f"--snapshot: copying {git.top} failed: {exc}") from None
     return rel
+
+
+def _listed(top: str, prefix: str) -> Iterator[tuple[str, str | None, int]]:
+    """(name under the snapshot, path, size) of each file git lists for the work tree ``top``
+    (tracked, and untracked that .gitignore does not exclude), whose names start with ``prefix``;
+    a submodule's files (or a git work tree's of its own inside, untracked) listed by their own git
+    in turn, as the job would find them in the tree; path None for a directory to make empty (a
+    submodule not checked out). InvalidSpec where git cannot list them."""
+    listed = _git(top, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    if listed is None or listed.returncode != 0:
+        raise InvalidSpec(f"--snapshot: git could not list the files of {top}")
+    for name in dict.fromkeys(p for p in listed.stdout.decode("utf-8", "surrogateescape").split("\0") if p):
+        src = os.path.join(top, name)
+        try:
+            st = os.lstat(src)
+        except FileNotFoundError:
+            continue  # tracked but deleted in the work tree: the job sees it deleted
+        if stat.S_ISDIR(st.st_mode):
+            # A submodule (or an untracked repository, listed as "name/"): its files are its own
+            # git's to list. One not checked out is an empty directory, in the copy as in the tree.
+            inner = _git(src, "rev-parse", "--show-toplevel")
+            if inner is not None and inner.returncode == 0 and os.path.realpath(
+                    inner.stdout.decode("utf-8", "surrogateescape").strip()) == os.path.realpath(src):
+                yield from _listed(src, prefix + name.rstrip("/") + "/")
+            else:
+                yield prefix + name.rstrip("/"), None, 0
+            continue
+        yield prefix + name, src, st.st_size
 
 
 def main(argv: list[str]) -> int:

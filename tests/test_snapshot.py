@@ -168,6 +168,61 @@ def test_snapshot_over_the_size_limit_is_refused_and_leaves_no_directory(setting
     assert job_count(settings) == 0 and snapshot_entries(settings) == []
 
 
+def with_submodule(tmp_path: Path) -> Path:
+    """make_repo's work tree with a submodule lib/ (lib/model.py committed in it; lib/*.ckpt
+    ignored by its own .gitignore), then edited: model.py changed and notes.txt added in lib/."""
+    lib = tmp_path / "libsrc"
+    lib.mkdir()
+    (lib / "model.py").write_text("LAYERS = 1\n")
+    (lib / ".gitignore").write_text("*.ckpt\n")
+    git(lib, "init", "-q")
+    git(lib, "add", ".")
+    git(lib, "commit", "-q", "-m", "lib")
+    repo = make_repo(tmp_path)
+    git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "lib")
+    git(repo, "commit", "-q", "-m", "with lib")
+    (repo / "lib" / "model.py").write_text("LAYERS = 2\n")
+    (repo / "lib" / "notes.txt").write_text("untracked in the submodule\n")
+    (repo / "lib" / "weights.ckpt").write_text("ignored by the submodule\n")
+    return repo
+
+
+def test_a_snapshot_copies_a_submodules_files_as_they_are_and_the_diff_shows_its_changes(served, tmp_path):
+    repo = with_submodule(tmp_path)
+    nested = repo / "vendored"  # a repository of its own in the tree, untracked and not ignored
+    nested.mkdir()
+    (nested / "tool.py").write_text("print('v')\n")
+    git(nested, "init", "-q")
+    out = run_cli(["submit", "--snapshot", "--hold", "--json", "--", "true"], served, cwd=repo / "sub")
+    assert out.returncode == 0, out.stderr
+    job = get(served, json.loads(out.stdout)["id"])
+    copy = Path(job.snapshot)
+    files = sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file())
+    assert files == [".gitignore", ".gitmodules", "lib/.gitignore", "lib/model.py", "lib/notes.txt",
+                     "sub/code.txt", "vendored/tool.py"]  # no .git files, nothing either .gitignore excludes
+    assert (copy / "lib" / "model.py").read_text() == "LAYERS = 2\n"
+    assert "-LAYERS = 1" in job.git_diff and "+LAYERS = 2" in job.git_diff and job.git_dirty is True
+
+
+def test_a_submodule_not_checked_out_is_an_empty_directory_in_the_snapshot(served, tmp_path):
+    repo = with_submodule(tmp_path)
+    git(repo, "submodule", "deinit", "-q", "-f", "lib")
+    assert os.listdir(repo / "lib") == []
+    out = run_cli(["submit", "--snapshot", "--hold", "--json", "--", "true"], served, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    copy = Path(get(served, json.loads(out.stdout)["id"]).snapshot)
+    assert sorted(os.listdir(copy)) == [".gitignore", ".gitmodules", "lib", "sub"] and os.listdir(copy / "lib") == []
+
+
+def test_a_submodule_counts_toward_the_snapshot_size_limit(settings, tmp_path):
+    repo = with_submodule(tmp_path)
+    (repo / "lib" / "data.bin").write_bytes(b"y" * 5000)  # untracked in the submodule, not ignored
+    with serving(settings, snapshot_max_bytes=4096) as limited:
+        out = run_cli(["submit", "--snapshot", "--", "true"], limited, cwd=repo)
+    assert out.returncode == c.EXIT_USAGE and "GPUQ_SNAPSHOT_MAX_BYTES" in out.stderr, out.stderr
+    assert job_count(settings) == 0 and snapshot_entries(settings) == []
+
+
 def test_a_failed_insert_removes_the_copied_snapshot(settings, tmp_path):
     repo = make_repo(tmp_path)
     good = spec.command_spec(["true"], cwd=str(repo))
