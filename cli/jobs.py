@@ -158,13 +158,21 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
         said = f"{attempt.get('reason')}"
         # "requeued by alice" says its state already.
         said = said if said.startswith(f"{attempt.get('state')} ") else f"{attempt.get('state')}{kind}: {said}"
-        cpu = f" (CPU {attempt['cpu_s']:.1f} s)" if attempt.get("cpu_s") is not None else ""
-        lines.append((f"attempt {n}", f"{said} on {attempt.get('worker')}{cpu}"))
+        lines.append((f"attempt {n}", f"{said} on {attempt.get('worker')}{_attempt_use(attempt)}"))
     if j.failure:
         lines.append(("failure", j.failure))
     if j.exit_code is not None:
         lines.append(("exit code", exit_status(j.exit_code)))
     return lines
+
+
+def _attempt_use(attempt: dict[str, Any]) -> str:
+    """What an earlier attempt's command used of its node, as its worker measured it: " (CPU 3.1 s,
+    host memory 2048 MiB at its peak)", or nothing where neither is known."""
+    use = ([f"CPU {attempt['cpu_s']:.1f} s"] if attempt.get("cpu_s") is not None else []) + (
+        [f"host memory {attempt['host_mem_peak_mib']} MiB at its peak"]
+        if attempt.get("host_mem_peak_mib") is not None else [])
+    return f" ({', '.join(use)})" if use else ""
 
 
 def _print_diff(data: dict[str, Any], as_json: bool) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Update, bindparam, func, select
 from sqlalchemy.orm import Session
@@ -28,6 +28,9 @@ from gpuq.service.display import preemption_asked, requeue_asked
 from gpuq.service.errors import BugError
 from gpuq.service.models import Allocation, EarlierAttempt, Job, JobMetric, table, utcnow
 from gpuq.service.prepared import Prepared
+
+if TYPE_CHECKING:
+    from gpuq.service.usage import HostUse
 
 _JOBS = table(Job)
 
@@ -232,7 +235,7 @@ _LEASE_RAN_OUT = _JOBS.c.lease_expires_at < bindparam("expired_before")
 def end_attempt(session: Session, job_id: int, state: State, *, token: str | None = None,
                 expired_before: datetime | None = None, failure: str | None = None, exit_code: int | None = None,
                 result: dict[str, Any] | None = None, reason: str | None = None, max_requeues: int = 0,
-                now: datetime | None = None, cpu_s: float | None = None) -> bool:
+                now: datetime | None = None, host: HostUse | None = None) -> bool:
     """End a running job's attempt in ``state``: the job ends there and frees its GPUs, or it
     waits again (pending) for another attempt when it may run again:
 
@@ -240,8 +243,8 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
       without using one up, at most ``max_requeues`` times;
     - any other failure is retried while the job has retries left.
 
-    Every attempt is kept, with its command's CPU seconds (``cpu_s``, where its worker knows them:
-    the job's usage summary will be its last attempt's). The worker holding the lease ``token``
+    Every attempt is kept, with its command's CPU seconds and host memory peak (``host``, where its
+    worker measured them: the job's usage summary will be its last attempt's). The worker holding the lease ``token``
     ends its job; the reaper passes ``expired_before`` instead (the lease must have run out before
     then). False if the job was not running under that lease: it had ended, or was taken back.
     """
@@ -281,7 +284,7 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
         # The attempt as its record keeps it: stopped to be requeued reads so (sacct's REQUEUED).
         attempt = dict(state=_asked_state(job.reason) if again == "asked" else state,
                        failure=None if again == "asked" else failure, reason=reason, exit_code=exit_code,
-                       **({} if cpu_s is None else {"cpu_s": cpu_s}))
+                       **_measured(host))
         values = _waits_again(job, again, now, max_requeues, attempt)
     elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
         values["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
@@ -299,8 +302,15 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
                 conn.execute(_EARLIER.insert(), {
                     "job_id": job_id, "user": job.user, "node": job.node, "started_at": job.started_at,
                     "charged": job.gpus * (job.gpu_share if job.gpu_share is not None else 1.0), "ended_at": now,
-                    "cause": attempt["failure"] or attempt["state"], "cpu_s": cpu_s})
+                    "cause": attempt["failure"] or attempt["state"], "cpu_s": host.cpu_s if host else None})
     return done
+
+
+def _measured(host: HostUse | None) -> dict[str, Any]:
+    """What an attempt's record keeps of its command's use of the node: the values its worker knew."""
+    if host is None:
+        return {}
+    return {k: v for k, v in (("cpu_s", host.cpu_s), ("host_mem_peak_mib", host.host_mem_peak_mib)) if v is not None}
 
 
 def _asked_state(reason: str) -> str:

@@ -67,7 +67,10 @@ def test_a_waiting_job_preempts_a_preemptible_one_which_is_requeued_and_runs_aga
         assert session.execute(select(EarlierAttempt.cause, EarlierAttempt.cpu_s)
                                .where(EarlierAttempt.job_id == scavenger)).all() == [("preempted", cpu_s)]
     assert f"attempt 1  {reason} on gpu" in run_cli(["show", str(scavenger)], s).stdout
-    assert f"(CPU {cpu_s:.1f} s)" in run_cli(["show", str(scavenger)], s).stdout
+    # Its host memory peak too, which the job's summary (the second attempt's) does not give.
+    peak = job.attempts[0]["host_mem_peak_mib"]
+    assert peak > 0
+    assert f"(CPU {cpu_s:.1f} s, host memory {peak} MiB at its peak)" in run_cli(["show", str(scavenger)], s).stdout
     # The urgent job started only once the preempted one had let its GPU go.
     assert _job(s, urgent).started_at >= datetime.fromisoformat(job.attempts[0]["ended_at"])
 

@@ -69,14 +69,19 @@ def wait_running(stack, ids: list[int], timeout: float = 60.0) -> None:
     raise AssertionError(f"not all running: {[(j.id, j.state) for j in jobs_of(stack, ids)]}\n" + stack.logs())
 
 
-def test_four_shared_jobs_run_at_once_on_one_gpu_each_charged_its_share(stack):
-    ids = [submit_shared(stack, ["sleep", "2"]) for _ in range(4)]
+def test_four_shared_jobs_run_at_once_on_one_gpu_each_charged_its_share(stack, tmp_path):
+    # Each runs until the test lets it go: a fixed sleep could end the first before a loaded
+    # machine started the fourth.
+    gate = tmp_path / "go"
+    ids = [submit_shared(stack, ["sh", "-c", f"sleep 0.5; while [ ! -e {gate} ]; do sleep 0.05; done"])
+           for _ in range(4)]
     wait_running(stack, ids)  # all four on the one GPU at the same time
     with read_scope(stack.settings) as session:
         held = session.execute(select(func.count(), func.sum(Allocation.share_mib))
                                .where(Allocation.job_id.in_(ids))).one()
     assert held == (4, 4 * (2048 + CONTEXT_MIB))
     _every_view_shows_the_shares(stack, ids)
+    gate.touch()
     ended = wait_ended(stack, ids)
     assert [j.state for j in ended] == [State.SUCCEEDED] * 4
     starts, ends = max(j.started_at for j in ended), min(j.ended_at for j in ended)

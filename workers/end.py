@@ -96,7 +96,7 @@ def _end_transaction(state: WorkerState, job: JobRun, lease: Lease, end: dict[st
             done, taken = _hand_over(state, session, job, lease, end, now, in_hand if last_words else None, host)
         else:
             done = end_attempt(session, lease.job_id, token=lease.token, max_requeues=state.settings.max_requeues,
-                               now=now, cpu_s=host.cpu_s if host is not None else None, **end)
+                               now=now, host=host, **end)
             if done and last_words:
                 # No savepoint of its own (two statements fewer at every end on PostgreSQL): a summary
                 # the database refuses fails this try, and the end is written again without it.

@@ -155,7 +155,7 @@ def _write_end(state: WorkerState, job: JobRun, lease: Lease, end: dict[str, Any
                 sink.store_rest(session)
                 now = utcnow()
                 done = end_attempt(session, job.id, token=lease.token, max_requeues=settings.max_requeues, now=now,
-                                   cpu_s=host.cpu_s if host is not None else None, **end)
+                                   host=host, **end)
                 if done:
                     ended = ended_of(job, now, host)
                     record_usage(state, session, ended, usage.Totals(memory_used_max=peak_mib))
