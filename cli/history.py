@@ -11,7 +11,7 @@ from gpuq.cli import job_fields, numbers
 from gpuq.cli.client import Client
 from gpuq.cli.job_fields import coloured
 from gpuq.cli.render import duration, job, job_name, one_line, print_json, result_summary, seconds, timestamp
-from gpuq.cli.table import colours_wanted, render
+from gpuq.cli.table import colours_wanted, delimited, render
 from gpuq.service.display import exit_status, state_counts
 from gpuq.service.errors import InvalidSpec
 
@@ -33,6 +33,10 @@ def history(
     limit: Annotated[int, typer.Option("--limit", "-n", help="List at most this many, newest first.",
                                        parser=numbers.whole(1))] = 100,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    noheader: Annotated[bool, typer.Option("--noheader", "-h", help="The job lines alone: no title, header or "
+                                           "counts (as sacct -n), for a script to count or cut.")] = False,
+    parsable: Annotated[bool, typer.Option("--parsable", "-P", help="Columns separated by | with no padding (as "
+                                           "sacct -P), under a header line unless -h.")] = False,
     fields: Annotated[str | None, typer.Option("--format", "-o", metavar="FIELDS",
                                                help="The table's columns, comma-separated (as sacct --format): "
                                                     "id, state, exit_code, elapsed, cpus... (a wrong one lists "
@@ -46,6 +50,8 @@ def history(
     chosen = job_fields.parse(fields) if fields is not None else None
     if chosen is not None and as_json:
         raise InvalidSpec("--format picks the table's columns: not with --json (every field)")
+    if as_json and (noheader or parsable):
+        raise InvalidSpec("--noheader and --parsable are the table's; --json has neither: give one of them")
     states = ",".join(s for part in state or [] for s in part.split(",")) or None
     answer = Client().get("/jobs/history", since=since, until=until, state=states, name=name, array=array,
                           limit=limit, user=user, mine=None if everyone or user else 1)
@@ -54,20 +60,28 @@ def history(
         print_json(answer)
         return
     period = f"from {timestamp(answer['since'])} to {timestamp(answer['until'])}"
-    if not rows:
+    if not rows and not (noheader or parsable):
         typer.echo(f"no job ended {period}")
         return
     if chosen is not None:
         header, right = job_fields.columns(chosen)
-        table = [job_fields.cells(chosen, j) for j in rows]
+        table = [job_fields.cells(chosen, j, whole=parsable) for j in rows]
     else:
         header = ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "NODE", "ENDED", "WAITED", "RAN", "RESULT / REASON")
         right = frozenset({"ID", "EXIT", "GPUS"})
-        table = [[str(j["id"]), j["user"], job_name(j["name"]), coloured(j["state"]),
+        cut = job_fields.WHOLE if parsable else 50  # a script's lines carry the whole name and reason
+        table = [[str(j["id"]), j["user"], job_name(j["name"], cut), coloured(j["state"]),
                   exit_status(j["exit_code"]), str(j["gpus"]), j["node"] or "-",
                   timestamp(j["ended_at"]), duration(seconds(j["waited_s"])), duration(seconds(j["elapsed_s"])),
-                  one_line(result_summary(job(j)), 50)]
+                  one_line(result_summary(job(j)), cut)]
                  for j in rows]
+    if parsable:
+        text = delimited(header, table, headed=not noheader)
+        typer.echo(text, nl=bool(text))
+        return
+    if noheader:
+        typer.echo(render("ended jobs", header, table, right, colours_wanted(), headed=False), nl=bool(table))
+        return
     typer.echo(render("ended jobs", header, table, right, colours_wanted()))
     counts = state_counts(answer["counts"])
     total = answer["total"]

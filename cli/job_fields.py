@@ -33,9 +33,9 @@ def _time_left(j: Row) -> str:
     return time_limit(max(0, int(j["time_limit_s"] - j["elapsed_s"])))
 
 
-def _command(j: Row) -> str:
+def _command(j: Row, width: int = 60) -> str:
     if j.get("argv"):
-        return one_line(" ".join(j["argv"]), 60)
+        return one_line(" ".join(j["argv"]), width)
     return str(j.get("workload") or "-")
 
 
@@ -126,5 +126,16 @@ def columns(names: list[str]) -> tuple[tuple[str, ...], frozenset[str]]:
     return tuple(FIELDS[n][0] for n in names), frozenset(FIELDS[n][0] for n in names if FIELDS[n][1])
 
 
-def cells(names: list[str], j: Row) -> list[Cell]:
-    return [FIELDS[n][2](j) for n in names]
+# The fields a table cuts to keep its columns narrow, whole: for lines a script splits (`-P`).
+WHOLE = 10**6
+_UNCUT: dict[str, Callable[[Row], Cell]] = {
+    "name": lambda j: job_name(j["name"], WHOLE),
+    "reason": lambda j: one_line(j.get("reason") or "-", WHOLE),
+    "result": lambda j: one_line(with_tasks(j, result_summary(job(j))), WHOLE),
+    "command": lambda j: _command(j, WHOLE),
+}
+
+
+def cells(names: list[str], j: Row, whole: bool = False) -> list[Cell]:
+    """A job's cells of these fields; ``whole``: none cut to a column's width."""
+    return [_UNCUT[n](j) if whole and n in _UNCUT else FIELDS[n][2](j) for n in names]

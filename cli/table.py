@@ -48,3 +48,12 @@ def render(title: str, header: Sequence[str], rows: Sequence[Sequence[Cell]], ri
     lines = [title, line([(h, "bold") for h in header])] if headed else []
     lines += [line(row) for row in cells]
     return "\n".join(lines)
+
+
+def delimited(header: Sequence[str], rows: Sequence[Sequence[Cell]], headed: bool = True) -> str:
+    """The table as sacct -P prints it, for a script to split: each row's cells joined by "|", no
+    padding and no colour, under a line of the headers unless not ``headed``. A "|" inside a cell
+    (a reason may hold one) is shown as "/", so a line always splits into its columns."""
+    lines = [header] if headed else []
+    lines += [[printable(c[0] if isinstance(c, tuple) else c).replace("|", "/") for c in row] for row in rows]
+    return "\n".join("|".join(line) for line in lines)

@@ -129,8 +129,34 @@ def test_gpuq_history_lists_my_ended_jobs_with_counts_and_everyones_with_all(use
         "gpuq: --user carol: no such user here, and no job of theirs\n"), nobody_here.output
 
 
+def test_history_noheader_gives_the_job_lines_alone_and_parsable_splits_on_bars(use_settings):
+    import getpass
+
+    me = getpass.getuser()
+    first = ended(use_settings, me, "train|big " + "x" * 40, State.FAILED, timedelta(hours=2))[0]
+    second = ended(use_settings, me, "eval", State.SUCCEEDED, timedelta(hours=1))[0]
+    bare = invoke("history", "-h")
+    assert bare.exit_code == 0, bare.output
+    assert [line.split()[:2] for line in bare.output.splitlines()] == [[str(second), me], [str(first), me]]
+    parsed = invoke("history", "-P", "-o", "id,name,state,exit_code")
+    assert parsed.exit_code == 0, parsed.output
+    # The whole name (cut at 30 in the table), its "|" shown as "/" so that each line splits in four.
+    assert parsed.output == (f"ID|NAME|STATE|EXIT\n{second}|eval|succeeded|0\n"
+                             f"{first}|train/big {'x' * 40}|failed|1\n")
+    default = invoke("history", "-P", "-h").output.splitlines()
+    assert [line.split("|")[0] for line in default] == [str(second), str(first)]
+    assert {len(line.split("|")) for line in default} == {11}
+    # Nothing ended: nothing at all, for a script (the table says "no job ended ...").
+    assert invoke("history", "-h", "--state", "cancelled").output == ""
+    assert invoke("history", "-P", "--state", "cancelled").output == (
+        "ID|USER|NAME|STATE|EXIT|GPUS|NODE|ENDED|WAITED|RAN|RESULT / REASON\n")
+    assert invoke("history", "-P", "-h", "--state", "cancelled").output == ""
+
+
 @pytest.mark.parametrize("args,words", [
     (["--state", "running"], "an ended job's state is one of"),
+    (["-h", "--json"], "--noheader and --parsable are the table's"),
+    (["-P", "--json"], "--noheader and --parsable are the table's"),
     (["--since", "soon"], "bad --since 'soon'"),
     (["--since", "1d", "--until", "2d"], "--since must be before --until"),
     (["--all", "--user", "bob"], "--all and --user cannot be used together"),
