@@ -17,6 +17,11 @@ Under a GPU limit per user (``GPUQ_USER_GPU_LIMIT``, or a user's own in ``GPUQ_U
 each user's GPUs are planned over time too: a job starts no earlier than its user's running and
 planned jobs leave it room under the limit.
 
+A job that is not preemptible is planned as if the preemptible jobs were not there (running or
+planned): whenever its turn comes it stops them (service/preemption.py), so a GPU a scavenger
+holds without a time limit is no "for ever" to it. A preemptible job waits for every job, as it
+does in the queue, and counts against no user's limit.
+
 A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
 start) is planned after every job that may start now, from the moment the jobs it waits for are
 expected to end (or start): a running one's by its time limit, a pending one's by its own plan,
@@ -129,23 +134,43 @@ class _Plan:
                 if end > state.now and usage is not None:
                     usage.hold(state.now, end, charge)
         self.usage: dict[int, _Usage] = {}
+        # The GPUs preemptible jobs hold, apart (whole GPUs: a preemptible job is never shared).
+        self.scavenged: dict[int, _Usage] = {}
         for g in state.gpus:
             usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
             load = packing.GpuLoad.of(g)
             if load.whole_until is not None and load.whole_until > state.now and g.id not in freed:
-                usage.hold(state.now, load.whole_until, math.inf)
+                self._layer(g.id, g.preemptible is not None).hold(state.now, load.whole_until, math.inf)
             for end, mib in load.shares:
                 if end > state.now:
                     usage.hold(state.now, end, mib)
 
-    def next_free(self, gpu: int, t: float, length: float, need: float | None, past: float = math.inf) -> float:
-        """The first moment from ``t`` at which a job needing ``need`` MiB of ``gpu`` (None: all of
-        it) has it for ``length`` seconds; inf: never, or not before ``past``."""
-        return self.usage[gpu].next_free(t, length, need, past)
+    def _layer(self, gpu: int, preemptible: bool) -> _Usage:
+        """What holds ``gpu`` over time: its preemptible jobs, or the others."""
+        if not preemptible:
+            return self.usage[gpu]
+        if gpu not in self.scavenged:
+            self.scavenged[gpu] = _Usage(self.usage[gpu].room)
+        return self.scavenged[gpu]
 
-    def hold(self, gpus: list[GpuState], start: float, end: float, need: float | None) -> None:
+    def next_free(self, gpu: int, t: float, length: float, need: float | None, past: float = math.inf,
+                  preemptible: bool = False) -> float:
+        """The first moment from ``t`` at which a job needing ``need`` MiB of ``gpu`` (None: all of
+        it) has it for ``length`` seconds; inf: never, or not before ``past``. A job that is not
+        ``preemptible`` counts no preemptible job's hold: it would stop them."""
+        scavenged = self.scavenged.get(gpu) if preemptible else None
+        while True:
+            at = self.usage[gpu].next_free(t, length, need, past)
+            if scavenged is None or math.isinf(at):
+                return at
+            t = scavenged.next_free(at, length, None, past)  # free of both from ``at``, or later
+            if t == at or math.isinf(t):
+                return t
+
+    def hold(self, gpus: list[GpuState], start: float, end: float, need: float | None,
+             preemptible: bool = False) -> None:
         for g in gpus:
-            self.usage[g.id].hold(start, end, math.inf if need is None else need)
+            self._layer(g.id, preemptible).hold(start, end, math.inf if need is None else need)
 
     def array(self, job: JobRequest) -> _Usage | None:
         """The tasks of ``job``'s array over time, where it is a task of a limited array."""
@@ -187,8 +212,8 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
         if where is not None:
             where[p.job_id] = list(p.gpus)
         placed, ends = jobs[p.job_id], state.now + _length(jobs[p.job_id])
-        plan.hold(list(p.gpus), state.now, ends, _need(placed, state))
-        user = plan.user(placed.user)
+        plan.hold(list(p.gpus), state.now, ends, _need(placed, state), placed.preemptible)
+        user = None if placed.preemptible else plan.user(placed.user)
         if user is not None:
             user.hold(state.now, ends, packing.charged_gpus(placed, list(p.gpus), state.shared_context_mib))
         array = plan.array(placed)
@@ -274,7 +299,8 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
     """The first moment from ``first`` that ``job``'s GPUs are free for its whole limit on one node,
     and under a user limit its user has room for them that long; it holds them then (and tells
     ``where`` which)."""
-    need, length, user, array = _need(job, state), _length(job), plan.user(job.user), plan.array(job)
+    need, length, array = _need(job, state), _length(job), plan.array(job)
+    user = None if job.preemptible else plan.user(job.user)  # held to no user limit
     # What it counts against its user's limit: a whole job its GPUs; a shared one its share of
     # them, known once they are chosen (until then, none).
     charge = 0.0 if job.shared else float(job.gpus)
@@ -301,7 +327,7 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                 at = start  # the user has no room then: from their next moment with room
                 continue
             user.hold(start, start + length, charge)
-        plan.hold(chosen, start, start + length, need)
+        plan.hold(chosen, start, start + length, need, job.preemptible)
         if array is not None:
             array.hold(start, start + length, 1)
         if where is not None:
@@ -321,24 +347,24 @@ def _gpus_from(job: JobRequest, need: int | None, length: float, by_node: dict[s
                                      else g.fits(job))]
         if len(suits) < job.gpus:
             continue
-        found = _on_node(suits, job.gpus, need, length, first, plan, best[0] if best is not None else math.inf)
+        found = _on_node(suits, job, need, length, first, plan, best[0] if best is not None else math.inf)
         if found is not None and (best is None or (found[0], node) < best[:2]):
             best = (found[0], node, found[1])
     return None if best is None else (best[0], best[2])
 
 
-def _on_node(gpus: list[GpuState], count: int, need: int | None, length: float, first: float, plan: _Plan,
+def _on_node(gpus: list[GpuState], job: JobRequest, need: int | None, length: float, first: float, plan: _Plan,
              past: float) -> tuple[float, list[GpuState]] | None:
-    """The first moment ``count`` of ``gpus`` each have ``need`` (None: all of it) together for
+    """The first moment ``job.gpus`` of ``gpus`` each have ``need`` (None: all of it) together for
     ``length`` seconds, and those GPUs; None if never, or not before ``past`` (another node's). The
     count-th soonest moment each GPU is free is a lower bound of it: if fewer are free together
     then, the bound moves there, and grows until they are."""
-    at = first
+    at, count, preemptible = first, job.gpus, job.preemptible
     while True:
-        soonest = sorted(plan.next_free(g.id, at, length, need, past) for g in gpus)[count - 1]
+        soonest = sorted(plan.next_free(g.id, at, length, need, past, preemptible) for g in gpus)[count - 1]
         if math.isinf(soonest):
             return None
-        free = [g for g in gpus if plan.next_free(g.id, soonest, length, need) == soonest]
+        free = [g for g in gpus if plan.next_free(g.id, soonest, length, need, preemptible=preemptible) == soonest]
         if len(free) >= count:
             return soonest, free[:count]
         at = soonest

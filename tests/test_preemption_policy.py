@@ -170,3 +170,39 @@ def test_a_job_that_preempts_is_expected_to_start_now_on_its_gpus_and_the_next_a
     d = decide(state)
     assert d.preemptions == {90: 5} and [p.job_id for p in d.claims] == [5]
     assert start_times(state, d) == {5: NOW, 6: NOW + 600}
+
+
+def test_a_job_that_is_not_preemptible_is_expected_to_start_when_the_others_end_not_the_scavengers():
+    from gpuq.service.forecast import start_times
+
+    # GPU 1: a scavenger with no time limit; GPU 2: a job for another hour. Job 1 needs both: it
+    # cannot preempt now (GPU 2 is not the scavenger's), and in an hour it will, whatever the
+    # scavenger's limit. Job 2 (preemptible) waits for everyone: GPU 2 once job 1 has ended, as
+    # the scavenger may hold GPU 1 for ever.
+    gpus = [gpu(1, victim=(90, 0, NOW - 600)), gpu(2, busy_until=NOW + 3600)]
+    state = QueueState(NOW, [job(1, gpus=2, limit=3600), job(2, preemptible=True, limit=600)], gpus)
+    d = decide(state)
+    assert d.waiting == {1: RESOURCES, 2: PRIORITY} and not d.preemptions
+    assert start_times(state, d) == {1: NOW + 3600, 2: NOW + 7200}
+    # A shared job stops a scavenger too: expected at once on its GPU, as the pass claims it.
+    shared = QueueState(NOW, [job(3, shared=True, mem=4096, limit=600)], gpus)
+    d = decide(shared)
+    assert d.preemptions == {90: 3} and start_times(shared, d) == {3: NOW}
+
+
+def test_a_preemptible_job_is_planned_past_its_users_gpu_limit_and_a_planned_scavenger_is_no_wall():
+    from gpuq.service.forecast import start_times
+
+    # Ann holds her one GPU for an hour. Her preemptible job takes the free GPU now (it is held to
+    # no limit); her next job waits for her hour. Bob's job, not before half an hour (--begin), is
+    # planned then on the scavenger's GPU, which it would stop, not after the scavenger's 2 hours.
+    gpus = [gpu(1, busy_until=NOW + 3600), gpu(2)]
+    jobs = [job(1, user="ann", preemptible=True, limit=7200), job(2, user="ann", limit=600)]
+    state = QueueState(NOW, jobs, gpus, gpus_in_use={"ann": 1}, user_gpu_limit=1,
+                       user_holds={"ann": [(NOW + 3600, 1.0)]})
+    d = decide(state)
+    assert placed(d) == {1: [2]} and d.waiting == {2: USER_LIMIT}
+    later = [(job(3, user="bob", limit=600), NOW + 1800)]
+    where = {}
+    assert start_times(state, d, later=later, where=where) == {1: NOW, 2: NOW + 3600, 3: NOW + 1800}
+    assert [g.id for g in where[3]] == [2]
