@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import typer
@@ -19,7 +19,7 @@ from gpuq.cli.render import (
     print_json,
     timestamp,
 )
-from gpuq.cli.table import colours_wanted, render
+from gpuq.cli.table import Cell, colours_wanted, delimited, render
 from gpuq.service import constants as c
 from gpuq.service import units
 from gpuq.service.display import in_queue_order
@@ -47,6 +47,8 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Every job, each task of an array included.")] = False,
     noheader: Annotated[bool, typer.Option("--noheader", "-h", help="The job lines alone: no titles, headers, "
                                            "notes or GPUs (as squeue -h), for a script to count or cut.")] = False,
+    parsable: Annotated[bool, typer.Option("--parsable", "-P", help="Job lines with their columns separated by | "
+                                           "and nothing cut (as sacct -P), under a header line unless -h.")] = False,
     start: Annotated[bool, typer.Option("--start", help="Pending jobs only, with when each is expected to start "
                                         "(as squeue --start), earliest first.")] = False,
     iterate: Annotated[float | None, typer.Option("--iterate", "-i", metavar="SECONDS", min=0.1, max=86400,
@@ -67,14 +69,15 @@ def status(
         if state is not None or name is not None or every_task or ended != 10 or ids is not None:
             raise InvalidSpec("--start lists every pending job: it takes --me, --user and --json, not "
                               "--state, --name, --jobs, --array-tasks or --ended")
-    if noheader and as_json:
-        raise InvalidSpec("--noheader is the table's; --json has no header: give one of them")
+    if (noheader or parsable) and as_json:
+        raise InvalidSpec("--noheader and --parsable are the table's; --json has neither: give one of them")
     chosen = job_fields.parse(fields) if fields is not None else None
     if chosen is not None and (as_json or start):
         raise InvalidSpec("--format picks the job table's columns: not with --json (every field) or --start")
     if ids is not None:
         units.parse_job_ids(ids, "--jobs")  # said here, before the server is asked (and again each -i)
-    form = "json" if as_json else "lines" if noheader else "table"
+    form = ("json" if as_json else "parsable lines" if parsable and noheader else "parsable" if parsable
+            else "lines" if noheader else "table")
     if iterate is None:
         typer.echo(_listing(ended, mine, user, every_task, state, name, ids, form, start, chosen), nl=False)
         return
@@ -111,7 +114,8 @@ def _repeat(every: float, listing: Callable[[], str], as_json: bool) -> None:
 def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: str | None, name: str | None,
              ids: str | None, form: str, start: bool, chosen: list[str] | None = None) -> str:
     """What `gpuq status` prints once, asked of the server now: as a ``form`` of "table" (titles,
-    headers, the GPUs), "lines" (the job lines alone, `-h`) or "json"; the job table's columns are
+    headers, the GPUs), "lines" (the job lines alone, `-h`), "parsable" (split by |, `-P`: under
+    their header; "parsable lines" without) or "json"; the job table's columns are
     the ``chosen`` fields (`-o`), else the default ones."""
     as_json = form == "json"
     if start:
@@ -128,6 +132,9 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     fields = chosen or job_fields.STATUS_DEFAULT
     header, right = job_fields.columns(fields)
     queue = []
+    if form.startswith("parsable"):
+        whole = [job_fields.cells(fields, j, whole=True) for j in in_queue_order(rows, answer.get("arrays") or [])]
+        return _parsable(header, whole, form)
     for j in in_queue_order(rows, answer.get("arrays") or []):
         line = job_fields.cells(fields, j)
         if chosen is None and j["idle"]:  # the default table says so where the result would be
@@ -149,9 +156,13 @@ def _starts(answer: dict[str, Any], form: str) -> str:
     """`gpuq status --start`: each pending job and its expected start, or why none is known."""
     if form == "json":
         return json_text(answer)
-    rows = [[str(j["id"]), j["user"], job_name(j["name"]), gpus_cell(j), timestamp(j["start"]) if j["start"] else "n/a",
-             j.get("planned_node") or "-", j["reason"] or "-"] for j in answer["jobs"]]
+    width = job_fields.WHOLE if form.startswith("parsable") else 30
+    rows = [[str(j["id"]), j["user"], job_name(j["name"], width), gpus_cell(j),
+             timestamp(j["start"]) if j["start"] else "n/a", j.get("planned_node") or "-", j["reason"] or "-"]
+            for j in answer["jobs"]]
     columns = ("ID", "USER", "NAME", "GPUS", "START", "NODE", "REASON")
+    if form.startswith("parsable"):
+        return _parsable(columns, rows, form)
     if form == "lines":
         return render("pending", columns, rows, frozenset({"ID", "GPUS"}), colours_wanted(), headed=False) + "\n" \
             if rows else ""
@@ -161,6 +172,12 @@ def _starts(answer: dict[str, Any], form: str) -> str:
             + "START: expected if the jobs before each run to their time limits (jobs that end sooner bring it "
               "forward; n/a: a job before it has no limit, or it waits for something else); NODE: where it is "
               "planned (as squeue --start's SCHEDNODES)\n")
+
+
+def _parsable(header: Sequence[str], rows: Sequence[Sequence[Cell]], form: str) -> str:
+    """The job lines split by | (`-P`), under their header unless ``form`` is "parsable lines" (`-h`)."""
+    text = delimited(header, rows, headed=form == "parsable")
+    return text + "\n" if text else ""
 
 
 def _gpu_rows(g: dict[str, Any]) -> list[list[Any]]:

@@ -244,7 +244,26 @@ def test_status_noheader_prints_the_job_lines_alone_for_a_script_to_count(use_se
     assert sorted(line.split()[0] for line in starts.splitlines()) == sorted(ids), starts
     both = run_cli(["status", "-h", "--json"], use_settings)
     assert (both.returncode, both.stdout) == (c.EXIT_USAGE, "")
-    assert both.stderr == "gpuq: --noheader is the table's; --json has no header: give one of them\n"
+    assert both.stderr == "gpuq: --noheader and --parsable are the table's; --json has neither: give one of them\n"
+
+
+def test_status_parsable_splits_each_job_line_on_bars_with_the_whole_name(use_settings, tmp_path):
+    assert run_cli(["status", "-P", "-h", "--me"], use_settings).stdout == ""
+    assert run_cli(["status", "-P", "--me", "-o", "id,name"], use_settings).stdout == "ID|NAME\n"
+    name = "sweep|lr " + "x" * 40  # past the table's 30 columns, with a bar in it
+    first = run_cli(["submit", "--parsable", "--hold", "-J", name, "--", "true"], use_settings, cwd=tmp_path)
+    second = run_cli(["submit", "--parsable", "--hold", "--", "true"], use_settings, cwd=tmp_path)
+    ids = [first.stdout.strip(), second.stdout.strip()]
+    out = run_cli(["status", "-P", "--me", "-o", "id,name,state"], use_settings)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["ID|NAME|STATE", f"{ids[0]}|sweep/lr {'x' * 40}|pending",
+                                       f"{ids[1]}|true|pending"], out.stdout
+    default = run_cli(["status", "-P", "-h", "--me"], use_settings).stdout.splitlines()
+    assert [line.split("|")[0] for line in default] == ids and {len(line.split("|")) for line in default} == {8}
+    starts = run_cli(["status", "--start", "-P"], use_settings).stdout.splitlines()
+    assert starts[0] == "ID|USER|NAME|GPUS|START|NODE|REASON" and starts[1].startswith(f"{ids[0]}|"), starts
+    refused = run_cli(["status", "-P", "--json"], use_settings)
+    assert refused.returncode == c.EXIT_USAGE and "--json has neither" in refused.stderr
 
 
 @pytest.mark.parametrize("args,code,words", [
