@@ -120,9 +120,10 @@ def update(job_ids: JobIds = None, array: Array = None,
            shared: Annotated[bool | None, typer.Option("--shared/--whole", help="A pending job shares its GPU "
                                                        "by its --mem with other --shared jobs, or runs on "
                                                        "whole GPUs again.", show_default=False)] = None,
-           preemptible: Annotated[bool | None, typer.Option("--preemptible/--no-preemptible", help="A pending "
-                                                            "job runs on GPUs no other job waits for and is "
-                                                            "requeued when one does, or no longer.",
+           preemptible: Annotated[bool | None, typer.Option("--preemptible/--no-preemptible", help="The job runs on "
+                                                            "GPUs no other job waits for and is requeued when one "
+                                                            "does, or no longer (a started one: its owner may make "
+                                                            "it preemptible, only an admin not).",
                                                             show_default=False)] = None,
            cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="A pending command's CPU cores, e.g. 4 "
                                                     "or 0.5 (none: no limit).")] = None,
@@ -137,8 +138,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                           "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
-    sharing, preemptibility, CPU cores and dependencies, a time limit, a name, retries, an array's tasks at once (as
-    `scontrol update job`)."""
+    sharing, CPU cores and dependencies, a time limit, preemptibility, a name, retries, an array's tasks at once
+    (as `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
     if begin is not None:  # the user's own clock and zone read it

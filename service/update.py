@@ -5,11 +5,17 @@ preemptibility (as scontrol's QOS=) and dependencies.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
 of these; a job that started (dispatched or running) keeps its priority, begin time, GPUs, memory,
-node and sharing, which only ordered or shaped its wait, and its owner may lower its time limit but only
+node, sharing and CPU cores, which only ordered or shaped its wait, and its owner may lower its time limit but only
 root or an admin may raise it (a user who could would hold the GPUs past what the backfill
 promised the jobs behind). A running job's worker reads the new limit within a look of its watch
 (workers/watch.py); one below the time it has run stops it there, timed out. Its name changes in
 the queue, not in the ``GPUQ_JOB_NAME`` it started with.
+
+A started job's owner may make it preemptible (it gives up its protection: the next pass may stop
+it for a waiting job, and it counts against their GPU limit no more, so another of their jobs may
+start); only root or an admin may make a started one not preemptible, which could hold GPUs past
+its user's limit, or preemptible where fair share charges preemptible jobs less (the whole run
+would be charged so). A job being stopped keeps what it is.
 
 New GPUs, GPU type, memory, node or sharing are checked as a submit checks them (no node has that
 many, no GPU is of that type or has that much memory, no such node, a workload that cannot run on
@@ -111,19 +117,19 @@ _CHANGE_DEPENDENCY = move("change the dependencies of a job that waits", Actor.U
 _CHANGE_EXCLUDE = move("change the nodes a job that waits may not run on", Actor.USER, State.PENDING, None, _ID,
                        exclude_nodes=bindparam("new_exclude_nodes", type_=JSON(none_as_null=True)))
 _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHED, State.RUNNING), None, _ID,
-                       **_LATER)
+                       preemptible=_kept("preemptible", Boolean), **_LATER)
 # What a change reads of each job beside its owner and state: the values it may change.
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus)
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.shared, _JOBS.c.cancel_requested_at)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
           "mem_mib", "on_node", "shared", "preemptible", "cpus")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
                  "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies",
-                 "exclude_nodes": "excluded nodes", "preemptible": "preemptibility",
+                 "exclude_nodes": "excluded nodes",
                  # Its cgroup's quota is made as it starts.
                  "cpus": "CPU cores"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
@@ -266,7 +272,7 @@ def update_all(settings: Settings, job_ids: Sequence[int], changes: Changes, cal
             _check_resources(session, settings, waiting, changes)
         if changes.dependency is not None and changes.dependency.after and waiting:
             _check_dependency(session, changes.dependency, set(waiting))
-        outcomes = [_change(session, found[job_id], changes, admin) for job_id in ids]
+        outcomes = [_change(session, found[job_id], changes, admin, settings.preemptible_charge) for job_id in ids]
     if any(o.changed for o in outcomes):
         # A pending job's new priority or time limit reorders the queue and its backfill now,
         # not at the next timed pass.
@@ -329,7 +335,29 @@ def _check_dependency(session: Session, waits: Waits, waiting: set[int]) -> None
         raise InvalidSpec(f"--dependency {waits.text}: {loop}")
 
 
-def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
+def _started_preemptibility(job: Any, preemptible: bool, admin: bool, charge: float) -> str | None:
+    """Why a started job may not be made ``preemptible`` (or no longer), or None where it may. Its
+    owner may give up a running job's protection (the next pass may stop it for a waiting job, and
+    it counts against their GPU limit no more); only root or an admin may take a running
+    scavenger off preemption, which could hold GPUs past its user's limit, as raising a started
+    job's time limit is theirs. Where fair share charges preemptible jobs less (``charge``,
+    GPUQ_PREEMPTIBLE_CHARGE), a job made so would be charged that for its whole run: admins only."""
+    if job.cancel_requested_at is not None:
+        return f"job {job.id} is being stopped already; its preemptibility stays as it is"
+    if not preemptible:
+        return None if admin else (f"job {job.id} is {job.state}; only root or an admin may make a started job not "
+                                   "preemptible (it would count against its user's GPU limit past it)")
+    if job.kind == c.KIND_INTERACTIVE:
+        return f"job {job.id} is an allocation: its shell cannot be requeued, so it cannot be preempted"
+    if job.shared:
+        return f"job {job.id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be preempted"
+    if charge != 1.0 and not admin:
+        return (f"job {job.id} is {job.state}; only root or an admin may make a started job preemptible here: fair "
+                f"share would charge its whole run at GPUQ_PREEMPTIBLE_CHARGE ({charge:g})")
+    return None
+
+
+def _change(session: Any, job: Any, changes: Changes, admin: bool, charge: float) -> Outcome:
     outcome = Outcome(job.id)
     if job.state in c.END_STATES:
         outcome.refused = f"job {job.id} {job.state}; an ended job cannot be changed"
@@ -345,6 +373,10 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool) -> Outcome:
         outcome.refused = (f"job {job.id} is {job.state}; only root or an admin may raise a started job's "
                            "time limit (you may lower it)")
         return outcome
+    if started and changes.preemptible is not None and changes.preemptible != bool(job.preemptible):
+        outcome.refused = _started_preemptibility(job, changes.preemptible, admin, charge)
+        if outcome.refused is not None:
+            return outcome
     if changes.dependency is not None and job.kind == c.KIND_INTERACTIVE:
         outcome.refused = f"job {job.id} is an allocation (gpuq alloc): it waits for nothing but GPUs"
         return outcome

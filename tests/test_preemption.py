@@ -143,14 +143,27 @@ def test_update_makes_a_pending_job_preemptible_or_not_and_refuses_what_cannot_b
     assert out.stderr == (f"gpuq: job {shared}: --preemptible is for jobs with whole GPUs; a --shared job cannot "
                           "be preempted\n")
     assert not _job(s, shared).preemptible
-    # A running job keeps it, as it keeps its sharing.
-    running = cli_submit(s, ["-t", "5m", "--", "sleep", "30"], cwd=tmp_path)
-    assert wait_for_state(s, running, (State.RUNNING,)) == State.RUNNING
-    out = run_cli(["update", str(running), "--preemptible"], s)
-    assert out.returncode == 4 and f"job {running} is running; only a pending job's preemptibility can be " \
-        "changed" in out.stderr, out.stderr
-    for job_id in (held, shared, running):
+    for job_id in (held, shared):
         run_cli(["cancel", str(job_id)], s)
+
+
+def test_a_running_job_made_preemptible_is_preempted_for_a_waiting_job_and_runs_again(one_gpu, tmp_path):
+    s = one_gpu.settings
+    # Its first attempt runs until stopped; the next ends at once.
+    running = cli_submit(s, ["-t", "10m", "--", "sh", "-c", "if [ -e again ]; then echo second; else touch again; "
+                                                           "sleep 120 & wait; fi"], cwd=tmp_path)
+    assert wait_for_state(s, running, (State.RUNNING,)) == State.RUNNING
+    waiting = cli_submit(s, ["-t", "5m", "--", "echo", "urgent"], cwd=tmp_path)
+    time.sleep(1.5)  # passes go by: a job that is not preemptible is never stopped
+    assert (_job(s, running).state, _job(s, waiting).state) == (State.RUNNING, State.PENDING)
+    out = run_cli(["update", str(running), "--preemptible"], s)
+    assert (out.returncode, out.stdout) == (0, f"job {running}: preemptible no → yes\n"), out.stderr
+    assert wait_for_state(s, waiting, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    assert wait_for_state(s, running, (State.SUCCEEDED, State.FAILED, State.CANCELLED)) == State.SUCCEEDED, \
+        one_gpu.logs()
+    job = _job(s, running)
+    assert [a["reason"] for a in job.attempts] == [f"preempted by job {waiting} of {job.user}"]
+    assert output_of(s, running).strip().endswith("second")
 
 
 @pytest.fixture(scope="module", params=["sqlite"])

@@ -16,7 +16,7 @@ from gpuq.service import jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed
-from gpuq.service.models import Job
+from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
 from gpuq.service.update import Changes, update_all
@@ -90,6 +90,39 @@ def test_a_started_job_keeps_its_priority_and_only_an_admin_raises_its_time_limi
     assert refused.refused is not None and row(settings, unlimited).time_limit_s == 60
     [ended] = update_all(settings, [job], Changes(max_retries=1), ANN)
     assert ended.refused == f"job {job} succeeded; an ended job cannot be changed"
+
+
+def test_a_started_jobs_owner_makes_it_preemptible_and_only_an_admin_makes_it_not(settings):
+    register(settings, "a", 2)
+    job = submit(settings, time="1h")
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == State.DISPATCHED
+
+    def preemptible() -> bool:
+        with write_scope(settings) as session:
+            return bool(session.get(Job, job).preemptible)
+
+    [made] = update_all(settings, [job], Changes(preemptible=True), ANN)
+    assert made.changed == {"preemptible": [False, True]} and preemptible()
+    [refused] = update_all(settings, [job], Changes(preemptible=False), ANN)
+    assert refused.refused == (f"job {job} is dispatched; only root or an admin may make a started job not "
+                               "preemptible (it would count against its user's GPU limit past it)")
+    assert preemptible()
+    [unmade] = update_all(settings, [job], Changes(preemptible=False), BOSS)
+    assert unmade.changed == {"preemptible": [True, False]} and not preemptible()
+    # Where fair share charges preemptible jobs less, its whole run would be charged so: admins only.
+    discounted = settings.with_overrides(preemptible_charge=0.5)
+    [refused] = update_all(discounted, [job], Changes(preemptible=True), ANN)
+    assert refused.refused == (f"job {job} is dispatched; only root or an admin may make a started job preemptible "
+                               "here: fair share would charge its whole run at GPUQ_PREEMPTIBLE_CHARGE (0.5)")
+    assert not preemptible()
+    # Being stopped (asked to, its worker not done yet), it keeps what it is.
+    with write_scope(settings) as session:
+        session.execute(Job.__table__.update().where(Job.id == job).values(state=State.RUNNING,
+                                                                         cancel_requested_at=utcnow()))
+    [stopping] = update_all(settings, [job], Changes(preemptible=True), ANN)
+    assert stopping.refused == f"job {job} is being stopped already; its preemptibility stays as it is"
+    assert not preemptible()
 
 
 def test_only_root_or_an_admin_gives_a_job_more_time_than_the_queues_maximum(settings):
