@@ -39,15 +39,15 @@ def history(
                                            "sacct -P), under a header line unless -h.")] = False,
     fields: Annotated[str | None, typer.Option("--format", "-o", metavar="FIELDS",
                                                help="The table's columns, comma-separated (as sacct --format): "
-                                                    "id, state, exit_code, elapsed, cpus... (a wrong one lists "
-                                                    "them all).")] = None,
+                                                    "id, state, exit_code, elapsed, cpu_time, host_mem_peak, "
+                                                    "gpu_mem_peak... (a wrong one lists them all).")] = None,
 ) -> None:
     """The jobs that ended over a period, newest first: how each ended, where, how long it waited and ran."""
     if user is not None and not user.strip():
         raise InvalidSpec("--user needs a user name (or --all for everyone's jobs)")
     if everyone and user:
         raise InvalidSpec("--all and --user cannot be used together: pick one")
-    chosen = job_fields.parse(fields) if fields is not None else None
+    chosen = job_fields.parse(fields, used=True) if fields is not None else None
     if chosen is not None and as_json:
         raise InvalidSpec("--format picks the table's columns: not with --json (every field)")
     if as_json and (noheader or parsable):

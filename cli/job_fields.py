@@ -106,24 +106,48 @@ FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
 }
 
 
+def _used(key: str, shown: Callable[[Any], str]) -> Callable[[Row], str]:
+    """The cell of an ended job's usage summary field ``key`` ("-" where it has none)."""
+    def cell(j: Row) -> str:
+        value = (j.get("usage") or {}).get(key)
+        return "-" if value is None else shown(value)
+    return cell
+
+
+# An ended job's usage, as `gpuq stats ID` summarises it and sacct's TotalCPU, MaxRSS and TRES
+# usage give it: `gpuq history -o` only (a job in the queue has no summary yet).
+USAGE_FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
+    "gpu_hours": ("GPU-HOURS", True, _used("gpu_hours", lambda v: f"{v:.2f}")),
+    "gpu_util": ("GPU UTIL", True, _used("utilization_mean", lambda v: f"{v:.0f}%")),
+    "gpu_mem_peak": ("GPU MEM PEAK", True, _used("memory_peak_mib", mib)),
+    "energy_kwh": ("ENERGY KWH", True, _used("energy_j", lambda v: f"{v / 3.6e6:.3f}")),
+    "cpu_time": ("CPU TIME", True, _used("cpu_s", lambda v: duration(seconds(v)))),
+    "host_mem_peak": ("HOST MEM PEAK", True, _used("host_mem_peak_mib", mib)),
+}
+
+
 # `gpuq status`'s job table without -o.
 STATUS_DEFAULT = ["id", "user", "name", "state", "gpus", "node", "elapsed", "result"]
 
 
-def parse(text: str) -> list[str]:
-    """``-o``'s field names, in order (case and spaces aside); InvalidSpec naming the first unknown one."""
+def parse(text: str, used: bool = False) -> list[str]:
+    """``-o``'s field names, in order (case and spaces aside); InvalidSpec naming the first unknown one.
+    ``used``: an ended job's usage fields too (`gpuq history`)."""
     names = [part.strip().lower() for part in text.split(",")]
     if not names or any(not n for n in names):
         raise InvalidSpec(f"--format takes field names separated by commas, e.g. id,user,state; got {text[:60]!r}")
+    known = [*FIELDS, *(USAGE_FIELDS if used else ())]
     for n in names:
-        if n not in FIELDS:
-            raise InvalidSpec(f"--format: no field {n[:40]!r}; the fields are {', '.join(FIELDS)}")
+        if n not in known:
+            hint = "" if used or n not in USAGE_FIELDS else f" ({n} is an ended job's: `gpuq history -o {n}`)"
+            raise InvalidSpec(f"--format: no field {n[:40]!r}{hint}; the fields are {', '.join(known)}")
     return names
 
 
 def columns(names: list[str]) -> tuple[tuple[str, ...], frozenset[str]]:
     """The headers of these fields and those aligned right."""
-    return tuple(FIELDS[n][0] for n in names), frozenset(FIELDS[n][0] for n in names if FIELDS[n][1])
+    field = {**FIELDS, **USAGE_FIELDS}
+    return tuple(field[n][0] for n in names), frozenset(field[n][0] for n in names if field[n][1])
 
 
 # The fields a table cuts to keep its columns narrow, whole: for lines a script splits (`-P`).
@@ -138,4 +162,4 @@ _UNCUT: dict[str, Callable[[Row], Cell]] = {
 
 def cells(names: list[str], j: Row, whole: bool = False) -> list[Cell]:
     """A job's cells of these fields; ``whole``: none cut to a column's width."""
-    return [_UNCUT[n](j) if whole and n in _UNCUT else FIELDS[n][2](j) for n in names]
+    return [_UNCUT[n](j) if whole and n in _UNCUT else (FIELDS.get(n) or USAGE_FIELDS[n])[2](j) for n in names]

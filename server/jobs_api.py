@@ -199,8 +199,11 @@ def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, An
         found = history_of.ended_jobs(session, query)
         ran_on = jobs.gpu_indices_of(session, [j.id for j in found.jobs if j.started_at is not None])
         # How long each waited and ran, worked out here once for every front-end ("-" where it never started).
+        # Each one's usage summary, as `gpuq stats ID` gives it to anyone (None: it has none).
+        used = usage.summaries(session, [j.id for j in found.jobs if j.started_at is not None])
         listed = [views.job(j, ran_on.get(j.id)) | {"elapsed_s": _secs(jobs.elapsed(j)),
-                                  "waited_s": _secs(j.started_at - j.submitted_at) if j.started_at else None}
+                                  "waited_s": _secs(j.started_at - j.submitted_at) if j.started_at else None,
+                                  "usage": used.get(j.id)}
                   for j in found.jobs]
     return {"since": query.since.isoformat(), "until": query.until.isoformat(), "jobs": listed,
             "counts": found.counts, "total": found.total}

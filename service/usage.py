@@ -300,3 +300,20 @@ def array_usage(session: Session, array_id: int, now: datetime | None = None) ->
             row |= {f: getattr(u, f) for f in _TASK_FIELDS}
         out.append(row)
     return out
+
+
+# What `gpuq history` gives of each ended job's summary (sacct's TotalCPU, MaxRSS and TRES usage).
+SUMMARY_FIELDS = ("gpu_hours", "memory_peak_mib", "utilization_mean", "energy_j", "cpu_s", "host_mem_peak_mib")
+_SUMMARY = select(JobUsage.job_id, *(JobUsage.__table__.c[f] for f in SUMMARY_FIELDS))
+_SUMMARY_CHUNK = 1000  # ids a statement (SQLite's bound parameters)
+
+
+def summaries(session: Session, job_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """The stored usage summaries of ended jobs, ``SUMMARY_FIELDS`` of each by id; a job without
+    one (it never ran, or its end wrote none) is left out."""
+    found: dict[int, dict[str, Any]] = {}
+    for start in range(0, len(job_ids), _SUMMARY_CHUNK):
+        chunk = job_ids[start:start + _SUMMARY_CHUNK]
+        for row in session.execute(_SUMMARY.where(JobUsage.job_id.in_(chunk))):
+            found[row.job_id] = {f: getattr(row, f) for f in SUMMARY_FIELDS}
+    return found

@@ -3,6 +3,8 @@ squeue -o and sacct --format pick theirs, on a real stack; a wrong name is one l
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpuq.cli.job_fields import FIELDS
@@ -65,3 +67,30 @@ def test_history_shows_the_fields_asked_for_of_the_jobs_that_ended(stack, tmp_pa
     refused = run_cli(["history", "-o", "id", "--json"], s)
     assert (refused.returncode, refused.stderr) == (
         2, "gpuq: --format picks the table's columns: not with --json (every field)\n")
+
+
+def test_history_gives_each_ended_jobs_usage_as_sacct_gives_totalcpu_and_maxrss(stack, tmp_path):
+    s = stack.settings
+    # A second of CPU in a process holding 200 MiB: its summary has both; a job that never started, none.
+    busy = ("import time; x = bytearray(200 * 2**20); t = time.process_time()\n"
+            "while time.process_time() - t < 1.0: x[0] = 1")
+    ran = cli_submit(s, ["--", "python3", "-c", busy], cwd=tmp_path)
+    never = cli_submit(s, ["--hold", "--", "true"], cwd=tmp_path)
+    assert wait_for_state(s, ran, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, stack.logs()
+    assert run_cli(["cancel", str(never)], s).returncode == 0
+    out = run_cli(["history", "-P", "-h", "-o", "id,cpu_time,host_mem_peak,gpu_hours,gpu_mem_peak,gpu_util,"
+                   "energy_kwh"], s)
+    assert out.returncode == 0, out.stderr
+    rows = {int(line.split("|")[0]): line.split("|")[1:] for line in out.stdout.splitlines()}
+    cpu, host, gpu_hours = rows[ran][:3]
+    assert cpu.startswith(("1.", "2.")) and cpu.endswith("s"), rows[ran]  # a duration: "1.0s"
+    assert host.endswith("M") and 200 <= float(host[:-1]) < 1024, rows[ran]
+    assert float(gpu_hours) >= 0, rows[ran]
+    assert rows[never] == ["-"] * 6, rows[never]
+    data = run_cli(["history", "--json"], s).stdout
+    listed = {j["id"]: j for j in json.loads(data)["jobs"]}
+    assert listed[ran]["usage"]["cpu_s"] >= 1.0 and listed[never]["usage"] is None
+    # In the queue a job has no summary yet: status names where the field is.
+    wrong = run_cli(["status", "-o", "id,cpu_time"], s)
+    assert wrong.returncode == 2 and wrong.stderr.startswith(
+        "gpuq: --format: no field 'cpu_time' (cpu_time is an ended job's: `gpuq history -o cpu_time`); "), wrong.stderr
