@@ -122,7 +122,7 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.shared, _JOBS.c.cancel_requested_at)
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
           "mem_mib", "on_node", "shared", "preemptible", "cpus")
