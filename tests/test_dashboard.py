@@ -224,6 +224,11 @@ def test_history_page_lists_the_jobs_that_ended_with_their_counts_narrowed_by_us
     listed = html.split('class="history"', 1)[1].split("</table>", 1)[0]
     assert [int(i) for i in re.findall(r'<td class="num"><a href="/jobs/(\d+)">', listed)] == [r.id for r in ended]
     assert f"{len(ended)} jobs ended " in html
+    # Each ended job's usage beside it, as `gpuq history -o` gives it: a job that ran has GPU-hours.
+    assert "<th>GPU-hours</th>" in html and "<th>CPU time</th>" in html and "<th>host mem peak</th>" in html
+    [ok] = [r.id for r in ended if r.state == "succeeded"][:1]
+    row = next(r for r in listed.split("<tr>") if f'href="/jobs/{ok}"' in r)
+    assert re.search(r'<td class="num">\d+\.\d\d</td>', row), row
     failed = [r.id for r in ended if r.state == "failed"]
     status, _, html = dash.get("/history?period=week&state=failed")
     listed = html.split('class="history"', 1)[1].split("</table>", 1)[0]

@@ -277,12 +277,12 @@ def test_a_signal_for_a_running_workload_or_another_users_job_is_refused_in_the_
 
 def test_cancel_signal_of_an_array_sends_it_to_its_running_tasks_and_counts_the_others_in_one_line(one_gpu, tmp_path):
     s = one_gpu.settings  # one GPU: one task runs, two wait
+    for index in range(3):  # before the submit: its first task may start (and write there) at once
+        (tmp_path / str(index)).mkdir()
     made = run_cli(["submit", "--json", "--time", "2m", "-a", "0-2", "--", sys.executable, "-c", READY_MARKS,
                     str(tmp_path / "{index}")], s)
     assert made.returncode == 0, made.stderr
     array = json.loads(made.stdout)[0]["array_id"]
-    for index in range(3):
-        (tmp_path / str(index)).mkdir()
     assert wait_until(lambda: (tmp_path / "0" / "main.ready").exists()), one_gpu.logs()
     sent = run_cli(["cancel", "--signal", "USR1", "--array", str(array)], s)
     assert (sent.returncode, sent.stdout) == (

@@ -241,8 +241,8 @@ def history_page(api: Client, period: str, user: str | None, ended: str | None) 
 
     job_rows = [[_job_link(j.id), f'<a href="{escape(link(user=j.user))}">{escape(j.user)}</a>', escape(j.name),
                  state(j.state), "-" if j.exit_code is None else str(j.exit_code), str(j.gpus), escape(j.node or "-"),
-                 when(j.ended_at), duration(seconds(j.waited_s)),
-                 duration(seconds(j.elapsed_s)), escape(result_summary(j))] for j in rows]
+                 when(j.ended_at), duration(seconds(j.waited_s)), duration(seconds(j.elapsed_s)),
+                 *_used(getattr(j, "usage", None)), escape(result_summary(j))] for j in rows]
     periods = " | ".join(f"<b>last {p}</b>" if p == period else f'<a href="{escape(link(period=p))}">last {p}</a>'
                          for p in PERIODS)
     states = " | ".join(f"<b>{s}</b>" if s == (ended or "") else f'<a href="{escape(link(state=s))}">{s or "all"}</a>'
@@ -255,5 +255,17 @@ def history_page(api: Client, period: str, user: str | None, ended: str | None) 
             + f"</p><p>{answer['total']} jobs {who}ended {when(since)} to {when(until)}"
             + (f": {escape(counts)}" if counts else "") + f"{shown}</p>"
             + (table(["ID", "user", "name", "state", "exit", "GPUs", "node", "ended", "waited", "ran",
-                      "result / reason"], job_rows, numeric={0, 4, 5}, cls="history") if rows else ""))
+                      "GPU-hours", "GPU mem peak", "CPU time", "host mem peak", "result / reason"], job_rows,
+                     numeric={0, 4, 5, 10, 11, 12, 13}, cls="history") if rows else ""))
     return page(f"history, last {period}", body)
+
+
+def _used(usage: dict[str, Any] | None) -> list[str]:
+    """An ended job's usage cells (`gpuq history -o gpu_hours,gpu_mem_peak,cpu_time,host_mem_peak`):
+    "-" where its summary has none of a figure, or there is no summary."""
+    u = usage or {}
+    return [escape(text) for text in (
+        "-" if u.get("gpu_hours") is None else f"{u['gpu_hours']:.2f}",
+        "-" if u.get("memory_peak_mib") is None else mib(u["memory_peak_mib"]),
+        "-" if u.get("cpu_s") is None else duration(seconds(u["cpu_s"])),
+        "-" if u.get("host_mem_peak_mib") is None else mib(u["host_mem_peak_mib"]))]
