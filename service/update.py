@@ -303,11 +303,9 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             raise InvalidSpec(f"job {job.id} asks no GPU memory: --shared needs --mem, its share of the GPU")
         if job.kind == c.KIND_INTERACTIVE and (changes.on_node is not None or changes.exclude_nodes is not None):
             raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
-        if job.kind == c.KIND_INTERACTIVE and changes.preemptible:
-            raise InvalidSpec(f"job {job.id} is an allocation: its shell cannot be requeued, so it cannot be preempted")
-        if shared and preemptible:
-            raise InvalidSpec(f"job {job.id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be "
-                              "preempted")
+        refused = _cannot_be_preempted(job.id, job.kind, shared) if preemptible else None
+        if refused is not None:
+            raise InvalidSpec(refused)
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
                  shared, gpus, gpu_type, tuple(exclude or ()), preemptible)
@@ -335,6 +333,16 @@ def _check_dependency(session: Session, waits: Waits, waiting: set[int]) -> None
         raise InvalidSpec(f"--dependency {waits.text}: {loop}")
 
 
+def _cannot_be_preempted(job_id: int, kind: str, shared: bool) -> str | None:
+    """Why a job of ``kind``, ``shared`` or not, cannot be made preemptible, pending or started; None
+    where it can."""
+    if kind == c.KIND_INTERACTIVE:
+        return f"job {job_id} is an allocation: its shell cannot be requeued, so it cannot be preempted"
+    if shared:
+        return f"job {job_id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be preempted"
+    return None
+
+
 def _started_preemptibility(job: Any, preemptible: bool, admin: bool, charge: float) -> str | None:
     """Why a started job may not be made ``preemptible`` (or no longer), or None where it may. Its
     owner may give up a running job's protection (the next pass may stop it for a waiting job, and
@@ -347,10 +355,9 @@ def _started_preemptibility(job: Any, preemptible: bool, admin: bool, charge: fl
     if not preemptible:
         return None if admin else (f"job {job.id} is {job.state}; only root or an admin may make a started job not "
                                    "preemptible (it would count against its user's GPU limit past it)")
-    if job.kind == c.KIND_INTERACTIVE:
-        return f"job {job.id} is an allocation: its shell cannot be requeued, so it cannot be preempted"
-    if job.shared:
-        return f"job {job.id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be preempted"
+    refused = _cannot_be_preempted(job.id, job.kind, bool(job.shared))
+    if refused is not None:
+        return refused
     if charge != 1.0 and not admin:
         return (f"job {job.id} is {job.state}; only root or an admin may make a started job preemptible here: fair "
                 f"share would charge its whole run at GPUQ_PREEMPTIBLE_CHARGE ({charge:g})")
