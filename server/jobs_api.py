@@ -197,16 +197,23 @@ def _history(settings: Settings, query: history_of.HistoryQuery) -> dict[str, An
         if query.user is not None:
             _check_known_user(session, query.user)  # as sacct's "Invalid user id"
         found = history_of.ended_jobs(session, query)
-        ran_on = jobs.gpu_indices_of(session, [j.id for j in found.jobs if j.started_at is not None])
-        # How long each waited and ran, worked out here once for every front-end ("-" where it never started).
-        # Each one's usage summary, as `gpuq stats ID` gives it to anyone (None: it has none).
+        # Each one's usage summary, as `gpuq stats ID` gives it to anyone (None: it has none), and the
+        # GPUs it ran on, which the summary keeps.
         used = usage.summaries(session, [j.id for j in found.jobs if j.started_at is not None])
-        listed = [views.job(j, ran_on.get(j.id)) | {"elapsed_s": _secs(jobs.elapsed(j)),
-                                  "waited_s": _secs(j.started_at - j.submitted_at) if j.started_at else None,
-                                  "usage": used.get(j.id)}
+        # How long each waited and ran, worked out here once for every front-end ("-" where it never started).
+        listed = [views.job(j, _ran_on(used.get(j.id))) | {
+            "elapsed_s": _secs(jobs.elapsed(j)),
+            "waited_s": _secs(j.started_at - j.submitted_at) if j.started_at else None,
+            "usage": None if j.id not in used else {f: getattr(used[j.id], f) for f in usage.SUMMARY_FIELDS}}
                   for j in found.jobs]
     return {"since": query.since.isoformat(), "until": query.until.isoformat(), "jobs": listed,
             "counts": found.counts, "total": found.total}
+
+
+def _ran_on(summary: Any) -> list[int] | None:
+    """An ended job's GPUs from its summary, as ``jobs.gpu_indices_of`` gives them; None where it
+    keeps none (one from before gpuq kept them)."""
+    return list(summary.gpu_indices) if summary is not None and summary.gpu_indices else None
 
 
 @routes.get(P + "/jobs/active")

@@ -304,16 +304,16 @@ def array_usage(session: Session, array_id: int, now: datetime | None = None) ->
 
 # What `gpuq history` gives of each ended job's summary (sacct's TotalCPU, MaxRSS and TRES usage).
 SUMMARY_FIELDS = ("gpu_hours", "memory_peak_mib", "utilization_mean", "energy_j", "cpu_s", "host_mem_peak_mib")
-_SUMMARY = select(JobUsage.job_id, *(JobUsage.__table__.c[f] for f in SUMMARY_FIELDS))
+_SUMMARY = select(JobUsage.job_id, JobUsage.gpu_indices, *(JobUsage.__table__.c[f] for f in SUMMARY_FIELDS))
 _SUMMARY_CHUNK = 1000  # ids a statement (SQLite's bound parameters)
 
 
-def summaries(session: Session, job_ids: list[int]) -> dict[int, dict[str, Any]]:
-    """The stored usage summaries of ended jobs, ``SUMMARY_FIELDS`` of each by id; a job without
-    one (it never ran, or its end wrote none) is left out."""
-    found: dict[int, dict[str, Any]] = {}
+def summaries(session: Session, job_ids: list[int]) -> dict[int, Any]:
+    """The stored usage summaries of ended jobs by id, each row with ``SUMMARY_FIELDS`` and the
+    GPUs it ran on (``gpu_indices``: an ended job's allocation is gone, so its summary is where
+    they are); a job without one (it never ran, or its end wrote none) is left out."""
+    found: dict[int, Any] = {}
     for start in range(0, len(job_ids), _SUMMARY_CHUNK):
-        chunk = job_ids[start:start + _SUMMARY_CHUNK]
-        for row in session.execute(_SUMMARY.where(JobUsage.job_id.in_(chunk))):
-            found[row.job_id] = {f: getattr(row, f) for f in SUMMARY_FIELDS}
+        for row in session.execute(_SUMMARY.where(JobUsage.job_id.in_(job_ids[start:start + _SUMMARY_CHUNK]))):
+            found[row.job_id] = row
     return found

@@ -90,6 +90,8 @@ def test_history_gives_each_ended_jobs_usage_as_sacct_gives_totalcpu_and_maxrss(
     data = run_cli(["history", "--json"], s).stdout
     listed = {j["id"]: j for j in json.loads(data)["jobs"]}
     assert listed[ran]["usage"]["cpu_s"] >= 1.0 and listed[never]["usage"] is None
+    # The GPUs each ran on, which its summary keeps once its allocation has gone.
+    assert len(listed[ran]["gpu_indices"]) == 1 and listed[never]["gpu_indices"] is None
     # In the queue a job has no summary yet: status names where the field is.
     wrong = run_cli(["status", "-o", "id,cpu_time"], s)
     assert wrong.returncode == 2 and wrong.stderr.startswith(
