@@ -20,8 +20,8 @@ from gpuq.cli.render import (
     timestamp,
 )
 from gpuq.cli.table import Cell, colours_wanted, delimited, render
-from gpuq.service import constants as c
 from gpuq.service import units
+from gpuq.service.display import idle_note as idle_note_of
 from gpuq.service.display import in_queue_order
 from gpuq.service.errors import InvalidSpec, Unreachable
 
@@ -127,8 +127,7 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     if as_json:
         return json_text({"jobs": rows, "gpus": gpus})
     colour = colours_wanted()
-    idle_note = (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {answer['idle_window_s'] / 60:g} min",
-                 "yellow")
+    idle_note = (idle_note_of(answer["idle_window_s"], answer.get("idle_limit_s")), "yellow")
     fields = chosen or job_fields.STATUS_DEFAULT
     header, right = job_fields.columns(fields)
     queue = []

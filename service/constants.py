@@ -143,6 +143,9 @@ IDLE_SHARE = 0.9
 ROLLUP_EVERY = 3600.0
 # How often the scheduler removes snapshots past GPUQ_SNAPSHOT_RETENTION_DAYS, seconds (and at start).
 SNAPSHOT_PRUNE_EVERY = 3600.0
+# How often, at most, the scheduler looks for jobs idle past GPUQ_IDLE_LIMIT, seconds (a tenth of the
+# limit where that is less): a look sums the running jobs' samples over the whole limit.
+IDLE_LIMIT_CHECK_EVERY = 60.0
 # How often the scheduler's mail thread looks for jobs to mail about (`--mail-type`), seconds.
 MAIL_EVERY = 2.0
 # Width of an aggregate row, seconds: raw samples past retention become one row per GPU, job and minute.

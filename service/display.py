@@ -49,6 +49,14 @@ def time_limit(seconds: int) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
+def idle_note(window_s: float, limit_s: int | None) -> str:
+    """What `gpuq status` and the dashboard say of a running job whose GPUs sat idle through the
+    idle window (GPUQ_IDLE_WINDOW), and when GPUQ_IDLE_LIMIT, where set, cancels it."""
+    window = f"{window_s / 60:g} min" if window_s >= 60 else f"{window_s:g} s"
+    return (f"idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last {window}"
+            + (f"; cancelled at {time_limit(limit_s)} idle" if limit_s else ""))
+
+
 def expected_at(start: float, now: float) -> str:
     """An expected moment (epoch s) and how long until it, as `gpuq why` and `--test-only` give a
     start: ``2026-11-28 05:10:00 UTC, in 1:12:00`` (whole seconds, rounded up)."""

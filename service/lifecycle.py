@@ -186,6 +186,12 @@ WHY_WAITING = move("write why jobs wait", A.SCHEDULER, S.PENDING, None, _IDS, re
 ASK_TO_PREEMPT = move("ask a preemptible job's worker to requeue it", A.SCHEDULER, S.RUNNING, None, _ID,
                       _JOBS.c.preemptible == True, _JOBS.c.cancel_requested_at.is_(None),  # noqa: E712
                       cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
+# A job whose GPUs sat idle past GPUQ_IDLE_LIMIT is cancelled the same way, its reason beginning
+# CANCELLED_BY (``idle_limit.reason``); only if it is not being stopped already, and still in the
+# attempt that was idle (started before the limit's window: not run again since it was read).
+ASK_TO_END_IDLE = move("ask an idle job's worker to cancel it", A.SCHEDULER, S.RUNNING, None, _ID,
+                       _JOBS.c.cancel_requested_at.is_(None), _JOBS.c.started_at <= bindparam("since"),
+                       cancel_requested_at=bindparam("now"), reason=bindparam("reason"))
 DOOM = move("cancel a job whose dependency ended badly", A.SCHEDULER, S.PENDING, S.CANCELLED, _ID,
             ended_at=bindparam("now"), reason=bindparam("reason"))
 # A dispatched job that never started waits again: its message could not be sent (the

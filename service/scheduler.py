@@ -23,6 +23,7 @@ from gpuq.service import (
     broker,
     db,
     display,
+    idle_limit,
     leases,
     lifecycle,
     mail,
@@ -352,6 +353,16 @@ class Scheduler:
             except Exception:
                 log.exception("mailing about jobs failed; trying again later")
 
+    def _end_idle(self, stop: threading.Event) -> None:
+        """Cancel the jobs idle past GPUQ_IDLE_LIMIT (service/idle_limit.py), beside the passes: a
+        look sums the samples of every running job over the whole limit."""
+        every = idle_limit.check_every(self.settings.idle_limit_s)
+        while not stop.wait(every):
+            try:
+                idle_limit.end_idle_jobs(self.settings)
+            except Exception:
+                log.exception("looking for jobs idle past the idle limit failed; trying again later")
+
     def run(self, stop: threading.Event) -> None:
         """Schedule until ``stop`` is set: a quick pass after every wake-up (a submit, a job's end,
         a new worker), and a whole pass at least every interval, which also writes why each job
@@ -360,6 +371,8 @@ class Scheduler:
         log.info("scheduler started (node %s)", self.settings.node)
         threading.Thread(target=self._prune_snapshots, args=(stop,), name="snapshots", daemon=True).start()
         threading.Thread(target=self._mail, args=(stop,), name="mail", daemon=True).start()
+        if self.settings.idle_limit_s:
+            threading.Thread(target=self._end_idle, args=(stop,), name="idle-limit", daemon=True).start()
         why, last_pass, last_checkpoint = broker.TIMEOUT, -math.inf, time.monotonic()
         while not stop.is_set():
             try:

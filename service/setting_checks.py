@@ -247,13 +247,13 @@ def _check_addresses(settings: Settings, sources: Mapping[str, str], path: Path)
 
 
 def _check_time_limits(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
-    """default_time, max_time and preempt_exempt read as --time does, the default no longer than
+    """default_time, max_time, preempt_exempt and idle_limit read as --time does, the default no longer than
     the maximum."""
     from gpuq.service.errors import InvalidSpec
     from gpuq.service.units import parse_duration
 
     seconds = {}
-    for name in ("default_time", "max_time", "preempt_exempt"):
+    for name in ("default_time", "max_time", "preempt_exempt", "idle_limit"):
         text = getattr(settings, name)
         if text:
             try:

@@ -87,6 +87,10 @@ class Settings:
     sample_retention_days: float = 7.0
     # Seconds a running job must have held its GPUs mostly idle before `gpuq status` flags it.
     idle_window: float = 600.0
+    # How long a running job may hold its GPUs mostly idle before the scheduler cancels it, in
+    # --time's forms ("2h"): an allocation or a notebook left open overnight gives its GPUs back.
+    # Empty: never (the flag above only shows it).
+    idle_limit: str = ""
     # A worker silent this many seconds is lost: its GPU is not given out, its running job fails.
     worker_timeout: float = 20.0
     # Seconds the scheduler sleeps when nobody wakes it (it is woken on submit and on job end).
@@ -221,6 +225,13 @@ class Settings:
         from gpuq.service.units import parse_duration
 
         return parse_duration(self.preempt_exempt) if self.preempt_exempt else 0
+
+    @functools.cached_property
+    def idle_limit_s(self) -> int:
+        """idle_limit in seconds (0: none)."""
+        from gpuq.service.units import parse_duration
+
+        return parse_duration(self.idle_limit) if self.idle_limit else 0
 
     @functools.cached_property  # asked on every transaction; replace() makes a new object, nothing stale
     def database(self) -> str:

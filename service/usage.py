@@ -256,11 +256,13 @@ def job_usage(session: Session, job_id: int) -> JobUsage:
     return summarize(session, job)
 
 
-def idle_jobs(session: Session, settings: Settings, now: datetime | None = None) -> set[int]:
+def idle_jobs(session: Session, settings: Settings, now: datetime | None = None, window: float | None = None
+              ) -> set[int]:
     """Running jobs that held their GPUs mostly idle (IDLE_SHARE of the sampled time below
-    IDLE_UTILIZATION) through the whole last ``idle_window`` seconds."""
+    IDLE_UTILIZATION) through the whole last ``window`` seconds (the flag's: ``idle_window``)."""
     now = now or utcnow()
-    since = now - timedelta(seconds=settings.idle_window)
+    window = settings.idle_window if window is None else window
+    since = now - timedelta(seconds=window)
     running = dict(session.execute(select(Job.id, Job.gpus).where(Job.state == State.RUNNING,
                                                                   Job.started_at <= since)).all())
     if not running:
@@ -268,7 +270,7 @@ def idle_jobs(session: Session, settings: Settings, now: datetime | None = None)
     per_job = totals(session, by_job, since=since, where=lambda t: [t.job_id.in_(running)])
     # Half the window sampled at least, so a job is never judged on a handful of readings.
     return {job_id for job_id, t in per_job.items()
-            if t.seconds >= 0.5 * settings.idle_window * running[job_id]
+            if t.seconds >= 0.5 * window * running[job_id]
             and t.idle_seconds >= c.IDLE_SHARE * t.seconds}
 
 

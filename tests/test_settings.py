@@ -145,6 +145,7 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
                                   r"got 'a week'; GPUQ_MAX_TIME\)"),
     ({"GPUQ_DEFAULT_TIME": "0"}, r"setting default_time is not a time .*at least 1s"),
     ({"GPUQ_PREEMPT_EXEMPT": "soon"}, r"setting preempt_exempt is not a time as --time reads one .*PREEMPT_EXEMPT\)"),
+    ({"GPUQ_IDLE_LIMIT": "overnight"}, r"setting idle_limit is not a time as --time reads one .*GPUQ_IDLE_LIMIT\)"),
     ({"GPUQ_DEFAULT_TIME": "2-00:00:00", "GPUQ_MAX_TIME": "1d"},
      r"setting default_time \(2-00:00:00, GPUQ_DEFAULT_TIME\) is longer than max_time \(1d, GPUQ_MAX_TIME\)"),
     # Refused by the server only as it started (`gpuq up`: exit 69 after seconds), `gpuq config` said 0.

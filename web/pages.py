@@ -66,12 +66,12 @@ def queue(api: Client) -> str:
     for j in listed:
         if j["state"] in c.ACTIVE_STATES:
             counts[j["state"]] += j.get("count", 1)
-    window = answer.get("idle_window_s") or 0
+    idle_cell = (f'<span class="s-cancelled">'
+                 f'{escape(display.idle_note(answer.get("idle_window_s") or 0, answer.get("idle_limit_s")))}</span>')
     job_rows = [[_job_link(getattr(j, "first_id", None) or j.id, getattr(j, "ids", None)), escape(j.user),
                  escape(j.name), state(j.state), str(j.gpus), escape(j.node or "-"), when(j.submitted_at),
                  duration(seconds(j.elapsed_s)),
-                 (f'<span class="s-cancelled">idle GPU: mostly under {c.IDLE_UTILIZATION}% for the last '
-                  f'{window / 60:g} min</span>' if j.idle else escape(display.with_tasks(vars(j), result_summary(j))))]
+                 idle_cell if j.idle else escape(display.with_tasks(vars(j), result_summary(j)))]
                 for j in rows]
     gpu_rows = []
     for d in devices:
