@@ -48,26 +48,44 @@ def _git(cwd: str, *args: str) -> subprocess.CompletedProcess[bytes] | None:
         return None
 
 
+def work_tree(cwd: str) -> str | None:
+    """The top of the work tree holding ``cwd``: inside a submodule, its outermost superproject's
+    (the job's code is the project's, which its submodule's may import from); None outside one."""
+    top: str | None = None
+    where = cwd
+    while True:  # one git call where cwd is in no submodule: the top and its superproject (none)
+        out = _git(where, "rev-parse", "--show-toplevel", "--show-superproject-working-tree")
+        lines = out.stdout.decode("utf-8", "surrogateescape").splitlines() if out is not None and \
+            out.returncode == 0 else []
+        if not lines or not lines[0].strip():
+            return top
+        top = lines[0].strip()
+        if len(lines) < 2 or not lines[1].strip():
+            return top
+        where = lines[1].strip()
+
+
 def capture(cwd: str, max_diff_bytes: int) -> GitState | None:
-    """The git state of the work tree holding ``cwd``; None outside one or without git."""
-    top = _git(cwd, "rev-parse", "--show-toplevel")
-    if top is None or top.returncode != 0 or not top.stdout.strip():
+    """The git state of the work tree holding ``cwd`` (``work_tree``: a submodule's superproject's);
+    None outside one or without git."""
+    top = work_tree(cwd)
+    if top is None:
         return None
-    head = _git(cwd, "rev-parse", "--verify", "--quiet", "HEAD")
+    head = _git(top, "rev-parse", "--verify", "--quiet", "HEAD")
     commit = head.stdout.decode().strip() or None if head is not None and head.returncode == 0 else None
-    status = _git(cwd, "status", "--porcelain", "--untracked-files=normal")
+    status = _git(top, "status", "--porcelain", "--untracked-files=normal")
     dirty = bool(status is not None and status.stdout.strip())
     diff_bytes = b""
     if commit:  # staged and unstaged changes to tracked files; untracked ones only count as dirty
         # --submodule=diff: a submodule's changes (its commit moved, its own edits) as the lines
         # that changed in it, where plain diff gives only its two commit ids.
-        out = _git(cwd, "diff", "HEAD", "--no-color", "--no-ext-diff", "--submodule=diff")
+        out = _git(top, "diff", "HEAD", "--no-color", "--no-ext-diff", "--submodule=diff")
         diff_bytes = out.stdout if out is not None and out.returncode == 0 else b""
     cut = len(diff_bytes) > max_diff_bytes
     diff = diff_bytes[:max_diff_bytes].decode("utf-8", errors="replace").replace("\x00", "")
     if cut:
         diff += DIFF_CUT_NOTE.format(limit=max_diff_bytes)
-    return GitState(top=top.stdout.decode().strip(), commit=commit, dirty=dirty, diff=diff, diff_cut=cut)
+    return GitState(top=top, commit=commit, dirty=dirty, diff=diff, diff_cut=cut)
 
 
 class Staged:

@@ -204,6 +204,21 @@ def test_a_snapshot_copies_a_submodules_files_as_they_are_and_the_diff_shows_its
     assert "-LAYERS = 1" in job.git_diff and "+LAYERS = 2" in job.git_diff and job.git_dirty is True
 
 
+def test_a_submit_from_inside_a_submodule_copies_and_records_its_whole_project(served, tmp_path):
+    # The job runs in lib/ of the project's copy: code there may import from the project around it.
+    repo = with_submodule(tmp_path)
+    (repo / "lib" / "deep").mkdir()
+    out = run_cli(["submit", "--snapshot", "--hold", "--json", "--", "true"], served, cwd=repo / "lib" / "deep")
+    assert out.returncode == 0, out.stderr
+    job = get(served, json.loads(out.stdout)["id"])
+    copy = Path(job.snapshot)
+    files = sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file())
+    assert files == [".gitignore", ".gitmodules", "lib/.gitignore", "lib/model.py", "lib/notes.txt", "sub/code.txt"]
+    assert job.cwd == str(copy / "lib" / "deep") and (copy / "lib" / "deep").is_dir()
+    assert job.git_commit == git(repo, "rev-parse", "HEAD") != git(repo / "lib", "rev-parse", "HEAD")
+    assert "+LAYERS = 2" in job.git_diff and job.git_dirty is True
+
+
 def test_a_submodule_not_checked_out_is_an_empty_directory_in_the_snapshot(served, tmp_path):
     repo = with_submodule(tmp_path)
     git(repo, "submodule", "deinit", "-q", "-f", "lib")
