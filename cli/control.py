@@ -108,6 +108,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                      "0: no limit).", parser=numbers.whole(0))] = None,
            begin: Annotated[str | None, typer.Option("--begin", help="A pending job's new begin time (as "
                                                      "submit's; now: at once).")] = None,
+           deadline: Annotated[str | None, typer.Option("--deadline", help="A pending job's new deadline (as "
+                                                        "submit's; none: no deadline).")] = None,
            gpus: Annotated[numbers.GpuAsk | None, typer.Option(
                "--gpus", "-G", help="A pending job's new number of GPUs; TYPE:COUNT (a100:2) with its type.",
                show_default=False, parser=numbers.gpu_count)] = None,
@@ -138,17 +140,22 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                           "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
-    sharing, CPU cores and dependencies, a time limit, preemptibility, a name, retries, an array's tasks at once
-    (as `scontrol update job`)."""
+    sharing, CPU cores, dependencies and deadline, a time limit, preemptibility, a name, retries, an
+    array's tasks at once (as `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
     if begin is not None:  # the user's own clock and zone read it
         from gpuq.service.units import begin_here
 
         begin = begin_here(begin)
+    if deadline is not None and deadline.strip().lower() != "none":
+        from gpuq.service.units import begin_here
+
+        deadline = begin_here(deadline, "--deadline")
     count, gpu_type = typed(gpus, gpu_type)
     changes = {k: v for k, v in (("priority", priority), ("time", time), ("name", name), ("retries", retries),
-                                 ("array_limit", array_limit), ("begin", begin), ("gpus", count),
+                                 ("array_limit", array_limit), ("begin", begin), ("deadline", deadline),
+                                 ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
                                  ("preemptible", preemptible), ("cpus", cpus), ("after", after),
                                  ("after_any", after_any),
@@ -171,7 +178,8 @@ def _limit(seconds: int | None) -> str:
 _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "priority": ("priority", str), "time_limit_s": ("time limit", _limit), "name": ("name", str),
     "max_retries": ("retries", str), "array_limit": ("array limit", lambda v: "none" if v is None else str(v)),
-    "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v)), "gpus": ("GPUs", str),
+    "begin_at": ("begin", lambda v: "none" if v is None else timestamp(v)),
+    "deadline_at": ("deadline", lambda v: "none" if v is None else timestamp(v)), "gpus": ("GPUs", str),
     "gpu_type": ("GPU type", lambda v: "any" if v is None else v),
     "mem_mib": ("GPU memory", lambda v: "none" if v is None else mib(v)),
     "on_node": ("node", lambda v: "any" if v is None else v),

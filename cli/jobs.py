@@ -123,6 +123,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             f"time limit {time_limit(j.time_limit_s)}" if j.time_limit_s else "",
             _signal_ahead(getattr(j, "signal", None)),  # a server from before --signal sends none
             f"not before {timestamp(j.begin_at)}" if getattr(j, "begin_at", None) else "",
+            # A server from before --deadline sends none.
+            f"deadline {timestamp(j.deadline_at)}" if getattr(j, "deadline_at", None) else "",
             f"{j.max_retries} retries" if j.max_retries else "",
             # A server from before the kinds sends after_any alone.
             (f"{AFTER_SHOWN[getattr(j, 'after_kind', None) or (AFTER_ANY if j.after_any else AFTER_OK)]} job "

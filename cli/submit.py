@@ -122,6 +122,9 @@ def submit(
                          ] = None,
     begin: Annotated[str | None, typer.Option("--begin", "-b", help="Not before then: 16:00, 2026-12-24T09:00, "
                                               "30m or now+2hours (as sbatch --begin).")] = None,
+    deadline: Annotated[str | None, typer.Option("--deadline", help="Cancel it if it waits so long that it could not "
+                                                 "end by then (its start plus --time), in --begin's forms "
+                                                 "(as sbatch --deadline).")] = None,
     after: Annotated[str | None, typer.Option(help="Start after these jobs succeeded (ID[,ID]).")] = None,
     after_any: Annotated[str | None, typer.Option(help="Start after these jobs ended, in any state.")] = None,
     dependency: Annotated[str | None, typer.Option("--dependency", "-d", help="sbatch's form: afterok:ID[:ID] "
@@ -165,7 +168,7 @@ def submit(
         "node": node,
         "exclude": exclude, "preemptible": preemptible,
         "host_mem": host_mem, "cpus": cpus, "time": time, "signal": signal, "retries": retries, "hold": hold,
-        "begin": begin, "mail_type": mail_type, "mail_user": mail_user,
+        "begin": begin, "deadline": deadline, "mail_type": mail_type, "mail_user": mail_user,
         "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}
@@ -183,10 +186,11 @@ def submit(
         "key": uuid.uuid4().hex,
     }
     array, sweep = body["array"], body["sweep"]
-    if body["begin"] is not None:  # the user's own clock and zone read it: the server gets a moment
-        from gpuq.service.units import begin_here
+    for moment in ("begin", "deadline"):
+        if body[moment] is not None:  # the user's own clock and zone read it: the server gets a moment
+            from gpuq.service.units import begin_here
 
-        body["begin"] = begin_here(body["begin"])
+            body[moment] = begin_here(body[moment], f"--{moment}")
     for name in ("output", "error"):
         if body[name]:  # as sbatch: a relative path is the submit directory's (the job's may be a snapshot)
             body[name] = os.path.join(cwd, os.path.expanduser(body[name]))

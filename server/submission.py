@@ -42,8 +42,8 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
     "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None),
-    "begin": (str, None), "signal": (str, None), "gpu_type": (str, None), "mail_type": (str, None),
-    "mail_user": (str, None)}
+    "begin": (str, None), "deadline": (str, None), "signal": (str, None), "gpu_type": (str, None),
+    "mail_type": (str, None), "mail_user": (str, None)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +120,8 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
     sched = spec.Scheduling(priority=f["priority"], mem=f["mem"], node=f["node"], time=f["time"],
                             retries=f["retries"], hold=f["hold"], after=f["after"], after_any=f["after_any"],
                             dependency=f["dependency"], host_mem=f["host_mem"], cpus=f["cpus"], shared=f["shared"],
-                            begin=f["begin"], signal=f["signal"], gpu_type=f["gpu_type"], exclude=f["exclude"],
+                            begin=f["begin"], deadline=f["deadline"], signal=f["signal"], gpu_type=f["gpu_type"],
+                            exclude=f["exclude"],
                             preemptible=f["preemptible"], mail_type=f["mail_type"], mail_user=f["mail_user"])
     return spec.expand(make, sched, f["array"], f["sweep"])
 
@@ -140,7 +141,7 @@ _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", 
                         "sweep": "--sweep", "snapshot": "--snapshot", "retries": "--retries", "hold": "--hold",
                         "after": "--after", "after_any": "--after-any", "dependency": "--dependency",
                         "host_mem": "--host-mem", "env": "--env", "output": "--output", "error": "--error",
-                        "begin": "--begin", "signal": "--signal", "exclude": "--exclude",
+                        "begin": "--begin", "deadline": "--deadline", "signal": "--signal", "exclude": "--exclude",
                         "preemptible": "--preemptible", "mail_type": "--mail-type", "mail_user": "--mail-user"}
 
 

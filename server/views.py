@@ -31,7 +31,7 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "preemptible": j.preemptible,
         "array_index": j.array_index, "array_limit": j.array_limit, "output_file": j.output_file,
         "error_file": j.error_file,
-        "begin_at": iso(j.begin_at), "signal": j.signal, "gpu_type": j.gpu_type,
+        "begin_at": iso(j.begin_at), "deadline_at": iso(j.deadline_at), "signal": j.signal, "gpu_type": j.gpu_type,
         "failure": j.failure, "requeues": j.requeues, "host_mem_mib": j.host_mem_mib, "cpus": j.cpus,
         "submitted_at": iso(j.submitted_at), "dispatched_at": iso(j.dispatched_at),
         "started_at": iso(j.started_at), "ended_at": iso(j.ended_at),

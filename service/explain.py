@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -35,6 +35,16 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         if job.state == State.RUNNING:
             where += _running_where(session, job)
         return f"job {job.id} {verb}{job.state}{where}{tail}"
+    said = _waiting(session, settings, job)
+    if job.deadline_at is not None:
+        latest = job.deadline_at - timedelta(seconds=job.time_limit_s or 0)
+        said += (f"; it is cancelled unless it starts by {latest:%Y-%m-%d %H:%M:%S} UTC (--deadline "
+                 f"{job.deadline_at:%Y-%m-%d %H:%M:%S} UTC" + (", less its time limit)" if job.time_limit_s else ")"))
+    return said
+
+
+def _waiting(session: Session, settings: Settings, job: Job) -> str:
+    """Why pending job ``job`` waits."""
     # A held job is not looked at by the scheduler: its reason says held from the submit on.
     reason = job.reason or ("held" if job.held else "waiting for its first scheduling pass")
     head = f"job {job.id} waits ({reason})"

@@ -130,6 +130,10 @@ class Job(Base):
     array_limit: Mapped[int | None] = mapped_column(Integer)
     # It waits for "begin time" until then (`--begin`, sbatch's); None: it may start at once.
     begin_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Cancelled while pending once it could no longer end by then (`--deadline`, sbatch's): its start
+    # plus its time limit past it, or without a limit, not started by then. None: no deadline.
+    # Indexed: a whole pass seeks the pending jobs that have one, out of any number that do not.
+    deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
     # A command's output copied to the user's files as well (`--output`, `--error`), patterns unfilled.
     output_file: Mapped[str | None] = mapped_column(Text)
     error_file: Mapped[str | None] = mapped_column(Text)

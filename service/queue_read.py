@@ -17,7 +17,7 @@ from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import dependencies, policy
+from gpuq.service import deadline, dependencies, policy
 from gpuq.service.constants import State
 from gpuq.service.display import ADMIN_HELD, preemption_asked
 from gpuq.service.fair_share import FairShare
@@ -37,7 +37,8 @@ from gpuq.service.units import AFTER_ANY, AFTER_CORR, AFTER_OK, AFTER_START
 _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_kind, _t.reason, _t.shared, _t.array_id, _t.array_limit,
-                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name, _t.exclude_nodes, _t.preemptible)
+                    _t.begin_at, _t.gpu_type, _t.singleton, _t.name, _t.exclude_nodes, _t.preemptible,
+                    _t.deadline_at)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -183,6 +184,11 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     for row in pending:
         waits_for = dependencies.standing(row.after_kind, deps, states) if row.after else deps
         never = dependencies.never_met(row.after_kind, row.after, waits_for) if row.after else None
+        if never is None and row.deadline_at is not None:
+            never_in_time = deadline.missed(row.deadline_at, row.time_limit_s, now)
+            if never_in_time is not None:  # cancelled now, held or waiting alike: it could no longer end in time
+                doomed[row.id] = never_in_time
+                continue
         if never is not None:
             # Cancelled now, held or before its begin time alike (as SLURM's kill_invalid_depend):
             # no release or later moment could let it run, and its chain should learn so as soon

@@ -68,6 +68,8 @@ class JobSpec:
     cpus: float | None = None
     # Not started before this moment (`--begin`); None: as soon as it can.
     begin_at: datetime | None = None
+    # Cancelled while pending once it could no longer end by then (`--deadline`); None: no deadline.
+    deadline_at: datetime | None = None
     # A command's output copied to these files of the user's as well (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None
@@ -109,6 +111,7 @@ class Scheduling:
     cpus: str | None = None  # `--cpus 4`
     shared: bool = False
     begin: str | None = None  # an ISO date and time with its zone (the client reads the user's --begin)
+    deadline: str | None = None  # the same for --deadline
     signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
     gpu_type: str | None = None  # `--gpu-type a100`
     preemptible: bool = False  # `--preemptible`
@@ -146,6 +149,7 @@ class Scheduling:
             "cpus": parse_cpus(self.cpus) if self.cpus is not None else None,
             "shared": self.shared,
             "begin_at": begin_of(self.begin) if self.begin is not None else None,
+            "deadline_at": begin_of(self.deadline, "deadline") if self.deadline is not None else None,
             "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,
             "gpu_type": check_gpu_type(self.gpu_type) if self.gpu_type is not None else None,
             "preemptible": self.preemptible,
@@ -158,19 +162,20 @@ ADMIN_MAX_PRIORITY = 1000
 MAX_RETRIES = 100
 
 
-def begin_of(text: str) -> datetime:
-    """A submit's ``begin`` (what the client made of the user's --begin): an ISO date and time with
-    its zone, at most MAX_TIME_S ahead of now; InvalidSpec otherwise."""
+def begin_of(text: str, field: str = "begin") -> datetime:
+    """A submit's ``begin`` or ``deadline`` (``field``: what the client made of the user's --begin or
+    --deadline): an ISO date and time with its zone, at most MAX_TIME_S ahead of now; InvalidSpec
+    otherwise."""
     from gpuq.service.units import MAX_TIME_S
 
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise InvalidSpec(f"submit field 'begin' must be an ISO date and time; got {text[:40]!r}") from None
+        raise InvalidSpec(f"submit field '{field}' must be an ISO date and time; got {text[:40]!r}") from None
     if when.tzinfo is None:
-        raise InvalidSpec("submit field 'begin' must name its time zone (the client sends UTC)")
+        raise InvalidSpec(f"submit field '{field}' must name its time zone (the client sends UTC)")
     if (when - datetime.now(UTC)).total_seconds() > MAX_TIME_S + 60:
-        raise InvalidSpec(f"--begin is more than {MAX_TIME_S // 86400} days ahead")
+        raise InvalidSpec(f"--{field} is more than {MAX_TIME_S // 86400} days ahead")
     return when.astimezone(UTC)
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import bindparam, false, func, select, true
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import dependencies, policy, rights
+from gpuq.service import deadline, dependencies, policy, rights
 from gpuq.service.allocations import check_node
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope
@@ -74,6 +74,7 @@ def check_submission(settings: Settings, specs: list[JobSpec], key: str | None) 
             near_cap = check_pending_limit(session, settings, first.user, len(specs))
             check_priority(settings, first)
             check_signal(first)
+            deadline.check(first.deadline_at, first.begin_at, first.time_limit_s)
             if first.host_mem_mib is not None and first.kind != c.KIND_COMMAND:
                 raise InvalidSpec("--host-mem limits a command's processes; a built-in workload runs in its worker")
             if first.cpus is not None and first.kind == c.KIND_WORKLOAD:

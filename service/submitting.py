@@ -178,7 +178,7 @@ def job_row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
                 git_dirty=s.git_dirty, git_diff=s.git_diff, git_diff_cut=s.git_diff_cut, snapshot=s.snapshot,
                 host_mem_mib=s.host_mem_mib, cpus=s.cpus, requeues=0, output_file=s.output_file,
                 error_file=s.error_file,
-                begin_at=s.begin_at, signal=s.signal, gpu_type=s.gpu_type,
+                begin_at=s.begin_at, deadline_at=s.deadline_at, signal=s.signal, gpu_type=s.gpu_type,
                 # An allocation's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None, preemptible=s.preemptible,

@@ -107,12 +107,12 @@ _CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$", re.ASCII)
 BEGIN_FORMS = "a time of day (16:00), a date and time (2026-12-24T09:00), or a wait (30m, 2h, now+1hour)"
 
 
-def parse_begin(text: str, now: datetime) -> datetime:
+def parse_begin(text: str, now: datetime, option: str = "--begin") -> datetime:
     """``--begin``'s value as the moment a job may start, in UTC (sbatch's --begin): ``now``, a
     wait (``90s``, ``30m``, ``2h``, ``1d``, ``now+1hour``; a bare number after ``now+`` is seconds,
     as SLURM reads it), a time of day (its next coming: ``16:00`` past four is tomorrow's), or an
     ISO date and time. ``now`` is the submitter's, with their time zone: a time without a zone is
-    theirs. At most MAX_TIME_S ahead."""
+    theirs. At most MAX_TIME_S ahead. ``option``: the one read (``--deadline`` takes the same forms)."""
     t = text.strip()
     if t.lower() == "now":
         return now.astimezone(UTC)
@@ -120,12 +120,12 @@ def parse_begin(text: str, now: datetime) -> datetime:
     if wait and (t.lower().startswith("now") or wait.group(2)):
         unit = _BEGIN_UNITS.get(wait.group(2).lower())
         if unit is None:
-            raise InvalidSpec(f"--begin takes {BEGIN_FORMS}; got {text[:60]!r}")
+            raise InvalidSpec(f"{option} takes {BEGIN_FORMS}; got {text[:60]!r}")
         when = now + timedelta(seconds=min(float(wait.group(1)) * unit, MAX_TIME_S + 1))
     elif clock := _CLOCK.match(t):
         hour, minute, second = int(clock.group(1)), int(clock.group(2)), int(clock.group(3) or 0)
         if hour > 23 or minute > 59 or second > 59:
-            raise InvalidSpec(f"--begin {t[:20]} is not a time of day")
+            raise InvalidSpec(f"{option} {t[:20]} is not a time of day")
         when = now.replace(hour=hour, minute=minute, second=second, microsecond=0)
         if when <= now:
             when += timedelta(days=1)
@@ -133,18 +133,18 @@ def parse_begin(text: str, now: datetime) -> datetime:
         try:
             when = datetime.fromisoformat(t)
         except ValueError:
-            raise InvalidSpec(f"--begin takes {BEGIN_FORMS}; got {text[:60]!r}") from None
+            raise InvalidSpec(f"{option} takes {BEGIN_FORMS}; got {text[:60]!r}") from None
         if when.tzinfo is None:  # the submitter's local time, by their zone's rules on that date
             when = when.astimezone()
     if (when - now).total_seconds() > MAX_TIME_S:
-        raise InvalidSpec(f"--begin {t[:40]} is more than {MAX_TIME_S // 86400} days ahead")
+        raise InvalidSpec(f"{option} {t[:40]} is more than {MAX_TIME_S // 86400} days ahead")
     return when.astimezone(UTC)
 
 
-def begin_here(text: str) -> str:
-    """``--begin`` as a client reads it for the server: in this machine's clock and the user's zone
-    (``parse_begin``), sent as the ISO moment the server takes (spec.begin_of)."""
-    return parse_begin(text, datetime.now().astimezone()).isoformat()
+def begin_here(text: str, option: str = "--begin") -> str:
+    """``--begin`` (or ``--deadline``) as a client reads it for the server: in this machine's clock and
+    the user's zone (``parse_begin``), sent as the ISO moment the server takes (spec.begin_of)."""
+    return parse_begin(text, datetime.now().astimezone(), option).isoformat()
 
 
 def parse_array(text: str) -> tuple[list[int], int | None]:

@@ -37,13 +37,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import JSON, Boolean, Float, Integer, String, and_, bindparam, case, cast, delete, func
 from sqlalchemy.orm import Session
 
-from gpuq.service import broker, dependencies, jobs, spec
+from gpuq.service import broker, deadline, dependencies, jobs, spec
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
@@ -91,8 +91,13 @@ _NEW_NODE = bindparam("new_on_node", type_=String)
 # CPU cores: a number, 0 for no limit (stored as null), or null to leave it as it is.
 # (Cast: PostgreSQL cannot tell a null float parameter's type, where an integer's is written with it.)
 _NEW_CPUS = cast(bindparam("new_cpus", type_=Float), Float)
+# A deadline: a moment, NO_DEADLINE for none (stored as null), or null to leave it as it is.
+NO_DEADLINE = datetime(1970, 1, 1, tzinfo=UTC)
+_NEW_DEADLINE = bindparam("new_deadline_at", type_=UTCDateTime())
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
                        priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()),
+                       deadline_at=case((_NEW_DEADLINE.is_(None), _JOBS.c.deadline_at),
+                                        (_NEW_DEADLINE == NO_DEADLINE, None), else_=_NEW_DEADLINE),
                        gpus=_kept("gpus", Integer),
                        gpu_type=case((_NEW_TYPE.is_(None), _JOBS.c.gpu_type), (_NEW_TYPE == "", None),
                                      else_=_NEW_TYPE),
@@ -122,12 +127,13 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at)
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at, _JOBS.c.deadline_at)
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node", "shared", "preemptible", "cpus")
+          "mem_mib", "on_node", "shared", "preemptible", "cpus", "deadline_at")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
-_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "gpus": "GPUs", "gpu_type": "GPU type",
+_WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at": "deadline", "gpus": "GPUs",
+                 "gpu_type": "GPU type",
                  "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies",
                  "exclude_nodes": "excluded nodes",
                  # Its cgroup's quota is made as it starts.
@@ -159,6 +165,7 @@ class Changes:
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
     preemptible: bool | None = None  # `--preemptible` / `--no-preemptible`
     cpus: float | None = None  # `--cpus`; 0: no limit
+    deadline_at: datetime | None = None  # `--deadline`; NO_DEADLINE: none
     # What it waits for, in place of what it waited for; Waits(): nothing any more.
     dependency: Waits | None = None
     exclude_nodes: list[str] | None = None  # nodes it may not run on; []: none any more
@@ -172,14 +179,15 @@ class Changes:
         anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
                                "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude",
-                               "preemptible", "cpus"}
+                               "preemptible", "cpus", "deadline"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency, exclude, preemptible, cpus)")
-        begin = body.get("begin")
-        if begin is not None and not isinstance(begin, str):
-            raise InvalidSpec("--begin must be text")
+                              "dependency, exclude, preemptible, cpus, deadline)")
+        begin, deadline_at = body.get("begin"), body.get("deadline")
+        for option, moment in (("--begin", begin), ("--deadline", deadline_at)):
+            if moment is not None and not isinstance(moment, str):
+                raise InvalidSpec(f"{option} must be text")
         shared = body.get("shared")
         if shared is not None and type(shared) is not bool:
             raise InvalidSpec("--shared must be true or false (--whole)")
@@ -216,6 +224,8 @@ class Changes:
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
                       else _node(node), shared=shared, preemptible=preemptible,
                       cpus=None if cpus is None else 0.0 if cpus.strip().lower() == NO_MEM else parse_cpus(cpus),
+                      deadline_at=None if deadline_at is None else NO_DEADLINE if deadline_at.strip().lower() == NO_MEM
+                      else spec.begin_of(deadline_at, "deadline"),
                       dependency=dependency_of(after, after_any, dependency, clears=True),
                       exclude_nodes=None if exclude is None else [] if exclude.strip().lower() in ("", "none")
                       else spec.exclude_nodes(exclude))
@@ -364,6 +374,22 @@ def _started_preemptibility(job: Any, preemptible: bool, admin: bool, charge: fl
     return None
 
 
+def _deadline_missed(job: Any, changes: Changes) -> str | None:
+    """Why a pending job's deadline could not be met as changed (its deadline, begin time or time
+    limit: as a submit's would be refused, ``deadline.check``), or None where it could."""
+    if changes.deadline_at is None and changes.begin_at is None and changes.time_limit_s is None:
+        return None
+    at = job.deadline_at if changes.deadline_at is None else changes.deadline_at
+    if at is None or at == NO_DEADLINE:
+        return None
+    try:
+        deadline.check(at, changes.begin_at or job.begin_at,
+                       changes.time_limit_s if changes.time_limit_s is not None else job.time_limit_s)
+    except InvalidSpec as exc:
+        return f"job {job.id}: {exc}"
+    return None
+
+
 def _change(session: Any, job: Any, changes: Changes, admin: bool, charge: float) -> Outcome:
     outcome = Outcome(job.id)
     if job.state in c.END_STATES:
@@ -397,10 +423,15 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool, charge: float
     if changes.array_limit is not None and job.array_id is None:
         outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
         return outcome
+    if not started:
+        outcome.refused = _deadline_missed(job, changes)
+        if outcome.refused is not None:
+            return outcome
     values = {f: getattr(changes, f) for f in FIELDS}
     # The answer's new values as stored: a limit of 0 asks for none, a type of "" for any model.
     shown = dict(values, array_limit=values["array_limit"] or None, gpu_type=values["gpu_type"] or None,
-                 mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None, cpus=values["cpus"] or None)
+                 mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None, cpus=values["cpus"] or None,
+                 deadline_at=None if values["deadline_at"] == NO_DEADLINE else values["deadline_at"])
     outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
                        if v is not None and shown[f] != getattr(job, f)}
     if changes.dependency is not None:

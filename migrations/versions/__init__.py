@@ -1,1 +1,1 @@
-HEAD = "0033"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0034"  # the newest revision; tests/test_migrations.py checks it against Alembic
