@@ -139,12 +139,13 @@ async def update_all(request: web.Request) -> web.Response:
     (any of the four; `gpuq update`): all checked first, as a cancel; for each, what changed
     (``{field: [old, new]}``) or why not."""
     from gpuq.service import update
+    from gpuq.service.changes import FIELDS, Changes
 
     settings, caller = acting(request)
     body = await body_of(request)
     ids = _ids_in(body, 'the body must have "ids": [job ids]')
-    changes = update.Changes.of(body)
-    asked = ", ".join(f"{f}={getattr(changes, f)!r}" for f in update.FIELDS if getattr(changes, f) is not None)
+    changes = Changes.of(body)
+    asked = ", ".join(f"{f}={getattr(changes, f)!r}" for f in FIELDS if getattr(changes, f) is not None)
     outcomes = await audited(request, "update", update.update_all, settings, ids, changes, caller, ids=ids,
                              acted=lambda done: [o.job_id for o in done if o.changed], note=lambda _: asked)
     return web.json_response({"jobs": [o.as_json() for o in outcomes]})

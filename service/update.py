@@ -1,6 +1,6 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
 limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
-begin time, and a pending job's GPUs, GPU type, GPU memory, node, excluded nodes, sharing,
+begin time and deadline, and a pending job's GPUs, GPU type, GPU memory, node, excluded nodes, sharing,
 preemptibility (as scontrol's QOS=) and dependencies.
 
 What may change depends on where the job is, as in SLURM: a pending job (held or not) takes any
@@ -30,6 +30,10 @@ already failed cannot be waited for to succeed) and for a loop, which a submit c
 earlier jobs only) but an update can: a pending job after one that waits for it, directly or
 through others, would never start, so it is refused. A job given dependencies leaves the next-up
 lists too: a worker takes a listed job without looking at them.
+
+What is asked (``Changes``, read from the request) is service/changes.py's; a new deadline, begin
+time or time limit of a pending job with a deadline is refused for that job where it could no
+longer end by it (service/deadline.py).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, Boolean, Float, Integer, String, and_, bindparam, case, cast, delete, func
@@ -45,6 +49,7 @@ from sqlalchemy.orm import Session
 
 from gpuq.service import broker, deadline, dependencies, jobs, spec
 from gpuq.service import constants as c
+from gpuq.service.changes import FIELDS, NO_DEADLINE, Changes
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec
@@ -54,16 +59,7 @@ from gpuq.service.policy import DEPENDENCY
 from gpuq.service.rights import Caller, is_admin
 from gpuq.service.settings import Settings
 from gpuq.service.submit_checks import check_dependencies, check_resources, check_time_limit
-from gpuq.service.units import (
-    AFTER_CORR,
-    AFTER_OK,
-    MAX_ARRAY_TASKS,
-    Waits,
-    dependency_of,
-    parse_cpus,
-    parse_duration,
-    parse_mem,
-)
+from gpuq.service.units import AFTER_CORR, AFTER_OK, Waits
 from gpuq.service.workloads import get_workload
 
 _JOBS = table(Job)
@@ -92,7 +88,6 @@ _NEW_NODE = bindparam("new_on_node", type_=String)
 # (Cast: PostgreSQL cannot tell a null float parameter's type, where an integer's is written with it.)
 _NEW_CPUS = cast(bindparam("new_cpus", type_=Float), Float)
 # A deadline: a moment, NO_DEADLINE for none (stored as null), or null to leave it as it is.
-NO_DEADLINE = datetime(1970, 1, 1, tzinfo=UTC)
 _NEW_DEADLINE = bindparam("new_deadline_at", type_=UTCDateTime())
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
                        priority=_kept("priority", Integer), begin_at=_kept("begin_at", UTCDateTime()),
@@ -128,9 +123,6 @@ _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_ret
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
            _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at, _JOBS.c.deadline_at)
-# The columns a change names, as the API and the answer name them.
-FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node", "shared", "preemptible", "cpus", "deadline_at")
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at": "deadline", "gpus": "GPUs",
                  "gpu_type": "GPU type",
@@ -141,109 +133,6 @@ _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at"
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
 # (A job made preemptible or not leaves the lists too: it goes after every other job, or no longer.)
 _SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible")
-# `--gpu-type any`, `--node any`: no type (node) any more, any will do.
-ANY_TYPE = "any"
-# `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share); `--cpus
-# none`: no CPU limit.
-NO_MEM = "none"
-
-
-@dataclass(frozen=True)
-class Changes:
-    """What `gpuq update` changes; None leaves a value as it is."""
-
-    priority: int | None = None
-    time_limit_s: int | None = None
-    name: str | None = None
-    max_retries: int | None = None
-    array_limit: int | None = None  # 0: no limit
-    begin_at: datetime | None = None
-    gpus: int | None = None
-    gpu_type: str | None = None  # "": any model
-    mem_mib: int | None = None  # 0: none asked
-    on_node: str | None = None  # "": any node
-    shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
-    preemptible: bool | None = None  # `--preemptible` / `--no-preemptible`
-    cpus: float | None = None  # `--cpus`; 0: no limit
-    deadline_at: datetime | None = None  # `--deadline`; NO_DEADLINE: none
-    # What it waits for, in place of what it waited for; Waits(): nothing any more.
-    dependency: Waits | None = None
-    exclude_nodes: list[str] | None = None  # nodes it may not run on; []: none any more
-
-    @classmethod
-    def of(cls, body: dict[str, Any]) -> Changes:
-        """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
-        ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``, and
-        ``after``, ``after_any`` or ``dependency`` as a submit takes them, ``dependency`` ``none`` for
-        none, ``exclude`` as a submit takes it, ``none`` for none, ``preemptible``); InvalidSpec for
-        anything malformed or for no change at all."""
-        unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
-                               "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude",
-                               "preemptible", "cpus", "deadline"}
-        if unknown:
-            raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
-                              "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency, exclude, preemptible, cpus, deadline)")
-        begin, deadline_at = body.get("begin"), body.get("deadline")
-        for option, moment in (("--begin", begin), ("--deadline", deadline_at)):
-            if moment is not None and not isinstance(moment, str):
-                raise InvalidSpec(f"{option} must be text")
-        shared = body.get("shared")
-        if shared is not None and type(shared) is not bool:
-            raise InvalidSpec("--shared must be true or false (--whole)")
-        preemptible = body.get("preemptible")
-        if preemptible is not None and type(preemptible) is not bool:
-            raise InvalidSpec("--preemptible must be true or false (--no-preemptible)")
-        priority, time, name, retries, at_once, gpus, gpu_type, mem, node, cpus = (
-            body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type", "mem",
-                                  "node", "cpus"))
-        for option, value in (("--priority", priority), ("--retries", retries), ("--array-limit", at_once),
-                              ("--gpus", gpus)):
-            if value is not None and (type(value) is not int):
-                raise InvalidSpec(f"{option} must be a whole number")
-        after, after_any, dependency, exclude = (body.get(k) for k in ("after", "after_any", "dependency", "exclude"))
-        for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
-                              ("--node", node), ("--after", after), ("--after-any", after_any),
-                              ("--dependency", dependency), ("--exclude", exclude), ("--cpus", cpus)):
-            if value is not None and not isinstance(value, str):
-                raise InvalidSpec(f"{option} must be text")
-        if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
-            raise InvalidSpec(f"--priority must be between -{spec.ADMIN_MAX_PRIORITY} and {spec.ADMIN_MAX_PRIORITY}")
-        if retries is not None and not 0 <= retries <= spec.MAX_RETRIES:
-            raise InvalidSpec(f"--retries must be between 0 and {spec.MAX_RETRIES}; got {retries}")
-        if at_once is not None and not 0 <= at_once <= MAX_ARRAY_TASKS:
-            raise InvalidSpec(f"--array-limit must be between 1 and {MAX_ARRAY_TASKS:,} tasks at once, "
-                              f"or 0 for no limit; got {at_once}")
-        changes = cls(priority=priority, time_limit_s=parse_duration(time) if time is not None else None,
-                      name=spec.check_name(name) if name is not None else None, max_retries=retries,
-                      array_limit=at_once, begin_at=spec.begin_of(begin) if begin is not None else None,
-                      gpus=spec.check_gpus(gpus) if gpus is not None else None,
-                      gpu_type=None if gpu_type is None else "" if gpu_type.strip().lower() == ANY_TYPE
-                      else spec.check_gpu_type(gpu_type),
-                      mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
-                      on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
-                      else _node(node), shared=shared, preemptible=preemptible,
-                      cpus=None if cpus is None else 0.0 if cpus.strip().lower() == NO_MEM else parse_cpus(cpus),
-                      deadline_at=None if deadline_at is None else NO_DEADLINE if deadline_at.strip().lower() == NO_MEM
-                      else spec.begin_of(deadline_at, "deadline"),
-                      dependency=dependency_of(after, after_any, dependency, clears=True),
-                      exclude_nodes=None if exclude is None else [] if exclude.strip().lower() in ("", "none")
-                      else spec.exclude_nodes(exclude))
-        if changes.empty:
-            raise InvalidSpec(c.UPDATE_ASK)
-        return changes
-
-    @property
-    def empty(self) -> bool:
-        return all(getattr(self, f) is None for f in FIELDS) and self.dependency is None and self.exclude_nodes is None
-
-
-def _node(text: str) -> str:
-    """A node's name as `--node` gives it; InvalidSpec for none."""
-    if not text.strip():
-        raise InvalidSpec("--node must not be empty (any: no node asked)")
-    return text.strip()
-
 
 @dataclass
 class Outcome:

@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from gpuq.service import constants as c
 from gpuq.service import spec, submitting
+from gpuq.service.changes import Changes
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
@@ -22,7 +23,7 @@ from gpuq.service.models import Job, NextUp, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
 from gpuq.service.units import parse_array
-from gpuq.service.update import Changes, update_all
+from gpuq.service.update import update_all
 from tests.conftest import run_cli, stack_on_database, wait_for_state
 from tests.test_scheduling import end, register, state_of, submit
 

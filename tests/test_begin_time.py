@@ -10,6 +10,7 @@ import pytest
 
 from gpuq.service import constants as c
 from gpuq.service import spec, submitting
+from gpuq.service.changes import Changes
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
@@ -18,7 +19,7 @@ from gpuq.service.models import Job
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
 from gpuq.service.units import parse_begin
-from gpuq.service.update import Changes, update_all
+from gpuq.service.update import update_all
 from tests.conftest import run_cli
 from tests.test_scheduling import register, state_of, submit
 

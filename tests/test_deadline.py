@@ -11,12 +11,13 @@ import pytest
 
 from gpuq.service import constants as c
 from gpuq.service import deadline
+from gpuq.service.changes import NO_DEADLINE, Changes
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
-from gpuq.service.update import NO_DEADLINE, Changes, update_all
+from gpuq.service.update import update_all
 from tests.conftest import cli_submit, run_cli, wait_for_state
 from tests.test_scheduling import register, state_of, submit
 from tests.test_snapshot import job_count

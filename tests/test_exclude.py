@@ -66,10 +66,11 @@ def test_a_submit_refuses_an_unknown_node_its_own_node_or_excluding_every_node_i
 def test_update_changes_a_pending_jobs_excluded_nodes_as_a_submit_checks_them_and_unlists_it(settings):
     from sqlalchemy import select
 
+    from gpuq.service.changes import Changes
     from gpuq.service.db import write_scope
     from gpuq.service.models import NextUp
     from gpuq.service.rights import Caller
-    from gpuq.service.update import Changes, update_all
+    from gpuq.service.update import update_all
 
     settings = settings.with_overrides(place_at_submit=False)
     [on_a] = register(settings, "a", 1)

@@ -13,13 +13,14 @@ from sqlalchemy import select
 
 from gpuq.service import constants as c
 from gpuq.service import jobs
+from gpuq.service.changes import Changes
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed
 from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.scheduler import Scheduler
-from gpuq.service.update import Changes, update_all
+from gpuq.service.update import update_all
 from tests.conftest import cli_submit, run_cli, stack_on_database, wait_for_state
 from tests.test_scheduling import end, register, state_of, submit
 
