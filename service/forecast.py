@@ -19,7 +19,8 @@ planned jobs leave it room under the limit.
 
 A job that is not preemptible is planned as if the preemptible jobs were not there (running or
 planned): whenever its turn comes it stops them (service/preemption.py), so a GPU a scavenger
-holds without a time limit is no "for ever" to it. A preemptible job waits for every job, as it
+holds without a time limit is no "for ever" to it; one that started less than GPUQ_PREEMPT_EXEMPT
+ago holds its GPUs firmly until it may be preempted. A preemptible job waits for every job, as it
 does in the queue, and counts against no user's limit.
 
 A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
@@ -140,7 +141,14 @@ class _Plan:
             usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
             load = packing.GpuLoad.of(g)
             if load.whole_until is not None and load.whole_until > state.now and g.id not in freed:
-                self._layer(g.id, g.preemptible is not None).hold(state.now, load.whole_until, math.inf)
+                # A preemptible job still within GPUQ_PREEMPT_EXEMPT holds it as any job does until
+                # it may be preempted, and as a scavenger from then on.
+                firm = state.now if g.exempt_until is None else min(max(g.exempt_until, state.now), load.whole_until)
+                if firm > state.now:
+                    self._layer(g.id, False).hold(state.now, firm, math.inf)
+                if load.whole_until > firm:
+                    self._layer(g.id, g.preemptible is not None or g.exempt_until is not None).hold(
+                        firm, load.whole_until, math.inf)
             for end, mib in load.shares:
                 if end > state.now:
                     usage.hold(state.now, end, mib)

@@ -130,6 +130,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     preemptible: dict[int, Preemptible] = {}
     preempted: set[int] = set()
     exempt = settings.preempt_exempt_s
+    exempt_until: dict[int, float] = {}
     for a in _ALLOCATED.run(conn, {}):
         gpu_id, user, started, limit, share_mib, gpu_share = a[:6]
         ends = (started or now).timestamp() + limit if limit else math.inf
@@ -139,8 +140,9 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                 if preemption_asked(a.reason):
                     preempted.add(gpu_id)
             elif a.preemptible and (now - (started or now)).total_seconds() >= exempt:
-                # (One started less than GPUQ_PREEMPT_EXEMPT ago is not yet: a later pass preempts it.)
                 preemptible[gpu_id] = Preemptible(a.id, a.priority, (started or now).timestamp())
+            elif a.preemptible:  # not yet: a later pass preempts it, and the forecast plans so
+                exempt_until[gpu_id] = (started or now).timestamp() + exempt
             if not a.preemptible:  # held to no user limit, and counting against none
                 holds[user].append((ends, 1.0))
             continue
@@ -152,7 +154,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
-                            model=g.name, preemptible=preemptible.get(g.id), preempted=g.id in preempted)
+                            model=g.name, preemptible=preemptible.get(g.id), preempted=g.id in preempted,
+                            exempt_until=exempt_until.get(g.id))
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).

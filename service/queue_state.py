@@ -67,6 +67,9 @@ class GpuState:
     preemptible: Preemptible | None = None
     # Its whole-GPU job was asked to stop by a preemption: the GPU is free once it has.
     preempted: bool = False
+    # Its whole-GPU job is preemptible but started less than GPUQ_PREEMPT_EXEMPT ago: when it may be
+    # preempted (epoch s). Only the forecast reads it: the passes see the job as any other till then.
+    exempt_until: float | None = None
 
     @property
     def shared_mib(self) -> int:

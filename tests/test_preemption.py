@@ -5,6 +5,7 @@ preempted; it runs again once the GPU is free."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 
@@ -217,6 +218,10 @@ def test_a_preemptible_job_runs_its_exempt_time_before_it_is_preempted(exempt, t
     s = exempt.settings
     scavenger = cli_submit(s, ["--preemptible", "-t", "10m", "--", "sh", "-c", SCAVENGER], cwd=tmp_path)
     assert wait_for_state(s, scavenger, (State.RUNNING,)) == State.RUNNING
+    # Expected once the scavenger's 3 s are over, not at the end of its 10 minutes' limit.
+    estimate = run_cli(["submit", "--test-only", "-t", "5m", "--", "true"], s, cwd=tmp_path)
+    wait = re.search(r", in (\d+):(\d\d):(\d\d)", estimate.stdout + estimate.stderr)
+    assert wait and int(wait[1]) * 3600 + int(wait[2]) * 60 + int(wait[3]) <= 3, estimate
     urgent = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
     assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED), timeout=30) == State.SUCCEEDED, exempt.logs()
     job = _job(s, scavenger)

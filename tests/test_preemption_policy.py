@@ -2,6 +2,7 @@
 it never stops (service/preemption.py, policy.decide)."""
 
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -188,6 +189,24 @@ def test_a_job_that_is_not_preemptible_is_expected_to_start_when_the_others_end_
     shared = QueueState(NOW, [job(3, shared=True, mem=4096, limit=600)], gpus)
     d = decide(shared)
     assert d.preemptions == {90: 3} and start_times(shared, d) == {3: NOW}
+
+
+def test_a_scavenger_within_its_exempt_time_is_planned_firm_until_it_may_be_preempted_and_no_wall_after():
+    from gpuq.service.forecast import start_times
+
+    # GPU 1: a scavenger with no time limit that may be preempted in 10 minutes (GPUQ_PREEMPT_EXEMPT):
+    # no pass stops it before, so job 1 is expected then, not never; job 2, preemptible itself,
+    # waits for the scavenger's end, which never comes.
+    exempt = GpuState(id=1, node="a", index=1, queue="q1", memory_total_mib=16384, busy_until=math.inf,
+                      exempt_until=NOW + 600)
+    state = QueueState(NOW, [job(1, limit=600), job(2, preemptible=True, limit=600)], [exempt])
+    d = decide(state)
+    assert d.waiting == {1: RESOURCES, 2: PRIORITY} and not d.preemptions
+    assert start_times(state, d) == {1: NOW + 600, 2: None}
+    # One whose limit ends before its exempt time is over is simply a job until then.
+    ends_first = replace(exempt, busy_until=NOW + 300)
+    state = QueueState(NOW, [job(1, limit=600)], [ends_first])
+    assert start_times(state, decide(state)) == {1: NOW + 300}
 
 
 def test_a_preemptible_job_is_planned_past_its_users_gpu_limit_and_a_planned_scavenger_is_no_wall():
