@@ -208,6 +208,10 @@ def submit(
         raise InvalidSpec(f"--{option} is for gpuq submit; gpuq run prints the job's own output")
     if test_only and wait:
         raise InvalidSpec("give --test-only or --wait, not both: a test queues nothing to wait for")
+    if running and not test_only and command is not None and not ctx.meta.get(DETACH_KEY, False):
+        from gpuq.cli import input_forward
+
+        body["stdin"] = input_forward.wanted()  # as srun: a pipe or a file, never a terminal
     client = Client()
     try:
         if test_only:
@@ -230,6 +234,10 @@ def submit(
         from gpuq.cli.follow import follow
 
         detach = ctx.meta.get(DETACH_KEY, False)
+        if body.get("stdin"):
+            from gpuq.cli import input_forward
+
+            input_forward.start(made[0]["id"])
         raise typer.Exit(follow(client, made[0]["id"], cancel_on_interrupt=True, detach=detach))
     if as_json:
         print_json(made[0] if len(made) == 1 and array is None and not sweep else made)

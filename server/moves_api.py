@@ -1,6 +1,6 @@
 """The API's moves on jobs: submit, and cancel, signal, hold, release, update and resubmit (of one
-job or of many in one request), and an allocation's client saying it is alive or has ended; and a
-submit tried without queueing it (its estimate).
+job or of many in one request), an allocation's client saying it is alive or has ended, and the
+input `gpuq run` forwards to its job; and a submit tried without queueing it (its estimate).
 
 Each move is audited (``audit.audited``); rights are checked in the service function it calls."""
 
@@ -222,3 +222,27 @@ async def end(request: web.Request) -> web.Response:
     await audited(request, "end", end_by_client, settings, job_id, code, caller, ids=[job_id],
                   note=lambda _: f"its client's exit code {code}")
     return web.json_response({"id": job_id, "exit_code": code})
+
+
+@routes.post(JOB + "/stdin")
+async def stdin(request: web.Request) -> web.Response:
+    """A chunk of the input `gpuq run` forwards to its job: ``{"data": BASE64, "end": bool}``;
+    ``{"taken": false}`` while the job's waiting input is full (send it again later). Not audited
+    chunk by chunk: the submit that asked for it was."""
+    import base64
+    import binascii
+
+    from gpuq.service import job_input
+
+    settings, caller = acting(request)
+    job_id = job_id_of(request)
+    body = await body_of(request)
+    data, end = body.get("data", ""), body.get("end", False)
+    if not isinstance(data, str) or type(end) is not bool:
+        raise InvalidSpec('the body must be {"data": base64 text, "end": true or false}')
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidSpec("the input's data is not base64") from None
+    taken = await call(job_input.accept, settings, job_id, caller, raw, end)
+    return web.json_response({"taken": taken})

@@ -40,7 +40,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "after": (str, None), "after_any": (str, None), "dependency": (str, None), "array": (str, None),
     "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
-    "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False),
+    "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False), "stdin": (bool, False),
     "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None),
     "begin": (str, None), "deadline": (str, None), "signal": (str, None), "gpu_type": (str, None),
     "mail_type": (str, None), "mail_user": (str, None)}
@@ -99,9 +99,14 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
 
         output, error = _output_file("--output", f["output"]), _output_file("--error", f["error"])
 
+        if f["stdin"] and (f["array"] is not None or f["sweep"]):
+            raise InvalidSpec("stdin goes to one job (gpuq run's); an array or a sweep reads none")
+
         def make(extra: list[str]) -> spec.JobSpec:
             made = spec.command_spec(command, gpus=f["gpus"], name=f["name"], user=owner, env=variables, cwd=cwd)
-            return replace(made, output_file=output, error_file=error)
+            return replace(made, output_file=output, error_file=error, stdin=f["stdin"])
+    elif f["stdin"]:
+        raise InvalidSpec("stdin is for a command (after --); a built-in workload reads none")
     elif f["snapshot"]:
         raise InvalidSpec("--snapshot is for a command after --; a built-in workload runs gpuq's own code")
     elif f["output"] is not None or f["error"] is not None:
@@ -142,7 +147,8 @@ _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", 
                         "after": "--after", "after_any": "--after-any", "dependency": "--dependency",
                         "host_mem": "--host-mem", "env": "--env", "output": "--output", "error": "--error",
                         "begin": "--begin", "deadline": "--deadline", "signal": "--signal", "exclude": "--exclude",
-                        "preemptible": "--preemptible", "mail_type": "--mail-type", "mail_user": "--mail-user"}
+                        "preemptible": "--preemptible", "mail_type": "--mail-type", "mail_user": "--mail-user",
+                        "stdin": "forwarded stdin (its command reads your terminal)"}
 
 
 def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:

@@ -194,6 +194,9 @@ UMASK_VARIABLE = "GPUQ_UMASK"
 # 256 KiB of environment and a 1 MiB diff fit), and what a client waits for an answer.
 API_PREFIX = "/v1"
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# The most of its stdin `gpuq run` sends its job at once (bytes, before base64): one request a chunk
+# (service/job_input.py).
+STDIN_CHUNK = 256 * 1024
 CLIENT_TIMEOUT_SECONDS = 60.0
 # A submit's answer lost to a server restart is asked again this many times, this far apart, with
 # the same idempotency key: the server returns the jobs it already made, or makes them once.

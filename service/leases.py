@@ -40,7 +40,7 @@ STARTED_COLUMNS = (_JOBS.c.id, _JOBS.c.name, _JOBS.c.kind, _JOBS.c.workload, _JO
                    _JOBS.c.cwd, _JOBS.c.env, _JOBS.c.gpus, _JOBS.c.started_at, _JOBS.c.time_limit_s,
                    _JOBS.c.host_mem_mib, _JOBS.c.user, _JOBS.c.attempts, _JOBS.c.shared, _JOBS.c.mem_mib,
                    _JOBS.c.gpu_share, _JOBS.c.array_id, _JOBS.c.array_index, _JOBS.c.output_file,
-                   _JOBS.c.error_file, _JOBS.c.signal, _JOBS.c.cpus)
+                   _JOBS.c.error_file, _JOBS.c.signal, _JOBS.c.cpus, _JOBS.c.stdin)
 _FIRST_GPU_HERE = exists().where(Allocation.job_id == bindparam("job_id"), Allocation.gpu_id == bindparam("gpu_id"),
                                  Allocation.rank == 0)
 # The claim returns the row it started: no second read on the way to a job's start.

@@ -123,6 +123,9 @@ class Job(Base):
     # `--preemptible`: after every other job, past its user's GPU limit, and stopped and requeued when
     # a job that is not preemptible needs its GPUs (service/preemption.py).
     preemptible: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Its stdin is what the `gpuq run` that submitted it forwards (service/job_input.py), where it is
+    # not a terminal; false: /dev/null.
+    stdin: Mapped[bool] = mapped_column(default=False, server_default=false())
     # Array and sweep tasks share the id of their first task; each has its index.
     array_id: Mapped[int | None] = mapped_column(Integer, index=True)
     array_index: Mapped[int | None] = mapped_column(Integer)

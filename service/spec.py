@@ -70,6 +70,8 @@ class JobSpec:
     begin_at: datetime | None = None
     # Cancelled while pending once it could no longer end by then (`--deadline`); None: no deadline.
     deadline_at: datetime | None = None
+    # Its stdin is forwarded by the `gpuq run` that submits it (service/job_input.py); else /dev/null.
+    stdin: bool = False
     # A command's output copied to these files of the user's as well (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None

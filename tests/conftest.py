@@ -475,5 +475,6 @@ def run_cli(args: list[str], settings: Settings, cwd: str | Path | None = None, 
     """Run the real `gpuq` command in a subprocess with these settings."""
     env = settings_env(settings)
     env.update(extra_env or {})
+    # stdin /dev/null, whatever the suite's is: `gpuq run` forwards a pipe's to its job.
     return subprocess.run([sys.executable, "-m", "gpuq.cli", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -8,6 +8,7 @@ do is what the kernel says they are (SO_PEERCRED): nothing they send changes it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pwd
@@ -358,6 +359,36 @@ for method, target, body in [("POST", "/v1/jobs", {"command": ["true"], "cwd": c
     conn.close()
 print(json.dumps(results))
 """
+
+
+@pytest.mark.timeout(300)
+def test_only_a_jobs_owner_may_send_it_the_stdin_gpuq_run_forwards(box):
+    a, b = box.a, box.b
+
+    def post(user: str, target: str, body: dict) -> tuple[int, dict]:
+        out = box.as_user(user, "curl", "-sS", "--unix-socket", box.socket, "-X", "POST", "-w", "\n%{http_code}",
+                          "-H", "Content-Type: application/json", "--data-binary", json.dumps(body),
+                          f"http://localhost{target}")
+        assert out.returncode == 0, out.stderr
+        text, _, code = out.stdout.rpartition("\n")
+        return int(code), json.loads(text)
+
+    # As `gpuq run` submits with a pipe for its stdin: A's job reads what A sends it.
+    status, answer = post(a, "/v1/jobs", {"command": ["sh", "-c", "cat; id -un"], "cwd": box.home_of(a),
+                                          "stdin": True})
+    assert status == 200, answer
+    job_id = answer["jobs"][0]["id"]
+    forged = base64.b64encode(b"rm -rf ~\n").decode()
+    status, answer = post(b, f"/v1/jobs/{job_id}/stdin", {"data": forged, "end": True})
+    assert (status, answer["exit_code"]) == (403, c.EXIT_NOT_ALLOWED), answer
+    assert "only they may send it input" in answer["error"]
+    status, answer = post(a, f"/v1/jobs/{job_id}/stdin", {"data": base64.b64encode(b"from a\n").decode(),
+                                                           "end": True})
+    assert (status, answer) == (200, {"taken": True})
+    assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED
+    assert _output(box, a, job_id).split() == ["from", "a", a]  # B's chunk never reached it
+    status, answer = post(a, f"/v1/jobs/{job_id}/stdin", {"data": "", "end": True})
+    assert (status, answer["exit_code"]) == (409, c.EXIT_CONFLICT)  # ended: it reads no more
 
 
 @pytest.mark.timeout(300)

@@ -26,6 +26,7 @@ from gpuq.service.units import JobSignal
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.host_memory import HostMemory
 from gpuq.workers.identity import Identity
+from gpuq.workers.input_feed import Feed
 from gpuq.workers.job_processes import (
     Finder,
     exited,
@@ -148,7 +149,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
                 on_start: Callable[[int], None] | None = None, limit_mib: int | None = None,
                 files: OutputFiles | None = None, ahead: Ahead | None = None,
-                asked: queue.SimpleQueue[JobSignal] | None = None) -> CommandOutcome:
+                asked: queue.SimpleQueue[JobSignal] | None = None, feed: Feed | None = None) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -162,7 +163,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     (workers/output_copy.py). ``ahead``: a signal to send it once its time limit nears
     (`--signal`); ``asked``: signals to send it as they come (`gpuq cancel --signal`).
     ``kill_grace``: seconds from SIGTERM to SIGKILL once ``cancelled`` is set, or what says them then
-    (a preemption's grace is known only once the stop is asked).
+    (a preemption's grace is known only once the stop is asked). ``feed``: what writes its stdin
+    (the input `gpuq run` forwards, workers/input_feed.py), in a thread; without one, /dev/null.
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
@@ -174,7 +176,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
         opener = (files, pair[1].fileno(), run_as.name if run_as is not None else _own_name()) \
             if files is not None and pair is not None else None
         proc = subprocess.Popen(argv, cwd="/" if run_as is not None else cwd, env={**env, "GPUQ_RUN_ID": run_id},
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.PIPE if feed is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, pass_fds=(pair[1].fileno(),) if pair is not None else (),
                                 preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env), opener))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
@@ -195,10 +198,14 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                     pipe.close()
             raise CannotStart(got, 126)
         copies = copies_of(got, files)
+    over = threading.Event()
+    if feed is not None and proc.stdin is not None:
+        threading.Thread(target=feed, args=(proc.stdin, over), name=f"stdin-{proc.pid}", daemon=True).start()
     try:
         return _run(proc, run_id, sink, cancelled, kill_grace, cgroup, verify_within, on_start, limit_mib,
                     oom_before, copies, ahead, asked)
     finally:
+        over.set()
         for copy in copies:
             if copy is not None:
                 copy.close()

@@ -28,6 +28,7 @@ from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
 from gpuq.workers.end import HOST_USE, drain_if_left, stopped_end
 from gpuq.workers.identity import Identity, UnknownUser, run_as
+from gpuq.workers.input_feed import feeder
 from gpuq.workers.job import JobRun
 from gpuq.workers.job_processes import cgroup_prefix, worker_mark
 from gpuq.workers.output import OutputSink
@@ -114,7 +115,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
             outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, lambda: watcher.grace, cgroup,
                                   run_as=identity, on_start=started, limit_mib=job.host_mem_mib,
                                   files=output_files_of(job, state.node), ahead=_ahead(job, watcher),
-                                  asked=watcher.asked)
+                                  asked=watcher.asked, feed=feeder(state.settings, job.id) if job.stdin else None)
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.

@@ -55,6 +55,8 @@ class JobRun:
     error_file: str | None = None
     # Sent ahead of its time limit (`--signal`), read once from the row; None: none.
     signal: JobSignal | None = None
+    # Its stdin comes from the `gpuq run` that submitted it (service/job_input.py); else /dev/null.
+    stdin: bool = False
 
     @property
     def signal_before_s(self) -> int | None:
@@ -107,4 +109,4 @@ def job_run(job: Any, gpu_indices: tuple[int, ...], gpu_queues: tuple[str, ...],
                   ran_before=bool(job.attempts), shared=bool(job.shared), mem_mib=job.mem_mib,
                   memory_total_mib=memory_total_mib, gpu_share=job.gpu_share, array_id=job.array_id,
                   array_index=job.array_index, output_file=job.output_file, error_file=job.error_file,
-                  signal=JobSignal.parse(job.signal) if job.signal is not None else None)
+                  signal=JobSignal.parse(job.signal) if job.signal is not None else None, stdin=bool(job.stdin))
