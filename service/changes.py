@@ -19,7 +19,7 @@ FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "beg
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share); `--cpus
-# none`: no CPU limit.
+# none`: no CPU limit; `--deadline none`: no deadline.
 NO_MEM = "none"
 # `--deadline none`: no deadline any more (a moment no deadline could be).
 NO_DEADLINE = datetime(1970, 1, 1, tzinfo=UTC)
@@ -50,7 +50,8 @@ class Changes:
     @classmethod
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
-        ``retries``, ``array_limit``, ``begin``, ``gpus``, ``gpu_type``, ``mem``, ``node``, ``shared``, and
+        ``retries``, ``array_limit``, ``begin``, ``deadline`` (``none`` for none), ``gpus``, ``gpu_type``,
+        ``mem``, ``node``, ``shared``, ``cpus``, and
         ``after``, ``after_any`` or ``dependency`` as a submit takes them, ``dependency`` ``none`` for
         none, ``exclude`` as a submit takes it, ``none`` for none, ``preemptible``); InvalidSpec for
         anything malformed or for no change at all."""
@@ -61,10 +62,6 @@ class Changes:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
                               "dependency, exclude, preemptible, cpus, deadline)")
-        begin, deadline_at = body.get("begin"), body.get("deadline")
-        for option, moment in (("--begin", begin), ("--deadline", deadline_at)):
-            if moment is not None and not isinstance(moment, str):
-                raise InvalidSpec(f"{option} must be text")
         shared = body.get("shared")
         if shared is not None and type(shared) is not bool:
             raise InvalidSpec("--shared must be true or false (--whole)")
@@ -78,8 +75,10 @@ class Changes:
                               ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
-        after, after_any, dependency, exclude = (body.get(k) for k in ("after", "after_any", "dependency", "exclude"))
-        for option, value in (("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
+        after, after_any, dependency, exclude, begin, deadline_at = (
+            body.get(k) for k in ("after", "after_any", "dependency", "exclude", "begin", "deadline"))
+        for option, value in (("--begin", begin), ("--deadline", deadline_at),
+                              ("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
                               ("--node", node), ("--after", after), ("--after-any", after_any),
                               ("--dependency", dependency), ("--exclude", exclude), ("--cpus", cpus)):
             if value is not None and not isinstance(value, str):

@@ -10,19 +10,15 @@ one, the deadline only bounded its start, as SLURM's does."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from gpuq.service.display import time_limit
+from gpuq.service.display import utc as when
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import utcnow
 
 # A missed deadline's reason begins so: what `gpuq status`, `show` and a follower's end line say.
 MISSED = "deadline: "
-
-
-def when(moment: datetime) -> str:
-    """A moment as the server names it to a user, whose clock and zone may not be its own."""
-    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def check(deadline: datetime | None, begin: datetime | None, limit_s: int | None, now: datetime | None = None) -> None:
@@ -38,6 +34,13 @@ def check(deadline: datetime | None, begin: datetime | None, limit_s: int | None
         raise InvalidSpec(f"--deadline {when(deadline)} comes before the job could end: its time limit of "
                           f"{time_limit(limit_s)} from {'now' if start == now else 'its --begin'} ends at "
                           f"{when(start + timedelta(seconds=limit_s))}")
+
+
+def latest_start(deadline: datetime, limit_s: int | None) -> str:
+    """What `gpuq why` adds for a pending job with a deadline: the latest start it allows."""
+    latest = deadline - timedelta(seconds=limit_s or 0)
+    return (f"it is cancelled unless it starts by {when(latest)} (--deadline {when(deadline)}"
+            + (", less its time limit)" if limit_s else ")"))
 
 
 def missed(deadline: datetime, limit_s: int | None, now: datetime) -> str | None:

@@ -4,7 +4,7 @@ say it the same way."""
 from __future__ import annotations
 
 import math
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from gpuq.service import constants as c
@@ -57,12 +57,16 @@ def idle_note(window_s: float, limit_s: int | None) -> str:
             + (f"; cancelled at {time_limit(limit_s)} idle" if limit_s else ""))
 
 
+def utc(moment: datetime) -> str:
+    """A moment as the server names it to a user, whose clock and zone may not be its own:
+    ``2026-11-28 05:10:00 UTC``."""
+    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+
+
 def expected_at(start: float, now: float) -> str:
     """An expected moment (epoch s) and how long until it, as `gpuq why` and `--test-only` give a
     start: ``2026-11-28 05:10:00 UTC, in 1:12:00`` (whole seconds, rounded up)."""
-    from datetime import UTC, datetime
-
-    return f"{datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} UTC, in {time_limit(math.ceil(start - now))}"
+    return f"{utc(datetime.fromtimestamp(start, UTC))}, in {time_limit(math.ceil(start - now))}"
 
 
 def exit_status(code: int | None) -> str:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import dependencies, policy
+from gpuq.service import deadline, dependencies, policy
 from gpuq.service.constants import State
-from gpuq.service.display import expected_at, gpu_hours_text, preempted_by
+from gpuq.service.display import expected_at, gpu_hours_text, preempted_by, utc
 from gpuq.service.forecast import NO_START
 from gpuq.service.inventory import drained_nodes, live_cutoff
 from gpuq.service.jobs import get_job
@@ -37,9 +37,7 @@ def why(session: Session, settings: Settings, job_id: int) -> str:
         return f"job {job.id} {verb}{job.state}{where}{tail}"
     said = _waiting(session, settings, job)
     if job.deadline_at is not None:
-        latest = job.deadline_at - timedelta(seconds=job.time_limit_s or 0)
-        said += (f"; it is cancelled unless it starts by {latest:%Y-%m-%d %H:%M:%S} UTC (--deadline "
-                 f"{job.deadline_at:%Y-%m-%d %H:%M:%S} UTC" + (", less its time limit)" if job.time_limit_s else ")"))
+        said += "; " + deadline.latest_start(job.deadline_at, job.time_limit_s)
     return said
 
 
@@ -84,7 +82,7 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
         from gpuq.service.display import time_limit
 
         left = max(int((job.begin_at - utcnow()).total_seconds()), 0)
-        said = (f"{head}: it may start from {job.begin_at:%Y-%m-%d %H:%M:%S} UTC (--begin), in {time_limit(left)}; "
+        said = (f"{head}: it may start from {utc(job.begin_at)} (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")
         read, decision = _pass(session, settings)
         start = planned_starts(session, read, decision).get(job.id)

@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
-from gpuq.service.display import array_name, duration, printable, state_counts
+from gpuq.service.display import array_name, duration, printable, state_counts, utc
 from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import EarlierAttempt, Job, JobMail, table
 from gpuq.service.settings import Settings
@@ -212,7 +212,7 @@ def _end(first: Any, members: list[Any], kind: str, to: str, counts: Counter[str
 
 
 def _at(t: Any) -> str:
-    return "-" if t is None else f"{t:%Y-%m-%d %H:%M:%S} UTC"
+    return "-" if t is None else utc(t)
 
 
 def _body(lines: list[tuple[str, str]], first: Any, kind: str) -> str:
