@@ -231,9 +231,16 @@ def _report(answer: list[dict[str, Any]], named: set[int], array: int | None,
 @app.command()
 def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
           reason: Annotated[str | None, typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
+          at: Annotated[str | None, typer.Option(
+              "--at", help="Drain it then, not now (a maintenance window's start): until then only jobs whose "
+                           "time limit ends by then start there. A time of day (09:00), a date and time "
+                           "(2026-12-24T09:00) or a wait (2h).")] = None,
           ) -> None:
-    """Let a node's running jobs finish and start nothing new there (an admin command: it uses the database)."""
-    if _set_drained(node, True, reason):
+    """Let a node's running jobs finish and start nothing new there, now or from --at on (an admin
+    command: it uses the database)."""
+    if at is not None:
+        _plan_drain(node, at, reason)
+    elif _set_drained(node, True, reason):
         typer.echo(f"node {node} was drained already; its reason is now: {printable(reason or '')}")
     else:
         typer.echo(f"node {node} drained: running jobs finish, nothing new starts there")
@@ -241,7 +248,7 @@ def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
 
 @app.command()
 def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> None:
-    """Undo `gpuq drain` (an admin command: it uses the database)."""
+    """Undo `gpuq drain`, or call off a drain planned with --at (an admin command: it uses the database)."""
     _set_drained(node, False, None)
     typer.echo(f"node {node} resumed")
 
@@ -275,9 +282,32 @@ def _admin() -> str:
     return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
 
 
+def _plan_drain(node: str, at: str, reason: str | None) -> None:
+    from datetime import datetime
+
+    from gpuq.cli.stack import admin_settings
+    from gpuq.service import broker, node_drains
+    from gpuq.service.db import require_schema, write_scope
+    from gpuq.service.display import utc
+    from gpuq.service.units import parse_begin
+
+    when = parse_begin(at, datetime.now().astimezone(), "--at")
+    settings = admin_settings("drain")
+    require_schema(settings)
+    admin = _admin()
+    with write_scope(settings) as session:
+        before = node_drains.plan(session, node, when, reason, by=admin)
+    done = f"node {printable(node)} at {utc(when)}" + (f" (reason: {printable(reason)})" if reason else "")
+    _audit(settings, f"drain by {admin} (uid {os.getuid()}): {done}")
+    broker.wake_scheduler(settings)
+    moved = f" (it was to drain at {utc(before)})" if before is not None else ""
+    typer.echo(f"node {node} drains at {utc(when)}{moved}: until then only jobs whose time limit ends by then "
+               "start there; `gpuq resume` calls it off")
+
+
 def _set_drained(node: str, drained: bool, reason: str | None) -> bool:
     from gpuq.cli.stack import admin_settings
-    from gpuq.service import broker, inventory
+    from gpuq.service import broker, node_drains
     from gpuq.service.db import require_schema, write_scope
 
     action = "drain" if drained else "resume"
@@ -285,7 +315,7 @@ def _set_drained(node: str, drained: bool, reason: str | None) -> bool:
     require_schema(settings)
     admin = _admin()
     with write_scope(settings) as session:
-        only_reason = inventory.set_drained(session, node, drained, reason, by=admin)
+        only_reason = node_drains.set_drained(session, node, drained, reason, by=admin)
     done = f"node {printable(node)}" + (f" (reason: {printable(reason)})" if drained and reason else "")
     _audit(settings, f"{action} by {admin} (uid {os.getuid()}): {done}")
     if not drained:

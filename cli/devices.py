@@ -74,10 +74,12 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
 
 def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
     """Every GPU, each with whether its node is drained and why (``node_drained``,
-    ``node_drain_reason``: its own ``drain_reason`` is the GPU's alone), and the drained nodes."""
+    ``node_drain_reason``: its own ``drain_reason`` is the GPU's alone; ``node_drain_ahead``, a drain
+    planned), and the drained nodes."""
     answer = client.get("/devices")
-    drained = answer.get("drained") or {}
-    return [d | {"node_drained": d["node"] in drained, "node_drain_reason": drained.get(d["node"])}
+    drained, ahead = answer.get("drained") or {}, answer.get("drains_ahead") or {}
+    return [d | {"node_drained": d["node"] in drained, "node_drain_reason": drained.get(d["node"]),
+                 "node_drain_ahead": ahead.get(d["node"])}
             for d in answer["devices"]], drained
 
 
@@ -132,7 +134,8 @@ def _print(rows: list[dict[str, Any]], drained: dict[str, str | None]) -> None:
     console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 220)
     if rows:
         console.print(table(rows, drained))
-        for line in drain_reasons(rows, drained):
+        for line in drain_reasons(rows, drained, {r["node"]: r["node_drain_ahead"] for r in rows
+                                                   if r.get("node_drain_ahead")}):
             console.print(line, markup=False, highlight=False)
     else:
         console.print("no GPUs registered: start the workers with `gpuq up`")

@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 from gpuq.service.display import (  # noqa: F401 - the CLI's names for them
+    drain_ahead,
     drained,
     duration,
     exit_status,
@@ -79,7 +80,9 @@ def job_name(name: str, width: int = 30) -> str:
     return flat[: width - len(tail) - 1] + "…" + tail
 
 
-def drain_reasons(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[str]:
-    """Why each drained node or GPU is drained (``display.drained``), a line each: under the GPUs of
-    `gpuq status` and `gpuq devices`."""
-    return [f"drained: {where}: {one_line(why, 160)}" for where, why in drained(gpus, nodes)]
+def drain_reasons(gpus: list[dict[str, Any]], nodes: dict[str, str | None],
+                  ahead: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """Why each drained node or GPU is drained (``display.drained``), a line each, then each drain
+    planned (``ahead``: node -> ``{"at", "note"}``): under the GPUs of `gpuq status` and `gpuq devices`."""
+    return ([f"drained: {where}: {one_line(why, 160)}" for where, why in drained(gpus, nodes)]
+            + [one_line(drain_ahead(node, d["at"], d.get("note")), 240) for node, d in sorted((ahead or {}).items())])

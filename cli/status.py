@@ -147,7 +147,8 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
                     frozenset({"GPU", "UTIL"}), colour) if gpus else
              "no GPUs registered: start the workers with `gpuq up`"]
     # A drained node's GPUs carry its reason: one line for the node.
-    lines += drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")})
+    lines += drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")},
+                           {g["node"]: g["node_drain_ahead"] for g in gpus if g.get("node_drain_ahead")})
     return "\n".join(lines) + "\n"
 
 

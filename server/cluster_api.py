@@ -36,18 +36,18 @@ async def whoami(request: web.Request) -> web.Response:
 
 @routes.get(P + "/devices")
 async def devices(request: web.Request) -> web.Response:
-    """Every GPU now (`gpuq devices`), and the drained nodes with their reasons."""
+    """Every GPU now (`gpuq devices`), the drained nodes with their reasons, and the drains planned."""
     settings, _ = context(request)
     return web.json_response(await call(_devices, settings))
 
 
 def _devices(settings: Settings) -> dict[str, Any]:
     from gpuq.service.device_status import device_status
-    from gpuq.service.inventory import drained_nodes
+    from gpuq.service.node_drains import drained_nodes, drains_ahead
 
     with reading(settings) as session:
         return {"devices": [d.as_dict() for d in device_status(session, settings)],
-                "drained": drained_nodes(session)}
+                "drained": drained_nodes(session), "drains_ahead": drains_ahead(session)}
 
 
 @routes.get(P + "/share")

@@ -155,6 +155,13 @@ def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tu
     return out + [(f"{g['node']} GPU {g['index']}", why) for g, why in own if why]
 
 
+def drain_ahead(node: str, at: str, note: str | None) -> str:
+    """A drain planned for a node (``at``: its ISO time, as `gpuq status`'s JSON gives it), as every
+    front-end says it under the GPUs: when, why, and what it means until then."""
+    return (f"node {node} drains at {utc(datetime.fromisoformat(at))} ({note or 'no reason given'}): only "
+            "jobs whose time limit ends by then start there")
+
+
 def ranges(numbers: list[int], most: int = 4) -> str:
     """Sorted whole numbers as squeue writes an array's tasks: runs as ``a-b``, the rest by commas,
     at most ``most`` pieces and then ``…`` (``0-3,7,9-12``)."""

@@ -69,6 +69,7 @@ _WAITS = {policy.HELD: "it is held: it waits for `gpuq release`",
           # Planned from its begin time, unless a dependency waits too: then this is why it is not.
           policy.BEGIN_TIME: "it waits for its dependency, and its begin time",
           policy.NODE_DRAINED: "its node is drained",
+          policy.NODE_DRAINING: "the nodes it fits drain before it could end there (`gpuq drain --at`)",
           policy.ARRAY_LIMIT: "its array runs no more tasks at once than its limit, --array ...%N",
           policy.USER_LIMIT: "its user holds the most GPUs allowed at once"}
 

@@ -11,11 +11,12 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import deadline, dependencies, policy
 from gpuq.service.constants import State
-from gpuq.service.display import expected_at, gpu_hours_text, preempted_by, utc
+from gpuq.service.display import expected_at, gpu_hours_text, preempted_by, time_limit, utc
 from gpuq.service.forecast import NO_START
-from gpuq.service.inventory import drained_nodes, live_cutoff
+from gpuq.service.inventory import live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.node_drains import drained_nodes, drains_ahead
 from gpuq.service.queue_read import QueueRead, planned_starts, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.units import AFTER_KINDS
@@ -114,6 +115,14 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
             return f"{head}: the nodes with {job.gpus} GPU{'s' if job.gpus != 1 else ''} for it are drained: {nodes}"
         why_drained = drained.get(job.on_node)
         return f"{head}: it asked for node {job.on_node}, which is drained{f' ({why_drained})' if why_drained else ''}"
+    if reason == policy.NODE_DRAINING:
+        nodes = "; ".join(f"{n} at {utc(datetime.fromisoformat(d['at']))} ({d['note']})"
+                          for n, d in sorted(drains_ahead(session).items())
+                          if n not in (job.exclude_nodes or ()) and job.on_node in (None, n))
+        limit = (f"its time limit of {time_limit(job.time_limit_s)} would end after that" if job.time_limit_s
+                 else "it has no time limit, so it could not end by then")
+        return (f"{head}: the nodes it fits are to drain before it could end there ({nodes}), and {limit}; it "
+                "starts once they are resumed, or with a time limit that ends in time (`gpuq update --time`)")
     need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}" + (f" of type {job.gpu_type}" if job.gpu_type else "")
     if job.mem_mib:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
@@ -163,7 +172,6 @@ def _start_line(start: float | None, now: float) -> str:
 def _running_where(session: Session, job: Job) -> str:
     """Its GPUs and how far into its time limit it is (as squeue's TIME and TIME_LIMIT):
     `` (GPU 0,1), 0:12:03 of its 2:00:00``."""
-    from gpuq.service.display import time_limit
     from gpuq.service.jobs import gpu_indices_of
 
     indices = gpu_indices_of(session, [job.id]).get(job.id, [])
@@ -213,6 +221,7 @@ def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:
 def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     cutoff = live_cutoff(settings)
     drained = drained_nodes(session)
+    ahead = drains_ahead(session)
     rows = session.execute(select(Gpu, Job).where(Gpu.retired_at.is_(None))
                            .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
                            .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)).all()
@@ -269,6 +278,9 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     lines = []
     for node, texts in by_node.items():
         prefix = f"node {node}" + (" (drained)" if node in drained else "")
+        if node in ahead:
+            prefix += (f" (drains at {utc(datetime.fromisoformat(ahead[node]['at']))}: only jobs that end by then "
+                       "start there)")
         lines.append(f"{prefix}: " + ", ".join(texts))
     return lines or ["no GPU is known to gpuq"]
 

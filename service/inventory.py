@@ -12,7 +12,8 @@ from sqlalchemy.orm import Session
 
 from gpuq.service.db import rows_changed
 from gpuq.service.devices import GpuInfo, GpuReading
-from gpuq.service.models import Allocation, Gpu, Job, Node, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.node_drains import drained_nodes, drains_ahead
 from gpuq.service.settings import Settings
 
 
@@ -173,6 +174,8 @@ class GpuView:
     own_drain_reason: str | None = None  # drained on its own (lost, its worker did not start), node or not
     # The shared jobs on it (``Holders.shares``; job_id is then None).
     shares: tuple[dict[str, Any], ...] = ()
+    # Its node's planned drain, ``{"at": ISO time, "note": why and by whom}`` (service/node_drains.py).
+    node_drain_ahead: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,7 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
     """Each GPU with its whole-GPU job, or its shared jobs and what each uses of its share."""
     cutoff = live_cutoff(settings)
     drained = drained_nodes(session)
+    ahead = drains_ahead(session)
     return [
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,
@@ -216,7 +220,8 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
                 job_id=held.whole[0], job_user=held.whole[2], heartbeat_at=g.heartbeat_at,
                 drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
                 drain_reason=drained.get(g.node) or g.drain_reason, node_drained=g.node in drained,
-                own_drain_reason=g.drain_reason, shares=held.shares)
+                own_drain_reason=g.drain_reason, shares=held.shares,
+                node_drain_ahead=ahead.get(g.node))
         for g, held in holders(session)
     ]
 
@@ -226,49 +231,3 @@ def record_share_use(session: Session, gpu_id: int, used: dict[int, int | None])
     for job_id, mib in used.items():
         session.execute(update(Allocation).where(Allocation.gpu_id == gpu_id, Allocation.job_id == job_id)
                         .values(used_mib=mib))
-
-
-def set_drained(session: Session, node: str, drained: bool, reason: str | None = None, by: str | None = None
-                ) -> bool:
-    """Drain a node (running jobs finish, nothing new starts there) or resume it; ``by``: who
-    drained it. True where a drained node was only given a new reason."""
-    from gpuq.service.errors import InvalidSpec, StateConflict
-
-    known = session.scalar(select(Gpu.id).where(Gpu.node == node).limit(1))
-    row = session.get(Node, node)
-    if known is None and row is None:
-        raise InvalidSpec(f"no node {node} is known to gpuq")
-    if row is None:
-        row = Node(name=node, drained=False)
-        session.add(row)
-    if not drained:
-        # Resuming a node also gives back its GPUs drained one by one (a lost GPU, once fixed).
-        freed = rows_changed(session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
-                                             .values(drain_reason=None)))
-        if freed and not row.drained:
-            return False
-    if row.drained and drained and reason is not None and reason != row.drain_reason:
-        # Drained again with a new reason: the reason changes (as `scontrol update ... reason=`),
-        # with no resume in between that would let jobs start there.
-        row.drain_reason, row.drained_at, row.drained_by = reason, utcnow(), by
-        return True
-    if row.drained == drained:
-        raise StateConflict(f"node {node} is {'already drained' if drained else 'not drained'}"
-                            + (" (give --reason to change its reason)" if drained else ""))
-    row.drained, row.drain_reason = drained, reason if drained else None
-    row.drained_at, row.drained_by = (utcnow(), by) if drained else (None, None)
-    return False
-
-
-def drained_nodes(session: Session) -> dict[str, str | None]:
-    """Each drained node's reason, with who drained it and since when (as `sinfo -R` lists them):
-    ``maintenance; by root since 2026-11-26 16:30 UTC``."""
-    return {n.name: _drain_note(n) for n in session.scalars(select(Node).where(Node.drained))}
-
-
-def _drain_note(node: Node) -> str | None:
-    signed = " ".join(([f"by {node.drained_by}"] if node.drained_by else []) +
-                      ([f"since {node.drained_at:%Y-%m-%d %H:%M} UTC"] if node.drained_at else []))
-    if not signed:
-        return node.drain_reason  # drained before gpuq kept who and when
-    return f"{node.drain_reason or 'no reason given'}; {signed}"

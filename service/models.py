@@ -236,7 +236,8 @@ class Gpu(Base):
 
 
 class Node(Base):
-    """A node's administrative state: drained nodes finish their jobs and start no new ones."""
+    """A node's administrative state: drained nodes finish their jobs and start no new ones; a node
+    to drain at a set time (a maintenance window) starts only jobs that end by then."""
 
     __tablename__ = "nodes"
 
@@ -245,6 +246,9 @@ class Node(Base):
     drain_reason: Mapped[str | None] = mapped_column(Text)
     drained_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     drained_by: Mapped[str | None] = mapped_column(String(255))  # the admin, as `sinfo -R` names them
+    # A drain planned ahead (`gpuq drain NODE --at TIME`): from then on the node is drained, and
+    # until then only jobs whose time limit ends by then start there. ``drained`` stays False.
+    drain_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Allocation(Base):

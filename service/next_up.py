@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Integer, bindparam, delete, exists, func, insert, literal, select, true
+from sqlalchemy import Integer, bindparam, delete, exists, func, insert, literal, or_, select, true
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -35,11 +35,12 @@ _GPUS = table(Gpu)
 # jobs (a step per job in the queue, in the write lock of every job's end; 1,900 index scans a
 # job under a flood of 2,000).
 _LISTED_USER = select(_JOBS.c.user).where(_JOBS.c.id == _NEXT.c.job_id, *waiting()).scalar_subquery()
-# This GPU's list, unless the GPU or its node was drained or the GPU is held already.
+# This GPU's list, unless the GPU or its node was drained or is to drain (`gpuq drain --at`: whether
+# a job ends by then is the scheduler's to see), or the GPU is held already.
 _GPU_OPEN = (_NEXT.c.gpu_id == bindparam("gpu_id"),
              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), _GPUS.c.drain_reason.is_not(None)),
              ~exists().where(_GPUS.c.id == bindparam("gpu_id"), table(Node).c.name == _GPUS.c.node,
-                             table(Node).c.drained.is_(True)))
+                             or_(table(Node).c.drained.is_(True), table(Node).c.drain_at.is_not(None))))
 _GPU_TAKES = (*_GPU_OPEN, ~exists().where(table(Allocation).c.gpu_id == bindparam("gpu_id")))
 # This GPU's listed jobs that are still pending and not held: one read.
 _LISTED_PREEMPTIBLE = select(_JOBS.c.preemptible).where(_JOBS.c.id == _NEXT.c.job_id).scalar_subquery()

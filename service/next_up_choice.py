@@ -31,7 +31,8 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
     """
     placed = {p.job_id for p in decision.placements}
     taken = {g.id for p in decision.placements if not p.shared for g in p.gpus}
-    open_gpus = [g for g in state.gpus if g.busy_until is not None or g.id in taken]
+    # A node to drain lists nothing: whether a job ends before the drain is the scheduler's to see.
+    open_gpus = [g for g in state.gpus if (g.busy_until is not None or g.id in taken) and g.closes_at is None]
     busy_on: dict[str, int] = defaultdict(int)
     for g in open_gpus:
         busy_on[g.node] += 1

@@ -105,7 +105,8 @@ def choose_shared(job: JobRequest, need: int, shareable: dict[str, list[GpuLoad]
     best: tuple[int, str, tuple[GpuLoad, ...]] | None = None
     for node in nodes:
         fitting = [(load.room - need, load.gpu.index, load) for load in shareable[node]
-                   if load.room >= need and load.gpu.is_of(job) and not _would_delay(load, need, ends, reservation)]
+                   if load.room >= need and load.gpu.is_of(job) and load.gpu.open_until(ends)
+                   and not _would_delay(load, need, ends, reservation)]
         if len(fitting) < job.gpus:
             continue
         if job.gpus == 1:

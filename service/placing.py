@@ -1,5 +1,6 @@
 """Placing: the GPUs as one ``policy.decide`` pass places jobs on them, free, shared, reserved for
-the first job in line, fenced for a typed one, or taken by preemption (service/preemption.py)."""
+the first job in line, fenced for a typed one, or taken by preemption (service/preemption.py). A
+GPU whose node is to drain (``GpuState.closes_at``) takes only jobs that end by then."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Gpus:
             if load.whole_until is None:
                 self.shareable[g.node].append(load)
         self.free_count = sum(len(gs) for gs in self.free.values())
+        # When nodes drain (`gpuq drain --at`): which of them a job ends before is part of its kind.
+        self.drain_times = sorted({g.closes_at for g in state.gpus if g.closes_at is not None})
         # What preemption may take, by node: each preemptible job's GPUs, and GPUs being freed by
         # an earlier preemption that no job of this pass claimed yet (service/preemption.py).
         self.held: dict[str, dict[Preemptible, list[GpuLoad]]] = defaultdict(lambda: defaultdict(list))
@@ -80,10 +83,15 @@ class Gpus:
         """When ``job`` would end by its time limit if it started now (inf without one)."""
         return math.inf if job.time_limit_s is None else self.now + job.time_limit_s
 
+    def _drains_met(self, job: JobRequest) -> int:
+        """How many of the planned drains ``job`` would end before if it started now."""
+        return sum(self.ends(job) <= t for t in self.drain_times) if self.drain_times else 0
+
     def choose(self, job: JobRequest, reservation: Reservation | None) -> tuple[GpuLoad, ...] | None:
         """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
         ends_in_time = reservation is not None and self.ends(job) <= reservation.start
-        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, ends_in_time)
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, ends_in_time,
+                 self._drains_met(job))
         if shape in self.failed:
             return None
         if job.shared:
@@ -102,7 +110,8 @@ class Gpus:
         """Best fit for a whole-GPU job: the node with the fewest suitable GPUs free of gpuq jobs."""
         options = []
         for node in self.nodes_for(job):
-            usable = [g for g in self.free[node] if g.gpu.fits(job) and (not self.fenced or self.open_to_later(g.gpu))]
+            usable = [g for g in self.free[node] if g.gpu.fits(job) and g.gpu.open_until(self.ends(job))
+                      and (not self.fenced or self.open_to_later(g.gpu))]
             if reservation is not None and node == reservation.node and not ends_in_time:
                 usable = [g for g in usable if g.gpu.id not in reservation.gpu_ids]
             if len(usable) >= job.gpus:
@@ -140,13 +149,16 @@ class Gpus:
         ahead of it are not taken."""
         if not self.may_preempt_for(job):
             return None
-        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type)
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, self._drains_met(job))
         if shape in self.cannot_preempt:
             return None
         reserved = reservation.gpu_ids if reservation is not None else frozenset()
 
+        ends = self.ends(job)
+
         def usable(load: GpuLoad) -> bool:
-            return (load.gpu.id not in reserved and (not self.fenced or self.open_to_later(load.gpu))
+            return (load.gpu.id not in reserved and load.gpu.open_until(ends)
+                    and (not self.fenced or self.open_to_later(load.gpu))
                     and preemption.fits_once_clear(load.gpu, job, self.context_mib))
 
         def held(node: str) -> dict[Preemptible, list[GpuLoad]]:
@@ -184,19 +196,26 @@ class Gpus:
         return (sum(len(gs) for by_job in self.held.values() for gs in by_job.values())
                 + sum(len(gs) for gs in self.freeing.values()))
 
-    def could_ever_fit(self, job: JobRequest) -> bool:
+    def could_ever_fit(self, job: JobRequest, past_drains: bool = False) -> bool:
+        """Whether ``job`` fits a node's GPUs once they are free; ``past_drains``: only GPUs whose
+        node is not to drain (a job that fits none of those waits for a resume, not for the queue)."""
+        def counts(g: GpuLoad) -> bool:
+            return not past_drains or g.gpu.closes_at is None
+
         if job.shared:
             need = packing.need_mib(job, self.context_mib)
-            return any(sum(g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need) for g in self.by_node[n])
-                       >= job.gpus
+            return any(sum(counts(g) and g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need)
+                           for g in self.by_node[n]) >= job.gpus
                        for n in self.nodes_for(job))
-        return any(sum(1 for g in self.by_node[n] if g.gpu.fits(job)) >= job.gpus for n in self.nodes_for(job))
+        return any(sum(1 for g in self.by_node[n] if counts(g) and g.gpu.fits(job)) >= job.gpus
+                   for n in self.nodes_for(job))
 
     def reserve(self, job: JobRequest) -> Reservation | None:
         """The earliest start ``job`` can count on, from the running jobs' time limits (those
         placed in this pass included); None if unknown. The GPUs kept for a typed job ahead of it
         (``fence``) count for nothing: that job takes them first, at a time no one knows."""
         need = packing.need_mib(job, self.context_mib) if job.shared else None
+        length = math.inf if job.time_limit_s is None else job.time_limit_s
         best: Reservation | None = None
         for node in self.nodes_for(job):
             loads = [g for g in self.by_node[node] if not self.fenced or self.open_to_later(g.gpu)]
@@ -205,6 +224,9 @@ class Gpus:
                                   if g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need))
             else:
                 suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in loads if g.gpu.fits(job))
+            # A GPU whose node drains before the job could end there is none of its to count on.
+            closing = {g.gpu.id: g.gpu for g in loads if g.gpu.closes_at is not None}
+            suitable = [s for s in suitable if s[2] not in closing or closing[s[2]].open_until(s[0] + length)]
             if len(suitable) < job.gpus:
                 continue
             needed = suitable[: job.gpus]

@@ -42,6 +42,7 @@ DEPENDENCY = "dependency"  # waits for --after jobs
 USER_LIMIT = "user limit"  # its user holds the most GPUs allowed at once
 HELD = "held"  # `gpuq hold`
 NODE_DRAINED = "node drained"  # asked for a node that is drained
+NODE_DRAINING = "node draining"  # fits only nodes that drain (`gpuq drain --at`) before it could end
 BEGIN_TIME = "begin time"  # `--begin`: not before its moment
 ARRAY_LIMIT = "array limit"  # its array runs as many tasks at once as `--array ...%N` lets it
 PREEMPTING = "preempting"  # waits for the preemptible jobs on its GPUs to stop
@@ -106,6 +107,11 @@ def decide(state: QueueState) -> Decision:
         decision.reservation = gpus.reserve(job)
         gpus.failed.clear()  # what could not start may start now under the reservation, and the reverse
         if decision.reservation is None:
+            if not gpus.could_ever_fit(job, past_drains=True):
+                # It fits only nodes to drain before it could end there: it waits for a resume,
+                # and holding the queue for it would keep every job off them until then.
+                decision.waiting[job.id] = NODE_DRAINING
+                continue
             if job.gpu_type is None:
                 blocked = True
             else:

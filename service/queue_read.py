@@ -17,14 +17,14 @@ from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import deadline, dependencies, policy
+from gpuq.service import deadline, dependencies, node_drains, policy
 from gpuq.service.constants import State
 from gpuq.service.display import ADMIN_HELD, preemption_asked
 from gpuq.service.fair_share import FairShare
 from gpuq.service.forecast import Awaiting, start_times
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
-from gpuq.service.models import Allocation, Gpu, Job, Node, table, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_state import JobRequest, Preemptible
 from gpuq.service.settings import Settings
@@ -57,7 +57,7 @@ _ARRAY_TASKS_STARTED = (select(_t.array_id, _t.started_at, _t.time_limit_s)
                                _t.state.in_((State.DISPATCHED, State.RUNNING))))
 
 
-_DRAINED = Prepared(select(table(Node).c.name).where(table(Node).c.drained.is_(True)))
+_DRAINS = Prepared(node_drains.DRAINS)
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
                              table(Allocation).c.share_mib, _t.gpu_share, _t.id, _t.preemptible, _t.priority,
                              _t.cancel_requested_at, _t.reason).join_from(
@@ -121,7 +121,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     such rows, read as pending with the rest (a submit's estimate, service/estimate.py)."""
     now = utcnow()
     conn = session.connection()  # Prepared statements: a submit reads this to place its job
-    drained = {name for name, in _DRAINED.run(conn, {})}
+    drains = node_drains.Drains.of(_DRAINS.run(conn, {}), now)
+    drained = drains.now
     busy: dict[int, float] = {}
     # Each GPU's shared jobs, (expected end, MiB of share and reserve); each user's GPUs, (expected
     # end, GPUs charged).
@@ -155,7 +156,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
                             model=g.name, preemptible=preemptible.get(g.id), preempted=g.id in preempted,
-                            exempt_until=exempt_until.get(g.id))
+                            exempt_until=exempt_until.get(g.id), closes_at=drains.ahead.get(g.node))
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).

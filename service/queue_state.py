@@ -70,6 +70,9 @@ class GpuState:
     # Its whole-GPU job is preemptible but started less than GPUQ_PREEMPT_EXEMPT ago: when it may be
     # preempted (epoch s). Only the forecast reads it: the passes see the job as any other till then.
     exempt_until: float | None = None
+    # Its node drains then (epoch s; `gpuq drain --at`, service/node_drains.py): until then only a
+    # job that ends by then starts on it. None: no drain planned.
+    closes_at: float | None = None
 
     @property
     def shared_mib(self) -> int:
@@ -96,6 +99,10 @@ class GpuState:
         """Memory one more shared job may take now: what neither the shared jobs' shares and
         reserves nor other programs hold."""
         return self.memory_total_mib - self.shared_mib - self.foreign_mib
+
+    def open_until(self, end: float) -> bool:
+        """Whether a job ending at ``end`` (inf: no time limit) ends before its node drains."""
+        return self.closes_at is None or end <= self.closes_at
 
     def fits(self, job: JobRequest) -> bool:
         """Whether this GPU, once free of gpuq jobs, suits whole-GPU ``job``'s memory request

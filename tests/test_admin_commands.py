@@ -14,7 +14,7 @@ import pytest
 
 from gpuq.migrations.versions import HEAD
 from gpuq.service.db import write_scope
-from gpuq.service.inventory import drained_nodes
+from gpuq.service.node_drains import drained_nodes
 from tests import test_multiuser as multiuser
 from tests.conftest import free_port
 from tests.test_audit import logged

@@ -15,7 +15,7 @@ from html import escape
 import pytest
 from sqlalchemy import delete, func, select, update
 
-from gpuq.service import accounting, inventory, job_output, jobs, spec, submitting
+from gpuq.service import accounting, inventory, job_output, jobs, node_drains, spec, submitting
 from gpuq.service.db import write_scope
 from gpuq.service.fair_share import standings
 from gpuq.service.models import Gpu, Job, utcnow
@@ -92,6 +92,19 @@ def test_queue_page_marks_a_drained_gpu_and_says_why_under_the_gpus(ran, dash):
     finally:
         with write_scope(st.settings) as session:
             session.execute(update(Gpu).where(Gpu.id == gpu_id).values(drain_reason=None))
+
+
+def test_queue_page_says_when_a_node_drains_under_the_gpus(ran, dash):
+    st, _ = ran
+    with write_scope(st.settings) as session:
+        node_drains.plan(session, "testnode", utcnow() + timedelta(hours=5), "<new driver>", by="root")
+    try:
+        _, _, html = dash.get("/")
+        assert re.search(r"node testnode drains at [\d: -]+ UTC \(&lt;new driver&gt;; by root\): only jobs whose "
+                         r"time limit ends by then start there", html), html[-2000:]
+    finally:
+        with write_scope(st.settings) as session:
+            node_drains.set_drained(session, "testnode", False)
 
 
 def test_job_page_shows_parameters_result_metrics_per_epoch_and_device_plots(ran, dash):

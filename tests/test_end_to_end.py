@@ -271,6 +271,47 @@ def test_status_says_why_who_and_since_when_a_drained_node_is_drained_in_one_lin
     assert "drained" not in run_cli(["status"], s).stdout
 
 
+def test_a_drain_planned_with_at_is_shown_under_the_gpus_starts_only_jobs_that_end_by_then_and_is_called_off(stack):
+    s = stack.settings
+    planned = run_cli(["drain", s.node, "--at", "2h", "--reason", "driver update"], s)
+    assert planned.returncode == 0, planned.stderr
+    assert re.fullmatch(rf"node {s.node} drains at \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC: until then only jobs whose "
+                        r"time limit ends by then start there; `gpuq resume` calls it off\n", planned.stdout), \
+        planned.stdout
+    waiting = None
+    try:
+        for bad, says in ((["--at", "25:00"], "--at 25:00 is not a time of day"),
+                          (["--at", "soon"], "--at takes a time of day"),
+                          (["--at", "2027-99-01T09:00"], "--at takes a time of day")):
+            refused = run_cli(["drain", s.node, *bad], s)
+            assert refused.returncode == c.EXIT_USAGE and refused.stderr.count("\n") == 1, refused.stderr
+            assert says in refused.stderr
+        moved = run_cli(["drain", s.node, "--at", "3h"], s)
+        assert moved.returncode == 0 and "(it was to drain at " in moved.stdout, moved.stdout + moved.stderr
+        out = run_cli(["status"], s).stdout
+        assert re.search(rf"^node {s.node} drains at [\d: -]+ UTC \(driver update; by \w+\): only jobs whose time "
+                         r"limit ends by then start there$", out, re.M), out
+        assert "(drained)" not in out
+        assert "drains at" in run_cli(["devices"], s).stdout
+        short = submit(s, ["--time", "5m", "--", "true"])
+        assert wait_for_state(s, short, c.END_STATES) == State.SUCCEEDED
+        waiting = submit(s, ["--", "true"])  # no time limit: it could not end before the drain
+        time.sleep(1.5)
+        shown = json.loads(run_cli(["status", "--json"], s).stdout)
+        mine = [(j["state"], j["reason"]) for j in shown["jobs"] if j["id"] == waiting]
+        assert mine == [("pending", "node draining")]
+        said = run_cli(["why", str(waiting)], s).stdout
+        assert "the nodes it fits are to drain before it could end there" in said and "no time limit" in said, said
+        again = run_cli(["drain", s.node], s)  # now, not later: its planned reason goes with it
+        assert again.returncode == 0, again.stderr
+        assert "drained: node " + s.node + ": driver update; by " in run_cli(["status"], s).stdout
+    finally:
+        assert run_cli(["resume", s.node], s).returncode == 0
+    assert wait_for_state(s, waiting, c.END_STATES) == State.SUCCEEDED
+    out = run_cli(["status"], s).stdout
+    assert "drain" not in out
+
+
 def test_each_worker_is_pinned_to_its_gpu_with_pci_bus_order(stack):
     for name, proc in stack.procs.items():
         if not name.startswith("worker"):

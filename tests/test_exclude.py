@@ -100,7 +100,7 @@ def test_update_changes_a_pending_jobs_excluded_nodes_as_a_submit_checks_them_an
 
 
 def test_a_job_whose_only_node_left_is_drained_waits_for_the_node_not_for_resources(settings):
-    from gpuq.service import inventory
+    from gpuq.service import node_drains
     from gpuq.service.db import write_scope
     from gpuq.service.explain import why
 
@@ -109,8 +109,8 @@ def test_a_job_whose_only_node_left_is_drained_waits_for_the_node_not_for_resour
     register(settings, "b", 1)
     register(settings, "c", 1)
     with write_scope(settings) as session:
-        inventory.set_drained(session, "b", True, "maintenance")
-        inventory.set_drained(session, "c", True, "new driver")  # excluded too: not named to it
+        node_drains.set_drained(session, "b", True, "maintenance")
+        node_drains.set_drained(session, "c", True, "new driver")  # excluded too: not named to it
     busy = submit(settings)  # a's GPU
     off_a = submit(settings, exclude="a,c")
     Scheduler(settings).schedule_once()

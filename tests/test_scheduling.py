@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import delete, func, select, update
 
 from gpuq.service import constants as c
-from gpuq.service import inventory, job_output, jobs, lifecycle, next_up, spec, submitting, usage
+from gpuq.service import inventory, job_output, jobs, lifecycle, next_up, node_drains, spec, submitting, usage
 from gpuq.service.celery_app import queue_name
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
@@ -379,13 +379,13 @@ def test_fair_share_puts_the_user_with_fewer_recent_gpu_hours_first(settings):
 def test_a_drained_node_starts_nothing_new_until_resumed(settings):
     register(settings, "a", 1)
     with write_scope(settings) as session:
-        inventory.set_drained(session, "a", True, "driver update")
+        node_drains.set_drained(session, "a", True, "driver update")
     job = submit(settings, node="a")
     Scheduler(settings).schedule_once()
     assert state_of(settings, job)[:2] == (State.PENDING, "node drained")
     with write_scope(settings) as session:
         assert "node a, which is drained (driver update; since " in why(session, settings, job)
-        inventory.set_drained(session, "a", False)
+        node_drains.set_drained(session, "a", False)
     Scheduler(settings).schedule_once()
     assert state_of(settings, job)[0] == State.DISPATCHED
 
@@ -395,7 +395,7 @@ def test_a_job_that_only_a_drained_node_could_run_waits_for_the_node_not_for_res
     register(settings, "a", 1)
     register(settings, "b", 2)
     with write_scope(settings) as session:
-        inventory.set_drained(session, "b", True, "maintenance")
+        node_drains.set_drained(session, "b", True, "maintenance")
     small, pair = submit(settings), submit(settings, gpus=2)
     Scheduler(settings).schedule_once()
     assert state_of(settings, small)[0] == State.DISPATCHED  # a fits: no drain in its way
@@ -403,12 +403,12 @@ def test_a_job_that_only_a_drained_node_could_run_waits_for_the_node_not_for_res
     with write_scope(settings) as session:
         assert re.search(r"the nodes with 2 GPUs for it are drained: b \(maintenance; since [\d: -]+ UTC\)$",
                          why(session, settings, pair))
-        inventory.set_drained(session, "a", True, "maintenance")
+        node_drains.set_drained(session, "a", True, "maintenance")
     waiting = submit(settings)
     Scheduler(settings).schedule_once()
     assert state_of(settings, waiting)[:2] == (State.PENDING, "node drained")
     with write_scope(settings) as session:
-        inventory.set_drained(session, "b", False)
+        node_drains.set_drained(session, "b", False)
     Scheduler(settings).schedule_once()
     assert state_of(settings, pair)[0] == State.DISPATCHED
 
@@ -872,7 +872,7 @@ def test_a_worker_told_to_stop_or_on_a_drained_node_takes_no_next_job(settings):
     Scheduler(settings).schedule_once()
     assert state_of(settings, second)[0] == State.DISPATCHED
     with write_scope(settings) as session:
-        inventory.set_drained(session, "a", True, "maintenance")
+        node_drains.set_drained(session, "a", True, "maintenance")
     run_job(worker_on(settings, second), second)
     assert state_of(settings, third)[0] == State.PENDING
 

@@ -99,7 +99,9 @@ def queue(api: Client) -> str:
                       "foreign processes"], gpu_rows, numeric={1, 6, 7}, cls="gpus") if devices
                else "<p>no GPUs registered: start the workers (<code>gpuq up</code>)</p>")
             + "".join(f'<p class="muted">drained: {escape(where)}: {escape(why)}</p>'
-                      for where, why in display.drained(gpus["devices"], drained)))
+                      for where, why in display.drained(gpus["devices"], drained))
+            + "".join(f'<p class="muted">{escape(display.drain_ahead(node, d["at"], d.get("note")))}</p>'
+                      for node, d in sorted((gpus.get("drains_ahead") or {}).items())))
     return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
 
 
