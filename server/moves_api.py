@@ -227,8 +227,9 @@ async def end(request: web.Request) -> web.Response:
 @routes.post(JOB + "/stdin")
 async def stdin(request: web.Request) -> web.Response:
     """A chunk of the input `gpuq run` forwards to its job: ``{"data": BASE64, "end": bool}``;
-    ``{"taken": false}`` while the job's waiting input is full (send it again later). Not audited
-    chunk by chunk: the submit that asked for it was."""
+    ``{"taken": false}`` while the job's waiting input is full (send it again later). An empty chunk
+    that does not end it says its client is alive (``keepalive_s``: how often to say so). Not
+    audited chunk by chunk: the submit that asked for it was."""
     import base64
     import binascii
 
@@ -245,4 +246,5 @@ async def stdin(request: web.Request) -> web.Response:
     except (binascii.Error, ValueError):
         raise InvalidSpec("the input's data is not base64") from None
     taken = await call(job_input.accept, settings, job_id, caller, raw, end)
-    return web.json_response({"taken": taken})
+    # How often the client says it is alive while its input is open (an empty chunk).
+    return web.json_response({"taken": taken, "keepalive_s": settings.alloc_keepalive / 3})

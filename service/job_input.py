@@ -10,11 +10,17 @@ later, so a fast producer is held to the job's pace, not to Redis's memory.
 
 Only the job's owner (or root) may send it input: it is what their process reads. A job that ran
 before (a retry, a requeue) reads what is left: the input is read once. The keys expire
-TTL_S after the last chunk, so a client that died without ending its input leaves nothing for
-ever (its job's stdin then stays open until the job ends)."""
+TTL_S after the last chunk, so a client that died without ending its input leaves nothing for ever.
+
+The client says it is alive while its input is open (an empty chunk, every third of
+GPUQ_ALLOC_KEEPALIVE, as `gpuq alloc` does; every chunk says so too). A client not heard from
+within GPUQ_ALLOC_KEEPALIVE (killed, its ssh dropped) has ended its input as a pipe's writer that
+dies does: the worker takes what it sent and closes the command's stdin, which reads EOF, rather
+than leaving it blocked on a read until its time limit."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from gpuq.service import broker
@@ -40,10 +46,16 @@ def _keys(settings: Settings, job_id: int) -> tuple[str, str]:
     return f"{settings.key_prefix}:stdin:{job_id}", f"{settings.key_prefix}:stdin-end:{job_id}"
 
 
+def _alive_key(settings: Settings, job_id: int) -> str:
+    return f"{settings.key_prefix}:stdin-client:{job_id}"
+
+
 def put(conn: redis.Redis, settings: Settings, job_id: int, data: bytes, end: bool) -> bool:
     """Append ``data`` to job ``job_id``'s input, then its end where ``end``; False (nothing
-    appended) while MAX_QUEUED chunks wait already: send it again later."""
+    appended) while MAX_QUEUED chunks wait already: send it again later. Either way its client
+    was heard from (nothing to append, and no end: only that)."""
     chunks, ended = _keys(settings, job_id)
+    conn.set(_alive_key(settings, job_id), b"1", ex=max(math.ceil(settings.alloc_keepalive), 1))
     if data and conn.llen(chunks) >= MAX_QUEUED:
         return False
     pipe = conn.pipeline(transaction=True)
@@ -68,6 +80,11 @@ def take(conn: redis.Redis, settings: Settings, job_id: int, timeout: float) -> 
         return chunk.encode() if isinstance(chunk, str) else bytes(chunk)
     # The end was taken by an earlier attempt (a retry reads what is left: nothing).
     return END if conn.exists(ended) and not conn.llen(chunks) else None
+
+
+def client_heard(conn: redis.Redis, settings: Settings, job_id: int) -> bool:
+    """Whether job ``job_id``'s client said within GPUQ_ALLOC_KEEPALIVE that it is alive."""
+    return bool(conn.exists(_alive_key(settings, job_id)))
 
 
 def accept(settings: Settings, job_id: int, caller: Caller, data: bytes, end: bool) -> bool:

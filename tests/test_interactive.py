@@ -24,7 +24,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope
 from gpuq.service.jobs import get_job, job_gpus
-from tests.conftest import run_cli, settings_env, stack_on_database
+from tests.conftest import output_of, run_cli, settings_env, stack_on_database
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -241,6 +241,33 @@ def test_run_into_a_pipe_whose_reader_left_cancels_its_job_and_exits_141_as_sigp
     assert "Traceback" not in err and "Exception ignored" not in err, err
     wait_until(lambda: job_of(stack.settings, job_id)[0].state == State.CANCELLED, what="cancelled")
     wait_until(lambda: processes_with(f"sleep {marker}") == [], what="its processes gone")
+
+
+def test_a_killed_run_ends_its_jobs_forwarded_stdin_within_the_keepalive_bound_and_a_live_one_keeps_it(stack):
+    # The pipe stays open (this test holds its write end) and idle: only the client's keepalives
+    # keep the job's stdin open; `kill -9` of the client ends them, and the job reads EOF.
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--", "sh", "-c",
+                            "echo started; cat; echo input-ended"], env=stack.env,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert run.stdout.readline() == b"started\n"
+        job_id = newest_job(stack.settings)
+        run.stdin.write(b"partial\n")
+        run.stdin.flush()
+        assert run.stdout.readline() == b"partial\n"
+        time.sleep(2 * KEEPALIVE + 1)  # idle past the bound, its client alive: still reading
+        assert job_of(stack.settings, job_id)[0].state == State.RUNNING
+        run.kill()
+        run.wait(10)
+        took = wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
+                          what="the job's end")
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.stdin.close()
+    assert job_of(stack.settings, job_id)[0].state == State.SUCCEEDED
+    assert output_of(stack.settings, job_id) == "started\npartial\ninput-ended\n"
+    assert took <= KEEPALIVE + 0.5 + 2.0, took  # the bound, the feed's look, a pass to record the end
 
 
 def test_gpuqs_words_after_output_that_ends_inside_a_line_start_a_line_of_their_own(stack, terminals):

@@ -384,7 +384,7 @@ def test_only_a_jobs_owner_may_send_it_the_stdin_gpuq_run_forwards(box):
     assert "only they may send it input" in answer["error"]
     status, answer = post(a, f"/v1/jobs/{job_id}/stdin", {"data": base64.b64encode(b"from a\n").decode(),
                                                            "end": True})
-    assert (status, answer) == (200, {"taken": True})
+    assert (status, answer["taken"]) == (200, True)
     assert wait_for_state(box.settings, job_id, c.END_STATES) == State.SUCCEEDED
     assert _output(box, a, job_id).split() == ["from", "a", a]  # B's chunk never reached it
     status, answer = post(a, f"/v1/jobs/{job_id}/stdin", {"data": "", "end": True})

@@ -1,11 +1,13 @@
 """Writing a job's forwarded stdin (service/job_input.py) to its command: a thread that takes each
 chunk from Redis as it comes and writes it to the command's stdin, and closes that at the input's
-end, so the command reads EOF as it would at the end of a pipe."""
+end, so the command reads EOF as it would at the end of a pipe; or once its client has not been
+heard from within GPUQ_ALLOC_KEEPALIVE, as a pipe ends when its writer dies."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import IO
 
@@ -26,11 +28,19 @@ def feeder(settings: Settings, job_id: int) -> Feed:
 
     def feed(pipe: IO[bytes], over: threading.Event) -> None:
         conn = broker.shared(settings)
+        heard = time.monotonic()  # the client's first word may come a little after the job's start
         try:
             while not over.is_set():
                 chunk = job_input.take(conn, settings, job_id, LOOK_SECONDS)
                 if chunk is None:
+                    if job_input.client_heard(conn, settings, job_id):
+                        heard = time.monotonic()
+                    elif time.monotonic() - heard > settings.alloc_keepalive:
+                        log.warning("job %s: its gpuq run has not been heard from for %g s (GPUQ_ALLOC_KEEPALIVE); "
+                                    "its stdin ends here", job_id, settings.alloc_keepalive)
+                        return
                     continue
+                heard = time.monotonic()
                 if chunk == job_input.END:
                     return
                 pipe.write(chunk)
