@@ -128,6 +128,8 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
         return json_text({"jobs": rows, "gpus": gpus})
     colour = colours_wanted()
     idle_note = (idle_note_of(answer["idle_window_s"], answer.get("idle_limit_s")), "yellow")
+    exempt_note = (idle_note_of(answer["idle_window_s"], None), "yellow")  # GPUQ_IDLE_LIMIT_EXEMPT's users
+    exempt = set(answer.get("idle_limit_exempt") or ())
     fields = chosen or job_fields.STATUS_DEFAULT
     header, right = job_fields.columns(fields)
     queue = []
@@ -137,7 +139,7 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     for j in in_queue_order(rows, answer.get("arrays") or []):
         line = job_fields.cells(fields, j)
         if chosen is None and j["idle"]:  # the default table says so where the result would be
-            line[-1] = idle_note
+            line[-1] = exempt_note if j["user"] in exempt else idle_note
         queue.append(line)
     if form == "lines":
         return render("jobs", header, queue, right, colour, headed=False) + "\n" if queue else ""

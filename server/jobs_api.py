@@ -98,7 +98,8 @@ def _queue(settings: Settings, user: str | None, ended: int, collapsed: bool = F
         listed = [views.job(j, held.get(j.id)) | {"elapsed_s": _secs(jobs.elapsed(j, now)), "idle": j.id in idle}
                   for j in rows]
     answer = {"jobs": listed, "gpus": [views.plain(g.__dict__) for g in gpus], "idle_window_s": settings.idle_window,
-              "idle_limit_s": settings.idle_limit_s or None}
+              "idle_limit_s": settings.idle_limit_s or None,
+              "idle_limit_exempt": sorted(settings.idle_exempt_users) if settings.idle_limit_s else []}
     if collapsed:
         answer["arrays"] = [views.pending_tasks(g) for g in tasks]
     return answer

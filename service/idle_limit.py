@@ -6,18 +6,21 @@ the sampled time under IDLE_UTILIZATION), judged over the whole limit: a job you
 or one whose GPUs were sampled for less than half of it, is never cancelled for it. The cancel is
 the one `gpuq cancel` makes (its worker stops the job, TERM then KILL after GPUQ_KILL_GRACE), its
 reason beginning "cancelled by", so every reader of a cancel reads it as one; it is never retried.
-The scheduler asks this every ``check_every`` seconds, beside its passes (``Scheduler._end_idle``)."""
+The jobs of the users in ``GPUQ_IDLE_LIMIT_EXEMPT`` are left running (the flag still shows them
+idle). The scheduler asks this every ``check_every`` seconds, beside its passes (``Scheduler._end_idle``)."""
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
 
+from sqlalchemy import select
+
 from gpuq.service import constants as c
 from gpuq.service import lifecycle, usage
 from gpuq.service.db import read_scope, rows_changed, write_scope
 from gpuq.service.display import time_limit
-from gpuq.service.models import utcnow
+from gpuq.service.models import Job, utcnow
 from gpuq.service.settings import Settings
 
 log = logging.getLogger("gpuq.idle_limit")
@@ -47,6 +50,9 @@ def end_idle_jobs(settings: Settings, now: datetime | None = None) -> list[int]:
     # Read first, outside the write: summing hours of samples must not hold SQLite's write lock.
     with read_scope(settings) as session:
         idle = sorted(usage.idle_jobs(session, settings, now, window=limit))
+        exempt = settings.idle_exempt_users
+        if idle and exempt:
+            idle = sorted(session.scalars(select(Job.id).where(Job.id.in_(idle), Job.user.not_in(exempt))))
     if not idle:
         return []
     with write_scope(settings) as session:

@@ -108,7 +108,7 @@ def coerce(name: str, raw: Any, kind: type) -> Any:
                 pass
         if value is not None and not math.isfinite(value):  # inf, and NaN (no comparison holds for it)
             raise ConfigError(f"setting {name} must be a finite number, got {_shown(raw)}")
-    elif name == "admins" and isinstance(raw, list) and all(isinstance(u, str) for u in raw):
+    elif name in ("admins", "idle_limit_exempt") and isinstance(raw, list) and all(isinstance(u, str) for u in raw):
         value = ",".join(u.strip() for u in raw)  # admins = ["ann", "bob"]: what a TOML user writes
     elif name == "user_gpu_limits" and isinstance(raw, dict) and all(
             isinstance(n, int) and not isinstance(n, bool) for n in raw.values()):
@@ -116,7 +116,8 @@ def coerce(name: str, raw: Any, kind: type) -> Any:
     else:  # str, Path: text only; a TOML list or number here is a mistake, not a name
         value = (Path(raw).expanduser() if kind is Path else raw) if isinstance(raw, str) else None
     if value is None:
-        text = {"admins": "text or a list of names", "user_gpu_limits": "text or a table of users' GPUs"}
+        text = {"admins": "text or a list of names", "idle_limit_exempt": "text or a list of names",
+                "user_gpu_limits": "text or a table of users' GPUs"}
         what = {int: "int (a whole number)", float: "float (a number)", bool: "bool (true or false)",
                 Path: "a path (text)"}.get(kind, text.get(name, "text"))
         raise ConfigError(f"setting {name} must be {what}, got {_shown(raw)}")

@@ -91,6 +91,9 @@ class Settings:
     # --time's forms ("2h"): an allocation or a notebook left open overnight gives its GPUs back.
     # Empty: never (the flag above only shows it).
     idle_limit: str = ""
+    # Users (comma-separated) whose jobs the idle limit leaves running: a lab's exceptions, such as
+    # a demo account or a user whose work is mostly on the CPU for hours (the flag still shows it).
+    idle_limit_exempt: str = ""
     # A worker silent this many seconds is lost: its GPU is not given out, its running job fails.
     worker_timeout: float = 20.0
     # Seconds the scheduler sleeps when nobody wakes it (it is woken on submit and on job end).
@@ -284,6 +287,11 @@ class Settings:
     @property
     def admin_users(self) -> frozenset[str]:
         return frozenset(u.strip() for u in self.admins.split(",") if u.strip())
+
+    @property
+    def idle_exempt_users(self) -> frozenset[str]:
+        """``idle_limit_exempt`` as names."""
+        return frozenset(u.strip() for u in self.idle_limit_exempt.split(",") if u.strip())
 
     @functools.cached_property
     def gpu_limits(self) -> dict[str, int]:

@@ -67,6 +67,18 @@ def test_without_an_idle_limit_no_job_is_cancelled_however_idle(settings):
     assert idle_limit.end_idle_jobs(limited(settings, "30m"), NOW) == [job]
 
 
+def test_the_jobs_of_users_exempt_from_the_idle_limit_run_on_however_idle(settings):
+    with write_scope(settings) as session:
+        gpu = add_gpu(session, "n1", 0)
+        jobs = {user: add_job(session, user, "n1", NOW - timedelta(hours=2), None) for user in ("ann", "bob", "cid")}
+        for job in jobs.values():
+            add_samples(session, gpu, job, NOW - timedelta(hours=1), [0] * 60, step=60)
+    s = dataclasses.replace(limited(settings, "30m"), idle_limit_exempt=" ann, cid ")
+    assert s.idle_exempt_users == {"ann", "cid"}
+    assert idle_limit.end_idle_jobs(s, NOW) == [jobs["bob"]]
+    assert idle_limit.end_idle_jobs(dataclasses.replace(s, idle_limit_exempt="ann,bob,cid"), NOW) == []
+
+
 def test_the_scheduler_looks_a_tenth_of_the_limit_apart_between_a_second_and_a_minute():
     assert idle_limit.check_every(4) == 1.0
     assert idle_limit.check_every(120) == 12.0
@@ -121,3 +133,25 @@ def test_an_allocation_left_idle_is_ended_at_the_limit_and_its_terminal_told(idl
     assert held.stderr.splitlines()[-1].endswith(" cancelled by the idle limit: its GPUs were mostly under 10% for "
                                                  "0:00:04 (GPUQ_IDLE_LIMIT)"), (held.returncode, held.stderr)
     assert held.returncode == c.EXIT_JOB_FAILED and 4 <= took < 30, (held.returncode, took)
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def exempt_stack(request, tmp_path_factory, redis_url):
+    """A stack as ``idle_stack``, whose idle limit exempts the user the suite runs as."""
+    import getpass
+
+    yield from stack_on_database(request, tmp_path_factory, redis_url, sample_interval=0.2, idle_window=2.0,
+                                 idle_limit="4s", idle_limit_exempt=getpass.getuser())
+
+
+@pytest.mark.slow
+def test_an_exempt_users_idle_job_is_flagged_with_no_time_and_runs_past_the_limit(exempt_stack, tmp_path):
+    s = exempt_stack.settings
+    job = cli_submit(s, ["--", "sleep", "7"], cwd=tmp_path)
+    wait_for_state(s, job, ("running",))
+    flagged, began = "", time.monotonic()
+    while not flagged and time.monotonic() - began < 30:
+        flagged = next((ln for ln in run_cli(["status"], s).stdout.splitlines() if "sleep 7" in ln and
+                        "idle GPU" in ln), "")
+    assert flagged.rstrip().endswith("idle GPU: mostly under 10% for the last 2 s"), flagged
+    assert wait_for_state(s, job, c.END_STATES, timeout=30) == c.State.SUCCEEDED  # 7 s, past the 4 s limit

@@ -206,6 +206,7 @@ def test_a_lease_or_worker_timeout_under_two_heartbeats_names_both_settings(vari
 @pytest.mark.parametrize("content,says", [
     ('admins = 7\n', "setting admins must be text or a list of names, got 7"),
     ('admins = ["cal", 7]\n', "setting admins must be text or a list of names, got ['cal', 7]"),
+    ('idle_limit_exempt = 7\n', "setting idle_limit_exempt must be text or a list of names, got 7"),
     ('node = ["a", "b"]\n', "setting node must be text, got ['a', 'b']"),
     ('fake_gpus = 2.7\n', "setting fake_gpus must be int (a whole number), got 2.7"),
     ('fake_gpus = true\n', "setting fake_gpus must be int (a whole number), got true"),
@@ -239,9 +240,10 @@ def test_some_users_own_gpu_limits_stand_in_for_everyones_from_the_environment_o
 
 def test_a_toml_list_of_admins_and_integral_floats_are_taken_as_meant(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('admins = ["cal", "dee"]\nmax_output_bytes = 1e3\nfake_gpu_memory_mib = 8192.0\nkill_grace = 3\n')
+    cfg.write_text('admins = ["cal", "dee"]\nmax_output_bytes = 1e3\nfake_gpu_memory_mib = 8192.0\nkill_grace = 3\n'
+                   'idle_limit_exempt = ["demo"]\n')
     s = load_settings({"GPUQ_CONFIG": str(cfg), "XDG_DATA_HOME": str(tmp_path)})
-    assert s.admin_users == {"cal", "dee"} and s.admins == "cal,dee"
+    assert s.admin_users == {"cal", "dee"} and s.admins == "cal,dee" and s.idle_exempt_users == {"demo"}
     assert (s.max_output_bytes, s.fake_gpu_memory_mib, s.kill_grace) == (1000, 8192, 3.0)
     assert type(s.max_output_bytes) is int and type(s.kill_grace) is float
 

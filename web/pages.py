@@ -66,12 +66,16 @@ def queue(api: Client) -> str:
     for j in listed:
         if j["state"] in c.ACTIVE_STATES:
             counts[j["state"]] += j.get("count", 1)
-    idle_cell = (f'<span class="s-cancelled">'
-                 f'{escape(display.idle_note(answer.get("idle_window_s") or 0, answer.get("idle_limit_s")))}</span>')
+    exempt = set(answer.get("idle_limit_exempt") or ())
+
+    def idle_cell(user: str) -> str:
+        limit = None if user in exempt else answer.get("idle_limit_s")  # GPUQ_IDLE_LIMIT_EXEMPT's users
+        return f'<span class="s-cancelled">{escape(display.idle_note(answer.get("idle_window_s") or 0, limit))}</span>'
+
     job_rows = [[_job_link(getattr(j, "first_id", None) or j.id, getattr(j, "ids", None)), escape(j.user),
                  escape(j.name), state(j.state), str(j.gpus), escape(j.node or "-"), when(j.submitted_at),
                  duration(seconds(j.elapsed_s)),
-                 idle_cell if j.idle else escape(display.with_tasks(vars(j), result_summary(j)))]
+                 idle_cell(j.user) if j.idle else escape(display.with_tasks(vars(j), result_summary(j)))]
                 for j in rows]
     gpu_rows = []
     for d in devices:
