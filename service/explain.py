@@ -80,8 +80,6 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
             said += "; " + _start_line(start, read.policy.now)
         return said
     if reason == policy.BEGIN_TIME and job.begin_at is not None:
-        from gpuq.service.display import time_limit
-
         left = max(int((job.begin_at - utcnow()).total_seconds()), 0)
         said = (f"{head}: it may start from {utc(job.begin_at)} (--begin), in {time_limit(left)}; "
                 f"`gpuq update {job.id} --begin now` lets it start sooner")

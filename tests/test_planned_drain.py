@@ -137,16 +137,18 @@ def _come(settings, node):
 
 
 def test_a_planned_drain_lets_short_jobs_start_says_why_the_others_wait_and_drains_the_node_when_it_comes(settings):
-    register(settings, "a", 3)
+    register(settings, "a", 4)
     assert _plan(settings, "a", 1) is None
-    long_job, short = submit(settings), submit(settings, time="10m")
+    long_job, short, limited = submit(settings), submit(settings, time="10m"), submit(settings, time="2h")
     Scheduler(settings).schedule_once()
     assert state_of(settings, short)[0] == State.DISPATCHED
     assert state_of(settings, long_job)[:2] == (State.PENDING, NODE_DRAINING)
+    assert state_of(settings, limited)[:2] == (State.PENDING, NODE_DRAINING)
     with write_scope(settings) as session:
         said = why(session, settings, long_job)
         assert "the nodes it fits are to drain before it could end there (a at " in said
         assert "(driver update; by root)" in said and "it has no time limit" in said
+        assert "its time limit of 2:00:00 would end after that" in why(session, settings, limited)
         assert node_drains.drained_nodes(session) == {}
         assert list(node_drains.drains_ahead(session)) == ["a"]
     # Planned again: its time moves, its reason stays.
@@ -163,7 +165,7 @@ def test_a_planned_drain_lets_short_jobs_start_says_why_the_others_wait_and_drai
         node_drains.set_drained(session, "a", False)
         assert node_drains.read(session).now == frozenset() and node_drains.read(session).ahead == {}
     Scheduler(settings).schedule_once()
-    assert state_of(settings, long_job)[0] == State.DISPATCHED and state_of(settings, later)[0] == State.DISPATCHED
+    assert [state_of(settings, j)[0] for j in (long_job, limited, later)] == [State.DISPATCHED] * 3
 
 
 def test_a_worker_on_a_node_to_drain_takes_no_listed_job_the_scheduler_did_not_check(settings):
