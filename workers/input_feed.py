@@ -28,19 +28,21 @@ def feeder(settings: Settings, job_id: int) -> Feed:
 
     def feed(pipe: IO[bytes], over: threading.Event) -> None:
         conn = broker.shared(settings)
-        heard = time.monotonic()  # the client's first word may come a little after the job's start
+        # The client's word lasts GPUQ_ALLOC_KEEPALIVE (``job_input.client_heard``): once heard, its
+        # absence is the client gone that long. Before, the job may have started before its first
+        # word, or after it died: it is given as long from its start.
+        began, heard = time.monotonic(), False
         try:
             while not over.is_set():
                 chunk = job_input.take(conn, settings, job_id, LOOK_SECONDS)
                 if chunk is None:
                     if job_input.client_heard(conn, settings, job_id):
-                        heard = time.monotonic()
-                    elif time.monotonic() - heard > settings.alloc_keepalive:
+                        heard = True
+                    elif heard or time.monotonic() - began > settings.alloc_keepalive:
                         log.warning("job %s: its gpuq run has not been heard from for %g s (GPUQ_ALLOC_KEEPALIVE); "
                                     "its stdin ends here", job_id, settings.alloc_keepalive)
                         return
                     continue
-                heard = time.monotonic()
                 if chunk == job_input.END:
                     return
                 pipe.write(chunk)
