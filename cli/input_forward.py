@@ -7,6 +7,7 @@ terminal's), nor /dev/null, nor a closed stdin: the job's stdin is then /dev/nul
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import stat
 import sys
@@ -69,10 +70,12 @@ def _send(job_id: int, sent: threading.Event) -> None:
     client = Client()
     path = f"/jobs/{job_id}/stdin"
     try:
-        while True:
+        for seq in itertools.count():
             data = os.read(0, c.STDIN_CHUNK)
-            body = {"data": base64.b64encode(data).decode("ascii"), "end": not data}
-            while not client.post(path, body)["taken"]:
+            # Its place in the input makes it safe to send again: a server restarting meanwhile is
+            # waited for, and one that died having appended it appends it once.
+            body = {"data": base64.b64encode(data).decode("ascii"), "end": not data, "seq": seq}
+            while not client.post(path, body, ride_out=True)["taken"]:
                 time.sleep(FULL_PAUSE)
             if not data:
                 return

@@ -228,7 +228,8 @@ async def end(request: web.Request) -> web.Response:
 async def stdin(request: web.Request) -> web.Response:
     """A chunk of the input `gpuq run` forwards to its job: ``{"data": BASE64, "end": bool}``;
     ``{"taken": false}`` while the job's waiting input is full (send it again later). An empty chunk
-    that does not end it says its client is alive (``keepalive_s``: how often to say so). Not
+    that does not end it says its client is alive (``keepalive_s``: how often to say so). ``seq``
+    (0, 1, ...: the chunk's place) makes a chunk sent again after a restart appended once. Not
     audited chunk by chunk: the submit that asked for it was."""
     import base64
     import binascii
@@ -238,13 +239,18 @@ async def stdin(request: web.Request) -> web.Response:
     settings, caller = acting(request)
     job_id = job_id_of(request)
     body = await body_of(request)
-    data, end = body.get("data", ""), body.get("end", False)
+    unknown = set(body) - {"data", "end", "seq"}
+    if unknown:
+        raise InvalidSpec(f"unknown input field {sorted(unknown)[0]!r}")
+    data, end, seq = body.get("data", ""), body.get("end", False), body.get("seq")
     if not isinstance(data, str) or type(end) is not bool:
         raise InvalidSpec('the body must be {"data": base64 text, "end": true or false}')
+    if seq is not None and (type(seq) is not int or seq < 0):
+        raise InvalidSpec("seq must be a whole number from 0: the chunk's place in the input")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidSpec("the input's data is not base64") from None
-    taken = await call(job_input.accept, settings, job_id, caller, raw, end)
+    taken = await call(job_input.accept, settings, job_id, caller, raw, end, seq)
     # How often the client says it is alive while its input is open (an empty chunk).
     return web.json_response({"taken": taken, "keepalive_s": settings.alloc_keepalive / 3})

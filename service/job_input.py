@@ -50,12 +50,24 @@ def _alive_key(settings: Settings, job_id: int) -> str:
     return f"{settings.key_prefix}:stdin-client:{job_id}"
 
 
-def put(conn: redis.Redis, settings: Settings, job_id: int, data: bytes, end: bool) -> bool:
+def _seq_key(settings: Settings, job_id: int) -> str:
+    return f"{settings.key_prefix}:stdin-seq:{job_id}"
+
+
+def put(conn: redis.Redis, settings: Settings, job_id: int, data: bytes, end: bool, seq: int | None = None) -> bool:
     """Append ``data`` to job ``job_id``'s input, then its end where ``end``; False (nothing
     appended) while MAX_QUEUED chunks wait already: send it again later. Either way its client
-    was heard from (nothing to append, and no end: only that)."""
+    was heard from (nothing to append, and no end: only that).
+
+    ``seq``: the chunk's place in the input (0, 1, ...), which makes sending it again safe: a
+    chunk whose place was taken already is not appended again (True). `gpuq run` sends each chunk
+    again after its server restarted, not knowing whether the one that died had appended it."""
     chunks, ended = _keys(settings, job_id)
     conn.set(_alive_key(settings, job_id), b"1", ex=max(math.ceil(settings.alloc_keepalive), 1))
+    if seq is not None:
+        last = conn.get(_seq_key(settings, job_id))
+        if last is not None and int(last) >= seq:
+            return True
     if data and conn.llen(chunks) >= MAX_QUEUED:
         return False
     pipe = conn.pipeline(transaction=True)
@@ -65,6 +77,8 @@ def put(conn: redis.Redis, settings: Settings, job_id: int, data: bytes, end: bo
         # The mark a later attempt reads once the list is empty; the empty chunk wakes a take now.
         pipe.set(ended, b"1", ex=TTL_S)
         pipe.rpush(chunks, END)
+    if seq is not None:
+        pipe.set(_seq_key(settings, job_id), seq, ex=TTL_S)
     pipe.expire(chunks, TTL_S)
     pipe.execute()
     return True
@@ -87,7 +101,7 @@ def client_heard(conn: redis.Redis, settings: Settings, job_id: int) -> bool:
     return bool(conn.exists(_alive_key(settings, job_id)))
 
 
-def accept(settings: Settings, job_id: int, caller: Caller, data: bytes, end: bool) -> bool:
+def accept(settings: Settings, job_id: int, caller: Caller, data: bytes, end: bool, seq: int | None = None) -> bool:
     """The server's part: ``put`` for the job's owner (or root), where the job asked for its input
     and has not ended. JobNotFound, NotAllowed (another user's job, even an admin's: it is what the
     owner's process reads), StateConflict (it reads no input, or ended: the client stops sending)."""
@@ -102,4 +116,4 @@ def accept(settings: Settings, job_id: int, caller: Caller, data: bytes, end: bo
         raise StateConflict(f"job {job_id} reads no input (gpuq run forwards its stdin to the job it runs)")
     if state in c.END_STATES:
         raise StateConflict(f"job {job_id} {state}; it reads no more input")
-    return put(broker.shared(settings), settings, job_id, data, end)
+    return put(broker.shared(settings), settings, job_id, data, end, seq)

@@ -5,6 +5,7 @@ client.RIDE_OUT_SECONDS; only reads are asked again this way."""
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,3 +143,32 @@ def test_a_client_leaving_on_a_hang_up_lets_the_next_hang_ups_and_ctrl_c_pass():
                 os.kill(os.getpid(), s)  # delivered at once to this thread: nothing is raised
         with pytest.raises(HangUp):  # and afterwards a hang-up is one again
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_run_forwarding_its_stdin_rides_out_a_server_killed_and_restarted_and_its_job_reads_every_line_once(
+        settings, tmp_path):
+    st = start_stack(settings.with_overrides(fake_gpus=1), tmp_path / "logs")
+    # A producer writing a numbered line every 50 ms through the restart: the job prints what it read.
+    producer = "import sys, time\nfor i in range(120):\n    print(i, flush=True)\n    time.sleep(0.05)"
+    reader = "import sys; lines = sys.stdin.read().split(); print(len(lines), lines == [str(i) for i in range(120)])"
+    shell = (f"{sys.executable} -c {shlex.quote(producer)} | {sys.executable} -m gpuq.cli run -- {sys.executable} "
+             f"-c {shlex.quote(reader)}")
+    run = subprocess.Popen(shell, shell=True, env=st.env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        before = _newest_job(settings)
+        _until(lambda: _newest_job(settings) != before, 60, "gpuq run queued its job")
+        time.sleep(1.0)  # a second of lines sent
+        server = st.procs["server"]
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        time.sleep(RESTART_GAP)
+        st.start_server()
+        out, err = run.communicate(timeout=90)
+        assert (run.returncode, out) == (0, "120 True\n"), (out, err, st.logs())
+        assert "stopped forwarding" not in err, err
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(10)
+        st.stop()

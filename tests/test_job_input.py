@@ -101,3 +101,25 @@ def test_the_waiting_input_is_bounded_and_a_full_list_takes_nothing_until_the_jo
     assert job_input.accept(settings, job_id, ann, b"", True)  # its end is taken, full or not
     taken = [job_input.take(conn, settings, job_id, 1) for _ in range(job_input.MAX_QUEUED + 1)]
     assert taken[-2:] == [b"more", job_input.END]
+
+
+def test_a_chunk_sent_again_with_its_place_in_the_input_is_appended_once(settings):
+    # `gpuq run` sends a chunk again after its server restarted, not knowing whether the one that
+    # died appended it: its seq makes that safe, a full list included.
+    register(settings, "a", 1)
+    job_id = stdin_job(settings)
+    ann, conn = Caller(5001, "ann"), broker.shared(settings)
+    assert job_input.accept(settings, job_id, ann, b"one", False, seq=0)
+    assert job_input.accept(settings, job_id, ann, b"one", False, seq=0)  # sent again: taken already
+    for seq in range(1, job_input.MAX_QUEUED):
+        assert job_input.accept(settings, job_id, ann, b"x", False, seq=seq)
+    full = job_input.MAX_QUEUED
+    assert not job_input.accept(settings, job_id, ann, b"two", False, seq=full)  # full: not taken, not counted
+    assert job_input.take(conn, settings, job_id, 1) == b"one"
+    assert job_input.accept(settings, job_id, ann, b"two", False, seq=full)
+    assert job_input.accept(settings, job_id, ann, b"two", False, seq=full)
+    assert job_input.accept(settings, job_id, ann, b"", True, seq=full + 1)
+    assert job_input.accept(settings, job_id, ann, b"", True, seq=full + 1)
+    taken = [job_input.take(conn, settings, job_id, 1) for _ in range(job_input.MAX_QUEUED + 1)]
+    assert taken[-3:] == [b"x", b"two", job_input.END]
+    assert job_input.take(conn, settings, job_id, 0.1) == job_input.END  # the end mark, and nothing more
