@@ -23,11 +23,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from sqlalchemy import select
+
 from gpuq.service import broker
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope
-from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
-from gpuq.service.jobs import get_job
+from gpuq.service.errors import InvalidSpec, JobNotFound, NotAllowed, StateConflict
+from gpuq.service.models import Job
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 
@@ -108,8 +110,11 @@ def accept(settings: Settings, job_id: int, caller: Caller, data: bytes, end: bo
     if len(data) > c.STDIN_CHUNK:
         raise InvalidSpec(f"a chunk of input is at most {c.STDIN_CHUNK} bytes")
     with read_scope(settings) as session:
-        job = get_job(session, job_id)
-        owner, state, forwarded = job.user, job.state, job.stdin
+        # The three columns, not the row (its command, environment, ...): one read per chunk.
+        row = session.execute(select(Job.user, Job.state, Job.stdin).where(Job.id == job_id)).first()
+    if row is None:
+        raise JobNotFound(f"no job {job_id}")
+    owner, state, forwarded = row
     if not caller.is_root and caller.user != owner:
         raise NotAllowed(f"job {job_id} belongs to {owner}; only they may send it input")
     if not forwarded:
