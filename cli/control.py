@@ -235,11 +235,15 @@ def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
               "--at", help="Drain it then, not now (a maintenance window's start): until then only jobs whose "
                            "time limit ends by then start there. A time of day (09:00), a date and time "
                            "(2026-12-24T09:00) or a wait (2h).")] = None,
+          until: Annotated[str | None, typer.Option(
+              "--until", help="The window's end, from which the node is in service again by itself: a time (its "
+                              "next coming after the start), or a length (3h). Without it the node stays drained "
+                              "until `gpuq resume`.")] = None,
           ) -> None:
-    """Let a node's running jobs finish and start nothing new there, now or from --at on (an admin
-    command: it uses the database)."""
-    if at is not None:
-        _plan_drain(node, at, reason)
+    """Let a node's running jobs finish and start nothing new there, now or from --at on, until
+    resumed or --until (an admin command: it uses the database)."""
+    if at is not None or until is not None:
+        _plan_drain(node, at, until, reason)
     elif _set_drained(node, True, reason):
         typer.echo(f"node {node} was drained already; its reason is now: {printable(reason or '')}")
     else:
@@ -282,7 +286,7 @@ def _admin() -> str:
     return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
 
 
-def _plan_drain(node: str, at: str, reason: str | None) -> None:
+def _plan_drain(node: str, at: str | None, until: str | None, reason: str | None) -> None:
     from datetime import datetime
 
     from gpuq.cli.stack import admin_settings
@@ -291,18 +295,27 @@ def _plan_drain(node: str, at: str, reason: str | None) -> None:
     from gpuq.service.display import utc
     from gpuq.service.units import parse_begin
 
-    when = parse_begin(at, datetime.now().astimezone(), "--at")
+    now = datetime.now().astimezone()
+    start = parse_begin(at, now, "--at") if at is not None else None
+    # The end's time of day is its next coming after the start; a length counts from the start.
+    end = parse_begin(until, (start or now).astimezone(), "--until") if until is not None else None
     settings = admin_settings("drain")
     require_schema(settings)
     admin = _admin()
     with write_scope(settings) as session:
-        before = node_drains.plan(session, node, when, reason, by=admin)
-    done = f"node {printable(node)} at {utc(when)}" + (f" (reason: {printable(reason)})" if reason else "")
+        before = node_drains.plan(session, node, start, end, reason, by=admin)
+        row = node_drains.window_of(session, node)
+    span = f"at {utc(row[0])}" + (f" until {utc(row[1])}" if row[1] is not None else "")
+    done = f"node {printable(node)} {span}" + (f" (reason: {printable(reason)})" if reason else "")
     _audit(settings, f"drain by {admin} (uid {os.getuid()}): {done}")
     broker.wake_scheduler(settings)
-    moved = f" (it was to drain at {utc(before)})" if before is not None else ""
-    typer.echo(f"node {node} drains at {utc(when)}{moved}: until then only jobs whose time limit ends by then "
-               "start there; `gpuq resume` calls it off")
+    was = ""
+    if before is not None:
+        was = f" (it was to drain at {utc(before[0])}" + (f" until {utc(before[1])}" if before[1] else "") + ")"
+    then = ("until then only jobs whose time limit ends by then start there" if row[0] > now else
+            "running jobs finish, nothing new starts there")
+    back = "it is in service again at its end" if row[1] is not None else "`gpuq resume` ends it"
+    typer.echo(f"node {node} drains {span}{was}: {then}; {back}")
 
 
 def _set_drained(node: str, drained: bool, reason: str | None) -> bool:

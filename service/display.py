@@ -155,11 +155,14 @@ def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tu
     return out + [(f"{g['node']} GPU {g['index']}", why) for g, why in own if why]
 
 
-def drain_ahead(node: str, at: str, note: str | None) -> str:
-    """A drain planned for a node (``at``: its ISO time, as `gpuq status`'s JSON gives it), as every
-    front-end says it under the GPUs: when, why, and what it means until then."""
-    return (f"node {node} drains at {utc(datetime.fromisoformat(at))} ({note or 'no reason given'}): only "
-            "jobs whose time limit ends by then start there")
+def drain_ahead(node: str, window: dict[str, Any]) -> str:
+    """A node's maintenance window to come (``window``: its ``at``, ``until`` and ``note``, ISO
+    times, as `gpuq status`'s JSON gives it), as every front-end says it under the GPUs: when, why,
+    and what it means until then."""
+    until = window.get("until")
+    end = f" until {utc(datetime.fromisoformat(until))}" if until else ""
+    return (f"node {node} drains at {utc(datetime.fromisoformat(window['at']))}{end} "
+            f"({window.get('note') or 'no reason given'}): only jobs whose time limit ends by then start there")
 
 
 def ranges(numbers: list[int], most: int = 4) -> str:

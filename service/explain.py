@@ -116,7 +116,7 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
     if reason == policy.NODE_DRAINING:
         nodes = "; ".join(f"{n} at {utc(datetime.fromisoformat(d['at']))} ({d['note']})"
                           for n, d in sorted(drains_ahead(session).items())
-                          if n not in (job.exclude_nodes or ()) and job.on_node in (None, n))
+                          if d["until"] is None and n not in (job.exclude_nodes or ()) and job.on_node in (None, n))
         limit = (f"its time limit of {time_limit(job.time_limit_s)} would end after that" if job.time_limit_s
                  else "it has no time limit, so it could not end by then")
         return (f"{head}: the nodes it fits are to drain before it could end there ({nodes}), and {limit}; it "
@@ -277,8 +277,10 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     for node, texts in by_node.items():
         prefix = f"node {node}" + (" (drained)" if node in drained else "")
         if node in ahead:
-            prefix += (f" (drains at {utc(datetime.fromisoformat(ahead[node]['at']))}: only jobs that end by then "
-                       "start there)")
+            window = ahead[node]
+            until = f" until {utc(datetime.fromisoformat(window['until']))}" if window["until"] else ""
+            prefix += (f" (drains at {utc(datetime.fromisoformat(window['at']))}{until}; before that, only jobs that "
+                       "end by then start there)")
         lines.append(f"{prefix}: " + ", ".join(texts))
     return lines or ["no GPU is known to gpuq"]
 

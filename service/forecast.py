@@ -152,8 +152,9 @@ class _Plan:
             for end, mib in load.shares:
                 if end > state.now:
                     usage.hold(state.now, end, mib)
-            if g.closes_at is not None:  # its node drains then, until a resume no one can foresee
-                usage.hold(max(g.closes_at, state.now), math.inf, math.inf)
+            if g.closes_at is not None:  # its node's window: to its end, or a resume no one can foresee
+                usage.hold(max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at,
+                           math.inf)
 
     def _layer(self, gpu: int, preemptible: bool) -> _Usage:
         """What holds ``gpu`` over time: its preemptible jobs, or the others."""

@@ -246,9 +246,11 @@ class Node(Base):
     drain_reason: Mapped[str | None] = mapped_column(Text)
     drained_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     drained_by: Mapped[str | None] = mapped_column(String(255))  # the admin, as `sinfo -R` names them
-    # A drain planned ahead (`gpuq drain NODE --at TIME`): from then on the node is drained, and
-    # until then only jobs whose time limit ends by then start there. ``drained`` stays False.
+    # A drain planned ahead, a maintenance window (`gpuq drain NODE --at TIME --until TIME`): from
+    # ``drain_at`` on the node is drained, and before only jobs whose time limit ends by then start
+    # there; at ``drain_until`` (None: never) it is in service again. ``drained`` stays False.
     drain_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    drain_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Allocation(Base):

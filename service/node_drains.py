@@ -1,16 +1,20 @@
 """Drained nodes: a node an admin drained finishes its running jobs and starts no new ones until
-it is resumed (`gpuq drain`, `gpuq resume`; SLURM's DRAIN state), and a drain planned ahead, for a
-maintenance window (`gpuq drain NODE --at TIME`).
+it is resumed (`gpuq drain`, `gpuq resume`; SLURM's DRAIN state), and a maintenance window, a drain
+planned ahead (`gpuq drain NODE --at TIME [--until TIME]`).
 
-A planned drain is SLURM's maintenance reservation over the node, open-ended: until its time the
-node starts only jobs whose time limit ends by then (a job without a limit never starts there), so
-that nothing is running when the admin takes it down; from its time on the node is drained as if
-drained then, and stays so until `gpuq resume`. Running jobs are never stopped by it. A job that
-fits no node but those to drain before it could end waits (``policy.NODE_DRAINING``) without
-holding the queue behind it, as a job that fits only drained nodes does.
+A window is SLURM's maintenance reservation over the node: until its start the node starts only
+jobs whose time limit ends by then (a job without a limit never starts there), so that nothing is
+running when the admin takes it down; from its start on the node is drained as if drained then;
+at its end (``--until``) it is in service again by itself, and without one it stays drained until
+`gpuq resume`. Running jobs are never stopped by it. A job that fits no node but those to drain
+for good before it could end waits (``policy.NODE_DRAINING``) without holding the queue behind it,
+as a job that fits only drained nodes does; one that fits a node whose window ends is planned there
+from its end.
 
-The ``nodes`` table holds both: ``drained`` for a drain now, ``drain_at`` for a planned one, whose
-row reads as drained once its time has come (``drained_now``): nothing has to flip it then."""
+The ``nodes`` table holds both: ``drained`` for a drain now, ``drain_at`` and ``drain_until`` for a
+window, whose row reads as drained while it lasts (``drained_now``): nothing has to flip it then.
+A window past its end is cleared by the scheduler's whole passes (``end_windows``), so that the
+node's next-up lists (which a node with a window set does not use) come back."""
 
 from __future__ import annotations
 
@@ -27,27 +31,27 @@ from gpuq.service.errors import InvalidSpec, StateConflict
 from gpuq.service.models import Gpu, Node, table, utcnow
 
 _NODES = table(Node)
-# Every node drained now or to be drained: the scheduler's read, once a pass (a handful of rows).
-DRAINS = select(_NODES.c.name, _NODES.c.drained, _NODES.c.drain_at).where(
+# Every node drained now or with a window: the scheduler's read, once a pass (a handful of rows).
+DRAINS = select(_NODES.c.name, _NODES.c.drained, _NODES.c.drain_at, _NODES.c.drain_until).where(
     or_(_NODES.c.drained.is_(True), _NODES.c.drain_at.is_not(None)))
 
 
 @dataclass(frozen=True)
 class Drains:
-    """The nodes drained now, and those to drain later with when (epoch s), as a pass reads them."""
+    """The nodes drained now, and the windows to come as (start, end or None), epoch s, by node."""
 
     now: frozenset[str]
-    ahead: dict[str, float]
+    ahead: dict[str, tuple[float, float | None]]
 
     @classmethod
     def of(cls, rows: Any, now: datetime) -> Drains:
         """From ``DRAINS``' rows, at ``now``."""
         drained, ahead = set(), {}
-        for name, is_drained, at in rows:
-            if is_drained or at <= now:
+        for name, is_drained, at, until in rows:
+            if is_drained or (at <= now and (until is None or now < until)):
                 drained.add(name)
-            else:
-                ahead[name] = at.timestamp()
+            elif at > now:
+                ahead[name] = (at.timestamp(), None if until is None else until.timestamp())
         return cls(frozenset(drained), ahead)
 
 
@@ -56,7 +60,18 @@ def read(session: Session, now: datetime | None = None) -> Drains:
 
 
 def drained_now(node: Node, now: datetime) -> bool:
-    return node.drained or (node.drain_at is not None and node.drain_at <= now)
+    return node.drained or (node.drain_at is not None and node.drain_at <= now
+                            and (node.drain_until is None or now < node.drain_until))
+
+
+def _ahead(node: Node, now: datetime) -> bool:
+    """Whether the node has a window still to start."""
+    return not node.drained and node.drain_at is not None and node.drain_at > now
+
+
+def _clear(node: Node, drained: bool = False) -> None:
+    node.drained, node.drain_at, node.drain_until = drained, None, None
+    node.drain_reason, node.drained_at, node.drained_by = None, None, None
 
 
 def _known(session: Session, name: str) -> Node:
@@ -73,65 +88,98 @@ def _known(session: Session, name: str) -> Node:
 
 def set_drained(session: Session, node: str, drained: bool, reason: str | None = None, by: str | None = None
                 ) -> bool:
-    """Drain a node now (running jobs finish, nothing new starts there) or resume it; ``by``: who
-    drained it. A drain planned for later is brought forward to now (keeping its reason unless
-    given another), and resuming lifts it too. True where a drained node was only given a new reason."""
+    """Drain a node now, until resumed (running jobs finish, nothing new starts there), or resume
+    it; ``by``: who drained it. A window, to come or under way, becomes this drain (keeping its
+    reason unless given another); resuming calls a window off or ends it. True where a drained node
+    was only given a new reason."""
     row = _known(session, node)
     now = utcnow()
-    planned = row.drain_at is not None and row.drain_at > now
+    planned = _ahead(row, now)
     if not drained:
         # Resuming a node also gives back its GPUs drained one by one (a lost GPU, once fixed).
         freed = rows_changed(session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
                                              .values(drain_reason=None)))
         if not drained_now(row, now) and not planned:
+            _clear(row)  # a window past its end, that no pass has cleared yet
             if freed:
                 return False
             raise StateConflict(f"node {node} is not drained")
-        row.drained, row.drain_at, row.drain_reason, row.drained_at, row.drained_by = False, None, None, None, None
+        _clear(row)
         return False
-    if drained_now(row, now):
+    if row.drained:
         if reason is not None and reason != row.drain_reason:
             # Drained again with a new reason: the reason changes (as `scontrol update ... reason=`),
             # with no resume in between that would let jobs start there.
-            row.drained, row.drain_at = True, None
             row.drain_reason, row.drained_at, row.drained_by = reason, utcnow(), by
             return True
         raise StateConflict(f"node {node} is already drained (give --reason to change its reason)")
-    row.drained, row.drain_at = True, None
-    row.drain_reason = reason if reason is not None or not planned else row.drain_reason
-    row.drained_at, row.drained_by = now, by
+    kept = row.drain_reason if (planned or drained_now(row, now)) and reason is None else reason
+    _clear(row, drained=True)
+    row.drain_reason, row.drained_at, row.drained_by = kept, now, by
     return False
 
 
-def plan(session: Session, node: str, at: datetime, reason: str | None = None, by: str | None = None
-         ) -> datetime | None:
-    """Drain ``node`` at ``at`` (a maintenance window's start); the time it was to drain before,
-    where this moves a planned drain (its reason kept unless given another), else None."""
+def plan(session: Session, node: str, at: datetime | None, until: datetime | None = None,
+         reason: str | None = None, by: str | None = None) -> tuple[datetime, datetime | None] | None:
+    """A maintenance window on ``node``: drained from ``at`` (None: now, or where one is under
+    way, its start) until ``until`` (None: until `gpuq resume`). Given again it moves the window
+    (its reason kept unless given another); the window it replaced, as (start, end), else None."""
     row = _known(session, node)
     now = utcnow()
-    if at <= now:
+    if at is not None and at <= now:
         raise InvalidSpec(f"--at {utc(at)} is past already: drain the node now with `gpuq drain {node}`")
-    if drained_now(row, now):
-        raise StateConflict(f"node {node} is drained already: `gpuq resume {node}` first to drain it later instead")
-    before = row.drain_at
-    row.drain_at = at
-    row.drain_reason = reason if reason is not None or before is None else row.drain_reason
-    row.drained_at, row.drained_by = at, by  # drained from then on, by whom: what `sinfo -R` lists then
+    if row.drained:
+        raise StateConflict(f"node {node} is drained until resumed: `gpuq resume {node}` first to give it a "
+                            "window instead")
+    begun = row.drain_at if drained_now(row, now) else None  # a window under way: when it began
+    if begun is not None and at is not None:
+        raise StateConflict(f"node {node}'s window started at {utc(begun)} already: give --until alone to "
+                            f"move its end, or `gpuq resume {node}` first")
+    start = begun or at or now
+    if until is not None and until <= max(start, now):
+        raise InvalidSpec(f"--until {utc(until)} is not after the window's start, {utc(max(start, now))}")
+    before = None
+    if row.drain_at is not None and planned_or_under_way(row, now):
+        before = (row.drain_at, row.drain_until)
+    if before is None or reason is not None:
+        row.drain_reason = reason
+    row.drain_at, row.drain_until = start, until
+    row.drained_at, row.drained_by = start, by  # drained from then on, by whom: what `sinfo -R` lists then
     return before
 
 
+def window_of(session: Session, node: str) -> tuple[datetime, datetime | None]:
+    """The node's window as written: its start and end (None: until resumed)."""
+    row = session.get(Node, node)
+    assert row is not None and row.drain_at is not None
+    return row.drain_at, row.drain_until
+
+
+def planned_or_under_way(node: Node, now: datetime) -> bool:
+    return _ahead(node, now) or (not node.drained and drained_now(node, now))
+
+
+def end_windows(session: Session, now: datetime | None = None) -> int:
+    """Clear the windows past their end (the nodes are in service again): how many."""
+    over = (Node.drained.is_(False), Node.drain_until.is_not(None), Node.drain_until <= (now or utcnow()))
+    return rows_changed(session.execute(update(Node).where(*over).values(
+        drain_at=None, drain_until=None, drain_reason=None, drained_at=None, drained_by=None)))
+
+
 def drained_nodes(session: Session) -> dict[str, str | None]:
-    """Each node drained now, with its reason, who drained it and since when (as `sinfo -R` lists
-    them): ``maintenance; by root since 2026-11-26 16:30 UTC``."""
+    """Each node drained now, with its reason, who drained it, since when and, in a window, until
+    when (as `sinfo -R` lists them): ``maintenance; by root since 2026-11-26 16:30 UTC``."""
     now = utcnow()
     return {n.name: _drain_note(n) for n in _rows(session) if drained_now(n, now)}
 
 
 def drains_ahead(session: Session) -> dict[str, dict[str, Any]]:
-    """Each node to drain later: ``{"at": ISO time, "note": its reason and who planned it}``."""
+    """Each window still to start: ``{"at": ISO time, "until": ISO time or None, "note": its
+    reason and who planned it}``."""
     now = utcnow()
-    return {n.name: {"at": n.drain_at.isoformat(), "note": _plan_note(n)} for n in _rows(session)
-            if n.drain_at is not None and not drained_now(n, now)}
+    return {n.name: {"at": n.drain_at.isoformat(), "until": n.drain_until and n.drain_until.isoformat(),
+                     "note": _plan_note(n)}
+            for n in _rows(session) if n.drain_at is not None and _ahead(n, now)}
 
 
 def _rows(session: Session) -> list[Node]:
@@ -140,7 +188,8 @@ def _rows(session: Session) -> list[Node]:
 
 def _drain_note(node: Node) -> str | None:
     signed = " ".join(([f"by {node.drained_by}"] if node.drained_by else []) +
-                      ([f"since {node.drained_at:%Y-%m-%d %H:%M} UTC"] if node.drained_at else []))
+                      ([f"since {node.drained_at:%Y-%m-%d %H:%M} UTC"] if node.drained_at else []) +
+                      ([f"until {node.drain_until:%Y-%m-%d %H:%M} UTC"] if node.drain_until else []))
     if not signed:
         return node.drain_reason  # drained before gpuq kept who and when
     return f"{node.drain_reason or 'no reason given'}; {signed}"
@@ -148,4 +197,3 @@ def _drain_note(node: Node) -> str | None:
 
 def _plan_note(node: Node) -> str:
     return f"{node.drain_reason or 'no reason given'}" + (f"; by {node.drained_by}" if node.drained_by else "")
-

@@ -198,9 +198,10 @@ class Gpus:
 
     def could_ever_fit(self, job: JobRequest, past_drains: bool = False) -> bool:
         """Whether ``job`` fits a node's GPUs once they are free; ``past_drains``: only GPUs whose
-        node is not to drain (a job that fits none of those waits for a resume, not for the queue)."""
+        node is not to drain for good (a job that fits none of those waits for a resume, not for
+        the queue)."""
         def counts(g: GpuLoad) -> bool:
-            return not past_drains or g.gpu.closes_at is None
+            return not past_drains or g.gpu.closes_at is None or g.gpu.reopens_at is not None
 
         if job.shared:
             need = packing.need_mib(job, self.context_mib)
@@ -224,13 +225,13 @@ class Gpus:
                                   if g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need))
             else:
                 suitable = sorted((g.clear_at(self.now), g.gpu.index, g.gpu.id) for g in loads if g.gpu.fits(job))
-            # A GPU whose node drains before the job could end there is none of its to count on.
-            closing = {g.gpu.id: g.gpu for g in loads if g.gpu.closes_at is not None}
-            suitable = [s for s in suitable if s[2] not in closing or closing[s[2]].open_until(s[0] + length)]
             if len(suitable) < job.gpus:
                 continue
             needed = suitable[: job.gpus]
             start = needed[-1][0]
+            # A node's window (its GPUs share it): a job that could not end before it starts after it.
+            # GPUs clear (or with room) at ``start`` stay so: nothing else is planned on them.
+            start = loads[0].gpu.open_from(start, length) if loads else start
             if math.isinf(start):
                 continue
             if best is None or start < best.start:

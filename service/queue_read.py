@@ -156,7 +156,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
                             model=g.name, preemptible=preemptible.get(g.id), preempted=g.id in preempted,
-                            exempt_until=exempt_until.get(g.id), closes_at=drains.ahead.get(g.node))
+                            exempt_until=exempt_until.get(g.id), **_window(drains, g.node))
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to
     # end, not for "resources" (every node drained, the usual case, left every job reading so).
@@ -233,6 +233,12 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                               shared_context_mib=settings.shared_context_mib)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later, throttled,
                      array_limits, awaiting)
+
+
+def _window(drains: node_drains.Drains, node: str) -> dict[str, float | None]:
+    """A GPU's ``closes_at`` and ``reopens_at``: its node's maintenance window to come, if any."""
+    start, end = drains.ahead.get(node, (None, None))
+    return {"closes_at": start, "reopens_at": end}
 
 
 # The dependencies a forecast can plan a job after: their success or end (assumed a success), or start.

@@ -5,6 +5,7 @@ decision. Plain data: service/queue_read.py makes it from SQL, ``policy.decide``
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -70,9 +71,11 @@ class GpuState:
     # Its whole-GPU job is preemptible but started less than GPUQ_PREEMPT_EXEMPT ago: when it may be
     # preempted (epoch s). Only the forecast reads it: the passes see the job as any other till then.
     exempt_until: float | None = None
-    # Its node drains then (epoch s; `gpuq drain --at`, service/node_drains.py): until then only a
-    # job that ends by then starts on it. None: no drain planned.
+    # Its node's maintenance window (epoch s; `gpuq drain --at --until`, service/node_drains.py):
+    # until ``closes_at`` only a job that ends by then starts on it; from ``reopens_at`` (None:
+    # until resumed) it is in service again. None: no window to come.
     closes_at: float | None = None
+    reopens_at: float | None = None
 
     @property
     def shared_mib(self) -> int:
@@ -103,6 +106,13 @@ class GpuState:
     def open_until(self, end: float) -> bool:
         """Whether a job ending at ``end`` (inf: no time limit) ends before its node drains."""
         return self.closes_at is None or end <= self.closes_at
+
+    def open_from(self, start: float, length: float) -> float:
+        """The first moment from ``start`` a job of ``length`` seconds may run on it, its node's
+        window aside: ``start`` if it ends before the window, else the window's end (inf: none)."""
+        if self.closes_at is None or start + length <= self.closes_at:
+            return start
+        return math.inf if self.reopens_at is None else max(start, self.reopens_at)
 
     def fits(self, job: JobRequest) -> bool:
         """Whether this GPU, once free of gpuq jobs, suits whole-GPU ``job``'s memory request

@@ -29,6 +29,7 @@ from gpuq.service import (
     mail,
     next_up,
     next_up_choice,
+    node_drains,
     packing,
     policy,
     snapshot_retention,
@@ -232,6 +233,7 @@ class Scheduler:
             leases.reap(session, self.settings)
             lost = leases.take_unclaimed(session, self.settings, everything=restarted)
             allocations.abandon_waiting(session, self.settings, utcnow())
+            node_drains.end_windows(session)  # nodes whose maintenance window ended: in service again
             ranks = leases.ranks_to_send_again(session) if restarted else []
         for job_id, queue in lost:
             self._send(job_id, queue, again=True)

@@ -97,7 +97,7 @@ def test_queue_page_marks_a_drained_gpu_and_says_why_under_the_gpus(ran, dash):
 def test_queue_page_says_when_a_node_drains_under_the_gpus(ran, dash):
     st, _ = ran
     with write_scope(st.settings) as session:
-        node_drains.plan(session, "testnode", utcnow() + timedelta(hours=5), "<new driver>", by="root")
+        node_drains.plan(session, "testnode", utcnow() + timedelta(hours=5), reason="<new driver>", by="root")
     try:
         _, _, html = dash.get("/")
         assert re.search(r"node testnode drains at [\d: -]+ UTC \(&lt;new driver&gt;; by root\): only jobs whose "

@@ -9,6 +9,7 @@ import pwd
 import re
 import sys
 import time
+from datetime import datetime
 
 import psutil
 import pytest
@@ -276,8 +277,7 @@ def test_a_drain_planned_with_at_is_shown_under_the_gpus_starts_only_jobs_that_e
     planned = run_cli(["drain", s.node, "--at", "2h", "--reason", "driver update"], s)
     assert planned.returncode == 0, planned.stderr
     assert re.fullmatch(rf"node {s.node} drains at \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC: until then only jobs whose "
-                        r"time limit ends by then start there; `gpuq resume` calls it off\n", planned.stdout), \
-        planned.stdout
+                        r"time limit ends by then start there; `gpuq resume` ends it\n", planned.stdout), planned.stdout
     waiting = None
     try:
         for bad, says in ((["--at", "25:00"], "--at 25:00 is not a time of day"),
@@ -286,7 +286,15 @@ def test_a_drain_planned_with_at_is_shown_under_the_gpus_starts_only_jobs_that_e
             refused = run_cli(["drain", s.node, *bad], s)
             assert refused.returncode == c.EXIT_USAGE and refused.stderr.count("\n") == 1, refused.stderr
             assert says in refused.stderr
-        moved = run_cli(["drain", s.node, "--at", "3h"], s)
+        ends = run_cli(["drain", s.node, "--at", "2h", "--until", "30m"], s)  # an end, 30 minutes on
+        assert ends.returncode == 0 and "it is in service again at its end" in ends.stdout, ends.stdout + ends.stderr
+        window = json.loads(run_cli(["devices", "--json"], s).stdout)[0]["node_drain_ahead"]
+        assert (datetime.fromisoformat(window["until"]) - datetime.fromisoformat(window["at"])).total_seconds() == 1800
+        assert " until " in run_cli(["status"], s).stdout
+        for bad, says in ((["--until", "0s"], "--until"), (["--at", "2h", "--until", "now"], "is not after")):
+            refused = run_cli(["drain", s.node, *bad], s)
+            assert refused.returncode == c.EXIT_USAGE and says in refused.stderr, refused.stderr
+        moved = run_cli(["drain", s.node, "--at", "3h"], s)  # no end now: until resumed
         assert moved.returncode == 0 and "(it was to drain at " in moved.stdout, moved.stdout + moved.stderr
         out = run_cli(["status"], s).stdout
         assert re.search(rf"^node {s.node} drains at [\d: -]+ UTC \(driver update; by \w+\): only jobs whose time "

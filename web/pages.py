@@ -104,7 +104,7 @@ def queue(api: Client) -> str:
                else "<p>no GPUs registered: start the workers (<code>gpuq up</code>)</p>")
             + "".join(f'<p class="muted">drained: {escape(where)}: {escape(why)}</p>'
                       for where, why in display.drained(gpus["devices"], drained))
-            + "".join(f'<p class="muted">{escape(display.drain_ahead(node, d["at"], d.get("note")))}</p>'
+            + "".join(f'<p class="muted">{escape(display.drain_ahead(node, d))}</p>'
                       for node, d in sorted((gpus.get("drains_ahead") or {}).items())))
     return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
 
