@@ -1,5 +1,4 @@
-"""A node's drain planned ahead: a maintenance window's start and end (`gpuq drain NODE --at TIME
---until TIME`).
+"""A node's drain planned ahead (`gpuq drain NODE --at TIME`, a maintenance window's start).
 
 Revision ID: 0036
 Revises: 0035
@@ -19,10 +18,8 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column("nodes", sa.Column("drain_at", gpuq.service.models.UTCDateTime(timezone=True), nullable=True))
-    op.add_column("nodes", sa.Column("drain_until", gpuq.service.models.UTCDateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("nodes") as batch:
-        batch.drop_column("drain_until")
         batch.drop_column("drain_at")
