@@ -237,8 +237,9 @@ def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
                            "(2026-12-24T09:00) or a wait (2h).")] = None,
           until: Annotated[str | None, typer.Option(
               "--until", help="The window's end, from which the node is in service again by itself: a time (its "
-                              "next coming after the start), or a length (3h). Without it the node stays drained "
-                              "until `gpuq resume`.")] = None,
+                              "next coming after --at), or a length from --at, else from now (3h). Alone, it moves "
+                              "the end of the window the node has, or makes one from now. Without it the node "
+                              "stays drained until `gpuq resume`.")] = None,
           ) -> None:
     """Let a node's running jobs finish and start nothing new there, now or from --at on, until
     resumed or --until (an admin command: it uses the database)."""
@@ -312,8 +313,8 @@ def _plan_drain(node: str, at: str | None, until: str | None, reason: str | None
     was = ""
     if before is not None:
         was = f" (it was to drain at {utc(before[0])}" + (f" until {utc(before[1])}" if before[1] else "") + ")"
-    then = ("until then only jobs whose time limit ends by then start there" if row[0] > now else
-            "running jobs finish, nothing new starts there")
+    then = ("until then only jobs whose time limit ends by then start there" if row[0] > datetime.now().astimezone()
+            else "running jobs finish, nothing new starts there")
     back = "it is in service again at its end" if row[1] is not None else "`gpuq resume` ends it"
     typer.echo(f"node {node} drains {span}{was}: {then}; {back}")
 

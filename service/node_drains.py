@@ -121,8 +121,8 @@ def set_drained(session: Session, node: str, drained: bool, reason: str | None =
 
 def plan(session: Session, node: str, at: datetime | None, until: datetime | None = None,
          reason: str | None = None, by: str | None = None) -> tuple[datetime, datetime | None] | None:
-    """A maintenance window on ``node``: drained from ``at`` (None: now, or where one is under
-    way, its start) until ``until`` (None: until `gpuq resume`). Given again it moves the window
+    """A maintenance window on ``node``: drained from ``at`` (None: the start of the window it has,
+    under way or to come, else now) until ``until`` (None: until `gpuq resume`). Given again it moves the window
     (its reason kept unless given another); the window it replaced, as (start, end), else None."""
     row = _known(session, node)
     now = utcnow()
@@ -135,7 +135,7 @@ def plan(session: Session, node: str, at: datetime | None, until: datetime | Non
     if begun is not None and at is not None:
         raise StateConflict(f"node {node}'s window started at {utc(begun)} already: give --until alone to "
                             f"move its end, or `gpuq resume {node}` first")
-    start = begun or at or now
+    start = begun or at or (row.drain_at if _ahead(row, now) and row.drain_at is not None else now)
     if until is not None and until <= max(start, now):
         raise InvalidSpec(f"--until {utc(until)} is not after the window's start, {utc(max(start, now))}")
     before = None

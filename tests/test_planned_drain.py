@@ -275,6 +275,16 @@ def test_a_window_with_an_end_drains_the_node_while_it_lasts_and_gives_it_back_a
         assert session.get(Node, "a").drain_at is None and node_drains.end_windows(session) == 0
 
 
+def test_an_end_given_alone_moves_the_end_of_the_window_to_come_and_keeps_its_start(settings):
+    register(settings, "a", 1)
+    with write_scope(settings) as session:
+        start = utcnow() + timedelta(hours=1)
+        node_drains.plan(session, "a", start, reason="fans")
+        node_drains.plan(session, "a", None, start + timedelta(hours=2))
+        assert node_drains.window_of(session, "a") == (start, start + timedelta(hours=2))
+        assert node_drains.drains_ahead(session)["a"]["note"] == "fans"
+
+
 def test_a_window_may_start_now_and_a_drain_now_takes_its_place(settings):
     register(settings, "a", 1)
     with write_scope(settings) as session:
