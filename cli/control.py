@@ -253,7 +253,8 @@ def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
 
 @app.command()
 def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> None:
-    """Undo `gpuq drain`, or call off a drain planned with --at (an admin command: it uses the database)."""
+    """Undo `gpuq drain`: ends a drain or a maintenance window, or calls one to come off (an admin
+    command: it uses the database)."""
     _set_drained(node, False, None)
     typer.echo(f"node {node} resumed")
 
@@ -298,7 +299,7 @@ def _plan_drain(node: str, at: str | None, until: str | None, reason: str | None
 
     now = datetime.now().astimezone()
     start = parse_begin(at, now, "--at") if at is not None else None
-    # The end's time of day is its next coming after the start; a length counts from the start.
+    # The end's time of day is its next coming after --at; a length counts from --at, else from now.
     end = parse_begin(until, (start or now).astimezone(), "--until") if until is not None else None
     settings = admin_settings("drain")
     require_schema(settings)

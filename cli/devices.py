@@ -74,8 +74,8 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
 
 def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
     """Every GPU, each with whether its node is drained and why (``node_drained``,
-    ``node_drain_reason``: its own ``drain_reason`` is the GPU's alone; ``node_drain_ahead``, a drain
-    planned), and the drained nodes."""
+    ``node_drain_reason``: its own ``drain_reason`` is the GPU's alone; ``node_drain_ahead``, a
+    maintenance window to come), and the drained nodes."""
     answer = client.get("/devices")
     drained, ahead = answer.get("drained") or {}, answer.get("drains_ahead") or {}
     return [d | {"node_drained": d["node"] in drained, "node_drain_reason": drained.get(d["node"]),

@@ -83,6 +83,7 @@ def job_name(name: str, width: int = 30) -> str:
 def drain_reasons(gpus: list[dict[str, Any]], nodes: dict[str, str | None],
                   ahead: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Why each drained node or GPU is drained (``display.drained``), a line each, then each drain
-    planned (``ahead``: node -> ``{"at", "note"}``): under the GPUs of `gpuq status` and `gpuq devices`."""
+    planned (``ahead``: node -> ``{"at", "until", "note"}``): under the GPUs of `gpuq status` and
+    `gpuq devices`."""
     return ([f"drained: {where}: {one_line(why, 160)}" for where, why in drained(gpus, nodes)]
             + [one_line(drain_ahead(node, d), 240) for node, d in sorted((ahead or {}).items())])

@@ -174,7 +174,8 @@ class GpuView:
     own_drain_reason: str | None = None  # drained on its own (lost, its worker did not start), node or not
     # The shared jobs on it (``Holders.shares``; job_id is then None).
     shares: tuple[dict[str, Any], ...] = ()
-    # Its node's planned drain, ``{"at": ISO time, "note": why and by whom}`` (service/node_drains.py).
+    # Its node's maintenance window to come, ``{"at", "until": ISO times, "note": why and by whom}``
+    # (service/node_drains.py).
     node_drain_ahead: dict[str, Any] | None = None
 
 
