@@ -229,34 +229,40 @@ def _report(answer: list[dict[str, Any]], named: set[int], array: int | None,
 
 
 @app.command()
-def drain(node: Annotated[str, typer.Argument(help="The node's name.")],
+def drain(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one, or several at once.")],
           reason: Annotated[str | None, typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
           at: Annotated[str | None, typer.Option(
-              "--at", help="Drain it then, not now (a maintenance window's start): until then only jobs whose "
+              "--at", help="Drain them then, not now (a maintenance window's start): until then only jobs whose "
                            "time limit ends by then start there. A time of day (09:00), a date and time "
                            "(2026-12-24T09:00) or a wait (2h).")] = None,
           until: Annotated[str | None, typer.Option(
-              "--until", help="The window's end, from which the node is in service again by itself: a time (its "
-                              "next coming after --at), or a length from --at, else from now (3h). Alone, it moves "
-                              "the end of the window the node has, or makes one from now. Without it the node "
-                              "stays drained until `gpuq resume`.")] = None,
+              "--until", help="The window's end, from which the nodes are in service again by themselves: a time "
+                              "(its next coming after --at), or a length from --at, else from now (3h). Alone, it "
+                              "moves the end of the window a node has, or makes one from now. Without it the nodes "
+                              "stay drained until `gpuq resume`.")] = None,
           ) -> None:
-    """Let a node's running jobs finish and start nothing new there, now or from --at on, until
-    resumed or --until (an admin command: it uses the database)."""
+    """Let nodes' running jobs finish and start nothing new there, now or from --at on, until
+    resumed or --until: all the nodes named, or none (an admin command: it uses the database)."""
     if at is not None or until is not None:
-        _plan_drain(node, at, until, reason)
-    elif _set_drained(node, True, reason):
-        typer.echo(f"node {node} was drained already; its reason is now: {printable(reason or '')}")
-    else:
-        typer.echo(f"node {node} drained: running jobs finish, nothing new starts there")
+        _plan_drains(_unique(nodes), at, until, reason)
+        return
+    for node, only_reason in _set_drained(_unique(nodes), True, reason):
+        if only_reason:
+            typer.echo(f"node {node} was drained already; its reason is now: {printable(reason or '')}")
+        else:
+            typer.echo(f"node {node} drained: running jobs finish, nothing new starts there")
 
 
 @app.command()
-def resume(node: Annotated[str, typer.Argument(help="The node's name.")]) -> None:
-    """Undo `gpuq drain`: ends a drain or a maintenance window, or calls one to come off (an admin
-    command: it uses the database)."""
-    _set_drained(node, False, None)
-    typer.echo(f"node {node} resumed")
+def resume(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one, or several at once.")]) -> None:
+    """Undo `gpuq drain`: ends a drain or a maintenance window, or calls one to come off, on all the
+    nodes named or none (an admin command: it uses the database)."""
+    for node, _ in _set_drained(_unique(nodes), False, None):
+        typer.echo(f"node {node} resumed")
+
+
+def _unique(nodes: list[str]) -> list[str]:
+    return list(dict.fromkeys(nodes))
 
 
 @app.command()
@@ -288,7 +294,7 @@ def _admin() -> str:
     return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
 
 
-def _plan_drain(node: str, at: str | None, until: str | None, reason: str | None) -> None:
+def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: str | None) -> None:
     from datetime import datetime
 
     from gpuq.cli.stack import admin_settings
@@ -304,23 +310,26 @@ def _plan_drain(node: str, at: str | None, until: str | None, reason: str | None
     settings = admin_settings("drain")
     require_schema(settings)
     admin = _admin()
-    with write_scope(settings) as session:
-        before = node_drains.plan(session, node, start, end, reason, by=admin)
-        row = node_drains.window_of(session, node)
-    span = f"at {utc(row[0])}" + (f" until {utc(row[1])}" if row[1] is not None else "")
-    done = f"node {printable(node)} {span}" + (f" (reason: {printable(reason)})" if reason else "")
-    _audit(settings, f"drain by {admin} (uid {os.getuid()}): {done}")
+    with write_scope(settings) as session:  # every node's window, or none
+        planned = [(node, node_drains.plan(session, node, start, end, reason, by=admin)) for node in nodes]
+        windows = {node: node_drains.window_of(session, node) for node in nodes}
     broker.wake_scheduler(settings)
-    was = ""
-    if before is not None:
-        was = f" (it was to drain at {utc(before[0])}" + (f" until {utc(before[1])}" if before[1] else "") + ")"
-    then = ("until then only jobs whose time limit ends by then start there" if row[0] > datetime.now().astimezone()
-            else "running jobs finish, nothing new starts there")
-    back = "it is in service again at its end" if row[1] is not None else "`gpuq resume` ends it"
-    typer.echo(f"node {node} drains {span}{was}: {then}; {back}")
+    for node, before in planned:
+        begins, ends = windows[node]
+        span = f"at {utc(begins)}" + (f" until {utc(ends)}" if ends is not None else "")
+        _audit(settings, f"drain by {admin} (uid {os.getuid()}): node {printable(node)} {span}"
+               + (f" (reason: {printable(reason)})" if reason else ""))
+        was = ""
+        if before is not None:
+            was = f" (it was to drain at {utc(before[0])}" + (f" until {utc(before[1])}" if before[1] else "") + ")"
+        then = ("until then only jobs whose time limit ends by then start there"
+                if begins > datetime.now().astimezone() else "running jobs finish, nothing new starts there")
+        back = "it is in service again at its end" if ends is not None else "`gpuq resume` ends it"
+        typer.echo(f"node {node} drains {span}{was}: {then}; {back}")
 
 
-def _set_drained(node: str, drained: bool, reason: str | None) -> bool:
+def _set_drained(nodes: list[str], drained: bool, reason: str | None) -> list[tuple[str, bool]]:
+    """Drain (or resume) every node named, or none; each node and whether only its reason changed."""
     from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, node_drains
     from gpuq.service.db import require_schema, write_scope
@@ -330,12 +339,13 @@ def _set_drained(node: str, drained: bool, reason: str | None) -> bool:
     require_schema(settings)
     admin = _admin()
     with write_scope(settings) as session:
-        only_reason = node_drains.set_drained(session, node, drained, reason, by=admin)
-    done = f"node {printable(node)}" + (f" (reason: {printable(reason)})" if drained and reason else "")
-    _audit(settings, f"{action} by {admin} (uid {os.getuid()}): {done}")
+        done = [(node, node_drains.set_drained(session, node, drained, reason, by=admin)) for node in nodes]
+    for node, _ in done:
+        _audit(settings, f"{action} by {admin} (uid {os.getuid()}): node {printable(node)}"
+               + (f" (reason: {printable(reason)})" if drained and reason else ""))
     if not drained:
         broker.wake_scheduler(settings)
-    return only_reason
+    return done
 
 
 def _audit(settings: Any, line: str) -> None:

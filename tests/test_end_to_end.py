@@ -280,6 +280,14 @@ def test_a_drain_planned_with_at_is_shown_under_the_gpus_starts_only_jobs_that_e
                         r"time limit ends by then start there; `gpuq resume` ends it\n", planned.stdout), planned.stdout
     waiting = None
     try:
+        # Several nodes at once: all of them or none (here the second is no node of gpuq's).
+        def window() -> dict:
+            return json.loads(run_cli(["devices", "--json"], s).stdout)[0]["node_drain_ahead"]
+
+        first = window()
+        both = run_cli(["drain", s.node, "nosuch", "--at", "1h"], s)
+        assert both.returncode == c.EXIT_USAGE and both.stderr == "gpuq: no node nosuch is known to gpuq\n", both
+        assert window() == first  # not moved to 1h: nothing written
         for bad, says in ((["--at", "25:00"], "--at 25:00 is not a time of day"),
                           (["--at", "soon"], "--at takes a time of day"),
                           (["--at", "2027-99-01T09:00"], "--at takes a time of day")):
@@ -288,8 +296,8 @@ def test_a_drain_planned_with_at_is_shown_under_the_gpus_starts_only_jobs_that_e
             assert says in refused.stderr
         ends = run_cli(["drain", s.node, "--at", "2h", "--until", "30m"], s)  # an end, 30 minutes on
         assert ends.returncode == 0 and "it is in service again at its end" in ends.stdout, ends.stdout + ends.stderr
-        window = json.loads(run_cli(["devices", "--json"], s).stdout)[0]["node_drain_ahead"]
-        assert (datetime.fromisoformat(window["until"]) - datetime.fromisoformat(window["at"])).total_seconds() == 1800
+        span = window()
+        assert (datetime.fromisoformat(span["until"]) - datetime.fromisoformat(span["at"])).total_seconds() == 1800
         assert " until " in run_cli(["status"], s).stdout
         for bad, says in ((["--until", "0s"], "--until"), (["--at", "2h", "--until", "now"], "is not after")):
             refused = run_cli(["drain", s.node, *bad], s)
