@@ -169,3 +169,31 @@ def test_an_offline_gpu_reports_up_0_and_no_stale_readings(ran, dash):
     finally:
         with write_scope(st.settings) as session:
             session.execute(Gpu.__table__.delete().where(Gpu.node == "gone"))
+
+
+def test_each_nodes_drain_and_its_maintenance_window_to_come_are_gauges(ran, dash):
+    from datetime import timedelta
+
+    from gpuq.service import node_drains
+    from gpuq.service.models import utcnow
+
+    st, _ = ran
+    families = scrape(dash)
+    assert {s.labels["node"]: s.value for s in samples(families["gpuq_node_drained"])} == {"testnode": 0.0}
+    assert samples(families["gpuq_node_drain_start_seconds"]) == []
+    start = utcnow().replace(microsecond=0) + timedelta(hours=3)
+    with write_scope(st.settings) as session:
+        node_drains.plan(session, "testnode", start, start + timedelta(hours=2), reason="PSU", by="root")
+    try:
+        families = scrape(dash)
+        assert [(s.labels["node"], s.value) for s in samples(families["gpuq_node_drain_start_seconds"])] == [
+            ("testnode", start.timestamp())]
+        assert [s.value for s in samples(families["gpuq_node_drain_end_seconds"])] == [start.timestamp() + 7200]
+        with write_scope(st.settings) as session:
+            node_drains.set_drained(session, "testnode", True)  # now, until resumed
+        families = scrape(dash)
+        assert {s.labels["node"]: s.value for s in samples(families["gpuq_node_drained"])} == {"testnode": 1.0}
+        assert samples(families["gpuq_node_drain_start_seconds"]) == []
+    finally:
+        with write_scope(st.settings) as session:
+            node_drains.set_drained(session, "testnode", False)

@@ -38,6 +38,7 @@ class GpuqCollector:
     def collect(self) -> Iterator[Metric]:
         m = self.api.get("/metrics", wait_le=_bounds(WAIT_BUCKETS), duration_le=_bounds(DURATION_BUCKETS))
         yield from _gpu_metrics([obj(d) for d in m["gpus"]])
+        yield from _node_metrics(self.api.get("/devices"))
         jobs = GaugeMetricFamily("gpuq_jobs", "Jobs in gpuq's database, by state and user.", labels=["state", "user"])
         for row in m["jobs"]:
             jobs.add_metric([row["state"], row["user"]], row["count"])
@@ -67,6 +68,26 @@ class GpuqCollector:
                          m["wait"])
         yield _histogram("gpuq_job_duration_seconds", "Run time (start to end) of every job that ended after starting.",
                          m["duration"])
+
+
+def _node_metrics(devices: dict[str, Any]) -> Iterator[Metric]:
+    """Each node's drain (SLURM exporters' node state): drained now, and a maintenance window to come."""
+    from datetime import datetime
+
+    drained = GaugeMetricFamily("gpuq_node_drained", "1 while the node is drained (gpuq drain, or a maintenance "
+                                "window under way), else 0.", labels=["node"])
+    starts = GaugeMetricFamily("gpuq_node_drain_start_seconds", "When the node's maintenance window to come starts "
+                               "(gpuq drain --at; Unix time).", labels=["node"])
+    ends = GaugeMetricFamily("gpuq_node_drain_end_seconds", "When the node's maintenance window to come ends "
+                             "(gpuq drain --until; Unix time); absent where it has no end.", labels=["node"])
+    ahead = devices.get("drains_ahead") or {}
+    for node in sorted({d["node"] for d in devices["devices"]} | set(devices.get("drained") or {}) | set(ahead)):
+        drained.add_metric([node], 1.0 if node in (devices.get("drained") or {}) else 0.0)
+    for node, window in sorted(ahead.items()):
+        starts.add_metric([node], datetime.fromisoformat(window["at"]).timestamp())
+        if window.get("until"):
+            ends.add_metric([node], datetime.fromisoformat(window["until"]).timestamp())
+    yield from (drained, starts, ends)
 
 
 def _bounds(bounds: tuple[float, ...]) -> str:
