@@ -300,7 +300,7 @@ def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: st
     from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, node_drains
     from gpuq.service.db import require_schema, write_scope
-    from gpuq.service.display import utc
+    from gpuq.service.display import window_span
     from gpuq.service.units import parse_begin
 
     now = datetime.now().astimezone()
@@ -316,12 +316,12 @@ def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: st
     broker.wake_scheduler(settings)
     for node, before in planned:
         begins, ends = windows[node]
-        span = f"at {utc(begins)}" + (f" until {utc(ends)}" if ends is not None else "")
+        span = window_span(begins, ends)
         _audit(settings, f"drain by {admin} (uid {os.getuid()}): node {printable(node)} {span}"
                + (f" (reason: {printable(reason)})" if reason else ""))
         was = ""
         if before is not None:
-            was = f" (it was to drain at {utc(before[0])}" + (f" until {utc(before[1])}" if before[1] else "") + ")"
+            was = f" (it was to drain {window_span(*before)})"
         then = ("until then only jobs whose time limit ends by then start there"
                 if begins > datetime.now().astimezone() else "running jobs finish, nothing new starts there")
         back = "it is in service again at its end" if ends is not None else "`gpuq resume` ends it"

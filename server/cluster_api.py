@@ -42,12 +42,13 @@ async def devices(request: web.Request) -> web.Response:
 
 
 def _devices(settings: Settings) -> dict[str, Any]:
+    from gpuq.service import node_drains
     from gpuq.service.device_status import device_status
-    from gpuq.service.node_drains import drained_nodes, drains_ahead
 
     with reading(settings) as session:
+        drained, ahead = node_drains.notes(session)
         return {"devices": [d.as_dict() for d in device_status(session, settings)],
-                "drained": drained_nodes(session), "drains_ahead": drains_ahead(session)}
+                "drained": drained, "drains_ahead": ahead}
 
 
 @routes.get(P + "/share")

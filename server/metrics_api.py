@@ -56,12 +56,14 @@ def _bounds(query: Any, name: str) -> list[float]:
 
 def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
              settled: Settled | None = None) -> dict[str, Any]:
+    from gpuq.service import node_drains
     from gpuq.service.device_status import device_status
 
     settled = settled or Settled()
     now = utcnow()
     with reading(settings) as session:
         devices = device_status(session, settings)
+        drained, ahead = node_drains.notes(session)
         ids = {(g.node, g.index): (g.id, g.uuid) for g in session.scalars(select(Gpu))}
         energy = _energy_by_gpu(session)
         by_state_user = sorted(settled.jobs(session, now).items())
@@ -80,7 +82,7 @@ def _metrics(settings: Settings, wait_le: list[float], duration_le: list[float],
             "pending": [{"reason": r, "count": n} for r, n in pending],
             "cpu": [{"user": u, "cpu_s": s} for u, s in sorted(cpu.items())],
             "reruns": [{"user": u, "cause": why, "count": n} for (u, why), n in sorted(reruns.items())],
-            "wait": wait, "duration": duration}
+            "wait": wait, "duration": duration, "drained": drained, "drains_ahead": ahead}
 
 
 def _energy_by_gpu(session: Session) -> dict[int, float]:

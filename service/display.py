@@ -155,13 +155,20 @@ def drained(gpus: list[dict[str, Any]], nodes: dict[str, str | None]) -> list[tu
     return out + [(f"{g['node']} GPU {g['index']}", why) for g, why in own if why]
 
 
+def window_span(at: datetime | str, until: datetime | str | None) -> str:
+    """A maintenance window's start and end (datetimes, or ISO times as the server's JSON gives
+    them): ``at 2026-12-24 09:00:00 UTC until 2026-12-24 12:00:00 UTC`` (no end: until resumed)."""
+    def moment(t: datetime | str) -> str:
+        return utc(datetime.fromisoformat(t) if isinstance(t, str) else t)
+
+    return f"at {moment(at)}" + (f" until {moment(until)}" if until else "")
+
+
 def drain_ahead(node: str, window: dict[str, Any]) -> str:
     """A node's maintenance window to come (``window``: its ``at``, ``until`` and ``note``, ISO
     times, as `gpuq status`'s JSON gives it), as every front-end says it under the GPUs: when, why,
     and what it means until then."""
-    until = window.get("until")
-    end = f" until {utc(datetime.fromisoformat(until))}" if until else ""
-    return (f"node {node} drains at {utc(datetime.fromisoformat(window['at']))}{end} "
+    return (f"node {node} drains {window_span(window['at'], window.get('until'))} "
             f"({window.get('note') or 'no reason given'}): only jobs whose time limit ends by then start there")
 
 

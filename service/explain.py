@@ -11,12 +11,12 @@ from sqlalchemy.orm import Session
 from gpuq.service import constants as c
 from gpuq.service import deadline, dependencies, policy
 from gpuq.service.constants import State
-from gpuq.service.display import expected_at, gpu_hours_text, preempted_by, time_limit, utc
+from gpuq.service.display import expected_at, gpu_hours_text, preempted_by, time_limit, utc, window_span
 from gpuq.service.forecast import NO_START
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
-from gpuq.service.node_drains import drained_nodes, drains_ahead
+from gpuq.service.node_drains import drained_nodes, drains_ahead, notes
 from gpuq.service.queue_read import QueueRead, planned_starts, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.units import AFTER_KINDS
@@ -218,8 +218,7 @@ def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:
 
 def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
     cutoff = live_cutoff(settings)
-    drained = drained_nodes(session)
-    ahead = drains_ahead(session)
+    drained, ahead = notes(session)
     rows = session.execute(select(Gpu, Job).where(Gpu.retired_at.is_(None))
                            .outerjoin(Allocation, Allocation.gpu_id == Gpu.id)
                            .outerjoin(Job, Job.id == Allocation.job_id).order_by(Gpu.node, Gpu.index)).all()
@@ -278,8 +277,7 @@ def _gpu_lines(session: Session, settings: Settings, job: Job) -> list[str]:
         prefix = f"node {node}" + (" (drained)" if node in drained else "")
         if node in ahead:
             window = ahead[node]
-            until = f" until {utc(datetime.fromisoformat(window['until']))}" if window["until"] else ""
-            prefix += (f" (drains at {utc(datetime.fromisoformat(window['at']))}{until}; before that, only jobs that "
+            prefix += (f" (drains {window_span(window['at'], window['until'])}; before that, only jobs that "
                        "end by then start there)")
         lines.append(f"{prefix}: " + ", ".join(texts))
     return lines or ["no GPU is known to gpuq"]

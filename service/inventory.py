@@ -10,10 +10,10 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from gpuq.service import node_drains
 from gpuq.service.db import rows_changed
 from gpuq.service.devices import GpuInfo, GpuReading
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
-from gpuq.service.node_drains import drained_nodes, drains_ahead
 from gpuq.service.settings import Settings
 
 
@@ -212,8 +212,7 @@ def holders(session: Session) -> list[tuple[Gpu, Holders]]:
 def view(session: Session, settings: Settings) -> list[GpuView]:
     """Each GPU with its whole-GPU job, or its shared jobs and what each uses of its share."""
     cutoff = live_cutoff(settings)
-    drained = drained_nodes(session)
-    ahead = drains_ahead(session)
+    drained, ahead = node_drains.notes(session)
     return [
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,

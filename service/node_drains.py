@@ -31,9 +31,15 @@ from gpuq.service.errors import InvalidSpec, StateConflict
 from gpuq.service.models import Gpu, Node, table, utcnow
 
 _NODES = table(Node)
-# Every node drained now or with a window: the scheduler's read, once a pass (a handful of rows).
-DRAINS = select(_NODES.c.name, _NODES.c.drained, _NODES.c.drain_at, _NODES.c.drain_until).where(
-    or_(_NODES.c.drained.is_(True), _NODES.c.drain_at.is_not(None)))
+# The nodes drained now or with a window.
+_SET = or_(_NODES.c.drained.is_(True), _NODES.c.drain_at.is_not(None))
+# Their state, the scheduler's read once a pass (a handful of rows).
+DRAINS = select(_NODES.c.name, _NODES.c.drained, _NODES.c.drain_at, _NODES.c.drain_until).where(_SET)
+
+
+def _drained(is_drained: bool, at: datetime | None, until: datetime | None, now: datetime) -> bool:
+    """Whether a node is drained at ``now``: drained until resumed, or in its window."""
+    return is_drained or (at is not None and at <= now and (until is None or now < until))
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class Drains:
         """From ``DRAINS``' rows, at ``now``."""
         drained, ahead = set(), {}
         for name, is_drained, at, until in rows:
-            if is_drained or (at <= now and (until is None or now < until)):
+            if _drained(is_drained, at, until, now):
                 drained.add(name)
             elif at > now:
                 ahead[name] = (at.timestamp(), None if until is None else until.timestamp())
@@ -60,8 +66,7 @@ def read(session: Session, now: datetime | None = None) -> Drains:
 
 
 def drained_now(node: Node, now: datetime) -> bool:
-    return node.drained or (node.drain_at is not None and node.drain_at <= now
-                            and (node.drain_until is None or now < node.drain_until))
+    return _drained(node.drained, node.drain_at, node.drain_until, now)
 
 
 def _ahead(node: Node, now: datetime) -> bool:
@@ -99,12 +104,10 @@ def set_drained(session: Session, node: str, drained: bool, reason: str | None =
         # Resuming a node also gives back its GPUs drained one by one (a lost GPU, once fixed).
         freed = rows_changed(session.execute(update(Gpu).where(Gpu.node == node, Gpu.drain_reason.is_not(None))
                                              .values(drain_reason=None)))
-        if not drained_now(row, now) and not planned:
-            _clear(row)  # a window past its end, that no pass has cleared yet
-            if freed:
-                return False
+        was = planned or drained_now(row, now)
+        _clear(row)  # a window past its end too, that no pass has cleared yet
+        if not was and not freed:
             raise StateConflict(f"node {node} is not drained")
-        _clear(row)
         return False
     if row.drained:
         if reason is not None and reason != row.drain_reason:
@@ -135,12 +138,12 @@ def plan(session: Session, node: str, at: datetime | None, until: datetime | Non
     if begun is not None and at is not None:
         raise StateConflict(f"node {node}'s window started at {utc(begun)} already: give --until alone to "
                             f"move its end, or `gpuq resume {node}` first")
-    start = begun or at or (row.drain_at if _ahead(row, now) and row.drain_at is not None else now)
+    coming = row.drain_at if _ahead(row, now) else None  # a window to come: when it starts
+    start = begun or at or coming or now
     if until is not None and until <= max(start, now):
         raise InvalidSpec(f"--until {utc(until)} is not after the window's start, {utc(max(start, now))}")
-    before = None
-    if row.drain_at is not None and planned_or_under_way(row, now):
-        before = (row.drain_at, row.drain_until)
+    had = begun or coming
+    before = None if had is None else (had, row.drain_until)
     if before is None or reason is not None:
         row.drain_reason = reason
     row.drain_at, row.drain_until = start, until
@@ -155,10 +158,6 @@ def window_of(session: Session, node: str) -> tuple[datetime, datetime | None]:
     return row.drain_at, row.drain_until
 
 
-def planned_or_under_way(node: Node, now: datetime) -> bool:
-    return _ahead(node, now) or (not node.drained and drained_now(node, now))
-
-
 def end_windows(session: Session, now: datetime | None = None) -> int:
     """Clear the windows past their end (the nodes are in service again): how many."""
     over = (Node.drained.is_(False), Node.drain_until.is_not(None), Node.drain_until <= (now or utcnow()))
@@ -166,24 +165,30 @@ def end_windows(session: Session, now: datetime | None = None) -> int:
         drain_at=None, drain_until=None, drain_reason=None, drained_at=None, drained_by=None)))
 
 
+def notes(session: Session) -> tuple[dict[str, str | None], dict[str, dict[str, Any]]]:
+    """In one read, ``drained_nodes`` and ``drains_ahead``: what every front-end shows under the GPUs."""
+    now = utcnow()
+    drained: dict[str, str | None] = {}
+    ahead: dict[str, dict[str, Any]] = {}
+    for n in session.scalars(select(Node).where(_SET)):
+        if drained_now(n, now):
+            drained[n.name] = _drain_note(n)
+        elif n.drain_at is not None and _ahead(n, now):
+            ahead[n.name] = {"at": n.drain_at.isoformat(), "until": n.drain_until and n.drain_until.isoformat(),
+                             "note": _plan_note(n)}
+    return drained, ahead
+
+
 def drained_nodes(session: Session) -> dict[str, str | None]:
     """Each node drained now, with its reason, who drained it, since when and, in a window, until
     when (as `sinfo -R` lists them): ``maintenance; by root since 2026-11-26 16:30 UTC``."""
-    now = utcnow()
-    return {n.name: _drain_note(n) for n in _rows(session) if drained_now(n, now)}
+    return notes(session)[0]
 
 
 def drains_ahead(session: Session) -> dict[str, dict[str, Any]]:
     """Each window still to start: ``{"at": ISO time, "until": ISO time or None, "note": its
     reason and who planned it}``."""
-    now = utcnow()
-    return {n.name: {"at": n.drain_at.isoformat(), "until": n.drain_until and n.drain_until.isoformat(),
-                     "note": _plan_note(n)}
-            for n in _rows(session) if n.drain_at is not None and _ahead(n, now)}
-
-
-def _rows(session: Session) -> list[Node]:
-    return list(session.scalars(select(Node).where(or_(Node.drained.is_(True), Node.drain_at.is_not(None)))))
+    return notes(session)[1]
 
 
 def _drain_note(node: Node) -> str | None:

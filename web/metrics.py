@@ -38,7 +38,7 @@ class GpuqCollector:
     def collect(self) -> Iterator[Metric]:
         m = self.api.get("/metrics", wait_le=_bounds(WAIT_BUCKETS), duration_le=_bounds(DURATION_BUCKETS))
         yield from _gpu_metrics([obj(d) for d in m["gpus"]])
-        yield from _node_metrics(self.api.get("/devices"))
+        yield from _node_metrics(m)
         jobs = GaugeMetricFamily("gpuq_jobs", "Jobs in gpuq's database, by state and user.", labels=["state", "user"])
         for row in m["jobs"]:
             jobs.add_metric([row["state"], row["user"]], row["count"])
@@ -70,8 +70,9 @@ class GpuqCollector:
                          m["duration"])
 
 
-def _node_metrics(devices: dict[str, Any]) -> Iterator[Metric]:
-    """Each node's drain (SLURM exporters' node state): drained now, and a maintenance window to come."""
+def _node_metrics(m: dict[str, Any]) -> Iterator[Metric]:
+    """Each node's drain (SLURM exporters' node state): drained now, and a maintenance window to
+    come, from the server's /metrics answer (``m``: its GPUs, drained nodes and windows)."""
     from datetime import datetime
 
     drained = GaugeMetricFamily("gpuq_node_drained", "1 while the node is drained (gpuq drain, or a maintenance "
@@ -80,9 +81,9 @@ def _node_metrics(devices: dict[str, Any]) -> Iterator[Metric]:
                                "(gpuq drain --at; Unix time).", labels=["node"])
     ends = GaugeMetricFamily("gpuq_node_drain_end_seconds", "When the node's maintenance window to come ends "
                              "(gpuq drain --until; Unix time); absent where it has no end.", labels=["node"])
-    ahead = devices.get("drains_ahead") or {}
-    for node in sorted({d["node"] for d in devices["devices"]} | set(devices.get("drained") or {}) | set(ahead)):
-        drained.add_metric([node], 1.0 if node in (devices.get("drained") or {}) else 0.0)
+    ahead, now = m.get("drains_ahead") or {}, m.get("drained") or {}  # a server from before sends neither
+    for node in sorted({d["node"] for d in m["gpus"]} | set(now) | set(ahead)):
+        drained.add_metric([node], 1.0 if node in now else 0.0)
     for node, window in sorted(ahead.items()):
         starts.add_metric([node], datetime.fromisoformat(window["at"]).timestamp())
         if window.get("until"):
