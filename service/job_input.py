@@ -65,12 +65,15 @@ def put(conn: redis.Redis, settings: Settings, job_id: int, data: bytes, end: bo
     chunk whose place was taken already is not appended again (True). `gpuq run` sends each chunk
     again after its server restarted, not knowing whether the one that died had appended it."""
     chunks, ended = _keys(settings, job_id)
-    conn.set(_alive_key(settings, job_id), b"1", ex=max(math.ceil(settings.alloc_keepalive), 1))
-    if seq is not None:
-        last = conn.get(_seq_key(settings, job_id))
-        if last is not None and int(last) >= seq:
-            return True
-    if data and conn.llen(chunks) >= MAX_QUEUED:
+    # One round trip for what decides: the client heard from, the last place taken, the list's length.
+    look = conn.pipeline(transaction=False)
+    look.set(_alive_key(settings, job_id), b"1", ex=max(math.ceil(settings.alloc_keepalive), 1))
+    look.get(_seq_key(settings, job_id))
+    look.llen(chunks)
+    _, last, queued = look.execute()
+    if seq is not None and last is not None and int(last) >= seq:
+        return True
+    if data and queued >= MAX_QUEUED:
         return False
     pipe = conn.pipeline(transaction=True)
     if data:
