@@ -10,7 +10,8 @@ follower costs one request per batch of output, not a poll many times a second.
 Ctrl-C during `gpuq run` cancels the job and waits for it to stop (a second Ctrl-C leaves at once);
 a closed terminal (SIGHUP) or SIGTERM cancels it and leaves, and so does a reader of its output that
 went away (`gpuq run ... | head`: srun dies of the SIGPIPE, and its step with it), with 141. `gpuq
-attach` leaves on any of them, and the job goes on.
+attach` leaves on any of them, and the job goes on. A `gpuq run` killed outright ends its job too,
+later: it keeps the job alive while it follows it (cli/keep_alive.py).
 """
 
 from __future__ import annotations

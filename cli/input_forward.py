@@ -40,30 +40,14 @@ def wanted() -> bool:
 def start(job_id: int) -> threading.Thread:
     """Send this process's stdin to job ``job_id`` in a thread of its own, its end included; a
     refusal ends it (the job ended, or reads no input) with one line on stderr where it says why
-    beyond the job's end. Another thread says this process is alive until then: a `gpuq run`
-    killed before its input's end ends it for the job within GPUQ_ALLOC_KEEPALIVE."""
-    sent = threading.Event()
-    thread = threading.Thread(target=_send, args=(job_id, sent), name="stdin", daemon=True)
+    beyond the job's end. A `gpuq run` killed before its input's end leaves its job waiting on a
+    read only until the job, which it keeps (cli/keep_alive.py), ends as client_lost."""
+    thread = threading.Thread(target=_send, args=(job_id,), name="stdin", daemon=True)
     thread.start()
-    threading.Thread(target=_keep_alive, args=(job_id, sent), name="stdin-keepalive", daemon=True).start()
     return thread
 
 
-def _keep_alive(job_id: int, sent: threading.Event) -> None:
-    """An empty chunk every ``keepalive_s`` the server gives, until the input is sent (``sent``),
-    or refused: the job ended, and the sender says what else went wrong."""
-    from gpuq.cli.client import Client
-
-    client = Client()
-    while not sent.is_set():
-        try:
-            every = client.post(f"/jobs/{job_id}/stdin", {"data": "", "end": False}, ride_out=True)["keepalive_s"]
-        except (GpuqError, OSError):
-            return
-        sent.wait(max(float(every), 0.1))
-
-
-def _send(job_id: int, sent: threading.Event) -> None:
+def _send(job_id: int) -> None:
     from gpuq.cli.client import Client, Refused
     from gpuq.service import constants as c
 
@@ -84,5 +68,3 @@ def _send(job_id: int, sent: threading.Event) -> None:
             print(f"gpuq: stopped forwarding stdin: {refused}", file=sys.stderr, flush=True)
     except (GpuqError, OSError) as exc:
         print(f"gpuq: stopped forwarding stdin: {exc}", file=sys.stderr, flush=True)
-    finally:
-        sent.set()

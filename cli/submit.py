@@ -64,7 +64,8 @@ RUN_HELP = """Queue a job and follow it here, as srun does: why it waits, then i
 they come, and its exit code as this command's (124: timed out, 125: ended by gpuq, 130: cancelled by
 your Ctrl-C, 1: cancelled otherwise, as by `gpuq cancel` or a failed --after dependency).
 
-Ctrl-C cancels the job (twice: leave at once); a closed terminal cancels it too.
+Ctrl-C cancels the job (twice: leave at once); a closed terminal cancels it too, and a gpuq run
+killed outright ends it within GPUQ_ALLOC_KEEPALIVE (--detach: the job outlives it).
 `gpuq run matmul --size 500`, `gpuq run --gpus 2 -- python train.py`."""
 
 
@@ -208,10 +209,13 @@ def submit(
         raise InvalidSpec(f"--{option} is for gpuq submit; gpuq run prints the job's own output")
     if test_only and wait:
         raise InvalidSpec("give --test-only or --wait, not both: a test queues nothing to wait for")
-    if running and not test_only and command is not None and not ctx.meta.get(DETACH_KEY, False):
-        from gpuq.cli import input_forward
+    if running and not test_only and not ctx.meta.get(DETACH_KEY, False):
+        # The job lives while this process follows it (cli/keep_alive.py); --detach's outlives it.
+        body["keep_alive"] = True
+        if command is not None:
+            from gpuq.cli import input_forward
 
-        body["stdin"] = input_forward.wanted()  # as srun: a pipe or a file, never a terminal
+            body["stdin"] = input_forward.wanted()  # as srun: a pipe or a file, never a terminal
     client = Client()
     try:
         if test_only:
@@ -234,6 +238,10 @@ def submit(
         from gpuq.cli.follow import follow
 
         detach = ctx.meta.get(DETACH_KEY, False)
+        if body.get("keep_alive"):
+            from gpuq.cli import keep_alive
+
+            keep_alive.start(made[0]["id"])
         if body.get("stdin"):
             from gpuq.cli import input_forward
 

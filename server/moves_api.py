@@ -198,8 +198,9 @@ async def resubmit(request: web.Request) -> web.Response:
 
 @routes.post(JOB + "/keepalive")
 async def keepalive(request: web.Request) -> web.Response:
-    """An allocation's client (`gpuq alloc`) is alive: the allocation as it needs it (state, GPUs,
-    run id, deadline, how often to say so again). Its owner's only."""
+    """A kept job's client is alive (service/kept_jobs.py): `gpuq alloc`'s, which gets the
+    allocation as it needs it (state, GPUs, run id, deadline, how often to say so again), or `gpuq
+    run`'s (its job's state, how often). Its owner's, and the admins'."""
     from gpuq.service.allocations import keep_alive
 
     settings, caller = acting(request)
@@ -227,8 +228,7 @@ async def end(request: web.Request) -> web.Response:
 @routes.post(JOB + "/stdin")
 async def stdin(request: web.Request) -> web.Response:
     """A chunk of the input `gpuq run` forwards to its job: ``{"data": BASE64, "end": bool}``;
-    ``{"taken": false}`` while the job's waiting input is full (send it again later). An empty chunk
-    that does not end it says its client is alive (``keepalive_s``: how often to say so). ``seq``
+    ``{"taken": false}`` while the job's waiting input is full (send it again later). ``seq``
     (0, 1, ...: the chunk's place) makes a chunk sent again after a restart appended once. Not
     audited chunk by chunk: the submit that asked for it was."""
     import base64
@@ -252,5 +252,4 @@ async def stdin(request: web.Request) -> web.Response:
     except (binascii.Error, ValueError):
         raise InvalidSpec("the input's data is not base64") from None
     taken = await call(job_input.accept, settings, job_id, caller, raw, end, seq)
-    # How often the client says it is alive while its input is open (an empty chunk).
-    return web.json_response({"taken": taken, "keepalive_s": settings.alloc_keepalive / 3})
+    return web.json_response({"taken": taken})

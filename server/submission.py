@@ -41,6 +41,7 @@ _OPTIONS: dict[str, tuple[type, Any]] = {
     "sweep": (list, []),
     "snapshot": (bool, False), "env": (list, []), "environ": (dict, {}), "cwd": (str, None),
     "git": (dict, None), "user": (str, None), "key": (str, None), "interactive": (bool, False), "stdin": (bool, False),
+    "keep_alive": (bool, False),
     "shared": (bool, False), "umask": (int, None), "output": (str, None), "error": (str, None),
     "begin": (str, None), "deadline": (str, None), "signal": (str, None), "gpu_type": (str, None),
     "mail_type": (str, None), "mail_user": (str, None)}
@@ -128,6 +129,11 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
                             begin=f["begin"], deadline=f["deadline"], signal=f["signal"], gpu_type=f["gpu_type"],
                             exclude=f["exclude"],
                             preemptible=f["preemptible"], mail_type=f["mail_type"], mail_user=f["mail_user"])
+    if f["keep_alive"]:
+        # `gpuq run`'s job lives while its client follows it (service/kept_jobs.py).
+        if f["array"] is not None or f["sweep"]:
+            raise InvalidSpec("keep_alive keeps one job (gpuq run's); an array or a sweep is kept by nobody")
+        return [replace(made, kept=True) for made in spec.expand(make, sched, None, [])]
     return spec.expand(make, sched, f["array"], f["sweep"])
 
 

@@ -3,16 +3,18 @@ terminal (SLURM's salloc for one node). An allocation is a job of kind interacti
 and accounted like any other, hosted by its first GPU's worker (workers/allocation.py), which
 stops everything it started at its end.
 
-Its client keeps it: it says it is alive every third of the ``alloc_keepalive`` setting, and ends
-it with its shell's exit code. One it stops hearing from is ended as client_lost by the worker
-(running), or cancelled by the scheduler (still waiting), so a dropped ssh holds no GPU for long.
+Its client keeps it (service/kept_jobs.py): it says it is alive every third of the
+``alloc_keepalive`` setting, and ends it with its shell's exit code. One it stops hearing from is
+ended as client_lost by the worker (running), or cancelled by the scheduler (still waiting), so a
+dropped ssh holds no GPU for long. A `gpuq run`'s job is kept the same way, and its client says so
+through the same call (``keep_alive``).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import bindparam, select
@@ -25,6 +27,7 @@ from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
 from gpuq.service.job_cpus import cpu_variables
 from gpuq.service.jobs import get_job, job_gpus
+from gpuq.service.kept_jobs import KEEPALIVE
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Gpu, Job, table, utcnow
 from gpuq.service.rights import Caller, may_change
@@ -36,13 +39,8 @@ _INTERACTIVE = _JOBS.c.kind == c.KIND_INTERACTIVE
 # The variable every process of an allocation carries: how its worker finds them at the end.
 RUN_ID_VARIABLE = "GPUQ_RUN_ID"
 
-KEEPALIVE = move("an allocation's client says it is alive", Actor.USER, c.ACTIVE_STATES, None, _ID, _INTERACTIVE,
-                 keepalive_at=bindparam("now"))
 CLIENT_END = move("an allocation's client ended it", Actor.USER, State.RUNNING, None, _ID, _INTERACTIVE,
                   _JOBS.c.client_exit_code.is_(None), client_exit_code=bindparam("code"))
-ABANDON = move("cancel a waiting allocation whose client is gone", Actor.SCHEDULER, State.PENDING, State.CANCELLED,
-               _INTERACTIVE, _JOBS.c.keepalive_at < bindparam("cutoff"), ended_at=bindparam("now"),
-               failure=c.FAILURE_CLIENT_LOST, reason="its client (gpuq alloc) stopped answering while it waited")
 
 
 def new_run_id() -> str:
@@ -84,11 +82,18 @@ class Held:
 
 
 def keep_alive(settings: Settings, job_id: int, caller: Caller) -> Held:
-    """Note that the allocation's client is alive; what it needs to know of the allocation."""
+    """Note that a kept job's client is alive (an allocation's, or a `gpuq run`'s: its job has no
+    run id, GPUs to give a shell or shell variables); what it needs to know of the job."""
     require_schema(settings)
     with write_scope(settings) as session:
-        job = _own_allocation(session, settings, job_id, caller)
+        job = _own(session, settings, job_id, caller)
+        if job.keepalive_at is None:
+            raise StateConflict(f"job {job_id} is not kept by a client (gpuq alloc, gpuq run): nothing keeps it alive")
         session.execute(KEEPALIVE, {"job_id": job_id, "now": utcnow()})
+        if job.kind != c.KIND_INTERACTIVE:  # a run's job: no shell here to give GPUs, a run id or variables
+            return Held(id=job.id, state=job.state, reason=job.reason, run_id="", gpu_indices=[], node=job.node,
+                        deadline=None, keepalive_s=settings.alloc_keepalive / 3, failure=job.failure,
+                        exit_code=job.exit_code, env={})
         gpus = [g.index for g in job_gpus(session, job_id)] if job.state == State.RUNNING else []
         job = get_job(session, job_id)
         deadline = (job.started_at.timestamp() + job.time_limit_s) if job.started_at and job.time_limit_s else None
@@ -113,19 +118,14 @@ def end_by_client(settings: Settings, job_id: int, exit_code: int, caller: Calle
         raise InvalidSpec(f"exit_code must be between -255 and 255, got {exit_code}")
     require_schema(settings)
     with write_scope(settings) as session:
-        job = _own_allocation(session, settings, job_id, caller)
+        job = _own(session, settings, job_id, caller)
+        if job.kind != c.KIND_INTERACTIVE:
+            raise StateConflict(f"job {job_id} is not an allocation (gpuq alloc)")
         if job.state in c.END_STATES:
             return  # it ended meanwhile (time limit, cancel): nothing left to end
         if job.state != State.RUNNING:
             raise StateConflict(f"allocation {job_id} is {job.state}; only a running one can be ended by its client")
         rows_changed(session.execute(CLIENT_END, {"job_id": job_id, "code": exit_code}))
-
-
-def abandon_waiting(session: Session, settings: Settings, now: datetime) -> int:
-    """Cancel the waiting allocations whose client has not been heard from within alloc_keepalive
-    (the scheduler's pass); how many."""
-    cutoff = now - timedelta(seconds=settings.alloc_keepalive)
-    return rows_changed(session.execute(ABANDON, {"cutoff": cutoff, "now": now}))
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,8 @@ def client_state(session: Session, job_id: int) -> ClientState:
     return ClientState(None, None) if row is None else ClientState(row.keepalive_at, row.client_exit_code)
 
 
-def _own_allocation(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:
+def _own(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:
     job = get_job(session, job_id)
     if not may_change(settings, job.user, caller):  # its client's calls: keepalive, end
-        raise NotAllowed(f"job {job_id} is {job.user}'s allocation; only they or an admin may keep it alive or end it")
-    if job.kind != c.KIND_INTERACTIVE:
-        raise StateConflict(f"job {job_id} is not an allocation (gpuq alloc)")
+        raise NotAllowed(f"job {job_id} is {job.user}'s; only they or an admin may keep it alive or end it")
     return job

@@ -46,7 +46,7 @@ FAILURE_CANCELLED = "cancelled"  # someone cancelled it
 FAILURE_WORKER_LOST = "worker_lost"  # its lease ran out: the worker died or lost the database
 FAILURE_INTERRUPTED = "interrupted"  # its worker was shut down before it ended
 FAILURE_GPU_LOST = "gpu_lost"  # NVML said the GPU fell off the bus or needs a reset
-FAILURE_CLIENT_LOST = "client_lost"  # an allocation's `gpuq alloc` stopped answering (ssh dropped, killed)
+FAILURE_CLIENT_LOST = "client_lost"  # a kept job's `gpuq alloc` or `gpuq run` stopped answering (killed, ssh dropped)
 FAILURE_GPU_MEM_EXCEEDED = "gpu_mem_exceeded"  # a shared job used more GPU memory than its share, past the grace
 FAILURES = (FAILURE_EXIT, FAILURE_ERROR, FAILURE_CUDA_OOM, FAILURE_HOST_OOM, FAILURE_TIMEOUT, FAILURE_CANCELLED,
             FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST, FAILURE_GPU_MEM_EXCEEDED)

@@ -11,16 +11,11 @@ later, so a fast producer is held to the job's pace, not to Redis's memory.
 Only the job's owner (or root) may send it input: it is what their process reads. A job that ran
 before (a retry, a requeue) reads what is left: the input is read once. The keys expire
 TTL_S after the last chunk, so a client that died without ending its input leaves nothing for ever.
-
-The client says it is alive while its input is open (an empty chunk, every third of
-GPUQ_ALLOC_KEEPALIVE, as `gpuq alloc` does; every chunk says so too). A client not heard from
-within GPUQ_ALLOC_KEEPALIVE (killed, its ssh dropped) has ended its input as a pipe's writer that
-dies does: the worker takes what it sent and closes the command's stdin, which reads EOF, rather
-than leaving it blocked on a read until its time limit."""
+Its job does not wait on a read meanwhile: `gpuq run` keeps the job it follows (service/kept_jobs.py),
+which ends once its client is gone."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from sqlalchemy import select
@@ -48,29 +43,23 @@ def _keys(settings: Settings, job_id: int) -> tuple[str, str]:
     return f"{settings.key_prefix}:stdin:{job_id}", f"{settings.key_prefix}:stdin-end:{job_id}"
 
 
-def _alive_key(settings: Settings, job_id: int) -> str:
-    return f"{settings.key_prefix}:stdin-client:{job_id}"
-
-
 def _seq_key(settings: Settings, job_id: int) -> str:
     return f"{settings.key_prefix}:stdin-seq:{job_id}"
 
 
 def put(conn: redis.Redis, settings: Settings, job_id: int, data: bytes, end: bool, seq: int | None = None) -> bool:
     """Append ``data`` to job ``job_id``'s input, then its end where ``end``; False (nothing
-    appended) while MAX_QUEUED chunks wait already: send it again later. Either way its client
-    was heard from (nothing to append, and no end: only that).
+    appended) while MAX_QUEUED chunks wait already: send it again later.
 
     ``seq``: the chunk's place in the input (0, 1, ...), which makes sending it again safe: a
     chunk whose place was taken already is not appended again (True). `gpuq run` sends each chunk
     again after its server restarted, not knowing whether the one that died had appended it."""
     chunks, ended = _keys(settings, job_id)
-    # One round trip for what decides: the client heard from, the last place taken, the list's length.
+    # One round trip for what decides: the last place taken, the list's length.
     look = conn.pipeline(transaction=False)
-    look.set(_alive_key(settings, job_id), b"1", ex=max(math.ceil(settings.alloc_keepalive), 1))
     look.get(_seq_key(settings, job_id))
     look.llen(chunks)
-    _, last, queued = look.execute()
+    last, queued = look.execute()
     if seq is not None and last is not None and int(last) >= seq:
         return True
     if data and queued >= MAX_QUEUED:
@@ -99,11 +88,6 @@ def take(conn: redis.Redis, settings: Settings, job_id: int, timeout: float) -> 
         return chunk.encode() if isinstance(chunk, str) else bytes(chunk)
     # The end was taken by an earlier attempt (a retry reads what is left: nothing).
     return END if conn.exists(ended) and not conn.llen(chunks) else None
-
-
-def client_heard(conn: redis.Redis, settings: Settings, job_id: int) -> bool:
-    """Whether job ``job_id``'s client said within GPUQ_ALLOC_KEEPALIVE that it is alive."""
-    return bool(conn.exists(_alive_key(settings, job_id)))
 
 
 def accept(settings: Settings, job_id: int, caller: Caller, data: bytes, end: bool, seq: int | None = None) -> bool:

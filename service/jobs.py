@@ -386,17 +386,22 @@ class StopAsked:
     signal: str | None = None  # the last signal asked of it (`gpuq cancel --signal`), and when
     signal_at: datetime | None = None
     preempted: bool = False  # the stop asked is a preemption (its grace is GPUQ_PREEMPT_GRACE)
+    # A `gpuq run`'s job: when its client last said it is alive (service/kept_jobs.py); None: not
+    # kept, or an allocation (whose own watch reads its client, workers/allocation.py).
+    kept_at: datetime | None = None
 
 
 def stop_asked(session: Session, job_id: int) -> StopAsked:
     """A running job's row as its watch reads it at each look: one statement, every 0.2 s."""
     row = session.execute(select(Job.state, Job.cancel_requested_at, Job.time_limit_s, Job.signal_asked,
-                                 Job.signal_asked_at, Job.reason).where(Job.id == job_id)).one_or_none()
+                                 Job.signal_asked_at, Job.reason, Job.kind, Job.keepalive_at)
+                          .where(Job.id == job_id)).one_or_none()
     if row is None:
         return StopAsked(True, None)
     preempted = row.cancel_requested_at is not None and display.preemption_asked(row.reason)
     return StopAsked(row.state != State.RUNNING or row.cancel_requested_at is not None, row.time_limit_s,
-                     row.signal_asked, row.signal_asked_at, preempted)
+                     row.signal_asked, row.signal_asked_at, preempted,
+                     row.keepalive_at if row.kind != c.KIND_INTERACTIVE else None)
 
 
 def elapsed(job: Job, now: datetime | None = None) -> timedelta | None:

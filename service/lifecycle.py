@@ -347,8 +347,9 @@ def _retries_used(job: Any) -> int:
 
 
 def _runs_again(job: Any, state: State, failure: str | None, max_requeues: int) -> str | None:
-    """"requeue" (an infrastructure failure), "retry" (the job's own), or None: it ends."""
-    if state == S.SUCCEEDED or state == S.CANCELLED or failure == c.FAILURE_CANCELLED:
+    """"requeue" (an infrastructure failure), "retry" (the job's own), or None: it ends. A job whose
+    client is gone (client_lost) ends for good, as a cancelled one: nobody follows it any more."""
+    if state == S.SUCCEEDED or state == S.CANCELLED or failure in (c.FAILURE_CANCELLED, c.FAILURE_CLIENT_LOST):
         return None
     if failure in c.INFRA_FAILURES:
         return "requeue" if job.max_retries > 0 and job.requeues < max_requeues else None

@@ -19,11 +19,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpuq.service import (
-    allocations,
     broker,
     db,
     display,
     idle_limit,
+    kept_jobs,
     leases,
     lifecycle,
     mail,
@@ -232,7 +232,7 @@ class Scheduler:
         with write_scope(self.settings) as session:
             leases.reap(session, self.settings)
             lost = leases.take_unclaimed(session, self.settings, everything=restarted)
-            allocations.abandon_waiting(session, self.settings, utcnow())
+            kept_jobs.abandon_waiting(session, self.settings, utcnow())
             node_drains.end_windows(session)  # nodes whose maintenance window ended: in service again
             ranks = leases.ranks_to_send_again(session) if restarted else []
         for job_id, queue in lost:

@@ -202,9 +202,9 @@ class Settings:
     munge_socket: str = "/run/munge/munge.socket.2"
     # Jobs one user may have pending at once; past it a submit is refused whole.
     max_pending_per_user: int = 10_000
-    # An allocation (`gpuq alloc`) whose client has not been heard from for this many seconds (ssh
-    # dropped, client killed) is ended as client_lost and everything it started is stopped; the
-    # client says it is alive every third of this.
+    # An allocation (`gpuq alloc`) or a `gpuq run`'s job whose client has not been heard from for
+    # this many seconds (ssh dropped, client killed) is ended as client_lost and everything it
+    # started is stopped (service/kept_jobs.py); the client says it is alive every third of this.
     alloc_keepalive: float = 30.0
     # GPU memory held back for each shared job's CUDA context, MiB, on top of its share (--mem): the
     # shares plus these never exceed a GPU's memory beside what other programs use.

@@ -72,6 +72,8 @@ class JobSpec:
     deadline_at: datetime | None = None
     # Its stdin is forwarded by the `gpuq run` that submits it (service/job_input.py); else /dev/null.
     stdin: bool = False
+    # It lives while its client says it is alive (service/kept_jobs.py): an allocation, a `gpuq run`'s job.
+    kept: bool = False
     # A command's output copied to these files of the user's as well (service/output_files.py).
     output_file: str | None = None
     error_file: str | None = None
@@ -447,7 +449,7 @@ def interactive_spec(argv: list[str] | None, *, node: str, gpus: int = 1, name: 
     return JobSpec(kind=c.KIND_INTERACTIVE, name=check_name(f"alloc: {shown}"[: c.MAX_NAME_LENGTH] if name is None
                                                             else name),
                    user=user or current_user(), gpus=gpus, cwd=os.path.abspath(cwd or os.getcwd()), argv=argv,
-                   on_node=node, env={"GPUQ_RUN_ID": run_id})
+                   on_node=node, env={"GPUQ_RUN_ID": run_id}, kept=True)
 
 
 def _has_surrogate(text: str) -> bool:

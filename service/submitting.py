@@ -179,8 +179,8 @@ def job_row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
                 host_mem_mib=s.host_mem_mib, cpus=s.cpus, requeues=0, output_file=s.output_file,
                 error_file=s.error_file,
                 begin_at=s.begin_at, deadline_at=s.deadline_at, signal=s.signal, gpu_type=s.gpu_type,
-                # An allocation's client is alive as it submits; it says so again while it waits.
-                keepalive_at=now if s.kind == c.KIND_INTERACTIVE else None, client_exit_code=None,
+                # A kept job's client is alive as it submits; it says so again while it waits.
+                keepalive_at=now if s.kept else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None, preemptible=s.preemptible, stdin=s.stdin,
                 # Its reason from the first look (`gpuq status` right after submit), not after a pass.
                 reason=_first_reason(s, now, position))

@@ -243,11 +243,12 @@ def test_run_into_a_pipe_whose_reader_left_cancels_its_job_and_exits_141_as_sigp
     wait_until(lambda: processes_with(f"sleep {marker}") == [], what="its processes gone")
 
 
-def test_a_killed_run_ends_its_jobs_forwarded_stdin_within_the_keepalive_bound_and_a_live_one_keeps_it(stack):
-    # The pipe stays open (this test holds its write end) and idle: only the client's keepalives
-    # keep the job's stdin open; `kill -9` of the client ends them, and the job reads EOF.
-    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--", "sh", "-c",
-                            "echo started; cat; echo input-ended"], env=stack.env,
+def test_a_killed_run_ends_its_job_as_client_lost_within_the_keepalive_bound_and_a_live_one_keeps_it(stack):
+    # The job waits on its stdin (this test holds the pipe's write end), idle past the bound while
+    # its client lives; `kill -9` of the client ends the job, which asked for a retry in vain.
+    marker = unique_sleep()
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--retries", "1", "--", "sh", "-c",
+                            f"echo started; sleep {marker} & cat; echo input-ended"], env=stack.env,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert run.stdout.readline() == b"started\n"
@@ -255,7 +256,7 @@ def test_a_killed_run_ends_its_jobs_forwarded_stdin_within_the_keepalive_bound_a
         run.stdin.write(b"partial\n")
         run.stdin.flush()
         assert run.stdout.readline() == b"partial\n"
-        time.sleep(2 * KEEPALIVE + 1)  # idle past the bound, its client alive: still reading
+        time.sleep(2 * KEEPALIVE + 1)  # idle past the bound, its client alive: still running
         assert job_of(stack.settings, job_id)[0].state == State.RUNNING
         run.kill()
         run.wait(10)
@@ -265,11 +266,57 @@ def test_a_killed_run_ends_its_jobs_forwarded_stdin_within_the_keepalive_bound_a
         if run.poll() is None:
             run.kill()
         run.stdin.close()
-    assert job_of(stack.settings, job_id)[0].state == State.SUCCEEDED
-    assert output_of(stack.settings, job_id) == "started\npartial\ninput-ended\n"
-    # The bound, the feed's look (half a second), the command's end and its record: seconds, where
+    job, _ = job_of(stack.settings, job_id)
+    assert (job.state, job.failure) == (State.FAILED, c.FAILURE_CLIENT_LOST)
+    assert job.reason == (f"its client (gpuq run) was not heard from for {KEEPALIVE:g} s (GPUQ_ALLOC_KEEPALIVE); "
+                          "everything it started was stopped")
+    assert output_of(stack.settings, job_id).startswith("started\npartial\n[gpuq: stopping the job: SIGTERM")
+    assert processes_with(f"sleep {marker}") == []  # what it started in the background too
+    # The bound, the watch's look (a fifth of a second), the stop and its record: seconds, where
     # the job waited on its read until its time limit before.
     assert took <= KEEPALIVE + 0.5 + 2.5, took
+
+
+def test_a_killed_run_whose_job_waits_has_it_cancelled_as_client_lost(stack):
+    before = newest_job(stack.settings)
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--hold", "--", "true"], env=stack.env,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: newest_job(stack.settings) != before, what="the held job queued")
+        job_id = newest_job(stack.settings)
+        time.sleep(KEEPALIVE + 1)  # past the bound, its client alive: still waiting
+        assert job_of(stack.settings, job_id)[0].state == State.PENDING
+        run.kill()
+        run.wait(10)
+        wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
+                   what="the waiting job cancelled")
+    finally:
+        if run.poll() is None:
+            run.kill()
+    job, _ = job_of(stack.settings, job_id)
+    assert (job.state, job.failure, job.reason) == (State.CANCELLED, c.FAILURE_CLIENT_LOST,
+                                                    "its client (gpuq run) stopped answering while it waited")
+
+
+def test_the_api_keeps_one_job_alive_for_its_client_not_an_array_nor_a_job_nobody_keeps(stack, tmp_path):
+    from gpuq.cli.client import Client, Refused
+
+    client = Client(str(stack.settings.server_socket))
+    body = {"command": ["true"], "cwd": str(tmp_path), "keep_alive": True, "hold": True}
+    with pytest.raises(Refused, match="keep_alive keeps one job") as refused:
+        client.post("/jobs", {**body, "array": "0-1"})
+    assert refused.value.exit_code == c.EXIT_USAGE
+    kept = client.post("/jobs", body)["jobs"][0]["id"]
+    plain = client.post("/jobs", {**body, "keep_alive": False})["jobs"][0]["id"]
+    try:
+        assert client.post(f"/jobs/{kept}/keepalive") | {"keepalive_s": 0} == {
+            "id": kept, "state": State.PENDING, "reason": None, "run_id": "", "gpu_indices": [], "node": None,
+            "deadline": None, "keepalive_s": 0, "failure": None, "exit_code": None, "env": {}}
+        with pytest.raises(Refused, match="is not kept by a client") as refused:
+            client.post(f"/jobs/{plain}/keepalive")
+        assert refused.value.exit_code == c.EXIT_CONFLICT
+    finally:
+        run_cli(["cancel", str(kept), str(plain)], stack.settings)
 
 
 def test_gpuqs_words_after_output_that_ends_inside_a_line_start_a_line_of_their_own(stack, terminals):
@@ -280,7 +327,8 @@ def test_gpuqs_words_after_output_that_ends_inside_a_line_start_a_line_of_their_
 
 
 def test_detach_leaves_a_running_job_and_attach_follows_it_to_its_exit_status(stack):
-    detached = run_cli(["run", "--detach", "--", "sh", "-c", "echo one; sleep 2; echo two >&2; exit 5"],
+    # Past the keepalive bound: a detached job outlives its client, which keeps it no longer.
+    detached = run_cli(["run", "--detach", "--", "sh", "-c", f"echo one; sleep {KEEPALIVE + 2}; echo two >&2; exit 5"],
                        stack.settings)
     assert detached.returncode == 0, detached.stderr
     job_id = newest_job(stack.settings)

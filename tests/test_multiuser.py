@@ -550,7 +550,7 @@ def test_two_users_allocations_never_share_a_gpu_and_each_shell_runs_as_its_user
             out = box.as_user(box.b, "curl", "-sS", "--unix-socket", box.socket, "-X", "POST", "-H",
                               "Content-Type: application/json", "--data-binary", '{"exit_code": 0}',
                               f"http://localhost/v1/jobs/{held}/{call}")
-            assert json.loads(out.stdout)["error"] == (f"job {held} is {box.a}'s allocation; only they or an admin "
+            assert json.loads(out.stdout)["error"] == (f"job {held} is {box.a}'s; only they or an admin "
                                                        "may keep it alive or end it"), out.stdout
         bob = box.gpuq(box.b, "alloc", "--", "sh", "-c", "id -un; echo CVD=$CUDA_VISIBLE_DEVICES")
         assert alice.wait(60) == 0, alice.stderr.read()

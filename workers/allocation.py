@@ -26,7 +26,7 @@ from gpuq.service.allocations import RUN_ID_VARIABLE, ClientState, client_state
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope
 from gpuq.service.failures import signal_name
-from gpuq.service.models import utcnow
+from gpuq.service.kept_jobs import lapsed, lost_reason
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import run_as
@@ -109,8 +109,7 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
         return stopped_end(state, job, watcher)
     if client.exit_code is None:
         return {"state": State.FAILED, "failure": c.FAILURE_CLIENT_LOST,
-                "reason": f"its client (gpuq alloc) was not heard from for {state.settings.alloc_keepalive:g} s; "
-                          "everything it started was stopped"}
+                "reason": lost_reason(state.settings, job.kind)}
     if client.exit_code == 0:
         return {"state": State.SUCCEEDED, "exit_code": 0}
     code = client.exit_code
@@ -139,7 +138,7 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
             continue
         if client.exit_code is not None:
             return client
-        if client.keepalive_at is None or (utcnow() - client.keepalive_at).total_seconds() > settings.alloc_keepalive:
+        if lapsed(settings, client.keepalive_at):
             return ClientState(client.keepalive_at, None)
         waiting = not gated and time.monotonic() - began < c.ALLOC_GATE_SECONDS
         if waiting or time.monotonic() - placed_at >= PLACE_EVERY_SECONDS:

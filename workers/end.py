@@ -19,6 +19,7 @@ from gpuq.service.dialect import savepoint
 from gpuq.service.display import time_limit
 from gpuq.service.errors import Unreachable
 from gpuq.service.inventory import drain_gpu
+from gpuq.service.kept_jobs import lost_reason
 from gpuq.service.leases import Lease
 from gpuq.service.lifecycle import end_attempt
 from gpuq.service.models import utcnow
@@ -213,8 +214,8 @@ def record_usage(state: WorkerState, session: Session, ended: usage.Ended, total
 
 
 def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[str, Any]:
-    """The end of a job that was stopped: timed out, interrupted by shutdown, lease or GPU lost,
-    or cancelled."""
+    """The end of a job that was stopped: timed out, interrupted by shutdown, lease, GPU or the
+    client that kept it lost, or cancelled."""
     why = watcher.why or (c.FAILURE_INTERRUPTED if state.interrupt.is_set() else c.FAILURE_CANCELLED)
     if why == c.FAILURE_TIMEOUT:
         limit = time_limit(watcher.time_limit_s or 0)  # as the watch last read it: `gpuq update` may have changed it
@@ -227,6 +228,8 @@ def stopped_end(state: WorkerState, job: JobRun, watcher: StopWatcher) -> dict[s
         return {"state": State.FAILED, "failure": why, "reason": f"GPU lost: gpu {state.gpu_index} on {state.node}"}
     if why == c.FAILURE_GPU_MEM_EXCEEDED:
         return {"state": State.FAILED, "failure": why, "reason": watcher.detail or "over its GPU memory share"}
+    if why == c.FAILURE_CLIENT_LOST:
+        return {"state": State.FAILED, "failure": why, "reason": lost_reason(state.settings, job.kind)}
     return {"state": State.CANCELLED, "failure": why, "reason": "cancelled by user"}
 
 

@@ -1,13 +1,12 @@
 """Writing a job's forwarded stdin (service/job_input.py) to its command: a thread that takes each
 chunk from Redis as it comes and writes it to the command's stdin, and closes that at the input's
-end, so the command reads EOF as it would at the end of a pipe; or once its client has not been
-heard from within GPUQ_ALLOC_KEEPALIVE, as a pipe ends when its writer dies."""
+end, so the command reads EOF as it would at the end of a pipe. A client gone before its input's
+end ends the job itself (service/kept_jobs.py), and this thread with it."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import IO
 
@@ -28,20 +27,10 @@ def feeder(settings: Settings, job_id: int) -> Feed:
 
     def feed(pipe: IO[bytes], over: threading.Event) -> None:
         conn = broker.shared(settings)
-        # The client's word lasts GPUQ_ALLOC_KEEPALIVE (``job_input.client_heard``): once heard, its
-        # absence is the client gone that long. Before, the job may have started before its first
-        # word, or after it died: it is given as long from its start.
-        began, heard = time.monotonic(), False
         try:
             while not over.is_set():
                 chunk = job_input.take(conn, settings, job_id, LOOK_SECONDS)
                 if chunk is None:
-                    if job_input.client_heard(conn, settings, job_id):
-                        heard = True
-                    elif heard or time.monotonic() - began > settings.alloc_keepalive:
-                        log.warning("job %s: its gpuq run has not been heard from for %g s (GPUQ_ALLOC_KEEPALIVE); "
-                                    "its stdin ends here", job_id, settings.alloc_keepalive)
-                        return
                     continue
                 if chunk == job_input.END:
                     return

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope
 from gpuq.service.jobs import stop_asked
+from gpuq.service.kept_jobs import lapsed
 from gpuq.service.settings import Settings
 from gpuq.service.units import JobSignal
 
@@ -25,8 +26,8 @@ log = logging.getLogger("gpuq.worker")
 class StopWatcher:
     """Sets ``stopped`` when the running job must stop, and ``why`` (a FAILURE_* constant): someone
     cancelled it (seen in SQL), its time limit passed, the worker is shutting down for good, its
-    lease is lost, or its GPU is. The worker's one watch thread (``Watch``) looks every
-    CANCEL_POLL_SECONDS until ``done`` is set."""
+    lease is lost, or its GPU is, or the `gpuq run` that keeps it is gone (service/kept_jobs.py).
+    The worker's one watch thread (``Watch``) looks every CANCEL_POLL_SECONDS until ``done`` is set."""
 
     def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
                  lease: Lease | None = None, gpu_lost: threading.Event | None = None,
@@ -81,11 +82,12 @@ class StopWatcher:
             return c.FAILURE_WORKER_LOST
         if self.gpu_lost is not None and self.gpu_lost.is_set():
             return c.FAILURE_GPU_LOST
-        cancelled = False
+        cancelled = client_lost = False
         try:
             with read_scope(self.settings) as session:
                 row = stop_asked(session, self.job_id)
             cancelled, limit = row.stop, row.time_limit_s
+            client_lost = row.kept_at is not None and lapsed(self.settings, row.kept_at)
             if row.preempted:
                 self.grace = self.settings.preempt_grace
             if row.signal is not None and row.signal_at is not None and row.signal_at != self.asked_at:
@@ -109,7 +111,9 @@ class StopWatcher:
         if self.signal_before_s is not None and self.deadline is not None and \
                 now >= self.deadline - self.signal_before_s:
             self.signal_due.set()
-        return c.FAILURE_CANCELLED if cancelled else ""
+        if cancelled:
+            return c.FAILURE_CANCELLED
+        return c.FAILURE_CLIENT_LOST if client_lost else ""
 
 
 class Watch:

@@ -1,0 +1,79 @@
+"""Jobs their client keeps (service/kept_jobs.py): only a kept job is kept alive, by its owner (or
+an admin, or root) alone; a waiting one whose client fell silent is cancelled as client_lost by the
+scheduler's pass, with the words of its client's command, and one heard from in time is left."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
+
+from gpuq.service import allocations, kept_jobs, spec, submitting
+from gpuq.service import constants as c
+from gpuq.service.db import write_scope
+from gpuq.service.errors import NotAllowed, StateConflict
+from gpuq.service.jobs import get_job
+from gpuq.service.models import Job, utcnow
+from gpuq.service.rights import Caller
+
+pytestmark = pytest.mark.timeout(60)
+
+ANN, BOB = Caller(5001, "ann"), Caller(5002, "bob")
+
+
+def submitted(settings, kept: bool, **fields) -> int:
+    made = replace(spec.command_spec(["true"], user="ann"), kept=kept, **fields)
+    return submitting.submit_all(settings, [made])[0].id
+
+
+def heard_at(settings, job_id: int, seconds_ago: float) -> None:
+    with write_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(keepalive_at=utcnow() - timedelta(seconds=seconds_ago)))
+
+
+def row(settings, job_id: int) -> Job:
+    with write_scope(settings) as session:
+        job = get_job(session, job_id)
+        session.expunge(job)
+    return job
+
+
+def test_only_a_kept_job_is_kept_alive_and_only_by_its_owner(settings):
+    kept, plain = submitted(settings, True, held=True), submitted(settings, False, held=True)
+    heard_at(settings, kept, 20)
+    held = allocations.keep_alive(settings, kept, ANN)
+    assert (held.state, held.keepalive_s, held.run_id, held.gpu_indices) == (c.State.PENDING,
+                                                                            settings.alloc_keepalive / 3, "", [])
+    assert not kept_jobs.lapsed(settings, row(settings, kept).keepalive_at)
+    assert (utcnow() - row(settings, kept).keepalive_at).total_seconds() < 5
+    with pytest.raises(NotAllowed, match=f"job {kept} is ann's; only they or an admin may keep it alive"):
+        allocations.keep_alive(settings, kept, BOB)
+    allocations.keep_alive(settings, kept, Caller(0, "root"))
+    with pytest.raises(StateConflict, match=f"job {plain} is not kept by a client"):
+        allocations.keep_alive(settings, plain, ANN)
+    assert row(settings, plain).keepalive_at is None
+
+
+def test_a_waiting_kept_job_whose_client_fell_silent_is_cancelled_as_client_lost(settings):
+    silent, heard, plain = (submitted(settings, True, held=True), submitted(settings, True, held=True),
+                            submitted(settings, False, held=True))
+    heard_at(settings, silent, settings.alloc_keepalive + 5)
+    heard_at(settings, heard, settings.alloc_keepalive - 5)
+    with write_scope(settings) as session:
+        assert kept_jobs.abandon_waiting(session, settings, utcnow()) == 1
+    gone = row(settings, silent)
+    assert (gone.state, gone.failure, gone.reason) == (c.State.CANCELLED, c.FAILURE_CLIENT_LOST,
+                                                       "its client (gpuq run) stopped answering while it waited")
+    assert gone.ended_at is not None
+    assert row(settings, heard).state == row(settings, plain).state == c.State.PENDING
+
+
+def test_a_client_never_heard_from_has_lapsed_and_one_heard_within_the_setting_has_not(settings):
+    now = utcnow()
+    assert kept_jobs.lapsed(settings, None, now)
+    assert not kept_jobs.lapsed(settings, now - timedelta(seconds=settings.alloc_keepalive - 1), now)
+    assert kept_jobs.lapsed(settings, now - timedelta(seconds=settings.alloc_keepalive + 1), now)
+    assert kept_jobs.lost_reason(settings, c.KIND_INTERACTIVE).startswith("its client (gpuq alloc) was not heard")
