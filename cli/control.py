@@ -229,7 +229,8 @@ def _report(answer: list[dict[str, Any]], named: set[int], array: int | None,
 
 
 @app.command()
-def drain(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one, or several at once.")],
+def drain(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one, or several at once; ALL for "
+                                                        "every node.")],
           reason: Annotated[str | None, typer.Option(help="Why, for `gpuq why` and `gpuq status`.")] = None,
           at: Annotated[str | None, typer.Option(
               "--at", help="Drain them then, not now (a maintenance window's start): until then only jobs whose "
@@ -244,9 +245,9 @@ def drain(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one
     """Let nodes' running jobs finish and start nothing new there, now or from --at on, until
     resumed or --until: all the nodes named, or none (an admin command: it uses the database)."""
     if at is not None or until is not None:
-        _plan_drains(_unique(nodes), at, until, reason)
+        _plan_drains(nodes, at, until, reason)
         return
-    for node, only_reason in _set_drained(_unique(nodes), True, reason):
+    for node, only_reason in _set_drained(nodes, True, reason):
         if only_reason:
             typer.echo(f"node {node} was drained already; its reason is now: {printable(reason or '')}")
         else:
@@ -254,15 +255,12 @@ def drain(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one
 
 
 @app.command()
-def resume(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one, or several at once.")]) -> None:
+def resume(nodes: Annotated[list[str], typer.Argument(help="The nodes' names: one, or several at once; ALL for "
+                                                         "every node.")]) -> None:
     """Undo `gpuq drain`: ends a drain or a maintenance window, or calls one to come off, on all the
     nodes named or none (an admin command: it uses the database)."""
-    for node, _ in _set_drained(_unique(nodes), False, None):
+    for node, _ in _set_drained(nodes, False, None):
         typer.echo(f"node {node} resumed")
-
-
-def _unique(nodes: list[str]) -> list[str]:
-    return list(dict.fromkeys(nodes))
 
 
 @app.command()
@@ -311,6 +309,7 @@ def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: st
     require_schema(settings)
     admin = _admin()
     with write_scope(settings) as session:  # every node's window, or none
+        nodes = node_drains.named(session, nodes)
         planned = [(node, node_drains.plan(session, node, start, end, reason, by=admin)) for node in nodes]
         windows = {node: node_drains.window_of(session, node) for node in nodes}
     broker.wake_scheduler(settings)
@@ -339,6 +338,7 @@ def _set_drained(nodes: list[str], drained: bool, reason: str | None) -> list[tu
     require_schema(settings)
     admin = _admin()
     with write_scope(settings) as session:
+        nodes = node_drains.named(session, nodes)
         done = [(node, node_drains.set_drained(session, node, drained, reason, by=admin)) for node in nodes]
     for node, _ in done:
         _audit(settings, f"{action} by {admin} (uid {os.getuid()}): node {printable(node)}"

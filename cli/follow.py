@@ -100,8 +100,10 @@ def end_line(job_id: int, end: dict[str, Any]) -> str | None:
 _WAITS_FOR = {"resources": "resources", "priority": "jobs ahead of it (priority)",
               "dependency": "the jobs it depends on", "user limit": "its user's jobs to free GPUs (user limit)",
               "held": "a release: it is held (gpuq release {id})", "node drained": "its node to be resumed (drained)",
+              "node draining": "its nodes' maintenance to end (node draining: `gpuq why {id}`)",
               "array limit": "its array's running tasks to end (array limit)",
-              "begin time": "its --begin time (begin time)"}
+              "begin time": "its --begin time (begin time)",
+              "preempting": "the preemptible jobs on its GPUs to stop (preempting)"}
 
 
 class Waiting:

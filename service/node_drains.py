@@ -79,6 +79,27 @@ def _clear(node: Node, drained: bool = False) -> None:
     node.drain_reason, node.drained_at, node.drained_by = None, None, None
 
 
+# The name that stands for every node gpuq knows, as SLURM's `Nodes=ALL` (a maintenance window for
+# the whole cluster, `gpuq resume ALL` after it).
+ALL = "ALL"
+
+
+def named(session: Session, names: list[str]) -> list[str]:
+    """The nodes ``names`` names, each once, in order: ALL is every node with GPUs in service and
+    every node drained or with a window (whose GPUs may be retired meanwhile)."""
+    out: dict[str, None] = {}
+    for name in names:
+        if name != ALL:
+            out[name] = None
+            continue
+        every = set(session.scalars(select(Gpu.node).where(Gpu.retired_at.is_(None))))
+        every.update(session.scalars(select(_NODES.c.name).where(_SET)))
+        if not every:
+            raise InvalidSpec("no node is known to gpuq yet: ALL names none")
+        out.update(dict.fromkeys(sorted(every)))
+    return list(out)
+
+
 def _known(session: Session, name: str) -> Node:
     """The node's row, made where gpuq knows the node by its GPUs alone."""
     row = session.get(Node, name)

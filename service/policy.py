@@ -46,6 +46,8 @@ NODE_DRAINING = "node draining"  # fits only nodes that drain (`gpuq drain --at`
 BEGIN_TIME = "begin time"  # `--begin`: not before its moment
 ARRAY_LIMIT = "array limit"  # its array runs as many tasks at once as `--array ...%N` lets it
 PREEMPTING = "preempting"  # waits for the preemptible jobs on its GPUs to stop
+REASONS = (RESOURCES, PRIORITY, DEPENDENCY, USER_LIMIT, HELD, NODE_DRAINED, NODE_DRAINING, BEGIN_TIME, ARRAY_LIMIT,
+           PREEMPTING)
 
 
 def order_key(job: JobRequest, gpu_hours: dict[str, float]) -> tuple[bool, int, float, float, int]:

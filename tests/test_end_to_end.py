@@ -268,7 +268,8 @@ def test_status_says_why_who_and_since_when_a_drained_node_is_drained_in_one_lin
                             r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", out.rstrip().splitlines()[-1]), out
         assert out.count("drained: node") == 1
     finally:
-        assert run_cli(["resume", s.node], s).returncode == 0
+        resumed = run_cli(["resume", "ALL"], s)  # SLURM's name for every node
+        assert resumed.returncode == 0 and f"node {s.node} resumed" in resumed.stdout, resumed.stderr
     assert "drained" not in run_cli(["status"], s).stdout
 
 

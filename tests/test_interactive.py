@@ -564,3 +564,10 @@ def test_exit_codes_of_each_kind_of_end():
     for lost in (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST,
                  c.FAILURE_GPU_MEM_EXCEEDED):
         assert exit_code_of({"state": "failed", "failure": lost}) == c.EXIT_RUN_GPUQ
+
+
+def test_the_waiting_line_words_every_reason_a_job_waits_for():
+    from gpuq.cli.follow import _WAITS_FOR
+    from gpuq.service.policy import REASONS
+
+    assert set(_WAITS_FOR) == set(REASONS)

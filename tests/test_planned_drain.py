@@ -295,3 +295,23 @@ def test_a_window_may_start_now_and_a_drain_now_takes_its_place(settings):
         note = node_drains.drained_nodes(session)["a"]
         assert note.startswith("quick fix; since ") and " until " not in note
         assert session.get(Node, "a").drain_until is None
+
+
+def test_all_names_every_node_with_gpus_in_service_and_every_drained_one_each_once(settings):
+    from sqlalchemy import update as set_rows
+
+    from gpuq.service.errors import InvalidSpec
+    from gpuq.service.models import Gpu
+
+    with write_scope(settings) as session:
+        with pytest.raises(InvalidSpec, match="no node is known to gpuq yet: ALL names none"):
+            node_drains.named(session, [node_drains.ALL])
+    register(settings, "b", 1)
+    register(settings, "a", 2)
+    register(settings, "gone", 1)
+    with write_scope(settings) as session:
+        node_drains.set_drained(session, "gone", True, "dead PSU")
+        session.execute(set_rows(Gpu).where(Gpu.node == "gone").values(retired_at=utcnow()))
+    with write_scope(settings) as session:
+        assert node_drains.named(session, ["b", node_drains.ALL, "a"]) == ["b", "a", "gone"]
+        assert node_drains.named(session, ["x", "x"]) == ["x"]  # an unknown name is the drain's to refuse
