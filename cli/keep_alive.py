@@ -4,40 +4,85 @@ the server every ``keepalive_s`` it is told (a third of GPUQ_ALLOC_KEEPALIVE) un
 A `gpuq run` that dies without a word (`kill -9`, its node down, a network cut that ssh does not
 notice) falls silent, and its job ends as client_lost within that setting, as SLURM ends a job
 whose srun stopped answering; Ctrl-C, a closed terminal and SIGTERM cancel it at once as before.
-`gpuq run --detach` asks for a job that outlives its client, and that one is not kept."""
+`gpuq run --detach` asks for a job that outlives its client, and that one is not kept.
+
+A stopped process says nothing, so Ctrl-Z (SIGTSTP) first lets go of the job, which then goes on
+as a detached one would; `fg` or `bg` follows it again, without keeping it: a training run put
+in the background for an hour is not lost for it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
-import time
+from collections.abc import Callable
+from types import FrameType
 
 from gpuq.service.errors import GpuqError
 
 
-def start(job_id: int) -> threading.Thread:
-    """Keep job ``job_id`` alive from a daemon thread: it ends with the job, or with this process."""
-    thread = threading.Thread(target=_keep_alive, args=(job_id,), name="keepalive", daemon=True)
-    thread.start()
-    return thread
+def start(job_id: int) -> None:
+    """Keep job ``job_id`` alive from a daemon thread: it ends with the job, with this process, or
+    once Ctrl-Z let go of the job. Called from the main thread, it takes SIGTSTP."""
+    released = _keep(job_id)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTSTP, _letting_go(job_id, released))
 
 
-def _keep_alive(job_id: int) -> None:
+def _keep(job_id: int) -> threading.Event:
+    """Start the thread; the event that stops it."""
+    released = threading.Event()
+    threading.Thread(target=_keep_alive, args=(job_id, released), name="keepalive", daemon=True).start()
+    return released
+
+
+def _keep_alive(job_id: int, released: threading.Event) -> None:
     from gpuq.cli.client import Client, Refused
     from gpuq.service import constants as c
 
     client = Client()
     every = 1.0  # until the server says how often
-    while True:
+    while not released.is_set():
         try:
             # A server restarting meanwhile is waited for: saying it again is safe.
             held = client.post(f"/jobs/{job_id}/keepalive", ride_out=True)
         except Refused as refused:
             if refused.exit_code in (c.EXIT_NOT_FOUND, c.EXIT_CONFLICT, c.EXIT_NOT_ALLOWED):
-                return  # not a job this client keeps: the follower says what became of it
+                return  # not a job this client keeps (any more): the follower says what became of it
         except (GpuqError, OSError):
             pass  # a blip: said again at the next turn; the follower reports a server gone for good
         else:
             if held["state"] in c.END_STATES:
                 return
             every = max(float(held["keepalive_s"]), 0.1)
-        time.sleep(every)
+        released.wait(every)
+
+
+def _letting_go(job_id: int, released: threading.Event) -> Callable[[int, FrameType | None], None]:
+    """SIGTSTP's handler: let go of the job (the thread stops saying it is alive), say so, then stop
+    as SIGTSTP would have stopped this process. Where the server could not be told, the job is kept
+    again once this process goes on (`fg`, `bg`)."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        from gpuq.cli.client import Client
+        from gpuq.cli.follow import say
+
+        nonlocal released
+        released.set()
+        try:
+            Client().request("DELETE", f"/jobs/{job_id}/keepalive")
+            let_go = True
+            said = f"gpuq: job {job_id} goes on without this gpuq run while it is stopped; fg follows it again\n"
+        except (GpuqError, OSError) as exc:
+            let_go = False
+            said = f"gpuq: job {job_id}: could not let go of it ({exc}); stopped, it may end as client_lost\n"
+        # After the terminal's "^Z", on a line of its own.
+        say(sys.stderr, ("\n" if sys.stderr.isatty() else "") + said)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)  # from now on Ctrl-Z only stops it
+        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
+        if not let_go:  # kept still: kept alive again, and the next Ctrl-Z tries again
+            released = _keep(job_id)
+            signal.signal(signal.SIGTSTP, stop)
+
+    return stop

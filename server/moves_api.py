@@ -208,6 +208,18 @@ async def keepalive(request: web.Request) -> web.Response:
     return web.json_response(held.as_json())
 
 
+@routes.delete(JOB + "/keepalive")
+async def let_go(request: web.Request) -> web.Response:
+    """A `gpuq run` stopped by Ctrl-Z lets go of the job it kept: the job outlives it from now on,
+    as a detached one (service/kept_jobs.py). Its owner's, and the admins'."""
+    from gpuq.service.kept_jobs import let_go as release
+
+    settings, caller = acting(request)
+    job_id = job_id_of(request)
+    await call(release, settings, job_id, caller)
+    return web.json_response({"id": job_id, "kept": False})
+
+
 @routes.post(JOB + "/end")
 async def end(request: web.Request) -> web.Response:
     """An allocation's shell (or command) exited with ``exit_code``: its worker ends it and stops

@@ -24,13 +24,13 @@ from gpuq.service import constants as c
 from gpuq.service import simulated_memory
 from gpuq.service.constants import State
 from gpuq.service.db import require_schema, rows_changed, write_scope
-from gpuq.service.errors import InvalidSpec, NotAllowed, StateConflict
+from gpuq.service.errors import InvalidSpec, StateConflict
 from gpuq.service.job_cpus import cpu_variables
 from gpuq.service.jobs import get_job, job_gpus
-from gpuq.service.kept_jobs import KEEPALIVE
+from gpuq.service.kept_jobs import KEEPALIVE, client_call
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Gpu, Job, table, utcnow
-from gpuq.service.rights import Caller, may_change
+from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
 
 _JOBS = table(Job)
@@ -86,7 +86,7 @@ def keep_alive(settings: Settings, job_id: int, caller: Caller) -> Held:
     run id, GPUs to give a shell or shell variables); what it needs to know of the job."""
     require_schema(settings)
     with write_scope(settings) as session:
-        job = _own(session, settings, job_id, caller)
+        job = client_call(session, settings, job_id, caller)
         if job.keepalive_at is None:
             raise StateConflict(f"job {job_id} is not kept by a client (gpuq alloc, gpuq run): nothing keeps it alive")
         session.execute(KEEPALIVE, {"job_id": job_id, "now": utcnow()})
@@ -118,7 +118,7 @@ def end_by_client(settings: Settings, job_id: int, exit_code: int, caller: Calle
         raise InvalidSpec(f"exit_code must be between -255 and 255, got {exit_code}")
     require_schema(settings)
     with write_scope(settings) as session:
-        job = _own(session, settings, job_id, caller)
+        job = client_call(session, settings, job_id, caller)
         if job.kind != c.KIND_INTERACTIVE:
             raise StateConflict(f"job {job_id} is not an allocation (gpuq alloc)")
         if job.state in c.END_STATES:
@@ -142,10 +142,3 @@ _CLIENT = select(_JOBS.c.keepalive_at, _JOBS.c.client_exit_code).where(_ID)
 def client_state(session: Session, job_id: int) -> ClientState:
     row = session.execute(_CLIENT, {"job_id": job_id}).one_or_none()
     return ClientState(None, None) if row is None else ClientState(row.keepalive_at, row.client_exit_code)
-
-
-def _own(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:
-    job = get_job(session, job_id)
-    if not may_change(settings, job.user, caller):  # its client's calls: keepalive, end
-        raise NotAllowed(f"job {job_id} is {job.user}'s; only they or an admin may keep it alive or end it")
-    return job

@@ -6,7 +6,9 @@ is the job's ``keepalive_at``, which only a kept job has.
 One not heard from within the setting (killed, its ssh dropped, its node down) is ended for good
 as ``client_lost``: cancelled by the scheduler while it waits, stopped by its worker once it runs
 (an allocation's worker, workers/allocation.py; a run's job's watch, workers/watch.py). A job
-asked to survive its client is not kept: `gpuq submit`, `gpuq run --detach`.
+asked to survive its client is not kept: `gpuq submit`, `gpuq run --detach`; and a `gpuq run`
+stopped by Ctrl-Z, which cannot speak while stopped, lets go of its job first (``let_go``): the
+job goes on as if detached, and `fg` follows it again.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
 from gpuq.service.constants import State
-from gpuq.service.db import rows_changed
+from gpuq.service.db import require_schema, rows_changed, write_scope
+from gpuq.service.errors import NotAllowed, StateConflict
+from gpuq.service.jobs import get_job
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, table, utcnow
+from gpuq.service.rights import Caller, may_change
 from gpuq.service.settings import Settings
 
 _JOBS = table(Job)
@@ -35,6 +40,10 @@ ABANDON = move("cancel a waiting kept job whose client is gone", Actor.SCHEDULER
                reason=case((_JOBS.c.kind == c.KIND_INTERACTIVE, "its client (gpuq alloc) stopped answering while it "
                                                                 "waited"),
                            else_="its client (gpuq run) stopped answering while it waited"))
+
+
+LET_GO = move("a gpuq run lets go of the job it kept", Actor.USER, c.ACTIVE_STATES, None, _ID, _KEPT,
+              _JOBS.c.kind != c.KIND_INTERACTIVE, keepalive_at=None)
 
 
 def client_of(kind: str) -> str:
@@ -61,3 +70,26 @@ def abandon_waiting(session: Session, settings: Settings, now: datetime) -> int:
     (the scheduler's pass); how many."""
     cutoff = now - timedelta(seconds=settings.alloc_keepalive)
     return rows_changed(session.execute(ABANDON, {"cutoff": cutoff, "now": now}))
+
+
+def let_go(settings: Settings, job_id: int, caller: Caller) -> None:
+    """The `gpuq run` that keeps job ``job_id`` lets go of it (stopped by Ctrl-Z): the job is kept
+    no longer, and outlives its client as a detached one. Its owner's, and the admins'; an
+    allocation cannot be let go (its shell is in its client's terminal), nor an ended job."""
+    require_schema(settings)
+    with write_scope(settings) as session:
+        job = client_call(session, settings, job_id, caller)
+        if job.kind == c.KIND_INTERACTIVE:
+            raise StateConflict(f"allocation {job_id} lives only while its client does: its shell is there")
+        if job.state in c.END_STATES:
+            raise StateConflict(f"job {job_id} {job.state}; nothing keeps it")
+        session.execute(LET_GO, {"job_id": job_id})  # a job nobody keeps: nothing to let go of
+
+
+def client_call(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:
+    """Job ``job_id``, for a call its client makes (keep it alive, let go of it, end it): its
+    owner's, and the admins'; NotAllowed for anyone else."""
+    job = get_job(session, job_id)
+    if not may_change(settings, job.user, caller):
+        raise NotAllowed(f"job {job_id} is {job.user}'s; only they or an admin may keep it alive or end it")
+    return job

@@ -298,6 +298,37 @@ def test_a_killed_run_whose_job_waits_has_it_cancelled_as_client_lost(stack):
                                                     "its client (gpuq run) stopped answering while it waited")
 
 
+def test_ctrl_z_lets_go_of_the_job_which_outlives_the_stopped_run_and_fg_follows_it_again(stack, terminals):
+    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {KEEPALIVE + 3}; echo done"], stack.env)
+    t.read_until("started")
+    job_id = newest_job(stack.settings)
+    t.type("\x1a")  # Ctrl-Z: a SIGTSTP to the terminal's foreground process group
+    t.read_until(f"gpuq: job {job_id} goes on without this gpuq run while it is stopped; fg follows it again")
+    assert job_of(stack.settings, job_id)[0].keepalive_at is None
+    # Its own SIGTSTP does not stop it here (its process group is orphaned: the kernel drops it), so
+    # it is stopped as a shell's job would be, past the keepalive bound.
+    t.proc.send_signal(signal.SIGSTOP)
+    time.sleep(KEEPALIVE + 1.5)
+    assert job_of(stack.settings, job_id)[0].state == State.RUNNING
+    t.proc.send_signal(signal.SIGCONT)  # fg
+    assert t.wait() == 0
+    assert "done" in t.text
+    assert job_of(stack.settings, job_id)[0].state == State.SUCCEEDED
+
+
+def test_a_run_let_go_and_then_killed_leaves_its_job_running(stack, terminals):
+    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {KEEPALIVE + 2}; echo done"], stack.env)
+    t.read_until("started")
+    job_id = newest_job(stack.settings)
+    t.type("\x1a")
+    t.read_until("fg follows it again")
+    t.proc.kill()
+    assert wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 30,
+                      what="its end") > KEEPALIVE
+    assert job_of(stack.settings, job_id)[0].state == State.SUCCEEDED
+    assert output_of(stack.settings, job_id) == "started\ndone\n"
+
+
 def test_the_api_keeps_one_job_alive_for_its_client_not_an_array_nor_a_job_nobody_keeps(stack, tmp_path):
     from gpuq.cli.client import Client, Refused
 

@@ -17,6 +17,7 @@ from gpuq.service.errors import NotAllowed, StateConflict
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
+from tests.test_scheduling import register
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,3 +78,43 @@ def test_a_client_never_heard_from_has_lapsed_and_one_heard_within_the_setting_h
     assert not kept_jobs.lapsed(settings, now - timedelta(seconds=settings.alloc_keepalive - 1), now)
     assert kept_jobs.lapsed(settings, now - timedelta(seconds=settings.alloc_keepalive + 1), now)
     assert kept_jobs.lost_reason(settings, c.KIND_INTERACTIVE).startswith("its client (gpuq alloc) was not heard")
+
+
+def test_a_run_lets_go_of_its_job_once_its_owner_asks_but_an_allocation_or_an_ended_job_cannot_be(settings):
+    from gpuq.service.jobs import cancel
+
+    kept = submitted(settings, True, held=True)
+    with pytest.raises(NotAllowed, match=f"job {kept} is ann's"):
+        kept_jobs.let_go(settings, kept, BOB)
+    kept_jobs.let_go(settings, kept, ANN)
+    assert row(settings, kept).keepalive_at is None
+    with pytest.raises(StateConflict, match="is not kept by a client"):  # nothing keeps it alive from now on
+        allocations.keep_alive(settings, kept, ANN)
+    kept_jobs.let_go(settings, kept, ANN)  # again: nothing to let go of
+    register(settings, "a", 1)
+    alloc = submitting.submit_all(settings, [replace(spec.interactive_spec(None, node="a", user="ann", run_id="r"),
+                                                     held=True)])[0].id
+    with pytest.raises(StateConflict, match=f"allocation {alloc} lives only while its client does"):
+        kept_jobs.let_go(settings, alloc, ANN)
+    cancel(settings, kept, ANN)
+    with pytest.raises(StateConflict, match=f"job {kept} cancelled; nothing keeps it"):
+        kept_jobs.let_go(settings, kept, ANN)
+
+
+def test_a_runs_watch_stops_its_job_once_its_client_lapsed_and_a_gangs_other_rank_leaves_that_to_rank_0(settings):
+    import threading
+
+    from gpuq.workers.watch import StopWatcher
+
+    job_id = submitted(settings, True)
+    with write_scope(settings) as session:  # running, as a worker's claim leaves it
+        session.execute(update(Job).where(Job.id == job_id).values(state=c.State.RUNNING, started_at=utcnow()))
+
+    def look(rank: bool) -> str:
+        watcher = StopWatcher(settings, job_id, threading.Event(), rank=rank)
+        watcher.look()
+        return watcher.why
+
+    assert look(False) == look(True) == ""  # heard from at its submit
+    heard_at(settings, job_id, settings.alloc_keepalive + 1)
+    assert (look(False), look(True)) == (c.FAILURE_CLIENT_LOST, "")

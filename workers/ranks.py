@@ -127,7 +127,7 @@ def run_rank(state: WorkerState, job_id: int, rank: int) -> bool:
     state.ranks_run.add((job_id, rank, meet))
     log.info("%s: job %s rank %s/%s started", state.name, job_id, rank, gpus)
     state.job_started(job_id, started_at)
-    watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt))
+    watcher = state.watch.watch(StopWatcher(state.settings, job_id, state.interrupt, rank=True))
     try:
         run_workload(job_id, workload, params, gpus, lambda line: log.info("job %s rank %s: %s", job_id, rank, line),
                      watcher.stopped, None, Rank(rank, gpus, meet),

@@ -32,8 +32,11 @@ class StopWatcher:
     def __init__(self, settings: Settings, job_id: int, interrupt: threading.Event,
                  lease: Lease | None = None, gpu_lost: threading.Event | None = None,
                  started: float | None = None, time_limit_s: int | None = None,
-                 signal_before_s: int | None = None) -> None:
+                 signal_before_s: int | None = None, rank: bool = False) -> None:
         self.settings, self.job_id, self.interrupt = settings, job_id, interrupt
+        # A gang's other rank leaves a lost client to rank 0's watch, whose end stops it: stopping
+        # first would fail rank 0's collectives, and end the job as failed by its workload.
+        self.rank = rank
         self.lease, self.gpu_lost = lease, gpu_lost
         # When the job started (epoch seconds) and its time limit as last read: with a start, each
         # look reads the limit again (`gpuq update --time` may have changed it), and ``deadline``
@@ -87,7 +90,7 @@ class StopWatcher:
             with read_scope(self.settings) as session:
                 row = stop_asked(session, self.job_id)
             cancelled, limit = row.stop, row.time_limit_s
-            client_lost = row.kept_at is not None and lapsed(self.settings, row.kept_at)
+            client_lost = row.kept_at is not None and not self.rank and lapsed(self.settings, row.kept_at)
             if row.preempted:
                 self.grace = self.settings.preempt_grace
             if row.signal is not None and row.signal_at is not None and row.signal_at != self.asked_at:
