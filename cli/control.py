@@ -7,7 +7,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -17,6 +17,9 @@ from gpuq.cli.ends import selected
 from gpuq.cli.render import mib, print_json, printable, time_limit, timestamp
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec
+
+if TYPE_CHECKING:
+    from gpuq.service.settings import Settings
 
 app = typer.Typer()
 
@@ -269,35 +272,37 @@ def retire(node: Annotated[str, typer.Argument(help="The node's name.")],
                                                          parser=numbers.whole(0))] = None) -> None:
     """Take a node's GPUs (or one) off gpuq's lists once their workers are gone for good (an admin
     command: it uses the database)."""
-    from gpuq.cli.stack import admin_settings
     from gpuq.service import inventory
-    from gpuq.service.db import require_schema, write_scope
+    from gpuq.service.db import write_scope
 
-    settings = admin_settings("retire")
-    require_schema(settings)
+    settings, admin = _admin_database("retire")
     with write_scope(settings) as session:
         gone = inventory.retire(session, settings, node, gpu)
     which = f"GPU{'s' if len(gone) != 1 else ''} {','.join(map(str, gone))} of node {printable(node)}"
-    _audit(settings, f"retire by {_admin()} (uid {os.getuid()}): {which}")
+    _audit(settings, f"retire by {admin} (uid {os.getuid()}): {which}")
     typer.echo(f"retired {which}: no longer listed or counted; a worker that starts on one brings it back")
 
 
-def _admin() -> str:
-    """Who runs this admin command: the process's user (only root and gpuq's own account open the
+def _admin_database(command: str) -> tuple[Settings, str]:
+    """An admin command's settings, its database's schema checked (one line and 78 where it is
+    not there), and who runs it: the process's user (only root and gpuq's own account open the
     database), and the one who became root through sudo (sudo sets SUDO_USER for root's process)."""
+    from gpuq.cli.stack import admin_settings
+    from gpuq.service.db import require_schema
     from gpuq.service.rights import Caller
 
+    settings = admin_settings(command)
+    require_schema(settings)
     me = Caller.of_uid(os.getuid()).user
     via = os.environ.get("SUDO_USER")
-    return f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
+    return settings, f"{via} via sudo" if os.getuid() == 0 and via and via != me else me
 
 
 def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: str | None) -> None:
     from datetime import datetime
 
-    from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, node_drains
-    from gpuq.service.db import require_schema, write_scope
+    from gpuq.service.db import write_scope
     from gpuq.service.display import window_span
     from gpuq.service.units import parse_begin
 
@@ -305,9 +310,7 @@ def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: st
     start = parse_begin(at, now, "--at") if at is not None else None
     # The end's time of day is its next coming after --at; a length counts from --at, else from now.
     end = parse_begin(until, (start or now).astimezone(), "--until") if until is not None else None
-    settings = admin_settings("drain")
-    require_schema(settings)
-    admin = _admin()
+    settings, admin = _admin_database("drain")
     with write_scope(settings) as session:  # every node's window, or none
         nodes = node_drains.named(session, nodes)
         planned = [(node, node_drains.plan(session, node, start, end, reason, by=admin)) for node in nodes]
@@ -329,14 +332,11 @@ def _plan_drains(nodes: list[str], at: str | None, until: str | None, reason: st
 
 def _set_drained(nodes: list[str], drained: bool, reason: str | None) -> list[tuple[str, bool]]:
     """Drain (or resume) every node named, or none; each node and whether only its reason changed."""
-    from gpuq.cli.stack import admin_settings
     from gpuq.service import broker, node_drains
-    from gpuq.service.db import require_schema, write_scope
+    from gpuq.service.db import write_scope
 
     action = "drain" if drained else "resume"
-    settings = admin_settings(action)
-    require_schema(settings)
-    admin = _admin()
+    settings, admin = _admin_database(action)
     with write_scope(settings) as session:
         nodes = node_drains.named(session, nodes)
         done = [(node, node_drains.set_drained(session, node, drained, reason, by=admin)) for node in nodes]
