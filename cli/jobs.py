@@ -62,6 +62,10 @@ def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", pars
         print_json({k: v for k, v in data.items() if k not in ("elapsed_s", "output_readable")})
         return
     lines = _lines(job(data), data.get("context_mib"))
+    kept = data.get("kept")  # a server from before kept runs sends none
+    if kept:
+        lines.append(("kept by", f"its {kept['client']}, heard from {kept['silent_s']:g} s ago; silent for "
+                                 f"{kept['limit_s']:g} s, it ends the job (client_lost)"))
     # Names only: the values may be secrets, and a terminal is read over shoulders (--json has them).
     # The umask gpuq passes the job on is its own, not one the user set: it is left out.
     names = sorted(name for name in data.get("env") or () if name != c.UMASK_VARIABLE)

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from gpuq.server import views
 from gpuq.server.request import JOB, acting, call, context, job_id_of, job_ids, reading
 from gpuq.service import constants as c
-from gpuq.service import display, inventory, job_output, jobs, mail, policy, rights, units, usage
+from gpuq.service import display, inventory, job_output, jobs, kept_jobs, mail, policy, rights, units, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.constants import State
@@ -264,6 +264,15 @@ async def show(request: web.Request) -> web.Response:
     return web.json_response(await call(_show, settings, caller, job_id_of(request)))
 
 
+def _kept(settings: Settings, job: Job) -> dict[str, Any] | None:
+    """An active kept job's client (service/kept_jobs.py), as `gpuq show` words it: which command,
+    how long since it said it is alive (on the server's clock), and how long it may be silent."""
+    if job.keepalive_at is None or job.state in c.END_STATES:
+        return None
+    silent = (utcnow() - job.keepalive_at).total_seconds()
+    return {"client": kept_jobs.client_of(job.kind), "silent_s": round(silent, 1), "limit_s": settings.alloc_keepalive}
+
+
 def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
     with reading(settings) as session:
         job = jobs.get_job(session, job_id)
@@ -286,6 +295,7 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
                 select(Job.id, Job.array_id, Job.array_index).where(Job.id.in_(job.after)))}
         # A shared job is placed with its share and this reserve for its CUDA context on each GPU.
         context = settings.shared_context_mib if job.shared else None
+        data["kept"] = _kept(settings, job)
     return data | {"context_mib": context, "env": env, "metrics": views.plain(metrics), "last_output": tail,
                    "output_readable": readable}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import select
 import signal
 import subprocess
@@ -258,6 +259,9 @@ def test_a_killed_run_ends_its_job_as_client_lost_within_the_keepalive_bound_and
         assert run.stdout.readline() == b"partial\n"
         time.sleep(2 * KEEPALIVE + 1)  # idle past the bound, its client alive: still running
         assert job_of(stack.settings, job_id)[0].state == State.RUNNING
+        shown = run_cli(["show", str(job_id)], stack.settings).stdout
+        assert re.search(rf"^   kept by  its gpuq run, heard from [\d.]+ s ago; silent for {KEEPALIVE:g} s, it ends the "
+                         r"job \(client_lost\)$", shown, re.M), shown
         run.kill()
         run.wait(10)
         took = wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
@@ -364,6 +368,7 @@ def test_detach_leaves_a_running_job_and_attach_follows_it_to_its_exit_status(st
     assert detached.returncode == 0, detached.stderr
     job_id = newest_job(stack.settings)
     assert job_of(stack.settings, job_id)[0].state == State.RUNNING
+    assert "kept by" not in run_cli(["show", str(job_id)], stack.settings).stdout
     attached = run_cli(["attach", str(job_id)], stack.settings)
     assert attached.returncode == 5
     assert attached.stdout == "one\n" and "two" in attached.stderr
