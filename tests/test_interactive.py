@@ -303,7 +303,7 @@ def test_a_killed_run_whose_job_waits_has_it_cancelled_as_client_lost(stack):
 
 
 def test_ctrl_z_lets_go_of_the_job_which_outlives_the_stopped_run_and_fg_follows_it_again(stack, terminals):
-    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {KEEPALIVE + 3}; echo done"], stack.env)
+    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {KEEPALIVE + 6}; echo done"], stack.env)
     t.read_until("started")
     job_id = newest_job(stack.settings)
     t.type("\x1a")  # Ctrl-Z: a SIGTSTP to the terminal's foreground process group
@@ -321,7 +321,7 @@ def test_ctrl_z_lets_go_of_the_job_which_outlives_the_stopped_run_and_fg_follows
 
 
 def test_a_run_let_go_and_then_killed_leaves_its_job_running(stack, terminals):
-    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {KEEPALIVE + 2}; echo done"], stack.env)
+    t = terminals(["run", "--", "sh", "-c", f"echo started; sleep {KEEPALIVE + 4}; echo done"], stack.env)
     t.read_until("started")
     job_id = newest_job(stack.settings)
     t.type("\x1a")
