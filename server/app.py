@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,8 +24,8 @@ from gpuq.server import cluster_api, config_api, copies, identity, jobs_api, met
 from gpuq.server.connections import PerPeerLimit
 from gpuq.server.histograms import Settled
 from gpuq.server.request import CALLER, SETTINGS
+from gpuq.service import broker, kept_jobs, stack, system_home
 from gpuq.service import constants as c
-from gpuq.service import stack, system_home
 from gpuq.service.db import require_schema
 from gpuq.service.errors import ConfigError, GpuqError, NotAllowed, StackError
 from gpuq.service.rights import check_served
@@ -145,12 +146,31 @@ async def serve(settings: Settings, stop: asyncio.Event, ready: Callable[[], Non
             await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls).start()
             where.append(f"{host}:{port} (MUNGE{', TLS' if tls else ''})")
         log.info("gpuq server listening on %s", ", ".join(where))
+        beating = asyncio.create_task(_beat(settings))
         if ready is not None:
             ready()
         await stop.wait()
+        beating.cancel()
+        await _say_up(settings, None)
     finally:
         await runner.cleanup()
         path.unlink(missing_ok=True)
+
+
+async def _beat(settings: Settings) -> None:
+    """Say that this server is up, and since when, for as long as it serves: the clients that keep
+    jobs speak through it, so their silence counts only then (service/kept_jobs.py)."""
+    since = time.time()
+    while True:
+        await _say_up(settings, since)
+        await asyncio.sleep(kept_jobs.beat_every(settings))
+
+
+async def _say_up(settings: Settings, since: float | None) -> None:
+    try:
+        await asyncio.to_thread(kept_jobs.beat, broker.shared(settings), settings, since)
+    except Exception:
+        log.warning("could not tell the broker this server is up", exc_info=True)
 
 
 def run(settings: Settings) -> None:

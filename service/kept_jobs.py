@@ -9,11 +9,18 @@ as ``client_lost``: cancelled by the scheduler while it waits, stopped by its wo
 asked to survive its client is not kept: `gpuq submit`, `gpuq run --detach`; and a `gpuq run`
 stopped by Ctrl-Z, which cannot speak while stopped, lets go of its job first (``let_go``): the
 job goes on as if detached, and `fg` follows it again.
+
+A client speaks through the server, so a silence counts only while the server is up, and from its
+start: the server says it is up in Redis several times a second (``beat``, with its start time), and
+while that word is missing (a server killed, restarting, upgraded) no kept job is judged; once it
+is back, each client has the whole setting again to be heard from. Workers and the scheduler read
+it (``server_since``) only when a job's client looks silent.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from sqlalchemy import bindparam, case
 from sqlalchemy.orm import Session
@@ -27,6 +34,23 @@ from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Job, table, utcnow
 from gpuq.service.rights import Caller, may_change
 from gpuq.service.settings import Settings
+
+if TYPE_CHECKING:
+    import redis
+
+# How long the server's word that it is up lasts, seconds, at most: a server gone is noticed within
+# it. A third of the keepalive setting where that is less, so that a client's last word (at most a
+# third of the setting old) and the server's, which outlives it, together stay under the setting.
+BEAT_TTL = 2.0
+
+
+def beat_ttl(settings: Settings) -> float:
+    return min(BEAT_TTL, settings.alloc_keepalive / 3)
+
+
+def beat_every(settings: Settings) -> float:
+    """How often the server says it is up: four times in its word's life."""
+    return beat_ttl(settings) / 4
 
 _JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
@@ -51,12 +75,52 @@ def client_of(kind: str) -> str:
     return "gpuq alloc" if kind == c.KIND_INTERACTIVE else "gpuq run"
 
 
-def lapsed(settings: Settings, keepalive_at: datetime | None, now: datetime | None = None) -> bool:
-    """Whether a kept job's client, last heard from at ``keepalive_at``, is gone: not heard from
-    within ``alloc_keepalive`` (never heard from counts as gone)."""
+def _beat_key(settings: Settings) -> str:
+    return f"{settings.key_prefix}:server-up"
+
+
+def beat(conn: redis.Redis, settings: Settings, since: float | None) -> None:
+    """The server's word that it is up, and has been since ``since`` (epoch seconds); None: it
+    stops (a clean stop says so at once)."""
+    if since is None:
+        conn.delete(_beat_key(settings))
+    else:
+        conn.set(_beat_key(settings), repr(since), px=max(int(beat_ttl(settings) * 1000), 1))
+
+
+def server_since(conn: redis.Redis, settings: Settings) -> datetime | None:
+    """Since when the server is up, as its last word says; None while it is not (no word)."""
+    said = conn.get(_beat_key(settings))
+    if said is None:
+        return None
+    return datetime.fromtimestamp(float(said), tz=utcnow().tzinfo)
+
+
+def _silent(settings: Settings, keepalive_at: datetime | None, now: datetime | None = None) -> bool:
+    """Whether a kept job's client, last heard from at ``keepalive_at``, has been silent longer
+    than ``alloc_keepalive`` (never heard from counts as silent); ``lapsed`` says whether that
+    counts."""
     if keepalive_at is None:
         return True
     return ((now or utcnow()) - keepalive_at).total_seconds() > settings.alloc_keepalive
+
+
+def lapsed(settings: Settings, keepalive_at: datetime | None, now: datetime | None = None) -> bool:
+    """Whether a kept job's client is gone: silent longer than ``alloc_keepalive`` while the
+    server it speaks to was up (counted from the server's start, where that is later)."""
+    now = now or utcnow()
+    if not _silent(settings, keepalive_at, now):
+        return False
+    from gpuq.service import broker
+
+    try:
+        since = server_since(broker.shared(settings), settings)
+    except Exception:  # noqa: BLE001 - Redis away: nobody can tell, so nobody is judged
+        return False
+    if since is None:
+        return False
+    heard = since if keepalive_at is None else max(keepalive_at, since)
+    return (now - heard).total_seconds() > settings.alloc_keepalive
 
 
 def lost_reason(settings: Settings, kind: str) -> str:
@@ -67,8 +131,17 @@ def lost_reason(settings: Settings, kind: str) -> str:
 
 def abandon_waiting(session: Session, settings: Settings, now: datetime) -> int:
     """Cancel the waiting kept jobs whose client has not been heard from within alloc_keepalive
-    (the scheduler's pass); how many."""
+    while the server was up (the scheduler's pass); how many. Nothing while the server is not up,
+    nor before it has been up that long."""
+    from gpuq.service import broker
+
     cutoff = now - timedelta(seconds=settings.alloc_keepalive)
+    try:
+        since = server_since(broker.shared(settings), settings)
+    except Exception:  # noqa: BLE001 - Redis away: nobody can tell, so nobody is judged
+        return 0
+    if since is None or since > cutoff:
+        return 0
     return rows_changed(session.execute(ABANDON, {"cutoff": cutoff, "now": now}))
 
 

@@ -172,3 +172,34 @@ def test_run_forwarding_its_stdin_rides_out_a_server_killed_and_restarted_and_it
             run.kill()
             run.wait(10)
         st.stop()
+
+
+def test_a_runs_job_outlives_a_server_away_longer_than_the_keepalive_and_its_run_keeps_it_after(settings, tmp_path):
+    # Its client cannot speak while the server is away, so that silence is not counted: the job
+    # runs on, and once the server is back the run follows it to its end.
+    keepalive = 4.0
+    st = start_stack(settings.with_overrides(fake_gpus=1, alloc_keepalive=keepalive), tmp_path / "logs")
+    script = "import time; print('before', flush=True); time.sleep(12); print('after', flush=True)"
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--", sys.executable, "-c", script],
+                               env=st.env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+    try:
+        before = _newest_job(settings)
+        _until(lambda: _newest_job(settings) != before, 60, "gpuq run queued its job")
+        job = _newest_job(settings)
+        _until(lambda: "before" in output_of(settings, job), 60, "the job printed its first line")
+        server = st.procs["server"]
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        time.sleep(keepalive + 3)  # away past the keepalive: its client silent all along
+        with read_scope(settings) as session:
+            assert session.get(Job, job).state == State.RUNNING
+        st.start_server()
+        assert run.wait(60) == 0, (out.read_text(), err.read_text(), st.logs())
+        assert out.read_text() == "before\nafter\n"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(10)
+        st.stop()

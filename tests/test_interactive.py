@@ -260,8 +260,8 @@ def test_a_killed_run_ends_its_job_as_client_lost_within_the_keepalive_bound_and
         time.sleep(2 * KEEPALIVE + 1)  # idle past the bound, its client alive: still running
         assert job_of(stack.settings, job_id)[0].state == State.RUNNING
         shown = run_cli(["show", str(job_id)], stack.settings).stdout
-        assert re.search(rf"^   kept by  its gpuq run, heard from [\d.]+ s ago; silent for {KEEPALIVE:g} s, it ends the "
-                         r"job \(client_lost\)$", shown, re.M), shown
+        assert re.search(rf"^   kept by  its gpuq run, heard from [\d.]+ s ago; silent for {KEEPALIVE:g} s, it ends "
+                         r"the job \(client_lost\)$", shown, re.M), shown
         run.kill()
         run.wait(10)
         took = wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,

@@ -4,13 +4,14 @@ scheduler's pass, with the words of its client's command, and one heard from in 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import update
 
-from gpuq.service import allocations, kept_jobs, spec, submitting
+from gpuq.service import allocations, broker, kept_jobs, spec, submitting
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
 from gpuq.service.errors import NotAllowed, StateConflict
@@ -33,6 +34,12 @@ def heard_at(settings, job_id: int, seconds_ago: float) -> None:
     with write_scope(settings) as session:
         session.execute(update(Job).where(Job.id == job_id)
                         .values(keepalive_at=utcnow() - timedelta(seconds=seconds_ago)))
+
+
+def server_up(settings, seconds: float | None) -> None:
+    """The server's word in Redis, as it says it: up for ``seconds``; None: it is not up."""
+    conn = broker.shared(settings)
+    kept_jobs.beat(conn, settings, None if seconds is None else time.time() - seconds)
 
 
 def row(settings, job_id: int) -> Job:
@@ -63,6 +70,12 @@ def test_a_waiting_kept_job_whose_client_fell_silent_is_cancelled_as_client_lost
                             submitted(settings, False, held=True))
     heard_at(settings, silent, settings.alloc_keepalive + 5)
     heard_at(settings, heard, settings.alloc_keepalive - 5)
+    # Not while the server is away (its clients cannot speak), nor before it was up that long.
+    for up in (None, settings.alloc_keepalive - 1):
+        server_up(settings, up)
+        with write_scope(settings) as session:
+            assert kept_jobs.abandon_waiting(session, settings, utcnow()) == 0
+    server_up(settings, settings.alloc_keepalive + 10)
     with write_scope(settings) as session:
         assert kept_jobs.abandon_waiting(session, settings, utcnow()) == 1
     gone = row(settings, silent)
@@ -72,11 +85,17 @@ def test_a_waiting_kept_job_whose_client_fell_silent_is_cancelled_as_client_lost
     assert row(settings, heard).state == row(settings, plain).state == c.State.PENDING
 
 
-def test_a_client_never_heard_from_has_lapsed_and_one_heard_within_the_setting_has_not(settings):
-    now = utcnow()
-    assert kept_jobs.lapsed(settings, None, now)
-    assert not kept_jobs.lapsed(settings, now - timedelta(seconds=settings.alloc_keepalive - 1), now)
-    assert kept_jobs.lapsed(settings, now - timedelta(seconds=settings.alloc_keepalive + 1), now)
+def test_a_client_is_gone_once_silent_past_the_setting_while_its_server_was_up_and_not_before(settings):
+    now, limit = utcnow(), settings.alloc_keepalive
+    long_ago = now - timedelta(seconds=limit + 1)
+    server_up(settings, limit + 60)
+    assert kept_jobs.lapsed(settings, None, now)  # never heard from
+    assert not kept_jobs.lapsed(settings, now - timedelta(seconds=limit - 1), now)
+    assert kept_jobs.lapsed(settings, long_ago, now)
+    server_up(settings, None)  # the server away: its clients could not speak
+    assert not kept_jobs.lapsed(settings, long_ago, now) and not kept_jobs.lapsed(settings, None, now)
+    server_up(settings, limit - 2)  # back since: the whole setting again, from its start
+    assert not kept_jobs.lapsed(settings, long_ago, now)
     assert kept_jobs.lost_reason(settings, c.KIND_INTERACTIVE).startswith("its client (gpuq alloc) was not heard")
 
 
@@ -117,4 +136,7 @@ def test_a_runs_watch_stops_its_job_once_its_client_lapsed_and_a_gangs_other_ran
 
     assert look(False) == look(True) == ""  # heard from at its submit
     heard_at(settings, job_id, settings.alloc_keepalive + 1)
+    server_up(settings, None)
+    assert look(False) == ""  # silent while the server was away: not judged
+    server_up(settings, settings.alloc_keepalive + 60)
     assert (look(False), look(True)) == (c.FAILURE_CLIENT_LOST, "")
