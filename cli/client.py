@@ -181,6 +181,7 @@ class Client:
         data = b"" if body is None else json.dumps(body).encode("ascii")
         attempt = 0
         outage = _Outage(self.address, deadline) if ride_out else None
+        timed_out = False
         while True:
             try:
                 return self._once(method, target, data)
@@ -188,6 +189,12 @@ class Client:
                 if self.tls and _tls_failed(exc):
                     raise Unreachable(f"the gpuq server at {self.address} failed TLS: {_reason(exc)} (GPUQ_TLS_CA "
                                       "names the CA that signed its certificate)") from None
+                # A request safe to send again that timed out is asked once more at once: this
+                # process may have been stopped (Ctrl-Z) past the timeout while its answer waited,
+                # and the clock ran on; that is no server hanging. One that hangs times out twice.
+                if isinstance(exc, socket.timeout) and (method == "GET" or ride_out) and not timed_out:
+                    timed_out = True
+                    continue
                 # A follower's read waits for a server on its way back, until its ride-out or its
                 # caller's deadline is over.
                 if outage is not None and self._restarting(exc):

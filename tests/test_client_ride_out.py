@@ -302,3 +302,38 @@ def test_with_the_machines_socket_gone_a_moment_a_user_is_told_its_queue_is_down
     finally:
         if made:
             folder.rmdir()
+
+
+# A follower's read, its answer waiting while the process is stopped past its timeout: by a handler
+# of SIGTSTP that stops it, as `gpuq run`'s does (cli/keep_alive.py), so the read's wait is broken
+# off and, once it goes on, finds its time spent.
+_STOPPED_READ = """
+import os, signal, sys
+from gpuq.cli.client import Client
+signal.signal(signal.SIGTSTP, lambda *_: os.kill(os.getpid(), signal.SIGSTOP))
+client = Client(sys.argv[1], timeout=2.5)
+client.get("/whoami")  # the client's imports done: the next read is at once
+print("asking", flush=True)
+answer = client.get(f"/jobs/{sys.argv[2]}/output", ride_out=True, wait=1.5, state="pending")
+print("answered", answer["state"], flush=True)
+"""
+
+
+def test_a_read_stopped_past_its_timeout_by_ctrl_z_is_asked_again_not_taken_for_a_hung_server(settings, tmp_path):
+    st, job = _server_with_a_held_job(settings, tmp_path)
+    reader = subprocess.Popen([sys.executable, "-c", _STOPPED_READ, str(settings.server_socket), str(job)],
+                              env=st.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        assert reader.stdout.readline() == "asking\n"
+        time.sleep(0.7)  # its read waits for the answer: the server gives it 1.5 s on
+        reader.send_signal(signal.SIGTSTP)  # Ctrl-Z
+        _until(lambda: psutil.Process(reader.pid).status() == psutil.STATUS_STOPPED, 10, "the reader stopped")
+        time.sleep(4.0)  # past its timeout
+        reader.send_signal(signal.SIGCONT)
+        code, out, err = _ended(reader)
+        assert (code, out) == (0, "answered pending\n"), err
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+        st.stop()
