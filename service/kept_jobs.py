@@ -13,8 +13,8 @@ job goes on as if detached, and `fg` follows it again.
 A client speaks through the server, so a silence counts only while the server is up, and from its
 start: the server says it is up in Redis several times a second (``beat``, with its start time), and
 while that word is missing (a server killed, restarting, upgraded) no kept job is judged; once it
-is back, each client has the whole setting again to be heard from. Workers and the scheduler read
-it (``server_since``) only when a job's client looks silent.
+is back, each client has the whole setting again to be heard from. Workers read it
+(``server_since``) only when a job's client looks silent, the scheduler once a whole pass.
 """
 
 from __future__ import annotations
