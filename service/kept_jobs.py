@@ -38,20 +38,6 @@ from gpuq.service.settings import Settings
 if TYPE_CHECKING:
     import redis
 
-# How long the server's word that it is up lasts, seconds, at most: a server gone is noticed within
-# it. A third of the keepalive setting where that is less, so that a client's last word (at most a
-# third of the setting old) and the server's, which outlives it, together stay under the setting.
-BEAT_TTL = 2.0
-
-
-def beat_ttl(settings: Settings) -> float:
-    return min(BEAT_TTL, settings.alloc_keepalive / 3)
-
-
-def beat_every(settings: Settings) -> float:
-    """How often the server says it is up: four times in its word's life."""
-    return beat_ttl(settings) / 4
-
 _JOBS = table(Job)
 _ID = _JOBS.c.id == bindparam("job_id")
 _KEPT = _JOBS.c.keepalive_at.is_not(None)
@@ -64,15 +50,27 @@ ABANDON = move("cancel a waiting kept job whose client is gone", Actor.SCHEDULER
                reason=case((_JOBS.c.kind == c.KIND_INTERACTIVE, "its client (gpuq alloc) stopped answering while it "
                                                                 "waited"),
                            else_="its client (gpuq run) stopped answering while it waited"))
-
-
 LET_GO = move("a gpuq run lets go of the job it kept", Actor.USER, c.ACTIVE_STATES, None, _ID, _KEPT,
               _JOBS.c.kind != c.KIND_INTERACTIVE, keepalive_at=None)
+
+# How long the server's word that it is up lasts, seconds, at most: a server gone is noticed within
+# it. A third of the keepalive setting where that is less, so that a client's last word (at most a
+# third of the setting old) and the server's, which outlives it, together stay under the setting.
+BEAT_TTL = 2.0
 
 
 def client_of(kind: str) -> str:
     """The command that keeps a job of ``kind``."""
     return "gpuq alloc" if kind == c.KIND_INTERACTIVE else "gpuq run"
+
+
+def beat_ttl(settings: Settings) -> float:
+    return min(BEAT_TTL, settings.alloc_keepalive / 3)
+
+
+def beat_every(settings: Settings) -> float:
+    """How often the server says it is up: four times in its word's life."""
+    return beat_ttl(settings) / 4
 
 
 def _beat_key(settings: Settings) -> str:
@@ -96,31 +94,32 @@ def server_since(conn: redis.Redis, settings: Settings) -> datetime | None:
     return datetime.fromtimestamp(float(said), tz=utcnow().tzinfo)
 
 
-def _silent(settings: Settings, keepalive_at: datetime | None, now: datetime | None = None) -> bool:
-    """Whether a kept job's client, last heard from at ``keepalive_at``, has been silent longer
-    than ``alloc_keepalive`` (never heard from counts as silent); ``lapsed`` says whether that
-    counts."""
-    if keepalive_at is None:
-        return True
-    return ((now or utcnow()) - keepalive_at).total_seconds() > settings.alloc_keepalive
-
-
-def lapsed(settings: Settings, keepalive_at: datetime | None, now: datetime | None = None) -> bool:
-    """Whether a kept job's client is gone: silent longer than ``alloc_keepalive`` while the
-    server it speaks to was up (counted from the server's start, where that is later)."""
-    now = now or utcnow()
-    if not _silent(settings, keepalive_at, now):
-        return False
+def _up_since(settings: Settings) -> datetime | None:
+    """``server_since`` on this process's broker client; None too where Redis cannot be reached:
+    nobody can tell then, so nobody is judged."""
     from gpuq.service import broker
 
     try:
-        since = server_since(broker.shared(settings), settings)
-    except Exception:  # noqa: BLE001 - Redis away: nobody can tell, so nobody is judged
+        return server_since(broker.shared(settings), settings)
+    except Exception:  # noqa: BLE001 - any failure of the broker's client reads as "cannot tell"
+        return None
+
+
+def _silent_since(settings: Settings, heard: datetime | None, now: datetime) -> bool:
+    """Whether nothing was heard for longer than ``alloc_keepalive`` since ``heard`` (None: ever)."""
+    return heard is None or (now - heard).total_seconds() > settings.alloc_keepalive
+
+
+def lapsed(settings: Settings, keepalive_at: datetime | None, now: datetime | None = None) -> bool:
+    """Whether a kept job's client, last heard from at ``keepalive_at`` (None: never), is gone:
+    silent longer than ``alloc_keepalive`` while the server it speaks to was up (counted from the
+    server's start, where that is later). Redis is asked only for a client that looks silent."""
+    now = now or utcnow()
+    if not _silent_since(settings, keepalive_at, now):
         return False
-    if since is None:
-        return False
-    heard = since if keepalive_at is None else max(keepalive_at, since)
-    return (now - heard).total_seconds() > settings.alloc_keepalive
+    since = _up_since(settings)
+    return since is not None and _silent_since(settings, since if keepalive_at is None else max(keepalive_at, since),
+                                               now)
 
 
 def lost_reason(settings: Settings, kind: str) -> str:
@@ -133,13 +132,8 @@ def abandon_waiting(session: Session, settings: Settings, now: datetime) -> int:
     """Cancel the waiting kept jobs whose client has not been heard from within alloc_keepalive
     while the server was up (the scheduler's pass); how many. Nothing while the server is not up,
     nor before it has been up that long."""
-    from gpuq.service import broker
-
     cutoff = now - timedelta(seconds=settings.alloc_keepalive)
-    try:
-        since = server_since(broker.shared(settings), settings)
-    except Exception:  # noqa: BLE001 - Redis away: nobody can tell, so nobody is judged
-        return 0
+    since = _up_since(settings)
     if since is None or since > cutoff:
         return 0
     return rows_changed(session.execute(ABANDON, {"cutoff": cutoff, "now": now}))
