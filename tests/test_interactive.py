@@ -141,6 +141,14 @@ def wait_until(check, timeout: float = 30.0, what: str = "") -> float:
     return time.monotonic() - began
 
 
+def killed_until_its_end(client: subprocess.Popen, settings, job_id: int, what: str) -> float:
+    """`kill -9` a client that keeps job ``job_id``; the seconds until the job ended (AssertionError
+    past the keepalive bound and ten seconds)."""
+    client.kill()
+    client.wait(10)
+    return wait_until(lambda: job_of(settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10, what=what)
+
+
 def processes_with(marker: str) -> list[psutil.Process]:
     """Live processes whose command line is ``marker`` (a test's own `sleep N.NNN`; not a `gpuq`
     command that names it)."""
@@ -262,10 +270,7 @@ def test_a_killed_run_ends_its_job_as_client_lost_within_the_keepalive_bound_and
         shown = run_cli(["show", str(job_id)], stack.settings).stdout
         assert re.search(rf"^   kept by  its gpuq run, heard from [\d.]+ s ago; silent for {KEEPALIVE:g} s, it ends "
                          r"the job \(client_lost\)$", shown, re.M), shown
-        run.kill()
-        run.wait(10)
-        took = wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
-                          what="the job's end")
+        took = killed_until_its_end(run, stack.settings, job_id, "the job's end")
     finally:
         if run.poll() is None:
             run.kill()
@@ -290,10 +295,7 @@ def test_a_killed_run_whose_job_waits_has_it_cancelled_as_client_lost(stack):
         job_id = newest_job(stack.settings)
         time.sleep(KEEPALIVE + 1)  # past the bound, its client alive: still waiting
         assert job_of(stack.settings, job_id)[0].state == State.PENDING
-        run.kill()
-        run.wait(10)
-        wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
-                   what="the waiting job cancelled")
+        killed_until_its_end(run, stack.settings, job_id, "the waiting job cancelled")
     finally:
         if run.poll() is None:
             run.kill()
@@ -447,10 +449,7 @@ def test_kill_9_of_the_alloc_client_frees_the_gpu_within_the_keepalive_bound(sta
     try:
         wait_until(lambda: len(processes_with(f"sleep {marker}")) == 1, what="the allocation's command started")
         job_id = newest_job(stack.settings)
-        client.kill()
-        client.wait(10)
-        took = wait_until(lambda: job_of(stack.settings, job_id)[0].state in c.END_STATES, timeout=KEEPALIVE + 10,
-                          what="the allocation ended")
+        took = killed_until_its_end(client, stack.settings, job_id, "the allocation ended")
     finally:
         if client.poll() is None:
             client.kill()
