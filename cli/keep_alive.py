@@ -7,8 +7,8 @@ whose srun stopped answering; Ctrl-C, a closed terminal and SIGTERM cancel it at
 `gpuq run --detach` asks for a job that outlives its client, and that one is not kept.
 
 A stopped process says nothing, so Ctrl-Z (SIGTSTP) first lets go of the job, which then goes on
-as a detached one would; `fg` or `bg` follows it again, without keeping it: a training run put
-in the background for an hour is not lost for it."""
+as a detached one would while this process is stopped: a training run whose `gpuq run` was
+stopped for an hour is not lost for it. `fg` or `bg` (SIGCONT) keeps it again."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ def start(job_id: int) -> None:
         signal.signal(signal.SIGTSTP, _letting_go(job_id, released))
 
 
-def _keep(job_id: int) -> threading.Event:
-    """Start the thread; the event that stops it."""
+def _keep(job_id: int, again: bool = False) -> threading.Event:
+    """Start the thread (``again``: its first word keeps a job let go of); the event that stops it."""
     released = threading.Event()
-    threading.Thread(target=_keep_alive, args=(job_id, released), name="keepalive", daemon=True).start()
+    threading.Thread(target=_keep_alive, args=(job_id, released, again), name="keepalive", daemon=True).start()
     return released
 
 
-def _keep_alive(job_id: int, released: threading.Event) -> None:
+def _keep_alive(job_id: int, released: threading.Event, again: bool) -> None:
     from gpuq.cli.client import Client, Refused
     from gpuq.service import constants as c
 
@@ -45,8 +45,12 @@ def _keep_alive(job_id: int, released: threading.Event) -> None:
     every = 1.0  # until the server says how often
     while not released.is_set():
         try:
-            # A server restarting meanwhile is waited for: saying it again is safe.
-            held = client.post(f"/jobs/{job_id}/keepalive", ride_out=True)
+            # A server restarting meanwhile is waited for: saying either again is safe.
+            if again:
+                held = client.request("PUT", f"/jobs/{job_id}/keepalive", ride_out=True)
+                again = False
+            else:
+                held = client.post(f"/jobs/{job_id}/keepalive", ride_out=True)
         except Refused as refused:
             if refused.exit_code in (c.EXIT_NOT_FOUND, c.EXIT_CONFLICT, c.EXIT_NOT_ALLOWED):
                 return  # not a job this client keeps (any more): the follower says what became of it
@@ -61,8 +65,8 @@ def _keep_alive(job_id: int, released: threading.Event) -> None:
 
 def _letting_go(job_id: int, released: threading.Event) -> Callable[[int, FrameType | None], None]:
     """SIGTSTP's handler: let go of the job (the thread stops saying it is alive), say so, then stop
-    as SIGTSTP would have stopped this process. Where the server could not be told, the job is kept
-    again once this process goes on (`fg`, `bg`)."""
+    as SIGTSTP would have stopped this process. Once it goes on (`fg`, `bg`: SIGCONT), it keeps the
+    job again; where the server could not be told, the job was kept all along."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
         from gpuq.cli.client import Client
@@ -79,10 +83,19 @@ def _letting_go(job_id: int, released: threading.Event) -> Callable[[int, FrameT
             said = f"gpuq: job {job_id}: could not let go of it ({exc}); stopped, it may end as client_lost\n"
         # After the terminal's "^Z", on a line of its own.
         say(sys.stderr, ("\n" if sys.stderr.isatty() else "") + said)
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)  # from now on Ctrl-Z only stops it
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)  # until it goes on, Ctrl-Z only stops it
+        if let_go:
+            # Kept again on SIGCONT, not once the kill below returns: where the kernel drops the
+            # stop (a process group without a shell to resume it), it returns at once.
+            signal.signal(signal.SIGCONT, going_on)
         os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
         if not let_go:  # kept still: kept alive again, and the next Ctrl-Z tries again
-            released = _keep(job_id)
-            signal.signal(signal.SIGTSTP, stop)
+            going_on(signal.SIGCONT, None)
+
+    def going_on(signum: int, frame: FrameType | None) -> None:
+        nonlocal released
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
+        released = _keep(job_id, again=True)
+        signal.signal(signal.SIGTSTP, stop)
 
     return stop

@@ -220,6 +220,20 @@ async def let_go(request: web.Request) -> web.Response:
     return web.json_response({"id": job_id, "kept": False})
 
 
+@routes.put(JOB + "/keepalive")
+async def keep_again(request: web.Request) -> web.Response:
+    """A `gpuq run` that let go of its job when Ctrl-Z stopped it is resumed (`fg`, `bg`) and keeps
+    the job again (service/kept_jobs.py); answered as a keepalive is. Its owner's, and the admins'."""
+    from gpuq.service.allocations import keep_alive
+    from gpuq.service.kept_jobs import keep_again as keep
+
+    settings, caller = acting(request)
+    job_id = job_id_of(request)
+    await call(keep, settings, job_id, caller)
+    held = await call(keep_alive, settings, job_id, caller)
+    return web.json_response(held.as_json())
+
+
 @routes.post(JOB + "/end")
 async def end(request: web.Request) -> web.Response:
     """An allocation's shell (or command) exited with ``exit_code``: its worker ends it and stops

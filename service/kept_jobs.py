@@ -8,7 +8,7 @@ as ``client_lost``: cancelled by the scheduler while it waits, stopped by its wo
 (an allocation's worker, workers/allocation.py; a run's job's watch, workers/watch.py). A job
 asked to survive its client is not kept: `gpuq submit`, `gpuq run --detach`; and a `gpuq run`
 stopped by Ctrl-Z, which cannot speak while stopped, lets go of its job first (``let_go``): the
-job goes on as if detached, and `fg` follows it again.
+job goes on as if detached while it is stopped, and `fg` (or `bg`) keeps it again (``keep_again``).
 
 A client speaks through the server, so a silence counts only while the server is up, and from its
 start: the server says it is up in Redis several times a second (``beat``, with its start time), and
@@ -52,6 +52,8 @@ ABANDON = move("cancel a waiting kept job whose client is gone", Actor.SCHEDULER
                            else_="its client (gpuq run) stopped answering while it waited"))
 LET_GO = move("a gpuq run lets go of the job it kept", Actor.USER, c.ACTIVE_STATES, None, _ID, _KEPT,
               _JOBS.c.kind != c.KIND_INTERACTIVE, keepalive_at=None)
+KEEP_AGAIN = move("a gpuq run resumed by fg keeps its job again", Actor.USER, c.ACTIVE_STATES, None, _ID,
+                  _JOBS.c.kind != c.KIND_INTERACTIVE, _JOBS.c.array_id.is_(None), keepalive_at=bindparam("now"))
 
 # How long the server's word that it is up lasts, seconds, at most: a server gone is noticed within
 # it. A third of the keepalive setting where that is less, so that a client's last word (at most a
@@ -151,6 +153,24 @@ def let_go(settings: Settings, job_id: int, caller: Caller) -> None:
         if job.state in c.END_STATES:
             raise StateConflict(f"job {job_id} {job.state}; nothing keeps it")
         session.execute(LET_GO, {"job_id": job_id})  # a job nobody keeps: nothing to let go of
+
+
+def keep_again(settings: Settings, job_id: int, caller: Caller) -> None:
+    """The `gpuq run` that let go of job ``job_id`` when Ctrl-Z stopped it is resumed (`fg`, `bg`)
+    and keeps it again: from now on its silence ends the job, as before the stop. Its owner's, and
+    the admins'; not an ended job, nor an array's task (nobody keeps one); an allocation is kept
+    from its start (this only says its client is alive)."""
+    require_schema(settings)
+    with write_scope(settings) as session:
+        job = client_call(session, settings, job_id, caller)
+        if job.state in c.END_STATES:
+            raise StateConflict(f"job {job_id} {job.state}; nothing to keep")
+        if job.array_id is not None:
+            raise StateConflict(f"job {job_id} is a task of array {job.array_id}: an array is kept by nobody")
+        if job.kind == c.KIND_INTERACTIVE:
+            session.execute(KEEPALIVE, {"job_id": job_id, "now": utcnow()})
+        else:
+            session.execute(KEEP_AGAIN, {"job_id": job_id, "now": utcnow()})
 
 
 def client_call(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:

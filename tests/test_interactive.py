@@ -48,10 +48,11 @@ class Terminal:
         os.close(slave)
         self.text = ""
 
-    def read_until(self, needle: str, timeout: float = 60.0) -> str:
-        """Everything written so far, once ``needle`` is in it; AssertionError after ``timeout``."""
+    def read_until(self, needle: str, timeout: float = 60.0, after: int = 0) -> str:
+        """Everything written so far, once ``needle`` is in it past its first ``after`` characters;
+        AssertionError after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while needle not in self.text:
+        while needle not in self.text[after:]:
             left = deadline - time.monotonic()
             if left <= 0 or not self._read(min(left, 0.5)) and self.proc.poll() is not None:
                 raise AssertionError(f"{needle!r} not written in {timeout} s; got:\n{self.text}")
@@ -316,10 +317,32 @@ def test_ctrl_z_lets_go_of_the_job_which_outlives_the_stopped_run_and_fg_follows
     t.proc.send_signal(signal.SIGSTOP)
     time.sleep(KEEPALIVE + 1.5)
     assert job_of(stack.settings, job_id)[0].state == State.RUNNING
-    t.proc.send_signal(signal.SIGCONT)  # fg
+    t.proc.send_signal(signal.SIGCONT)  # fg: kept again
+    wait_until(lambda: job_of(stack.settings, job_id)[0].keepalive_at is not None, timeout=10, what="kept again")
     assert t.wait() == 0
     assert "done" in t.text
     assert job_of(stack.settings, job_id)[0].state == State.SUCCEEDED
+
+
+def test_a_run_resumed_by_fg_keeps_its_job_again_so_killed_then_its_job_ends_as_client_lost(stack, terminals):
+    t = terminals(["run", "--", "sh", "-c", "echo started; sleep 60"], stack.env)
+    t.read_until("started")
+    job_id = newest_job(stack.settings)
+    t.type("\x1a")
+    t.read_until("fg follows it again")
+    t.proc.send_signal(signal.SIGSTOP)
+    t.proc.send_signal(signal.SIGCONT)  # fg
+    wait_until(lambda: job_of(stack.settings, job_id)[0].keepalive_at is not None, timeout=10, what="kept again")
+    said = len(t.text)
+    t.type("\x1a")  # its Ctrl-Z lets go once more
+    t.read_until("fg follows it again", after=said)
+    assert job_of(stack.settings, job_id)[0].keepalive_at is None
+    t.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: job_of(stack.settings, job_id)[0].keepalive_at is not None, timeout=10, what="kept again")
+    took = killed_until_its_end(t.proc, stack.settings, job_id, "the job's end")
+    job, _ = job_of(stack.settings, job_id)
+    assert (job.state, job.failure) == (State.FAILED, c.FAILURE_CLIENT_LOST)
+    assert took <= KEEPALIVE + 0.5 + 2.5, took
 
 
 def test_a_run_let_go_and_then_killed_leaves_its_job_running(stack, terminals):

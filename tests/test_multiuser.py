@@ -546,7 +546,7 @@ def test_two_users_allocations_never_share_a_gpu_and_each_shell_runs_as_its_user
         held = _newest_allocation_of(box.settings, box.a)
         assert wait_for_state(box.settings, held, (State.RUNNING,)) == State.RUNNING
         # Bob cannot keep Alice's allocation alive or end it through the API, and is told why.
-        for method, call in (("POST", "keepalive"), ("POST", "end"), ("DELETE", "keepalive")):
+        for method, call in (("POST", "keepalive"), ("POST", "end"), ("DELETE", "keepalive"), ("PUT", "keepalive")):
             out = box.as_user(box.b, "curl", "-sS", "--unix-socket", box.socket, "-X", method, "-H",
                               "Content-Type: application/json", "--data-binary", '{"exit_code": 0}',
                               f"http://localhost/v1/jobs/{held}/{call}")
