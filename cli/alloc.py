@@ -51,6 +51,9 @@ def alloc(
                                                  "(a100:2): COUNT of that --gpu-type.", parser=numbers.gpu_count,
                                                  show_default=False)]
     = numbers.ONE_GPU,
+    gres: Annotated[numbers.GpuAsk | None, typer.Option(
+        "--gres", help="salloc's gpu[:TYPE][:COUNT] (gpu:2, gpu:a100:2): the same as --gpus [TYPE:]COUNT.",
+        show_default=False, parser=numbers.gres)] = None,
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Only GPUs of this model (a100, rtx3090), "
                                                  "as `gpuq devices` names them.")] = None,
     mem: Annotated[str | None, typer.Option(help="Free GPU memory needed on each GPU, e.g. 20G (with --shared: "
@@ -78,6 +81,12 @@ def alloc(
         raise InvalidSpec("no command given after --")
     cwd = _cwd()
     _check_program(command, cwd)
+    if gres is not None:
+        from click.core import ParameterSource
+
+        if ctx.get_parameter_source("gpus") == ParameterSource.COMMANDLINE:
+            raise InvalidSpec("give --gpus or --gres, not both")
+        gpus = gres
     count, gpu_type = typed(gpus, gpu_type)
     body: dict[str, Any] = {"interactive": True, "command": command, "gpus": count, "gpu_type": gpu_type, "mem": mem,
                             "shared": shared, "cpus": cpus,

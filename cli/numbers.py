@@ -72,9 +72,25 @@ def gpu_count(text: str | int | GpuAsk) -> GpuAsk:
     return GpuAsk(_one_or_more(count), model.strip())
 
 
+def gres(text: str | GpuAsk) -> GpuAsk:
+    """sbatch's ``--gres gpu[:TYPE][:COUNT]``: GPUs as ``--gpus`` takes them (``gpu``: one,
+    ``gpu:a100``: one of that type, ``gpu:a100:2``); GPUs are the one generic resource gpuq knows."""
+    if isinstance(text, GpuAsk):
+        return text
+    kind, _, ask = text.strip().partition(":")
+    if kind != "gpu" or "," in ask:
+        raise ValueError(f"{text!r}: GPUs are the one resource gpuq gives: gpu, gpu:COUNT or gpu:TYPE:COUNT")
+    if not ask:
+        return GpuAsk(1)
+    if ":" not in ask and not _DIGITS.fullmatch(ask):
+        return gpu_count(f"{ask}:1")  # gpu:a100, as SLURM reads it: one of that type
+    return gpu_count(ask)
+
+
 ONE_GPU = GpuAsk(1)
 _one_or_more = whole(1)
 gpu_count.__name__ = "[type:]count"
+gres.__name__ = "gpu[:type][:count]"
 
 
 def integer(text: str | int) -> int:

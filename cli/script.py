@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 DIRECTIVE = "#GPUQ"
 # The head of a script that is read for directives: a job script's comment block is short.
 HEAD_BYTES = 64 * 1024
-# Options that say how to submit, not what the job is: not for a script to set; and --chdir, the
-# directory the script itself is found from.
-NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir"}
+# Options that say how to submit, not what the job is: not for a script to set; --chdir, the
+# directory the script itself is found from; and --wrap, a command in place of the script.
+NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir", "wrap"}
 
 
 def script_of(command: list[str], cwd: str) -> str | None:

@@ -79,9 +79,15 @@ def submit(
         "--gpus", "-G", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes); "
         "TYPE:COUNT (a100:2) as sbatch's: COUNT of that --gpu-type.", show_default=False,
         parser=numbers.gpu_count)] = None,
+    gres: Annotated[numbers.GpuAsk | None, typer.Option(
+        "--gres", help="sbatch's gpu[:TYPE][:COUNT] (gpu:2, gpu:a100:2): the same as --gpus [TYPE:]COUNT.",
+        show_default=False, parser=numbers.gres)] = None,
     gpu_type: Annotated[str | None, typer.Option("--gpu-type", help="Only GPUs of this model, as `gpuq devices` "
                                                  "names them: a100, h100, rtx3090.")] = None,
     name: Annotated[str | None, typer.Option("--name", "-J", help="A name to know the job by.")] = None,
+    wrap: Annotated[str | None, typer.Option("--wrap", help="Run this shell command line as the job (sh -c), as "
+                                             "sbatch --wrap: gpuq submit --wrap 'python a.py && python b.py'.")
+                    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
     parsable: Annotated[bool, typer.Option("--parsable", help="Print only the job's id (an array's: the array "
                                            "id), as sbatch --parsable: jid=$(gpuq submit --parsable ...).")] = False,
@@ -161,25 +167,32 @@ def submit(
     if stray and (command is not None or workload is None or workload.startswith("-")):
         # Before `--` only gpuq's own options go (a workload's come after its name): a mistyped one.
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
+    if wrap is not None:
+        if command is not None or workload is not None:
+            raise InvalidSpec(f"give --wrap or {'a command after --' if command is not None else 'a workload'}, "
+                              "not both")
+        if not wrap.strip():
+            raise InvalidSpec("--wrap: the command line is empty")
+        command = ["sh", "-c", wrap]
     cwd = _cwd() if chdir is None else _directory(chdir)
     if parsable and (as_json or test_only):
         raise InvalidSpec(f"give --{'json' if as_json else 'test-only'} or --parsable, not both")
     options: dict[str, Any] = {
-        "gpus": gpus, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem, "shared": shared,
-        "node": node,
-        "exclude": exclude, "preemptible": preemptible,
+        "gpus": gpus, "gres": gres, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem,
+        "shared": shared, "node": node, "exclude": exclude, "preemptible": preemptible,
         "host_mem": host_mem, "cpus": cpus, "time": time, "signal": signal, "retries": retries, "hold": hold,
         "begin": begin, "deadline": deadline, "mail_type": mail_type, "mail_user": mail_user,
         "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,
         "error": error}
     origins: dict[str, str] = {}  # the options a job script gave, and its lines
-    if command:
+    if command and wrap is None:
         from gpuq.cli.script import script_options
 
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
         scripted, origins = script_options(ctx, command, cwd)
         options.update(scripted)
+    _fold_gres(options, origins)
     options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)
     body: dict[str, Any] = {
         "workload": workload, "args": extra, "command": command, **options, "cwd": cwd, "user": user,
@@ -279,6 +292,23 @@ def _wait_for(client: Client, job_ids: list[int], say: bool) -> None:
             typer.echo(f"job {job_id} {states[job_id]}")
     if any(s != c.State.SUCCEEDED for s in states.values()):
         raise typer.Exit(c.EXIT_JOB_FAILED)
+
+
+def _fold_gres(options: dict[str, Any], origins: dict[str, str]) -> None:
+    """``--gres`` given as ``--gpus``: the command line's wins over a script's, as for any option;
+    both from one place are refused."""
+    gres, scripted = options.pop("gres", None), origins.pop("gres", None)
+    if gres is None:
+        return
+    if options["gpus"] is not None:
+        if (scripted is None) == ("gpus" not in origins):  # both on the command line, or both in the script
+            raise InvalidSpec("give --gpus or --gres, not both" + (f" ({scripted})" if scripted else ""))
+        if scripted is not None:
+            return  # the command line's --gpus over the script's --gres
+    options["gpus"] = gres
+    origins.pop("gpus", None)
+    if scripted is not None:
+        origins["gpus"] = scripted
 
 
 def typed(ask: numbers.GpuAsk | None, gpu_type: str | None, origins: dict[str, str] | None = None

@@ -299,6 +299,42 @@ def test_sbatchs_short_options_mean_in_submit_and_alloc_what_they_mean_to_slurm_
         assert "-G, --gpus" in shown and "-t, --time" in shown and "-J, --name" in shown, command
 
 
+def test_sbatchs_gres_and_wrap_ask_for_gpus_and_run_a_shell_line_and_misuse_is_one_line(use_settings, tmp_path):
+    from tests.test_scheduling import register
+
+    s = use_settings
+    register(s, s.node, 2)
+    out = run_cli(["submit", "--json", "--hold", "--gres", "gpu:simulated:2", "--wrap", "echo a && echo $B"], s,
+                  cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    assert (job["argv"], job["gpus"], job["gpu_type"]) == (["sh", "-c", "echo a && echo $B"], 2, "simulated")
+    for args, says in [(["--gres", "gpu:2", "--gpus", "1", "--", "true"], "give --gpus or --gres, not both"),
+                       (["--gres", "shard:1", "--", "true"], "Invalid value for '--gres': 'shard:1': GPUs are the one"),
+                       (["--gres", "gpu:a100:x", "--", "true"], "Invalid value for '--gres': 'a100:x' is not a GPU"),
+                       (["--wrap", "true", "--", "true"], "give --wrap or a command after --, not both"),
+                       (["--wrap", "true", "matmul"], "give --wrap or a workload, not both"),
+                       (["--wrap", " "], "--wrap: the command line is empty")]:
+        refused = run_cli(["submit", *args], s, cwd=tmp_path)
+        assert refused.returncode == c.EXIT_USAGE and refused.stderr.startswith(f"gpuq: {says}"), (args,
+                                                                                                  refused.stderr)
+        assert refused.stderr.count("\n") == 1
+    refused = run_cli(["alloc", "--gres", "gpu:1", "--gpus", "2"], s, cwd=tmp_path)
+    assert (refused.returncode, refused.stderr) == (c.EXIT_USAGE, "gpuq: give --gpus or --gres, not both\n")
+    from sqlalchemy import select
+
+    from gpuq.service.db import write_scope
+    from gpuq.service.models import Job
+
+    with write_scope(s) as session:
+        assert session.scalars(select(Job.id)).all() == [job["id"]]  # nothing written by a refusal
+
+
+def test_a_wrapped_shell_line_runs_as_its_job_through_gpuq_run(stack):
+    done = run_cli(["run", "--gres", "gpu", "--wrap", "echo one && echo two >&2; exit 3"], stack.settings)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "one\n", "two\n")
+
+
 def test_cancel_by_name_and_state_takes_only_my_jobs_that_match_as_scancel_n_and_t(use_settings, tmp_path):
     from tests.test_scheduling import register
 

@@ -115,6 +115,36 @@ def test_a_scripts_gpus_type_count_asks_for_that_many_of_that_model(use_settings
     assert (job["gpus"], job["gpu_type"]) == (1, None)
 
 
+def test_a_scripts_gres_asks_for_gpus_as_sbatchs_and_the_command_lines_gpus_or_gres_win(use_settings, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, "#!/bin/sh\n#GPUQ --gres gpu:simulated:2 --hold\ntrue\n")
+    job = submitted(["--", "./job.sh"])
+    assert (job["gpus"], job["gpu_type"]) == (2, "simulated")
+    job = submitted(["--gpus", "1", "--", "./job.sh"])  # the command line's --gpus over the line's --gres
+    assert (job["gpus"], job["gpu_type"]) == (1, None)
+    script(tmp_path, "#!/bin/sh\n#GPUQ --gpus 2 --hold\ntrue\n")
+    job = submitted(["--gres", "gpu", "--", "./job.sh"])  # and the command line's --gres over its --gpus
+    assert (job["gpus"], job["gpu_type"]) == (1, None)
+
+
+@pytest.mark.parametrize("line,message", [
+    ("#GPUQ --gpus 1 --gres gpu:2", "give --gpus or --gres, not both (job.sh line 2)"),
+    ("#GPUQ --gres gpu:99", "--gpus 99 is more than any node has (the largest, testnode, has 2) (job.sh line 2)"),
+    ("#GPUQ --gres mps:50", "job.sh line 2: Invalid value for '--gres': 'mps:50': GPUs are the one resource gpuq "
+                            "gives: gpu, gpu:COUNT or gpu:TYPE:COUNT"),
+    ("#GPUQ --wrap 'echo hi'", "job.sh line 2: --wrap is given on the command line, not in a script"),
+])
+def test_a_bad_gres_or_wrap_line_is_refused_naming_it_and_nothing_is_written(use_settings, tmp_path, monkeypatch,
+                                                                            line, message):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, f"#!/bin/sh\n{line}\ntrue\n")
+    result = invoke(["submit", "--", "./job.sh"])
+    assert (result.exit_code, result.output.count("\n")) == (c.EXIT_USAGE, 1), result.output
+    assert message in result.output
+    assert jobs_in(use_settings) == 0
+
+
 def test_run_of_a_script_whose_lines_make_an_array_says_which_line(use_settings, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     script(tmp_path, "#!/bin/sh\n#GPUQ --array 0-1\ntrue\n")
