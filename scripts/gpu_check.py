@@ -7,7 +7,8 @@ It starts a stack of its own in a temporary home (its own socket, Redis port and
 stack already on the machine is left alone), runs `gpuq` as whole processes the way users do,
 and prints a line per check, PASS, FAIL or SKIP, with what it measured:
 
-1. devices: the GPUs as NVML lists them, with a reading of each;
+1. devices: the GPUs as NVML lists them, with a reading of each; and their memory's health
+   counters (row remapping, retired pages, uncorrectable ECC errors), with gpuq's drains agreeing;
 2. workloads: device-info, matmul in fp32, tf32, fp16 and bf16, norm-log, copy, and LeNet and
    ResNet-18 for an epoch, each a job (on a GPU, none may fall back to the CPU);
 3. a command job using torch on its GPU;
@@ -285,6 +286,36 @@ def gpu_type(c: Check) -> tuple[str, str]:
                                         f"{wrong.returncode}, {wrong.stderr.strip()[:160]!r}")
 
 
+def health(c: Check) -> tuple[str, str]:
+    """NVML's memory health counters of each GPU, as the heartbeat judges them (an unhealthy GPU is
+    drained); PASS where gpuq's drains agree with them. The suite drains a simulated GPU marked
+    unhealthy; a real one shows here whether this machine's driver keeps the counters."""
+    if not c.real:
+        return "SKIP", "no NVML here (tests/test_faults.py drains a simulated GPU marked unhealthy)"
+    import pynvml
+
+    from gpuq.service.devices import NvmlDevices, _na
+
+    devices = NvmlDevices()
+    said, unhealthy = [], set()
+    for g in devices.list():
+        h = devices._handle(g.index)
+        verdict = devices.health(h)
+        if verdict:
+            unhealthy.add(g.index)
+        calls = {"remapped rows (corr, uncorr, pending, failed)": (pynvml.nvmlDeviceGetRemappedRows,),
+                 "retired pages pending": (pynvml.nvmlDeviceGetRetiredPagesPendingStatus,),
+                 "volatile uncorrectable ECC": (pynvml.nvmlDeviceGetTotalEccErrors,
+                                                pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+                 "ECC mode (current, pending)": (pynvml.nvmlDeviceGetEccMode,)}
+        counters = {k: _na(lambda call=call, h=h: call[0](h, *call[1:]), pynvml) for k, call in calls.items()}
+        said.append(f"GPU {g.index}: {verdict or 'healthy'} ({'; '.join(f'{k} {v}' for k, v in counters.items())})")
+    time.sleep(2)  # a heartbeat or two
+    drained = {g["index"] for g in json.loads(c.gpuq("devices", "--json").stdout)
+               if (g.get("drain_reason") or "").startswith("GPU unhealthy")}
+    return ("PASS" if drained == unhealthy else "FAIL"), "; ".join(said) + f"; drained as unhealthy: {sorted(drained)}"
+
+
 def mps(c: Check) -> tuple[str, str]:
     control = shutil.which("nvidia-cuda-mps-control")
     if not c.real or control is None:
@@ -370,7 +401,7 @@ def main() -> int:
         check.results.append({"check": "up", "verdict": "PASS" if up.returncode == 0 else "FAIL",
                               "detail": (up.stdout or up.stderr).strip(), "seconds": round(time.monotonic() - t0, 1)})
         if up.returncode == 0:
-            for name, body in (("devices", devices), ("workloads", workloads), ("command", command),
+            for name, body in (("devices", devices), ("health", health), ("workloads", workloads), ("command", command),
                                ("shared", shared), ("watchdog", watchdog), ("detached", detached),
                                ("other-user", other_user),
                                ("run-alloc", interactive), ("stats", stats_and_metrics),

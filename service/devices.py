@@ -69,6 +69,10 @@ class GpuReading:
     processes: tuple[GpuProcess, ...] | None = None
     # Why the GPU is gone (NVML's GPU_IS_LOST or RESET_REQUIRED); None while it works.
     lost: str | None = None
+    # Why the GPU should take no new job until it is reset or repaired, by its memory's health
+    # (``NvmlDevices.health``); None while it is healthy or cannot tell. Unlike a lost GPU, it still
+    # runs the job it has.
+    unhealthy: str | None = None
 
 
 class Devices(Protocol):
@@ -113,7 +117,9 @@ class SimulatedDevices:
         self._foreign = parse_foreign(foreign)
         self._memory = memory
         # A file ``<faults>/<node>.<index>.lost`` makes that GPU read as lost, the way NVML reports
-        # one that fell off the bus: tests and drills inject the fault without a broken GPU.
+        # one that fell off the bus, and ``<node>.<index>.unhealthy`` as unhealthy (its first line
+        # the reason, as NVML's counters would give one): tests and drills inject the faults
+        # without a broken GPU.
         self._node, self._faults = node, faults
         self._gpus = [
             GpuInfo(index=i, uuid=f"GPU-sim-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{node}/{i}')}",
@@ -128,11 +134,25 @@ class SimulatedDevices:
         """Only its per-process list (the foreign processes it was told to show, and those that
         declared simulated memory on it) and whether it was told it is lost; the worker's probe
         measures the rest."""
-        lost = None
-        if self._faults is not None and (self._faults / f"{self._node}.{index}.lost").exists():
-            lost = "simulated GPU marked lost"
+        lost = unhealthy = None
+        if self._faults is not None:
+            if (self._faults / f"{self._node}.{index}.lost").exists():
+                lost = "simulated GPU marked lost"
+            unhealthy = _marked_unhealthy(self._faults / f"{self._node}.{index}.unhealthy")
         declared = self._memory.processes(index) if self._memory is not None else ()
-        return GpuReading(processes=(*self._foreign.get(index, ()), *declared), lost=lost)
+        return GpuReading(processes=(*self._foreign.get(index, ()), *declared), lost=lost, unhealthy=unhealthy)
+
+
+def _marked_unhealthy(path: Path) -> str | None:
+    """A simulated GPU's health fault: its file's first line (or a word that it is marked), None
+    without the file."""
+    try:
+        said = path.read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        said = []
+    return (said[0].strip()[:200] if said and said[0].strip() else "") or "simulated GPU marked unhealthy"
 
 
 SIMULATED_NAME = "Simulated GPU"
@@ -217,7 +237,32 @@ class NvmlDevices:
             sm_clock_mhz=_na(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM), n),
             energy_mj=_na(lambda: n.nvmlDeviceGetTotalEnergyConsumption(h), n),
             processes=self._processes(h),
+            unhealthy=self.health(h),
         )
+
+    def health(self, h: Any) -> str | None:
+        """Why the GPU needs a reset or a repair before it takes new work, from NVML's memory
+        counters, as DCGM's health watches and NVIDIA's memory error guidance judge them: a failed
+        row remap (repair), a row remap or page retirement pending (they take effect at the next
+        reset), uncorrectable ECC errors since the driver loaded. None where all is well, or where
+        the GPU keeps no such counter (no ECC; no row remapping before Ampere)."""
+        n = self._nvml
+        rows = _na(lambda: n.nvmlDeviceGetRemappedRows(h), n)
+        if rows is not None:
+            _, uncorrectable_rows, pending, failed = rows
+            if failed:
+                return "row remapping failed: memory errors it can no longer set aside (repair the GPU)"
+            if pending:
+                return (f"row remapping pending ({uncorrectable_rows} rows for uncorrectable errors): reset the "
+                        "GPU (nvidia-smi -r)")
+        if _na(lambda: n.nvmlDeviceGetRetiredPagesPendingStatus(h), n) == n.NVML_FEATURE_ENABLED:
+            return "retired pages pending: reset the GPU (nvidia-smi -r)"
+        errors = _na(lambda: n.nvmlDeviceGetTotalEccErrors(h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                           n.NVML_VOLATILE_ECC), n)
+        if errors:
+            return (f"{errors} uncorrectable ECC error{'s' if errors != 1 else ''} since the driver loaded: reset "
+                    "the GPU (nvidia-smi -r)")
+        return None
 
     def _processes(self, h: Any) -> tuple[GpuProcess, ...] | None:
         n = self._nvml

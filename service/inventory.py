@@ -26,6 +26,8 @@ def live_cutoff(settings: Settings) -> datetime:
 # start. A worker that registers it later has started, so its registration lifts that drain (and
 # only that one: a GPU drained as lost stays drained until an admin resumes its node).
 WORKER_DID_NOT_START = "its worker did not start"
+# How the drain reason of a GPU whose memory needs a reset or a repair begins (workers/heartbeat.py).
+UNHEALTHY = "GPU unhealthy"
 
 
 def _row(session: Session, node: str, info: GpuInfo, queue: str) -> Gpu:

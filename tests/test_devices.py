@@ -40,3 +40,61 @@ def test_nvml_lists_the_gpus_nvidia_smi_shows():
     assert devices.kind == "nvml" and len(devices.list()) == listed
     reading = devices.read(0)
     assert reading.memory_used_mib is not None
+
+
+class _Nvml:
+    """NVML's memory health calls as a GPU answers them: each a value, or None where the GPU keeps
+    no such counter (NVML_ERROR_NOT_SUPPORTED)."""
+
+    NVML_FEATURE_ENABLED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 1, 0
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, rows=None, pages=None, ecc=None):
+        self.answers = {"rows": rows, "pages": pages, "ecc": ecc}
+
+    def _answer(self, name):
+        if self.answers[name] is None:
+            raise self.NVMLError("Not Supported")
+        return self.answers[name]
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        return self._answer("rows")
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return self._answer("pages")
+
+    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter):
+        assert (error_type, counter) == (self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, self.NVML_VOLATILE_ECC)
+        return self._answer("ecc")
+
+
+@pytest.mark.parametrize("answers,says", [
+    ({"rows": (4, 0, 0, 0), "pages": 0, "ecc": 0}, None),  # corrected rows remapped: healthy
+    ({}, None),  # a GPU without the counters (no ECC, before Ampere) cannot tell: not drained for it
+    ({"rows": (0, 2, 1, 0)}, "row remapping pending (2 rows for uncorrectable errors): reset the GPU (nvidia-smi -r)"),
+    ({"rows": (0, 2, 1, 1)}, "row remapping failed: memory errors it can no longer set aside (repair the GPU)"),
+    ({"pages": 1}, "retired pages pending: reset the GPU (nvidia-smi -r)"),
+    ({"rows": (0, 0, 0, 0), "ecc": 3}, "3 uncorrectable ECC errors since the driver loaded: reset the GPU "
+                                       "(nvidia-smi -r)"),
+    ({"ecc": 1}, "1 uncorrectable ECC error since the driver loaded: reset the GPU (nvidia-smi -r)"),
+])
+def test_nvmls_memory_counters_say_when_a_gpu_needs_a_reset_or_a_repair(answers, says):
+    from gpuq.service.devices import NvmlDevices
+
+    devices = NvmlDevices.__new__(NvmlDevices)  # NVML's answers, not a driver's
+    devices._nvml = _Nvml(**answers)
+    assert devices.health(object()) == says
+
+
+def test_a_simulated_gpu_marked_unhealthy_reads_so_with_its_marks_first_line(tmp_path):
+    faults = tmp_path / "simulated-faults"
+    faults.mkdir()
+    devices = open_devices(Settings(home=tmp_path, fake_gpus=2, node="a"))
+    assert devices.read(0).unhealthy is None
+    (faults / "a.0.unhealthy").write_text("2 uncorrectable ECC errors since the driver loaded\nmore\n")
+    (faults / "a.1.unhealthy").write_text("")
+    assert devices.read(0).unhealthy == "2 uncorrectable ECC errors since the driver loaded"
+    assert devices.read(1).unhealthy == "simulated GPU marked unhealthy"
+    assert devices.read(0).lost is None

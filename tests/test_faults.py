@@ -571,6 +571,46 @@ def test_a_lost_gpu_stops_its_job_is_drained_and_the_job_runs_again_elsewhere(st
     assert done.state == State.SUCCEEDED, (done.state, done.reason)
 
 
+def test_an_unhealthy_gpu_is_drained_while_its_job_runs_on_and_a_resume_before_its_reset_drains_it_again(
+        stack, tmp_path):
+    argv, marker = marker_job(tmp_path, "unhealthy", 3)
+    job_id = submit(stack.settings, argv, tmp_path)
+    wait_runs(marker, 1)
+    _, index, _ = worker_of(stack, job_id)
+    faults = stack.settings.home / "simulated-faults"
+    faults.mkdir(parents=True, exist_ok=True)
+    mark = faults / f"{stack.settings.node}.{index}.unhealthy"
+    # What NVML's counters give (service/devices.py, NvmlDevices.health) for a pending row remap.
+    mark.write_text("row remapping pending (1 rows for uncorrectable errors): reset the GPU (nvidia-smi -r)\n")
+    why = "GPU unhealthy: row remapping pending (1 rows for uncorrectable errors): reset the GPU (nvidia-smi -r)"
+
+    def reason() -> str | None:
+        with write_scope(stack.settings) as session:
+            return session.scalar(select(Gpu.drain_reason).where(Gpu.index == index))
+
+    try:
+        wait_for(lambda: reason() == why, 10, f"GPU {index} drained as unhealthy")
+        j = wait_state(stack.settings, job_id, c.END_STATES, 30)
+        # Its job is not stopped (unlike a lost GPU's): it ends as it would have, once.
+        assert (j.state, j.attempts, runs(marker).starts) == (State.SUCCEEDED, [], 1)
+        status = run_cli(["status"], stack.settings)
+        assert f"drained: {stack.settings.node} GPU {index}: {why}" in status.stdout, status.stdout
+        other = submit(stack.settings, ["true"], tmp_path)
+        assert not wait_state(stack.settings, other, State.SUCCEEDED, 30).worker.startswith(f"gpu{index}@")
+        # Resumed before anyone reset it: drained again at its worker's next look.
+        assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0
+        wait_for(lambda: reason() == why, 10, f"GPU {index} drained again")
+        mark.unlink()  # reset
+        assert run_cli(["resume", stack.settings.node], stack.settings).returncode == 0
+        time.sleep(1.5)  # three beats: nothing drains it now
+        assert reason() is None
+        both = cli_submit(stack.settings, ["--gpus", "2", "--", "true"], cwd=tmp_path)
+        assert wait_state(stack.settings, both, c.END_STATES, 30).state == State.SUCCEEDED
+    finally:
+        mark.unlink(missing_ok=True)
+        run_cli(["resume", stack.settings.node], stack.settings)
+
+
 def test_a_job_given_a_gpu_resumed_a_moment_ago_waits_for_its_workers_next_look_and_runs(
         tmp_path, database_url, redis_url):
     # Heartbeats 3 s apart: the worker clears its lost flag only when a beat sees the GPU read again

@@ -18,8 +18,8 @@ from tests.conftest import venv_reachable_by_everyone
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-CHECKS = {"up", "devices", "workloads", "command", "shared", "watchdog", "detached", "other-user", "run-alloc", "stats",
-          "gpu-type", "mps"}
+CHECKS = {"up", "devices", "health", "workloads", "command", "shared", "watchdog", "detached", "other-user",
+          "run-alloc", "stats", "gpu-type", "mps"}
 
 
 def test_the_gpu_check_passes_every_check_and_leaves_nothing_behind(tmp_path):
@@ -31,7 +31,7 @@ def test_the_gpu_check_passes_every_check_and_leaves_nothing_behind(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     results = {r["check"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
     assert set(results) == CHECKS
-    skipped = {"mps"} | ({"other-user"} if os.geteuid() != 0 else set())  # MPS: NVIDIA's only
+    skipped = {"mps", "health"} | ({"other-user"} if os.geteuid() != 0 else set())  # MPS, NVML: NVIDIA's only
     assert {k for k, r in results.items() if r["verdict"] != "PASS"} == skipped, done.stdout
     assert "gpu_mem_exceeded" in results["watchdog"]["detail"]
     assert "gpu_mem_exceeded" in results["detached"]["detail"] and "gone" in results["detached"]["detail"]

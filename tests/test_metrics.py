@@ -171,6 +171,19 @@ def test_an_offline_gpu_reports_up_0_and_no_stale_readings(ran, dash):
             session.execute(Gpu.__table__.delete().where(Gpu.node == "gone"))
 
 
+def test_a_gpu_given_out_no_more_on_its_own_reports_drained_1_and_the_others_0(ran, dash):
+    st, _ = ran
+    with write_scope(st.settings) as session:
+        session.add(Gpu(node="sick", index=0, uuid="GPU-sick", name="Old GPU", memory_total_mib=1024,
+                        queue="sick-q", heartbeat_at=None, drain_reason="GPU unhealthy: retired pages pending"))
+    try:
+        drained = {(s.labels["Hostname"], s.labels["gpu"]): s.value for s in samples(scrape(dash)["gpuq_gpu_drained"])}
+        assert drained == {("sick", "0"): 1.0, **{("testnode", str(i)): 0.0 for i in range(st.settings.fake_gpus)}}
+    finally:
+        with write_scope(st.settings) as session:
+            session.execute(Gpu.__table__.delete().where(Gpu.node == "sick"))
+
+
 def test_each_nodes_drain_and_its_maintenance_window_to_come_are_gauges(ran, dash):
     from datetime import timedelta
 

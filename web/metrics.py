@@ -110,6 +110,9 @@ def _gpu_metrics(devices: list[SimpleNamespace]) -> Iterator[Metric]:
                               labels=GPU_LABELS)
     up = GaugeMetricFamily("gpuq_gpu_up", "1 when the GPU's worker is alive (heart-beating), else 0.",
                            labels=GPU_LABELS)
+    drained = GaugeMetricFamily("gpuq_gpu_drained", "1 while the GPU is given out no more on its own (lost, "
+                                "unhealthy, its worker did not start; gpuq status says why), else 0.",
+                                labels=GPU_LABELS)
     held = GaugeMetricFamily("gpuq_gpu_allocated", "1 while a job holds the GPU (or a share of it), labelled with "
                              "the job and user.", labels=[*GPU_LABELS, "job", "user"])
     share = GaugeMetricFamily("gpuq_gpu_share_mib", "A shared job's share of the GPU's memory, with its context "
@@ -119,6 +122,7 @@ def _gpu_metrics(devices: list[SimpleNamespace]) -> Iterator[Metric]:
     for d in devices:
         labels = [str(d.index), d.uuid or "", f"nvidia{d.index}", d.name, d.node, d.node]
         up.add_metric(labels, 1.0 if d.online else 0.0)
+        drained.add_metric(labels, 1.0 if getattr(d, "drain_reason", None) else 0.0)
         if d.job_id is not None:
             held.add_metric([*labels, str(d.job_id), d.user or ""], 1.0)
         for s in getattr(d, "shares", None) or []:
@@ -136,7 +140,7 @@ def _gpu_metrics(devices: list[SimpleNamespace]) -> Iterator[Metric]:
                               (free, None if d.memory_used_mib is None else d.memory_total_mib - d.memory_used_mib)):
             if value is not None:
                 family.add_metric(labels, float(value))
-    yield from (util, used, free, temp, power, clock, total, up, held, share, share_used)
+    yield from (util, used, free, temp, power, clock, total, up, drained, held, share, share_used)
 
 
 def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:

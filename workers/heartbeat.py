@@ -3,7 +3,8 @@ the running job's lease.
 
 A worker that cannot renew the lease for most of its length stops the job itself, so the job is
 gone before the reaper can give it to another worker. A GPU that NVML says is lost is drained and
-its job stopped. The history of readings is the sampler's (workers/sampler.py).
+its job stopped; one whose memory needs a reset or a repair (``GpuReading.unhealthy``) is drained,
+and its job runs on. The history of readings is the sampler's (workers/sampler.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class Heartbeat(threading.Thread):
                 if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):
                     log.error("GPU %s lost (%s): drained until an admin resumes its node", self.probe.index,
                               reading.lost)
+                # Unhealthy (its memory needs a reset or a repair): no new job, its own runs on. Still
+                # so after an admin's resume (not reset yet), it is drained again at the next beat.
+                if reading.unhealthy and inventory.drain_gpu(session, self.gpu_id,
+                                                             f"{inventory.UNHEALTHY}: {reading.unhealthy}"):
+                    log.error("GPU %s unhealthy (%s): drained until an admin resumes its node; a job on it runs on",
+                              self.probe.index, reading.unhealthy)
                 # Back: NVML reads it again and an admin resumed it (`gpuq resume`, which clears the
                 # drain). Until then every job it took failed as gpu_lost at once.
                 back = (not reading.lost and self.state is not None and self.state.gpu_lost.is_set()

@@ -154,6 +154,7 @@ class GpuProbe:
             power_w=round(SIM_IDLE_W + load * (SIM_FULL_W - SIM_IDLE_W), 1),
             sm_clock_mhz=int(SIM_IDLE_MHZ + load * (SIM_FULL_MHZ - SIM_IDLE_MHZ)),
             energy_mj=None, processes=(worker, *procs, *others), lost=device.lost,
+            unhealthy=device.unhealthy,
         )
 
 
