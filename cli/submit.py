@@ -16,10 +16,10 @@ import typer
 from typer.core import TyperCommand
 
 from gpuq.cli import numbers
-from gpuq.cli.client import Client, Refused
+from gpuq.cli.client import Client, Overdue, Refused
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
-from gpuq.service.errors import InvalidSpec
+from gpuq.service.errors import InvalidSpec, Unreachable
 
 if TYPE_CHECKING:
     import click
@@ -259,7 +259,18 @@ def submit(
             from gpuq.cli import input_forward
 
             input_forward.start(made[0]["id"])
-        raise typer.Exit(follow(client, made[0]["id"], cancel_on_interrupt=True, detach=detach))
+        try:
+            code = follow(client, made[0]["id"], cancel_on_interrupt=True, detach=detach)
+        except Unreachable as gone:
+            if not body.get("keep_alive") or isinstance(gone, Overdue):
+                raise
+            # Nobody says the job is followed from now on: a server back sees its client silent.
+            from gpuq.cli.client import ride_out_seconds
+
+            raise Unreachable(f"{gone}; job {made[0]['id']} is kept by this gpuq run, so a server back ends it "
+                              f"as client_lost (GPUQ_RIDE_OUT={ride_out_seconds():g}: a longer one waits longer)"
+                              ) from None
+        raise typer.Exit(code)
     if as_json:
         print_json(made[0] if len(made) == 1 and array is None and not sweep else made)
     elif parsable:

@@ -153,6 +153,24 @@ def test_a_wait_whose_restarting_server_never_comes_back_gives_up_after_gpuq_rid
         st.stop()
 
 
+def test_a_gpuq_run_that_gives_up_on_its_server_says_its_kept_job_ends_once_a_server_is_back(settings, tmp_path):
+    st = Stack(settings, tmp_path / "logs")
+    st.start_server()
+    try:
+        run = _gpuq(st, ["run", "--hold", "--", "true"], GPUQ_RIDE_OUT="1.5")
+        _until(lambda: _newest_job(settings) is not None, 30, "the run's job queued")
+        job = _newest_job(settings)
+        time.sleep(0.5)
+        _kill_server(st)
+        code, out, err = _ended(run)
+        said = NO_SERVER.format(settings.server_socket, "connection refused").removesuffix("\n")
+        assert (code, out) == (c.EXIT_UNAVAILABLE, ""), err
+        assert err.splitlines()[-1] == (f"{said}; job {job} is kept by this gpuq run, so a server back ends it as "
+                                        "client_lost (GPUQ_RIDE_OUT=1.5: a longer one waits longer)"), err
+    finally:
+        st.stop()
+
+
 def test_a_wait_whose_timeout_passes_before_a_restarting_server_answers_ends_as_timed_out(settings, tmp_path):
     st, job = _server_with_a_held_job(settings, tmp_path)
     try:
