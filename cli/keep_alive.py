@@ -46,11 +46,8 @@ def _keep_alive(job_id: int, released: threading.Event, again: bool) -> None:
     while not released.is_set():
         try:
             # A server restarting meanwhile is waited for: saying either again is safe.
-            if again:
-                held = client.request("PUT", f"/jobs/{job_id}/keepalive", ride_out=True)
-                again = False
-            else:
-                held = client.post(f"/jobs/{job_id}/keepalive", ride_out=True)
+            held = client.request("PUT" if again else "POST", f"/jobs/{job_id}/keepalive", ride_out=True)
+            again = False
         except Refused as refused:
             if refused.exit_code in (c.EXIT_NOT_FOUND, c.EXIT_CONFLICT, c.EXIT_NOT_ALLOWED):
                 return  # not a job this client keeps (any more): the follower says what became of it

@@ -225,12 +225,9 @@ async def keep_again(request: web.Request) -> web.Response:
     """A `gpuq run` that let go of its job when Ctrl-Z stopped it is resumed (`fg`, `bg`) and keeps
     the job again (service/kept_jobs.py); answered as a keepalive is. Its owner's, and the admins'."""
     from gpuq.service.allocations import keep_alive
-    from gpuq.service.kept_jobs import keep_again as keep
 
     settings, caller = acting(request)
-    job_id = job_id_of(request)
-    await call(keep, settings, job_id, caller)
-    held = await call(keep_alive, settings, job_id, caller)
+    held = await call(keep_alive, settings, job_id_of(request), caller, True)
     return web.json_response(held.as_json())
 
 

@@ -27,7 +27,7 @@ from gpuq.service.db import require_schema, rows_changed, write_scope
 from gpuq.service.errors import InvalidSpec, StateConflict
 from gpuq.service.job_cpus import cpu_variables
 from gpuq.service.jobs import get_job, job_gpus
-from gpuq.service.kept_jobs import KEEPALIVE, client_call
+from gpuq.service.kept_jobs import KEEPALIVE, client_call, keep_again
 from gpuq.service.lifecycle import Actor, move
 from gpuq.service.models import Gpu, Job, table, utcnow
 from gpuq.service.rights import Caller
@@ -81,15 +81,19 @@ class Held:
         return dict(self.__dict__)
 
 
-def keep_alive(settings: Settings, job_id: int, caller: Caller) -> Held:
+def keep_alive(settings: Settings, job_id: int, caller: Caller, again: bool = False) -> Held:
     """Note that a kept job's client is alive (an allocation's, or a `gpuq run`'s: its job has no
-    run id, GPUs to give a shell or shell variables); what it needs to know of the job."""
+    run id, GPUs to give a shell or shell variables); what it needs to know of the job. ``again``:
+    a `gpuq run` resumed after Ctrl-Z keeps the job it let go of (``kept_jobs.keep_again``)."""
     require_schema(settings)
     with write_scope(settings) as session:
         job = client_call(session, settings, job_id, caller)
-        if job.keepalive_at is None:
+        if again:
+            keep_again(session, job, utcnow())
+        elif job.keepalive_at is None:
             raise StateConflict(f"job {job_id} is not kept by a client (gpuq alloc, gpuq run): nothing keeps it alive")
-        session.execute(KEEPALIVE, {"job_id": job_id, "now": utcnow()})
+        else:
+            session.execute(KEEPALIVE, {"job_id": job_id, "now": utcnow()})
         if job.kind != c.KIND_INTERACTIVE:  # a run's job: no shell here to give GPUs, a run id or variables
             return Held(id=job.id, state=job.state, reason=job.reason, run_id="", gpu_indices=[], node=job.node,
                         deadline=None, keepalive_s=settings.alloc_keepalive / 3, failure=job.failure,

@@ -155,22 +155,17 @@ def let_go(settings: Settings, job_id: int, caller: Caller) -> None:
         session.execute(LET_GO, {"job_id": job_id})  # a job nobody keeps: nothing to let go of
 
 
-def keep_again(settings: Settings, job_id: int, caller: Caller) -> None:
-    """The `gpuq run` that let go of job ``job_id`` when Ctrl-Z stopped it is resumed (`fg`, `bg`)
-    and keeps it again: from now on its silence ends the job, as before the stop. Its owner's, and
-    the admins'; not an ended job, nor an array's task (nobody keeps one); an allocation is kept
-    from its start (this only says its client is alive)."""
-    require_schema(settings)
-    with write_scope(settings) as session:
-        job = client_call(session, settings, job_id, caller)
-        if job.state in c.END_STATES:
-            raise StateConflict(f"job {job_id} {job.state}; nothing to keep")
-        if job.array_id is not None:
-            raise StateConflict(f"job {job_id} is a task of array {job.array_id}: an array is kept by nobody")
-        if job.kind == c.KIND_INTERACTIVE:
-            session.execute(KEEPALIVE, {"job_id": job_id, "now": utcnow()})
-        else:
-            session.execute(KEEP_AGAIN, {"job_id": job_id, "now": utcnow()})
+def keep_again(session: Session, job: Job, now: datetime) -> None:
+    """The `gpuq run` that let go of ``job`` when Ctrl-Z stopped it is resumed (`fg`, `bg`) and
+    keeps it again: from now on its silence ends the job, as before the stop. Not an ended job, nor
+    an array's task (nobody keeps one); an allocation is kept from its start (this only says its
+    client is alive). The caller has checked the rights (``client_call``): the client's keepalive,
+    ``allocations.keep_alive`` with ``again``."""
+    if job.state in c.END_STATES:
+        raise StateConflict(f"job {job.id} {job.state}; nothing to keep")
+    if job.array_id is not None:
+        raise StateConflict(f"job {job.id} is a task of array {job.array_id}: an array is kept by nobody")
+    session.execute(KEEPALIVE if job.kind == c.KIND_INTERACTIVE else KEEP_AGAIN, {"job_id": job.id, "now": now})
 
 
 def client_call(session: Session, settings: Settings, job_id: int, caller: Caller) -> Job:

@@ -126,19 +126,19 @@ def test_a_run_resumed_keeps_its_job_again_once_its_owner_asks_but_not_an_ended_
     kept = submitted(settings, True, held=True)
     kept_jobs.let_go(settings, kept, ANN)
     with pytest.raises(NotAllowed, match=f"job {kept} is ann's"):
-        kept_jobs.keep_again(settings, kept, BOB)
+        allocations.keep_alive(settings, kept, BOB, again=True)
     assert row(settings, kept).keepalive_at is None
-    kept_jobs.keep_again(settings, kept, ANN)
+    allocations.keep_alive(settings, kept, ANN, again=True)
     assert row(settings, kept).keepalive_at is not None
     allocations.keep_alive(settings, kept, ANN)  # its client's word counts again
     task = submitting.submit_all(settings, [replace(spec.command_spec(["true"], user="ann"), held=True,
                                                     array_index=i) for i in range(2)])[0].id
     with pytest.raises(StateConflict, match=f"job {task} is a task of array {task}"):
-        kept_jobs.keep_again(settings, task, ANN)
+        allocations.keep_alive(settings, task, ANN, again=True)
     assert row(settings, task).keepalive_at is None
     cancel(settings, kept, ANN)
     with pytest.raises(StateConflict, match=f"job {kept} cancelled; nothing to keep"):
-        kept_jobs.keep_again(settings, kept, ANN)
+        allocations.keep_alive(settings, kept, ANN, again=True)
 
 
 def test_a_runs_watch_stops_its_job_once_its_client_lapsed_and_a_gangs_other_rank_leaves_that_to_rank_0(settings):
