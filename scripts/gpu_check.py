@@ -295,6 +295,7 @@ def health(c: Check) -> tuple[str, str]:
     import pynvml
 
     from gpuq.service.devices import NvmlDevices, _na
+    from gpuq.service.inventory import UNHEALTHY
 
     devices = NvmlDevices()
     said, unhealthy = [], set()
@@ -312,7 +313,7 @@ def health(c: Check) -> tuple[str, str]:
         said.append(f"GPU {g.index}: {verdict or 'healthy'} ({'; '.join(f'{k} {v}' for k, v in counters.items())})")
     time.sleep(2)  # a heartbeat or two
     drained = {g["index"] for g in json.loads(c.gpuq("devices", "--json").stdout)
-               if (g.get("drain_reason") or "").startswith("GPU unhealthy")}
+               if (g.get("drain_reason") or "").startswith(UNHEALTHY)}
     return ("PASS" if drained == unhealthy else "FAIL"), "; ".join(said) + f"; drained as unhealthy: {sorted(drained)}"
 
 

@@ -132,8 +132,8 @@ class SimulatedDevices:
 
     def read(self, index: int) -> GpuReading:
         """Only its per-process list (the foreign processes it was told to show, and those that
-        declared simulated memory on it) and whether it was told it is lost; the worker's probe
-        measures the rest."""
+        declared simulated memory on it) and whether it was told it is lost or unhealthy; the
+        worker's probe measures the rest."""
         lost = unhealthy = None
         if self._faults is not None:
             if (self._faults / f"{self._node}.{index}.lost").exists():
