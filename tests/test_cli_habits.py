@@ -122,8 +122,10 @@ def test_gpuq_config_names_the_file_the_source_of_each_setting_and_masks_secrets
     cfg = tmp_path / "gpuq.toml"
     cfg.write_text('broker_url = "redis://:hunter2@127.0.0.1:6379/13"\nfake_gpus = 2\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUQ_")}
+    # A socket no server listens on: the local view. (Left to look where it likes, the client finds
+    # a root stack's /run/gpuq/gpuq.sock where one is up, and shows that server's settings.)
     env.update(GPUQ_CONFIG=str(cfg), GPUQ_DATABASE_URL="postgresql+psycopg://ann:s3cret@db.lab/gpuq",
-               GPUQ_HOME=str(tmp_path / "home"))
+               GPUQ_HOME=str(tmp_path / "home"), GPUQ_SOCKET=str(tmp_path / "no-server.sock"))
     text = gpuq(["config"], env)
     assert text.returncode == 0, text.stderr
     assert text.stdout.splitlines()[0] == f"config file: {cfg}"
