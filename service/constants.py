@@ -48,11 +48,15 @@ FAILURE_INTERRUPTED = "interrupted"  # its worker was shut down before it ended
 FAILURE_GPU_LOST = "gpu_lost"  # NVML said the GPU fell off the bus or needs a reset
 FAILURE_CLIENT_LOST = "client_lost"  # a kept job's `gpuq alloc` or `gpuq run` stopped answering (killed, ssh dropped)
 FAILURE_GPU_MEM_EXCEEDED = "gpu_mem_exceeded"  # a shared job used more GPU memory than its share, past the grace
+# Its GPU failed under it: the command died as its GPU went unhealthy or lost (NVML, workers/gpu_fault.py),
+# or it printed CUDA's own words for a hardware error (uncorrectable ECC or NVLink error).
+FAILURE_GPU_ERROR = "gpu_error"
 FAILURES = (FAILURE_EXIT, FAILURE_ERROR, FAILURE_CUDA_OOM, FAILURE_HOST_OOM, FAILURE_TIMEOUT, FAILURE_CANCELLED,
-            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST, FAILURE_GPU_MEM_EXCEEDED)
+            FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST, FAILURE_GPU_MEM_EXCEEDED,
+            FAILURE_GPU_ERROR)
 # Failures of the machinery, not the job: a job that asked for retries is put back without using
 # one up (up to the max_requeues setting).
-INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST)
+INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_GPU_ERROR)
 
 # Job kinds.
 KIND_WORKLOAD = "workload"  # a built-in torch workload run inside the warm worker
@@ -82,7 +86,7 @@ EXIT_CONFIG = 78  # the settings are wrong
 # 128+N for a command killed by signal N, 1 for a built-in workload that raised. An end that gpuq
 # made has a code of its own (docker run's 125 for "not the command's doing"; timeout(1)'s 124).
 EXIT_RUN_TIMED_OUT = 124  # its --time ran out
-EXIT_RUN_GPUQ = 125  # gpuq ended it: worker lost or shut down, GPU lost, allocation's client lost, over its share
+EXIT_RUN_GPUQ = 125  # gpuq ended it: worker lost or shut down, GPU lost or failed, client lost, over its share
 # Cancelled by `gpuq run`'s own Ctrl-C, as a shell reports it (otherwise: EXIT_JOB_FAILED); a wait
 # (`gpuq wait`, `submit -W`) that Ctrl-C stopped, the jobs left as they are, exits with it too.
 EXIT_RUN_CANCELLED = 130

@@ -124,6 +124,11 @@ def drain_reason(session: Session, node: str, index: int) -> str | None:
     return session.scalar(select(Gpu.drain_reason).where(Gpu.node == node, Gpu.index == index))
 
 
+def gpu_id_of(session: Session, node: str, index: int) -> int | None:
+    """The row id of GPU ``index`` of ``node``; None if it is not known."""
+    return session.scalar(select(Gpu.id).where(Gpu.node == node, Gpu.index == index))
+
+
 def beat(session: Session, gpu_id: int, reading: GpuReading) -> None:
     """A heartbeat: the worker is alive, and this is how its GPU looks. Processes on the GPU that
     are not the worker's or its jobs' (nor MPS's server) are foreign: other programs' memory."""

@@ -611,6 +611,40 @@ def test_an_unhealthy_gpu_is_drained_while_its_job_runs_on_and_a_resume_before_i
         run_cli(["resume", stack.settings.node], stack.settings)
 
 
+def test_a_job_that_dies_as_its_gpu_goes_unhealthy_fails_as_a_gpu_error_is_requeued_and_its_gpu_drained(
+        stack, tmp_path):
+    # The job marks its own GPU unhealthy (as an uncorrectable ECC error would leave NVML's counters)
+    # and dies at once, before a heartbeat can look: its end's own reading finds the fault.
+    faults = stack.settings.home / "simulated-faults"
+    faults.mkdir(parents=True, exist_ok=True)
+    rows = "row remapping pending (1 rows for uncorrectable errors): reset the GPU (nvidia-smi -r)"
+    script = (f'if [ ! -e {tmp_path}/first ]; then touch {tmp_path}/first; '
+              f'echo "{rows}" > {faults}/$GPUQ_NODE.$CUDA_VISIBLE_DEVICES.unhealthy; '
+              'echo "RuntimeError: CUDA error: an illegal instruction"; exit 1; fi; '
+              'echo "again on $CUDA_VISIBLE_DEVICES"')
+    job_id = submit(stack.settings, ["sh", "-c", script], tmp_path, max_retries=1)
+    try:
+        j = wait_state(stack.settings, job_id, c.END_STATES, 60)
+        assert j.state == State.SUCCEEDED, (j.state, j.reason)
+        first = j.attempts[0]
+        # The GPU's failure, not the job's: requeued without using its one retry.
+        assert (first["failure"], first["requeue"], first["exit_code"]) == (c.FAILURE_GPU_ERROR, True, 1)
+        index = int(first["worker"].split("@")[0][3:])
+        assert first["reason"] == (f"GPU error: gpu {index} on {stack.settings.node} went unhealthy while it ran "
+                                   f"({rows}); the job's own end: exited with status 1")
+        assert not j.worker.startswith(f"gpu{index}@")
+        out = output_of(stack.settings, job_id)
+        assert (f"[gpuq: gpu {index} on {stack.settings.node} went unhealthy while it ran ({rows}): this failure is "
+                "the GPU's (gpu_error), and the GPU is drained]") in out, out
+        assert f"again on {1 - index}" in out
+        with write_scope(stack.settings) as session:
+            assert session.scalar(select(Gpu.drain_reason).where(Gpu.index == index)) == f"GPU unhealthy: {rows}"
+    finally:
+        for mark in faults.glob("*.unhealthy"):
+            mark.unlink()
+        run_cli(["resume", stack.settings.node], stack.settings)
+
+
 def test_a_job_given_a_gpu_resumed_a_moment_ago_waits_for_its_workers_next_look_and_runs(
         tmp_path, database_url, redis_url):
     # Heartbeats 3 s apart: the worker clears its lost flag only when a beat sees the GPU read again

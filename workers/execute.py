@@ -27,6 +27,7 @@ from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
 from gpuq.workers.end import HOST_USE, drain_if_left, stopped_end
+from gpuq.workers.gpu_fault import blamed_on_gpu, drain_faulty, fault_under
 from gpuq.workers.identity import Identity, UnknownUser, run_as
 from gpuq.workers.input_feed import feeder
 from gpuq.workers.job import JobRun
@@ -42,8 +43,27 @@ from gpuq.workers.watch import StopWatcher
 def end_of(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
            body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The end a job's ``body`` came to: its own, the stopped end when it was told to stop, or
-    failed with its exception's class (its traceback on the job's stderr). The job's watch and
-    output are closed either way."""
+    failed with its exception's class (its traceback on the job's stderr); a failure its GPU
+    explains is the GPU's (workers/gpu_fault.py), said in its output. The job's watch and output
+    are closed either way."""
+    health_at_start = state.gpu_health
+    try:
+        end = _own_end(state, job, sink, watcher, body)
+        fault = fault_under(state, job, end, health_at_start)
+        if fault is None:
+            return end
+        drain_faulty(state, job, fault)
+        end = blamed_on_gpu(state, job, end, fault)
+        sink.note(f"[gpuq: {fault.said(state.node)}: this failure is the GPU's ({end['failure']}), and the GPU is "
+                  "drained]")
+        return end
+    finally:
+        watcher.done.set()
+        sink.stop()
+
+
+def _own_end(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,
+             body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return body()
     except JobCancelled:
@@ -52,9 +72,6 @@ def end_of(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatch
         sink.write(traceback.format_exc(), c.STDERR)
         return {"state": State.FAILED, "failure": failures.from_exception(exc),
                 "reason": f"{type(exc).__name__}: {exc}"[:2000]}
-    finally:
-        watcher.done.set()
-        sink.stop()
 
 
 def execute(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher,

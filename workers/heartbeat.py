@@ -49,6 +49,8 @@ class Heartbeat(threading.Thread):
         try:
             # A reading the sampler took within the last sample interval serves as well.
             reading = self.probe.read(max_age=self.settings.sample_interval)
+            if self.state is not None:
+                self.state.gpu_health = reading.unhealthy
             with write_scope(self.settings) as session:
                 inventory.beat(session, self.gpu_id, reading)
                 if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):

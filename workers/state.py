@@ -47,6 +47,8 @@ class WorkerState:
     - The Events are thread-safe: ``interrupt`` and ``stopping`` are set by the shutdown handler in
       ``workers/main.py`` (or its grace timer's thread), ``gpu_lost`` by the heartbeat thread; the
       task thread reads them, and the watch thread ``interrupt`` and ``gpu_lost``.
+    - ``gpu_health`` is written by the heartbeat thread alone, a whole string (or None) at a time;
+      a job's start reads it once (workers/gpu_fault.py).
     - ``watch`` keeps its own lock between the task thread and the watch thread (see ``Watch``).
     - ``shared``: the task thread adds a shared job's run as it starts it, that run's own thread
       removes it at its end, the heartbeat copies it (``list(...)``) once per beat; each a single
@@ -77,6 +79,9 @@ class WorkerState:
     ranks_run: set[tuple[int, int, str]] = field(default_factory=set)
     # Set by the heartbeat when NVML says this GPU is lost: the running job stops.
     gpu_lost: threading.Event = field(default_factory=threading.Event)
+    # Why the GPU is unhealthy as the heartbeat last read it (``GpuReading.unhealthy``; None: healthy,
+    # or it cannot tell): a job that fails tells a new fault from one it started with by it.
+    gpu_health: str | None = None
     # Set on the first shutdown request: the running job finishes, and no next one is taken.
     stopping: threading.Event = field(default_factory=threading.Event)
     # When it last woke the scheduler for a list that runs short (time.monotonic()).
