@@ -36,7 +36,7 @@ COMMANDS = {
     "release": ("control", "app"), "requeue": ("control", "app"), "update": ("control", "app"),
     "drain": ("control", "app"), "resume": ("control", "app"), "retire": ("control", "app"),
     "devices": ("devices", "app"), "stats": ("stats", "app"), "share": ("share", "app"), "history": ("history", "app"),
-    "up": ("stack", "app"), "down": ("stack", "app"), "reconfigure": ("stack", "app"),
+    "up": ("stack", "app"), "down": ("stack", "app"), "reconfigure": ("stack", "app"), "unit": ("stack", "app"),
     "server": ("stack", "app"), "worker": ("stack", "app"), "scheduler": ("stack", "app"),
     "config": ("config", "app"), "dashboard": ("dashboard", "app"), "db": ("stack", "db_app"),
 }

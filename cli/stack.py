@@ -171,6 +171,29 @@ def down(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
 
 
 @app.command()
+def unit(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs get to finish when the service "
+                                                    "stops (its `gpuq down --grace`).")] = 30.0) -> None:
+    """Print a systemd unit that runs this stack as a service: up at boot (root's: a system service;
+    a user's own stack: a user service), restarted if its supervisor dies, stopped at shutdown.
+
+    Install it as its first lines say. It runs this gpuq's `up` and `down` with the config file's
+    settings alone: put in that file what this shell sets by GPUQ_* variables.
+    """
+    from gpuq.service import boot_unit
+    from gpuq.service.settings import setting_sources
+
+    settings, config, sources = setting_sources()
+    typer.echo(boot_unit.unit(settings, config.absolute(), boot_unit.gpuq_executable(), grace,
+                              system=os.geteuid() == 0), nl=False)
+    unseen = sorted(name for name, source in sources.items() if source == "env")
+    if unseen:
+        # Said, not refused: the unit is right for the file; the shell's variables are what differ.
+        names = ", ".join(f"GPUQ_{name.upper()}" for name in unseen)
+        typer.echo(f"gpuq: {names} set in this shell will not reach the service: put them in {config} "
+                   f"({', '.join(f'{name} = ...' for name in unseen)}) before you install it", err=True)
+
+
+@app.command()
 def reconfigure(wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for the server to answer again.")]
                 = 30.0) -> None:
     """Have the running stack take up an edited config file, as `scontrol reconfigure` (an admin

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 
 # Commands that change things or run services; every other command reads, and must take --json.
 NOT_READ = {"cancel", "hold", "release", "requeue", "update", "drain", "resume", "retire", "up", "down", "reconfigure",
+            "unit",  # a systemd unit file, not a document of the queue
             "worker", "scheduler", "db",
             "server", "dashboard",  # a server, like worker and scheduler: it prints no document
             "run", "attach", "alloc"}  # the job's own output, or a shell: in the terminal, as it comes
