@@ -185,12 +185,9 @@ def unit(grace: Annotated[float, typer.Option(min=0, help="Seconds running jobs 
     settings, config, sources = setting_sources()
     typer.echo(boot_unit.unit(settings, config.absolute(), boot_unit.gpuq_executable(), grace,
                               system=os.geteuid() == 0), nl=False)
-    unseen = sorted(name for name, source in sources.items() if source == "env")
-    if unseen:
-        # Said, not refused: the unit is right for the file; the shell's variables are what differ.
-        names = ", ".join(f"GPUQ_{name.upper()}" for name in unseen)
-        typer.echo(f"gpuq: {names} set in this shell will not reach the service: put them in {config} "
-                   f"({', '.join(f'{name} = ...' for name in unseen)}) before you install it", err=True)
+    # Said, not refused: the unit is right for the file; these are what its start would meet.
+    for said in boot_unit.before_install(settings, config, sources):
+        typer.echo(f"gpuq: {said}", err=True)
 
 
 @app.command()

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from gpuq.service.settings import Settings
-from gpuq.service.stack import pid_file
+from gpuq.service.stack import pid_file, running_supervisor
 
 # `gpuq up`'s wait for the workers inside the unit, and systemd's start timeout around it: a first
 # start on a real GPU loads torch and CUDA in each warm worker.
@@ -87,3 +87,35 @@ def _quoted_assignment(name: str, value: str) -> str:
     if any(ch in value for ch in ' "\\\'\t'):
         return '"' + f"{name}={value}".replace("\\", "\\\\").replace('"', '\\"') + '"'
     return f"{name}={value}"
+
+
+def before_install(settings: Settings, config: Path, sources: dict[str, str]) -> list[str]:
+    """What would make the service's first start fail or differ from this shell's stack, each in a
+    line: settings this shell sets by GPUQ_* variables (``sources``, as ``setting_sources`` gives
+    them), a stack up now that systemd did not start, a Redis without a password on the port."""
+    said = []
+    unseen = sorted(name for name, source in sources.items() if source == "env")
+    if unseen:
+        names = ", ".join(f"GPUQ_{name.upper()}" for name in unseen)
+        said.append(f"{names} set in this shell will not reach the service: put them in {config} "
+                    f"({', '.join(f'{name} = ...' for name in unseen)}) before you install it")
+    supervisor = running_supervisor(settings)
+    if supervisor is not None and not _under_systemd(supervisor.pid):
+        said.append(f"this stack is up now, started by hand (supervisor pid {supervisor.pid}): `gpuq down` before "
+                    "`systemctl enable --now gpuq`, or the service's start finds it up and fails")
+    if settings.broker_is_managed:
+        from gpuq.service import broker
+
+        if broker.asks_no_password(settings):
+            said.append(f"a Redis that asks no password answers on port {settings.redis_port}, so the service's "
+                        f"`gpuq up` would refuse to start: set redis_port in {config} to a free port")
+    return said
+
+
+def _under_systemd(pid: int) -> bool:
+    """Whether process ``pid`` runs as part of a systemd service (systemd gives each its INVOCATION_ID)."""
+    try:
+        variables = Path(f"/proc/{pid}/environ").read_text(errors="replace").split("\0")
+    except OSError:
+        return False
+    return any(v.startswith("INVOCATION_ID=") for v in variables)

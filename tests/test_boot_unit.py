@@ -21,6 +21,7 @@ import pytest
 from gpuq.service import boot_unit
 from gpuq.service.settings import Settings
 from tests.conftest import free_port, socket_path
+from tests.faults import PrivateRedis
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,10 +46,11 @@ def keys(text: str) -> dict[str, list[str]]:
     return found
 
 
-def private_config(tmp_path: Path) -> Path:
+def private_config(tmp_path: Path, redis_port: int | None = None) -> Path:
     home = tmp_path / "home"
     config = tmp_path / "gpuq.toml"
-    config.write_text(f'home = "{home}"\nsocket = "{socket_path()}"\nredis_port = {free_port()}\nfake_gpus = 2\n'
+    port = redis_port or free_port()
+    config.write_text(f'home = "{home}"\nsocket = "{socket_path()}"\nredis_port = {port}\nfake_gpus = 2\n'
                       f'node = "unitnode"\nwarm_start = false\nfake_gpu_memory_dir = "{home / "sim"}"\n')
     return config
 
@@ -85,6 +87,18 @@ def test_gpuq_unit_names_the_shells_variables_the_service_will_not_see(tmp_path)
     assert made.returncode == 0 and "ExecStart=" in made.stdout
     assert made.stderr == (f"gpuq: GPUQ_KILL_GRACE, GPUQ_MAX_TIME set in this shell will not reach the service: put "
                            f"them in {config} (kill_grace = ..., max_time = ...) before you install it\n")
+
+
+def test_gpuq_unit_warns_of_a_redis_without_a_password_on_the_port_the_services_up_would_refuse(tmp_path):
+    open_redis = PrivateRedis(tmp_path)
+    try:
+        config = private_config(tmp_path, redis_port=open_redis.port)
+        made = gpuq_unit(config)
+    finally:
+        open_redis.stop()
+    assert made.returncode == 0 and "ExecStart=" in made.stdout
+    assert made.stderr == (f"gpuq: a Redis that asks no password answers on port {open_redis.port}, so the service's "
+                           f"`gpuq up` would refuse to start: set redis_port in {config} to a free port\n")
 
 
 def test_a_config_path_with_spaces_and_percents_is_quoted_as_systemd_reads_it(tmp_path):
@@ -130,6 +144,10 @@ def test_the_units_start_and_stop_keep_the_contract_of_a_forking_service(tmp_pat
         status = subprocess.run([sys.executable, "-m", "gpuq.cli", "status"], env=env, capture_output=True,
                                 text=True, timeout=60)
         assert status.returncode == 0 and "unitnode" in status.stdout, status.stderr
+        # Up by hand as far as systemd knows (no INVOCATION_ID): enabling the unit now would fail its start.
+        again = gpuq_unit(config)
+        assert (f"gpuq: this stack is up now, started by hand (supervisor pid {main.pid}): `gpuq down` before "
+                "`systemctl enable --now gpuq`") in again.stderr, again.stderr
     finally:
         stop = subprocess.run(shlex.split(found["ExecStop"][0]), env=env, capture_output=True, text=True,
                               timeout=int(found["TimeoutStopSec"][0]))
