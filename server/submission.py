@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gpuq.service import allocations, jobs, output_files, reach, spec, submitting
+from gpuq.service import allocations, job_variables, jobs, output_files, reach, spec, submitting
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
@@ -92,7 +92,7 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
     if command is not None:
         if workload is not None or f["args"]:
             raise InvalidSpec("give either a workload or a command after --, not both")
-        variables = spec.job_env(f["env"], f["environ"])
+        variables = job_variables.job_env(f["env"], f["environ"])
         if f["umask"] is not None:
             # The submitter's umask, which the job's files are made with (SLURM's SLURM_UMASK): a
             # root worker's 022 made a user's 077 outputs readable by all on shared storage.

@@ -25,7 +25,7 @@ ENV_PREFIX = "GPUQ_"
 # GPUQ_* variable is refused, as an unknown key in the file is: a typo (GPUQ_ADMIN=cal) silently
 # ignored left a queue without its admins. tests/test_settings.py checks that every GPUQ_ name in
 # the code is a setting or listed here. Inside a job (GPUQ_JOB_ID set) none is refused: a job's
-# environment is the worker's making (spec.check_env_name refuses --env GPUQ_*), and a worker of
+# environment is the worker's making (job_variables.check_env_name refuses --env GPUQ_*), and a worker of
 # another gpuq version than the `gpuq` a job runs may set a variable this one does not know.
 _JOB_MARK = "GPUQ_JOB_ID"
 OTHER_ENV = frozenset({

@@ -19,7 +19,7 @@ from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
 from gpuq.cli.app import app
-from gpuq.service import broker, db, jobs, spec, submitting
+from gpuq.service import broker, db, job_variables, jobs, spec, submitting
 from gpuq.service import constants as c
 from gpuq.service import settings as settings_module
 from gpuq.service.celery_app import make_app
@@ -146,18 +146,18 @@ def test_nul_bytes_and_undecodable_text_cannot_reach_a_job():
     with pytest.raises(InvalidSpec, match="NUL byte"):
         spec.command_spec(["echo", "a\x00b"])
     with pytest.raises(InvalidSpec, match="the value contains a NUL byte"):
-        spec.job_env(["X=a\x00b"])
+        job_variables.job_env(["X=a\x00b"])
     with pytest.raises(InvalidSpec, match="not valid UTF-8"):
         spec.command_spec(["echo", "bad\udcff"])
     with pytest.raises(InvalidSpec, match="--env X: the value is not valid UTF-8"):
-        spec.job_env(["X"], {"X": "bad\udcff"})
+        job_variables.job_env(["X"], {"X": "bad\udcff"})
     # The default set is never a door for the loader either: only named variables are taken.
-    env = spec.job_env([], {"PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x",
+    env = job_variables.job_env([], {"PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x",
                             "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k", "LANG": "bad\udcff"})
     assert env == {"PATH": "/bin", "LC_ALL": "C"}
     # --env ALL (sbatch's --export=ALL) takes the rest of the submitter's variables, and still no hook
     # of the loader, none of gpuq's, nothing a NUL or a bad byte would break, and --env's own on top.
-    env = spec.job_env(["ALL", "HF_HOME=/data/hf"], {
+    env = job_variables.job_env(["ALL", "HF_HOME=/data/hf"], {
         "PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x", "WANDB_API_KEY": "w",
         "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "HF_HOME": "/home/a/hf", "CUDA_VISIBLE_DEVICES": "3",
         "BASH_FUNC_x%%": "() { id; }", "NUL": "a\x00b", "BAD": "bad\udcff", "1X": "y", "HOME": "/home/a"})

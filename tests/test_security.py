@@ -102,7 +102,7 @@ def test_a_command_gets_the_submitters_chosen_variables_and_gpuqs_and_none_of_th
 
 
 def env_default_names(env: dict) -> set[str]:
-    from gpuq.service.spec import DEFAULT_ENV, DEFAULT_ENV_PREFIXES
+    from gpuq.service.job_variables import DEFAULT_ENV, DEFAULT_ENV_PREFIXES
 
     return {k for k in env if k in DEFAULT_ENV or k.startswith(DEFAULT_ENV_PREFIXES)}
 
