@@ -37,6 +37,10 @@ app = typer.Typer()
 JobId = Annotated[int, typer.Argument(help="The job's id.", parser=numbers.job_id)]
 
 
+# A job's own word on a failure of the machinery (`--requeue`, `--no-requeue`) as `gpuq show` says it.
+_REQUEUE_SHOWN: dict[bool | None, str] = {True: "requeue on a failure of its worker or GPU", False: "no requeue"}
+
+
 @app.command()
 def show(job_id: Annotated[int | None, typer.Argument(help="The job's id.", parser=numbers.job_id)] = None,
          array: Annotated[int | None, typer.Option(help="A line for each job of this array.",
@@ -130,6 +134,8 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
             # A server from before --deadline sends none.
             f"deadline {timestamp(j.deadline_at)}" if getattr(j, "deadline_at", None) else "",
             f"{j.max_retries} retries" if j.max_retries else "",
+            # Its own word on a failure of the machinery (none: as its retries say); a server from before sends none.
+            _REQUEUE_SHOWN.get(getattr(j, "requeue", None), ""),
             # A server from before the kinds sends after_any alone.
             (f"{AFTER_SHOWN[getattr(j, 'after_kind', None) or (AFTER_ANY if j.after_any else AFTER_OK)]} job "
              f"{', '.join(_after_job(i, getattr(j, 'after_tasks', None)) for i in j.after)}" if j.after else ""),

@@ -117,6 +117,10 @@ def submit(
                                                                "2-0:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",
                                          parser=numbers.whole(0))] = 0,
+    requeue: Annotated[bool | None, typer.Option("--requeue/--no-requeue", help="Run it again (or never) when "
+                                                 "the machinery fails under it: its worker or GPU lost, its GPU "
+                                                 "failed, its worker shut down (as sbatch's). Default: only with "
+                                                 "--retries.", show_default=False)] = None,
     signal: Annotated[str | None, typer.Option("--signal", help="[B:]SIG[@SECONDS]: send SIG this long (default "
                                                "60) before the time limit, to save a checkpoint; B: its main "
                                                "process only (as sbatch --signal).")] = None,
@@ -180,7 +184,8 @@ def submit(
     options: dict[str, Any] = {
         "gpus": gpus, "gres": gres, "gpu_type": gpu_type, "name": name, "priority": priority, "mem": mem,
         "shared": shared, "node": node, "exclude": exclude, "preemptible": preemptible,
-        "host_mem": host_mem, "cpus": cpus, "time": time, "signal": signal, "retries": retries, "hold": hold,
+        "host_mem": host_mem, "cpus": cpus, "time": time, "signal": signal, "retries": retries, "requeue": requeue,
+        "hold": hold,
         "begin": begin, "deadline": deadline, "mail_type": mail_type, "mail_user": mail_user,
         "after": after, "after_any": after_any, "dependency": dependency,
         "array": array, "sweep": sweep or [], "snapshot": snapshot, "env": env or [], "output": output,

@@ -35,7 +35,7 @@ _KEY = re.compile(r"[A-Za-z0-9_-]{8,64}")
 _OPTIONS: dict[str, tuple[type, Any]] = {
     "workload": (str, None), "args": (list, []), "command": (list, None), "gpus": (int, None),
     "name": (str, None), "priority": (int, 0), "mem": (str, None), "node": (str, None), "exclude": (str, None),
-    "preemptible": (bool, False),
+    "preemptible": (bool, False), "requeue": (bool, None),
     "host_mem": (str, None), "cpus": (str, None), "time": (str, None), "retries": (int, 0), "hold": (bool, False),
     "after": (str, None), "after_any": (str, None), "dependency": (str, None), "array": (str, None),
     "sweep": (list, []),
@@ -128,7 +128,8 @@ def _specs_of(f: dict[str, Any], owner: str) -> list[spec.JobSpec]:
                             dependency=f["dependency"], host_mem=f["host_mem"], cpus=f["cpus"], shared=f["shared"],
                             begin=f["begin"], deadline=f["deadline"], signal=f["signal"], gpu_type=f["gpu_type"],
                             exclude=f["exclude"],
-                            preemptible=f["preemptible"], mail_type=f["mail_type"], mail_user=f["mail_user"])
+                            preemptible=f["preemptible"], requeue=f["requeue"], mail_type=f["mail_type"],
+                            mail_user=f["mail_user"])
     if f["keep_alive"]:
         # `gpuq run`'s job lives while its client follows it (service/kept_jobs.py).
         if f["array"] is not None or f["sweep"]:
@@ -154,7 +155,7 @@ _NOT_FOR_ALLOCATIONS = {"workload": "a workload", "args": "workload arguments", 
                         "host_mem": "--host-mem", "env": "--env", "output": "--output", "error": "--error",
                         "begin": "--begin", "deadline": "--deadline", "signal": "--signal", "exclude": "--exclude",
                         "preemptible": "--preemptible", "mail_type": "--mail-type", "mail_user": "--mail-user",
-                        "stdin": "forwarded stdin (its command reads your terminal)"}
+                        "requeue": "--requeue", "stdin": "forwarded stdin (its command reads your terminal)"}
 
 
 def _allocation(f: dict[str, Any], owner: str, command: list[str] | None) -> spec.JobSpec:

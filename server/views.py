@@ -28,7 +28,7 @@ def job(j: Job, gpus: list[int] | None = None) -> dict[str, Any]:
         "max_retries": j.max_retries, "attempts": j.attempts, "held": j.held, "admin_hold": j.admin_hold,
         "after": j.after, "after_kind": j.after_kind,
         "after_any": j.after_kind == "afterany", "singleton": j.singleton, "array_id": j.array_id,
-        "preemptible": j.preemptible,
+        "preemptible": j.preemptible, "requeue": j.requeue,
         "array_index": j.array_index, "array_limit": j.array_limit, "output_file": j.output_file,
         "error_file": j.error_file,
         "begin_at": iso(j.begin_at), "deadline_at": iso(j.deadline_at), "signal": j.signal, "gpu_type": j.gpu_type,

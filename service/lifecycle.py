@@ -230,8 +230,8 @@ _FREED = table(Allocation).delete().where(table(Allocation).c.job_id.in_(select(
 _SUCCEED_AND_FREE = Prepared(select(func.count()).select_from(_ENDED).add_cte(_FREED))
 _SUCCEED = Prepared(_SUCCEED_MOVE)
 _RUN_READ = select(_JOBS.c.state, _JOBS.c.started_at, _JOBS.c.worker, _JOBS.c.attempts, _JOBS.c.requeues,
-                   _JOBS.c.max_retries, _JOBS.c.user, _JOBS.c.node, _JOBS.c.gpus, _JOBS.c.gpu_share,
-                   _JOBS.c.cancel_requested_at, _JOBS.c.reason).where(_ID)
+                   _JOBS.c.max_retries, _JOBS.c.requeue, _JOBS.c.user, _JOBS.c.node, _JOBS.c.gpus,
+                   _JOBS.c.gpu_share, _JOBS.c.cancel_requested_at, _JOBS.c.reason).where(_ID)
 # The other ends, and the way back to pending: their values depend on the row, so the statement
 # is built when it runs, by ``_end_statement``, checked against the table there.
 _LEASE_HOLDER = _JOBS.c.lease_token == bindparam("token")
@@ -245,8 +245,9 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     """End a running job's attempt in ``state``: the job ends there and frees its GPUs, or it
     waits again (pending) for another attempt when it may run again:
 
-    - an infrastructure failure (``c.INFRA_FAILURES``) of a job that asked for retries is requeued
-      without using one up, at most ``max_requeues`` times;
+    - an infrastructure failure (``c.INFRA_FAILURES``) of a job that is requeued on one
+      (``requeues_on_infra``: `--requeue`, or retries asked for) is requeued without using a retry,
+      at most ``max_requeues`` times;
     - any other failure is retried while the job has retries left.
 
     Every attempt is kept, with its command's CPU seconds and host memory peak (``host``, where its
@@ -292,7 +293,7 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
                        failure=None if again == "asked" else failure, reason=reason, exit_code=exit_code,
                        **_measured(host))
         values = _waits_again(job, again, now, max_requeues, attempt)
-    elif failure in c.INFRA_FAILURES and job.max_retries and job.requeues >= max_requeues:
+    elif failure in c.INFRA_FAILURES and requeues_on_infra(job) and job.requeues >= max_requeues:
         values["reason"] = f"{reason} (requeued {job.requeues} times already: the cap)"
     check(actor, S.RUNNING, values["state"])
     lease = _LEASE_HOLDER if token is not None else _LEASE_RAN_OUT
@@ -346,13 +347,20 @@ def _retries_used(job: Any) -> int:
     return sum(1 for a in job.attempts or [] if not a.get("requeue"))
 
 
+def requeues_on_infra(job: Any) -> bool:
+    """Whether a failure of the machinery puts the job back in the queue: its own word
+    (`--requeue`, `--no-requeue`, sbatch's), else whether it asked for retries (the rule before the
+    word existed, kept for the jobs submitted without one)."""
+    return bool(job.max_retries > 0 if job.requeue is None else job.requeue)
+
+
 def _runs_again(job: Any, state: State, failure: str | None, max_requeues: int) -> str | None:
     """"requeue" (an infrastructure failure), "retry" (the job's own), or None: it ends. A job whose
     client is gone (client_lost) ends for good, as a cancelled one: nobody follows it any more."""
     if state == S.SUCCEEDED or state == S.CANCELLED or failure in (c.FAILURE_CANCELLED, c.FAILURE_CLIENT_LOST):
         return None
     if failure in c.INFRA_FAILURES:
-        return "requeue" if job.max_retries > 0 and job.requeues < max_requeues else None
+        return "requeue" if requeues_on_infra(job) and job.requeues < max_requeues else None
     if state == S.FAILED and _retries_used(job) < job.max_retries:
         return "retry"
     return None

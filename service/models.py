@@ -123,6 +123,10 @@ class Job(Base):
     # `--preemptible`: after every other job, past its user's GPU limit, and stopped and requeued when
     # a job that is not preemptible needs its GPUs (service/preemption.py).
     preemptible: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Requeued after a failure of the machinery (constants.INFRA_FAILURES: its worker or GPU lost,
+    # its GPU failed under it, its worker shut down)? True (`--requeue`), False (`--no-requeue`), or
+    # None: as SLURM's default has it here, if it asked for retries (lifecycle.requeues_on_infra).
+    requeue: Mapped[bool | None] = mapped_column(nullable=True)
     # Its stdin is what the `gpuq run` that submitted it forwards (service/job_input.py), where it is
     # not a terminal; false: /dev/null.
     stdin: Mapped[bool] = mapped_column(default=False, server_default=false())

@@ -31,7 +31,7 @@ def spec_of(job: Job) -> JobSpec:
                    priority=job.priority, mem_mib=job.mem_mib, on_node=job.on_node,
                    exclude_nodes=list(job.exclude_nodes) if job.exclude_nodes else None, time_limit_s=job.time_limit_s,
                    max_retries=job.max_retries, held=job.held, after=job.after, after_kind=job.after_kind,
-                   singleton=job.singleton, preemptible=job.preemptible,
+                   singleton=job.singleton, preemptible=job.preemptible, requeue=job.requeue,
                    env=dict(job.env) if job.env is not None else None, git_commit=job.git_commit,
                    git_dirty=job.git_dirty, git_diff=job.git_diff, git_diff_cut=job.git_diff_cut,
                    snapshot=job.snapshot, host_mem_mib=job.host_mem_mib, cpus=job.cpus, shared=job.shared,

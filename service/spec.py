@@ -86,6 +86,8 @@ class JobSpec:
     shared: bool = False
     # Runs on GPUs no other job waits for, and is requeued when one does (`--preemptible`).
     preemptible: bool = False
+    # Requeued after a failure of the machinery (`--requeue`, `--no-requeue`); None: if it asked for retries.
+    requeue: bool | None = None
     # Mail about it (`--mail-type`, `--mail-user`; service/mail.py): its events ("BEGIN,END"), None
     # for none, and the address, None for its owner.
     mail_events: str | None = None
@@ -120,6 +122,7 @@ class Scheduling:
     signal: str | None = None  # `--signal [B:]SIG[@SECONDS]`
     gpu_type: str | None = None  # `--gpu-type a100`
     preemptible: bool = False  # `--preemptible`
+    requeue: bool | None = None  # `--requeue` (True), `--no-requeue` (False)
     mail_type: str | None = None  # `--mail-type END,FAIL`
     mail_user: str | None = None  # `--mail-user alice@lab.example`
 
@@ -158,6 +161,7 @@ class Scheduling:
             "signal": JobSignal.parse(self.signal).text if self.signal is not None else None,
             "gpu_type": check_gpu_type(self.gpu_type) if self.gpu_type is not None else None,
             "preemptible": self.preemptible,
+            "requeue": self.requeue,
             "mail_events": parse_mail_events(self.mail_type) if self.mail_type is not None else None,
             "mail_address": parse_mail_address(self.mail_user) if self.mail_user is not None else None,
         }

@@ -182,6 +182,7 @@ def job_row(s: JobSpec, now: datetime, position: int = 0) -> dict[str, Any]:
                 # A kept job's client is alive as it submits; it says so again while it waits.
                 keepalive_at=now if s.kept else None, client_exit_code=None,
                 shared=s.shared, gpu_share=None, preemptible=s.preemptible, stdin=s.stdin,
+                requeue=s.requeue,
                 # Its reason from the first look (`gpuq status` right after submit), not after a pass.
                 reason=_first_reason(s, now, position))
 

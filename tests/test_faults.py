@@ -165,6 +165,21 @@ def test_a_sigkilled_workers_job_without_retries_fails_as_worker_lost(stack, tmp
     assert_settled(stack.settings)
 
 
+def test_a_sigkilled_workers_job_submitted_with_requeue_and_no_retries_runs_again_once(stack, tmp_path):
+    # sbatch's --requeue: the machinery's failure puts it back, though it asked for no retry.
+    argv, marker = marker_job(tmp_path, "requeue", 3)
+    job_id = cli_submit(stack.settings, ["--requeue", "--", *argv], cwd=tmp_path)
+    shown = run_cli(["show", str(job_id)], stack.settings)
+    assert "requeue on a failure of its worker or GPU" in shown.stdout, shown.stdout
+    wait_runs(marker, 1)
+    worker_of(stack, job_id)[2].kill()
+    j = wait_state(stack.settings, job_id, State.SUCCEEDED, 60)
+    assert (j.requeues, j.attempts[0]["failure"], j.attempts[0]["requeue"]) == (1, c.FAILURE_WORKER_LOST, True)
+    r = runs(marker)
+    assert (r.starts, r.ends, r.overlaps) == (2, 1, 0)
+    assert_settled(stack.settings)
+
+
 def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_path):
     from gpuq.workers.cgroup import JobCgroup
 

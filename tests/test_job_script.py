@@ -128,6 +128,15 @@ def test_a_scripts_gres_asks_for_gpus_as_sbatchs_and_the_command_lines_gpus_or_g
     assert (job["gpus"], job["gpu_type"]) == (1, None)
 
 
+def test_a_scripts_requeue_word_is_kept_and_the_command_lines_wins(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, "#!/bin/sh\n#GPUQ --no-requeue --retries 2 --hold\ntrue\n")
+    assert (submitted(["--", "./job.sh"])["requeue"], submitted(["--", "./job.sh"])["max_retries"]) == (False, 2)
+    assert submitted(["--requeue", "--", "./job.sh"])["requeue"] is True
+    script(tmp_path, "#!/bin/sh\n#GPUQ --hold\ntrue\n")
+    assert submitted(["--", "./job.sh"])["requeue"] is None  # no word: as its retries say
+
+
 @pytest.mark.parametrize("line,message", [
     ("#GPUQ --gpus 1 --gres gpu:2", "give --gpus or --gres, not both (job.sh line 2)"),
     ("#GPUQ --gres gpu:99", "--gpus 99 is more than any node has (the largest, testnode, has 2) (job.sh line 2)"),

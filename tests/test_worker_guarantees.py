@@ -192,6 +192,46 @@ def test_worker_lost_requeues_without_using_a_retry_and_stops_at_the_cap(setting
                                        lap + 1, 2)
 
 
+@pytest.mark.parametrize("retries,requeue,again", [
+    (0, None, False),  # no word: as its retries say (none: it ends)
+    (1, None, True),
+    (0, True, True),  # --requeue: back in the queue with no retries asked for
+    (2, False, False),  # --no-requeue: ends, its retries kept for failures of its own
+])
+def test_a_jobs_own_word_on_requeue_decides_whether_a_lost_worker_puts_it_back(settings, tmp_path, retries, requeue,
+                                                                               again):
+    register_gpus(settings)
+    job = submitting.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path)),
+                                              max_retries=retries, requeue=requeue))
+    Scheduler(settings).schedule_once()
+    with write_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job.id)[0]
+        assert leases.claim(session, job.id, gpu.id, "gpu@t", 30)
+    expire_lease(settings, job.id)
+    with write_scope(settings) as session:
+        leases.reap(session, settings)
+    with write_scope(settings) as session:
+        j = jobs.get_job(session, job.id)
+        assert j.requeue is requeue
+        if again:
+            assert (j.state, j.requeues, j.attempts[0]["requeue"]) == (State.PENDING, 1, True)
+            assert j.reason.startswith("requeue 1 of at most ")
+        else:
+            assert (j.state, j.failure, j.requeues) == (State.FAILED, c.FAILURE_WORKER_LOST, 0)
+            assert "the cap" not in j.reason
+
+
+def test_an_allocation_is_never_requeued_and_a_submit_field_of_the_wrong_type_is_refused():
+    from gpuq.server.submission import _allocation, _fields
+    from gpuq.service.errors import InvalidSpec
+
+    # Its shell runs in the user's terminal: nothing could run it again.
+    with pytest.raises(InvalidSpec, match=r"^an allocation \(gpuq alloc\) takes no --requeue$"):
+        _allocation(_fields({"requeue": True, "node": "n", "interactive": True}), "ann", None)
+    with pytest.raises(InvalidSpec, match="^submit field 'requeue' must be bool$"):
+        _fields({"requeue": "yes"})
+
+
 def test_a_job_cancelled_while_its_worker_is_lost_ends_cancelled_and_never_runs_again(settings, tmp_path):
     # `gpuq cancel` of a job whose worker had died (or hung) printed "cancelling"; the reaper then
     # requeued it as worker_lost with the cancel cleared, and it ran again elsewhere.
