@@ -65,12 +65,18 @@ def _letting_go(job_id: int, released: threading.Event) -> Callable[[int, FrameT
     as SIGTSTP would have stopped this process. Once it goes on (`fg`, `bg`: SIGCONT), it keeps the
     job again; where the server could not be told, the job was kept all along."""
 
+    # Whether the stop below is still to come, and a SIGCONT that came before it (its handler runs
+    # between two of stop's own steps): kept again once the stop has passed, not before it, where
+    # the stop's own Ctrl-Z handling would let go of the job a second time.
+    before_stop = early = False
+
     def stop(signum: int, frame: FrameType | None) -> None:
         from gpuq.cli.client import Client
         from gpuq.cli.follow import say
 
-        nonlocal released
+        nonlocal released, before_stop, early
         released.set()
+        before_stop, early = True, False
         try:
             Client().request("DELETE", f"/jobs/{job_id}/keepalive")
             let_go = True
@@ -78,19 +84,25 @@ def _letting_go(job_id: int, released: threading.Event) -> Callable[[int, FrameT
         except (GpuqError, OSError) as exc:
             let_go = False
             said = f"gpuq: job {job_id}: could not let go of it ({exc}); stopped, it may end as client_lost\n"
-        # After the terminal's "^Z", on a line of its own.
-        say(sys.stderr, ("\n" if sys.stderr.isatty() else "") + said)
         signal.signal(signal.SIGTSTP, signal.SIG_DFL)  # until it goes on, Ctrl-Z only stops it
         if let_go:
             # Kept again on SIGCONT, not once the kill below returns: where the kernel drops the
-            # stop (a process group without a shell to resume it), it returns at once.
+            # stop (a process group without a shell to resume it), it returns at once. Before the
+            # line is said: a SIGCONT sent by whoever read it (not a shell's fg, which waits for the
+            # stop) was lost in between, and the job let go for good.
             signal.signal(signal.SIGCONT, going_on)
+        # After the terminal's "^Z", on a line of its own.
+        say(sys.stderr, ("\n" if sys.stderr.isatty() else "") + said)
         os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
-        if not let_go:  # kept still: kept alive again, and the next Ctrl-Z tries again
+        before_stop = False
+        if not let_go or early:  # kept still, or went on already: kept alive again; the next Ctrl-Z tries again
             going_on(signal.SIGCONT, None)
 
     def going_on(signum: int, frame: FrameType | None) -> None:
-        nonlocal released
+        nonlocal released, early
+        if before_stop:
+            early = True  # stop() keeps it again once past its stop
+            return
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
         released = _keep(job_id, again=True)
         signal.signal(signal.SIGTSTP, stop)
