@@ -132,6 +132,9 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                             show_default=False)] = None,
            cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="A pending command's CPU cores, e.g. 4 "
                                                     "or 0.5 (none: no limit).")] = None,
+           requeue: Annotated[bool | None, typer.Option("--requeue/--no-requeue", help="Run it again (or never) "
+                                                        "when the machinery fails under it (its worker or GPU "
+                                                        "lost, its GPU failed).", show_default=False)] = None,
            after: Annotated[str | None, typer.Option(help="A pending job starts after these jobs succeeded "
                                                      "(ID[,ID]), instead of what it waited for.")] = None,
            after_any: Annotated[str | None, typer.Option(help="A pending job starts after these jobs ended, "
@@ -143,7 +146,7 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                           "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
-    sharing, CPU cores, dependencies and deadline, a time limit, preemptibility, a name, retries, an
+    sharing, CPU cores, dependencies and deadline, a time limit, preemptibility, requeue, a name, retries, an
     array's tasks at once (as `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
@@ -160,7 +163,7 @@ def update(job_ids: JobIds = None, array: Array = None,
                                  ("array_limit", array_limit), ("begin", begin), ("deadline", deadline),
                                  ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
-                                 ("preemptible", preemptible), ("cpus", cpus), ("after", after),
+                                 ("preemptible", preemptible), ("cpus", cpus), ("requeue", requeue), ("after", after),
                                  ("after_any", after_any),
                                  ("dependency", dependency), ("exclude", exclude))
                if v is not None}
@@ -188,6 +191,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "on_node": ("node", lambda v: "any" if v is None else v),
     "shared": ("sharing", lambda v: "shared" if v else "whole GPUs"),
     "preemptible": ("preemptible", lambda v: "yes" if v else "no"),
+    "requeue": ("requeue", lambda v: "as its retries say" if v is None else "yes" if v else "no"),
     "cpus": ("CPU cores", lambda v: "none" if v is None else f"{v:g}"),
     "dependency": ("dependency", lambda v: "none" if v is None else v),
     "exclude_nodes": ("excluded nodes", lambda v: "none" if not v else ",".join(v))}

@@ -15,7 +15,7 @@ from gpuq.service.units import MAX_ARRAY_TASKS, Waits, dependency_of, parse_cpus
 
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node", "shared", "preemptible", "cpus", "deadline_at")
+          "mem_mib", "on_node", "shared", "preemptible", "cpus", "deadline_at", "requeue")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share); `--cpus
@@ -43,6 +43,7 @@ class Changes:
     preemptible: bool | None = None  # `--preemptible` / `--no-preemptible`
     cpus: float | None = None  # `--cpus`; 0: no limit
     deadline_at: datetime | None = None  # `--deadline`; NO_DEADLINE: none
+    requeue: bool | None = None  # `--requeue` / `--no-requeue`
     # What it waits for, in place of what it waited for; Waits(): nothing any more.
     dependency: Waits | None = None
     exclude_nodes: list[str] | None = None  # nodes it may not run on; []: none any more
@@ -57,17 +58,19 @@ class Changes:
         anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
                                "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude",
-                               "preemptible", "cpus", "deadline"}
+                               "preemptible", "cpus", "deadline", "requeue"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency, exclude, preemptible, cpus, deadline)")
+                              "dependency, exclude, preemptible, cpus, deadline, requeue)")
         shared = body.get("shared")
         if shared is not None and type(shared) is not bool:
             raise InvalidSpec("--shared must be true or false (--whole)")
-        preemptible = body.get("preemptible")
+        preemptible, requeue = body.get("preemptible"), body.get("requeue")
         if preemptible is not None and type(preemptible) is not bool:
             raise InvalidSpec("--preemptible must be true or false (--no-preemptible)")
+        if requeue is not None and type(requeue) is not bool:
+            raise InvalidSpec("--requeue must be true or false (--no-requeue)")
         priority, time, name, retries, at_once, gpus, gpu_type, mem, node, cpus = (
             body.get(k) for k in ("priority", "time", "name", "retries", "array_limit", "gpus", "gpu_type", "mem",
                                   "node", "cpus"))
@@ -98,7 +101,7 @@ class Changes:
                       else spec.check_gpu_type(gpu_type),
                       mem_mib=None if mem is None else 0 if mem.strip().lower() == NO_MEM else parse_mem(mem),
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
-                      else _node(node), shared=shared, preemptible=preemptible,
+                      else _node(node), shared=shared, preemptible=preemptible, requeue=requeue,
                       cpus=None if cpus is None else 0.0 if cpus.strip().lower() == NO_MEM else parse_cpus(cpus),
                       deadline_at=None if deadline_at is None else NO_DEADLINE if deadline_at.strip().lower() == NO_MEM
                       else spec.begin_of(deadline_at, "deadline"),

@@ -233,7 +233,7 @@ ALLOC_GATE_SECONDS = 10.0
 
 # What `gpuq update` changes, as the client and the server both ask for one when given none.
 UPDATE_ASK = ("give something to change: --priority, --time, --name, --retries, --array-limit, --begin, --gpus, "
-              "--gpu-type, --mem, --node, --exclude, --shared/--whole or --dependency")
+              "--gpu-type, --mem, --node, --exclude, --shared/--whole, --requeue/--no-requeue or --dependency")
 
 # `--cpus`, CPU cores: the kernel's least quota is 1 ms of each 100 ms period (0.01), and no node
 # has more than the most.

@@ -1,5 +1,6 @@
 """Changing a job after its submit (`gpuq update`, as `scontrol update job`): its priority, time
-limit, name, retries, how many tasks of its array may run at once (SLURM's ArrayTaskThrottle), its
+limit, name, retries, its word on a requeue (`--requeue`, scontrol's Requeue=), how many tasks of
+its array may run at once (SLURM's ArrayTaskThrottle), its
 begin time and deadline, and a pending job's GPUs, GPU type, GPU memory, node, excluded nodes, sharing,
 preemptibility (as scontrol's QOS=) and dependencies.
 
@@ -75,7 +76,7 @@ def _kept(name: str, kind: Any) -> Any:
 # An array's limit: a number, 0 for none (stored as null), or null to leave it as it is.
 _NEW_LIMIT = bindparam("new_array_limit", type_=Integer)
 _LATER = dict(time_limit_s=_kept("time_limit_s", Integer), name=_kept("name", String),
-              max_retries=_kept("max_retries", Integer),
+              max_retries=_kept("max_retries", Integer), requeue=_kept("requeue", Boolean),
               array_limit=case((_NEW_LIMIT.is_(None), _JOBS.c.array_limit), (_NEW_LIMIT == 0, None),
                                else_=_NEW_LIMIT))
 # A GPU type: a model, "" for any model (stored as null), or null to leave it as it is.
@@ -122,7 +123,8 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at, _JOBS.c.deadline_at)
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at, _JOBS.c.deadline_at,
+           _JOBS.c.requeue)
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at": "deadline", "gpus": "GPUs",
                  "gpu_type": "GPU type",

@@ -126,6 +126,27 @@ def test_a_started_jobs_owner_makes_it_preemptible_and_only_an_admin_makes_it_no
     assert not preemptible()
 
 
+def test_a_jobs_word_on_requeue_changes_whether_it_waits_or_started_and_a_bad_one_is_refused(settings):
+    register(settings, "a", 2)
+    job = submit(settings, time="1h")
+
+    def requeue() -> bool | None:
+        with write_scope(settings) as session:
+            return session.get(Job, job).requeue
+
+    [made] = update_all(settings, [job], Changes(requeue=True), ANN)
+    assert made.changed == {"requeue": [None, True]} and requeue() is True
+    Scheduler(settings).schedule_once()
+    assert state_of(settings, job)[0] == State.DISPATCHED
+    # Started: its owner may say either (a requeue uses no GPU-hour the job would not have used).
+    [unmade] = update_all(settings, [job], Changes(requeue=False), ANN)
+    assert unmade.changed == {"requeue": [True, False]} and requeue() is False
+    [same] = update_all(settings, [job], Changes(requeue=False), ANN)
+    assert same.changed == {} and same.refused is None
+    with pytest.raises(InvalidSpec, match=r"^--requeue must be true or false \(--no-requeue\)$"):
+        Changes.of({"requeue": "yes"})
+
+
 def test_only_root_or_an_admin_gives_a_job_more_time_than_the_queues_maximum(settings):
     limited = settings.with_overrides(max_time="2h")
     job = submit(limited, time="1h")
@@ -397,6 +418,16 @@ def test_update_prints_both_sides_of_a_time_limit_as_h_mm_ss_and_no_limit_as_non
     assert again.stdout == f"job {job}: unchanged (it has these values already)\n"
 
 
+def test_update_requeue_prints_the_change_as_show_says_it(one_gpu, held):
+    s, job = one_gpu.settings, held
+    made = run_cli(["update", str(job), "--requeue"], s)
+    assert (made.returncode, made.stdout) == (0, f"job {job}: requeue as its retries say → yes\n"), made
+    assert "requeue on a failure of its worker or GPU" in run_cli(["show", str(job)], s).stdout
+    unmade = run_cli(["update", str(job), "--no-requeue"], s)
+    assert unmade.stdout == f"job {job}: requeue yes → no\n", unmade
+    assert "no requeue" in run_cli(["show", str(job)], s).stdout
+
+
 def test_update_gpus_takes_sbatchs_type_count_and_prints_the_change(one_gpu, held):
     s, job = one_gpu.settings, held
     typed = run_cli(["update", str(job), "--gpus", "simulated:1"], s)
@@ -487,7 +518,7 @@ def test_a_raised_priority_through_the_cli_runs_that_job_next(one_gpu):
     assert nothing.returncode == c.EXIT_USAGE and nothing.stdout == ""
     assert nothing.stderr.strip() == ("gpuq: give something to change: --priority, --time, --name, --retries, "
                                       "--array-limit, --begin, --gpus, --gpu-type, --mem, --node, --exclude, "
-                                      "--shared/--whole or --dependency")
+                                      "--shared/--whole, --requeue/--no-requeue or --dependency")
     assert run_cli(["update", "99999", "--priority", "1"], s).returncode == c.EXIT_NOT_FOUND
     assert run_cli(["cancel", str(blocker)], s).returncode == 0
     for job in (first, second):
