@@ -119,8 +119,9 @@ def submit(
                                          parser=numbers.whole(0))] = 0,
     requeue: Annotated[bool | None, typer.Option("--requeue/--no-requeue", help="Run it again (or never) when "
                                                  "the machinery fails under it: its worker or GPU lost, its GPU "
-                                                 "failed, its worker shut down (as sbatch's). Default: only with "
-                                                 "--retries.", show_default=False)] = None,
+                                                 "failed, its worker shut down (as sbatch's). Default: the "
+                                                 "queue's GPUQ_REQUEUE (as set up: only with --retries).",
+                                                 show_default=False)] = None,
     signal: Annotated[str | None, typer.Option("--signal", help="[B:]SIG[@SECONDS]: send SIG this long (default "
                                                "60) before the time limit, to save a checkpoint; B: its main "
                                                "process only (as sbatch --signal).")] = None,

@@ -27,6 +27,7 @@ from gpuq.service.db import read_scope, require_schema
 from gpuq.service.errors import DuplicateSubmission, InvalidSpec
 from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller, submitter
+from gpuq.service.setting_checks import REQUEUE_DEFAULT
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import DIFF_CUT_NOTE, GitState, Staged, Stager
 from gpuq.service.workloads import get_workload
@@ -75,6 +76,9 @@ def specs_of(settings: Settings, caller: Caller, f: dict[str, Any]) -> list[spec
     """The jobs the request asks for, owned by the caller (or, for root, the user it names), their
     paths checked with the owner's rights (service/reach.py)."""
     owner = submitter(caller, f["user"])
+    if f["requeue"] is None and not f["interactive"]:
+        # Its own word, else the site's (GPUQ_REQUEUE), kept on the job from now on.
+        f = f | {"requeue": REQUEUE_DEFAULT[settings.requeue]}
     with reach.as_owner(owner):
         return _specs_of(f, owner)
 

@@ -159,6 +159,11 @@ def file_key_hint(key: str, known: Mapping[str, Any]) -> str:
     return f" (did you mean {near[0]}?)" if near else ""
 
 
+# GPUQ_REQUEUE's words, and the word a job submitted without --requeue or --no-requeue gets for each.
+REQUEUE_WORDS = ("retries", "yes", "no")
+REQUEUE_DEFAULT: dict[str, bool | None] = {"retries": None, "yes": True, "no": False}
+
+
 def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
     """ConfigError for a value of the right type that would break the stack, naming the setting(s)."""
     def fail(name: str, why: str) -> None:
@@ -174,6 +179,11 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
         fail("cpus_per_gpu", f"must be between 0 (no limit) and {MAX_CPUS} (CPU cores a job may use for each GPU)")
     if not 0 <= settings.preemptible_charge <= 1:
         fail("preemptible_charge", "must be between 0 and 1 (what a preemptible job's GPU-hour counts in fair share)")
+    if settings.requeue not in REQUEUE_WORDS:
+        raise ConfigError(f"setting requeue must be {', '.join(REQUEUE_WORDS[:-1])} or {REQUEUE_WORDS[-1]} (a job "
+                          f"without --requeue or --no-requeue is put back after a failure of the machinery: if it "
+                          f"asked for --retries, always, never), got {settings.requeue[:60]!r} "
+                          f"({origin('requeue', sources, path)})")
     if settings.max_priority > ADMIN_MAX_PRIORITY:
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
     _check_time_limits(settings, sources, path)

@@ -165,6 +165,10 @@ class Settings:
     # lost, worker shut down, GPU lost); these do not use up its own --retries, but are capped so a
     # job that kills its worker cannot loop for hours.
     max_requeues: int = 3
+    # Whether a job that says neither --requeue nor --no-requeue is put back after such a failure
+    # (SLURM's JobRequeue): "retries" (if it asked for --retries), "yes" (always), "no" (never).
+    # Read at submit: a job keeps the word it was submitted with.
+    requeue: str = "retries"
     # A dispatched job not claimed after this many seconds is sent again (Redis may have lost it).
     resend_after: float = 15.0
     # Seconds a worker told to stop (first SIGTERM) lets its running job go on; 0: until it ends.

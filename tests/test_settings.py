@@ -159,6 +159,8 @@ def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
     ({"GPUQ_SERVER": "unix:"}, "GPUQ_SERVER 'unix:': it names no socket"),
     ({"GPUQ_SERVER": "node1:8642"}, r"GPUQ_SERVER 'node1:8642': a socket path must be absolute \(a host is http://"),
     ({"GPUQ_SERVER": "unix:run/gpuq.sock"}, "a socket path must be absolute"),
+    ({"GPUQ_REQUEUE": "always"}, r"setting requeue must be retries, yes or no \(a job without --requeue or "
+                                 r"--no-requeue .*\), got 'always' \(GPUQ_REQUEUE\)"),
 ])
 def test_values_that_would_break_the_stack_are_refused_naming_the_setting(variables, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
@@ -183,6 +185,7 @@ def test_values_that_would_break_the_stack_are_refused_naming_the_setting(variab
     ({"GPUQ_DEFAULT_TIME": "1:00:00", "GPUQ_MAX_TIME": "7-00:00:00"}, lambda s: s.time_limits == (3600, 7 * 86400)),
     ({"GPUQ_MAX_TIME": "12h"}, lambda s: s.time_limits == (12 * 3600, 12 * 3600)),
     ({}, lambda s: s.time_limits == (None, None)),
+    ({"GPUQ_REQUEUE": "yes"}, lambda s: s.requeue == "yes"),
 ])
 def test_values_that_mean_something_are_still_accepted(variables, check, tmp_path):
     assert check(load_settings(_env(tmp_path, **variables)))

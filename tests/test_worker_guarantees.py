@@ -221,6 +221,23 @@ def test_a_jobs_own_word_on_requeue_decides_whether_a_lost_worker_puts_it_back(s
             assert "the cap" not in j.reason
 
 
+@pytest.mark.parametrize("site,asked,kept", [
+    ("retries", None, None), ("yes", None, True), ("no", None, False),
+    ("yes", False, False), ("no", True, True),  # a job's own word over the site's
+])
+def test_a_job_without_a_word_on_requeue_gets_the_sites_and_keeps_it(settings, tmp_path, site, asked, kept):
+    from gpuq.server.submission import _fields, specs_of
+    from gpuq.service.rights import Caller
+
+    site_settings = settings.with_overrides(requeue=site)
+    body = {"command": ["true"], "cwd": str(tmp_path), **({"requeue": asked} if asked is not None else {})}
+    [made] = specs_of(site_settings, Caller.of_uid(0), _fields(body))
+    assert made.requeue is kept
+    # An allocation's shell is never requeued, whatever the site's word.
+    [alloc] = specs_of(site_settings, Caller.of_uid(0), _fields({"interactive": True, "node": "n", "cwd": "/"}))
+    assert alloc.requeue is None
+
+
 def test_an_allocation_is_never_requeued_and_a_submit_field_of_the_wrong_type_is_refused():
     from gpuq.server.submission import _allocation, _fields
     from gpuq.service.errors import InvalidSpec
