@@ -92,6 +92,10 @@ FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
     "node": ("NODE", False, _get("node")),
     "priority": ("PRIORITY", True, _get("priority")),
     "preemptible": ("PREEMPTIBLE", False, lambda j: "yes" if j.get("preemptible") else "-"),
+    # Its word on a requeue after a failure of the machinery ("-": as its retries say).
+    "requeue": ("REQUEUE", False, lambda j: {True: "yes", False: "no"}.get(j.get("requeue"), "-")),
+    # Why it failed, in one word (exit, cuda_oom, gpu_error, ...): gpuq's own, which sacct has not.
+    "failure": ("FAILURE", False, lambda j: j.get("failure") or "-"),
     "submitted": ("SUBMITTED", False, _time("submitted_at")),
     "started": ("STARTED", False, _time("started_at")),
     "ended": ("ENDED", False, _time("ended_at")),

@@ -51,18 +51,20 @@ def test_a_wrong_format_is_one_line_and_exit_2(stack, args, line):
 
 def test_history_shows_the_fields_asked_for_of_the_jobs_that_ended(stack, tmp_path):
     s = stack.settings
-    failed = cli_submit(s, ["--cpus", "0.5", "--", "sh", "-c", "exit 3"], cwd=tmp_path)
-    killed = cli_submit(s, ["--", "sh", "-c", "kill -9 $$"], cwd=tmp_path)
-    for job_id in (failed, killed):
+    failed = cli_submit(s, ["--cpus", "0.5", "--requeue", "--", "sh", "-c", "exit 3"], cwd=tmp_path)
+    killed = cli_submit(s, ["--no-requeue", "--", "sh", "-c", "kill -9 $$"], cwd=tmp_path)
+    oom = cli_submit(s, ["--", "sh", "-c", "echo 'CUDA error: out of memory'; exit 1"], cwd=tmp_path)
+    for job_id in (failed, killed, oom):
         assert wait_for_state(s, job_id, (State.FAILED,)) == State.FAILED, stack.logs()
-    out = run_cli(["history", "-o", "id,state,exit_code,cpus,waited,elapsed"], s)
+    out = run_cli(["history", "-o", "id,state,exit_code,cpus,waited,elapsed,failure,requeue"], s)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[1].split() == ["ID", "STATE", "EXIT", "CPUS", "WAITED", "ELAPSED"]
+    assert lines[1].split() == ["ID", "STATE", "EXIT", "CPUS", "WAITED", "ELAPSED", "FAILURE", "REQUEUE"]
     table = lines[2:lines.index("")]  # then a blank line and the count of each end state
     rows = {int(cells[0]): cells for cells in map(str.split, table)}
-    assert rows[failed][1:4] == ["failed", "3", "0.5"], rows[failed]
+    assert rows[failed][1:4] == ["failed", "3", "0.5"] and rows[failed][-2:] == ["exit", "yes"], rows[failed]
     assert rows[killed][1:5] == ["failed", "137", "(SIGKILL)", "-"], rows[killed]
+    assert rows[killed][-2:] == ["exit", "no"] and rows[oom][-2:] == ["cuda_oom", "-"], (rows[killed], rows[oom])
     assert " ended from " in lines[-1]
     refused = run_cli(["history", "-o", "id", "--json"], s)
     assert (refused.returncode, refused.stderr) == (
