@@ -288,20 +288,23 @@ def gpu_type(c: Check) -> tuple[str, str]:
 
 def health(c: Check) -> tuple[str, str]:
     """NVML's memory health counters of each GPU, as the heartbeat judges them (an unhealthy GPU is
-    drained); PASS where gpuq's drains agree with them. The suite drains a simulated GPU marked
-    unhealthy; a real one shows here whether this machine's driver keeps the counters."""
+    drained), and whether NVML gives its Xid events (service/xids.py); PASS where gpuq's drains
+    agree with them. The suite drains a simulated GPU marked unhealthy; a real one shows here
+    whether this machine's driver keeps the counters and gives the events."""
     if not c.real:
         return "SKIP", "no NVML here (tests/test_faults.py drains a simulated GPU marked unhealthy)"
     import pynvml
 
     from gpuq.service.devices import NvmlDevices, _na
     from gpuq.service.inventory import UNHEALTHY
+    from gpuq.service.xids import XidWatch
 
     devices = NvmlDevices()
     said, unhealthy = [], set()
     for g in devices.list():
         h = devices._handle(g.index)
-        verdict = devices.health(h)
+        verdict = devices.health(h) or devices.xid_fault(g.index, h)
+        events = "Xid events watched" if XidWatch.open(pynvml, h) is not None else "no Xid events from NVML"
         if verdict:
             unhealthy.add(g.index)
         calls = {"remapped rows (corr, uncorr, pending, failed)": (pynvml.nvmlDeviceGetRemappedRows,),
@@ -310,7 +313,8 @@ def health(c: Check) -> tuple[str, str]:
                                                 pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
                  "ECC mode (current, pending)": (pynvml.nvmlDeviceGetEccMode,)}
         counters = {k: _na(lambda call=call, h=h: call[0](h, *call[1:]), pynvml) for k, call in calls.items()}
-        said.append(f"GPU {g.index}: {verdict or 'healthy'} ({'; '.join(f'{k} {v}' for k, v in counters.items())})")
+        said.append(f"GPU {g.index}: {verdict or 'healthy'} ({'; '.join(f'{k} {v}' for k, v in counters.items())}; "
+                    f"{events})")
     time.sleep(2)  # a heartbeat or two
     drained = {g["index"] for g in json.loads(c.gpuq("devices", "--json").stdout)
                if (g.get("drain_reason") or "").startswith(UNHEALTHY)}

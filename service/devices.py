@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuq.service.errors import ConfigError
 from gpuq.service.settings import Settings
+from gpuq.service.xids import XidWatch
 
 if TYPE_CHECKING:
     from gpuq.service.simulated_memory import SimulatedMemory
@@ -70,8 +71,8 @@ class GpuReading:
     # Why the GPU is gone (NVML's GPU_IS_LOST or RESET_REQUIRED); None while it works.
     lost: str | None = None
     # Why the GPU should take no new job until it is reset or repaired, by its memory's health
-    # (``NvmlDevices.health``); None while it is healthy or cannot tell. Unlike a lost GPU, it still
-    # runs the job it has.
+    # (``NvmlDevices.health``) or a hardware Xid (service/xids.py); None while it is healthy or
+    # cannot tell. Unlike a lost GPU, it still runs the job it has.
     unhealthy: str | None = None
 
 
@@ -195,6 +196,8 @@ class NvmlDevices:
 
         self._nvml = pynvml
         pynvml.nvmlInit()
+        # Each GPU's Xid events (service/xids.py), watched from its first reading on; None: NVML gives none.
+        self._xids: dict[int, XidWatch | None] = {}
 
     def _handle(self, index: int) -> Any:
         return self._nvml.nvmlDeviceGetHandleByIndex(index)
@@ -237,7 +240,7 @@ class NvmlDevices:
             sm_clock_mhz=_na(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM), n),
             energy_mj=_na(lambda: n.nvmlDeviceGetTotalEnergyConsumption(h), n),
             processes=self._processes(h),
-            unhealthy=self.health(h),
+            unhealthy=self.health(h) or self.xid_fault(index, h),
         )
 
     def health(self, h: Any) -> str | None:
@@ -263,6 +266,14 @@ class NvmlDevices:
             return (f"{errors} uncorrectable ECC error{'s' if errors != 1 else ''} since the driver loaded: reset "
                     "the GPU (nvidia-smi -r)")
         return None
+
+    def xid_fault(self, index: int, h: Any) -> str | None:
+        """Why GPU ``index`` needs a reset by its Xid events since this process first read it (a
+        hardware one: service/xids.py); None while it has had none, or where NVML gives none."""
+        if index not in self._xids:
+            self._xids[index] = XidWatch.open(self._nvml, h)
+        watch = self._xids[index]
+        return watch.look() if watch is not None else None
 
     def _processes(self, h: Any) -> tuple[GpuProcess, ...] | None:
         n = self._nvml

@@ -98,3 +98,69 @@ def test_a_simulated_gpu_marked_unhealthy_reads_so_with_its_marks_first_line(tmp
     assert devices.read(0).unhealthy == "2 uncorrectable ECC errors since the driver loaded"
     assert devices.read(1).unhealthy == "simulated GPU marked unhealthy"
     assert devices.read(0).lost is None
+
+
+class _Events:
+    """NVML's event calls as a GPU answers them: the Xids waiting, taken one a call, then
+    NVML_ERROR_TIMEOUT; or registration refused (NVML_ERROR_NOT_SUPPORTED) where ``supported`` is false."""
+
+    nvmlEventTypeXidCriticalError = 8
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, *xids: int, supported: bool = True):
+        self.waiting, self.supported, self.registered = list(xids), supported, []
+
+    def nvmlEventSetCreate(self):
+        return object()
+
+    def nvmlDeviceRegisterEvents(self, handle, types, events):
+        if not self.supported:
+            raise self.NVMLError("Not Supported")
+        self.registered.append((handle, types))
+
+    def nvmlEventSetWait_v2(self, events, timeout_ms):
+        assert timeout_ms == 0  # a heartbeat never waits for the GPU
+        if not self.waiting:
+            raise self.NVMLError("Timeout")
+        return type("Event", (), {"eventData": self.waiting.pop(0)})()
+
+
+def _nvml_devices(nvml):
+    from gpuq.service.devices import NvmlDevices
+
+    devices = NvmlDevices.__new__(NvmlDevices)  # NVML's answers, not a driver's
+    devices._nvml, devices._xids = nvml, {}
+    return devices
+
+
+def test_a_hardware_xid_makes_the_gpu_unhealthy_for_good_and_a_programs_own_xids_do_not():
+    from gpuq.service.xids import fault_of
+
+    nvml = _Events(13, 31)  # a kernel's illegal address, an MMU fault: the program's own
+    devices = _nvml_devices(nvml)
+    assert devices.xid_fault(0, "h0") is None
+    assert nvml.registered == [("h0", nvml.nvmlEventTypeXidCriticalError)]  # once, at the first look
+    nvml.waiting += [31, 74, 79]
+    said = devices.xid_fault(0, "h0")
+    assert said == fault_of(74) == ("Xid 74 (NVLink error): reset the GPU and check its NVLinks (`gpuq down` on "
+                                    "its node first, `gpuq up` after)")
+    assert nvml.registered == [("h0", nvml.nvmlEventTypeXidCriticalError)]
+    assert devices.xid_fault(0, "h0") == said  # kept: no event says the GPU was reset since
+    assert devices.xid_fault(1, "h1") is None  # each GPU its own events
+    assert fault_of(79).startswith("Xid 79 (the GPU has fallen off the bus): reboot the node")
+
+
+def test_a_gpu_whose_events_nvml_does_not_give_is_read_without_them():
+    devices = _nvml_devices(_Events(48, supported=False))
+    assert devices.xid_fault(0, "h0") is None and devices._xids == {0: None}
+
+
+def test_a_flood_of_events_is_taken_a_bounded_number_a_look():
+    from gpuq.service.xids import MOST_A_LOOK
+
+    nvml = _Events(*[13] * (MOST_A_LOOK + 10), 48)
+    devices = _nvml_devices(nvml)
+    assert devices.xid_fault(0, "h0") is None and len(nvml.waiting) == 11
+    assert devices.xid_fault(0, "h0").startswith("Xid 48 (double-bit ECC error)")
