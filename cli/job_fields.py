@@ -93,7 +93,7 @@ FIELDS: dict[str, tuple[str, bool, Callable[[Row], Cell]]] = {
     "priority": ("PRIORITY", True, _get("priority")),
     "preemptible": ("PREEMPTIBLE", False, lambda j: "yes" if j.get("preemptible") else "-"),
     # Its word on a requeue after a failure of the machinery ("-": as its retries say).
-    "requeue": ("REQUEUE", False, lambda j: {True: "yes", False: "no"}.get(j.get("requeue"), "-")),
+    "requeue": ("REQUEUE", False, lambda j: "-" if j.get("requeue") is None else "yes" if j["requeue"] else "no"),
     # Why it failed, in one word (exit, cuda_oom, gpu_error, ...): gpuq's own, which sacct has not.
     "failure": ("FAILURE", False, lambda j: j.get("failure") or "-"),
     "submitted": ("SUBMITTED", False, _time("submitted_at")),
