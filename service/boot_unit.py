@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from gpuq.service.settings import Settings
+from gpuq.service.settings import ENV_PREFIX, Settings
 from gpuq.service.stack import pid_file, running_supervisor
 
 # `gpuq up`'s wait for the workers inside the unit, and systemd's start timeout around it: a first
@@ -96,7 +96,7 @@ def before_install(settings: Settings, config: Path, sources: dict[str, str]) ->
     said = []
     unseen = sorted(name for name, source in sources.items() if source == "env")
     if unseen:
-        names = ", ".join(f"GPUQ_{name.upper()}" for name in unseen)
+        names = ", ".join(ENV_PREFIX + name.upper() for name in unseen)
         said.append(f"{names} set in this shell will not reach the service: put them in {config} "
                     f"({', '.join(f'{name} = ...' for name in unseen)}) before you install it")
     supervisor = running_supervisor(settings)

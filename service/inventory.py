@@ -28,6 +28,14 @@ def live_cutoff(settings: Settings) -> datetime:
 WORKER_DID_NOT_START = "its worker did not start"
 # How the drain reason of a GPU whose memory needs a reset or a repair begins (workers/heartbeat.py).
 UNHEALTHY = "GPU unhealthy"
+# And of one NVML reads lost.
+LOST = "GPU lost"
+
+
+def health_drain(lost: str | None, unhealthy: str | None) -> str:
+    """The drain reason of a GPU NVML reads ``lost``, else ``unhealthy`` (``GpuReading``'s words):
+    the heartbeat's, and a failed job's end's that found it first (workers/gpu_fault.py)."""
+    return f"{LOST}: {lost}" if lost else f"{UNHEALTHY}: {unhealthy}"
 
 
 def _row(session: Session, node: str, info: GpuInfo, queue: str) -> Gpu:

@@ -160,8 +160,8 @@ def file_key_hint(key: str, known: Mapping[str, Any]) -> str:
 
 
 # GPUQ_REQUEUE's words, and the word a job submitted without --requeue or --no-requeue gets for each.
-REQUEUE_WORDS = ("retries", "yes", "no")
 REQUEUE_DEFAULT: dict[str, bool | None] = {"retries": None, "yes": True, "no": False}
+REQUEUE_WORDS = tuple(REQUEUE_DEFAULT)
 
 
 def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> None:

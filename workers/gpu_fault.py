@@ -25,7 +25,7 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from gpuq.service.errors import Unreachable
-from gpuq.service.inventory import UNHEALTHY, drain_gpu, gpu_id_of
+from gpuq.service.inventory import drain_gpu, gpu_id_of, health_drain
 from gpuq.workers.job import JobRun
 from gpuq.workers.state import WorkerState
 
@@ -51,7 +51,7 @@ class GpuFault:
     @property
     def drain_reason(self) -> str:
         """The reason the GPU is drained with, the heartbeat's own words for the same reading."""
-        return f"GPU lost: {self.lost}" if self.lost else f"{UNHEALTHY}: {self.unhealthy}"
+        return health_drain(self.lost, self.unhealthy)
 
 
 def fault_under(state: WorkerState, job: JobRun, end: dict[str, Any], health_at_start: str | None) -> GpuFault | None:

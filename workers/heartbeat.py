@@ -53,13 +53,14 @@ class Heartbeat(threading.Thread):
                 self.state.gpu_health = reading.unhealthy
             with write_scope(self.settings) as session:
                 inventory.beat(session, self.gpu_id, reading)
-                if reading.lost and inventory.drain_gpu(session, self.gpu_id, f"GPU lost: {reading.lost}"):
+                if reading.lost and inventory.drain_gpu(session, self.gpu_id,
+                                                        inventory.health_drain(reading.lost, None)):
                     log.error("GPU %s lost (%s): drained until an admin resumes its node", self.probe.index,
                               reading.lost)
                 # Unhealthy (its memory needs a reset or a repair): no new job, its own runs on. Still
                 # so after an admin's resume (not reset yet), it is drained again at the next beat.
                 if reading.unhealthy and inventory.drain_gpu(session, self.gpu_id,
-                                                             f"{inventory.UNHEALTHY}: {reading.unhealthy}"):
+                                                             inventory.health_drain(None, reading.unhealthy)):
                     log.error("GPU %s unhealthy (%s): drained until an admin resumes its node; a job on it runs on",
                               self.probe.index, reading.unhealthy)
                 # Back: NVML reads it again and an admin resumed it (`gpuq resume`, which clears the
