@@ -37,7 +37,7 @@ app = typer.Typer()
 # While a job waits, the line is asked for again this often (its reason may change meanwhile).
 WAITING_LOOK_SECONDS = 2.0
 # gpuq's own ends: the failure classes that are not the job's doing.
-GPUQ_ENDS = (*c.INFRA_FAILURES, c.FAILURE_CLIENT_LOST, c.FAILURE_GPU_MEM_EXCEEDED)
+GPUQ_ENDS = (*c.INFRA_FAILURES, c.FAILURE_CLIENT_LOST, c.FAILURE_GPU_MEM_EXCEEDED, c.FAILURE_PREEMPTED)
 
 
 class HangUp(Exception):
@@ -74,10 +74,10 @@ def exit_code_of(end: dict[str, Any]) -> int:
         return 0
     if state == State.TIMED_OUT:
         return c.EXIT_RUN_TIMED_OUT
+    if failure in GPUQ_ENDS:  # before a cancel: a preemption without requeue ends the job cancelled
+        return c.EXIT_RUN_GPUQ
     if state == State.CANCELLED or failure == c.FAILURE_CANCELLED:
         return c.EXIT_JOB_FAILED
-    if failure in GPUQ_ENDS:
-        return c.EXIT_RUN_GPUQ
     if code is None:
         return 1  # a built-in workload that raised
     return 128 - code if code < 0 else min(code, 255) or 1

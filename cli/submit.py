@@ -120,7 +120,8 @@ def submit(
     requeue: Annotated[bool | None, typer.Option("--requeue/--no-requeue", help="Run it again (or never) when "
                                                  "the machinery fails under it: its worker or GPU lost, its GPU "
                                                  "failed, its worker shut down (as sbatch's). Default: the "
-                                                 "queue's GPUQ_REQUEUE (as set up: only with --retries).",
+                                                 "queue's GPUQ_REQUEUE (as set up: only with --retries). A "
+                                                 "--preemptible job with --no-requeue ends when preempted.",
                                                  show_default=False)] = None,
     signal: Annotated[str | None, typer.Option("--signal", help="[B:]SIG[@SECONDS]: send SIG this long (default "
                                                "60) before the time limit, to save a checkpoint; B: its main "

@@ -51,9 +51,12 @@ FAILURE_GPU_MEM_EXCEEDED = "gpu_mem_exceeded"  # a shared job used more GPU memo
 # Its GPU failed under it: the command died as its GPU went unhealthy or lost (NVML, workers/gpu_fault.py),
 # or it printed CUDA's own words for a hardware error (uncorrectable ECC or NVLink error).
 FAILURE_GPU_ERROR = "gpu_error"
+# A preemptible job stopped for a waiting job that was not to be requeued (`--no-requeue`, or
+# GPUQ_REQUEUE=no): it ends there, cancelled, as SLURM's PreemptMode=REQUEUE cancels a job it may not requeue.
+FAILURE_PREEMPTED = "preempted"
 FAILURES = (FAILURE_EXIT, FAILURE_ERROR, FAILURE_CUDA_OOM, FAILURE_HOST_OOM, FAILURE_TIMEOUT, FAILURE_CANCELLED,
             FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_CLIENT_LOST, FAILURE_GPU_MEM_EXCEEDED,
-            FAILURE_GPU_ERROR)
+            FAILURE_GPU_ERROR, FAILURE_PREEMPTED)
 # Failures of the machinery, not the job: a job that asked for retries is put back without using
 # one up (up to the max_requeues setting).
 INFRA_FAILURES = (FAILURE_WORKER_LOST, FAILURE_INTERRUPTED, FAILURE_GPU_LOST, FAILURE_GPU_ERROR)

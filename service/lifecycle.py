@@ -272,12 +272,18 @@ def end_attempt(session: Session, job_id: int, state: State, *, token: str | Non
     job = conn.execute(_RUN_READ, {"job_id": job_id}).one_or_none()
     if job is None or job.state != S.RUNNING:
         return False
-    requeued = job.cancel_requested_at is not None and state != S.SUCCEEDED and requeue_asked(job.reason)
-    if requeued:
+    stop_asked = job.cancel_requested_at is not None and state != S.SUCCEEDED
+    # A preemption requeues only a job that may be requeued: one that said no (its own `--no-requeue`,
+    # or the site's GPUQ_REQUEUE=no at its submit) ends as preempted instead.
+    ends_preempted = stop_asked and preemption_asked(job.reason) and job.requeue is False
+    requeued = stop_asked and requeue_asked(job.reason) and not ends_preempted
+    if ends_preempted:
+        state, failure, reason = S.CANCELLED, c.FAILURE_PREEMPTED, f"{job.reason}, not requeued (no requeue)"
+    elif requeued:
         # Asked to requeue (`gpuq requeue`): whatever stopped it, it waits again, as the asker wanted
         # (held with --hold); neither a retry nor one of the requeues the lost-worker cap counts.
         state, failure, reason = S.CANCELLED, c.FAILURE_CANCELLED, job.reason
-    elif job.cancel_requested_at is not None and state != S.SUCCEEDED:
+    elif stop_asked:
         # Asked to cancel: it ends cancelled, whatever stopped it, and never runs again (a job
         # whose worker died before it confirmed the stop was requeued, its cancel forgotten).
         asked = job.reason if job.reason and job.reason.startswith(CANCELLED_BY) else CANCELLED_BY + "user"
@@ -357,7 +363,8 @@ def requeues_on_infra(job: Any) -> bool:
 def _runs_again(job: Any, state: State, failure: str | None, max_requeues: int) -> str | None:
     """"requeue" (an infrastructure failure), "retry" (the job's own), or None: it ends. A job whose
     client is gone (client_lost) ends for good, as a cancelled one: nobody follows it any more."""
-    if state == S.SUCCEEDED or state == S.CANCELLED or failure in (c.FAILURE_CANCELLED, c.FAILURE_CLIENT_LOST):
+    if state == S.SUCCEEDED or state == S.CANCELLED or failure in (c.FAILURE_CANCELLED, c.FAILURE_CLIENT_LOST,
+                                                                  c.FAILURE_PREEMPTED):
         return None
     if failure in c.INFRA_FAILURES:
         return "requeue" if requeues_on_infra(job) and job.requeues < max_requeues else None

@@ -623,8 +623,10 @@ def test_exit_codes_of_each_kind_of_end():
     # Cancelled, not by this terminal's Ctrl-C (130, which follow() gives): `gpuq wait`'s code.
     assert exit_code_of({"state": "cancelled", "failure": "cancelled"}) == c.EXIT_JOB_FAILED
     for lost in (c.FAILURE_WORKER_LOST, c.FAILURE_INTERRUPTED, c.FAILURE_GPU_LOST, c.FAILURE_CLIENT_LOST,
-                 c.FAILURE_GPU_MEM_EXCEEDED):
+                 c.FAILURE_GPU_MEM_EXCEEDED, c.FAILURE_GPU_ERROR):
         assert exit_code_of({"state": "failed", "failure": lost}) == c.EXIT_RUN_GPUQ
+    # Preempted and not requeued (--no-requeue): cancelled, but by gpuq, not by someone.
+    assert exit_code_of({"state": "cancelled", "failure": c.FAILURE_PREEMPTED}) == c.EXIT_RUN_GPUQ
 
 
 def test_the_waiting_line_words_every_reason_a_job_waits_for():

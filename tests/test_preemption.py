@@ -279,3 +279,37 @@ def test_gpuq_run_of_a_preemptible_job_follows_it_through_its_preemption_to_its_
     assert run.returncode == 0, err
     assert out.index("first") < out.index("got SIGTERM") < out.index("second"), out
     assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED
+
+
+def test_a_preemptible_job_with_no_requeue_ends_preempted_and_gpuq_run_exits_125(one_gpu, tmp_path):
+    import subprocess
+    import sys
+
+    from gpuq.service import constants as c
+    from tests.conftest import settings_env
+
+    s = one_gpu.settings
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--preemptible", "--no-requeue", "-t", "10m",
+                            "--name", "once", "--", "sh", "-c", SCAVENGER], env=settings_env(s), cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "mark").exists():
+            assert time.monotonic() < deadline and run.poll() is None, "the preemptible job's command never began"
+            time.sleep(0.05)
+        urgent = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == c.EXIT_RUN_GPUQ, err
+    assert out.index("first") < out.index("got SIGTERM") and "second" not in out, out
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    from gpuq.service.models import Job
+
+    with write_scope(s) as session:
+        [once] = session.scalars(select(Job.id).where(Job.name == "once")).all()
+    job = _job(s, once)
+    reason = f"preempted by job {urgent} of {job.user}, not requeued (no requeue)"
+    assert (job.state, job.failure, job.reason, job.attempts) == (State.CANCELLED, c.FAILURE_PREEMPTED, reason, [])
+    assert f"gpuq: job {job.id} cancelled [preempted]: {reason}" in err
+    assert "no requeue" in run_cli(["show", str(job.id)], s).stdout

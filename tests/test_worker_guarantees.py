@@ -308,3 +308,39 @@ def test_a_rank_message_runs_only_for_a_running_job_holding_that_gpu_at_that_ran
         assert jobs.rank_to_run(session, job.id, g0.id, 1) is None  # wrong GPU for rank 1
         assert jobs.rank_to_run(session, job.id, g1.id, 2) is None  # no such rank
         assert jobs.rank_to_run(session, job.id, g0.id, 0) is None  # rank 0 is the job itself
+
+
+@pytest.mark.parametrize("requeue,by", [(None, "token"), (True, "token"), (False, "token"), (False, "reaper")])
+def test_a_preempted_job_is_requeued_unless_it_said_no_requeue_then_it_ends_as_preempted(settings, tmp_path, requeue,
+                                                                                         by):
+    from gpuq.service.display import preempted_by
+
+    register_gpus(settings)
+    job = submitting.submit(settings, replace(spec.command_spec(["true"], gpus=1, cwd=str(tmp_path)),
+                                              preemptible=True, requeue=requeue))
+    Scheduler(settings).schedule_once()
+    reason = preempted_by(99, "alice")
+    with write_scope(settings) as session:
+        gpu = jobs.job_gpus(session, job.id)[0]
+        _, token = leases.claim(session, job.id, gpu.id, "gpu@t", 30)
+        assert session.execute(lifecycle.ASK_TO_PREEMPT, {"job_id": job.id, "now": utcnow(),
+                                                          "reason": reason}).rowcount == 1
+    if by == "reaper":  # its worker died while it stopped: the lease ran out
+        expire_lease(settings, job.id)
+        with write_scope(settings) as session:
+            leases.reap(session, settings)
+    else:
+        with write_scope(settings) as session:
+            assert lifecycle.end_attempt(session, job.id, State.CANCELLED, token=token, failure=c.FAILURE_CANCELLED,
+                                         exit_code=143, reason="cancelled")
+    with write_scope(settings) as session:
+        j = jobs.get_job(session, job.id)
+        assert jobs.job_gpus(session, job.id) == []
+        if requeue is False:
+            # As SLURM's PreemptMode=REQUEUE cancels a job it may not requeue: ended, never run again.
+            assert (j.state, j.failure, j.requeues, j.attempts) == (State.CANCELLED, c.FAILURE_PREEMPTED, 0, [])
+            assert j.reason == f"{reason}, not requeued (no requeue)"
+        else:
+            assert (j.state, j.requeues, [(a["state"], a["requeue"]) for a in j.attempts]) == (
+                State.PENDING, 0, [("preempted", True)])
+            assert j.reason == reason
