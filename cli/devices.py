@@ -72,6 +72,13 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
     return t
 
 
+def core_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A line for each node whose started jobs reserve CPU cores (`--cpus`): how many of its cores."""
+    nodes = {r["node"]: (r.get("node_cpus"), r.get("node_cpus_reserved") or 0) for r in rows}
+    return [f"node {node}: {reserved:g} of its {offered} CPU cores reserved by jobs (--cpus)"
+            for node, (offered, reserved) in sorted(nodes.items()) if offered is not None and reserved]
+
+
 def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
     """Every GPU, each with whether its node is drained and why (``node_drained``,
     ``node_drain_reason``: its own ``drain_reason`` is the GPU's alone; ``node_drain_ahead``, a
@@ -136,6 +143,8 @@ def _print(rows: list[dict[str, Any]], drained: dict[str, str | None]) -> None:
         console.print(table(rows, drained))
         for line in drain_reasons(rows, drained, {r["node"]: r["node_drain_ahead"] for r in rows
                                                    if r.get("node_drain_ahead")}):
+            console.print(line, markup=False, highlight=False)
+        for line in core_lines(rows):
             console.print(line, markup=False, highlight=False)
     else:
         console.print("no GPUs registered: start the workers with `gpuq up`")

@@ -7,13 +7,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import samples
+from gpuq.service.constants import State
 from gpuq.service.inventory import holders, live_cutoff
-from gpuq.service.models import utcnow
+from gpuq.service.models import Job, utcnow
 from gpuq.service.settings import Settings
 
+# The CPU cores each node's started jobs reserve (`--cpus`).
+_RESERVED = (select(Job.node, func.sum(Job.cpus)).where(Job.state.in_((State.DISPATCHED, State.RUNNING)),
+                                                         Job.cpus.is_not(None)).group_by(Job.node))
 # A sample older than this many sample intervals (and at least this many seconds) is stale:
 # the table shows "not available" rather than an old reading as if it were now.
 STALE_INTERVALS, STALE_SECONDS = 10, 30.0
@@ -45,6 +50,9 @@ class DeviceStatus:
     # Why this one GPU is given out no more (lost, or its worker did not start); a drained node's
     # reason is the answer's ``drained``.
     drain_reason: str | None = None
+    # Its node's CPU cores for jobs (None: not reported) and those its started jobs reserve (`--cpus`).
+    node_cpus: int | None = None
+    node_cpus_reserved: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__) | {"sampled_at": self.sampled_at.isoformat() if self.sampled_at else None}
@@ -57,6 +65,11 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
     fresh = now - timedelta(seconds=max(STALE_INTERVALS * settings.sample_interval, STALE_SECONDS))
     newest = samples.latest(session, [g.id for g, _ in gpus], fresh)
     cutoff = live_cutoff(settings)
+    offered: dict[str, int] = {}
+    for gpu, _ in gpus:
+        if gpu.node_cpus is not None and gpu.retired_at is None:
+            offered[gpu.node] = min(offered.get(gpu.node, gpu.node_cpus), gpu.node_cpus)
+    reserved = dict(session.execute(_RESERVED).all()) if offered else {}
     out = []
     for gpu, held in gpus:
         job_id, job_name, user = held.whole
@@ -75,5 +88,6 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
             sampled_at=s.sampled_at if s else None,
             processes=[p for p in procs if p.get("gpuq")], foreign=[p for p in procs if not p.get("gpuq")],
             shares=list(held.shares), drain_reason=gpu.drain_reason,
+            node_cpus=offered.get(gpu.node), node_cpus_reserved=float(reserved.get(gpu.node) or 0.0),
         ))
     return out

@@ -16,6 +16,7 @@ from gpuq.service.forecast import NO_START
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
+from gpuq.service.node_cores import SLACK, NodeCores
 from gpuq.service.node_drains import drained_nodes, drains_ahead, notes
 from gpuq.service.queue_read import QueueRead, planned_starts, read_queue
 from gpuq.service.settings import Settings
@@ -124,6 +125,8 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
     need = f"needs {job.gpus} GPU{'s' if job.gpus != 1 else ''}" + (f" of type {job.gpu_type}" if job.gpu_type else "")
     if job.mem_mib:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
+    if job.cpus:
+        need += f" and {job.cpus:g} CPU core{'' if job.cpus == 1 else 's'} (--cpus)"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
     if job.preemptible:
@@ -134,6 +137,8 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
     if reason == policy.PRIORITY:
         parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
+    if job.cpus:
+        parts.extend(_core_lines(state.cores, job, state.now))
     parts.append(_start_line(planned_starts(session, read, decision).get(job.id), state.now))
     return "; ".join(parts)
 
@@ -203,6 +208,20 @@ def _ahead_lines(state: policy.QueueState, decision: policy.Decision, settings: 
     held = "the GPUs are held for it" if decision.reservation is not None else "it waits for GPUs"
     return [f"job {ahead.id} of {ahead.user} ({ahead.gpus} GPU{'s' if ahead.gpus != 1 else ''}) goes first "
             f"({because}) and {held}"]
+
+
+def _core_lines(cores: NodeCores, job: Job, now: float) -> list[str]:
+    """The CPU cores free on each node ``job`` may use that counts them, where too few are for it."""
+    short = []
+    for node in sorted(cores.cores):
+        if (job.on_node and node != job.on_node) or node in (job.exclude_nodes or ()):
+            continue
+        free = max(cores.free_at(node, now), 0.0)
+        if free + SLACK < (job.cpus or 0):
+            held = len(cores.holds.get(node, {}))
+            short.append(f"node {node} has {free:g} of its {cores.cores[node]:g} CPU cores free for jobs "
+                         f"({held} running job{' reserves' if held == 1 else 's reserve'} the rest)")
+    return short
 
 
 def _room_lines(session: Session, settings: Settings, job: Job) -> list[str]:

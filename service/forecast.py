@@ -23,6 +23,10 @@ holds without a time limit is no "for ever" to it; one that started less than GP
 ago holds its GPUs firmly until it may be preempted. A preemptible job waits for every job, as it
 does in the queue, and counts against no user's limit.
 
+A job that reserves CPU cores (`--cpus`) is planned where its node's cores are free beside the
+running and planned jobs' for its whole limit too (service/node_cores.py); a preemptible job's
+cores count as held, as no preemption stops one for its cores alone.
+
 A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
 start) is planned after every job that may start now, from the moment the jobs it waits for are
 expected to end (or start): a running one's by its time limit, a pending one's by its own plan,
@@ -44,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuq.service import packing, policy
+from gpuq.service.node_cores import SLACK
 from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
 
 # How many of the queue's eligible jobs are planned (SLURM's backfill too looks only so far down the
@@ -155,6 +160,14 @@ class _Plan:
             if g.closes_at is not None:  # its node's window: to its end, or a resume no one can foresee
                 usage.hold(max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at,
                            math.inf)
+        # Each node's CPU cores over time, where it counts them: the running jobs' reservations, then
+        # the planned jobs'.
+        self.cores: dict[str, _Usage] = {}
+        for node, offered in state.cores.cores.items():
+            cores = self.cores[node] = _Usage(offered + SLACK)
+            for end, cpus in state.cores.holds.get(node, {}).values():
+                if end > state.now:
+                    cores.hold(state.now, end, cpus)
 
     def _layer(self, gpu: int, preemptible: bool) -> _Usage:
         """What holds ``gpu`` over time: its preemptible jobs, or the others."""
@@ -182,6 +195,18 @@ class _Plan:
              preemptible: bool = False) -> None:
         for g in gpus:
             self._layer(g.id, preemptible).hold(start, end, math.inf if need is None else need)
+
+    def cores_from(self, node: str, t: float, length: float, cpus: float | None, past: float = math.inf) -> float:
+        """The first moment from ``t`` at which ``node`` has ``cpus`` cores free for ``length`` seconds
+        (``t`` where the job reserves none or the node counts none; inf: never, or not before ``past``)."""
+        cores = self.cores.get(node) if cpus else None
+        return t if cores is None else cores.next_free(t, length, cpus, past)
+
+    def hold_cores(self, node: str, start: float, end: float, cpus: float | None) -> None:
+        cores = self.cores.get(node) if cpus else None
+        if cores is not None:
+            assert cpus is not None
+            cores.hold(start, end, cpus)
 
     def array(self, job: JobRequest) -> _Usage | None:
         """The tasks of ``job``'s array over time, where it is a task of a limited array."""
@@ -224,6 +249,7 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
             where[p.job_id] = list(p.gpus)
         placed, ends = jobs[p.job_id], state.now + _length(jobs[p.job_id])
         plan.hold(list(p.gpus), state.now, ends, _need(placed, state), placed.preemptible)
+        plan.hold_cores(p.gpus[0].node, state.now, ends, placed.cpus)
         user = None if placed.preemptible else plan.user(placed.user)
         if user is not None:
             user.hold(state.now, ends, packing.charged_gpus(placed, list(p.gpus), state.shared_context_mib))
@@ -339,6 +365,7 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                 continue
             user.hold(start, start + length, charge)
         plan.hold(chosen, start, start + length, need, job.preemptible)
+        plan.hold_cores(chosen[0].node, start, start + length, job.cpus)
         if array is not None:
             array.hold(start, start + length, 1)
         if where is not None:
@@ -377,5 +404,10 @@ def _on_node(gpus: list[GpuState], job: JobRequest, need: int | None, length: fl
             return None
         free = [g for g in gpus if plan.next_free(g.id, soonest, length, need, preemptible=preemptible) == soonest]
         if len(free) >= count:
-            return soonest, free[:count]
+            cores = plan.cores_from(gpus[0].node, soonest, length, job.cpus, past)
+            if cores == soonest:
+                return soonest, free[:count]
+            if math.isinf(cores):
+                return None
+            soonest = cores  # its GPUs then, once its node's cores are free
         at = soonest

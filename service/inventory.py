@@ -48,10 +48,12 @@ def _row(session: Session, node: str, info: GpuInfo, queue: str) -> Gpu:
     return gpu
 
 
-def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str, pid: int) -> int:
-    """Record (or refresh) the GPU a worker serves; returns its row id."""
+def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str, pid: int,
+             node_cpus: int | None = None) -> int:
+    """Record (or refresh) the GPU a worker serves, and the CPU cores its node offers jobs
+    (``node_cores.offered``); returns its row id."""
     gpu = _row(session, node, info, queue)
-    gpu.worker, gpu.worker_pid = worker, pid
+    gpu.worker, gpu.worker_pid, gpu.node_cpus = worker, pid, node_cpus
     gpu.heartbeat_at = utcnow()
     if gpu.drain_reason is not None and gpu.drain_reason.startswith(WORKER_DID_NOT_START):
         gpu.drain_reason = None

@@ -23,8 +23,10 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
     The lists are for GPUs a whole-GPU job holds, and list whole-GPU jobs only: a GPU with shared
     jobs gets none (one of them leaving frees a share, not the GPU), and a shared job is never
     listed (its room is the scheduler's to count) but closes, as a gang does, the lists of the GPUs
-    it could ever share, so that no job behind it takes a GPU it could use; so does a
-    `--dependency singleton` job (whether another job of its name started is the pass's to see).
+    it could ever share, so that no job behind it takes a GPU it could use; so do a
+    `--dependency singleton` job (whether another job of its name started is the pass's to see) and
+    a job that reserves CPU cores on a node that counts them (whether its node has them free is the
+    pass's to see, and a worker's take counts none).
     The GPUs of a node share their jobs, so each lists ``per_gpu`` times its node's busy GPUs
     (enough for all of them to take several before the scheduler's next pass); the walk looks at
     most ``scan`` jobs.
@@ -52,7 +54,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
         limit = state.limit_of(job.user)
         if limit and policy.limit_reached(job, in_use.get(job.user, 0), limit):
             continue
-        if job.gpus > 1 or job.shared or job.singleton:
+        if job.gpus > 1 or job.shared or job.singleton or any(state.cores.counts(job.cpus, g.node) for g in open_gpus):
             # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
             could = _could_use(job, open_gpus, state)
             open_gpus = [g for g in open_gpus if g.id not in could]

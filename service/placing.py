@@ -1,6 +1,8 @@
 """Placing: the GPUs as one ``policy.decide`` pass places jobs on them, free, shared, reserved for
 the first job in line, fenced for a typed one, or taken by preemption (service/preemption.py). A
-GPU whose node is to drain (``GpuState.closes_at``) takes only jobs that end by then."""
+GPU whose node is to drain (``GpuState.closes_at``) takes only jobs that end by then. A job that
+reserves CPU cores (`--cpus`) goes only where its node has them free (service/node_cores.py), and
+a job placed past the reserved start leaves the first job in line its cores as well as its GPUs."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 from collections import defaultdict
 
 from gpuq.service import packing, preemption
+from gpuq.service.node_cores import SLACK
 from gpuq.service.packing import GpuLoad
 from gpuq.service.queue_state import GpuState, JobRequest, Placement, Preemptible, QueueState, Reservation
 
@@ -18,6 +21,7 @@ class Gpus:
     def __init__(self, state: QueueState) -> None:
         self.now = state.now
         self.context_mib = state.shared_context_mib
+        self.cores = state.cores.copy()  # the jobs placed in this pass hold theirs too
         self.by_node: dict[str, list[GpuLoad]] = defaultdict(list)
         self.free: dict[str, list[GpuLoad]] = defaultdict(list)  # no gpuq job: whole-GPU jobs' GPUs
         self.shareable: dict[str, list[GpuLoad]] = defaultdict(list)  # no whole-GPU job: shared jobs' GPUs
@@ -79,6 +83,15 @@ class Gpus:
     def nodes_for(self, job: JobRequest) -> list[str]:
         return [n for n in self.by_node if job.may_use(n)]
 
+    def _cores_for(self, job: JobRequest, node: str, reservation: Reservation | None, ends_in_time: bool) -> bool:
+        """Whether ``node`` has the cores ``job`` reserves free now and, on the reserved node for a job
+        that would still run at the reserved start, the reserved job's cores free beside them then."""
+        if not self.cores.fit(job.cpus, node, self.now):
+            return False
+        if reservation is None or not reservation.cpus or node != reservation.node or ends_in_time:
+            return True
+        return self.cores.fit(job.cpus, node, reservation.start, also=reservation.cpus)
+
     def ends(self, job: JobRequest) -> float:
         """When ``job`` would end by its time limit if it started now (inf without one)."""
         return math.inf if job.time_limit_s is None else self.now + job.time_limit_s
@@ -91,25 +104,26 @@ class Gpus:
         """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
         ends_in_time = reservation is not None and self.ends(job) <= reservation.start
         shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, ends_in_time,
-                 self._drains_met(job))
+                 self._drains_met(job), job.cpus)
         if shape in self.failed:
             return None
+        nodes = [n for n in self.nodes_for(job) if self._cores_for(job, n, reservation, ends_in_time)]
         if job.shared:
             shareable = self.shareable if not self.fenced else \
                 {n: [g for g in loads if self.open_to_later(g.gpu)] for n, loads in self.shareable.items()}
             chosen = packing.choose_shared(job, packing.need_mib(job, self.context_mib), shareable,
-                                           self.nodes_for(job), reservation, self.ends(job))
+                                           nodes, reservation, self.ends(job))
         else:
-            chosen = self._choose_whole(job, reservation, ends_in_time)
+            chosen = self._choose_whole(job, nodes, reservation, ends_in_time)
         if chosen is None:
             self.failed.add(shape)
         return chosen
 
-    def _choose_whole(self, job: JobRequest, reservation: Reservation | None,
+    def _choose_whole(self, job: JobRequest, nodes: list[str], reservation: Reservation | None,
                       ends_in_time: bool) -> tuple[GpuLoad, ...] | None:
-        """Best fit for a whole-GPU job: the node with the fewest suitable GPUs free of gpuq jobs."""
+        """Best fit for a whole-GPU job: the node of ``nodes`` with the fewest suitable GPUs free of gpuq jobs."""
         options = []
-        for node in self.nodes_for(job):
+        for node in nodes:
             usable = [g for g in self.free[node] if g.gpu.fits(job) and g.gpu.open_until(self.ends(job))
                       and (not self.fenced or self.open_to_later(g.gpu))]
             if reservation is not None and node == reservation.node and not ends_in_time:
@@ -136,8 +150,9 @@ class Gpus:
             else:
                 load.take_whole(end)
                 self.shareable[node].remove(load)
+        self.cores.hold(node, job.id, end, job.cpus)
         self.failed.clear()
-        return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared)
+        return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared, cpus=job.cpus)
 
     def may_preempt_for(self, job: JobRequest) -> bool:
         """Whether ``job`` might still take GPUs by preemption in this pass."""
@@ -149,7 +164,8 @@ class Gpus:
         ahead of it are not taken."""
         if not self.may_preempt_for(job):
             return None
-        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, self._drains_met(job))
+        shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, self._drains_met(job),
+                 job.cpus)
         if shape in self.cannot_preempt:
             return None
         reserved = reservation.gpu_ids if reservation is not None else frozenset()
@@ -165,8 +181,16 @@ class Gpus:
             return {victim: usable_loads for victim, loads in self.held[node].items()
                     if (usable_loads := [g for g in loads if usable(g)])}
 
+        def cores_short(node: str, victims: list[int]) -> bool:
+            """Whether ``node`` lacks ``job``'s cores even once ``victims`` let theirs go."""
+            if not self.cores.counts(job.cpus, node):
+                return False
+            assert job.cpus is not None
+            return self.cores.free_at(node, self.now) + self.cores.held_by(node, victims) < job.cpus - SLACK
+
         plan = preemption.plan(job, self.nodes_for(job),
-                               lambda node: [g for g in (*self.freeing[node], *self.free[node]) if usable(g)], held)
+                               lambda node: [g for g in (*self.freeing[node], *self.free[node]) if usable(g)], held,
+                               cores_short)
         if plan is None:
             self.cannot_preempt.add(shape)
             return None
@@ -176,6 +200,8 @@ class Gpus:
     def _claim(self, job: JobRequest, plan: preemption.Plan) -> None:
         """Hold ``plan``'s GPUs for ``job`` in this pass; its victims' other GPUs are being freed."""
         node, end = plan.node, self.ends(job)
+        self.cores.release(node, plan.victims)
+        self.cores.hold(node, job.id, end, job.cpus)
         for victim in [v for v in self.held[node] if v.job_id in plan.victims]:
             loads = self.held[node].pop(victim)
             self.freeing[node] += [g for g in loads if g not in plan.gpus]
@@ -203,13 +229,14 @@ class Gpus:
         def counts(g: GpuLoad) -> bool:
             return not past_drains or g.gpu.closes_at is None or g.gpu.reopens_at is not None
 
+        nodes = [n for n in self.nodes_for(job) if self.cores.ever_fits(job.cpus, n)]
         if job.shared:
             need = packing.need_mib(job, self.context_mib)
             return any(sum(counts(g) and g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need)
                            for g in self.by_node[n]) >= job.gpus
-                       for n in self.nodes_for(job))
+                       for n in nodes)
         return any(sum(1 for g in self.by_node[n] if counts(g) and g.gpu.fits(job)) >= job.gpus
-                   for n in self.nodes_for(job))
+                   for n in nodes)
 
     def reserve(self, job: JobRequest) -> Reservation | None:
         """The earliest start ``job`` can count on, from the running jobs' time limits (those
@@ -228,12 +255,14 @@ class Gpus:
             if len(suitable) < job.gpus:
                 continue
             needed = suitable[: job.gpus]
-            start = needed[-1][0]
+            # Its GPUs' moment, or later where its node's cores are held past it.
+            start = self.cores.ready_at(job.cpus, node, needed[-1][0])
             # A node's window (its GPUs share it): a job that could not end before it starts after it.
             # GPUs clear (or with room) at ``start`` stay so: nothing else is planned on them.
             start = loads[0].gpu.open_from(start, length) if loads else start
             if math.isinf(start):
                 continue
             if best is None or start < best.start:
-                best = Reservation(job.id, node, start, frozenset(gpu_id for _, _, gpu_id in needed), need)
+                best = Reservation(job.id, node, start, frozenset(gpu_id for _, _, gpu_id in needed), need,
+                                   job.cpus if self.cores.counts(job.cpus, node) else None)
         return best

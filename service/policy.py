@@ -95,7 +95,8 @@ def decide(state: QueueState) -> Decision:
         if plan is not None:
             # Its GPUs are its own from now on in this pass and the next ones, until they are free.
             decision.preemptions.update(dict.fromkeys(plan.victims, job.id))
-            decision.claims.append(Placement(job.id, tuple(load.gpu for load in plan.gpus), shared=job.shared))
+            decision.claims.append(Placement(job.id, tuple(load.gpu for load in plan.gpus), shared=job.shared,
+                                             cpus=job.cpus))
             decision.waiting[job.id] = PREEMPTING
             in_use[job.user] = in_use.get(job.user, 0) + packing.charged_gpus(
                 job, [load.gpu for load in plan.gpus], state.shared_context_mib)

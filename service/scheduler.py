@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import bindparam, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -29,6 +29,7 @@ from gpuq.service import (
     mail,
     next_up,
     next_up_choice,
+    node_cores,
     node_drains,
     packing,
     policy,
@@ -38,7 +39,7 @@ from gpuq.service import constants as c
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.dialect import savepoint
 from gpuq.service.fair_share import FairShare
-from gpuq.service.models import Allocation, Gpu, table, utcnow
+from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_read import QueueRead, pending_row, read_queue
 from gpuq.service.settings import Settings
@@ -52,8 +53,17 @@ PLACE_AT_SUBMIT_MAX = 64
 STAND_INS = 8
 
 
-# Why ``_allocate`` placed nothing: the job changed since it was read, or its GPUs did.
-JOB_MOVED, GPUS_TAKEN = "job moved", "GPUs taken"
+# Why ``_allocate`` placed nothing: the job changed since it was read, or its GPUs did, or its node's cores.
+JOB_MOVED, GPUS_TAKEN, CORES_TAKEN = "job moved", "GPUs taken", "cores taken"
+_J = table(Job).c
+# A node's cores for jobs (the least its GPUs' workers report) and those its started jobs reserve.
+_CORES_OF = Prepared(select(
+    select(func.min(table(Gpu).c.node_cpus)).where(table(Gpu).c.node == bindparam("node"),
+                                                   table(Gpu).c.retired_at.is_(None)).scalar_subquery(),
+    select(func.coalesce(func.sum(_J.cpus), 0.0)).where(
+        # Two equalities, not IN: a Prepared statement has no list to expand.
+        _J.node == bindparam("node"), or_(_J.state == c.State.DISPATCHED, _J.state == c.State.RUNNING)
+    ).scalar_subquery()))
 
 
 def allocate(session: Session, p: policy.Placement, now: datetime | None = None, share_mib: int | None = None) -> bool:
@@ -66,8 +76,11 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None,
 
 def _allocate(session: Session, p: policy.Placement, now: datetime | None = None,
               share_mib: int | None = None) -> str | None:
-    """``allocate``: None once placed, else what stood in the way (JOB_MOVED, GPUS_TAKEN)."""
+    """``allocate``: None once placed, else what stood in the way (JOB_MOVED, GPUS_TAKEN, CORES_TAKEN)."""
     conn = session.connection()  # Core: a submit places its job in its own transaction
+    if p.cpus and not _cores_for(conn, p.gpus[0].node, p.cpus):
+        log.info("job %s: its node's CPU cores were taken meanwhile; next pass", p.job_id)
+        return CORES_TAKEN
     share = None
     if p.shared:
         assert share_mib is not None
@@ -96,6 +109,13 @@ _HELD_ON = (select(table(Allocation).c.gpu_id, func.count(), func.sum(table(Allo
             .group_by(table(Allocation).c.gpu_id))
 _ROOM_OF = (select(table(Gpu).c.id, table(Gpu).c.memory_total_mib, table(Gpu).c.foreign_mib)
             .where(table(Gpu).c.id.in_(bindparam("gpu_ids", expanding=True))))
+
+
+def _cores_for(conn: Any, node: str, cpus: float) -> bool:
+    """Whether ``node`` still has ``cpus`` cores no started job reserves, as SQL has it now (in the
+    placing transaction): the pass read them before the write, and a submit may place meanwhile."""
+    [(cores, held)] = _CORES_OF.run(conn, {"node": node})
+    return cores is None or held + cpus <= cores + node_cores.SLACK
 
 
 def _room_for(conn: Any, p: policy.Placement, share_mib: int) -> bool:

@@ -177,6 +177,9 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
         fail("redis_port", "must be a TCP port, 1 to 65535")
     if not 0 <= settings.cpus_per_gpu <= MAX_CPUS:
         fail("cpus_per_gpu", f"must be between 0 (no limit) and {MAX_CPUS} (CPU cores a job may use for each GPU)")
+    if not 0 <= settings.node_cpus <= MAX_CPUS:
+        fail("node_cpus", f"must be between 0 (the cores the worker may run on) and {MAX_CPUS} (CPU cores this node "
+                          "offers jobs)")
     if not 0 <= settings.preemptible_charge <= 1:
         fail("preemptible_charge", "must be between 0 and 1 (what a preemptible job's GPU-hour counts in fair share)")
     if settings.requeue not in REQUEUE_WORDS:

@@ -110,6 +110,10 @@ class Settings:
     # --cpus (SLURM's DefCpuPerGPU, held to as docker's --cpus is: a cgroup's CPU quota); 0: no limit.
     # On a box whose GPUs' jobs starve each other's data loaders, its cores over its GPUs.
     cpus_per_gpu: float = 0.0
+    # The CPU cores this node offers its jobs, which a job's --cpus reserves (as SLURM's CPUs= of a
+    # node): read by its workers, which report it; 0: the cores the worker may run on. More than the
+    # node has lets jobs together ask for more than it has; fewer keeps some for the system.
+    node_cpus: int = 0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
     max_output_bytes: int = 16 * 1024 * 1024
     # `gpuq up`'s logs (home/logs: the supervisor's and each process's it runs) are rotated when one

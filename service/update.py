@@ -134,7 +134,7 @@ _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at"
                  "cpus": "CPU cores"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
 # (A job made preemptible or not leaves the lists too: it goes after every other job, or no longer.)
-_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible")
+_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible", "cpus")
 
 @dataclass
 class Outcome:
@@ -190,7 +190,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
     checked: set[tuple[Any, ...]] = set()
     for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
                             Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type, Job.exclude_nodes,
-                            Job.preemptible).values():
+                            Job.preemptible, Job.cpus).values():
         gpus = changes.gpus if changes.gpus is not None else job.gpus
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
         mem_mib = job.mem_mib if changes.mem_mib is None else changes.mem_mib or None
@@ -198,6 +198,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
         shared = bool(job.shared) if changes.shared is None else changes.shared
         exclude = job.exclude_nodes if changes.exclude_nodes is None else changes.exclude_nodes
         preemptible = bool(job.preemptible) if changes.preemptible is None else changes.preemptible
+        cpus = job.cpus if changes.cpus is None else changes.cpus or None
         if shared and mem_mib is None:
             if job.shared:
                 raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
@@ -209,14 +210,14 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             raise InvalidSpec(refused)
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
-                 shared, gpus, gpu_type, tuple(exclude or ()), preemptible)
+                 shared, gpus, gpu_type, tuple(exclude or ()), preemptible, cpus)
         if shape in checked:
             continue
         checked.add(shape)
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
                                                         mem_mib=mem_mib, on_node=on_node,
                                                         shared=shared, gpu_type=gpu_type, preemptible=preemptible,
-                                                        exclude_nodes=list(exclude) if exclude else None))
+                                                        exclude_nodes=list(exclude) if exclude else None, cpus=cpus))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
             get_workload(job.workload).check_gpus(params, gpus)
 

@@ -147,6 +147,9 @@ def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -
                   fake_gpu_memory_mib=8192, heartbeat_interval=0.5, worker_timeout=6.0,
                   scheduler_interval=0.5, kill_grace=1.0, warm_start=False, sample_interval=0.5,
                   lease_timeout=10.0, resend_after=5.0,
+                  # The test node's cores for --cpus, as fake_gpus are its GPUs: more than this machine's two,
+                  # so that jobs asking several each start side by side unless a test says otherwise.
+                  node_cpus=64,
                   # In the test's own directory: the default, under /tmp, would outlive the test.
                   fake_gpu_memory_dir=str(home / "simulated-gpu-memory"))
     values.update(overrides)

@@ -1,0 +1,81 @@
+"""CPU cores as a node's consumable on a real stack (`--cpus` reserves them, GPUQ_NODE_CPUS says how
+many a node offers): a job waits for its node's cores while a GPU is free, a job reserving none
+starts beside, and one asking more than any node offers is refused at submit and update."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+from gpuq.service import jobs
+from gpuq.service.constants import State
+from gpuq.service.db import write_scope
+from gpuq.service.models import Gpu, Job
+from tests.conftest import cli_submit, run_cli, stack_on_database, wait_for_state
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def two_cores(request, tmp_path_factory, redis_url):
+    """Two simulated GPUs on a node that offers its jobs two CPU cores."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=2, node_cpus=2)
+
+
+def _job(settings, job_id):
+    with write_scope(settings) as session:
+        return jobs.get_job(session, job_id)
+
+
+def test_a_job_waits_for_its_nodes_cores_beside_a_free_gpu_and_starts_once_they_are_back(two_cores, tmp_path):
+    s = two_cores.settings
+    with write_scope(s) as session:  # what the workers reported: GPUQ_NODE_CPUS
+        assert set(session.scalars(select(Gpu.node_cpus)).all()) == {2}
+    hog = cli_submit(s, ["--cpus", "2", "-t", "5m", "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.1; done"],
+                     cwd=tmp_path)
+    assert wait_for_state(s, hog, (State.RUNNING,)) == State.RUNNING
+    waits = cli_submit(s, ["--cpus", "1", "-t", "5m", "--", "echo", "waited"], cwd=tmp_path)
+    beside = cli_submit(s, ["-t", "1m", "--", "echo", "beside"], cwd=tmp_path)
+    # The job reserving a core waits for one, pass after pass, the free GPU kept for it from the
+    # moment the first job's limit frees its cores; a job reserving none that ends before then
+    # backfills there.
+    assert wait_for_state(s, beside, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    time.sleep(2.0)  # four scheduler passes
+    assert _job(s, waits).state == State.PENDING
+    why = run_cli(["why", str(waits)], s).stdout
+    assert "needs 1 GPU and 1 CPU core (--cpus)" in why, why
+    assert "node testnode has 0 of its 2 CPU cores free for jobs (1 running job reserves the rest)" in why, why
+    assert "node testnode: 2 of its 2 CPU cores reserved by jobs (--cpus)" in run_cli(["devices"], s).stdout
+    listed = json.loads(run_cli(["devices", "--json"], s).stdout)
+    assert {(d["node_cpus"], d["node_cpus_reserved"]) for d in listed} == {(2, 2.0)}
+
+    (tmp_path / "go").touch()
+    assert wait_for_state(s, waits, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    assert _job(s, waits).started_at >= _job(s, hog).ended_at
+
+
+def test_cpus_past_what_any_node_offers_is_refused_at_submit_and_update_in_one_line(two_cores, tmp_path):
+    s = two_cores.settings
+
+    def count() -> int:
+        with write_scope(s) as session:
+            return session.scalar(select(func.count()).select_from(Job)) or 0
+
+    before = count()
+    refused = run_cli(["submit", "--cpus", "3", "--", "true"], s, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        "gpuq: --cpus 3 is more CPU cores than node testnode offers jobs (2; GPUQ_NODE_CPUS): it would never start"]
+    assert count() == before
+
+    held = cli_submit(s, ["--hold", "--cpus", "1", "--", "true"], cwd=tmp_path)
+    refused = run_cli(["update", str(held), "--cpus", "2.5"], s)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "--cpus 2.5 is more CPU cores than node testnode offers" in refused.stderr
+    assert _job(s, held).cpus == 1
+    assert run_cli(["update", str(held), "--cpus", "2"], s).returncode == 0
+    assert _job(s, held).cpus == 2
+    run_cli(["cancel", str(held)], s)
