@@ -61,7 +61,7 @@ def alloc(
     shared: Annotated[bool, typer.Option("--shared", help="Share the GPU with other --shared jobs, by --mem.")]
     = False,
     cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="CPU cores the shell's processes may use "
-                                             "together, e.g. 4 or 0.5.")] = None,
+                                             "together, e.g. 4 or 0.5: reserved on its node.")] = None,
     time_limit: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
                                                                   "2-0:00): warned of 5 minutes before, then "
                                                                   "everything is stopped.")]

@@ -73,10 +73,17 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
 
 
 def core_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """A line for each node whose started jobs reserve CPU cores (`--cpus`): how many of its cores."""
-    nodes = {r["node"]: (r.get("node_cpus"), r.get("node_cpus_reserved") or 0) for r in rows}
-    return [f"node {node}: {reserved:g} of its {offered} CPU cores reserved by jobs (--cpus)"
-            for node, (offered, reserved) in sorted(nodes.items()) if offered is not None and reserved]
+    """A line for each node whose started jobs reserve CPU cores or host memory (`--cpus`,
+    `--host-mem`): how much of its offer."""
+    lines = []
+    for node, r in sorted({r["node"]: r for r in rows}.items()):
+        if r.get("node_cpus") is not None and r.get("node_cpus_reserved"):
+            lines.append(f"node {node}: {r['node_cpus_reserved']:g} of its {r['node_cpus']} CPU cores reserved by "
+                         "jobs (--cpus)")
+        if r.get("node_host_mem_mib") is not None and r.get("node_host_mem_reserved_mib"):
+            lines.append(f"node {node}: {r['node_host_mem_reserved_mib']} of its {r['node_host_mem_mib']} MiB of host "
+                         "memory reserved by jobs (--host-mem)")
+    return lines
 
 
 def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:

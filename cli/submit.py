@@ -109,10 +109,12 @@ def submit(
                                                 "as sbatch -x.")] = None,
     preemptible: Annotated[bool, typer.Option("--preemptible", help="Run on GPUs no other job waits for, past "
                                               "your GPU limit; requeued (SIGTERM first) when one does.")] = False,
-    host_mem: Annotated[str | None, typer.Option(help="Host memory limit of a command's processes, e.g. "
-                                                      "8G (past it the OOM killer stops the job).")] = None,
+    host_mem: Annotated[str | None, typer.Option(help="Host memory of a command's processes, e.g. 8G: reserved "
+                                                      "on its node, and its limit (past it the OOM killer stops "
+                                                      "the job).")] = None,
     cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="CPU cores a command's processes may use "
-                                             "together, e.g. 4 or 0.5 (held to it, as docker --cpus).")] = None,
+                                             "together, e.g. 4 or 0.5: reserved on its node, and held to "
+                                             "(as docker --cpus).")] = None,
     time: Annotated[str | None, typer.Option("--time", "-t", help="Time limit (2h, 30m, or SLURM's 90, 1:30:00, "
                                                                "2-0:00); stopped past it.")] = None,
     retries: Annotated[int, typer.Option(help="Run again up to N times if it fails or its worker is lost.",

@@ -16,9 +16,9 @@ from gpuq.service.inventory import holders, live_cutoff
 from gpuq.service.models import Job, utcnow
 from gpuq.service.settings import Settings
 
-# The CPU cores each node's started jobs reserve (`--cpus`).
-_RESERVED = (select(Job.node, func.sum(Job.cpus)).where(Job.state.in_((State.DISPATCHED, State.RUNNING)),
-                                                         Job.cpus.is_not(None)).group_by(Job.node))
+# The CPU cores and host memory each node's started jobs reserve (`--cpus`, `--host-mem`).
+_RESERVED = (select(Job.node, func.sum(Job.cpus), func.sum(Job.host_mem_mib))
+             .where(Job.state.in_((State.DISPATCHED, State.RUNNING))).group_by(Job.node))
 # A sample older than this many sample intervals (and at least this many seconds) is stale:
 # the table shows "not available" rather than an old reading as if it were now.
 STALE_INTERVALS, STALE_SECONDS = 10, 30.0
@@ -50,9 +50,12 @@ class DeviceStatus:
     # Why this one GPU is given out no more (lost, or its worker did not start); a drained node's
     # reason is the answer's ``drained``.
     drain_reason: str | None = None
-    # Its node's CPU cores for jobs (None: not reported) and those its started jobs reserve (`--cpus`).
+    # Its node's CPU cores and host memory for jobs (None: not reported) and what its started jobs
+    # reserve of them (`--cpus`, `--host-mem`).
     node_cpus: int | None = None
     node_cpus_reserved: float = 0.0
+    node_host_mem_mib: int | None = None
+    node_host_mem_reserved_mib: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__) | {"sampled_at": self.sampled_at.isoformat() if self.sampled_at else None}
@@ -65,11 +68,14 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
     fresh = now - timedelta(seconds=max(STALE_INTERVALS * settings.sample_interval, STALE_SECONDS))
     newest = samples.latest(session, [g.id for g, _ in gpus], fresh)
     cutoff = live_cutoff(settings)
-    offered: dict[str, int] = {}
-    for gpu, _ in gpus:
-        if gpu.node_cpus is not None and gpu.retired_at is None:
-            offered[gpu.node] = min(offered.get(gpu.node, gpu.node_cpus), gpu.node_cpus)
-    reserved = dict(session.execute(_RESERVED).all()) if offered else {}
+    cores: dict[str, int] = {}
+    mem: dict[str, int] = {}
+    for gpu, _ in gpus:  # the least its workers report (retired GPUs are not listed)
+        if gpu.node_cpus is not None:
+            cores[gpu.node] = min(cores.get(gpu.node, gpu.node_cpus), gpu.node_cpus)
+        if gpu.node_host_mem_mib is not None:
+            mem[gpu.node] = min(mem.get(gpu.node, gpu.node_host_mem_mib), gpu.node_host_mem_mib)
+    reserved = {node: (c or 0.0, m or 0) for node, c, m in session.execute(_RESERVED)} if cores or mem else {}
     out = []
     for gpu, held in gpus:
         job_id, job_name, user = held.whole
@@ -88,6 +94,7 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
             sampled_at=s.sampled_at if s else None,
             processes=[p for p in procs if p.get("gpuq")], foreign=[p for p in procs if not p.get("gpuq")],
             shares=list(held.shares), drain_reason=gpu.drain_reason,
-            node_cpus=offered.get(gpu.node), node_cpus_reserved=float(reserved.get(gpu.node) or 0.0),
+            node_cpus=cores.get(gpu.node), node_cpus_reserved=float(reserved.get(gpu.node, (0.0, 0))[0]),
+            node_host_mem_mib=mem.get(gpu.node), node_host_mem_reserved_mib=int(reserved.get(gpu.node, (0.0, 0))[1]),
         ))
     return out

@@ -9,15 +9,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import deadline, dependencies, policy
+from gpuq.service import deadline, dependencies, node_use, policy
 from gpuq.service.constants import State
 from gpuq.service.display import expected_at, gpu_hours_text, preempted_by, time_limit, utc, window_span
 from gpuq.service.forecast import NO_START
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.jobs import get_job
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
-from gpuq.service.node_cores import SLACK, NodeCores
 from gpuq.service.node_drains import drained_nodes, drains_ahead, notes
+from gpuq.service.node_use import CPUS, SLACK, WORDS, NodeUse
 from gpuq.service.queue_read import QueueRead, planned_starts, read_queue
 from gpuq.service.settings import Settings
 from gpuq.service.units import AFTER_KINDS
@@ -127,6 +127,8 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
         need += f" with {_gib(job.mem_mib)} {'to share' if job.shared else 'free'}"
     if job.cpus:
         need += f" and {job.cpus:g} CPU core{'' if job.cpus == 1 else 's'} (--cpus)"
+    if job.host_mem_mib:
+        need += f" and {_gib(job.host_mem_mib)} of host memory (--host-mem)"
     need += f" on node {job.on_node}" if job.on_node else " on one node"
     parts = [f"{head}: it {need}"]
     if job.preemptible:
@@ -137,8 +139,8 @@ def _waiting(session: Session, settings: Settings, job: Job) -> str:
     if reason == policy.PRIORITY:
         parts.extend(_ahead_lines(state, decision, settings, job))
     parts.extend(_room_lines(session, settings, job) if job.shared else _gpu_lines(session, settings, job))
-    if job.cpus:
-        parts.extend(_core_lines(state.cores, job, state.now))
+    for kind, amount in node_use.needs(job).items():
+        parts.extend(_node_lines(state.node_use[kind], kind, amount, job, state.now))
     parts.append(_start_line(planned_starts(session, read, decision).get(job.id), state.now))
     return "; ".join(parts)
 
@@ -210,16 +212,19 @@ def _ahead_lines(state: policy.QueueState, decision: policy.Decision, settings: 
             f"({because}) and {held}"]
 
 
-def _core_lines(cores: NodeCores, job: Job, now: float) -> list[str]:
-    """The CPU cores free on each node ``job`` may use that counts them, where too few are for it."""
+def _node_lines(use: NodeUse, kind: str, amount: float, job: Job, now: float) -> list[str]:
+    """What of ``kind`` (cores, host memory) is free on each node ``job`` may use that counts it,
+    where too little is for its ``amount``."""
     short = []
-    for node in sorted(cores.cores):
+    for node in sorted(use.offer):
         if (job.on_node and node != job.on_node) or node in (job.exclude_nodes or ()):
             continue
-        free = max(cores.free_at(node, now), 0.0)
-        if free + SLACK < (job.cpus or 0):
-            held = len(cores.holds.get(node, {}))
-            short.append(f"node {node} has {free:g} of its {cores.cores[node]:g} CPU cores free for jobs "
+        free = max(use.free_at(node, now), 0.0)
+        if free + SLACK < amount:
+            held = len(use.holds.get(node, {}))
+            of = (f"{free:g} of its {use.offer[node]:g} {WORDS[kind][0]}" if kind == CPUS
+                  else f"{_gib(free)} of its {_gib(use.offer[node])} of host memory")
+            short.append(f"node {node} has {of} free for jobs "
                          f"({held} running job{' reserves' if held == 1 else 's reserve'} the rest)")
     return short
 

@@ -23,9 +23,9 @@ holds without a time limit is no "for ever" to it; one that started less than GP
 ago holds its GPUs firmly until it may be preempted. A preemptible job waits for every job, as it
 does in the queue, and counts against no user's limit.
 
-A job that reserves CPU cores (`--cpus`) is planned where its node's cores are free beside the
-running and planned jobs' for its whole limit too (service/node_cores.py); a preemptible job's
-cores count as held, as no preemption stops one for its cores alone.
+A job that reserves CPU cores or host memory (`--cpus`, `--host-mem`) is planned where its node has
+them free beside the running and planned jobs' for its whole limit too (service/node_use.py); a
+preemptible job's count as held, as no preemption stops one for them alone.
 
 A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
 start) is planned after every job that may start now, from the moment the jobs it waits for are
@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuq.service import packing, policy
-from gpuq.service.node_cores import SLACK
+from gpuq.service.node_use import SLACK, needs
 from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
 
 # How many of the queue's eligible jobs are planned (SLURM's backfill too looks only so far down the
@@ -160,14 +160,15 @@ class _Plan:
             if g.closes_at is not None:  # its node's window: to its end, or a resume no one can foresee
                 usage.hold(max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at,
                            math.inf)
-        # Each node's CPU cores over time, where it counts them: the running jobs' reservations, then
-        # the planned jobs'.
-        self.cores: dict[str, _Usage] = {}
-        for node, offered in state.cores.cores.items():
-            cores = self.cores[node] = _Usage(offered + SLACK)
-            for end, cpus in state.cores.holds.get(node, {}).values():
-                if end > state.now:
-                    cores.hold(state.now, end, cpus)
+        # Each node's CPU cores and host memory over time, by (kind, node), where it counts them: the
+        # running jobs' reservations, then the planned jobs'.
+        self.node_use: dict[tuple[str, str], _Usage] = {}
+        for kind, use in state.node_use.items():
+            for node, offered in use.offer.items():
+                usage = self.node_use[kind, node] = _Usage(offered + SLACK)
+                for end, amount in use.holds.get(node, {}).values():
+                    if end > state.now:
+                        usage.hold(state.now, end, amount)
 
     def _layer(self, gpu: int, preemptible: bool) -> _Usage:
         """What holds ``gpu`` over time: its preemptible jobs, or the others."""
@@ -196,17 +197,26 @@ class _Plan:
         for g in gpus:
             self._layer(g.id, preemptible).hold(start, end, math.inf if need is None else need)
 
-    def cores_from(self, node: str, t: float, length: float, cpus: float | None, past: float = math.inf) -> float:
-        """The first moment from ``t`` at which ``node`` has ``cpus`` cores free for ``length`` seconds
-        (``t`` where the job reserves none or the node counts none; inf: never, or not before ``past``)."""
-        cores = self.cores.get(node) if cpus else None
-        return t if cores is None else cores.next_free(t, length, cpus, past)
+    def node_from(self, node: str, t: float, length: float, job: JobRequest, past: float = math.inf) -> float:
+        """The first moment from ``t`` at which ``node`` has what ``job`` reserves of it (cores, host
+        memory) free for ``length`` seconds (``t`` where it reserves none or the node counts none;
+        inf: never, or not before ``past``): each kind's first moment in turn, until one suits all."""
+        wants = [(self.node_use[kind, node], amount) for kind, amount in needs(job).items()
+                 if (kind, node) in self.node_use]
+        moved = True
+        while moved:
+            moved = False
+            for usage, amount in wants:
+                at = usage.next_free(t, length, amount, past)
+                if math.isinf(at):
+                    return at
+                moved, t = moved or at != t, at
+        return t
 
-    def hold_cores(self, node: str, start: float, end: float, cpus: float | None) -> None:
-        cores = self.cores.get(node) if cpus else None
-        if cores is not None:
-            assert cpus is not None
-            cores.hold(start, end, cpus)
+    def hold_node(self, node: str, start: float, end: float, job: JobRequest) -> None:
+        for kind, amount in needs(job).items():
+            if (kind, node) in self.node_use:
+                self.node_use[kind, node].hold(start, end, amount)
 
     def array(self, job: JobRequest) -> _Usage | None:
         """The tasks of ``job``'s array over time, where it is a task of a limited array."""
@@ -249,7 +259,7 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
             where[p.job_id] = list(p.gpus)
         placed, ends = jobs[p.job_id], state.now + _length(jobs[p.job_id])
         plan.hold(list(p.gpus), state.now, ends, _need(placed, state), placed.preemptible)
-        plan.hold_cores(p.gpus[0].node, state.now, ends, placed.cpus)
+        plan.hold_node(p.gpus[0].node, state.now, ends, placed)
         user = None if placed.preemptible else plan.user(placed.user)
         if user is not None:
             user.hold(state.now, ends, packing.charged_gpus(placed, list(p.gpus), state.shared_context_mib))
@@ -365,7 +375,7 @@ def _earliest(job: JobRequest, state: QueueState, by_node: dict[str, list[GpuSta
                 continue
             user.hold(start, start + length, charge)
         plan.hold(chosen, start, start + length, need, job.preemptible)
-        plan.hold_cores(chosen[0].node, start, start + length, job.cpus)
+        plan.hold_node(chosen[0].node, start, start + length, job)
         if array is not None:
             array.hold(start, start + length, 1)
         if where is not None:
@@ -404,10 +414,10 @@ def _on_node(gpus: list[GpuState], job: JobRequest, need: int | None, length: fl
             return None
         free = [g for g in gpus if plan.next_free(g.id, soonest, length, need, preemptible=preemptible) == soonest]
         if len(free) >= count:
-            cores = plan.cores_from(gpus[0].node, soonest, length, job.cpus, past)
-            if cores == soonest:
+            ready = plan.node_from(gpus[0].node, soonest, length, job, past)
+            if ready == soonest:
                 return soonest, free[:count]
-            if math.isinf(cores):
+            if math.isinf(ready):
                 return None
-            soonest = cores  # its GPUs then, once its node's cores are free
+            soonest = ready  # its GPUs then, once its node's cores and memory are free
         at = soonest

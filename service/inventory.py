@@ -49,11 +49,12 @@ def _row(session: Session, node: str, info: GpuInfo, queue: str) -> Gpu:
 
 
 def register(session: Session, node: str, info: GpuInfo, queue: str, worker: str, pid: int,
-             node_cpus: int | None = None) -> int:
-    """Record (or refresh) the GPU a worker serves, and the CPU cores its node offers jobs
-    (``node_cores.offered``); returns its row id."""
+             node_cpus: int | None = None, node_host_mem_mib: int | None = None) -> int:
+    """Record (or refresh) the GPU a worker serves, and the CPU cores and host memory its node offers
+    jobs (service/node_use.py); returns its row id."""
     gpu = _row(session, node, info, queue)
-    gpu.worker, gpu.worker_pid, gpu.node_cpus = worker, pid, node_cpus
+    gpu.worker, gpu.worker_pid = worker, pid
+    gpu.node_cpus, gpu.node_host_mem_mib = node_cpus, node_host_mem_mib
     gpu.heartbeat_at = utcnow()
     if gpu.drain_reason is not None and gpu.drain_reason.startswith(WORKER_DID_NOT_START):
         gpu.drain_reason = None

@@ -227,11 +227,13 @@ class Gpu(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
     worker_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    # The CPU cores its node offers jobs (`--cpus` reserves them: service/node_cores.py), as its
-    # worker reports them: GPUQ_NODE_CPUS, else the cores the worker may run on. Kept with each GPU
-    # rather than on the node's row: every worker of a node registers at once, and the node counts
-    # only while a GPU of it is live. None: not reported (a worker older than this), not counted.
+    # The CPU cores and host memory its node offers jobs (`--cpus` and `--host-mem` reserve them:
+    # service/node_use.py), as its worker reports them: GPUQ_NODE_CPUS, else the cores the worker may
+    # run on; GPUQ_NODE_HOST_MEM_MIB, else the machine's memory. Kept with each GPU rather than on the
+    # node's row: every worker of a node registers at once, and the node counts only while a GPU of it
+    # is live. None: not reported (a worker older than this), not counted.
     node_cpus: Mapped[int | None] = mapped_column(Integer)
+    node_host_mem_mib: Mapped[int | None] = mapped_column(Integer)
     # Set when this one GPU must not be given out until an admin resumes it: "GPU lost", or a
     # stopped job's processes that would not go away.
     drain_reason: Mapped[str | None] = mapped_column(Text)

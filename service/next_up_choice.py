@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from gpuq.service import packing, policy
+from gpuq.service import node_use, packing, policy
 from gpuq.service.policy import queue_order
 from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
 
@@ -25,8 +25,8 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
     listed (its room is the scheduler's to count) but closes, as a gang does, the lists of the GPUs
     it could ever share, so that no job behind it takes a GPU it could use; so do a
     `--dependency singleton` job (whether another job of its name started is the pass's to see) and
-    a job that reserves CPU cores on a node that counts them (whether its node has them free is the
-    pass's to see, and a worker's take counts none).
+    a job that reserves CPU cores or host memory on a node that counts them (whether its node has
+    them free is the pass's to see, and a worker's take counts none).
     The GPUs of a node share their jobs, so each lists ``per_gpu`` times its node's busy GPUs
     (enough for all of them to take several before the scheduler's next pass); the walk looks at
     most ``scan`` jobs.
@@ -54,7 +54,7 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
         limit = state.limit_of(job.user)
         if limit and policy.limit_reached(job, in_use.get(job.user, 0), limit):
             continue
-        if job.gpus > 1 or job.shared or job.singleton or any(state.cores.counts(job.cpus, g.node) for g in open_gpus):
+        if job.gpus > 1 or job.shared or job.singleton or _reserves_of_a_node(job, open_gpus, state):
             # Where it could ever run, it may need the GPU when it frees: the scheduler decides.
             could = _could_use(job, open_gpus, state)
             open_gpus = [g for g in open_gpus if g.id not in could]
@@ -66,6 +66,13 @@ def choose(state: QueueState, decision: Decision, per_gpu: int, scan: int) -> di
             in_use[job.user] = in_use.get(job.user, 0) + 1
         open_gpus = [g for g in open_gpus if len(lists[g.id]) < per_gpu * busy_on[g.node]]
     return {gpu: jobs for gpu, jobs in lists.items() if jobs}
+
+
+def _reserves_of_a_node(job: JobRequest, open_gpus: list[GpuState], state: QueueState) -> bool:
+    """Whether ``job`` reserves cores or host memory of a node of ``open_gpus`` that counts them."""
+    wants = node_use.needs(job)
+    return bool(wants) and any(state.node_use[kind].counts(amount, g.node)
+                               for kind, amount in wants.items() for g in open_gpus)
 
 
 def _could_use(job: JobRequest, open_gpus: list[GpuState], state: QueueState) -> set[int]:

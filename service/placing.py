@@ -1,8 +1,9 @@
 """Placing: the GPUs as one ``policy.decide`` pass places jobs on them, free, shared, reserved for
 the first job in line, fenced for a typed one, or taken by preemption (service/preemption.py). A
 GPU whose node is to drain (``GpuState.closes_at``) takes only jobs that end by then. A job that
-reserves CPU cores (`--cpus`) goes only where its node has them free (service/node_cores.py), and
-a job placed past the reserved start leaves the first job in line its cores as well as its GPUs."""
+reserves CPU cores or host memory (`--cpus`, `--host-mem`) goes only where its node has them free
+(service/node_use.py), and a job placed past the reserved start leaves the first job in line its
+node's share of them as well as its GPUs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 from collections import defaultdict
 
 from gpuq.service import packing, preemption
-from gpuq.service.node_cores import SLACK
+from gpuq.service.node_use import SLACK, needs
 from gpuq.service.packing import GpuLoad
 from gpuq.service.queue_state import GpuState, JobRequest, Placement, Preemptible, QueueState, Reservation
 
@@ -21,7 +22,8 @@ class Gpus:
     def __init__(self, state: QueueState) -> None:
         self.now = state.now
         self.context_mib = state.shared_context_mib
-        self.cores = state.cores.copy()  # the jobs placed in this pass hold theirs too
+        # Each node's cores and host memory, by kind: the jobs placed in this pass hold theirs too.
+        self.use = {kind: use.copy() for kind, use in state.node_use.items()}
         self.by_node: dict[str, list[GpuLoad]] = defaultdict(list)
         self.free: dict[str, list[GpuLoad]] = defaultdict(list)  # no gpuq job: whole-GPU jobs' GPUs
         self.shareable: dict[str, list[GpuLoad]] = defaultdict(list)  # no whole-GPU job: shared jobs' GPUs
@@ -83,14 +85,18 @@ class Gpus:
     def nodes_for(self, job: JobRequest) -> list[str]:
         return [n for n in self.by_node if job.may_use(n)]
 
-    def _cores_for(self, job: JobRequest, node: str, reservation: Reservation | None, ends_in_time: bool) -> bool:
-        """Whether ``node`` has the cores ``job`` reserves free now and, on the reserved node for a job
-        that would still run at the reserved start, the reserved job's cores free beside them then."""
-        if not self.cores.fit(job.cpus, node, self.now):
-            return False
-        if reservation is None or not reservation.cpus or node != reservation.node or ends_in_time:
+    def _node_has(self, job: JobRequest, wants: dict[str, float], node: str, reservation: Reservation | None,
+                  ends_in_time: bool) -> bool:
+        """Whether ``node`` has what ``job`` reserves of it (``wants``: cores, host memory) free now
+        and, on the reserved node for a job that would still run at the reserved start, what the
+        reserved job needs of it free beside that then."""
+        for kind, amount in wants.items():
+            if not self.use[kind].fit(amount, node, self.now):
+                return False
+        if reservation is None or node != reservation.node or ends_in_time:
             return True
-        return self.cores.fit(job.cpus, node, reservation.start, also=reservation.cpus)
+        return all(self.use[kind].fit(wants.get(kind), node, reservation.start, also=kept)
+                   for kind, kept in reservation.needs)
 
     def ends(self, job: JobRequest) -> float:
         """When ``job`` would end by its time limit if it started now (inf without one)."""
@@ -104,10 +110,13 @@ class Gpus:
         """The GPUs ``job`` gets now without delaying ``reservation``, or None."""
         ends_in_time = reservation is not None and self.ends(job) <= reservation.start
         shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, ends_in_time,
-                 self._drains_met(job), job.cpus)
+                 self._drains_met(job), job.cpus, job.host_mem_mib)
         if shape in self.failed:
             return None
-        nodes = [n for n in self.nodes_for(job) if self._cores_for(job, n, reservation, ends_in_time)]
+        nodes = self.nodes_for(job)
+        wants = needs(job)
+        if wants:
+            nodes = [n for n in nodes if self._node_has(job, wants, n, reservation, ends_in_time)]
         if job.shared:
             shareable = self.shareable if not self.fenced else \
                 {n: [g for g in loads if self.open_to_later(g.gpu)] for n, loads in self.shareable.items()}
@@ -150,9 +159,11 @@ class Gpus:
             else:
                 load.take_whole(end)
                 self.shareable[node].remove(load)
-        self.cores.hold(node, job.id, end, job.cpus)
+        wants = needs(job)
+        for kind, amount in wants.items():
+            self.use[kind].hold(node, job.id, end, amount)
         self.failed.clear()
-        return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared, cpus=job.cpus)
+        return Placement(job.id, tuple(load.gpu for load in chosen), shared=job.shared, needs=tuple(wants.items()))
 
     def may_preempt_for(self, job: JobRequest) -> bool:
         """Whether ``job`` might still take GPUs by preemption in this pass."""
@@ -165,7 +176,7 @@ class Gpus:
         if not self.may_preempt_for(job):
             return None
         shape = (job.shared, job.gpus, job.mem_mib, job.node, job.exclude, job.gpu_type, self._drains_met(job),
-                 job.cpus)
+                 job.cpus, job.host_mem_mib)
         if shape in self.cannot_preempt:
             return None
         reserved = reservation.gpu_ids if reservation is not None else frozenset()
@@ -181,16 +192,16 @@ class Gpus:
             return {victim: usable_loads for victim, loads in self.held[node].items()
                     if (usable_loads := [g for g in loads if usable(g)])}
 
-        def cores_short(node: str, victims: list[int]) -> bool:
-            """Whether ``node`` lacks ``job``'s cores even once ``victims`` let theirs go."""
-            if not self.cores.counts(job.cpus, node):
-                return False
-            assert job.cpus is not None
-            return self.cores.free_at(node, self.now) + self.cores.held_by(node, victims) < job.cpus - SLACK
+        wants = needs(job)
+
+        def node_short(node: str, victims: list[int]) -> bool:
+            """Whether ``node`` lacks ``job``'s cores or host memory even once ``victims`` let theirs go."""
+            return any(self.use[kind].counts(amount, node) and self.use[kind].free_at(node, self.now)
+                       + self.use[kind].held_by(node, victims) < amount - SLACK for kind, amount in wants.items())
 
         plan = preemption.plan(job, self.nodes_for(job),
                                lambda node: [g for g in (*self.freeing[node], *self.free[node]) if usable(g)], held,
-                               cores_short)
+                               node_short)
         if plan is None:
             self.cannot_preempt.add(shape)
             return None
@@ -200,8 +211,9 @@ class Gpus:
     def _claim(self, job: JobRequest, plan: preemption.Plan) -> None:
         """Hold ``plan``'s GPUs for ``job`` in this pass; its victims' other GPUs are being freed."""
         node, end = plan.node, self.ends(job)
-        self.cores.release(node, plan.victims)
-        self.cores.hold(node, job.id, end, job.cpus)
+        for kind, use in self.use.items():
+            use.release(node, plan.victims)
+            use.hold(node, job.id, end, getattr(job, kind))
         for victim in [v for v in self.held[node] if v.job_id in plan.victims]:
             loads = self.held[node].pop(victim)
             self.freeing[node] += [g for g in loads if g not in plan.gpus]
@@ -229,7 +241,8 @@ class Gpus:
         def counts(g: GpuLoad) -> bool:
             return not past_drains or g.gpu.closes_at is None or g.gpu.reopens_at is not None
 
-        nodes = [n for n in self.nodes_for(job) if self.cores.ever_fits(job.cpus, n)]
+        nodes = [n for n in self.nodes_for(job)
+                 if all(self.use[kind].ever_fits(amount, n) for kind, amount in needs(job).items())]
         if job.shared:
             need = packing.need_mib(job, self.context_mib)
             return any(sum(counts(g) and g.gpu.is_of(job) and packing.could_ever_share(g.gpu, need)
@@ -244,6 +257,7 @@ class Gpus:
         (``fence``) count for nothing: that job takes them first, at a time no one knows."""
         need = packing.need_mib(job, self.context_mib) if job.shared else None
         length = math.inf if job.time_limit_s is None else job.time_limit_s
+        wants = needs(job)
         best: Reservation | None = None
         for node in self.nodes_for(job):
             loads = [g for g in self.by_node[node] if not self.fenced or self.open_to_later(g.gpu)]
@@ -255,8 +269,10 @@ class Gpus:
             if len(suitable) < job.gpus:
                 continue
             needed = suitable[: job.gpus]
-            # Its GPUs' moment, or later where its node's cores are held past it.
-            start = self.cores.ready_at(job.cpus, node, needed[-1][0])
+            # Its GPUs' moment, or later where its node's cores or memory are held past it (what is
+            # free of each only grows: the latest of their moments has them all).
+            start = max([needed[-1][0], *(self.use[kind].ready_at(amount, node, needed[-1][0])
+                                          for kind, amount in wants.items())])
             # A node's window (its GPUs share it): a job that could not end before it starts after it.
             # GPUs clear (or with room) at ``start`` stay so: nothing else is planned on them.
             start = loads[0].gpu.open_from(start, length) if loads else start
@@ -264,5 +280,6 @@ class Gpus:
                 continue
             if best is None or start < best.start:
                 best = Reservation(job.id, node, start, frozenset(gpu_id for _, _, gpu_id in needed), need,
-                                   job.cpus if self.cores.counts(job.cpus, node) else None)
+                                   tuple((kind, amount) for kind, amount in wants.items()
+                                         if self.use[kind].counts(amount, node)))
         return best

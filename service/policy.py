@@ -23,7 +23,7 @@ places, reserves and claims them is service/placing.py's.
 
 from __future__ import annotations
 
-from gpuq.service import packing
+from gpuq.service import node_use, packing
 from gpuq.service.placing import Gpus
 from gpuq.service.queue_state import LIMIT_SLACK as LIMIT_SLACK
 from gpuq.service.queue_state import SHARED_CONTEXT_MIB as SHARED_CONTEXT_MIB
@@ -96,7 +96,7 @@ def decide(state: QueueState) -> Decision:
             # Its GPUs are its own from now on in this pass and the next ones, until they are free.
             decision.preemptions.update(dict.fromkeys(plan.victims, job.id))
             decision.claims.append(Placement(job.id, tuple(load.gpu for load in plan.gpus), shared=job.shared,
-                                             cpus=job.cpus))
+                                             needs=tuple(node_use.needs(job).items())))
             decision.waiting[job.id] = PREEMPTING
             in_use[job.user] = in_use.get(job.user, 0) + packing.charged_gpus(
                 job, [load.gpu for load in plan.gpus], state.shared_context_mib)

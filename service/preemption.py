@@ -52,15 +52,15 @@ def victim_order(victim: Preemptible) -> tuple[int, float, int]:
 
 def plan(job: JobRequest, nodes: Iterable[str], ready: Callable[[str], list[GpuLoad]],
          held: Callable[[str], dict[Preemptible, list[GpuLoad]]],
-         cores_short: Callable[[str, list[int]], bool] = lambda node, victims: False) -> Plan | None:
+         node_short: Callable[[str, list[int]], bool] = lambda node, victims: False) -> Plan | None:
     """The node and preemptible jobs that let ``job`` start once they stopped, fewest stopped first
     (then fewest GPUs taken from them, then the node's name); None if no node has enough.
 
     ``ready(node)``: the GPUs there ``job`` could take without stopping anyone (free, or being
     freed by an earlier preemption); ``held(node)``: each preemptible job there and its GPUs that
-    ``job`` could use; ``cores_short(node, victims)``: whether the node lacks the CPU cores ``job``
-    reserves (`--cpus`) even once those jobs let theirs go, so that more of them stop for their
-    cores. A plan with no victims waits for GPUs that are being freed already."""
+    ``job`` could use; ``node_short(node, victims)``: whether the node lacks the CPU cores or host
+    memory ``job`` reserves (`--cpus`, `--host-mem`) even once those jobs let theirs go, so that more
+    of them stop for theirs. A plan with no victims waits for GPUs that are being freed already."""
     best: tuple[tuple[int, int, str], Plan] | None = None
     for node in nodes:
         # Being freed first: a free GPU taken here is one another job could have had.
@@ -68,13 +68,13 @@ def plan(job: JobRequest, nodes: Iterable[str], ready: Callable[[str], list[GpuL
         victims: list[int] = []
         stopped = 0
         for victim, loads in sorted(held(node).items(), key=lambda item: victim_order(item[0])):
-            if len(gpus) >= job.gpus and not cores_short(node, victims):
+            if len(gpus) >= job.gpus and not node_short(node, victims):
                 break
             taken = loads[: max(job.gpus - len(gpus), 0)]
             gpus += taken
             victims.append(victim.job_id)
             stopped += len(taken)
-        if len(gpus) < job.gpus or cores_short(node, victims) or (not victims and all(g.clear for g in gpus)):
+        if len(gpus) < job.gpus or node_short(node, victims) or (not victims and all(g.clear for g in gpus)):
             continue  # too few; or free already, where the pass would have placed it if it could
         rank = (len(victims), stopped, node)
         if best is None or rank < best[0]:

@@ -25,7 +25,7 @@ from gpuq.service.forecast import Awaiting, start_times
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
-from gpuq.service.node_cores import NodeCores
+from gpuq.service.node_use import OFFERED_BY, needs, node_uses
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_state import JobRequest, Preemptible
 from gpuq.service.settings import Settings
@@ -39,7 +39,7 @@ _t = table(Job).c
 _PENDING_COLUMNS = (_t.id, _t.user, _t.gpus, _t.priority, _t.submitted_at, _t.mem_mib, _t.on_node, _t.time_limit_s,
                     _t.held, _t.after, _t.after_kind, _t.reason, _t.shared, _t.array_id, _t.array_limit,
                     _t.begin_at, _t.gpu_type, _t.singleton, _t.name, _t.exclude_nodes, _t.preemptible,
-                    _t.deadline_at, _t.cpus)
+                    _t.deadline_at, _t.cpus, _t.host_mem_mib)
 # A pending job as ``_PENDING_COLUMNS`` read it, made from the values it was written with.
 _PENDING_NAMES: list[str] = [str(col.name) for col in _PENDING_COLUMNS]
 _PendingRow = namedtuple("_PendingRow", _PENDING_NAMES)  # type: ignore[misc]
@@ -61,11 +61,11 @@ _ARRAY_TASKS_STARTED = (select(_t.array_id, _t.started_at, _t.time_limit_s)
 _DRAINS = Prepared(node_drains.DRAINS)
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
                              table(Allocation).c.share_mib, _t.gpu_share, _t.id, _t.preemptible, _t.priority,
-                             _t.cancel_requested_at, _t.reason, _t.node, _t.cpus).join_from(
+                             _t.cancel_requested_at, _t.reason, _t.node, _t.cpus, _t.host_mem_mib).join_from(
     table(Allocation), table(Job), table(Allocation).c.job_id == _t.id))
 _g = table(Gpu).c
 _LIVE_GPUS = Prepared(select(_g.id, _g.node, _g.index, _g.queue, _g.memory_total_mib, _g.memory_used_mib,
-                             _g.foreign_mib, _g.name, _g.node_cpus)
+                             _g.foreign_mib, _g.name, _g.node_cpus, _g.node_host_mem_mib)
                       .where(_g.heartbeat_at >= bindparam("cutoff"), _g.drain_reason.is_(None)))
 
 
@@ -133,12 +133,13 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     preempted: set[int] = set()
     exempt = settings.preempt_exempt_s
     exempt_until: dict[int, float] = {}
-    cores = NodeCores()
+    uses = node_uses()
     for a in _ALLOCATED.run(conn, {}):
         gpu_id, user, started, limit, share_mib, gpu_share = a[:6]
         ends = (started or now).timestamp() + limit if limit else math.inf
-        if a.cpus and a.node is not None:  # a gang's rows hold its node's cores once
-            cores.holds.setdefault(a.node, {})[a.id] = (ends, a.cpus)
+        if a.node is not None:  # a gang's rows hold its node's cores and memory once
+            for kind, amount in needs(a).items():
+                uses[kind].holds.setdefault(a.node, {})[a.id] = (ends, amount)
         if share_mib is None:
             busy[gpu_id] = ends
             if a.cancel_requested_at is not None:
@@ -157,8 +158,10 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     in_use = {user: sum(charge for _, charge in held) for user, held in holds.items()}
     live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
     for g in live:  # what its workers report (the least, should they differ); a node reporting none counts none
-        if g.node_cpus is not None:
-            cores.cores[g.node] = min(cores.cores.get(g.node, math.inf), float(g.node_cpus))
+        for kind, column in OFFERED_BY.items():
+            offered = getattr(g, column)
+            if offered is not None:
+                uses[kind].offer[g.node] = min(uses[kind].offer.get(g.node, math.inf), float(offered))
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
@@ -237,7 +240,7 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                               gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
                               user_gpu_limits=settings.gpu_limits,
                               user_holds=dict(holds) if settings.gpu_limited else {},
-                              shared_context_mib=settings.shared_context_mib, cores=cores)
+                              shared_context_mib=settings.shared_context_mib, node_use=uses)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later, throttled,
                      array_limits, awaiting)
 
@@ -365,7 +368,7 @@ def request_of(row: Any) -> policy.JobRequest:
                              time_limit_s=row.time_limit_s, shared=bool(row.shared), gpu_type=row.gpu_type,
                              singleton=bool(row.singleton), exclude=frozenset(row.exclude_nodes or ()),
                              array=row.array_id if row.array_limit is not None else None,
-                             preemptible=bool(row.preemptible), cpus=row.cpus)
+                             preemptible=bool(row.preemptible), cpus=row.cpus, host_mem_mib=row.host_mem_mib)
 
 
 def _heads(rows: Sequence[Any], head: int | None) -> tuple[list[Any], list[Any]]:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from gpuq.service import gpu_limits
-from gpuq.service.node_cores import NodeCores
+from gpuq.service.node_use import NodeUse, node_uses
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,8 @@ class JobRequest:
     exclude: frozenset[str] = frozenset()  # `--exclude`: nodes it may not run on
     array: int | None = None  # a task of an array with a limit (`--array 0-99%4`): its array's id
     preemptible: bool = False  # `--preemptible`: after every other job, past the user limit, stopped for them
-    cpus: float | None = None  # `--cpus`: the cores it reserves on its node (service/node_cores.py); None: none
+    cpus: float | None = None  # `--cpus`: the cores it reserves on its node (service/node_use.py); None: none
+    host_mem_mib: int | None = None  # `--host-mem`: the host memory it reserves there; None: none
 
     def __post_init__(self) -> None:
         if self.shared and self.mem_mib is None:
@@ -170,7 +171,8 @@ class Placement:
     job_id: int
     gpus: tuple[GpuState, ...]  # rank order; gpus[0]'s worker runs the job (as the pass found them)
     shared: bool = False  # the job shares these GPUs (its share: its mem_mib)
-    cpus: float | None = None  # the cores it reserves on their node (`--cpus`), checked again as it is written
+    # What it reserves on their node ((kind, amount): `--cpus`, `--host-mem`), checked again as it is written.
+    needs: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -189,8 +191,9 @@ class QueueState:
     # expected starts count down to under the limit (service/forecast.py). Empty: not known.
     user_holds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     shared_context_mib: int = SHARED_CONTEXT_MIB  # held back on a GPU for each shared job's CUDA context
-    # Each node's CPU cores and the running jobs' reservations of them (`--cpus`).
-    cores: NodeCores = field(default_factory=NodeCores)
+    # Each node's CPU cores and host memory, and the running jobs' reservations of them (`--cpus`,
+    # `--host-mem`), by kind (node_use.KINDS).
+    node_use: dict[str, NodeUse] = field(default_factory=node_uses)
 
     def limit_of(self, user: str) -> int:
         """The GPUs ``user``'s jobs may hold at once; 0: no limit."""
@@ -209,7 +212,8 @@ class Reservation:
     start: float  # when the job can start at the latest (the shadow time)
     gpu_ids: frozenset[int]
     shared_mib: int | None = None  # a shared job's: the room it needs on each GPU; None: whole GPUs
-    cpus: float | None = None  # the cores it needs on its node then (`--cpus`); None: none
+    # What it needs of its node then ((kind, amount): `--cpus`, `--host-mem`), kept for it there.
+    needs: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass

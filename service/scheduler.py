@@ -29,8 +29,8 @@ from gpuq.service import (
     mail,
     next_up,
     next_up_choice,
-    node_cores,
     node_drains,
+    node_use,
     packing,
     policy,
     snapshot_retention,
@@ -53,17 +53,19 @@ PLACE_AT_SUBMIT_MAX = 64
 STAND_INS = 8
 
 
-# Why ``_allocate`` placed nothing: the job changed since it was read, or its GPUs did, or its node's cores.
-JOB_MOVED, GPUS_TAKEN, CORES_TAKEN = "job moved", "GPUs taken", "cores taken"
+# Why ``_allocate`` placed nothing: the job changed since it was read, or its GPUs did, or its
+# node's cores or host memory.
+JOB_MOVED, GPUS_TAKEN, NODE_TAKEN = "job moved", "GPUs taken", "node's cores or memory taken"
 _J = table(Job).c
-# A node's cores for jobs (the least its GPUs' workers report) and those its started jobs reserve.
-_CORES_OF = Prepared(select(
-    select(func.min(table(Gpu).c.node_cpus)).where(table(Gpu).c.node == bindparam("node"),
-                                                   table(Gpu).c.retired_at.is_(None)).scalar_subquery(),
-    select(func.coalesce(func.sum(_J.cpus), 0.0)).where(
+# Of each kind a node offers (node_use.KINDS): the node's offer (the least its GPUs' workers report)
+# and what its started jobs reserve.
+_OFFER_OF = {kind: Prepared(select(
+    select(func.min(table(Gpu).c[column])).where(table(Gpu).c.node == bindparam("node"),
+                                                 table(Gpu).c.retired_at.is_(None)).scalar_subquery(),
+    select(func.coalesce(func.sum(_J[kind]), 0.0)).where(
         # Two equalities, not IN: a Prepared statement has no list to expand.
         _J.node == bindparam("node"), or_(_J.state == c.State.DISPATCHED, _J.state == c.State.RUNNING)
-    ).scalar_subquery()))
+    ).scalar_subquery())) for kind, column in node_use.OFFERED_BY.items()}
 
 
 def allocate(session: Session, p: policy.Placement, now: datetime | None = None, share_mib: int | None = None) -> bool:
@@ -76,11 +78,12 @@ def allocate(session: Session, p: policy.Placement, now: datetime | None = None,
 
 def _allocate(session: Session, p: policy.Placement, now: datetime | None = None,
               share_mib: int | None = None) -> str | None:
-    """``allocate``: None once placed, else what stood in the way (JOB_MOVED, GPUS_TAKEN, CORES_TAKEN)."""
+    """``allocate``: None once placed, else what stood in the way (JOB_MOVED, GPUS_TAKEN, NODE_TAKEN)."""
     conn = session.connection()  # Core: a submit places its job in its own transaction
-    if p.cpus and not _cores_for(conn, p.gpus[0].node, p.cpus):
-        log.info("job %s: its node's CPU cores were taken meanwhile; next pass", p.job_id)
-        return CORES_TAKEN
+    for kind, amount in p.needs:
+        if not _node_has(conn, p.gpus[0].node, kind, amount):
+            log.info("job %s: its node's %s were taken meanwhile; next pass", p.job_id, node_use.WORDS[kind][0])
+            return NODE_TAKEN
     share = None
     if p.shared:
         assert share_mib is not None
@@ -111,11 +114,12 @@ _ROOM_OF = (select(table(Gpu).c.id, table(Gpu).c.memory_total_mib, table(Gpu).c.
             .where(table(Gpu).c.id.in_(bindparam("gpu_ids", expanding=True))))
 
 
-def _cores_for(conn: Any, node: str, cpus: float) -> bool:
-    """Whether ``node`` still has ``cpus`` cores no started job reserves, as SQL has it now (in the
-    placing transaction): the pass read them before the write, and a submit may place meanwhile."""
-    [(cores, held)] = _CORES_OF.run(conn, {"node": node})
-    return cores is None or held + cpus <= cores + node_cores.SLACK
+def _node_has(conn: Any, node: str, kind: str, amount: float) -> bool:
+    """Whether ``node`` still has ``amount`` of ``kind`` (cores, host memory) no started job reserves,
+    as SQL has it now (in the placing transaction): the pass read it before the write, and a submit
+    may place meanwhile."""
+    [(offered, held)] = _OFFER_OF[kind].run(conn, {"node": node})
+    return offered is None or held + amount <= offered + node_use.SLACK
 
 
 def _room_for(conn: Any, p: policy.Placement, share_mib: int) -> bool:

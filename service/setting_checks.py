@@ -51,6 +51,8 @@ _PER_HEARTBEAT = ("lease_timeout", "worker_timeout")
 # The highest --priority an admin may give (service/spec.py's ADMIN_MAX_PRIORITY; importing it
 # here would be circular): the users' limit cannot exceed it.
 ADMIN_MAX_PRIORITY = 1000
+# The most host memory a node may offer, MiB: what a row's integer holds (2 PiB).
+MAX_NODE_MEM_MIB = 2**31 - 1
 # Database URL schemes gpuq runs on (service/dialect.py): SQLite and PostgreSQL, with any driver.
 _DATABASES = ("sqlite", "postgresql")
 
@@ -180,6 +182,9 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
     if not 0 <= settings.node_cpus <= MAX_CPUS:
         fail("node_cpus", f"must be between 0 (the cores the worker may run on) and {MAX_CPUS} (CPU cores this node "
                           "offers jobs)")
+    if not 0 <= settings.node_host_mem_mib <= MAX_NODE_MEM_MIB:
+        fail("node_host_mem_mib", f"must be between 0 (the machine's memory) and {MAX_NODE_MEM_MIB} (MiB of host "
+                                  "memory this node offers jobs)")
     if not 0 <= settings.preemptible_charge <= 1:
         fail("preemptible_charge", "must be between 0 and 1 (what a preemptible job's GPU-hour counts in fair share)")
     if settings.requeue not in REQUEUE_WORDS:

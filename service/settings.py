@@ -114,6 +114,10 @@ class Settings:
     # node): read by its workers, which report it; 0: the cores the worker may run on. More than the
     # node has lets jobs together ask for more than it has; fewer keeps some for the system.
     node_cpus: int = 0
+    # The host memory this node offers its jobs, MiB, which a job's --host-mem reserves (SLURM's
+    # RealMemory): read by its workers, which report it; 0: the machine's memory. Fewer keeps some for
+    # the system and the workers themselves.
+    node_host_mem_mib: int = 0
     # Output of one job kept in SQL, bytes; past it the rest is dropped with a note.
     max_output_bytes: int = 16 * 1024 * 1024
     # `gpuq up`'s logs (home/logs: the supervisor's and each process's it runs) are rotated when one

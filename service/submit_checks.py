@@ -22,7 +22,7 @@ from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.display import time_limit
 from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit, StateConflict
 from gpuq.service.models import Gpu, Job, Submission, table
-from gpuq.service.node_cores import SLACK
+from gpuq.service.node_use import OFFERED_BY, SLACK, WORDS
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
@@ -136,8 +136,8 @@ def check_resources(session: Session, settings: Settings, spec: JobSpec) -> None
         whose = (f"{spec.user} may hold at once (GPUQ_USER_GPU_LIMITS)" if spec.user in settings.gpu_limits
                  else "a user may hold at once (GPUQ_USER_GPU_LIMIT)")
         raise InvalidSpec(f"--gpus {spec.gpus} is more than the {limit} {whose}: it would never start")
-    if spec.cpus is not None:
-        check_cores(session, spec)
+    for kind in OFFERED_BY:
+        check_node_offer(session, spec, kind)
     if spec.mem_mib is not None:
         biggest = session.scalar(select(func.max(Gpu.memory_total_mib)).where(Gpu.retired_at.is_(None))) or 0
         here = max((g.memory_total_mib for g in local), default=0)
@@ -149,22 +149,29 @@ def check_resources(session: Session, settings: Settings, spec: JobSpec) -> None
                               f"context is given are more than any GPU has ({most} MiB); drop --shared")
 
 
-def check_cores(session: Session, spec: JobSpec) -> None:
-    """InvalidSpec where ``spec``'s --cpus is more cores than any node it may run on offers jobs
-    (``node_cores``): it would wait for ever. Nodes whose workers report none are not counted."""
-    query = (select(Gpu.node, func.min(Gpu.node_cpus)).where(Gpu.retired_at.is_(None), Gpu.node_cpus.is_not(None))
-             .group_by(Gpu.node))
+def check_node_offer(session: Session, spec: JobSpec, kind: str) -> None:
+    """InvalidSpec where what ``spec`` reserves of ``kind`` (--cpus, --host-mem) is more than any node
+    it may run on offers jobs (service/node_use.py): it would wait for ever. Nodes whose workers
+    report none are not counted."""
+    amount = getattr(spec, kind)
+    if amount is None:
+        return
+    column = getattr(Gpu, OFFERED_BY[kind])
+    query = select(Gpu.node, func.min(column)).where(Gpu.retired_at.is_(None), column.is_not(None)).group_by(Gpu.node)
     if spec.on_node is not None:
         query = query.where(Gpu.node == spec.on_node)
-    offered: dict[str, int] = {node: cores for node, cores in session.execute(query)
-                               if node not in (spec.exclude_nodes or ()) and cores is not None}
-    if not offered or spec.cpus is None:
+    offered: dict[str, int] = {node: most for node, most in session.execute(query)
+                               if node not in (spec.exclude_nodes or ()) and most is not None}
+    if not offered:
         return
     node, most = max(offered.items(), key=lambda item: (item[1], item[0]))
-    if spec.cpus > most + SLACK:
+    if amount > most + SLACK:
+        words, option = WORDS[kind]
+        asked = f"{amount:g}" if option == "--cpus" else f"{amount} MiB"
         where = f"node {node} offers jobs ({most}" if spec.on_node is not None or len(offered) == 1 else \
             f"any node offers jobs (the most, {node}'s, {most}"
-        raise InvalidSpec(f"--cpus {spec.cpus:g} is more CPU cores than {where}; GPUQ_NODE_CPUS): it would never start")
+        raise InvalidSpec(f"{option} {asked} is more {words} than {where}; GPUQ_{OFFERED_BY[kind].upper()}): it "
+                          "would never start")
 
 
 def check_signal(spec: JobSpec) -> None:

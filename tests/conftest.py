@@ -149,7 +149,7 @@ def make_settings(home: Path, database_url: str, broker_url: str, **overrides) -
                   lease_timeout=10.0, resend_after=5.0,
                   # The test node's cores for --cpus, as fake_gpus are its GPUs: more than this machine's two,
                   # so that jobs asking several each start side by side unless a test says otherwise.
-                  node_cpus=64,
+                  node_cpus=64, node_host_mem_mib=65536,
                   # In the test's own directory: the default, under /tmp, would outlive the test.
                   fake_gpu_memory_dir=str(home / "simulated-gpu-memory"))
     values.update(overrides)

@@ -1,6 +1,7 @@
-"""CPU cores as a node's consumable on a real stack (`--cpus` reserves them, GPUQ_NODE_CPUS says how
-many a node offers): a job waits for its node's cores while a GPU is free, a job reserving none
-starts beside, and one asking more than any node offers is refused at submit and update."""
+"""CPU cores and host memory as a node's consumables on a real stack (`--cpus` and `--host-mem`
+reserve them, GPUQ_NODE_CPUS and GPUQ_NODE_HOST_MEM_MIB say how much a node offers): a job waits for
+its node's cores or memory while a GPU is free, a job reserving none starts beside, and one asking
+more than any node offers is refused at submit and update."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def two_cores(request, tmp_path_factory, redis_url):
-    """Two simulated GPUs on a node that offers its jobs two CPU cores."""
-    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=2, node_cpus=2)
+    """Two simulated GPUs on a node that offers its jobs two CPU cores and 1 GiB of host memory."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=2, node_cpus=2,
+                                 node_host_mem_mib=1024)
 
 
 def _job(settings, job_id):
@@ -32,8 +34,8 @@ def _job(settings, job_id):
 
 def test_a_job_waits_for_its_nodes_cores_beside_a_free_gpu_and_starts_once_they_are_back(two_cores, tmp_path):
     s = two_cores.settings
-    with write_scope(s) as session:  # what the workers reported: GPUQ_NODE_CPUS
-        assert set(session.scalars(select(Gpu.node_cpus)).all()) == {2}
+    with write_scope(s) as session:  # what the workers reported: GPUQ_NODE_CPUS, GPUQ_NODE_HOST_MEM_MIB
+        assert set(session.execute(select(Gpu.node_cpus, Gpu.node_host_mem_mib)).all()) == {(2, 1024)}
     hog = cli_submit(s, ["--cpus", "2", "-t", "5m", "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.1; done"],
                      cwd=tmp_path)
     assert wait_for_state(s, hog, (State.RUNNING,)) == State.RUNNING
@@ -50,7 +52,7 @@ def test_a_job_waits_for_its_nodes_cores_beside_a_free_gpu_and_starts_once_they_
     assert "node testnode has 0 of its 2 CPU cores free for jobs (1 running job reserves the rest)" in why, why
     assert "node testnode: 2 of its 2 CPU cores reserved by jobs (--cpus)" in run_cli(["devices"], s).stdout
     listed = json.loads(run_cli(["devices", "--json"], s).stdout)
-    assert {(d["node_cpus"], d["node_cpus_reserved"]) for d in listed} == {(2, 2.0)}
+    assert {(d["node_cpus"], d["node_cpus_reserved"], d["node_host_mem_mib"]) for d in listed} == {(2, 2.0, 1024)}
 
     (tmp_path / "go").touch()
     assert wait_for_state(s, waits, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
@@ -79,3 +81,27 @@ def test_cpus_past_what_any_node_offers_is_refused_at_submit_and_update_in_one_l
     assert run_cli(["update", str(held), "--cpus", "2"], s).returncode == 0
     assert _job(s, held).cpus == 2
     run_cli(["cancel", str(held)], s)
+
+
+def test_a_job_waits_for_its_nodes_host_memory_and_starts_once_it_is_back(two_cores, tmp_path):
+    s = two_cores.settings
+    hog = cli_submit(s, ["--host-mem", "768M", "-t", "5m", "--", "sh", "-c",
+                         "while [ ! -e free ]; do sleep 0.1; done"], cwd=tmp_path)
+    assert wait_for_state(s, hog, (State.RUNNING,)) == State.RUNNING
+    waits = cli_submit(s, ["--host-mem", "512M", "-t", "5m", "--", "echo", "waited"], cwd=tmp_path)
+    time.sleep(2.0)  # four scheduler passes, a GPU free all along
+    assert _job(s, waits).state == State.PENDING
+    why = run_cli(["why", str(waits)], s).stdout
+    assert "needs 1 GPU and 0.5 GiB of host memory (--host-mem)" in why, why
+    assert "node testnode has 0.2 GiB of its 1.0 GiB of host memory free for jobs (1 running job reserves" in why
+    assert "node testnode: 768 of its 1024 MiB of host memory reserved by jobs (--host-mem)" in run_cli(
+        ["devices"], s).stdout
+
+    (tmp_path / "free").touch()
+    assert wait_for_state(s, waits, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    assert _job(s, waits).started_at >= _job(s, hog).ended_at
+
+    refused = run_cli(["submit", "--host-mem", "2G", "--", "true"], s, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "gpuq: --host-mem 2048 MiB is more MiB of host memory than node testnode offers jobs (1024; "
+        "GPUQ_NODE_HOST_MEM_MIB): it would never start"]

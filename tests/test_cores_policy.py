@@ -1,6 +1,7 @@
-"""CPU cores as a node's consumable (`--cpus`, SLURM's cons_tres) in the policy, a pure function:
-where a job that reserves cores may start, what the first job in line keeps of them, preemption for
-them, the next-up lists and the forecast (service/node_cores.py, placing, preemption, forecast)."""
+"""CPU cores and host memory as a node's consumables (`--cpus`, `--host-mem`, SLURM's cons_tres) in
+the policy, a pure function: where a job that reserves them may start, what the first job in line
+keeps of them, preemption for them, the next-up lists and the forecast (service/node_use.py,
+placing, preemption, forecast)."""
 
 import math
 
@@ -8,7 +9,7 @@ import pytest
 
 from gpuq.service import next_up_choice
 from gpuq.service.forecast import start_times
-from gpuq.service.node_cores import NodeCores, offered
+from gpuq.service.node_use import CPUS, HOST_MEM, NodeUse, offered_cores, offered_host_mem_mib
 from gpuq.service.policy import PREEMPTING, RESOURCES, GpuState, JobRequest, QueueState, decide
 from gpuq.service.queue_state import Preemptible
 
@@ -23,14 +24,19 @@ def gpu(gpu_id, node="a", busy_until=None, victim=None):
                     preemptible=Preemptible(*victim) if victim is not None else None)
 
 
-def job(job_id, cpus=None, gpus=1, limit=None, node=None, preemptible=False):
+def job(job_id, cpus=None, gpus=1, limit=None, node=None, preemptible=False, mem=None):
     return JobRequest(id=job_id, user="u", gpus=gpus, submitted=job_id, time_limit_s=limit, cpus=cpus, node=node,
-                      preemptible=preemptible)
+                      preemptible=preemptible, host_mem_mib=mem)
+
+
+def use(offer, **holds):
+    """One kind's offer (node -> amount) and the running jobs' holds (node -> [(job id, end, amount)])."""
+    return NodeUse(dict(offer), {node: {j: (end, c) for j, end, c in held} for node, held in holds.items()})
 
 
 def cores(offer, **holds):
-    """Nodes' cores (``offer``: node -> cores) and the running jobs' holds (node -> [(job id, end, cores)])."""
-    return NodeCores(dict(offer), {node: {j: (end, c) for j, end, c in held} for node, held in holds.items()})
+    """Nodes' cores and the running jobs' holds of them, and no host memory counted (``QueueState.node_use``)."""
+    return {CPUS: use(offer, **holds), HOST_MEM: NodeUse()}
 
 
 def placed(decision):
@@ -39,22 +45,22 @@ def placed(decision):
 
 def test_jobs_asking_more_cores_together_than_their_node_offers_do_not_start_together():
     jobs = [job(1, cpus=3, limit=100), job(2, cpus=3, limit=100), job(3, cpus=1, limit=600)]
-    d = decide(QueueState(NOW, jobs, [gpu(10), gpu(11), gpu(12)], cores=cores({"a": 4})))
+    d = decide(QueueState(NOW, jobs, [gpu(10), gpu(11), gpu(12)], node_use=cores({"a": 4})))
     # The first takes 3 of 4; the second waits for its cores although GPUs are free (from the
     # first's end); the third fits beside, and leaves the second its 3 then.
     assert sorted(placed(d)) == [1, 3] and d.waiting == {2: RESOURCES}
-    assert [p.cpus for p in d.placements] == [3, 1]
+    assert [dict(p.needs) for p in d.placements] == [{CPUS: 3}, {CPUS: 1}]
 
 
 def test_a_job_without_cpus_or_a_node_that_reports_no_cores_is_held_to_none():
     running = cores({"a": 4}, a=[(90, math.inf, 4)])
-    d = decide(QueueState(NOW, [job(1), job(2, cpus=2, node="b")], [gpu(10), gpu(11, node="b")], cores=running))
+    d = decide(QueueState(NOW, [job(1), job(2, cpus=2, node="b")], [gpu(10), gpu(11, node="b")], node_use=running))
     assert placed(d) == {1: [10], 2: [11]}
 
 
 def test_a_job_goes_to_the_node_whose_cores_are_free_and_a_gang_counts_them_once():
     gpus = [gpu(10), gpu(11), gpu(20, node="b"), gpu(21, node="b")]
-    d = decide(QueueState(NOW, [job(1, cpus=4, gpus=2)], gpus, cores=cores({"a": 4, "b": 4}, a=[(90, math.inf, 1)])))
+    d = decide(QueueState(NOW, [job(1, cpus=4, gpus=2)], gpus, node_use=cores({"a": 4, "b": 4}, a=[(90, math.inf, 1)])))
     assert placed(d) == {1: [20, 21]}
 
 
@@ -64,33 +70,33 @@ def test_the_first_job_in_line_keeps_the_cores_it_waits_for_and_only_a_job_endin
     # 50 s) ends before: it backfills.
     running = cores({"a": 4}, a=[(90, NOW + 100, 3)])
     state = QueueState(NOW, [job(1, cpus=4), job(2, cpus=1), job(3, cpus=1, limit=50)],
-                       [gpu(10, busy_until=NOW + 100), gpu(11), gpu(12)], cores=running)
+                       [gpu(10, busy_until=NOW + 100), gpu(11), gpu(12)], node_use=running)
     d = decide(state)
-    assert d.reservation is not None and (d.reservation.job_id, d.reservation.start, d.reservation.cpus) == (
-        1, NOW + 100, 4)
+    assert d.reservation is not None and (d.reservation.job_id, d.reservation.start, d.reservation.needs) == (
+        1, NOW + 100, ((CPUS, 4),))
     assert list(placed(d)) == [3] and 2 in d.waiting
     assert start_times(state, d)[1] == NOW + 100
 
 
 def test_a_job_that_asks_more_cores_than_any_node_has_holds_nobody_back():
-    d = decide(QueueState(NOW, [job(1, cpus=64), job(2, cpus=1)], [gpu(10)], cores=cores({"a": 4})))
+    d = decide(QueueState(NOW, [job(1, cpus=64), job(2, cpus=1)], [gpu(10)], node_use=cores({"a": 4})))
     assert placed(d) == {2: [10]} and d.waiting == {1: RESOURCES} and d.reservation is None
 
 
 def test_a_waiting_job_preempts_the_preemptible_jobs_whose_cores_it_needs():
     # Its GPU is free, but a preemptible job on the other GPU holds 3 of the 4 cores: it is stopped.
     running = cores({"a": 4}, a=[(90, math.inf, 3)])
-    d = decide(QueueState(NOW, [job(1, cpus=2)], [gpu(10), gpu(11, victim=(90, 0, NOW - 60))], cores=running))
+    d = decide(QueueState(NOW, [job(1, cpus=2)], [gpu(10), gpu(11, victim=(90, 0, NOW - 60))], node_use=running))
     assert d.preemptions == {90: 1} and d.waiting == {1: PREEMPTING}
-    assert [(c.job_id, [g.id for g in c.gpus], c.cpus) for c in d.claims] == [(1, [10], 2)]
+    assert [(c.job_id, [g.id for g in c.gpus], c.needs) for c in d.claims] == [(1, [10], ((CPUS, 2),))]
     # Without enough cores even then, nobody is stopped.
     d = decide(QueueState(NOW, [job(1, cpus=2)], [gpu(10), gpu(11, victim=(90, 0, NOW - 60))],
-                          cores=cores({"a": 4}, a=[(90, math.inf, 1), (91, math.inf, 3)])))
+                          node_use=cores({"a": 4}, a=[(90, math.inf, 1), (91, math.inf, 3)])))
     assert d.preemptions == {} and d.waiting == {1: RESOURCES}
 
 
 def test_a_job_that_reserves_cores_is_listed_for_no_gpu_and_closes_the_lists_it_could_use():
-    state = QueueState(NOW, [job(1, cpus=1), job(2)], [gpu(10, busy_until=NOW + 10)], cores=cores({"a": 4}))
+    state = QueueState(NOW, [job(1, cpus=1), job(2)], [gpu(10, busy_until=NOW + 10)], node_use=cores({"a": 4}))
     assert next_up_choice.choose(state, decide(state), 2, 100) == {}
     # Where its node counts no cores, it is listed as any one-GPU job.
     state = QueueState(NOW, [job(1, cpus=1), job(2)], [gpu(10, busy_until=NOW + 10)])
@@ -100,17 +106,35 @@ def test_a_job_that_reserves_cores_is_listed_for_no_gpu_and_closes_the_lists_it_
 def test_the_forecast_starts_a_job_when_its_nodes_cores_come_free_and_holds_the_planned_ones():
     running = cores({"a": 4}, a=[(90, NOW + 100, 4)])
     state = QueueState(NOW, [job(1, cpus=2, limit=300), job(2, cpus=3, limit=60), job(3, cpus=2, limit=60)],
-                       [gpu(10, busy_until=NOW + 100), gpu(11), gpu(12), gpu(13)], cores=running)
+                       [gpu(10, busy_until=NOW + 100), gpu(11), gpu(12), gpu(13)], node_use=running)
     starts = start_times(state)
     # Job 1 at 100 s (2 of 4 cores until 400 s); job 2 needs 3: after job 1; job 3 fits beside job 1.
     assert starts == {1: NOW + 100, 2: NOW + 400, 3: NOW + 100}
 
 
-def test_node_cores_count_holds_by_their_ends():
-    held = cores({"a": 8}, a=[(1, 10.0, 4), (2, 20.0, 2), (3, math.inf, 1)])
+def test_host_memory_is_reserved_as_cores_are_and_a_job_needs_both_free():
+    # 48 of node a's 64 GiB are held for 100 s: a --host-mem 32G job waits until then, and a job
+    # with room for its memory but not for its cores waits too.
+    node_use = {CPUS: use({"a": 4}, a=[(90, NOW + 100, 1)]), HOST_MEM: use({"a": 65536}, a=[(90, NOW + 100, 49152)])}
+    state = QueueState(NOW, [job(1, mem=32768, limit=60), job(2, mem=8192, cpus=4, limit=60),
+                             job(3, mem=8192, cpus=1, limit=60)],
+                       [gpu(10, busy_until=NOW + 100), gpu(11), gpu(12), gpu(13)], node_use=node_use)
+    d = decide(state)
+    assert placed(d) == {} or 1 not in placed(d)
+    assert 1 in d.waiting and d.reservation is not None and d.reservation.job_id == 1
+    assert dict(d.reservation.needs) == {HOST_MEM: 32768} and d.reservation.start == NOW + 100
+    # Job 3 fits beside (8 GiB, 1 core) and ends before job 1's start; job 2 lacks cores.
+    assert list(placed(d)) == [3] and 2 in d.waiting
+    starts = start_times(state, d)
+    assert starts[1] == NOW + 100 and starts[2] == NOW + 100
+
+
+def test_node_use_counts_holds_by_their_ends():
+    held = use({"a": 8}, a=[(1, 10.0, 4), (2, 20.0, 2), (3, math.inf, 1)])
     assert [held.free_at("a", t) for t in (0.0, 10.0, 20.0)] == [1, 5, 7]
     assert [held.ready_at(c, "a", 0.0) for c in (1, 2, 5, 7, 8)] == [0.0, 10.0, 10.0, 20.0, math.inf]
     assert held.fit(2, "a", 10.0, also=3) and not held.fit(3, "a", 10.0, also=3)
     assert held.fit(None, "a", 0.0) and held.fit(99, "b", 0.0) and not held.ever_fits(9, "a")
     assert held.release("a", [1, 3]) == 5 and held.free_at("a", 0.0) == 6
-    assert offered(6) == 6 and offered(0) >= 1
+    assert offered_cores(6) == 6 and offered_cores(0) >= 1
+    assert offered_host_mem_mib(4096) == 4096 and offered_host_mem_mib(0) > 1024

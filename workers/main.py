@@ -16,7 +16,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from gpuq.service import broker, inventory, node_cores
+from gpuq.service import broker, inventory, node_use
 from gpuq.service.celery_app import make_app, queue_name
 from gpuq.service.db import require_schema, write_scope
 from gpuq.service.devices import open_devices
@@ -89,7 +89,8 @@ def serve(index: int, loglevel: str) -> int:
     first = probe.read()
     with write_scope(settings) as session:
         gpu_id = inventory.register(session, settings.node, gpus[index], queue, name, os.getpid(),
-                                    node_cores.offered(settings.node_cpus))
+                                    node_use.offered_cores(settings.node_cpus),
+                                    node_use.offered_host_mem_mib(settings.node_host_mem_mib))
         # With its first reading in the same transaction: the GPU is never live to the scheduler
         # without its foreign processes known (it could go to a job that does not fit beside them).
         inventory.beat(session, gpu_id, first)
