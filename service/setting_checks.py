@@ -182,6 +182,9 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
     if not 0 <= settings.node_cpus <= MAX_CPUS:
         fail("node_cpus", f"must be between 0 (the cores the worker may run on) and {MAX_CPUS} (CPU cores this node "
                           "offers jobs)")
+    if not 0 <= settings.host_mem_per_gpu_mib <= MAX_NODE_MEM_MIB:
+        fail("host_mem_per_gpu_mib", f"must be between 0 (no limit) and {MAX_NODE_MEM_MIB} (MiB of host memory a "
+                                     "command may use for each GPU)")
     if not 0 <= settings.node_host_mem_mib <= MAX_NODE_MEM_MIB:
         fail("node_host_mem_mib", f"must be between 0 (the machine's memory) and {MAX_NODE_MEM_MIB} (MiB of host "
                                   "memory this node offers jobs)")

@@ -110,6 +110,10 @@ class Settings:
     # --cpus (SLURM's DefCpuPerGPU, held to as docker's --cpus is: a cgroup's CPU quota); 0: no limit.
     # On a box whose GPUs' jobs starve each other's data loaders, its cores over its GPUs.
     cpus_per_gpu: float = 0.0
+    # The same for host memory, MiB (SLURM's DefMemPerGPU): a command that gives no --host-mem is held to
+    # this for each of its GPUs, and reserves it on its node; 0: no limit. On a node whose jobs together
+    # outgrow its memory, its memory (less the system's) over its GPUs.
+    host_mem_per_gpu_mib: int = 0
     # The CPU cores this node offers its jobs, which a job's --cpus reserves (as SLURM's CPUs= of a
     # node): read by its workers, which report it; 0: the cores the worker may run on. More than the
     # node has lets jobs together ask for more than it has; fewer keeps some for the system.

@@ -225,7 +225,8 @@ def checked(settings: Settings, specs: list[JobSpec], key: str | None = None) ->
     """The specs as a submit writes them (the queue's default time limit given, an aftercorr
     resolved), after the submit's checks (``check_submission``, whose answer comes second): what
     a submit and its estimate (service/estimate.py) both start from."""
-    specs = _with_corresponding(settings, _with_default_cpus(settings, _with_default_time(settings, specs)))
+    specs = _with_default_host_mem(settings, _with_default_cpus(settings, _with_default_time(settings, specs)))
+    specs = _with_corresponding(settings, specs)
     return specs, check_submission(settings, specs, key)
 
 
@@ -245,6 +246,17 @@ def _with_default_cpus(settings: Settings, specs: list[JobSpec]) -> list[JobSpec
         return specs
     return [replace(s, cpus=round(min(per_gpu * s.gpus, MAX_CPUS), 2))
             if s.cpus is None and s.kind != c.KIND_WORKLOAD else s for s in specs]
+
+
+def _with_default_host_mem(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:
+    """The specs, a command's without --host-mem held to (and reserving) GPUQ_HOST_MEM_PER_GPU_MIB for
+    each of its GPUs (SLURM's DefMemPerGPU); a workload runs in its worker and an allocation's shell
+    in its client's terminal, which no job's memory limit holds."""
+    per_gpu = settings.host_mem_per_gpu_mib
+    if not per_gpu:
+        return specs
+    return [replace(s, host_mem_mib=per_gpu * s.gpus) if s.host_mem_mib is None and s.kind == c.KIND_COMMAND else s
+            for s in specs]
 
 
 def _with_default_time(settings: Settings, specs: list[JobSpec]) -> list[JobSpec]:

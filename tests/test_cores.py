@@ -105,3 +105,28 @@ def test_a_job_waits_for_its_nodes_host_memory_and_starts_once_it_is_back(two_co
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "gpuq: --host-mem 2048 MiB is more MiB of host memory than node testnode offers jobs (1024; "
         "GPUQ_NODE_HOST_MEM_MIB): it would never start"]
+
+
+def test_host_mem_per_gpu_gives_a_command_without_host_mem_its_limit_and_reservation(tmp_path):
+    from dataclasses import replace
+
+    from gpuq.service import constants as c
+    from gpuq.service.spec import command_spec
+    from gpuq.service.submitting import _with_default_host_mem
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path, "sqlite://", "redis://", host_mem_per_gpu_mib=4096)
+    bare, asked = command_spec(["true"], gpus=2, cwd="/"), replace(command_spec(["true"], cwd="/"), host_mem_mib=512)
+    workload = replace(bare, kind=c.KIND_WORKLOAD)
+    assert [s.host_mem_mib for s in _with_default_host_mem(settings, [bare, asked, workload])] == [8192, 512, None]
+    assert _with_default_host_mem(settings.with_overrides(host_mem_per_gpu_mib=0), [bare]) == [bare]
+
+
+@pytest.mark.parametrize("name, value", [("GPUQ_HOST_MEM_PER_GPU_MIB", "-1"), ("GPUQ_NODE_HOST_MEM_MIB", "-5"),
+                                         ("GPUQ_NODE_CPUS", "5000")])
+def test_a_node_offer_or_per_gpu_default_out_of_range_is_refused_naming_the_setting(name, value):
+    from gpuq.service.errors import ConfigError
+    from gpuq.service.settings import load_settings
+
+    with pytest.raises(ConfigError, match=rf"^setting {name[5:].lower()} must (not be negative|be between 0 )"):
+        load_settings({name: value, "GPUQ_CONFIG": "/nonexistent/gpuq.toml"})
