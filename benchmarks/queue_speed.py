@@ -191,6 +191,22 @@ def decision_pass(n_jobs: int = 10_000) -> None:
     pd, took = decided(scavenged)
     print(f"decision pass, the same with the busy GPUs' jobs preemptible (policy): "
           f"{took:.1f} ms, {len(pd.placements)} placed, {len(pd.preemptions)} preempted")
+    # The same queue with each node's cores and host memory counted (service/node_use.py): every
+    # pending job reserving cores and memory for its GPUs, each busy GPU's job holding 8 cores and
+    # 100 GiB of a node's 64 and 1 TiB.
+    from gpuq.service.node_use import CPUS, HOST_MEM, NodeUse
+
+    def offer(amount: float, held: float) -> NodeUse:
+        return NodeUse({f"node{n}": amount for n in range(8)},
+                       {f"node{n}": {20_000 + g.id: (g.busy_until, held) for g in gpus
+                                     if g.node == f"node{n}" and g.busy_until is not None} for n in range(8)})
+
+    reserving = policy.QueueState(now, [replace(j, cpus=8.0 * j.gpus, host_mem_mib=102400 * j.gpus) for j in jobs],
+                                  gpus, gpu_hours=snap.gpu_hours,
+                                  node_use={CPUS: offer(64, 8), HOST_MEM: offer(1048576, 102400)})
+    rd, took = decided(reserving)
+    print(f"decision pass, the same with every job reserving cores and host memory (policy): "
+          f"{took:.1f} ms, {len(rd.placements)} placed")
     from gpuq.service.forecast import DEPTH, start_times
 
     t0 = time.perf_counter()
