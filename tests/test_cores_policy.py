@@ -6,6 +6,8 @@ placing, preemption, forecast)."""
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuq.service import next_up_choice
 from gpuq.service.forecast import start_times
@@ -138,3 +140,39 @@ def test_node_use_counts_holds_by_their_ends():
     assert held.release("a", [1, 3]) == 5 and held.free_at("a", 0.0) == 6
     assert offered_cores(6) == 6 and offered_cores(0) >= 1
     assert offered_host_mem_mib(4096) == 4096 and offered_host_mem_mib(0) > 1024
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=st.dictionaries(st.sampled_from("ab"),
+                             st.tuples(st.sampled_from([2, 4, 8]), st.sampled_from([1024, 4096])), min_size=1),
+       busy=st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from([0.0, 2.0, 4.0]), st.sampled_from([0, 512, 2048]),
+                               st.sampled_from([50.0, 500.0, math.inf])), max_size=3),
+       jobs=st.lists(st.tuples(st.integers(1, 2), st.sampled_from([None, 1.0, 2.5, 4.0]),
+                               st.sampled_from([None, 512, 3000]), st.sampled_from([None, 60, 3600])),
+                     min_size=1, max_size=8))
+def test_no_pass_reserves_more_of_a_node_than_it_offers_nor_what_the_first_in_line_keeps(nodes, busy, jobs):
+    """Whatever the queue: the cores and memory the running jobs and those placed in one pass hold
+    on a node stay within its offer, and a job placed on the reserved node past the reserved start
+    leaves the reserved job its share then."""
+    gpus = [gpu(10 * i + k, node=n) for i, n in enumerate(sorted(nodes)) for k in range(3)]
+    node_use = {CPUS: use({n: c for n, (c, _) in nodes.items()}), HOST_MEM: use({n: m for n, (_, m) in nodes.items()})}
+    for j, (n, cpus, mem, end) in enumerate(busy):
+        if n in nodes:
+            node_use[CPUS].hold(n, 900 + j, NOW + end, cpus or None)
+            node_use[HOST_MEM].hold(n, 900 + j, NOW + end, mem or None)
+    requests = [JobRequest(id=i, user="u", gpus=g, submitted=i, cpus=c, host_mem_mib=m, time_limit_s=t)
+                for i, (g, c, m, t) in enumerate(jobs, start=1)]
+    d = decide(QueueState(NOW, requests, gpus, node_use=node_use))
+    by_id = {r.id: r for r in requests}
+    for kind, offered in ((CPUS, node_use[CPUS]), (HOST_MEM, node_use[HOST_MEM])):
+        for n in nodes:
+            placed_here = [getattr(by_id[p.job_id], kind) or 0 for p in d.placements if p.gpus[0].node == n]
+            if any(placed_here):  # a node over its offer before the pass takes nothing more of it
+                assert offered.free_at(n, NOW) - sum(placed_here) >= -1e-9
+    r = d.reservation
+    if r is not None and r.needs:
+        for kind, kept in r.needs:
+            late = [getattr(by_id[p.job_id], kind) or 0 for p in d.placements if p.gpus[0].node == r.node
+                    and (by_id[p.job_id].time_limit_s is None or NOW + by_id[p.job_id].time_limit_s > r.start)]
+            if any(late):
+                assert node_use[kind].free_at(r.node, r.start) - sum(late) >= kept - 1e-9
