@@ -11,7 +11,7 @@ import typer
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client
-from gpuq.cli.render import drain_reasons, job, mib, print_json, printable
+from gpuq.cli.render import drain_reasons, job, mib, print_json, printable, reserved_lines
 from gpuq.service import constants as c
 
 if TYPE_CHECKING:
@@ -70,20 +70,6 @@ def table(devices: list[dict[str, Any]], drained: dict[str, str | None] | None =
                   escape(d.user or ", ".join(sorted({s["user"] or "?" for s in d.shares})) or "-"),
                   escape(_processes(d.foreign)))
     return t
-
-
-def core_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """A line for each node whose started jobs reserve CPU cores or host memory (`--cpus`,
-    `--host-mem`): how much of its offer."""
-    lines = []
-    for node, r in sorted({r["node"]: r for r in rows}.items()):
-        if r.get("node_cpus") is not None and r.get("node_cpus_reserved"):
-            lines.append(f"node {node}: {r['node_cpus_reserved']:g} of its {r['node_cpus']} CPU cores reserved by "
-                         "jobs (--cpus)")
-        if r.get("node_host_mem_mib") is not None and r.get("node_host_mem_reserved_mib"):
-            lines.append(f"node {node}: {r['node_host_mem_reserved_mib']} of its {r['node_host_mem_mib']} MiB of host "
-                         "memory reserved by jobs (--host-mem)")
-    return lines
 
 
 def _read(client: Client) -> tuple[list[dict[str, Any]], dict[str, str | None]]:
@@ -151,7 +137,7 @@ def _print(rows: list[dict[str, Any]], drained: dict[str, str | None]) -> None:
         for line in drain_reasons(rows, drained, {r["node"]: r["node_drain_ahead"] for r in rows
                                                    if r.get("node_drain_ahead")}):
             console.print(line, markup=False, highlight=False)
-        for line in core_lines(rows):
+        for line in reserved_lines(rows):
             console.print(line, markup=False, highlight=False)
     else:
         console.print("no GPUs registered: start the workers with `gpuq up`")

@@ -17,6 +17,7 @@ from gpuq.cli.render import (
     json_text,
     mib,
     print_json,
+    reserved_lines,
     timestamp,
 )
 from gpuq.cli.table import Cell, colours_wanted, delimited, render
@@ -151,6 +152,7 @@ def _listing(ended: int, mine: bool, user: str | None, every_task: bool, state: 
     # A drained node's GPUs carry its reason: one line for the node.
     lines += drain_reasons(gpus, {g["node"]: g["drain_reason"] for g in gpus if g.get("node_drained")},
                            {g["node"]: g["node_drain_ahead"] for g in gpus if g.get("node_drain_ahead")})
+    lines += reserved_lines(gpus)
     return "\n".join(lines) + "\n"
 
 

@@ -7,18 +7,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import samples
-from gpuq.service.constants import State
-from gpuq.service.inventory import holders, live_cutoff
-from gpuq.service.models import Job, utcnow
+from gpuq.service.inventory import NodeReserved, holders, live_cutoff, node_reserved
+from gpuq.service.models import utcnow
 from gpuq.service.settings import Settings
 
-# The CPU cores and host memory each node's started jobs reserve (`--cpus`, `--host-mem`).
-_RESERVED = (select(Job.node, func.sum(Job.cpus), func.sum(Job.host_mem_mib))
-             .where(Job.state.in_((State.DISPATCHED, State.RUNNING))).group_by(Job.node))
 # A sample older than this many sample intervals (and at least this many seconds) is stale:
 # the table shows "not available" rather than an old reading as if it were now.
 STALE_INTERVALS, STALE_SECONDS = 10, 30.0
@@ -68,14 +63,7 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
     fresh = now - timedelta(seconds=max(STALE_INTERVALS * settings.sample_interval, STALE_SECONDS))
     newest = samples.latest(session, [g.id for g, _ in gpus], fresh)
     cutoff = live_cutoff(settings)
-    cores: dict[str, int] = {}
-    mem: dict[str, int] = {}
-    for gpu, _ in gpus:  # the least its workers report (retired GPUs are not listed)
-        if gpu.node_cpus is not None:
-            cores[gpu.node] = min(cores.get(gpu.node, gpu.node_cpus), gpu.node_cpus)
-        if gpu.node_host_mem_mib is not None:
-            mem[gpu.node] = min(mem.get(gpu.node, gpu.node_host_mem_mib), gpu.node_host_mem_mib)
-    reserved = {node: (c or 0.0, m or 0) for node, c, m in session.execute(_RESERVED)} if cores or mem else {}
+    reserved = node_reserved(session, [g for g, _ in gpus])
     out = []
     for gpu, held in gpus:
         job_id, job_name, user = held.whole
@@ -94,7 +82,6 @@ def device_status(session: Session, settings: Settings, now: datetime | None = N
             sampled_at=s.sampled_at if s else None,
             processes=[p for p in procs if p.get("gpuq")], foreign=[p for p in procs if not p.get("gpuq")],
             shares=list(held.shares), drain_reason=gpu.drain_reason,
-            node_cpus=cores.get(gpu.node), node_cpus_reserved=float(reserved.get(gpu.node, (0.0, 0))[0]),
-            node_host_mem_mib=mem.get(gpu.node), node_host_mem_reserved_mib=int(reserved.get(gpu.node, (0.0, 0))[1]),
+            **reserved.get(gpu.node, NodeReserved()).as_dict(),
         ))
     return out

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from gpuq.service import node_drains
+from gpuq.service.constants import State
 from gpuq.service.db import rows_changed
 from gpuq.service.devices import GpuInfo, GpuReading
 from gpuq.service.models import Allocation, Gpu, Job, utcnow
@@ -195,6 +196,49 @@ class GpuView:
     # Its node's maintenance window to come, ``{"at", "until": ISO times, "note": why and by whom}``
     # (service/node_drains.py).
     node_drain_ahead: dict[str, Any] | None = None
+    # Its node's offer to jobs and what its started jobs reserve of it (``NodeReserved``).
+    node_cpus: int | None = None
+    node_cpus_reserved: float = 0.0
+    node_host_mem_mib: int | None = None
+    node_host_mem_reserved_mib: int = 0
+
+
+@dataclass(frozen=True)
+class NodeReserved:
+    """A node's CPU cores and host memory for jobs (None: not reported) and what its started jobs
+    reserve of them (`--cpus`, `--host-mem`; service/node_use.py), as `gpuq status` and `gpuq
+    devices` give them with each of its GPUs."""
+
+    node_cpus: int | None = None
+    node_cpus_reserved: float = 0.0
+    node_host_mem_mib: int | None = None
+    node_host_mem_reserved_mib: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# The CPU cores and host memory each node's started jobs reserve.
+_RESERVED = (select(Job.node, func.sum(Job.cpus), func.sum(Job.host_mem_mib))
+             .where(Job.state.in_((State.DISPATCHED, State.RUNNING))).group_by(Job.node))
+
+
+def node_reserved(session: Session, gpus: list[Gpu]) -> dict[str, NodeReserved]:
+    """Each node of ``gpus`` (not retired): its offer, the least its GPUs' workers report, and what
+    is reserved of it."""
+    cores: dict[str, int] = {}
+    mem: dict[str, int] = {}
+    for g in gpus:
+        if g.node_cpus is not None:
+            cores[g.node] = min(cores.get(g.node, g.node_cpus), g.node_cpus)
+        if g.node_host_mem_mib is not None:
+            mem[g.node] = min(mem.get(g.node, g.node_host_mem_mib), g.node_host_mem_mib)
+    if not (cores or mem):
+        return {}
+    reserved = {node: (c or 0.0, m or 0) for node, c, m in session.execute(_RESERVED)}
+    return {node: NodeReserved(cores.get(node), float(reserved.get(node, (0.0, 0))[0]), mem.get(node),
+                               int(reserved.get(node, (0.0, 0))[1]))
+            for node in {*cores, *mem}}
 
 
 @dataclass(frozen=True)
@@ -231,6 +275,8 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
     """Each GPU with its whole-GPU job, or its shared jobs and what each uses of its share."""
     cutoff = live_cutoff(settings)
     drained, ahead = node_drains.notes(session)
+    gpus = holders(session)
+    reserved = node_reserved(session, [g for g, _ in gpus])
     return [
         GpuView(node=g.node, index=g.index, name=g.name, memory_used_mib=g.memory_used_mib,
                 memory_total_mib=g.memory_total_mib, utilization=g.utilization,
@@ -239,8 +285,8 @@ def view(session: Session, settings: Settings) -> list[GpuView]:
                 drained=g.node in drained or g.drain_reason is not None, foreign_mib=g.foreign_mib,
                 drain_reason=drained.get(g.node) or g.drain_reason, node_drained=g.node in drained,
                 own_drain_reason=g.drain_reason, shares=held.shares,
-                node_drain_ahead=ahead.get(g.node))
-        for g, held in holders(session)
+                node_drain_ahead=ahead.get(g.node), **reserved.get(g.node, NodeReserved()).as_dict())
+        for g, held in gpus
     ]
 
 

@@ -50,7 +50,9 @@ def test_a_job_waits_for_its_nodes_cores_beside_a_free_gpu_and_starts_once_they_
     why = run_cli(["why", str(waits)], s).stdout
     assert "needs 1 GPU and 1 CPU core (--cpus)" in why, why
     assert "node testnode has 0 of its 2 CPU cores free for jobs (1 running job reserves the rest)" in why, why
-    assert "node testnode: 2 of its 2 CPU cores reserved by jobs (--cpus)" in run_cli(["devices"], s).stdout
+    for command in ("devices", "status"):
+        assert "node testnode: 2 of its 2 CPU cores reserved by jobs (--cpus)" in run_cli([command], s).stdout
+    assert {g["node_cpus_reserved"] for g in json.loads(run_cli(["status", "--json"], s).stdout)["gpus"]} == {2.0}
     listed = json.loads(run_cli(["devices", "--json"], s).stdout)
     assert {(d["node_cpus"], d["node_cpus_reserved"], d["node_host_mem_mib"]) for d in listed} == {(2, 2.0, 1024)}
 
