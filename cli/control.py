@@ -132,6 +132,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                             show_default=False)] = None,
            cpus: Annotated[str | None, typer.Option("--cpus", "-c", help="A pending command's CPU cores, e.g. 4 "
                                                     "or 0.5 (none: no limit).")] = None,
+           host_mem: Annotated[str | None, typer.Option("--host-mem", help="A pending command's host memory, "
+                                                        "e.g. 8G (none: no limit).")] = None,
            requeue: Annotated[bool | None, typer.Option("--requeue/--no-requeue", help="Run it again (or never) "
                                                         "when the machinery fails under it (its worker or GPU "
                                                         "lost, its GPU failed).", show_default=False)] = None,
@@ -146,8 +148,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                                           "singleton; none: wait for nothing.")] = None,
            ) -> None:
     """Change jobs after their submit: a pending job's priority, GPUs, GPU type, memory, node,
-    sharing, CPU cores, dependencies and deadline, a time limit, preemptibility, requeue, a name, retries, an
-    array's tasks at once (as `scontrol update job`)."""
+    sharing, CPU cores, host memory, dependencies and deadline, a time limit, preemptibility,
+    requeue, a name, retries, an array's tasks at once (as `scontrol update job`)."""
     from gpuq.cli.submit import typed
 
     if begin is not None:  # the user's own clock and zone read it
@@ -163,7 +165,8 @@ def update(job_ids: JobIds = None, array: Array = None,
                                  ("array_limit", array_limit), ("begin", begin), ("deadline", deadline),
                                  ("gpus", count),
                                  ("gpu_type", gpu_type), ("mem", mem), ("node", node), ("shared", shared),
-                                 ("preemptible", preemptible), ("cpus", cpus), ("requeue", requeue), ("after", after),
+                                 ("preemptible", preemptible), ("cpus", cpus), ("host_mem", host_mem),
+                                 ("requeue", requeue), ("after", after),
                                  ("after_any", after_any),
                                  ("dependency", dependency), ("exclude", exclude))
                if v is not None}
@@ -193,6 +196,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "preemptible": ("preemptible", lambda v: "yes" if v else "no"),
     "requeue": ("requeue", lambda v: "as its retries say" if v is None else "yes" if v else "no"),
     "cpus": ("CPU cores", lambda v: "none" if v is None else f"{v:g}"),
+    "host_mem_mib": ("host memory", lambda v: "none" if v is None else mib(v)),
     "dependency": ("dependency", lambda v: "none" if v is None else v),
     "exclude_nodes": ("excluded nodes", lambda v: "none" if not v else ",".join(v))}
 

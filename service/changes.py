@@ -15,11 +15,11 @@ from gpuq.service.units import MAX_ARRAY_TASKS, Waits, dependency_of, parse_cpus
 
 # The columns a change names, as the API and the answer name them.
 FIELDS = ("priority", "time_limit_s", "name", "max_retries", "array_limit", "begin_at", "gpus", "gpu_type",
-          "mem_mib", "on_node", "shared", "preemptible", "cpus", "deadline_at", "requeue")
+          "mem_mib", "on_node", "shared", "preemptible", "cpus", "host_mem_mib", "deadline_at", "requeue")
 # `--gpu-type any`, `--node any`: no type (node) any more, any will do.
 ANY_TYPE = "any"
 # `--mem none`: no GPU memory asked (a whole-GPU job's; a shared job needs its share); `--cpus
-# none`: no CPU limit; `--deadline none`: no deadline.
+# none`: no CPU limit; `--host-mem none`: no host memory limit; `--deadline none`: no deadline.
 NO_MEM = "none"
 # `--deadline none`: no deadline any more (a moment no deadline could be).
 NO_DEADLINE = datetime(1970, 1, 1, tzinfo=UTC)
@@ -42,6 +42,7 @@ class Changes:
     shared: bool | None = None  # True: packed by its memory beside other shared jobs; False: whole GPUs
     preemptible: bool | None = None  # `--preemptible` / `--no-preemptible`
     cpus: float | None = None  # `--cpus`; 0: no limit
+    host_mem_mib: int | None = None  # `--host-mem`; 0: no limit
     deadline_at: datetime | None = None  # `--deadline`; NO_DEADLINE: none
     requeue: bool | None = None  # `--requeue` / `--no-requeue`
     # What it waits for, in place of what it waited for; Waits(): nothing any more.
@@ -52,17 +53,17 @@ class Changes:
     def of(cls, body: dict[str, Any]) -> Changes:
         """The changes of a request's body (``priority``, ``time`` as `--time` takes it, ``name``,
         ``retries``, ``array_limit``, ``begin``, ``deadline`` (``none`` for none), ``gpus``, ``gpu_type``,
-        ``mem``, ``node``, ``shared``, ``cpus``, and
+        ``mem``, ``node``, ``shared``, ``cpus``, ``host_mem``, and
         ``after``, ``after_any`` or ``dependency`` as a submit takes them, ``dependency`` ``none`` for
         none, ``exclude`` as a submit takes it, ``none`` for none, ``preemptible``); InvalidSpec for
         anything malformed or for no change at all."""
         unknown = set(body) - {"ids", "priority", "time", "name", "retries", "array_limit", "begin", "gpus",
                                "gpu_type", "mem", "node", "shared", "after", "after_any", "dependency", "exclude",
-                               "preemptible", "cpus", "deadline", "requeue"}
+                               "preemptible", "cpus", "host_mem", "deadline", "requeue"}
         if unknown:
             raise InvalidSpec(f"no such change: {sorted(unknown)[0][:40]!r} (priority, time, name, retries, "
                               "array_limit, begin, gpus, gpu_type, mem, node, shared, after, after_any, "
-                              "dependency, exclude, preemptible, cpus, deadline, requeue)")
+                              "dependency, exclude, preemptible, cpus, host_mem, deadline, requeue)")
         shared = body.get("shared")
         if shared is not None and type(shared) is not bool:
             raise InvalidSpec("--shared must be true or false (--whole)")
@@ -78,12 +79,13 @@ class Changes:
                               ("--gpus", gpus)):
             if value is not None and (type(value) is not int):
                 raise InvalidSpec(f"{option} must be a whole number")
-        after, after_any, dependency, exclude, begin, deadline_at = (
-            body.get(k) for k in ("after", "after_any", "dependency", "exclude", "begin", "deadline"))
+        after, after_any, dependency, exclude, begin, deadline_at, host_mem = (
+            body.get(k) for k in ("after", "after_any", "dependency", "exclude", "begin", "deadline", "host_mem"))
         for option, value in (("--begin", begin), ("--deadline", deadline_at),
                               ("--time", time), ("--name", name), ("--gpu-type", gpu_type), ("--mem", mem),
                               ("--node", node), ("--after", after), ("--after-any", after_any),
-                              ("--dependency", dependency), ("--exclude", exclude), ("--cpus", cpus)):
+                              ("--dependency", dependency), ("--exclude", exclude), ("--cpus", cpus),
+                              ("--host-mem", host_mem)):
             if value is not None and not isinstance(value, str):
                 raise InvalidSpec(f"{option} must be text")
         if priority is not None and not -spec.ADMIN_MAX_PRIORITY <= priority <= spec.ADMIN_MAX_PRIORITY:
@@ -103,6 +105,8 @@ class Changes:
                       on_node=None if node is None else "" if node.strip().lower() == ANY_TYPE
                       else _node(node), shared=shared, preemptible=preemptible, requeue=requeue,
                       cpus=None if cpus is None else 0.0 if cpus.strip().lower() == NO_MEM else parse_cpus(cpus),
+                      host_mem_mib=None if host_mem is None else 0 if host_mem.strip().lower() == NO_MEM
+                      else parse_mem(host_mem, "--host-mem"),
                       deadline_at=None if deadline_at is None else NO_DEADLINE if deadline_at.strip().lower() == NO_MEM
                       else spec.begin_of(deadline_at, "deadline"),
                       dependency=dependency_of(after, after_any, dependency, clears=True),

@@ -88,6 +88,8 @@ _NEW_NODE = bindparam("new_on_node", type_=String)
 # CPU cores: a number, 0 for no limit (stored as null), or null to leave it as it is.
 # (Cast: PostgreSQL cannot tell a null float parameter's type, where an integer's is written with it.)
 _NEW_CPUS = cast(bindparam("new_cpus", type_=Float), Float)
+# Host memory: MiB, 0 for no limit (stored as null), or null to leave it as it is.
+_NEW_HOST_MEM = bindparam("new_host_mem_mib", type_=Integer)
 # A deadline: a moment, NO_DEADLINE for none (stored as null), or null to leave it as it is.
 _NEW_DEADLINE = bindparam("new_deadline_at", type_=UTCDateTime())
 _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, None, _ID,
@@ -102,6 +104,8 @@ _CHANGE_WAITING = move("change a job that waits", Actor.USER, State.PENDING, Non
                                     else_=_NEW_NODE), shared=_kept("shared", Boolean),
                        preemptible=_kept("preemptible", Boolean),
                        cpus=case((_NEW_CPUS.is_(None), _JOBS.c.cpus), (_NEW_CPUS == 0, None), else_=_NEW_CPUS),
+                       host_mem_mib=case((_NEW_HOST_MEM.is_(None), _JOBS.c.host_mem_mib), (_NEW_HOST_MEM == 0, None),
+                                         else_=_NEW_HOST_MEM),
                        **_LATER)
 # A pending job's dependencies: the ids (null: none), how it waits for them (units.AFTER_KINDS), and
 # whether it is a singleton.
@@ -123,7 +127,8 @@ _CHANGE_STARTED = move("change a job that started", Actor.USER, (State.DISPATCHE
 _VALUES = (_JOBS.c.priority, _JOBS.c.time_limit_s, _JOBS.c.name, _JOBS.c.max_retries, _JOBS.c.array_limit,
            _JOBS.c.begin_at, _JOBS.c.gpus, _JOBS.c.gpu_type, _JOBS.c.mem_mib, _JOBS.c.on_node, _JOBS.c.shared,
            _JOBS.c.array_id, _JOBS.c.kind, _JOBS.c.after, _JOBS.c.after_kind, _JOBS.c.singleton,
-           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.cancel_requested_at, _JOBS.c.deadline_at,
+           _JOBS.c.exclude_nodes, _JOBS.c.preemptible, _JOBS.c.cpus, _JOBS.c.host_mem_mib, _JOBS.c.cancel_requested_at,
+           _JOBS.c.deadline_at,
            _JOBS.c.requeue)
 # What only a pending job may change: it ordered, timed or shaped its wait, which a started job has left.
 _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at": "deadline", "gpus": "GPUs",
@@ -131,10 +136,10 @@ _WAITING_ONLY = {"priority": "priority", "begin_at": "begin time", "deadline_at"
                  "mem_mib": "GPU memory", "on_node": "node", "shared": "sharing", "dependency": "dependencies",
                  "exclude_nodes": "excluded nodes",
                  # Its cgroup's quota is made as it starts.
-                 "cpus": "CPU cores"}
+                 "cpus": "CPU cores", "host_mem_mib": "host memory"}
 # What shapes where a job may run: a change of one is checked as a submit, and unlists the job.
 # (A job made preemptible or not leaves the lists too: it goes after every other job, or no longer.)
-_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible", "cpus")
+_SHAPE = ("gpus", "gpu_type", "mem_mib", "on_node", "shared", "exclude_nodes", "preemptible", "cpus", "host_mem_mib")
 
 @dataclass
 class Outcome:
@@ -190,7 +195,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
     checked: set[tuple[Any, ...]] = set()
     for job in jobs.rows_of(session, job_ids, Job.kind, Job.user, Job.workload, Job.params, Job.on_node,
                             Job.mem_mib, Job.shared, Job.gpus, Job.gpu_type, Job.exclude_nodes,
-                            Job.preemptible, Job.cpus).values():
+                            Job.preemptible, Job.cpus, Job.host_mem_mib).values():
         gpus = changes.gpus if changes.gpus is not None else job.gpus
         gpu_type = job.gpu_type if changes.gpu_type is None else changes.gpu_type or None
         mem_mib = job.mem_mib if changes.mem_mib is None else changes.mem_mib or None
@@ -199,6 +204,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
         exclude = job.exclude_nodes if changes.exclude_nodes is None else changes.exclude_nodes
         preemptible = bool(job.preemptible) if changes.preemptible is None else changes.preemptible
         cpus = job.cpus if changes.cpus is None else changes.cpus or None
+        host_mem_mib = job.host_mem_mib if changes.host_mem_mib is None else changes.host_mem_mib or None
         if shared and mem_mib is None:
             if job.shared:
                 raise InvalidSpec(f"job {job.id} is shared: its --mem is its share, which it cannot go without")
@@ -210,14 +216,15 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             raise InvalidSpec(refused)
         params = dict(job.params or {})
         shape = (job.kind, job.workload, json.dumps(params, sort_keys=True, default=str), on_node, mem_mib,
-                 shared, gpus, gpu_type, tuple(exclude or ()), preemptible, cpus)
+                 shared, gpus, gpu_type, tuple(exclude or ()), preemptible, cpus, host_mem_mib)
         if shape in checked:
             continue
         checked.add(shape)
         check_resources(session, settings, spec.JobSpec(kind=job.kind, name="", user=job.user, gpus=gpus, cwd="/",
                                                         mem_mib=mem_mib, on_node=on_node,
                                                         shared=shared, gpu_type=gpu_type, preemptible=preemptible,
-                                                        exclude_nodes=list(exclude) if exclude else None, cpus=cpus))
+                                                        exclude_nodes=list(exclude) if exclude else None, cpus=cpus,
+                                                        host_mem_mib=host_mem_mib))
         if job.kind == c.KIND_WORKLOAD and job.workload is not None and changes.gpus is not None:
             get_workload(job.workload).check_gpus(params, gpus)
 
@@ -312,6 +319,10 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool, charge: float
     if changes.cpus and job.kind == c.KIND_WORKLOAD:
         outcome.refused = f"job {job.id} is a built-in workload: it runs in its worker, which --cpus cannot hold"
         return outcome
+    if changes.host_mem_mib and job.kind != c.KIND_COMMAND:
+        what = "an allocation" if job.kind == c.KIND_INTERACTIVE else "a built-in workload"
+        outcome.refused = f"job {job.id} is {what}: --host-mem holds a command's processes"
+        return outcome
     if changes.array_limit is not None and job.array_id is None:
         outcome.refused = f"job {job.id} is not a task of an array; --array-limit is an array's"
         return outcome
@@ -323,6 +334,7 @@ def _change(session: Any, job: Any, changes: Changes, admin: bool, charge: float
     # The answer's new values as stored: a limit of 0 asks for none, a type of "" for any model.
     shown = dict(values, array_limit=values["array_limit"] or None, gpu_type=values["gpu_type"] or None,
                  mem_mib=values["mem_mib"] or None, on_node=values["on_node"] or None, cpus=values["cpus"] or None,
+                 host_mem_mib=values["host_mem_mib"] or None,
                  deadline_at=None if values["deadline_at"] == NO_DEADLINE else values["deadline_at"])
     outcome.changed = {f: [getattr(job, f), shown[f]] for f, v in values.items()
                        if v is not None and shown[f] != getattr(job, f)}

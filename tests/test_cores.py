@@ -132,3 +132,23 @@ def test_a_node_offer_or_per_gpu_default_out_of_range_is_refused_naming_the_sett
 
     with pytest.raises(ConfigError, match=rf"^setting {name[5:].lower()} must (not be negative|be between 0 )"):
         load_settings({name: value, "GPUQ_CONFIG": "/nonexistent/gpuq.toml"})
+
+
+def test_update_changes_a_pending_commands_host_mem_within_what_its_node_offers(two_cores, tmp_path):
+    s = two_cores.settings
+    held = cli_submit(s, ["--hold", "--host-mem", "256M", "--", "true"], cwd=tmp_path)
+    out = run_cli(["update", str(held), "--host-mem", "512M"], s)
+    assert (out.returncode, out.stdout) == (0, f"job {held}: host memory 256M → 512M\n"), out.stderr
+    assert _job(s, held).host_mem_mib == 512
+    refused = run_cli(["update", str(held), "--host-mem", "2G"], s)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "gpuq: --host-mem 2048 MiB is more MiB of host memory than node testnode offers jobs (1024; "
+        "GPUQ_NODE_HOST_MEM_MIB): it would never start"]
+    out = run_cli(["update", str(held), "--host-mem", "none"], s)
+    assert (out.returncode, out.stdout) == (0, f"job {held}: host memory 512M → none\n"), out.stderr
+    assert _job(s, held).host_mem_mib is None
+    workload = cli_submit(s, ["--hold", "matmul", "--size", "64"], cwd=tmp_path)
+    refused = run_cli(["update", str(workload), "--host-mem", "128M"], s)
+    assert refused.returncode == 4 and refused.stderr == (
+        f"gpuq: job {workload} is a built-in workload: --host-mem holds a command's processes\n")
+    assert run_cli(["cancel", str(held), str(workload)], s).returncode == 0
