@@ -17,6 +17,7 @@ from gpuq.service.display import (  # noqa: F401 - the CLI's names for them
     exit_status,
     held,
     printable,
+    reserved_lines,
     result_summary,
     time_limit,
 )
@@ -87,17 +88,3 @@ def drain_reasons(gpus: list[dict[str, Any]], nodes: dict[str, str | None],
     `gpuq devices`."""
     return ([f"drained: {where}: {one_line(why, 160)}" for where, why in drained(gpus, nodes)]
             + [one_line(drain_ahead(node, d), 240) for node, d in sorted((ahead or {}).items())])
-
-
-def reserved_lines(gpus: list[dict[str, Any]]) -> list[str]:
-    """A line for each node whose started jobs reserve CPU cores or host memory (`--cpus`,
-    `--host-mem`): how much of its offer."""
-    lines = []
-    for node, r in sorted({g["node"]: g for g in gpus}.items()):
-        if r.get("node_cpus") is not None and r.get("node_cpus_reserved"):
-            lines.append(f"node {node}: {r['node_cpus_reserved']:g} of its {r['node_cpus']} CPU cores reserved by "
-                         "jobs (--cpus)")
-        if r.get("node_host_mem_mib") is not None and r.get("node_host_mem_reserved_mib"):
-            lines.append(f"node {node}: {r['node_host_mem_reserved_mib']} of its {r['node_host_mem_mib']} MiB of host "
-                         "memory reserved by jobs (--host-mem)")
-    return lines

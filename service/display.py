@@ -206,3 +206,18 @@ def gpu_hours_text(h: float) -> str:
     if h == 0 or h >= 0.1:
         return "0" if h == 0 else f"{h:.1f}"
     return f"{h:.{1 - math.floor(math.log10(h))}f}"  # two figures, no exponent: 0.015, 0.000040
+
+
+def reserved_lines(gpus: list[dict[str, Any]]) -> list[str]:
+    """A line for each node of ``gpus`` (each GPU with its node's ``NodeReserved`` figures) whose
+    started jobs reserve CPU cores or host memory (`--cpus`, `--host-mem`): how much of its offer,
+    as `gpuq status`, `gpuq devices` and the dashboard say it."""
+    lines = []
+    for node, r in sorted({g["node"]: g for g in gpus}.items()):
+        if r.get("node_cpus") is not None and r.get("node_cpus_reserved"):
+            lines.append(f"node {node}: {r['node_cpus_reserved']:g} of its {r['node_cpus']} CPU cores reserved by "
+                         "jobs (--cpus)")
+        if r.get("node_host_mem_mib") is not None and r.get("node_host_mem_reserved_mib"):
+            lines.append(f"node {node}: {r['node_host_mem_reserved_mib']} of its {r['node_host_mem_mib']} MiB of host "
+                         "memory reserved by jobs (--host-mem)")
+    return lines

@@ -210,3 +210,24 @@ def test_each_nodes_drain_and_its_maintenance_window_to_come_are_gauges(ran, das
     finally:
         with write_scope(st.settings) as session:
             node_drains.set_drained(session, "testnode", False)
+
+
+def test_each_nodes_cores_and_host_memory_offered_and_reserved_are_gauges_equal_to_sql(ran, dash):
+    from sqlalchemy import func, select
+
+    from gpuq.service.constants import State
+    from gpuq.service.db import write_scope
+    from gpuq.service.models import Job
+
+    st, _ = ran
+    families = scrape(dash)
+    with write_scope(st.settings) as session:
+        cpus, mem = session.execute(select(func.coalesce(func.sum(Job.cpus), 0), func.coalesce(func.sum(
+            Job.host_mem_mib), 0)).where(Job.state.in_((State.DISPATCHED, State.RUNNING)))).one()
+    got = {name: [(s.labels["node"], s.value) for s in samples(families[name])]
+           for name in ("gpuq_node_cpus", "gpuq_node_cpus_reserved", "gpuq_node_host_mem_mib",
+                        "gpuq_node_host_mem_reserved_mib")}
+    # What the test stack's workers report (tests/conftest.py), and what SQL says its jobs reserve.
+    assert got == {"gpuq_node_cpus": [("testnode", 64.0)], "gpuq_node_cpus_reserved": [("testnode", float(cpus))],
+                   "gpuq_node_host_mem_mib": [("testnode", 65536.0)],
+                   "gpuq_node_host_mem_reserved_mib": [("testnode", float(mem))]}

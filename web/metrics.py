@@ -89,6 +89,23 @@ def _node_metrics(m: dict[str, Any]) -> Iterator[Metric]:
         if window.get("until"):
             ends.add_metric([node], datetime.fromisoformat(window["until"]).timestamp())
     yield from (drained, starts, ends)
+    # What each node offers jobs and what they reserve of it (`--cpus`, `--host-mem`), as SLURM's
+    # exporters give a node's CPUs and memory, total and allocated; only where its workers report it.
+    offered = {"node_cpus": GaugeMetricFamily("gpuq_node_cpus", "CPU cores the node offers jobs (GPUQ_NODE_CPUS).",
+                                              labels=["node"]),
+               "node_cpus_reserved": GaugeMetricFamily("gpuq_node_cpus_reserved", "CPU cores its started jobs "
+                                                       "reserve (--cpus).", labels=["node"]),
+               "node_host_mem_mib": GaugeMetricFamily("gpuq_node_host_mem_mib", "Host memory the node offers jobs "
+                                                      "(GPUQ_NODE_HOST_MEM_MIB; in MiB).", labels=["node"]),
+               "node_host_mem_reserved_mib": GaugeMetricFamily("gpuq_node_host_mem_reserved_mib", "Host memory "
+                                                               "its started jobs reserve (--host-mem; in MiB).",
+                                                               labels=["node"])}
+    for node, d in sorted({d["node"]: d for d in m["gpus"]}.items()):
+        for key, family in offered.items():
+            total = "node_cpus" if key.startswith("node_cpus") else "node_host_mem_mib"
+            if d.get(total) is not None:  # a node, or a server, from before sends none
+                family.add_metric([node], float(d.get(key) or 0))
+    yield from offered.values()
 
 
 def _bounds(bounds: tuple[float, ...]) -> str:

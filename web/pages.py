@@ -105,7 +105,8 @@ def queue(api: Client) -> str:
             + "".join(f'<p class="muted">drained: {escape(where)}: {escape(why)}</p>'
                       for where, why in display.drained(gpus["devices"], drained))
             + "".join(f'<p class="muted">{escape(display.drain_ahead(node, d))}</p>'
-                      for node, d in sorted((gpus.get("drains_ahead") or {}).items())))
+                      for node, d in sorted((gpus.get("drains_ahead") or {}).items()))
+            + "".join(f'<p class="muted">{escape(line)}</p>' for line in display.reserved_lines(gpus["devices"])))
     return page("queue", body, refresh=QUEUE_REFRESH_SECONDS)
 
 
