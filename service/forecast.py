@@ -139,27 +139,32 @@ class _Plan:
             for end, charge in held:
                 if end > state.now and usage is not None:
                     usage.hold(state.now, end, charge)
+        # Each GPU's holds a job that is not preemptible counts (none of the preemptible jobs': it
+        # would stop them), and every hold, which a preemptible job counts.
         self.usage: dict[int, _Usage] = {}
-        # The GPUs preemptible jobs hold, apart (whole GPUs: a preemptible job is never shared).
-        self.scavenged: dict[int, _Usage] = {}
+        self.every: dict[int, _Usage] = {}
         for g in state.gpus:
-            usage = self.usage[g.id] = _Usage(g.memory_total_mib - g.foreign_mib)
+            room = g.memory_total_mib - g.foreign_mib
+            self.usage[g.id], self.every[g.id] = _Usage(room), _Usage(room)
             load = packing.GpuLoad.of(g)
             if load.whole_until is not None and load.whole_until > state.now and g.id not in freed:
                 # A preemptible job still within GPUQ_PREEMPT_EXEMPT holds it as any job does until
                 # it may be preempted, and as a scavenger from then on.
                 firm = state.now if g.exempt_until is None else min(max(g.exempt_until, state.now), load.whole_until)
                 if firm > state.now:
-                    self._layer(g.id, False).hold(state.now, firm, math.inf)
+                    self.hold([g], state.now, firm, None)
                 if load.whole_until > firm:
-                    self._layer(g.id, g.preemptible is not None or g.exempt_until is not None).hold(
-                        firm, load.whole_until, math.inf)
-            for end, mib in load.shares:
+                    scavenger = g.preemptible is not None or g.exempt_until is not None
+                    self.hold([g], firm, load.whole_until, None, scavenger)
+            # Shares being preempted are left out, as a GPU being freed is: the job they make room for holds it.
+            for end, mib in g.firm_shares:
                 if end > state.now:
-                    usage.hold(state.now, end, mib)
+                    self.hold([g], state.now, end, mib)
+            for _, end, mib in g.preemptible_shares:
+                if end > state.now:
+                    self.hold([g], state.now, end, mib, preemptible=True)
             if g.closes_at is not None:  # its node's window: to its end, or a resume no one can foresee
-                usage.hold(max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at,
-                           math.inf)
+                self.hold([g], max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at, None)
         # Each node's CPU cores and host memory over time, by (kind, node), where it counts them: the
         # running jobs' reservations, then the planned jobs'.
         self.node_use: dict[tuple[str, str], _Usage] = {}
@@ -170,32 +175,22 @@ class _Plan:
                     if end > state.now:
                         usage.hold(state.now, end, amount)
 
-    def _layer(self, gpu: int, preemptible: bool) -> _Usage:
-        """What holds ``gpu`` over time: its preemptible jobs, or the others."""
-        if not preemptible:
-            return self.usage[gpu]
-        if gpu not in self.scavenged:
-            self.scavenged[gpu] = _Usage(self.usage[gpu].room)
-        return self.scavenged[gpu]
-
     def next_free(self, gpu: int, t: float, length: float, need: float | None, past: float = math.inf,
                   preemptible: bool = False) -> float:
         """The first moment from ``t`` at which a job needing ``need`` MiB of ``gpu`` (None: all of
         it) has it for ``length`` seconds; inf: never, or not before ``past``. A job that is not
         ``preemptible`` counts no preemptible job's hold: it would stop them."""
-        scavenged = self.scavenged.get(gpu) if preemptible else None
-        while True:
-            at = self.usage[gpu].next_free(t, length, need, past)
-            if scavenged is None or math.isinf(at):
-                return at
-            t = scavenged.next_free(at, length, None, past)  # free of both from ``at``, or later
-            if t == at or math.isinf(t):
-                return t
+        return (self.every if preemptible else self.usage)[gpu].next_free(t, length, need, past)
 
     def hold(self, gpus: list[GpuState], start: float, end: float, need: float | None,
              preemptible: bool = False) -> None:
+        """``gpus`` held from ``start`` to ``end`` (``need`` MiB of each; None: all of it), by a
+        ``preemptible`` job or not."""
         for g in gpus:
-            self._layer(g.id, preemptible).hold(start, end, math.inf if need is None else need)
+            held = math.inf if need is None else need
+            self.every[g.id].hold(start, end, held)
+            if not preemptible:
+                self.usage[g.id].hold(start, end, held)
 
     def node_from(self, node: str, t: float, length: float, job: JobRequest, past: float = math.inf) -> float:
         """The first moment from ``t`` at which ``node`` has what ``job`` reserves of it (cores, host

@@ -41,12 +41,21 @@ class Gpus:
         # an earlier preemption that no job of this pass claimed yet (service/preemption.py).
         self.held: dict[str, dict[Preemptible, list[GpuLoad]]] = defaultdict(lambda: defaultdict(list))
         self.freeing: dict[str, list[GpuLoad]] = defaultdict(list)
+        # And on GPUs shared jobs use, the shares preemption may take, (job, MiB), and the room
+        # earlier preemptions are freeing, MiB, by GPU id.
+        self.share_victims: dict[int, list[tuple[Preemptible, int]]] = {}
+        self.freeing_mib: dict[int, int] = {}
         for loads in self.by_node.values():
             for load in loads:
                 if load.gpu.preemptible is not None:
                     self.held[load.gpu.node][load.gpu.preemptible].append(load)
                 elif load.gpu.preempted:
                     self.freeing[load.gpu.node].append(load)
+                if load.gpu.preemptible_shares:
+                    self.share_victims[load.gpu.id] = sorted(((v, mib) for v, _, mib in load.gpu.preemptible_shares),
+                                                             key=lambda s: preemption.victim_order(s[0]))
+                if load.gpu.preempted_shares:
+                    self.freeing_mib[load.gpu.id] = load.gpu.freeing_mib
         self.preemptible_gpus = self._preemptible_left()
         # The kinds of job (as ``failed``'s) that found no GPUs to take by preemption: taking GPUs
         # never gives any back within a pass, so these stay so until it ends.
@@ -188,9 +197,11 @@ class Gpus:
                     and (not self.fenced or self.open_to_later(load.gpu))
                     and preemption.fits_once_clear(load.gpu, job, self.context_mib))
 
-        def held(node: str) -> dict[Preemptible, list[GpuLoad]]:
-            return {victim: usable_loads for victim, loads in self.held[node].items()
-                    if (usable_loads := [g for g in loads if usable(g)])}
+        need = packing.need_mib(job, self.context_mib) if job.shared else None
+
+        def options(node: str) -> list[tuple[GpuLoad, tuple[Preemptible, ...]]]:
+            return [(load, stop) for load in self.by_node[node]
+                    if usable(load) and (stop := self._to_stop(load, need)) is not None]
 
         wants = needs(job)
 
@@ -199,17 +210,43 @@ class Gpus:
             return any(self.use[kind].counts(amount, node) and self.use[kind].free_at(node, self.now)
                        + self.use[kind].held_by(node, victims) < amount - SLACK for kind, amount in wants.items())
 
-        plan = preemption.plan(job, self.nodes_for(job),
-                               lambda node: [g for g in (*self.freeing[node], *self.free[node]) if usable(g)], held,
-                               node_short)
+        plan = preemption.plan(job, self.nodes_for(job), options, node_short)
         if plan is None:
             self.cannot_preempt.add(shape)
             return None
         self._claim(job, plan)
         return plan
 
+    def _to_stop(self, load: GpuLoad, need: int | None) -> tuple[Preemptible, ...] | None:
+        """The preemptible jobs to stop before a job needing ``need`` MiB of room (None: the whole GPU)
+        may have ``load``: none where it is free or being freed; its whole-GPU job; or of the shared
+        jobs on it, the fewest (lowest priority, latest started first) whose shares make the room (all
+        of them for the whole GPU, where none is firm). None where it cannot be had so."""
+        node = load.gpu.node
+        if load in self.free[node] or load in self.freeing[node]:
+            return ()
+        for victim, loads in self.held[node].items():
+            if load in loads:
+                return (victim,)
+        if load.whole_until is not None:
+            return None  # a firm whole-GPU job, or claimed by another in this pass
+        victims = self.share_victims.get(load.gpu.id, [])
+        freeing = self.freeing_mib.get(load.gpu.id, 0)
+        if need is None:
+            firm = sum(mib for _, mib in load.shares) - sum(mib for _, mib in victims) - freeing
+            return tuple(v for v, _ in victims) if firm <= 0 else None
+        if load.room >= need:
+            return None  # room now: the pass placed it there if it could
+        room, stop = load.room + freeing, []
+        for victim, mib in victims:
+            if room >= need:
+                break
+            stop.append(victim)
+            room += mib
+        return tuple(stop) if room >= need else None
+
     def _claim(self, job: JobRequest, plan: preemption.Plan) -> None:
-        """Hold ``plan``'s GPUs for ``job`` in this pass; its victims' other GPUs are being freed."""
+        """Hold ``plan``'s GPUs for ``job`` in this pass; its victims' other GPUs (and shares) are being freed."""
         node, end = plan.node, self.ends(job)
         for kind, use in self.use.items():
             use.release(node, plan.victims)
@@ -217,7 +254,16 @@ class Gpus:
         for victim in [v for v in self.held[node] if v.job_id in plan.victims]:
             loads = self.held[node].pop(victim)
             self.freeing[node] += [g for g in loads if g not in plan.gpus]
+        for load in self.by_node[node]:
+            stopped = [(v, mib) for v, mib in self.share_victims.get(load.gpu.id, []) if v.job_id in plan.victims]
+            if stopped:
+                self.share_victims[load.gpu.id] = [s for s in self.share_victims[load.gpu.id] if s not in stopped]
+                self.freeing_mib[load.gpu.id] = self.freeing_mib.get(load.gpu.id, 0) + sum(mib for _, mib in stopped)
         for load in plan.gpus:
+            if job.shared and load.whole_until is None and load.shares:
+                # Room made on a GPU shared jobs use: it holds the job's share, and stays shareable.
+                load.take_share(packing.need_mib(job, self.context_mib), end)
+                continue
             if load in self.freeing[node]:
                 self.freeing[node].remove(load)
             if load in self.free[node]:
@@ -232,7 +278,9 @@ class Gpus:
         """GPUs preemption may still take in this pass (kept as ``preemptible_gpus``: every job of a
         long queue asks whether there are any)."""
         return (sum(len(gs) for by_job in self.held.values() for gs in by_job.values())
-                + sum(len(gs) for gs in self.freeing.values()))
+                + sum(len(gs) for gs in self.freeing.values())
+                + sum(1 for shares in self.share_victims.values() if shares)
+                + sum(1 for mib in self.freeing_mib.values() if mib))
 
     def could_ever_fit(self, job: JobRequest, past_drains: bool = False) -> bool:
         """Whether ``job`` fits a node's GPUs once they are free; ``past_drains``: only GPUs whose

@@ -1,7 +1,8 @@
 """Preemption, as SLURM's scavenger QOS with PreemptMode=REQUEUE does it: a job submitted
 `--preemptible` runs on GPUs nobody else is waiting for, past its user's GPU limit, and goes back to
 the queue (requeued, its attempt kept as preempted) when a job that is not preemptible needs its
-GPUs. The choice is a pure function over one pass's view of the GPUs, as ``policy.decide`` is.
+GPUs, or the room its share holds on a GPU (a `--shared` one). The choice is a pure function over
+one pass's view of the GPUs, as ``policy.decide`` is.
 
 Which jobs are stopped: on the one node where the waiting job fits with the fewest of them (a
 gang's GPUs on one node, as always), the lowest priority first, then the latest started (the least
@@ -50,33 +51,49 @@ def victim_order(victim: Preemptible) -> tuple[int, float, int]:
     return victim.priority, -victim.started, victim.job_id
 
 
-def plan(job: JobRequest, nodes: Iterable[str], ready: Callable[[str], list[GpuLoad]],
-         held: Callable[[str], dict[Preemptible, list[GpuLoad]]],
+def plan(job: JobRequest, nodes: Iterable[str], options: Callable[[str], list[tuple[GpuLoad, tuple[Preemptible, ...]]]],
          node_short: Callable[[str, list[int]], bool] = lambda node, victims: False) -> Plan | None:
     """The node and preemptible jobs that let ``job`` start once they stopped, fewest stopped first
     (then fewest GPUs taken from them, then the node's name); None if no node has enough.
 
-    ``ready(node)``: the GPUs there ``job`` could take without stopping anyone (free, or being
-    freed by an earlier preemption); ``held(node)``: each preemptible job there and its GPUs that
-    ``job`` could use; ``node_short(node, victims)``: whether the node lacks the CPU cores or host
-    memory ``job`` reserves (`--cpus`, `--host-mem`) even once those jobs let theirs go, so that more
-    of them stop for theirs. A plan with no victims waits for GPUs that are being freed already."""
+    ``options(node)``: each GPU there ``job`` could use, with the preemptible jobs that must stop
+    before it can: none where it is free or being freed by an earlier preemption; the whole-GPU job
+    on it; or, for a GPU that shared jobs use, those of them whose shares make the room ``job`` needs
+    (a whole-GPU job: all of them, none of them firm). ``node_short(node, victims)``: whether the node
+    lacks the CPU cores or host memory ``job`` reserves (`--cpus`, `--host-mem`) even once those
+    jobs let theirs go, so that more of them stop for theirs. Jobs stop in ``victim_order`` until
+    enough GPUs are usable, and only those the chosen GPUs (or the node's cores and memory) need
+    are kept. A plan with no victims waits for GPUs that are being freed already."""
     best: tuple[tuple[int, int, str], Plan] | None = None
     for node in nodes:
+        opts = options(node)
+        needs_of = dict(opts)
         # Being freed first: a free GPU taken here is one another job could have had.
-        gpus = sorted(ready(node), key=lambda g: g.clear)[: job.gpus]
-        victims: list[int] = []
-        stopped = 0
-        for victim, loads in sorted(held(node).items(), key=lambda item: victim_order(item[0])):
-            if len(gpus) >= job.gpus and not node_short(node, victims):
+        gpus = sorted((load for load, needs in opts if not needs), key=lambda g: g.clear)[: job.gpus]
+        locked = [(load, set(needs)) for load, needs in opts if needs]
+        chosen: list[Preemptible] = []
+        for victim in sorted({v for _, needs in locked for v in needs}, key=victim_order):
+            if len(gpus) >= job.gpus and not node_short(node, [v.job_id for v in chosen]):
                 break
-            taken = loads[: max(job.gpus - len(gpus), 0)]
-            gpus += taken
-            victims.append(victim.job_id)
-            stopped += len(taken)
-        if len(gpus) < job.gpus or node_short(node, victims) or (not victims and all(g.clear for g in gpus)):
+            chosen.append(victim)
+            for item in [x for x in locked if x[1] <= set(chosen)]:
+                locked.remove(item)
+                if len(gpus) < job.gpus:
+                    gpus.append(item[0])
+        if len(gpus) < job.gpus or node_short(node, [v.job_id for v in chosen]) or (
+                not chosen and all(g.clear for g in gpus)):
             continue  # too few; or free already, where the pass would have placed it if it could
-        rank = (len(victims), stopped, node)
+        # Only those its GPUs (or its node's cores and memory) need: one stopped for room on a GPU
+        # that another stop then freed whole, or that is not chosen, goes on.
+        needed = {v for g in gpus for v in needs_of[g]}
+        victims = [v for v in chosen if v in needed]
+        for v in chosen:
+            if not node_short(node, [k.job_id for k in victims]):
+                break
+            if v not in victims:
+                victims.append(v)
+        victims.sort(key=victim_order)
+        rank = (len(victims), sum(1 for g in gpus if needs_of[g]), node)
         if best is None or rank < best[0]:
-            best = (rank, Plan(node, tuple(gpus), tuple(victims)))
+            best = (rank, Plan(node, tuple(gpus), tuple(v.job_id for v in victims)))
     return best[1] if best is not None else None

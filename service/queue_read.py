@@ -131,6 +131,9 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     holds: dict[str, list[tuple[float, float]]] = defaultdict(list)
     preemptible: dict[int, Preemptible] = {}
     preempted: set[int] = set()
+    # Each GPU's shares that a preemption may take, and those it is taking (``GpuState``'s).
+    preemptible_shares: dict[int, list[tuple[Preemptible, float, int]]] = defaultdict(list)
+    preempted_shares: dict[int, list[tuple[float, int]]] = defaultdict(list)
     exempt = settings.preempt_exempt_s
     exempt_until: dict[int, float] = {}
     uses = node_uses()
@@ -153,8 +156,17 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                 holds[user].append((ends, 1.0))
             continue
         shares[gpu_id].append((ends, share_mib))
-        # A shared job counts what it is charged (its share of the GPU), as fair share does.
-        holds[user].append((ends, gpu_share if gpu_share is not None else 1.0))
+        if a.cancel_requested_at is not None:
+            if preemption_asked(a.reason):
+                preempted_shares[gpu_id].append((ends, share_mib))
+        elif a.preemptible and (now - (started or now)).total_seconds() >= exempt:
+            # One within GPUQ_PREEMPT_EXEMPT holds its share as any job does until then.
+            preemptible_shares[gpu_id].append((Preemptible(a.id, a.priority, (started or now).timestamp()), ends,
+                                               share_mib))
+        # A shared job counts what it is charged (its share of the GPU), as fair share does; a
+        # preemptible one counts against no limit.
+        if not a.preemptible:
+            holds[user].append((ends, gpu_share if gpu_share is not None else 1.0))
     in_use = {user: sum(charge for _, charge in held) for user, held in holds.items()}
     live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
     for g in live:  # what its workers report (the least, should they differ); a node reporting none counts none
@@ -166,6 +178,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),
                             model=g.name, preemptible=preemptible.get(g.id), preempted=g.id in preempted,
+                            preemptible_shares=tuple(preemptible_shares.get(g.id, ())),
+                            preempted_shares=tuple(preempted_shares.get(g.id, ())),
                             exempt_until=exempt_until.get(g.id), **_window(drains, g.node))
             for g in live if g.node not in drained]
     # A job too big for every node in service but not for a drained one waits for the drain to

@@ -15,7 +15,7 @@ from gpuq.service.node_use import NodeUse, node_uses
 
 @dataclass(frozen=True)
 class Preemptible:
-    """A running whole-GPU job that may be preempted, as the GPUs it holds see it."""
+    """A running job that may be preempted, as the GPUs it holds (or shares) see it."""
 
     job_id: int
     priority: int
@@ -69,6 +69,10 @@ class GpuState:
     preemptible: Preemptible | None = None
     # Its whole-GPU job was asked to stop by a preemption: the GPU is free once it has.
     preempted: bool = False
+    # Of ``shares``: those of preemptible shared jobs that may be preempted now, (job, expected end,
+    # MiB), and those of shared jobs being stopped by a preemption, (expected end, MiB): room being freed.
+    preemptible_shares: tuple[tuple[Preemptible, float, int], ...] = ()
+    preempted_shares: tuple[tuple[float, int], ...] = ()
     # Its whole-GPU job is preemptible but started less than GPUQ_PREEMPT_EXEMPT ago: when it may be
     # preempted (epoch s). Only the forecast reads it: the passes see the job as any other till then.
     exempt_until: float | None = None
@@ -86,6 +90,19 @@ class GpuState:
     @property
     def shared_jobs(self) -> int:
         return len(self.shares)
+
+    @property
+    def freeing_mib(self) -> int:
+        """The room the shared jobs being preempted free once they have stopped."""
+        return sum(mib for _, mib in self.preempted_shares)
+
+    @property
+    def firm_shares(self) -> list[tuple[float, int]]:
+        """Its shares that no preemption will take: neither preemptible nor being preempted."""
+        firm = list(self.shares)
+        for end, mib in [*((e, m) for _, e, m in self.preemptible_shares), *self.preempted_shares]:
+            firm.remove((end, mib))
+        return firm
 
     @property
     def shared_until(self) -> float | None:

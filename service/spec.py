@@ -134,9 +134,6 @@ class Scheduling:
             raise InvalidSpec(f"--priority must be between -{ADMIN_MAX_PRIORITY} and {ADMIN_MAX_PRIORITY}")
         if not 0 <= self.retries <= MAX_RETRIES:
             raise InvalidSpec(f"--retries must be between 0 and {MAX_RETRIES}; got {self.retries}")
-        if self.preemptible and self.shared:
-            # A shared job's GPU is not its own to give back: stopping it would free a share only.
-            raise InvalidSpec("--preemptible is for jobs with whole GPUs; a --shared job cannot be preempted")
         if self.node is not None and not self.node.strip():
             raise InvalidSpec("--node must not be empty")
         if self.mail_user is not None and self.mail_type is None:

@@ -211,7 +211,7 @@ def _check_resources(session: Session, settings: Settings, job_ids: list[int], c
             raise InvalidSpec(f"job {job.id} asks no GPU memory: --shared needs --mem, its share of the GPU")
         if job.kind == c.KIND_INTERACTIVE and (changes.on_node is not None or changes.exclude_nodes is not None):
             raise InvalidSpec(f"job {job.id} is an allocation: its node is the one its client runs on")
-        refused = _cannot_be_preempted(job.id, job.kind, shared) if preemptible else None
+        refused = _cannot_be_preempted(job.id, job.kind) if preemptible else None
         if refused is not None:
             raise InvalidSpec(refused)
         params = dict(job.params or {})
@@ -242,13 +242,10 @@ def _check_dependency(session: Session, waits: Waits, waiting: set[int]) -> None
         raise InvalidSpec(f"--dependency {waits.text}: {loop}")
 
 
-def _cannot_be_preempted(job_id: int, kind: str, shared: bool) -> str | None:
-    """Why a job of ``kind``, ``shared`` or not, cannot be made preemptible, pending or started; None
-    where it can."""
+def _cannot_be_preempted(job_id: int, kind: str) -> str | None:
+    """Why a job of ``kind`` cannot be made preemptible, pending or started; None where it can."""
     if kind == c.KIND_INTERACTIVE:
         return f"job {job_id} is an allocation: its shell cannot be requeued, so it cannot be preempted"
-    if shared:
-        return f"job {job_id}: --preemptible is for jobs with whole GPUs; a --shared job cannot be preempted"
     return None
 
 
@@ -264,7 +261,7 @@ def _started_preemptibility(job: Any, preemptible: bool, admin: bool, charge: fl
     if not preemptible:
         return None if admin else (f"job {job.id} is {job.state}; only root or an admin may make a started job not "
                                    "preemptible (it would count against its user's GPU limit past it)")
-    refused = _cannot_be_preempted(job.id, job.kind, bool(job.shared))
+    refused = _cannot_be_preempted(job.id, job.kind)
     if refused is not None:
         return refused
     if charge != 1.0 and not admin:

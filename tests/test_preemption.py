@@ -86,11 +86,36 @@ def test_a_job_that_is_not_preemptible_is_never_preempted(one_gpu, tmp_path):
     assert wait_for_state(s, second, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED
 
 
-def test_preemptible_is_refused_for_a_shared_job_in_one_line(one_gpu, tmp_path):
-    out = run_cli(["submit", "--preemptible", "--shared", "--mem", "1G", "--", "true"], one_gpu.settings,
-                  cwd=tmp_path)
-    assert (out.returncode, out.stdout) == (2, "")
-    assert out.stderr == "gpuq: --preemptible is for jobs with whole GPUs; a --shared job cannot be preempted\n"
+# A shared scavenger: its first attempt runs until stopped, the next ends at once (a mark of its own).
+SHARED_SCAVENGER = ("trap 'echo got SIGTERM; exit 143' TERM; if [ -e mark_$GPUQ_JOB_ID ]; then echo second; "
+                    "else touch mark_$GPUQ_JOB_ID; echo first; sleep 120 & wait; fi")
+
+
+def test_shared_preemptible_jobs_give_a_shared_job_the_room_it_needs_and_a_whole_job_the_gpu(one_gpu, tmp_path):
+    s = one_gpu.settings
+    scavengers = []
+    for _ in range(2):  # 2 GiB and a 0.5 GiB context each, side by side on the 8 GiB GPU
+        scavengers.append(cli_submit(s, ["--shared", "--mem", "2G", "--preemptible", "-t", "10m", "--", "sh", "-c",
+                                         SHARED_SCAVENGER], cwd=tmp_path))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / f"mark_{scavengers[-1]}").exists():
+            assert time.monotonic() < deadline, one_gpu.logs()
+            time.sleep(0.05)
+    first, second = scavengers
+    # 4.5 GiB of room wanted, 3 GiB left: one scavenger stops, the latest started; the other runs on beside it.
+    urgent = cli_submit(s, ["--shared", "--mem", "4G", "-t", "5m", "--", "echo", "urgent"], cwd=tmp_path)
+    assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    assert wait_for_state(s, second, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    assert [a["state"] for a in _job(s, second).attempts] == ["preempted"]
+    assert _job(s, first).state == State.RUNNING and _job(s, first).attempts == []
+    # A whole-GPU job needs every share gone: the scavenger left is stopped for it.
+    whole = cli_submit(s, ["-t", "5m", "--", "echo", "whole"], cwd=tmp_path)
+    assert wait_for_state(s, whole, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    assert wait_for_state(s, first, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
+    assert [a["reason"] for a in _job(s, first).attempts] == [f"preempted by job {whole} of {_job(s, whole).user}"]
+    for scavenger in scavengers:
+        out = output_of(s, scavenger)
+        assert out.index("first") < out.index("got SIGTERM") < out.index("second"), out
 
 
 def test_why_and_show_say_who_preempts_whom_while_the_preempted_job_stops(one_gpu, tmp_path):
@@ -128,7 +153,7 @@ def test_an_allocation_cannot_be_preemptible():
         _allocation(_fields({"preemptible": True, "node": "n", "interactive": True}), "ann", None)
 
 
-def test_update_makes_a_pending_job_preemptible_or_not_and_refuses_what_cannot_be(one_gpu, tmp_path):
+def test_update_makes_a_pending_job_preemptible_or_not_shared_or_whole(one_gpu, tmp_path):
     s = one_gpu.settings
     held = cli_submit(s, ["--hold", "--", "true"], cwd=tmp_path)
     out = run_cli(["update", str(held), "--preemptible"], s)
@@ -137,13 +162,11 @@ def test_update_makes_a_pending_job_preemptible_or_not_and_refuses_what_cannot_b
     out = run_cli(["update", str(held), "--no-preemptible"], s)
     assert (out.returncode, out.stdout) == (0, f"job {held}: preemptible yes → no\n"), out.stderr
     assert not _job(s, held).preemptible
-    # A shared job cannot be preemptible, nor can a job be made shared while it is: nothing changes.
+    # A shared job may be preemptible too (stopped for the room its share holds).
     shared = cli_submit(s, ["--hold", "--shared", "--mem", "1G", "--", "true"], cwd=tmp_path)
     out = run_cli(["update", str(shared), "--preemptible"], s)
-    assert (out.returncode, out.stdout) == (2, "")
-    assert out.stderr == (f"gpuq: job {shared}: --preemptible is for jobs with whole GPUs; a --shared job cannot "
-                          "be preempted\n")
-    assert not _job(s, shared).preemptible
+    assert (out.returncode, out.stdout) == (0, f"job {shared}: preemptible no → yes\n"), out.stderr
+    assert _job(s, shared).preemptible
     for job_id in (held, shared):
         run_cli(["cancel", str(job_id)], s)
 

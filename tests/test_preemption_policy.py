@@ -11,6 +11,7 @@ from gpuq.service.policy import (
     PREEMPTING,
     PRIORITY,
     RESOURCES,
+    SHARED_CONTEXT_MIB,
     USER_LIMIT,
     GpuState,
     JobRequest,
@@ -225,3 +226,101 @@ def test_a_preemptible_job_is_planned_past_its_users_gpu_limit_and_a_planned_sca
     where = {}
     assert start_times(state, d, later=later, where=where) == {1: NOW, 2: NOW + 3600, 3: NOW + 1800}
     assert [g.id for g in where[3]] == [2]
+
+
+def shared_gpu(gpu_id, firm=(), scavengers=(), stopping=(), node="a", total=16384):
+    """A GPU shared jobs use: ``firm`` MiB held by jobs that are not preemptible, ``scavengers``
+    (job id, priority, started, MiB) by preemptible ones, ``stopping`` MiB by shares being preempted."""
+    shares = [(math.inf, mib) for mib in (*firm, *(s[3] for s in scavengers), *stopping)]
+    return GpuState(id=gpu_id, node=node, index=gpu_id, queue=f"q{gpu_id}", memory_total_mib=total,
+                    shares=tuple(shares),
+                    preemptible_shares=tuple((Preemptible(j, p, t), math.inf, mib) for j, p, t, mib in scavengers),
+                    preempted_shares=tuple((math.inf, mib) for mib in stopping))
+
+
+def test_a_whole_gpu_job_stops_every_preemptible_share_of_a_gpu_and_none_where_one_share_is_firm():
+    two = [(90, 0, NOW - 60, 4096), (91, 0, NOW - 30, 4096)]
+    d = decide(QueueState(NOW, [job(5)], [shared_gpu(1, scavengers=two)]))
+    assert d.preemptions == {90: 5, 91: 5} and d.waiting == {5: PREEMPTING}
+    d = decide(QueueState(NOW, [job(5)], [shared_gpu(1, firm=[2048], scavengers=two)]))
+    assert d.preemptions == {} and d.waiting == {5: RESOURCES}
+    # Where one GPU is shared by a single scavenger and another by two, the one stop is chosen.
+    gpus = [shared_gpu(1, scavengers=two), shared_gpu(2, scavengers=[(92, 0, NOW, 512)])]
+    d = decide(QueueState(NOW, [job(5)], gpus))
+    assert d.preemptions == {92: 5}
+
+
+def test_a_shared_job_stops_the_fewest_shares_that_make_its_room_lowest_priority_then_latest_started_first():
+    # 16 GiB: 4 + 4 + 4 held by scavengers, 4 free; a 6 GiB share (6.5 with its context) needs one stopped.
+    scavengers = [(90, 0, NOW - 600, 4096), (91, 0, NOW - 60, 4096), (92, 5, NOW - 1, 4096)]
+    d = decide(QueueState(NOW, [job(5, mem=6144, shared=True)], [shared_gpu(1, scavengers=scavengers)]))
+    assert d.preemptions == {91: 5} and d.waiting == {5: PREEMPTING}
+    assert [[g.id for g in c.gpus] for c in d.claims] == [[1]]
+    # 10 GiB (10.5) needs two stopped; with room enough it is placed, nobody stopped.
+    d = decide(QueueState(NOW, [job(5, mem=10240, shared=True)], [shared_gpu(1, scavengers=scavengers)]))
+    assert set(d.preemptions) == {90, 91}
+    d = decide(QueueState(NOW, [job(5, mem=3072, shared=True)], [shared_gpu(1, scavengers=scavengers)]))
+    assert d.preemptions == {} and placed(d) == {5: [1]}
+
+
+def test_room_a_preempted_share_is_freeing_is_waited_for_and_not_preempted_again_nor_given_to_another():
+    # The pass after: share 91 was asked to stop; the 6 GiB job waits for it (4 GiB free and 4 being
+    # freed: 6.5 of them its own), and the next one (6 GiB too) stops both scavengers left for its room.
+    gpu1 = shared_gpu(1, scavengers=[(90, 0, NOW - 600, 4096), (92, 0, NOW - 1, 4096)], stopping=[4096])
+    d = decide(QueueState(NOW, [job(5, mem=6144, shared=True)], [gpu1]))
+    assert d.preemptions == {} and d.waiting == {5: PREEMPTING}
+    d = decide(QueueState(NOW, [job(5, mem=6144, shared=True), job(6, mem=6144, shared=True)], [gpu1]))
+    assert d.preemptions == {90: 6, 92: 6} and d.waiting == {5: PREEMPTING, 6: PREEMPTING}
+
+
+def test_the_forecast_plans_a_job_that_is_not_preemptible_past_the_preemptible_shares_and_a_scavenger_behind():
+    from gpuq.service.forecast import start_times
+
+    gpus = [shared_gpu(1, firm=[8192], scavengers=[(90, 0, NOW - 60, 8192)])]
+    gpus[0] = GpuState(**{**gpus[0].__dict__, "shares": ((NOW + 100, 8192), (math.inf, 8192)),
+                          "preemptible_shares": ((Preemptible(90, 0, NOW - 60), math.inf, 8192),)})
+    state = QueueState(NOW, [job(5, limit=60), job(6, limit=60, preemptible=True)], gpus)
+    starts = start_times(state)
+    # Job 5 (whole GPU) from the firm share's end, the scavenger stopped then; job 6 never (the
+    # scavenger without a limit holds its share, and a preemptible job stops none).
+    assert starts[5] == NOW + 100 and starts[6] is None
+
+
+share_kinds = st.lists(st.lists(st.tuples(st.sampled_from(["firm", "scavenger", "stopping"]),
+                                          st.sampled_from([1024, 3072, 6144])), max_size=3), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(gpus=share_kinds, waiting=st.lists(st.tuples(st.sampled_from([None, 2048, 5120, 9216]), st.booleans()),
+                                          min_size=1, max_size=4))
+def test_no_gpu_is_given_more_room_than_its_shares_free_nor_taken_whole_past_a_firm_share(gpus, waiting):
+    """Whatever the shares on the GPUs (firm, preemptible, being preempted) and the waiting jobs
+    (whole, or shared by their memory), a pass stops only preemptible shares, for jobs that are not
+    preemptible; on each GPU the shares placed and claimed fit the room it has once the stopped and
+    stopping shares are gone; and a whole-GPU job is placed or claims only a GPU with no firm share,
+    every other share on it stopped or stopping."""
+    states, victim = [], 100
+    for i, shares in enumerate(gpus):
+        firm = [m for k, m in shares if k == "firm"]
+        stopping = [m for k, m in shares if k == "stopping"]
+        scavengers = []
+        for k, m in shares:
+            if k == "scavenger":
+                scavengers.append((victim, 0, NOW - victim, m))
+                victim += 1
+        states.append(shared_gpu(i, firm=firm, scavengers=scavengers, stopping=stopping))
+    jobs = [job(j, mem=mem, shared=mem is not None, preemptible=p) for j, (mem, p) in enumerate(waiting, 1)]
+    d = decide(QueueState(NOW, jobs, states))
+    by_id = {j.id: j for j in jobs}
+    assert not any(by_id[j].preemptible for j in d.preemptions.values())
+    for g in states:
+        scavenging = {v.job_id: m for v, _, m in g.preemptible_shares}
+        assert set(d.preemptions) <= {v for s in states for v, _, _ in
+                                      ((p.job_id, e, m) for p, e, m in s.preemptible_shares)}
+        taken = [by_id[p.job_id] for p in [*d.placements, *d.claims] if g in p.gpus]
+        freed = g.freeing_mib + sum(m for j, m in scavenging.items() if j in d.preemptions)
+        if any(not j.shared for j in taken):
+            assert len(taken) == 1 and sum(m for _, m in g.firm_shares) == 0
+            assert all(j in d.preemptions for j in scavenging)
+        elif taken:
+            assert sum(j.mem_mib + SHARED_CONTEXT_MIB for j in taken) <= g.room_mib + freed
