@@ -267,7 +267,7 @@ class Node(Base):
 class Allocation(Base):
     """A GPU held by a job, whole or a share of its memory. The unique index on gpu_id among whole
     allocations is what makes double-booking impossible; shares of one GPU are the scheduler's to
-    pack (``scheduler.allocate`` checks their sum in the placing transaction)."""
+    pack (``allocating.allocate`` checks their sum in the placing transaction)."""
 
     __tablename__ = "allocations"
     __table_args__ = (

@@ -1,7 +1,7 @@
 """What the scheduler reads from SQL for a pass (``read_queue``): the pending jobs, the live GPUs,
 who uses how many, each user's fair share, and which jobs cannot be considered and why.
 
-A submit reads it too, to place its own jobs (``scheduler.place_at_submit``): what both read is
+A submit reads it too, to place its own jobs (``allocating.place_at_submit``): what both read is
 Prepared."""
 
 from __future__ import annotations

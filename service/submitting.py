@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from gpuq.service import broker, dependencies, mail, policy
 from gpuq.service import constants as c
 from gpuq.service import snapshot as code_state
+from gpuq.service.allocating import place_at_submit
 from gpuq.service.constants import MAX_CPUS, State
 from gpuq.service.db import read_scope, require_schema, write_scope
 from gpuq.service.dialect import draw_ids, draws_ids, one_at_a_time
@@ -23,7 +24,6 @@ from gpuq.service.errors import DuplicateSubmission
 from gpuq.service.lifecycle import Actor, check, move
 from gpuq.service.models import Job, Submission, table, utcnow
 from gpuq.service.prepared import Prepared
-from gpuq.service.scheduler import place_at_submit
 from gpuq.service.settings import Settings
 from gpuq.service.snapshot import GitState, Staged, Stager
 from gpuq.service.spec import JobSpec

@@ -986,7 +986,7 @@ def test_a_placement_refused_because_its_gpu_was_taken_meanwhile_leaves_its_job_
     # placements) stand. Its savepoint was never sent before: SQLite kept the job dispatched with
     # no GPU, and PostgreSQL lost the whole transaction at a COMMIT that rolled back unseen.
     from gpuq.service import policy
-    from gpuq.service.scheduler import allocate
+    from gpuq.service.allocating import allocate
 
     gpu = policy.GpuState(id=register(settings, "a", 1)[0], node="a", index=0, queue="q", memory_total_mib=1000)
     first, second = submit(settings), submit(settings)
