@@ -94,9 +94,9 @@ class Gpus:
     def nodes_for(self, job: JobRequest) -> list[str]:
         return [n for n in self.by_node if job.may_use(n)]
 
-    def _node_has(self, job: JobRequest, wants: dict[str, float], node: str, reservation: Reservation | None,
+    def _node_has(self, wants: dict[str, float], node: str, reservation: Reservation | None,
                   ends_in_time: bool) -> bool:
-        """Whether ``node`` has what ``job`` reserves of it (``wants``: cores, host memory) free now
+        """Whether ``node`` has what a job reserves of it (``wants``: cores, host memory) free now
         and, on the reserved node for a job that would still run at the reserved start, what the
         reserved job needs of it free beside that then."""
         for kind, amount in wants.items():
@@ -125,7 +125,7 @@ class Gpus:
         nodes = self.nodes_for(job)
         wants = needs(job)
         if wants:
-            nodes = [n for n in nodes if self._node_has(job, wants, n, reservation, ends_in_time)]
+            nodes = [n for n in nodes if self._node_has(wants, n, reservation, ends_in_time)]
         if job.shared:
             shareable = self.shareable if not self.fenced else \
                 {n: [g for g in loads if self.open_to_later(g.gpu)] for n, loads in self.shareable.items()}
