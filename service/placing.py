@@ -45,10 +45,13 @@ class Gpus:
         # earlier preemptions are freeing, MiB, by GPU id.
         self.share_victims: dict[int, list[tuple[Preemptible, int]]] = {}
         self.freeing_mib: dict[int, int] = {}
+        # The preemptible whole-GPU job on each GPU that has one, by GPU id (``held``'s, GPU by GPU).
+        self.victim_on: dict[int, Preemptible] = {}
         for loads in self.by_node.values():
             for load in loads:
                 if load.gpu.preemptible is not None:
                     self.held[load.gpu.node][load.gpu.preemptible].append(load)
+                    self.victim_on[load.gpu.id] = load.gpu.preemptible
                 elif load.gpu.preempted:
                     self.freeing[load.gpu.node].append(load)
                 if load.gpu.preemptible_shares:
@@ -222,12 +225,10 @@ class Gpus:
         may have ``load``: none where it is free or being freed; its whole-GPU job; or of the shared
         jobs on it, the fewest (lowest priority, latest started first) whose shares make the room (all
         of them for the whole GPU, where none is firm). None where it cannot be had so."""
-        node = load.gpu.node
-        if load in self.free[node] or load in self.freeing[node]:
+        if load.clear or load in self.freeing[load.gpu.node]:  # clear: in ``free`` (filled ones leave it)
             return ()
-        for victim, loads in self.held[node].items():
-            if load in loads:
-                return (victim,)
+        if load.gpu.id in self.victim_on:
+            return (self.victim_on[load.gpu.id],)
         if load.whole_until is not None:
             return None  # a firm whole-GPU job, or claimed by another in this pass
         victims = self.share_victims.get(load.gpu.id, [])
@@ -254,6 +255,8 @@ class Gpus:
         for victim in [v for v in self.held[node] if v.job_id in plan.victims]:
             loads = self.held[node].pop(victim)
             self.freeing[node] += [g for g in loads if g not in plan.gpus]
+            for g in loads:
+                del self.victim_on[g.gpu.id]
         for load in self.by_node[node]:
             stopped = [(v, mib) for v, mib in self.share_victims.get(load.gpu.id, []) if v.job_id in plan.victims]
             if stopped:
