@@ -280,15 +280,16 @@ def test_a_preempted_job_gets_gpuq_preempt_grace_after_sigterm_not_the_cancels_g
     assert [a["state"] for a in _job(s, stubborn).attempts] == ["preempted"]
 
 
-def test_gpuq_run_of_a_preemptible_job_follows_it_through_its_preemption_to_its_end(one_gpu, tmp_path):
+def _run_preempted(s, tmp_path, *options: str) -> tuple[int, str, str, int]:
+    """`gpuq run --preemptible OPTIONS` of SCAVENGER, preempted by a job submitted once its command
+    began: the run's exit code, stdout and stderr, and the preempting job's id."""
     import subprocess
     import sys
 
     from tests.conftest import settings_env
 
-    s = one_gpu.settings
-    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--preemptible", "-t", "10m", "--", "sh", "-c",
-                            SCAVENGER], env=settings_env(s), cwd=tmp_path, stdout=subprocess.PIPE,
+    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--preemptible", *options, "-t", "10m", "--",
+                            "sh", "-c", SCAVENGER], env=settings_env(s), cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -299,32 +300,23 @@ def test_gpuq_run_of_a_preemptible_job_follows_it_through_its_preemption_to_its_
         out, err = run.communicate(timeout=60)
     finally:
         run.kill()
-    assert run.returncode == 0, err
+    return run.returncode, out, err, urgent
+
+
+def test_gpuq_run_of_a_preemptible_job_follows_it_through_its_preemption_to_its_end(one_gpu, tmp_path):
+    s = one_gpu.settings
+    code, out, err, urgent = _run_preempted(s, tmp_path)
+    assert code == 0, err
     assert out.index("first") < out.index("got SIGTERM") < out.index("second"), out
     assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED
 
 
 def test_a_preemptible_job_with_no_requeue_ends_preempted_and_gpuq_run_exits_125(one_gpu, tmp_path):
-    import subprocess
-    import sys
-
     from gpuq.service import constants as c
-    from tests.conftest import settings_env
 
     s = one_gpu.settings
-    run = subprocess.Popen([sys.executable, "-m", "gpuq.cli", "run", "--preemptible", "--no-requeue", "-t", "10m",
-                            "--name", "once", "--", "sh", "-c", SCAVENGER], env=settings_env(s), cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "mark").exists():
-            assert time.monotonic() < deadline and run.poll() is None, "the preemptible job's command never began"
-            time.sleep(0.05)
-        urgent = cli_submit(s, ["-t", "5m", "--", "true"], cwd=tmp_path)
-        out, err = run.communicate(timeout=60)
-    finally:
-        run.kill()
-    assert run.returncode == c.EXIT_RUN_GPUQ, err
+    code, out, err, urgent = _run_preempted(s, tmp_path, "--no-requeue", "--name", "once")
+    assert code == c.EXIT_RUN_GPUQ, err
     assert out.index("first") < out.index("got SIGTERM") and "second" not in out, out
     assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, one_gpu.logs()
     from gpuq.service.models import Job
