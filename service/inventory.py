@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from gpuq.service import node_drains
+from gpuq.service import node_drains, node_use
 from gpuq.service.constants import State
 from gpuq.service.db import rows_changed
 from gpuq.service.devices import GpuInfo, GpuReading
@@ -226,13 +226,8 @@ _RESERVED = (select(Job.node, func.sum(Job.cpus), func.sum(Job.host_mem_mib))
 def node_reserved(session: Session, gpus: list[Gpu]) -> dict[str, NodeReserved]:
     """Each node of ``gpus`` (not retired): its offer, the least its GPUs' workers report, and what
     is reserved of it."""
-    cores: dict[str, int] = {}
-    mem: dict[str, int] = {}
-    for g in gpus:
-        if g.node_cpus is not None:
-            cores[g.node] = min(cores.get(g.node, g.node_cpus), g.node_cpus)
-        if g.node_host_mem_mib is not None:
-            mem[g.node] = min(mem.get(g.node, g.node_host_mem_mib), g.node_host_mem_mib)
+    offers = node_use.offers_of(gpus)
+    cores, mem = offers[node_use.CPUS], offers[node_use.HOST_MEM]
     if not (cores or mem):
         return {}
     reserved = {node: (c or 0.0, m or 0) for node, c, m in session.execute(_RESERVED)}

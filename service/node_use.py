@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,19 @@ def offered_host_mem_mib(setting: int) -> int:
     if setting:
         return setting
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024))
+
+
+def offers_of(gpus: Iterable[Any]) -> dict[str, dict[str, int]]:
+    """What each node of ``gpus`` (GPU rows: ``node`` and the ``OFFERED_BY`` columns) offers jobs, by
+    kind: the least its GPUs' workers report, should they differ; a node none of them reports for is
+    left out of that kind."""
+    offers: dict[str, dict[str, int]] = {kind: {} for kind in KINDS}
+    for g in gpus:
+        for kind, column in OFFERED_BY.items():
+            offered = getattr(g, column)
+            if offered is not None:
+                offers[kind][g.node] = min(offers[kind].get(g.node, offered), offered)
+    return offers
 
 
 def needs(job: Any) -> dict[str, float]:

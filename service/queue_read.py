@@ -25,7 +25,7 @@ from gpuq.service.forecast import Awaiting, start_times
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
-from gpuq.service.node_use import OFFERED_BY, needs, node_uses
+from gpuq.service.node_use import needs, node_uses, offers_of
 from gpuq.service.prepared import Prepared
 from gpuq.service.queue_state import JobRequest, Preemptible
 from gpuq.service.settings import Settings
@@ -169,11 +169,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
             holds[user].append((ends, gpu_share if gpu_share is not None else 1.0))
     in_use = {user: sum(charge for _, charge in held) for user, held in holds.items()}
     live = _LIVE_GPUS.run(conn, {"cutoff": live_cutoff(settings)})
-    for g in live:  # what its workers report (the least, should they differ); a node reporting none counts none
-        for kind, column in OFFERED_BY.items():
-            offered = getattr(g, column)
-            if offered is not None:
-                uses[kind].offer[g.node] = min(uses[kind].offer.get(g.node, math.inf), float(offered))
+    for kind, offer in offers_of(live).items():  # a node reporting none counts none
+        uses[kind].offer = {node: float(offered) for node, offered in offer.items()}
     gpus = [policy.GpuState(id=g.id, node=g.node, index=g.index, queue=g.queue, memory_total_mib=g.memory_total_mib,
                             memory_used_mib=g.memory_used_mib or 0, foreign_mib=g.foreign_mib or 0,
                             busy_until=busy.get(g.id), shares=tuple(sorted(shares.get(g.id, []))),

@@ -22,7 +22,7 @@ from gpuq.service.devices import GpuInfo, open_devices
 from gpuq.service.display import time_limit
 from gpuq.service.errors import DuplicateSubmission, GpuqError, InvalidSpec, NotAllowed, OverLimit, StateConflict
 from gpuq.service.models import Gpu, Job, Submission, table
-from gpuq.service.node_use import OFFERED_BY, SLACK, WORDS
+from gpuq.service.node_use import CPUS, OFFERED_BY, SLACK, WORDS
 from gpuq.service.prepared import Prepared
 from gpuq.service.settings import Settings
 from gpuq.service.spec import JobSpec
@@ -167,7 +167,7 @@ def check_node_offer(session: Session, spec: JobSpec, kind: str) -> None:
     node, most = max(offered.items(), key=lambda item: (item[1], item[0]))
     if amount > most + SLACK:
         words, option = WORDS[kind]
-        asked = f"{amount:g}" if option == "--cpus" else f"{amount} MiB"
+        asked = f"{amount:g}" if kind == CPUS else f"{amount} MiB"
         where = f"node {node} offers jobs ({most}" if spec.on_node is not None or len(offered) == 1 else \
             f"any node offers jobs (the most, {node}'s, {most}"
         raise InvalidSpec(f"{option} {asked} is more {words} than {where}; GPUQ_{OFFERED_BY[kind].upper()}): it "
