@@ -6,6 +6,7 @@ the devices can fail, and "no NVIDIA library or driver here" means "no GPUs", no
 
 from __future__ import annotations
 
+import os
 import re
 import uuid as uuidlib
 from collections.abc import Callable
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuq.service.errors import ConfigError
+from gpuq.service.core_sets import from_mask, parse_list
+from gpuq.service.errors import ConfigError, InvalidSpec
 from gpuq.service.settings import Settings
 from gpuq.service.xids import XidWatch
 
@@ -30,6 +32,9 @@ class GpuInfo:
     name: str
     memory_total_mib: int
     simulated: bool = False
+    # The CPU cores near it (its NUMA node's, as NVML's CPU affinity gives them), which a job bound
+    # to cores takes first (service/core_sets.py); empty: not known.
+    cores: frozenset[int] = frozenset()
 
 
 # NVIDIA MPS's server: the driver's own process where an MPS daemon runs (workers/mps.py), which
@@ -114,7 +119,8 @@ class SimulatedDevices:
     why_none = ""
 
     def __init__(self, count: int, memory_mib: int, node: str, foreign: str = "",
-                 faults: Path | None = None, memory: SimulatedMemory | None = None, names: str = "") -> None:
+                 faults: Path | None = None, memory: SimulatedMemory | None = None, names: str = "",
+                 cores: str = "") -> None:
         self._foreign = parse_foreign(foreign)
         self._memory = memory
         # A file ``<faults>/<node>.<index>.lost`` makes that GPU read as lost, the way NVML reports
@@ -124,8 +130,8 @@ class SimulatedDevices:
         self._node, self._faults = node, faults
         self._gpus = [
             GpuInfo(index=i, uuid=f"GPU-sim-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{node}/{i}')}",
-                    name=name, memory_total_mib=memory_mib, simulated=True)
-            for i, name in enumerate(parse_names(names, count))
+                    name=name, memory_total_mib=memory_mib, simulated=True, cores=near)
+            for i, (name, near) in enumerate(zip(parse_names(names, count), parse_cores(cores, count), strict=True))
         ]
 
     def list(self) -> list[GpuInfo]:
@@ -172,6 +178,18 @@ def parse_names(text: str, count: int) -> list[str]:
     return [names[min(i, len(names) - 1)] for i in range(count)]
 
 
+def parse_cores(text: str, count: int) -> list[frozenset[int]]:
+    """``count`` simulated GPUs' near CPU cores from ``"0-15 16-31"``: a list for each GPU by index,
+    separated by spaces (those past the lists: none known); ConfigError for a list that is not one."""
+    lists = text.split()
+    try:
+        parsed = [parse_list(item) for item in lists]
+    except InvalidSpec as exc:
+        raise ConfigError(f"fake_gpu_cores takes a list of CPU cores for each GPU, separated by spaces "
+                          f"(as 0-15 16-31): {exc}") from None
+    return [parsed[i] if i < len(parsed) else frozenset() for i in range(count)]
+
+
 def parse_foreign(text: str) -> dict[int, list[GpuProcess]]:
     """``"1:12000:4242:bob,..."``: on simulated GPU 1, pid 4242 of bob holds 12000 MiB."""
     out: dict[int, list[GpuProcess]] = {}
@@ -214,8 +232,15 @@ class NvmlDevices:
                 uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
                 name=name.decode() if isinstance(name, bytes) else name,
                 memory_total_mib=n.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+                cores=self._cores(h),
             ))
         return out
+
+    def _cores(self, handle: Any) -> frozenset[int]:
+        """The CPU cores near the GPU (NVML's CPU affinity, a mask of 64-bit words); empty where NVML
+        cannot tell (a GPU with no NUMA affinity reported, an older driver)."""
+        words = _na(lambda: self._nvml.nvmlDeviceGetCpuAffinity(handle, -(-(os.cpu_count() or 1) // 64)), self._nvml)
+        return from_mask(words) if words is not None else frozenset()
 
     def read(self, index: int) -> GpuReading:
         n = self._nvml
@@ -305,7 +330,8 @@ def open_devices(settings: Settings) -> Devices:
 
         return SimulatedDevices(settings.fake_gpus, settings.fake_gpu_memory_mib, settings.node,
                                 settings.fake_gpu_foreign, settings.home / "simulated-faults",
-                                SimulatedMemory.open(memory_dir(settings)), settings.fake_gpu_names)
+                                SimulatedMemory.open(memory_dir(settings)), settings.fake_gpu_names,
+                                settings.fake_gpu_cores)
     try:
         import pynvml
     except ImportError:

@@ -35,6 +35,7 @@ OTHER_ENV = frozenset({
     # service/allocations.py, service/job_cpus.py, service/constants.py's *_VARIABLE).
     _JOB_MARK, "GPUQ_JOB_NAME", "GPUQ_GPUS", "GPUQ_RUN_ID", "GPUQ_WORKER", "GPUQ_ALLOC", "GPUQ_ARRAY_INDEX",
     "GPUQ_MEMORY_FRACTION", "GPUQ_SIMULATED_MEMORY_DIR", "GPUQ_UMASK", "GPUQ_CPUS",
+    "GPUQ_CORES",  # workers/core_binding.py
 })
 # Families of them: a sweep's values (GPUQ_SWEEP_<NAME>, service/spec.py), the tests' own services.
 OTHER_ENV_PREFIXES = ("GPUQ_SWEEP_", "GPUQ_TEST_")
@@ -164,6 +165,8 @@ def file_key_hint(key: str, known: Mapping[str, Any]) -> str:
 # GPUQ_REQUEUE's words, and the word a job submitted without --requeue or --no-requeue gets for each.
 REQUEUE_DEFAULT: dict[str, bool | None] = {"retries": None, "yes": True, "no": False}
 REQUEUE_WORDS = tuple(REQUEUE_DEFAULT)
+# GPUQ_CPU_BIND's words (SLURM's --cpu-bind): bound to cores of its own, or to none.
+CPU_BIND_WORDS = ("cores", "none")
 
 
 def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> None:
@@ -195,6 +198,10 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
                           f"without --requeue or --no-requeue is put back after a failure of the machinery: if it "
                           f"asked for --retries, always, never), got {settings.requeue[:60]!r} "
                           f"({origin('requeue', sources, path)})")
+    if settings.cpu_bind not in CPU_BIND_WORDS:
+        raise ConfigError(f"setting cpu_bind must be {' or '.join(CPU_BIND_WORDS)} (whether a command with --cpus "
+                          f"runs on cores of its own), got {settings.cpu_bind[:60]!r} "
+                          f"({origin('cpu_bind', sources, path)})")
     if settings.max_priority > ADMIN_MAX_PRIORITY:
         fail("max_priority", f"must be at most {ADMIN_MAX_PRIORITY}, the admins' highest --priority")
     _check_time_limits(settings, sources, path)
@@ -213,6 +220,13 @@ def check_values(settings: Settings, sources: Mapping[str, str], path: Path) -> 
             parse_names(settings.fake_gpu_names, 1)
         except ConfigError as exc:
             raise ConfigError(f"setting {exc} ({origin('fake_gpu_names', sources, path)})") from None
+    if settings.fake_gpu_cores:
+        from gpuq.service.devices import parse_cores
+
+        try:
+            parse_cores(settings.fake_gpu_cores, 1)
+        except ConfigError as exc:
+            raise ConfigError(f"setting {exc} ({origin('fake_gpu_cores', sources, path)})") from None
     beat = settings.heartbeat_interval
     for name in _PER_HEARTBEAT:
         if getattr(settings, name) < _HEARTBEATS * beat:

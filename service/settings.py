@@ -79,6 +79,9 @@ class Settings:
     # of several models, for --gpu-type: "NVIDIA A100-SXM4-80GB,NVIDIA GeForce RTX 3090"); empty:
     # each is a "Simulated GPU".
     fake_gpu_names: str = ""
+    # The CPU cores near each simulated GPU by index, lists separated by spaces ("0-15 16-31", as
+    # NVML's CPU affinity gives a real GPU's): a job bound to cores takes its GPUs' first; empty: none known.
+    fake_gpu_cores: str = ""
     # Seconds between worker heartbeats (liveness, and the GPU's state in `gpuq status`).
     heartbeat_interval: float = 2.0
     # Seconds between device samples each worker keeps in SQL (utilisation, memory, power, ...); 0: none.
@@ -118,6 +121,10 @@ class Settings:
     # node): read by its workers, which report it; 0: the cores the worker may run on. More than the
     # node has lets jobs together ask for more than it has; fewer keeps some for the system.
     node_cpus: int = 0
+    # "cores": a command with --cpus N runs on N cores of its own, near its GPUs where the node says
+    # which are (SLURM's task/affinity, --cpu-bind=cores); "none": on every core the worker may use,
+    # held only by its cgroup's quota.
+    cpu_bind: str = "cores"
     # The host memory this node offers its jobs, MiB, which a job's --host-mem reserves (SLURM's
     # RealMemory): read by its workers, which report it; 0: the machine's memory. Fewer keeps some for
     # the system and the workers themselves.

@@ -149,7 +149,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                 verify_within: float = c.STOP_VERIFY_SECONDS, run_as: Identity | None = None,
                 on_start: Callable[[int], None] | None = None, limit_mib: int | None = None,
                 files: OutputFiles | None = None, ahead: Ahead | None = None,
-                asked: queue.SimpleQueue[JobSignal] | None = None, feed: Feed | None = None) -> CommandOutcome:
+                asked: queue.SimpleQueue[JobSignal] | None = None, feed: Feed | None = None,
+                cores: tuple[int, ...] = ()) -> CommandOutcome:
     """Run ``argv`` to its end, or until ``cancelled`` is set, then make sure none of it is left.
 
     ``start_new_session`` puts the job in its own session and process group, so one signal to the
@@ -165,6 +166,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     ``kill_grace``: seconds from SIGTERM to SIGKILL once ``cancelled`` is set, or what says them then
     (a preemption's grace is known only once the stop is asked). ``feed``: what writes its stdin
     (the input `gpuq run` forwards, workers/input_feed.py), in a thread; without one, /dev/null.
+    ``cores``: the CPU cores it runs on (workers/core_binding.py); empty: those the worker may.
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
@@ -179,7 +181,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                                 stdin=subprocess.PIPE if feed is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, pass_fds=(pair[1].fileno(),) if pair is not None else (),
-                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env), opener))
+                                preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env), opener,
+                                                             cores))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         if pair is not None:
             pair[0].close()  # with the output files it may have sent before its exec failed
@@ -289,13 +292,17 @@ def _own_name() -> str:
 
 
 def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None,
-              umask: int | None = None, opener: tuple[OutputFiles, int, str] | None = None) -> None:
-    """Between fork and exec: join the job's cgroup, and die with the worker (SIGKILL when the
+              umask: int | None = None, opener: tuple[OutputFiles, int, str] | None = None,
+              cores: tuple[int, ...] = ()) -> None:
+    """Between fork and exec: join the job's cgroup, go onto its ``cores`` (every process it starts
+    inherits them), and die with the worker (SIGKILL when the
     worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
     become ``run_as``: its groups only, its gid, its uid, in that order (each needs root), and
     enter ``cwd`` as them. Only raw system calls here: another thread may have held a lock at the fork."""
     if cgroup is not None:
         cgroup.join()
+    if cores:
+        os.sched_setaffinity(0, cores)
     if umask is not None:
         os.umask(umask)
     if run_as is not None:

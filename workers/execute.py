@@ -26,6 +26,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
+from gpuq.workers.core_binding import CORES_VARIABLE, Binding, bound, held_by
 from gpuq.workers.end import HOST_USE, drain_if_left, stopped_end
 from gpuq.workers.gpu_fault import blamed_on_gpu, drain_faulty, fault_under
 from gpuq.workers.identity import Identity, UnknownUser, run_as
@@ -117,9 +118,18 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
     except UnknownUser as exc:  # nothing of the job can run here: its line, not a traceback
         sink.note(f"gpuq: {exc}")
         return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}
+    near = frozenset().union(*(state.gpu_cores.get(i, frozenset()) for i in job.gpu_indices))
+    with bound(state.settings, state.node, job.id, job.cpus, near) as binding:
+        return _command_on(state, job, sink, watcher, identity, binding, on_start)
+
+
+def _command_on(state: WorkerState, job: JobRun, sink: OutputSink, watcher: StopWatcher, identity: Identity | None,
+                binding: Binding | None, on_start: Callable[[int], None] | None) -> dict[str, Any]:
+    """Run the command, bound to ``binding``'s cores (None: to none), to its end."""
+    assert job.argv is not None and job.cwd is not None
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}job{job.id}-{uuid.uuid4().hex[:6]}",
                               job.host_mem_mib, job.cpus)
-    if job.cpus is not None and (cgroup is None or cgroup.cpus is None):
+    if job.cpus is not None and (cgroup is None or cgroup.cpus is None) and not held_by(binding, job.cpus):
         # Said where the user reads the job's output: it was not held to what it asked for.
         sink.note(f"[gpuq: {not_held(format(job.cpus, 'g'), state.node)}]")
     try:
@@ -127,12 +137,15 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
         env.update(mps_env(job, os.geteuid() if identity is None else identity.uid, state, sink))
         # A restarted worker finds what an earlier run left by it.
         env["GPUQ_WORKER"] = worker_mark(state.settings, state.name)
+        if binding is not None:
+            env[CORES_VARIABLE] = binding.text
         with state.guarding(watcher.lease, on_start) as started:
             # The grace as the watch found the stop: a preemption's is GPUQ_PREEMPT_GRACE.
             outcome = run_command(job.argv, job.cwd, env, sink, watcher.stopped, lambda: watcher.grace, cgroup,
                                   run_as=identity, on_start=started, limit_mib=job.host_mem_mib,
                                   files=output_files_of(job, state.node), ahead=_ahead(job, watcher),
-                                  asked=watcher.asked, feed=feeder(state.settings, job.id) if job.stdin else None)
+                                  asked=watcher.asked, feed=feeder(state.settings, job.id) if job.stdin else None,
+                                  cores=binding.cores if binding is not None else ())
     except CannotStart as exc:
         # As a shell says it, with its exit code (`gpuq run` exits with it): the worker's traceback
         # told the user nothing, and an exit of 1 read as the command's own.

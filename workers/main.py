@@ -97,7 +97,8 @@ def serve(index: int, loglevel: str) -> int:
         reap_predecessor(session, settings, name)
     app = make_app(settings)
     state = WorkerState(settings=settings, node=settings.node, gpu_index=index, gpu_id=gpu_id, name=name, queue=queue,
-                        app=app, devices=devices, guard=Guard(settings.lease_timeout))
+                        app=app, devices=devices, guard=Guard(settings.lease_timeout),
+                        gpu_cores={i: g.cores for i, g in gpus.items()})
     heartbeat = Heartbeat(settings, gpu_id, probe, state)
     heartbeat.start()
     if settings.sample_interval > 0:

@@ -72,6 +72,9 @@ class WorkerState:
     sampler: Any = None
     # This node's GPUs (service/devices.py): shared jobs' memory is read per process through it.
     devices: Any = None
+    # The CPU cores near each of this node's GPUs, by index (``GpuInfo.cores``): a job bound to
+    # cores takes its GPUs' first (workers/core_binding.py).
+    gpu_cores: dict[int, frozenset[int]] = field(default_factory=dict)
     # The lease of the job running here; the heartbeat renews it.
     lease: Lease | None = None
     # The ranks this worker ran, (job id, rank, meeting point): a rank message sent again (after

@@ -1,0 +1,85 @@
+"""A command with --cpus runs on cores of its own (GPUQ_CPU_BIND=cores, the default), on a real
+stack: two jobs running at once on a node of two cores each get one, the one near their GPU
+(GPUQ_FAKE_GPU_CORES stands in for NVML's CPU affinity), and everything they start runs there; a
+job without --cpus runs on every core; the node's record is empty once they end."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from gpuq.service.constants import State
+from gpuq.workers import core_binding
+from tests.conftest import cli_submit, output_of, stack_on_database, wait_for_state
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow,
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores the tests may run on")]
+
+# Simulated GPU 0 is near core 1, GPU 1 near core 0: a job takes its GPU's core, not the lowest.
+NEAR = {0: 1, 1: 0}
+# What a job reports of where it runs: from a process its shell started (it inherits the cores).
+REPORT = ("python3 -c 'import os, json; print(json.dumps({\"cores\": sorted(os.sched_getaffinity(0)), "
+          "\"listed\": os.environ.get(\"GPUQ_CORES\"), \"gpu\": os.environ[\"CUDA_VISIBLE_DEVICES\"]}))'")
+
+
+@pytest.fixture(scope="module", params=["sqlite"])
+def two_cores(request, tmp_path_factory, redis_url):
+    """Two simulated GPUs on a node that offers its jobs two CPU cores, each GPU near one."""
+    yield from stack_on_database(request, tmp_path_factory, redis_url, fake_gpus=2, node_cpus=2,
+                                 fake_gpu_cores="1 0", fake_gpu_names="NVIDIA A100-SXM4-80GB,NVIDIA H100 80GB HBM3")
+
+
+def _report(settings, job_id) -> dict:
+    lines = [line for line in output_of(settings, job_id).splitlines() if line.startswith("{")]
+    assert len(lines) == 1, output_of(settings, job_id)
+    return json.loads(lines[0])
+
+
+def test_two_jobs_of_one_core_each_run_at_once_on_their_own_core_near_their_gpu(two_cores, tmp_path):
+    s = two_cores.settings
+    wait = "while [ ! -e go ]; do sleep 0.1; done"
+    ids = [cli_submit(s, ["--cpus", "1", "-t", "5m", "--", "sh", "-c", f"{REPORT}; {wait}"], cwd=tmp_path)
+           for _ in range(2)]
+    for job_id in ids:
+        assert wait_for_state(s, job_id, (State.RUNNING,)) == State.RUNNING, two_cores.logs()
+    # While both run, the node's record holds one core for each.
+    record = json.loads(core_binding.record_path(s, s.node).read_text())
+    assert sorted((e["job"], len(e["cores"])) for e in record) == [(ids[0], 1), (ids[1], 1)]
+    (tmp_path / "go").touch()
+    for job_id in ids:
+        assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    reports = [_report(s, job_id) for job_id in ids]
+    assert {r["gpu"] for r in reports} == {"0", "1"}
+    for r in reports:
+        assert r["cores"] == [NEAR[int(r["gpu"])]] and r["listed"] == str(NEAR[int(r["gpu"])]), reports
+    assert json.loads(core_binding.record_path(s, s.node).read_text()) == []
+
+
+def test_a_job_asking_all_the_cores_runs_on_them_and_one_asking_none_on_every_core(two_cores, tmp_path):
+    s = two_cores.settings
+    every = sorted(os.sched_getaffinity(0))
+    whole = cli_submit(s, ["--cpus", "2", "-t", "5m", "--", "sh", "-c", REPORT], cwd=tmp_path)
+    unbound = cli_submit(s, ["-t", "5m", "--", "sh", "-c", REPORT], cwd=tmp_path)
+    for job_id in (whole, unbound):
+        assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    assert _report(s, whole)["cores"] == every[:2] and _report(s, whole)["listed"] == "0-1"
+    assert _report(s, unbound)["cores"] == every and _report(s, unbound)["listed"] is None
+
+
+@pytest.mark.parametrize("model, gpu", [("a100", 0), ("h100", 1)])
+def test_a_fraction_of_a_core_runs_on_the_whole_core_near_its_gpu(two_cores, tmp_path, model, gpu):
+    s = two_cores.settings
+    job_id = cli_submit(s, ["--cpus", "0.5", "--gpu-type", model, "-t", "5m", "--", "sh", "-c", f"{REPORT}; nproc"],
+                        cwd=tmp_path)
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    report = _report(s, job_id)
+    assert report["gpu"] == str(gpu) and report["cores"] == [NEAR[gpu]]
+    lines = output_of(s, job_id).splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("{"))) + 1] == "1"  # nproc: the cores it may use
+    deadline = time.monotonic() + 10
+    while json.loads(core_binding.record_path(s, s.node).read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(core_binding.record_path(s, s.node).read_text()) == []
