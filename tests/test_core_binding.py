@@ -13,7 +13,7 @@ import pytest
 
 from gpuq.service.constants import State
 from gpuq.workers import core_binding
-from tests.conftest import cli_submit, output_of, stack_on_database, wait_for_state
+from tests.conftest import cli_submit, output_of, run_cli, stack_on_database, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow,
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores the tests may run on")]
@@ -83,3 +83,15 @@ def test_a_fraction_of_a_core_runs_on_the_whole_core_near_its_gpu(two_cores, tmp
     while json.loads(core_binding.record_path(s, s.node).read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert json.loads(core_binding.record_path(s, s.node).read_text()) == []
+
+
+def test_an_allocations_shell_and_what_it_runs_are_on_the_cores_of_its_own(two_cores, tmp_path):
+    s = two_cores.settings
+    out = run_cli(["alloc", "--cpus", "1", "--gpu-type", "a100", "--", "sh", "-c", f"{REPORT}; nproc"], s, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    report = json.loads(next(x for x in lines if x.startswith("{")))
+    # The worker put the shell's gate on GPU 0's core before it let it through: the shell and the
+    # python it started inherit it.
+    assert report["gpu"] == "0" and report["cores"] == [NEAR[0]], out.stdout
+    assert lines[lines.index(next(x for x in lines if x.startswith("{"))) + 1] == "1"

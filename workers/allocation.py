@@ -28,6 +28,7 @@ from gpuq.service.db import read_scope
 from gpuq.service.failures import signal_name
 from gpuq.service.kept_jobs import lapsed, lost_reason
 from gpuq.workers.cgroup import JobCgroup
+from gpuq.workers.core_binding import Binding, bound, held_by
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
@@ -97,8 +98,10 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}alloc{job.id}-{uuid.uuid4().hex[:6]}",
                               None, job.cpus)
     processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
+    near = frozenset().union(*(state.gpu_cores.get(i, frozenset()) for i in job.gpu_indices))
     try:
-        client = _watch(state, job, watcher, processes, on_found)
+        with bound(state.settings, state.node, job.id, job.cpus, near) as binding:
+            client = _watch(state, job, watcher, processes, on_found, binding)
         grace = state.settings.kill_grace
         leftover = _stop(processes, grace, cgroup)
     finally:
@@ -120,11 +123,13 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
 
 
 def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Processes,
-           on_found: Callable[[int], None] | None) -> ClientState | None:
+           on_found: Callable[[int], None] | None, binding: Binding | None = None) -> ClientState | None:
     """Wait for the allocation's end: the client's (its exit code, or silence: exit_code None), or
     None when ``watcher`` stopped it. Every PLACE_EVERY_SECONDS (every GATE_LOOK_SECONDS until the
     shell's gate is through) its processes are looked for, put in its cgroup and handed to
-    ``on_found``, where there is either."""
+    ``on_found``, where there is either. Until the gate is through, what is found is put on
+    ``binding``'s cores too: the gate before it is let through, so the shell and all it starts
+    inherit them (and a process the user moves with ``taskset`` stays where they put it)."""
     settings = state.settings
     placed_at, began = 0.0, time.monotonic()
     gated = False  # the shell's gate (cli/gate.py) was found, placed and let through
@@ -146,10 +151,12 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
             for p in processes():
                 if processes.cgroup is not None:
                     processes.cgroup.place(p.pid)
+                if binding is not None and not gated:
+                    _onto(p.pid, binding.cores)
                 if on_found is not None:
                     on_found(p.pid)
                 if not gated and _is_gate(p):
-                    _let_through(p, held_to_cpus(job.cpus, processes.cgroup))
+                    _let_through(p, held_to_cpus(job.cpus, processes.cgroup, binding))
                     gated = True
     return None
 
@@ -161,9 +168,18 @@ def _is_gate(p: psutil.Process) -> bool:
         return False
 
 
-def held_to_cpus(cpus: float | None, cgroup: JobCgroup | None) -> bool:
-    """Whether an allocation that asked for ``cpus`` cores (None: none) is held to them in ``cgroup``."""
-    return cpus is None or (cgroup is not None and cgroup.cpus is not None)
+def held_to_cpus(cpus: float | None, cgroup: JobCgroup | None, binding: Binding | None = None) -> bool:
+    """Whether an allocation that asked for ``cpus`` cores (None: none) is held to them: by
+    ``cgroup``'s quota, or by cores of its own (``binding``)."""
+    return cpus is None or (cgroup is not None and cgroup.cpus is not None) or held_by(binding, cpus)
+
+
+def _onto(pid: int, cores: tuple[int, ...]) -> None:
+    """Put process ``pid`` on ``cores`` (a worker may: it is root, or the allocation's user)."""
+    try:
+        os.sched_setaffinity(pid, cores)
+    except OSError:
+        pass  # gone, or the cores changed under it: it is found again at the next look
 
 
 def _let_through(p: psutil.Process, held: bool) -> None:
