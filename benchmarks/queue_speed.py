@@ -13,7 +13,7 @@
   bare Celery's: on a machine of C cores no flood passes C x 1000 / (ms a job) jobs/s.
 
     python benchmarks/queue_speed.py [--jobs 2000] [--latency-samples 50] [--keep-alive] [--clients N]
-                                     [--database URL]
+                                     [--database URL] [--cpus N]
 
 gpuq's jobs are submitted as users submit them: `gpuq up` starts the server (on a Unix socket in
 /tmp), the scheduler and the workers, and this process POSTs each job to /v1/jobs over the socket,
@@ -278,7 +278,7 @@ class Submitter:
     """POST /v1/jobs over the server's Unix socket: through the CLI's own client (a connection per
     request, as `gpuq submit` makes), or over one persistent connection (``keep_alive``)."""
 
-    def __init__(self, socket_path: str, keep_alive: bool) -> None:
+    def __init__(self, socket_path: str, keep_alive: bool, cpus: str | None = None) -> None:
         from gpuq.cli.client import Client, unix_connection
         from gpuq.service import constants as c
 
@@ -288,10 +288,14 @@ class Submitter:
         self.target = c.API_PREFIX + "/jobs"
         self.retries = c.SUBMIT_RETRIES
         self.cwd = os.getcwd()
+        self.cpus = cpus
 
     def body(self) -> dict[str, Any]:
-        """What `gpuq submit sleep` sends (cli/submit.py), a new idempotency key each time."""
-        return {"workload": "sleep", "args": [], "command": None, "gpus": 1, "name": None, "priority": 0,
+        """What `gpuq submit sleep` sends (cli/submit.py), a new idempotency key each time; with
+        ``cpus``, what `gpuq submit --cpus CPUS -- true` sends (``"0"``: `gpuq submit -- true`)."""
+        job: dict[str, Any] = {"workload": "sleep", "command": None} if self.cpus is None else \
+            {"workload": None, "command": ["true"], "cpus": None if self.cpus == "0" else self.cpus}
+        return {**job, "args": [], "gpus": 1, "name": None, "priority": 0,
                 "mem": None, "node": None, "host_mem": None, "time": None, "retries": 0, "hold": False,
                 "after": None, "after_any": None, "array": None, "sweep": [], "snapshot": False, "env": [],
                 "cwd": self.cwd, "user": None, "key": uuid.uuid4().hex}
@@ -322,7 +326,8 @@ class Submitter:
                 "a new connection per submit over the server's Unix socket, through the CLI's client")
 
 
-def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool, clients: int = 1
+def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool, clients: int = 1,
+               cpus: str | None = None
                ) -> tuple[list[float], list[float], list[float], dict[str, tuple], list[float], str]:
     """Latency on the server's clock and from the client's request, the submit requests' round
     trips, the two floods (the N jobs as one array submission, and as N submissions: each its
@@ -340,7 +345,7 @@ def gpuq_stack(env: dict[str, str], n_jobs: int, samples: int, keep_alive: bool,
     meter = CpuMeter(gpuq_roles(int(pid_file(s).read_text().strip()), s.database))
     api = None
     try:
-        api = Submitter(str(s.server_socket), keep_alive)
+        api = Submitter(str(s.server_socket), keep_alive, cpus)
         api.submit()  # warm the path once
         time.sleep(2)
         latency, from_client, round_trip = [], [], []
@@ -482,6 +487,10 @@ def main() -> int:
                     help="submit over one persistent connection (default: a new one per submit, as the CLI)")
     ap.add_argument("--clients", type=int, default=1,
                     help="submitters sending the N requests at once (default 1: one request after the other)")
+    ap.add_argument("--cpus", help="each gpuq job a command (`true`) reserving this many of its node's CPU cores "
+                                   "(`gpuq submit --cpus N -- true`; the node offers the cores the workers may run "
+                                   "on): such jobs start at a scheduler pass, never from a GPU's next-up list; "
+                                   "0: a command reserving none, to compare with")
     ap.add_argument("--database", help="a PostgreSQL server's URL (the script makes and drops a database of its own "
                                        "there), or an empty SQLite database's (default: a new SQLite file)")
     args = ap.parse_args()
@@ -503,14 +512,17 @@ def main() -> int:
         sql_pass(env)
         bare_lat, bare_tput, bare_idle, bare_cpu = bare_celery(broker, args.jobs, args.latency_samples)
         lat, lat_client, trip, floods, gaps, how = gpuq_stack(env, args.jobs, args.latency_samples, args.keep_alive,
-                                                                args.clients)
+                                                                args.clients, args.cpus)
     finally:
         drop()
         shutil.rmtree(home, ignore_errors=True)
         Path(sock).unlink(missing_ok=True)
     where = "SQLite" if not args.database or args.database.startswith("sqlite") else "PostgreSQL"
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
-    print(f"gpuq on {where}, submitting through the server: {how}")
+    what = "no-op workloads (`gpuq submit sleep`)" if args.cpus is None else (
+        "commands (`gpuq submit -- true`)" if args.cpus == "0" else
+        f"commands (`gpuq submit --cpus {args.cpus} -- true`)")
+    print(f"gpuq on {where}, submitting through the server: {how}; jobs: {what}")
     print(f"submit->running latency, idle stack (server's submitted_at -> started_at): "
           f"p50 {ms(pct(lat, 50))}, p95 {ms(pct(lat, 95))}")
     print(f"submit->running latency, idle stack (client's request sent -> started_at): "

@@ -15,8 +15,20 @@ from sqlalchemy import select
 
 from gpuq.server import views
 from gpuq.server.request import JOB, acting, call, context, job_id_of, job_ids, reading
+from gpuq.service import (
+    bound_cores,
+    display,
+    inventory,
+    job_output,
+    jobs,
+    kept_jobs,
+    mail,
+    policy,
+    rights,
+    units,
+    usage,
+)
 from gpuq.service import constants as c
-from gpuq.service import display, inventory, job_output, jobs, kept_jobs, mail, policy, rights, units, usage
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.constants import State
@@ -284,7 +296,8 @@ def _show(settings: Settings, caller: Caller, job_id: int) -> dict[str, Any]:
         # Not opened by GPUQ_SHARED_LOGS, as output is: the values may be the owner's secrets.
         private = rights.may_read_private(settings, job.user, caller)
         env = dict(job.env or {}) if private else None
-        data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job))}
+        data = views.job(job, gpus or None) | {"elapsed_s": _secs(jobs.elapsed(job)),
+                                                "cores": bound_cores.of(session, job_id)}
         asked = mail.asked(session, job_id)
         # Its mail's events for all to see; where it goes, as its environment, for those who may read that.
         data["mail"] = None if asked is None else {

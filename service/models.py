@@ -290,6 +290,9 @@ class Allocation(Base):
     share_mib: Mapped[int | None] = mapped_column(Integer)
     # What a shared job's processes use of this GPU's memory, MiB, as its worker last measured it.
     used_mib: Mapped[int | None] = mapped_column(Integer)
+    # The CPU cores its command (or allocation's shell) runs on, as 0-3,8 (`--cpus`, bound by its
+    # worker: workers/core_binding.py), on its rank 0 row; None: bound to none.
+    cores: Mapped[str | None] = mapped_column(String(4000))
 
     job: Mapped[Job] = relationship(back_populates="allocations")
     gpu: Mapped[Gpu] = relationship(back_populates="allocations")

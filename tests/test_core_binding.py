@@ -45,9 +45,13 @@ def test_two_jobs_of_one_core_each_run_at_once_on_their_own_core_near_their_gpu(
            for _ in range(2)]
     for job_id in ids:
         assert wait_for_state(s, job_id, (State.RUNNING,)) == State.RUNNING, two_cores.logs()
-    # While both run, the node's record holds one core for each.
+    # While both run, the node's record holds one core for each, and `gpuq show` gives it (SLURM's CPU_IDs).
     record = json.loads(core_binding.record_path(s, s.node).read_text())
     assert sorted((e["job"], len(e["cores"])) for e in record) == [(ids[0], 1), (ids[1], 1)]
+    for e in record:
+        shown = run_cli(["show", str(e["job"])], s).stdout
+        assert f"     cores  {e['cores'][0]} (of testnode; GPUQ_CORES)\n" in shown, shown
+        assert json.loads(run_cli(["show", "--json", str(e["job"])], s).stdout)["cores"] == str(e["cores"][0])
     (tmp_path / "go").touch()
     for job_id in ids:
         assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
@@ -56,6 +60,8 @@ def test_two_jobs_of_one_core_each_run_at_once_on_their_own_core_near_their_gpu(
     for r in reports:
         assert r["cores"] == [NEAR[int(r["gpu"])]] and r["listed"] == str(NEAR[int(r["gpu"])]), reports
     assert json.loads(core_binding.record_path(s, s.node).read_text()) == []
+    ended = json.loads(run_cli(["show", "--json", str(ids[0])], s).stdout)
+    assert ended["cores"] is None and "\n     cores  " not in run_cli(["show", str(ids[0])], s).stdout
 
 
 def test_a_job_asking_all_the_cores_runs_on_them_and_one_asking_none_on_every_core(two_cores, tmp_path):

@@ -98,9 +98,8 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}alloc{job.id}-{uuid.uuid4().hex[:6]}",
                               None, job.cpus)
     processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
-    near = frozenset().union(*(state.gpu_cores.get(i, frozenset()) for i in job.gpu_indices))
     try:
-        with bound(state.settings, state.node, job.id, job.cpus, near) as binding:
+        with bound(state.settings, state.node, job.id, job.cpus, state.cores_near(job.gpu_indices)) as binding:
             client = _watch(state, job, watcher, processes, on_found, binding)
         grace = state.settings.kill_grace
         leftover = _stop(processes, grace, cgroup)

@@ -120,6 +120,20 @@ def let_go(settings: Settings, node: str, binding: Binding) -> None:
         entries[:] = [e for e in entries if e.get("mark") != binding.mark]
 
 
+def _shown(settings: Settings, binding: Binding) -> None:
+    """Write the job's cores where `gpuq show` reads them; a database that does not answer now
+    costs the job nothing but that line (the log says so)."""
+    from gpuq.service import bound_cores
+    from gpuq.service.db import write_scope
+
+    try:
+        with write_scope(settings) as session:
+            bound_cores.record(session, binding.job_id, binding.text)
+    except Exception as exc:  # noqa: BLE001 - the job runs on its cores either way
+        log.warning("job %d: its CPU cores %s could not be written for gpuq show (%s)", binding.job_id, binding.text,
+                    exc)
+
+
 @contextmanager
 def bound(settings: Settings, node: str, job_id: int, cpus: float | None,
           near: Collection[int] = ()) -> Iterator[Binding | None]:
@@ -136,6 +150,7 @@ def bound(settings: Settings, node: str, job_id: int, cpus: float | None,
         yield None
         return
     try:
+        _shown(settings, binding)
         yield binding
     finally:
         let_go(settings, node, binding)

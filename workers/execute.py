@@ -118,8 +118,7 @@ def _execute_command(state: WorkerState, job: JobRun, sink: OutputSink, watcher:
     except UnknownUser as exc:  # nothing of the job can run here: its line, not a traceback
         sink.note(f"gpuq: {exc}")
         return {"state": State.FAILED, "failure": c.FAILURE_ERROR, "reason": str(exc)}
-    near = frozenset().union(*(state.gpu_cores.get(i, frozenset()) for i in job.gpu_indices))
-    with bound(state.settings, state.node, job.id, job.cpus, near) as binding:
+    with bound(state.settings, state.node, job.id, job.cpus, state.cores_near(job.gpu_indices)) as binding:
         return _command_on(state, job, sink, watcher, identity, binding, on_start)
 
 

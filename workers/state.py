@@ -98,6 +98,10 @@ class WorkerState:
     # under it and takes it off at its end, the heartbeat moves the groups' deadlines on.
     guard: Guard | None = None
 
+    def cores_near(self, gpu_indices: tuple[int, ...]) -> frozenset[int]:
+        """The CPU cores near any of these GPUs of this node (empty: none known)."""
+        return frozenset().union(*(self.gpu_cores.get(i, frozenset()) for i in gpu_indices))
+
     @contextmanager
     def guarding(self, lease: Lease | None, on_start: Callable[[int], None] | None = None
                  ) -> Iterator[Callable[[int], None]]:

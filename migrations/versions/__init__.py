@@ -1,1 +1,1 @@
-HEAD = "0039"  # the newest revision; tests/test_migrations.py checks it against Alembic
+HEAD = "0040"  # the newest revision; tests/test_migrations.py checks it against Alembic
