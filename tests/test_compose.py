@@ -123,7 +123,7 @@ def test_services_images_volumes_commands_healthchecks_and_grace_periods():
         assert services[name]["healthcheck"]["test"], name
     # Named volumes; the server's bind mounts of host paths are checked below.
     used = {v.split(":", 1)[0] for s in services.values() for v in s.get("volumes", []) if not v.startswith("/")}
-    assert used == set(doc["volumes"]) == {"redis-data", "postgres-data", "snapshots"}
+    assert used == set(doc["volumes"]) == {"redis-data", "postgres-data", "snapshots", "cores"}
     assert services["postgres"]["volumes"] == ["postgres-data:/var/lib/postgresql/data"]
     assert services["redis"]["volumes"] == ["redis-data:/data"]
     # Warm shutdown: a worker's running job gets minutes to finish, and is interrupted cleanly
@@ -192,6 +192,22 @@ def test_workers_run_commands_as_their_owner_where_they_were_submitted_and_share
                 f"snapshots:{snapshots}"} <= set(worker["volumes"])
         assert worker["environment"]["GPUQ_SNAPSHOT_DIR"] == snapshots
         assert worker["environment"]["GPUQ_DATABASE_URL"] == server["environment"]["GPUQ_DATABASE_URL"]
+
+
+def test_a_nodes_worker_containers_keep_one_record_of_the_cores_their_commands_are_bound_to():
+    # Each container has a file system of its own: without one volume where the record lives, each
+    # worker would see only its own job's cores, and two jobs of the node could take the same ones.
+    from gpuq.service.settings import SYSTEM_HOME
+    from gpuq.workers.core_binding import record_path
+
+    services = load()["services"]
+    workers = [s for name, s in services.items() if name.startswith("worker-gpu")]
+    assert len(workers) >= 2 and all(w["user"] == "root" and "GPUQ_HOME" not in w["environment"] for w in workers)
+    # Root's home (SYSTEM_HOME) holds the record; every worker mounts the one volume there.
+    where = record_path(make_settings(Path(SYSTEM_HOME), "sqlite://", "redis://"), "composenode").parent
+    assert all(f"cores:{where}" in w["volumes"] for w in workers)
+    assert not any(f"cores:{where}" in s.get("volumes", []) for name, s in services.items()
+                   if not name.startswith("worker-gpu"))
 
 
 def test_without_passwords_the_file_refuses_to_resolve():
