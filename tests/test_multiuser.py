@@ -607,13 +607,23 @@ def test_a_users_own_stack_serves_only_them_and_keeps_its_state_and_redis_from_o
         assert as_(owner, "wait", str(hog)).returncode != 0
         shown = as_(owner, "show", str(hog)).stdout
         assert "host_oom" in shown and "stopped by gpuq" in shown and "past its limit of 64 MiB" in shown, shown
-        # Nor a CPU cgroup: an allocation's --cpus is not held, and its terminal is told before the
-        # command runs (the worker lets the gate through with the "not held" signal).
-        alloc = as_(owner, "alloc", "--cpus", "1", "--", "sh", "-c", "echo cpus=$GPUQ_CPUS")
-        assert alloc.returncode == 0 and alloc.stdout.strip() == "cpus=1", alloc
+        # Nor a CPU cgroup: an allocation's --cpus of whole cores is held by the cores its worker
+        # binds it to (its own user's process: a worker may), not by a quota; a fraction of a core is
+        # not held, and its terminal is told before the command runs (the worker lets the gate
+        # through with the "not held" signal).
+        alloc = as_(owner, "alloc", "--cpus", "1", "--", "sh", "-c", "echo cpus=$GPUQ_CPUS nproc=$(nproc)")
+        assert alloc.returncode == 0 and alloc.stdout.strip() == "cpus=1 nproc=1", alloc
+        assert "not held" not in alloc.stderr, alloc.stderr
+        alloc = as_(owner, "alloc", "--cpus", "0.5", "--", "sh", "-c", "echo cpus=$GPUQ_CPUS nproc=$(nproc)")
+        assert alloc.returncode == 0 and alloc.stdout.strip() == "cpus=0.5 nproc=1", alloc
         unheld = [line for line in alloc.stderr.splitlines() if "not held" in line]
-        assert len(unheld) == 1 and unheld[0].startswith("gpuq: --cpus 1 is not held to on ") and unheld[0].endswith(
+        assert len(unheld) == 1 and unheld[0].startswith("gpuq: --cpus 0.5 is not held to on ") and unheld[0].endswith(
             ": its worker may make no CPU cgroup"), alloc.stderr
+        # A command's too: on its core, with no line that it is not held.
+        pinned = _submitted(as_(owner, "submit", "--cpus", "1", "--", "sh", "-c", "echo nproc=$(nproc) $GPUQ_CORES"))
+        assert as_(owner, "wait", str(pinned)).returncode == 0
+        ran = as_(owner, "logs", str(pinned)).stdout
+        assert re.fullmatch(r"nproc=1 \d+\n", ran), ran
         # The stack's owner is its admin, as root is the machine's: past the users' priority cap,
         # and `gpuq config` says so beside GPUQ_ADMINS (it read as no admin at all).
         assert as_(owner, "submit", "--hold", "--priority", "50", "--", "true").returncode == 0
