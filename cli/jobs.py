@@ -108,7 +108,7 @@ def _lines(j: Any, context_mib: int | None = None) -> list[tuple[str, str]]:
         ("gpus", f"{j.gpus}" + (f" on {j.node}: {', '.join(map(str, gpus))}" if gpus else
                                 (f" on {j.node}" if j.node else ""))),
         # The CPU cores a running command is bound to (--cpus; SLURM's CPU_IDs); a server from before sends none.
-        *([("cores", f"{j.cores} (of {j.node}; GPUQ_CORES)")] if getattr(j, "cores", None) else []),
+        *([("cores", f"{j.cores} of {j.node}")] if getattr(j, "cores", None) else []),
         ("worker", j.worker or "-"),
         ("submitted", timestamp(j.submitted_at)),
         ("started", timestamp(j.started_at)),

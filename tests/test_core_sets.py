@@ -184,3 +184,15 @@ def test_a_cpu_bind_or_simulated_cores_setting_that_is_not_one_is_refused_naming
     with pytest.raises(ConfigError) as refused:
         load_settings({name: value, "GPUQ_CONFIG": "/nonexistent/gpuq.toml"})
     assert str(refused.value).startswith(says) and "\n" not in str(refused.value), refused.value
+
+
+def test_entries_that_are_not_a_live_workers_are_dropped_and_a_record_that_is_not_json_is_started_afresh(settings):
+    path = core_binding.record_path(settings, "n1")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps([{"job": 1, "cores": [0], "pid": "x"}, {"job": 2, "cores": "0", "pid": os.getpid()},
+                                {"job": 3, "cores": [0], "pid": 0, "since": None}, 7]))
+    with core_binding.bound(settings, "n1", 4, 1, near={0}) as b:
+        assert b is not None and b.cores == (0,) and b.own and [e["job"] for e in _entries(settings)] == [4]
+    path.write_text("{not json")
+    with core_binding.bound(settings, "n1", 5, 1, near={0}) as b:
+        assert b is not None and b.cores == (0,) and [e["job"] for e in _entries(settings)] == [5]

@@ -75,6 +75,15 @@ def _started(pid: int) -> float | None:
         return None
 
 
+def _alive(entry: Any) -> bool:
+    """Whether ``entry`` is a binding of a worker still running (one it wrote: its pid started when
+    it said, and a list of cores)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("cores"), list):
+        return False
+    pid = entry.get("pid")
+    return isinstance(pid, int) and pid > 0 and _started(pid) == entry.get("since")
+
+
 @contextmanager
 def _record(path: Path) -> Iterator[list[dict[str, Any]]]:
     """The node's entries, those of workers still running, under the node's lock; what the caller
@@ -92,7 +101,7 @@ def _record(path: Path) -> Iterator[list[dict[str, Any]]]:
             entries = []
         if not isinstance(entries, list):
             entries = []
-        live = [e for e in entries if isinstance(e, dict) and _started(int(e.get("pid", 0))) == e.get("since")]
+        live = [e for e in entries if _alive(e)]
         read = list(live)
         yield live
         if live != read or len(read) != len(entries):  # taken, let go, or a gone worker's dropped
@@ -115,9 +124,15 @@ def take(settings: Settings, node: str, job_id: int, cpus: float, near: Collecti
 
 
 def let_go(settings: Settings, node: str, binding: Binding) -> None:
-    """The job's cores are free again (its command ended)."""
-    with _record(record_path(settings, node)) as entries:
-        entries[:] = [e for e in entries if e.get("mark") != binding.mark]
+    """The job's cores are free again (its command ended). A record that cannot be written now
+    costs the job nothing: its entry is dropped once this worker is gone, and until then the next
+    jobs take other cores first (the log says so)."""
+    try:
+        with _record(record_path(settings, node)) as entries:
+            entries[:] = [e for e in entries if e.get("mark") != binding.mark]
+    except OSError as exc:
+        log.warning("job %d: its CPU cores %s could not be let go in node %s's record (%s)", binding.job_id,
+                    binding.text, node, exc)
 
 
 def _shown(settings: Settings, binding: Binding) -> None:
