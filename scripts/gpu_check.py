@@ -11,7 +11,8 @@ and prints a line per check, PASS, FAIL or SKIP, with what it measured:
    counters (row remapping, retired pages, uncorrectable ECC errors), with gpuq's drains agreeing;
 2. workloads: device-info, matmul in fp32, tf32, fp16 and bf16, norm-log, copy, and LeNet and
    ResNet-18 for an epoch, each a job (on a GPU, none may fall back to the CPU);
-3. a command job using torch on its GPU;
+3. a command job using torch on its GPU; a `--cpus 1` one on a core of its own, near its GPU
+   (each GPU's near cores, as NVML's CPU affinity gives them, are printed);
 4. two `--shared --mem` jobs on one GPU at once;
 5. a shared job using three times its share, stopped as `gpu_mem_exceeded`; then the same with
    the memory held by a process that left the job's tree and session (`setsid` in a subshell that
@@ -162,6 +163,27 @@ def command(c: Check) -> tuple[str, str]:
     if row["state"] != "succeeded" or "GPU " not in out or (c.real and "cuda True" not in out):
         return "FAIL", f"{row['state']}: {out[-300:]}"
     return "PASS", out.splitlines()[-1]
+
+
+def cores(c: Check) -> tuple[str, str]:
+    """A `--cpus 1` command runs on one core of its own, near its GPU where NVML says which cores
+    are (``nvmlDeviceGetCpuAffinity``; workers/core_binding.py); the GPUs' near cores are printed."""
+    from gpuq.service.core_sets import format_list
+    from gpuq.service.devices import NvmlDevices
+
+    near = {g.index: g.cores for g in NvmlDevices().list()} if c.real else {}
+    job = c.submit("--cpus", "1", "--", PY, "-c", "import os; print(sorted(os.sched_getaffinity(0)), "
+                   "os.environ.get('GPUQ_CORES'), os.environ.get('CUDA_VISIBLE_DEVICES'))")
+    row, out = c.wait([job], 120)[0], c.output(job).strip()
+    said = "; ".join(f"GPU {i} near cores {format_list(n) or 'not known'}" for i, n in sorted(near.items())) \
+        or "no NVML: no near cores known"
+    found = re.search(r"^\[(\d+)\] (\d+) (\d+)$", out, re.MULTILINE)
+    if row["state"] != "succeeded" or found is None or found[1] != found[2]:
+        return "FAIL", f"{row['state']}: {out[-300:]}; {said}"
+    core, gpu = int(found[1]), int(found[3])
+    close = near.get(gpu)
+    ok = not close or core in close
+    return ("PASS" if ok else "FAIL"), f"--cpus 1 on core {core} (GPUQ_CORES {found[2]}) of GPU {gpu}; {said}"
 
 
 def shared(c: Check) -> tuple[str, str]:
@@ -407,7 +429,7 @@ def main() -> int:
                               "detail": (up.stdout or up.stderr).strip(), "seconds": round(time.monotonic() - t0, 1)})
         if up.returncode == 0:
             for name, body in (("devices", devices), ("health", health), ("workloads", workloads), ("command", command),
-                               ("shared", shared), ("watchdog", watchdog), ("detached", detached),
+                               ("cores", cores), ("shared", shared), ("watchdog", watchdog), ("detached", detached),
                                ("other-user", other_user),
                                ("run-alloc", interactive), ("stats", stats_and_metrics),
                                ("gpu-type", gpu_type), ("mps", mps)):

@@ -18,7 +18,7 @@ from tests.conftest import venv_reachable_by_everyone
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-CHECKS = {"up", "devices", "health", "workloads", "command", "shared", "watchdog", "detached", "other-user",
+CHECKS = {"up", "devices", "health", "workloads", "command", "cores", "shared", "watchdog", "detached", "other-user",
           "run-alloc", "stats", "gpu-type", "mps"}
 
 
@@ -36,6 +36,7 @@ def test_the_gpu_check_passes_every_check_and_leaves_nothing_behind(tmp_path):
     assert "gpu_mem_exceeded" in results["watchdog"]["detail"]
     assert "gpu_mem_exceeded" in results["detached"]["detail"] and "gone" in results["detached"]["detail"]
     assert "TFLOP/s" in results["workloads"]["detail"] and "gpuq_gpu_up" in results["stats"]["detail"]
+    assert re.match(r"--cpus 1 on core \d+ \(GPUQ_CORES \d+\) of GPU 0; no NVML", results["cores"]["detail"])
     assert "--gpu-type simulated on 'Simulated GPU': succeeded; --gpu-type zz9: exit 2" in results["gpu-type"]["detail"]
     worker_log = (tmp_path / "out" / "logs" / "worker-gpu0.log").read_text()
     assert "superuser privileges" not in worker_log  # a root worker is root by design: no warning
