@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from gpuq.service import constants as c
 from gpuq.service.db import read_scope
 from gpuq.service.models import Job
-from gpuq.workers.allocation import held_to_cpus
+from gpuq.workers.core_binding import held_to_cpus
 from tests.conftest import run_cli, stack_on_database
 
 pytestmark = pytest.mark.timeout(120)

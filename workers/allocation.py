@@ -28,7 +28,7 @@ from gpuq.service.db import read_scope
 from gpuq.service.failures import signal_name
 from gpuq.service.kept_jobs import lapsed, lost_reason
 from gpuq.workers.cgroup import JobCgroup
-from gpuq.workers.core_binding import Binding, bound, held_by
+from gpuq.workers.core_binding import Binding, bound, held_to_cpus
 from gpuq.workers.end import drain_if_left, stopped_end
 from gpuq.workers.identity import run_as
 from gpuq.workers.job import JobRun
@@ -165,12 +165,6 @@ def _is_gate(p: psutil.Process) -> bool:
         return tuple(p.cmdline()[1:4]) == c.ALLOC_GATE_ARGS  # as cli/alloc.py starts it
     except psutil.Error:
         return False
-
-
-def held_to_cpus(cpus: float | None, cgroup: JobCgroup | None, binding: Binding | None = None) -> bool:
-    """Whether an allocation that asked for ``cpus`` cores (None: none) is held to them: by
-    ``cgroup``'s quota, or by cores of its own (``binding``)."""
-    return cpus is None or (cgroup is not None and cgroup.cpus is not None) or held_by(binding, cpus)
 
 
 def _onto(pid: int, cores: tuple[int, ...]) -> None:

@@ -33,6 +33,7 @@ import psutil
 from gpuq.service import core_sets
 from gpuq.service.node_use import SLACK
 from gpuq.service.settings import Settings
+from gpuq.workers.cgroup import JobCgroup
 
 log = logging.getLogger("gpuq.worker")
 
@@ -60,6 +61,12 @@ def held_by(binding: Binding | None, cpus: float) -> bool:
     """Whether ``binding`` alone holds a job of ``cpus`` cores to them: as many cores as it asked for,
     none shared with another job (without a quota, a fraction of one is not held)."""
     return binding is not None and binding.own and abs(len(binding.cores) - cpus) < SLACK
+
+
+def held_to_cpus(cpus: float | None, cgroup: JobCgroup | None, binding: Binding | None = None) -> bool:
+    """Whether a command or an allocation's shell that asked for ``cpus`` cores (None: none) is held
+    to them: by ``cgroup``'s quota, or by cores of its own (``binding``); where not, it is told."""
+    return cpus is None or (cgroup is not None and cgroup.cpus is not None) or held_by(binding, cpus)
 
 
 def record_path(settings: Settings, node: str) -> Path:

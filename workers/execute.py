@@ -26,7 +26,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
-from gpuq.workers.core_binding import CORES_VARIABLE, Binding, bound, held_by
+from gpuq.workers.core_binding import CORES_VARIABLE, Binding, bound, held_to_cpus
 from gpuq.workers.end import HOST_USE, drain_if_left, stopped_end
 from gpuq.workers.gpu_fault import blamed_on_gpu, drain_faulty, fault_under
 from gpuq.workers.identity import Identity, UnknownUser, run_as
@@ -128,7 +128,7 @@ def _command_on(state: WorkerState, job: JobRun, sink: OutputSink, watcher: Stop
     assert job.argv is not None and job.cwd is not None
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}job{job.id}-{uuid.uuid4().hex[:6]}",
                               job.host_mem_mib, job.cpus)
-    if job.cpus is not None and (cgroup is None or cgroup.cpus is None) and not held_by(binding, job.cpus):
+    if not held_to_cpus(job.cpus, cgroup, binding):
         # Said where the user reads the job's output: it was not held to what it asked for.
         sink.note(f"[gpuq: {not_held(format(job.cpus, 'g'), state.node)}]")
     try:
