@@ -13,6 +13,8 @@ import pytest
 
 from gpuq.service.constants import State
 from gpuq.workers import core_binding
+from gpuq.workers.cgroup import CGROUP_ROOT, JobCgroup
+from gpuq.workers.job_processes import cgroup_prefix
 from tests.conftest import cli_submit, output_of, run_cli, stack_on_database, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow,
@@ -23,6 +25,20 @@ NEAR = {0: 1, 1: 0}
 # What a job reports of where it runs: from a process its shell started (it inherits the cores).
 REPORT = ("python3 -c 'import os, json; print(json.dumps({\"cores\": sorted(os.sched_getaffinity(0)), "
           "\"listed\": os.environ.get(\"GPUQ_CORES\"), \"gpu\": os.environ[\"CUDA_VISIBLE_DEVICES\"]}))'")
+# A process of the job that asks for every core (as `taskset -c 0-N` would), then says where it runs.
+WIDEN = ("python3 -c 'import os; os.sched_setaffinity(0, range(os.cpu_count())); "
+         "print(\"widened\", sorted(os.sched_getaffinity(0)))'")
+
+
+def _cpusets() -> bool:
+    """Whether this machine lets a worker make a job's cpuset (root, cgroup v1 or a delegated v2)."""
+    probe = JobCgroup.create(f"gpuq-cpuset-probe-{os.getpid()}", None, None, (min(os.sched_getaffinity(0)),))
+    if probe is None:
+        return False
+    try:
+        return bool(probe.cores)
+    finally:
+        probe.remove()
 
 
 @pytest.fixture(scope="module", params=["sqlite"])
@@ -101,3 +117,18 @@ def test_an_allocations_shell_and_what_it_runs_are_on_the_cores_of_its_own(two_c
     # python it started inherit it.
     assert report["gpu"] == "0" and report["cores"] == [NEAR[0]], out.stdout
     assert lines[lines.index(next(x for x in lines if x.startswith("{"))) + 1] == "1"
+
+
+def test_a_process_that_widens_its_affinity_stays_on_its_jobs_cores_where_a_cpuset_holds_them(two_cores, tmp_path):
+    if not _cpusets():
+        pytest.skip("this machine lets a worker make no cpuset: a job's cores are its affinity alone")
+    s = two_cores.settings
+    job_id = cli_submit(s, ["--cpus", "1", "--gpu-type", "a100", "-t", "5m", "--", "sh", "-c", WIDEN], cwd=tmp_path)
+    assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+    assert f"widened [{NEAR[0]}]" in output_of(s, job_id).splitlines(), output_of(s, job_id)
+    # An allocation's shell: the gate was put in the cpuset before the shell started.
+    out = run_cli(["alloc", "--cpus", "1", "--gpu-type", "h100", "--", "sh", "-c", WIDEN], s, cwd=tmp_path)
+    assert out.returncode == 0 and f"widened [{NEAR[1]}]" in out.stdout.splitlines(), out
+    # Both cpusets went with their jobs.
+    prefixes = tuple(cgroup_prefix(s, worker) for worker in two_cores.workers)
+    assert not [p for p in CGROUP_ROOT.joinpath("cpuset").rglob("gpuq-*") if p.name.startswith(prefixes)]

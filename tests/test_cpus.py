@@ -4,6 +4,7 @@ and said in the job's output when the quota held it back."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -272,3 +273,58 @@ def test_on_systemds_cgroup_v1_the_quota_is_made_in_the_cpu_and_cpuacct_hierarch
     assert (held / "cpu.cfs_quota_us").read_text() == "25000" and (held / "cpu.cfs_period_us").read_text() == "100000"
     (held / "cpu.stat").write_text("nr_periods 8\nnr_throttled 8\nthrottled_time 123456\n")
     assert group.throttled() == (8, 8)
+
+
+def test_on_cgroup_v2_a_jobs_cores_are_its_cpuset_where_cpuset_is_delegated(tmp_path, monkeypatch):
+    cgroup = _fake_tree(tmp_path, monkeypatch, ["0::/system.slice/gpuq.service"])
+    own = tmp_path / "system.slice" / "gpuq.service"
+    own.mkdir(parents=True)
+    (own / "cgroup.subtree_control").write_text("cpu cpuset memory\n")
+    group = cgroup.JobCgroup.create("gpuq-job4", None, 2, (3, 5))
+    assert group is not None and group.cores == (3, 5) and group.cpuset_path is None
+    assert (own / "gpuq-job4" / "cpuset.cpus").read_text() == "3,5"
+    # Not delegated: the job runs in its cgroup on its cores by affinity alone.
+    (own / "cgroup.subtree_control").write_text("cpu memory\n")
+    loose = cgroup.JobCgroup.create("gpuq-job5", None, 2, (3, 5))
+    assert loose is not None and loose.cores == () and not (own / "gpuq-job5" / "cpuset.cpus").exists()
+
+
+def test_on_cgroup_v1_a_jobs_cores_are_a_cpuset_of_its_own_with_its_parents_memory_nodes(tmp_path, monkeypatch):
+    cgroup = _fake_tree(tmp_path, monkeypatch, ["6:cpuset:/lab", "5:cpu,cpuacct:/lab", "4:memory:/lab"])
+    for hierarchy in ("memory", "cpu,cpuacct", "cpuset"):
+        (tmp_path / hierarchy / "lab").mkdir(parents=True)
+    (tmp_path / "cpuset" / "lab" / "cpuset.mems").write_text("0-1\n")
+    group = cgroup.JobCgroup.create("gpuq-job6", None, 1, (2,))
+    confined = tmp_path / "cpuset" / "lab" / "gpuq-job6"
+    assert group is not None and group.cores == (2,) and group.cpuset_path == confined
+    assert (confined / "cpuset.cpus").read_text() == "2" and (confined / "cpuset.mems").read_text() == "0-1"
+    # A process is put in all three of its directories, and they all go with it.
+    for path in (group.path, group.cpu_path, confined):
+        (path / "cgroup.procs").write_text("")
+    assert group.place(4242)
+    assert all((path / "cgroup.procs").read_text() == "4242" for path in (group.path, group.cpu_path, confined))
+    for path in (group.path, group.cpu_path, confined):  # the kernel's files go with their directory; these do not
+        for file in path.iterdir():
+            file.unlink()
+    group.remove()
+    assert not group.path.exists() and not group.cpu_path.exists() and not confined.exists()
+
+
+def test_a_jobs_cpuset_keeps_a_process_that_widens_its_affinity_on_its_cores():
+    """The real kernel's cpuset, where this machine lets the tests make one (root, cgroup v1 or a
+    delegated v2): a process of the job asks for every core and is kept on its own."""
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    if len(cores) < 2:
+        pytest.skip("needs two cores the tests may run on")
+    group = JobCgroup.create(f"gpuq-cpuset-test-{os.getpid()}", None, 1, cores[-1:])
+    if group is None or not group.cores:
+        pytest.skip("this machine lets the worker make no cpuset")
+    widen = ("import os\ntry:\n    os.sched_setaffinity(0, range(os.cpu_count()))\nexcept OSError:\n    pass\n"
+             "print(sorted(os.sched_getaffinity(0)))\n"
+             f"try:\n    os.sched_setaffinity(0, {{{cores[0]}}})\nexcept OSError as exc:\n    print(exc.errno)")
+    try:
+        out = subprocess.run([sys.executable, "-c", widen], preexec_fn=group.join, capture_output=True, text=True,
+                             timeout=30)
+    finally:
+        group.remove()
+    assert out.stdout.split("\n")[:2] == [str([cores[-1]]), str(errno.EINVAL)], out

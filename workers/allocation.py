@@ -95,17 +95,17 @@ def host(state: WorkerState, job: JobRun, watcher: StopWatcher,
     found (a shared allocation's: its share watchdog sums what they hold on its GPUs)."""
     identity = run_as(job.user, state.node)  # an unknown user fails the allocation with its reason
     uid = identity.uid if identity is not None else os.getuid()
-    cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}alloc{job.id}-{uuid.uuid4().hex[:6]}",
-                              None, job.cpus)
-    processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
-    try:
-        with bound(state.settings, state.node, job.id, job.cpus, state.cores_near(job.gpu_indices)) as binding:
+    with bound(state.settings, state.node, job.id, job.cpus, state.cores_near(job.gpu_indices)) as binding:
+        # Its cores are its cpuset's too, so they are taken first and let go once its processes are stopped.
+        cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}alloc{job.id}-{uuid.uuid4().hex[:6]}",
+                                  None, job.cpus, binding.cores if binding is not None else ())
+        processes = _Processes(job.env.get(RUN_ID_VARIABLE, ""), uid, cgroup)
+        try:
             client = _watch(state, job, watcher, processes, on_found, binding)
-        grace = state.settings.kill_grace
-        leftover = _stop(processes, grace, cgroup)
-    finally:
-        if cgroup is not None:
-            cgroup.remove()
+            leftover = _stop(processes, state.settings.kill_grace, cgroup)
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
     drain_if_left(state, job, tuple(leftover))
     if client is None:
         return stopped_end(state, job, watcher)
@@ -128,7 +128,8 @@ def _watch(state: WorkerState, job: JobRun, watcher: StopWatcher, processes: _Pr
     shell's gate is through) its processes are looked for, put in its cgroup and handed to
     ``on_found``, where there is either. Until the gate is through, what is found is put on
     ``binding``'s cores too: the gate before it is let through, so the shell and all it starts
-    inherit them (and a process the user moves with ``taskset`` stays where they put it)."""
+    inherit them (and where no cpuset holds them, a process the user moves with ``taskset`` stays
+    where they put it)."""
     settings = state.settings
     placed_at, began = 0.0, time.monotonic()
     gated = False  # the shell's gate (cli/gate.py) was found, placed and let through

@@ -6,7 +6,10 @@ delegates memory); where neither can be written (not root, a read-only /sys/fs/c
 without one and the worker falls back to the process tree, group and session. The CPU quota is
 cgroup v1's cpu controller (a directory of the same name in its own hierarchy, under the worker's
 own) or v2's cpu.max where the parent delegates cpu; where neither is there, a job's --cpus is
-not held (its output says so).
+not held (its output says so). The cores a job is bound to (workers/core_binding.py) are its
+cpuset's as well where the worker may make one (v1's cpuset controller, v2's where the parent
+delegates cpuset), as SLURM's ConstrainCores does: the kernel then keeps every process of the job
+on them, even one that widens its own affinity again (``taskset``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("gpuq.worker")
@@ -27,20 +31,25 @@ CPU_PERIOD_US = 100_000
 
 class JobCgroup:
     """One job's cgroup directory and the files gpuq uses in it; ``cpus``, the cores its CPU quota
-    holds it to (None: none), and on cgroup v1 the quota's own directory (``cpu_path``)."""
+    holds it to (None: none), and on cgroup v1 the quota's own directory (``cpu_path``); ``cores``,
+    the CPU cores its cpuset holds it to (empty: none), and on v1 the cpuset's own directory."""
 
     def __init__(self, path: Path, v2: bool, cpu_path: Path | None = None) -> None:
         self.path, self.v2 = path, v2
         self._procs = str(path / "cgroup.procs")
         self.cpu_path = cpu_path
-        self._cpu_procs = str(cpu_path / "cgroup.procs") if cpu_path is not None else None
         self.cpus: float | None = None
+        self.cpuset_path: Path | None = None
+        self.cores: tuple[int, ...] = ()
 
     @classmethod
-    def create(cls, name: str, limit_mib: int | None, cpus: float | None = None) -> JobCgroup | None:
-        """A new cgroup ``name`` with ``limit_mib`` of memory (None: no limit) and a CPU quota of
+    def create(cls, name: str, limit_mib: int | None, cpus: float | None = None,
+               cores: tuple[int, ...] = ()) -> JobCgroup | None:
+        """A new cgroup ``name`` with ``limit_mib`` of memory (None: no limit), a CPU quota of
         ``cpus`` cores (None: none; where the machine has no CPU quota to give, the cgroup is made
-        without one: ``cpus`` stays None); None if this machine does not let the worker make one."""
+        without one: ``cpus`` stays None) and a cpuset of ``cores`` (empty: none; where the machine
+        has no cpuset to give, ``cores`` stays empty); None if this machine does not let the worker
+        make one."""
         parent = _own_memory_cgroup()
         if parent is None:
             return None
@@ -63,33 +72,58 @@ class JobCgroup:
             return None
         if cpus is not None:
             group._hold_to(name, cpus)
+        if cores:
+            group._confine_to(name, cores)
         return group
 
+    def _confine_to(self, name: str, cores: tuple[int, ...]) -> None:
+        """Keep its processes on ``cores`` (its cpuset); on v1 its parent's memory nodes go with
+        them, without which the kernel lets no process in. ``cores`` stays empty where it cannot be."""
+        listed = ",".join(str(core) for core in cores)
+        where = self._control(name, "cpuset", {"cpuset.cpus": listed}, lambda parent: {
+            "cpuset.mems": (parent / "cpuset.mems").read_text().strip(), "cpuset.cpus": listed})
+        if where is not None:
+            self.cores = cores
+            self.cpuset_path = where if where != self.path else None
+
     def _hold_to(self, name: str, cpus: float) -> None:
-        """Hold it to ``cpus`` cores: v2's cpu.max in its own directory, v1's quota in a directory
-        ``name`` of the cpu hierarchy (joined with it); ``cpus`` stays None where neither can be."""
+        """Hold it to ``cpus`` cores (its CPU quota); ``cpus`` stays None where it cannot be."""
         quota = max(1000, round(cpus * CPU_PERIOD_US))  # the kernel's least quota: 1 ms
+        where = self._control(name, "cpu", {"cpu.max": f"{quota} {CPU_PERIOD_US}"}, lambda parent: {
+            "cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": str(quota)})
+        if where is not None:
+            self.cpus = cpus
+            self.cpu_path = where if where != self.path else None
+
+    def _control(self, name: str, controller: str, v2_files: dict[str, str],
+                 v1_files: Callable[[Path], dict[str, str]]) -> Path | None:
+        """Write ``controller``'s files: on v2 ``v2_files`` in its own directory, where the parent
+        delegates the controller; on v1 ``v1_files`` (given the worker's own directory there) in
+        a directory ``name`` of the controller's hierarchy. The directory written, None where
+        neither could be (the job runs without that controller's hold)."""
         if self.v2:
             try:
-                if "cpu" in (self.path.parent / "cgroup.subtree_control").read_text().split():
-                    (self.path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
-                    self.cpus = cpus
+                if controller not in (self.path.parent / "cgroup.subtree_control").read_text().split():
+                    return None
+                for file, value in v2_files.items():
+                    (self.path / file).write_text(value)
+                return self.path
             except OSError as exc:
-                log.info("no CPU quota for jobs here (%s)", exc)
-            return
-        parent = _own_cpu_cgroup()
+                log.info("no %s cgroup for jobs here (%s)", controller, exc)
+                return None
+        parent = _own_v1(_own_lines(), controller)
         if parent is None:
-            return
-        cpu_path = parent / name
+            return None
+        path = parent / name
         try:
-            cpu_path.mkdir()
-            (cpu_path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-            (cpu_path / "cpu.cfs_quota_us").write_text(str(quota))
+            path.mkdir()
+            for file, value in v1_files(parent).items():
+                (path / file).write_text(value)
         except OSError as exc:
-            log.info("no CPU quota for jobs here (%s)", exc)
-            _remove_dir(cpu_path)
-            return
-        self.cpu_path, self._cpu_procs, self.cpus = cpu_path, str(cpu_path / "cgroup.procs"), cpus
+            log.info("no %s cgroup for jobs here (%s)", controller, exc)
+            _remove_dir(path)
+            return None
+        return path
 
     def throttled(self) -> tuple[int, int] | None:
         """Of the quota's periods its processes ran in, how many they wanted more CPU than it gave
@@ -109,17 +143,22 @@ class JobCgroup:
         the kernel refused (cgroup v2 wants write access to the worker's own cgroup as well): the job
         then runs outside it, found by its process tree and GPUQ_RUN_ID instead."""
         joined = _write_raw(self._procs, os.getpid())
-        if joined and self._cpu_procs is not None:
-            _write_raw(self._cpu_procs, os.getpid())  # refused: it runs without its quota, nothing worse
+        if joined:
+            for procs in self._other_procs():  # refused: it runs without its quota or cpuset, nothing worse
+                _write_raw(procs, os.getpid())
         return joined
+
+    def _other_procs(self) -> list[str]:
+        """The procs files of its directories in other hierarchies (v1's quota and cpuset)."""
+        return [str(path / "cgroup.procs") for path in (self.cpu_path, self.cpuset_path) if path is not None]
 
     def place(self, pid: int) -> bool:
         """Move process ``pid`` into this cgroup (an allocation's processes, which the worker did
         not start); False if the kernel refused or the process is gone."""
         try:
             Path(self._procs).write_text(str(pid))
-            if self._cpu_procs is not None:
-                Path(self._cpu_procs).write_text(str(pid))
+            for procs in self._other_procs():
+                Path(procs).write_text(str(pid))
             return True
         except OSError:
             return False
@@ -171,8 +210,9 @@ class JobCgroup:
     def remove(self, within: float = 2.0) -> None:
         """Remove it; a process that was just killed may take a moment to leave (EBUSY till then)."""
         _remove_dir(self.path, within)
-        if self.cpu_path is not None:
-            _remove_dir(self.cpu_path, within)
+        for path in (self.cpu_path, self.cpuset_path):
+            if path is not None:
+                _remove_dir(path, within)
 
 
 def _remove_dir(path: Path, within: float = 2.0) -> None:
@@ -220,10 +260,13 @@ def remove_leftovers(prefix: str) -> list[str]:
             JobCgroup(path, v2).remove()
             if not path.exists():
                 removed.append(path.name)
-    cpu_parent = None if v2 else _own_cpu_cgroup()
-    for path in cpu_parent.iterdir() if cpu_parent is not None else ():
-        if path.is_dir() and path.name.startswith(prefix):  # the quota's, on v1: empty with its memory's
-            _remove_dir(path)
+    lines = _own_lines()
+    for controller in () if v2 else ("cpu", "cpuset"):
+        other = _own_v1(lines, controller)
+        for path in other.iterdir() if other is not None else ():
+            # The quota's and the cpuset's, on v1: empty with its memory's.
+            if path.is_dir() and path.name.startswith(prefix):
+                _remove_dir(path)
     return removed
 
 
@@ -244,11 +287,6 @@ def _own_memory_cgroup() -> tuple[Path, bool] | None:
             if delegated and os.access(where, os.W_OK):
                 return where, True
     return None
-
-
-def _own_cpu_cgroup() -> Path | None:
-    """cgroup v1: the worker's own directory in the cpu controller's hierarchy, if it may write there."""
-    return _own_v1(_own_lines(), "cpu")
 
 
 def _own_lines() -> list[str]:

@@ -10,8 +10,9 @@ that holds it (pid and start time): a worker SIGKILLed before it could let its j
 took its job with it (the parent-death signal), and its entry is dropped by the next worker that
 reads the record and finds it gone.
 
-A process may widen its own affinity again (``taskset``): this is a placement, not a wall. The
-cgroup's quota, where the worker may make one, still holds the job to its `--cpus` of CPU time.
+Where the worker may make cgroups, the cores are the job's cpuset as well (workers/cgroup.py), and
+the kernel keeps every process of the job on them. Elsewhere (a user's own stack) they are its
+affinity alone, a placement and not a wall: a process may widen its own again (``taskset``).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _command_on(state: WorkerState, job: JobRun, sink: OutputSink, watcher: Stop
     """Run the command, bound to ``binding``'s cores (None: to none), to its end."""
     assert job.argv is not None and job.cwd is not None
     cgroup = JobCgroup.create(f"{cgroup_prefix(state.settings, state.name)}job{job.id}-{uuid.uuid4().hex[:6]}",
-                              job.host_mem_mib, job.cpus)
+                              job.host_mem_mib, job.cpus, binding.cores if binding is not None else ())
     if not held_to_cpus(job.cpus, cgroup, binding):
         # Said where the user reads the job's output: it was not held to what it asked for.
         sink.note(f"[gpuq: {not_held(format(job.cpus, 'g'), state.node)}]")
