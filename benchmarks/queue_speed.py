@@ -133,7 +133,10 @@ def gpuq_roles(supervisor_pid: int, database: str) -> dict[str, list[Any]]:
         # The database server's own share: all of its processes (the machine is assumed quiet otherwise).
         roles["postgresql"] = processes_named("postgres")
     for child in psutil.Process(supervisor_pid).children(recursive=True):
-        cmd = " ".join(child.cmdline())
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:  # a job's process that ended meanwhile (a command's, not yet reaped)
+            continue
         role = ("server" if "gpuq.cli server" in cmd else "workers" if "gpuq.workers" in cmd else
                 "scheduler" if "gpuq.cli scheduler" in cmd else None)
         if role is not None:

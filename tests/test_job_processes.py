@@ -4,6 +4,7 @@ its exit status is the main process's own whoever waited for the rest."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -122,3 +123,67 @@ def test_a_job_process_left_a_zombie_counts_as_ended_though_nobody_reaps_it_yet(
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.fixture
+def job_cgroup():
+    """A real memory cgroup for one command, where this machine lets the tests make one (root)."""
+    from gpuq.workers.cgroup import JobCgroup
+
+    group = JobCgroup.create(f"gpuq-finder-test-{os.getpid()}", None)
+    if group is None:
+        pytest.skip("this machine lets the worker make no cgroup")
+    yield group
+    group.remove()
+
+
+def test_a_command_held_by_its_cgroup_is_found_from_it_alone_even_one_that_ended_before_it_was_looked_at(
+        settings, job_cgroup, tmp_path, monkeypatch):
+    """Its child says it joined the cgroup, so the worker need not read every process of the machine
+    (nor their environments) at its end: what left its tree, group and session and dropped its run
+    id is in the cgroup still, and a stranger that copied the run id is no process of the job."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from gpuq.service.process_end import alive
+    from gpuq.workers import command
+
+    made = []
+
+    class Seen(command.Finder):  # type: ignore[misc,valid-type]
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(command, "Finder", Seen)
+    sink = sink_of(settings)
+    # `true` is over before run_command's Popen returns to the worker: only the child's word says it joined.
+    assert run_command(["true"], "/", ENV, sink, threading.Event(), 1.0, job_cgroup).exit_code == 0
+    assert made[-1].contained
+
+    said, go = tmp_path / "run_id", tmp_path / "go"
+    left = tmp_path / "left"
+    script = (f"echo $GPUQ_RUN_ID > {said}; (env -u GPUQ_RUN_ID setsid sh -c 'echo $$ > {left}; exec sleep 60' &); "
+              f"while [ ! -e {go} ]; do sleep 0.05; done")
+    ended: dict = {}
+    runner = threading.Thread(target=lambda: ended.update(outcome=run_command(
+        ["sh", "-c", script], "/", ENV, sink, threading.Event(), 1.0, job_cgroup, verify_within=3.0)))
+    runner.start()
+    deadline = time.monotonic() + 20
+    while not (said.exists() and left.exists() and left.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stranger = subprocess.Popen(["sleep", "60"], env={**ENV, "GPUQ_RUN_ID": said.read_text().strip()})
+    try:
+        go.touch()
+        runner.join(20)
+        sink.stop()
+        assert made[-1].contained and ended["outcome"].exit_code == 0 and ended["outcome"].leftover == ()
+        with contextlib.suppress(psutil.NoSuchProcess):  # stopped with the job (init may not have reaped it yet)
+            assert not alive(psutil.Process(int(left.read_text())))
+        assert stranger.poll() is None  # not the job's: left alone
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import mmap
 import os
 import pwd
 import queue
@@ -170,6 +171,9 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     """
     run_id = uuid.uuid4().hex
     oom_before = cgroup.oom_kills() if cgroup else 0
+    # Shared with the child, which sets it once it joined the cgroup: then the cgroup alone finds
+    # every process of the job (``Finder``), and the child may have ended before the worker looks.
+    joined = mmap.mmap(-1, 1)
     pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) if files is not None else None
     try:
         # Popen enters ``cwd`` before it calls preexec_fn, as the worker (root): a command to run as
@@ -182,7 +186,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, pass_fds=(pair[1].fileno(),) if pair is not None else (),
                                 preexec_fn=functools.partial(_in_child, cgroup, run_as, cwd, umask_of(env), opener,
-                                                             cores))
+                                                             cores, joined))
     except OSError as exc:  # the child's chdir or exec failed: nothing of the job ran
         if pair is not None:
             pair[0].close()  # with the output files it may have sent before its exec failed
@@ -190,6 +194,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     finally:
         if pair is not None:
             pair[1].close()
+        contained = joined[0] == 1
+        joined.close()
     copies: tuple[Copy | None, Copy | None] = (None, None)
     if files is not None and pair is not None:
         with pair[0]:
@@ -205,8 +211,8 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     if feed is not None and proc.stdin is not None:
         threading.Thread(target=feed, args=(proc.stdin, over), name=f"stdin-{proc.pid}", daemon=True).start()
     try:
-        return _run(proc, run_id, sink, cancelled, kill_grace, cgroup, verify_within, on_start, limit_mib,
-                    oom_before, copies, ahead, asked)
+        return _run(proc, Finder(proc.pid, cgroup, run_id, contained), sink, cancelled, kill_grace, cgroup,
+                    verify_within, on_start, limit_mib, oom_before, copies, ahead, asked)
     finally:
         over.set()
         for copy in copies:
@@ -214,13 +220,12 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
                 copy.close()
 
 
-def _run(proc: subprocess.Popen[bytes], run_id: str, sink: OutputSink, cancelled: threading.Event,
+def _run(proc: subprocess.Popen[bytes], found: Finder, sink: OutputSink, cancelled: threading.Event,
          kill_grace: float | Callable[[], float], cgroup: JobCgroup | None, verify_within: float,
          on_start: Callable[[int], None] | None, limit_mib: int | None, oom_before: int,
          copies: tuple[Copy | None, Copy | None], ahead: Ahead | None = None,
          asked: queue.SimpleQueue[JobSignal] | None = None) -> CommandOutcome:
     """``run_command`` once its process started: watch it to its end and make sure none of it is left."""
-    found = Finder(proc.pid, cgroup, run_id)
     with registered(found):  # its share watch finds its every process meanwhile
         memory = HostMemory(cgroup, found, functools.partial(tree, proc.pid), limit_mib)
         if on_start is not None:
@@ -293,14 +298,14 @@ def _own_name() -> str:
 
 def _in_child(cgroup: JobCgroup | None, run_as: Identity | None = None, cwd: str | None = None,
               umask: int | None = None, opener: tuple[OutputFiles, int, str] | None = None,
-              cores: tuple[int, ...] = ()) -> None:
-    """Between fork and exec: join the job's cgroup, go onto its ``cores`` (every process it starts
-    inherits them), and die with the worker (SIGKILL when the
+              cores: tuple[int, ...] = (), joined: mmap.mmap | None = None) -> None:
+    """Between fork and exec: join the job's cgroup (and say so in ``joined``), go onto its ``cores``
+    (every process it starts inherits them), and die with the worker (SIGKILL when the
     worker's thread that started it ends), so a SIGKILLed worker leaves no job running; then
     become ``run_as``: its groups only, its gid, its uid, in that order (each needs root), and
     enter ``cwd`` as them. Only raw system calls here: another thread may have held a lock at the fork."""
-    if cgroup is not None:
-        cgroup.join()
+    if cgroup is not None and cgroup.join() and joined is not None:
+        joined[0] = 1
     if cores:
         os.sched_setaffinity(0, cores)
     if umask is not None:

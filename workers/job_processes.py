@@ -129,14 +129,23 @@ def tree(pid: int) -> list[psutil.Process]:
 
 
 class Finder:
-    """Finds every live process of one job run, in one pass over the process table: its tree, its
-    process group and session (children that left the tree), its cgroup, and whatever carries its
-    GPUQ_RUN_ID (children that left all of those, or failed to join the cgroup)."""
+    """Finds every live process of one job run. Where its main process is in its cgroup, the
+    cgroup's list is the job: every process it starts is born in the cgroup, and none of its user's
+    can leave it (moving a process between cgroups takes write access to a cgroup that holds both,
+    root's here), as SLURM's proctrack/cgroup counts on. Elsewhere (no cgroup, or the main process
+    could not join it) in one pass over the process table: its tree, its process group and
+    session (children that left the tree), and whatever carries its GPUQ_RUN_ID (children that
+    left all of those). The pass reads every process of the machine (their environment too),
+    which on a node of many processes was most of a short command's cost to its worker."""
 
-    def __init__(self, pid: int, cgroup: JobCgroup | None, run_id: str) -> None:
+    def __init__(self, pid: int, cgroup: JobCgroup | None, run_id: str, contained: bool = False) -> None:
+        """``contained``: its main process joined ``cgroup`` before its exec (its child said so)."""
         self.pid, self.cgroup, self.run_id = pid, cgroup, run_id
+        self.contained = contained and cgroup is not None
 
     def __call__(self) -> list[psutil.Process]:
+        if self.contained:
+            return self._in_cgroup()
         found: dict[int, psutil.Process] = {}
         try:
             root = psutil.Process(self.pid)
@@ -152,11 +161,26 @@ class Finder:
                 found[p.pid] = p
         return list(found.values())
 
+    def _in_cgroup(self) -> list[psutil.Process]:
+        """Its cgroup's processes: its main process too while it runs (once it ended it left the
+        cgroup, and once it is reaped its pid may be another's)."""
+        assert self.cgroup is not None
+        found = []
+        for pid in self.cgroup.pids():
+            try:
+                found.append(psutil.Process(pid))
+            except psutil.Error:  # ended since it was listed
+                continue
+        return found
+
     def owns(self, pid: int) -> bool:
         """Whether the live process ``pid`` is one of this run's, by the marks ``__call__`` finds
         them by, looked at for that one process only."""
         if pid == self.pid:
             return True
+        if self.contained:
+            assert self.cgroup is not None
+            return pid in self.cgroup.pids()
         try:
             p = psutil.Process(pid)
             if any(parent.pid == self.pid for parent in p.parents()):
