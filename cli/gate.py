@@ -9,17 +9,26 @@ allocation's cgroup where it has one, and then sends it SIGUSR1 (SIGUSR2 where i
 to its --cpus, which the gate says on the terminal); only then does it exec the shell, in the same
 process, so the shell and everything it starts are in that cgroup from their first instruction.
 Without a signal within ALLOC_GATE_SECONDS (a worker of an older gpuq) it goes on as before.
-Imports nothing heavy: it stands between a keystroke and the user's prompt.
+An allocation with --cpus asks the server, once let through, which cores its worker bound it to
+(they were chosen after the shell's environment was made), and hands them to the shell in
+GPUQ_CORES as a command job gets them. Imports nothing heavy: it stands between a keystroke and
+the user's prompt.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
 from gpuq.service.constants import ALLOC_GATE_SECONDS, ALLOC_GATE_SIGNALS, ALLOC_GATE_UNHELD_SIGNAL
-from gpuq.service.job_cpus import CPUS_VARIABLE, not_held
+from gpuq.service.job_cpus import CORES_VARIABLE, CPUS_VARIABLE, not_held
+
+# What a list of cores may be (``0-3,8``): anything else from the server is not put in the shell's environment.
+_CORE_LIST = re.compile(r"[0-9]{1,5}(-[0-9]{1,5})?(,[0-9]{1,5}(-[0-9]{1,5})?){0,1023}", re.ASCII)
+# How long the shell waits for the server to say its cores, at most (then it starts without them).
+_CORES_TIMEOUT_SECONDS = 2.0
 
 
 def main(argv: list[str]) -> int:
@@ -36,12 +45,28 @@ def main(argv: list[str]) -> int:
     if got is not None and got.si_signo == ALLOC_GATE_UNHELD_SIGNAL and os.environ.get(CPUS_VARIABLE):
         print(f"gpuq: {not_held(os.environ[CPUS_VARIABLE], os.environ.get('GPUQ_NODE') or 'its node')}",
               file=sys.stderr)
+    if got is not None and os.environ.get(CPUS_VARIABLE) and (cores := _bound_cores(os.environ.get("GPUQ_JOB_ID"))):
+        os.environ[CORES_VARIABLE] = cores
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:
         print(f"gpuq: cannot run {argv[0]}: {exc.strerror}", file=sys.stderr)
         return 127 if isinstance(exc, FileNotFoundError) else 126
     return 0  # not reached: exec replaced this process
+
+
+def _bound_cores(job_id: str | None) -> str | None:
+    """The cores allocation ``job_id``'s worker bound it to, as `gpuq show` gives them (the worker
+    wrote them before it let the gate through); None where it is not bound or the server does not say."""
+    if not job_id or not job_id.isdigit():
+        return None
+    try:
+        from gpuq.cli.client import Client
+
+        cores = Client(timeout=_CORES_TIMEOUT_SECONDS).get(f"/jobs/{job_id}").get("cores")
+    except Exception:  # noqa: BLE001 - the shell starts either way, only without the variable
+        return None
+    return cores if isinstance(cores, str) and _CORE_LIST.fullmatch(cores) else None
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 
 CPUS_VARIABLE = "GPUQ_CPUS"
 THREADS_VARIABLE = "OMP_NUM_THREADS"
+# The cores a job is bound to (workers/core_binding.py), as ``taskset -c`` writes them: ``0-3,8``.
+CORES_VARIABLE = "GPUQ_CORES"
 
 
 def threads_for(cpus: float) -> int:

@@ -126,6 +126,47 @@ def test_the_gate_says_on_the_terminal_when_its_worker_could_not_hold_the_shell_
     assert held.communicate(timeout=20) == ("ran\n", "")
 
 
+@pytest.mark.parametrize("answer, told", [("0-1,4", "0-1,4"), ("0-1; rm -rf ~", ""), (None, ""), (7, "")])
+def test_the_gate_tells_the_shell_its_cores_as_the_server_says_them_and_nothing_else(tmp_path, answer, told):
+    """Once let through, an allocation with --cpus asks the server for its cores; what is not a list
+    of cores (a forged answer, none: not bound) is not put in the shell's environment."""
+    import http.server
+    import json
+    import socketserver
+    import threading
+
+    asked: list[str] = []
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            body = json.dumps({"id": 7, "cores": answer}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    class UnixHTTP(socketserver.UnixStreamServer):
+        def get_request(self):  # BaseHTTPRequestHandler wants an address pair
+            conn, _ = super().get_request()
+            return conn, ("local", 0)
+
+    path = str(tmp_path / "s.sock")
+    with UnixHTTP(path, Answer) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        env = dict(os.environ, GPUQ_CPUS="2", GPUQ_JOB_ID="7", GPUQ_SERVER=f"unix:{path}")
+        gate = _gate("sh", "-c", "echo \"cores=$GPUQ_CORES\"", env=env)
+        gate.send_signal(c.ALLOC_GATE_SIGNAL)
+        out, err = gate.communicate(timeout=20)
+        server.shutdown()
+    assert (gate.returncode, out, err) == (0, f"cores={told}\n", "")
+    assert asked == ["/v1/jobs/7"]
+
+
 def test_the_worker_lets_the_gate_through_as_unheld_only_where_cpus_were_asked_and_no_quota_holds_them():
     quota = SimpleNamespace(cpus=2.5)
     assert held_to_cpus(None, None) and held_to_cpus(2.5, quota)

@@ -116,6 +116,8 @@ def test_an_allocations_shell_and_what_it_runs_are_on_the_cores_of_its_own(two_c
     # The worker put the shell's gate on GPU 0's core before it let it through: the shell and the
     # python it started inherit it.
     assert report["gpu"] == "0" and report["cores"] == [NEAR[0]], out.stdout
+    # And told them, as a command is: the gate asked the server once its worker had chosen them.
+    assert report["listed"] == str(NEAR[0]), out.stdout
     assert lines[lines.index(next(x for x in lines if x.startswith("{"))) + 1] == "1"
 
 

@@ -38,8 +38,6 @@ from gpuq.workers.cgroup import JobCgroup
 
 log = logging.getLogger("gpuq.worker")
 
-# The job's variable that lists its cores (as ``GPUQ_CPUS`` gives their count): ``0-3,8``.
-CORES_VARIABLE = "GPUQ_CORES"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from gpuq.service import failures, output_files, simulated_memory, usage
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
-from gpuq.service.job_cpus import cpu_variables, not_held
+from gpuq.service.job_cpus import CORES_VARIABLE, cpu_variables, not_held
 from gpuq.service.job_output import record_metric
 from gpuq.service.jobs import possible_mps_clients
 from gpuq.service.settings import Settings
@@ -26,7 +26,7 @@ from gpuq.service.workloads import get_workload
 from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
-from gpuq.workers.core_binding import CORES_VARIABLE, Binding, bound, held_to_cpus
+from gpuq.workers.core_binding import Binding, bound, held_to_cpus
 from gpuq.workers.end import HOST_USE, drain_if_left, stopped_end
 from gpuq.workers.gpu_fault import blamed_on_gpu, drain_faulty, fault_under
 from gpuq.workers.identity import Identity, UnknownUser, run_as
