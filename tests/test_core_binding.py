@@ -59,16 +59,24 @@ def test_two_jobs_of_one_core_each_run_at_once_on_their_own_core_near_their_gpu(
     wait = "while [ ! -e go ]; do sleep 0.1; done"
     ids = [cli_submit(s, ["--cpus", "1", "-t", "5m", "--", "sh", "-c", f"{REPORT}; {wait}"], cwd=tmp_path)
            for _ in range(2)]
-    for job_id in ids:
-        assert wait_for_state(s, job_id, (State.RUNNING,)) == State.RUNNING, two_cores.logs()
-    # While both run, the node's record holds one core for each, and `gpuq show` gives it (SLURM's CPU_IDs).
-    record = json.loads(core_binding.record_path(s, s.node).read_text())
-    assert sorted((e["job"], len(e["cores"])) for e in record) == [(ids[0], 1), (ids[1], 1)]
-    for e in record:
-        shown = run_cli(["show", str(e["job"])], s).stdout
-        assert f"     cores  {e['cores'][0]} of testnode\n" in shown, shown
-        assert json.loads(run_cli(["show", "--json", str(e["job"])], s).stdout)["cores"] == str(e["cores"][0])
-    (tmp_path / "go").touch()
+    try:
+        for job_id in ids:
+            assert wait_for_state(s, job_id, (State.RUNNING,)) == State.RUNNING, two_cores.logs()
+        # Running from its worker's claim on; its cores are taken as its command starts, which its
+        # report line says it has.
+        deadline = time.monotonic() + 30
+        while not all("{" in output_of(s, job_id) for job_id in ids):
+            assert time.monotonic() < deadline, two_cores.logs()
+            time.sleep(0.1)
+        # While both run, the node's record holds one core for each, and `gpuq show` gives it (SLURM's CPU_IDs).
+        record = json.loads(core_binding.record_path(s, s.node).read_text())
+        assert sorted((e["job"], len(e["cores"])) for e in record) == [(ids[0], 1), (ids[1], 1)]
+        for e in record:
+            shown = run_cli(["show", str(e["job"])], s).stdout
+            assert f"     cores  {e['cores'][0]} of testnode\n" in shown, shown
+            assert json.loads(run_cli(["show", "--json", str(e["job"])], s).stdout)["cores"] == str(e["cores"][0])
+    finally:
+        (tmp_path / "go").touch()  # or a failure here holds both GPUs for the tests after it
     for job_id in ids:
         assert wait_for_state(s, job_id, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
     reports = [_report(s, job_id) for job_id in ids]
