@@ -34,8 +34,7 @@ OTHER_ENV = frozenset({
     # Set in a job's environment (workers/execute.py, cli/alloc.py, service/spec.py,
     # service/allocations.py, service/job_cpus.py, service/constants.py's *_VARIABLE).
     _JOB_MARK, "GPUQ_JOB_NAME", "GPUQ_GPUS", "GPUQ_RUN_ID", "GPUQ_WORKER", "GPUQ_ALLOC", "GPUQ_ARRAY_INDEX",
-    "GPUQ_MEMORY_FRACTION", "GPUQ_SIMULATED_MEMORY_DIR", "GPUQ_UMASK", "GPUQ_CPUS",
-    "GPUQ_CORES",  # workers/core_binding.py
+    "GPUQ_MEMORY_FRACTION", "GPUQ_SIMULATED_MEMORY_DIR", "GPUQ_UMASK", "GPUQ_CPUS", "GPUQ_CORES",
 })
 # Families of them: a sweep's values (GPUQ_SWEEP_<NAME>, service/spec.py), the tests' own services.
 OTHER_ENV_PREFIXES = ("GPUQ_SWEEP_", "GPUQ_TEST_")

@@ -181,7 +181,7 @@ def test_a_sigkilled_workers_job_submitted_with_requeue_and_no_retries_runs_agai
 
 
 def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_path):
-    from gpuq.workers.cgroup import JobCgroup
+    from gpuq.workers.cgroup import CGROUP_ROOT, JobCgroup
 
     child, cgroup = tmp_path / "child.pid", tmp_path / "cgroup"
     script = tmp_path / "spawn.py"
@@ -191,7 +191,8 @@ def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_pa
                       "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
                       f"open({str(child)!r}, 'w').write(str(p.pid))\n"
                       "time.sleep(300)\n")
-    job_id = submit(stack.settings, [sys.executable, str(script)], tmp_path)
+    # With --cpus: where cgroups can be made, its quota's and its cpuset's directories are left too.
+    job_id = cli_submit(stack.settings, ["--cpus", "1", "--", sys.executable, str(script)], cwd=tmp_path)
     wait_for(lambda: child.exists() and child.read_text(), 30, "the job's child")
     name, index, proc = worker_of(stack, job_id)
     proc.kill()
@@ -218,6 +219,13 @@ def test_a_restarted_worker_kills_what_its_killed_predecessor_left(stack, tmp_pa
             wait_for(lambda: not (theirs.path.parent / left).exists(), 30, "the restarted worker to remove the "
                      "cgroup its predecessor left")
             assert theirs.path.exists(), "the restarted worker removed another stack's cgroup"
+            # Each hierarchy's directory of it (v1: memory, and cpu and cpuset for its --cpus) is gone.
+            held = {controllers: path for _, controllers, path in (line.split(":", 2)
+                                                                    for line in cgroup.read_text().splitlines())}
+            if (CGROUP_ROOT / "cpuset" / "cgroup.procs").exists():  # cgroup v1's cpuset, as here
+                assert "cpuset" in held, held
+            for controllers, path in held.items():
+                assert not (CGROUP_ROOT / controllers / path.lstrip("/")).exists(), (controllers, path)
     finally:
         neighbour.kill()
         neighbour.wait(10)
