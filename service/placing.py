@@ -213,7 +213,12 @@ class Gpus:
             return any(self.use[kind].counts(amount, node) and self.use[kind].free_at(node, self.now)
                        + self.use[kind].held_by(node, victims) < amount - SLACK for kind, amount in wants.items())
 
-        plan = preemption.plan(job, self.nodes_for(job), options, node_short)
+        def others(node: str) -> list[Preemptible]:
+            """The node's preemptible jobs, whole-GPU and shared: any of them may stop for its cores and memory."""
+            shares = (v for load in self.by_node[node] for v, _ in self.share_victims.get(load.gpu.id, []))
+            return [*self.held[node], *shares]
+
+        plan = preemption.plan(job, self.nodes_for(job), options, node_short, others)
         if plan is None:
             self.cannot_preempt.add(shape)
             return None

@@ -52,7 +52,8 @@ def victim_order(victim: Preemptible) -> tuple[int, float, int]:
 
 
 def plan(job: JobRequest, nodes: Iterable[str], options: Callable[[str], list[tuple[GpuLoad, tuple[Preemptible, ...]]]],
-         node_short: Callable[[str, list[int]], bool] = lambda node, victims: False) -> Plan | None:
+         node_short: Callable[[str, list[int]], bool] = lambda node, victims: False,
+         others: Callable[[str], Iterable[Preemptible]] = lambda node: ()) -> Plan | None:
     """The node and preemptible jobs that let ``job`` start once they stopped, fewest stopped first
     (then fewest GPUs taken from them, then the node's name); None if no node has enough.
 
@@ -61,9 +62,12 @@ def plan(job: JobRequest, nodes: Iterable[str], options: Callable[[str], list[tu
     on it; or, for a GPU that shared jobs use, those of them whose shares make the room ``job`` needs
     (a whole-GPU job: all of them, none of them firm). ``node_short(node, victims)``: whether the node
     lacks the CPU cores or host memory ``job`` reserves (`--cpus`, `--host-mem`) even once those
-    jobs let theirs go, so that more of them stop for theirs. Jobs stop in ``victim_order`` until
-    enough GPUs are usable, and only those the chosen GPUs (or the node's cores and memory) need
-    are kept. A plan with no victims waits for GPUs that are being freed already."""
+    jobs let theirs go, so that more of them stop for theirs: those of ``options`` and the node's
+    other preemptible jobs (``others(node)``, on GPUs ``job`` could not use: another model, a node
+    it excludes none of, a GPU kept for a reservation), all in ``victim_order``. Jobs stop in
+    ``victim_order`` until enough GPUs are usable, then until the node has the cores and memory,
+    and only those the chosen GPUs (or the node's cores and memory) need are kept. A plan with no
+    victims waits for GPUs that are being freed already."""
     best: tuple[tuple[int, int, str], Plan] | None = None
     for node in nodes:
         opts = options(node)
@@ -71,15 +75,21 @@ def plan(job: JobRequest, nodes: Iterable[str], options: Callable[[str], list[tu
         # Being freed first: a free GPU taken here is one another job could have had.
         gpus = sorted((load for load, needs in opts if not needs), key=lambda g: g.clear)[: job.gpus]
         locked = [(load, set(needs)) for load, needs in opts if needs]
+        pool = sorted({v for _, needs in locked for v in needs}, key=victim_order)
         chosen: list[Preemptible] = []
-        for victim in sorted({v for _, needs in locked for v in needs}, key=victim_order):
-            if len(gpus) >= job.gpus and not node_short(node, [v.job_id for v in chosen]):
+        for victim in pool:  # for GPUs
+            if len(gpus) >= job.gpus:
                 break
             chosen.append(victim)
             for item in [x for x in locked if x[1] <= set(chosen)]:
                 locked.remove(item)
                 if len(gpus) < job.gpus:
                     gpus.append(item[0])
+        if len(gpus) >= job.gpus:  # for the node's cores and memory
+            for victim in sorted({*pool, *others(node)} - set(chosen), key=victim_order):
+                if not node_short(node, [v.job_id for v in chosen]):
+                    break
+                chosen.append(victim)
         if len(gpus) < job.gpus or node_short(node, [v.job_id for v in chosen]) or (
                 not chosen and all(g.clear for g in gpus)):
             continue  # too few; or free already, where the pass would have placed it if it could

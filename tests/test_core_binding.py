@@ -11,7 +11,10 @@ import time
 
 import pytest
 
+from gpuq.service import constants as c
+from gpuq.service import jobs
 from gpuq.service.constants import State
+from gpuq.service.db import write_scope
 from gpuq.workers import core_binding
 from gpuq.workers.cgroup import CGROUP_ROOT, JobCgroup
 from gpuq.workers.job_processes import cgroup_prefix
@@ -142,3 +145,23 @@ def test_a_process_that_widens_its_affinity_stays_on_its_jobs_cores_where_a_cpus
     # Both cpusets went with their jobs.
     prefixes = tuple(cgroup_prefix(s, worker) for worker in two_cores.workers)
     assert not [p for p in CGROUP_ROOT.joinpath("cpuset").rglob("gpuq-*") if p.name.startswith(prefixes)]
+
+
+def test_a_preemptible_job_on_another_model_of_gpu_is_preempted_for_the_cores_a_waiting_job_needs(two_cores, tmp_path):
+    """The H100's preemptible job holds both of the node's cores; a job asking for the free A100 and
+    one core has it stopped for them, though it could never use its GPU."""
+    s = two_cores.settings
+    scavenger = cli_submit(s, ["--preemptible", "--no-requeue", "--gpu-type", "h100", "--cpus", "2", "-t", "5m", "--",
+                               "sleep", "120"], cwd=tmp_path)
+    assert wait_for_state(s, scavenger, (State.RUNNING,)) == State.RUNNING, two_cores.logs()
+    urgent = cli_submit(s, ["--gpu-type", "a100", "--cpus", "1", "-t", "5m", "--", "sh", "-c", REPORT], cwd=tmp_path)
+    try:
+        assert wait_for_state(s, urgent, (State.SUCCEEDED, State.FAILED)) == State.SUCCEEDED, two_cores.logs()
+        # --no-requeue: it ends cancelled, its failure the preemption.
+        assert wait_for_state(s, scavenger, (State.CANCELLED,)) == State.CANCELLED, two_cores.logs()
+    finally:
+        run_cli(["cancel", str(scavenger)], s)
+    with write_scope(s) as session:
+        stopped = jobs.get_job(session, scavenger)
+    assert (stopped.failure, stopped.reason.startswith(f"preempted by job {urgent} ")) == (c.FAILURE_PREEMPTED, True)
+    assert _report(s, urgent)["gpu"] == "0" and _report(s, urgent)["cores"] == [NEAR[0]]

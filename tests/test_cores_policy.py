@@ -3,6 +3,7 @@ the policy, a pure function: where a job that reserves them may start, what the 
 keeps of them, preemption for them, the next-up lists and the forecast (service/node_use.py,
 placing, preemption, forecast)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -94,6 +95,29 @@ def test_a_waiting_job_preempts_the_preemptible_jobs_whose_cores_it_needs():
     # Without enough cores even then, nobody is stopped.
     d = decide(QueueState(NOW, [job(1, cpus=2)], [gpu(10), gpu(11, victim=(90, 0, NOW - 60))],
                           node_use=cores({"a": 4}, a=[(90, math.inf, 1), (91, math.inf, 3)])))
+    assert d.preemptions == {} and d.waiting == {1: RESOURCES}
+
+
+def test_a_preemptible_job_on_a_gpu_the_waiting_job_cannot_use_is_stopped_for_the_cores_it_holds():
+    # Job 1 asks for an A100, which is free; the preemptible job 90 on the node's H100 holds 3 of its
+    # 4 cores. A GPU job 1 could never use, but its cores are what job 1 waits for: 90 stops for them.
+    a100 = dataclasses.replace(gpu(10), model="NVIDIA A100-SXM4-80GB")
+    h100 = dataclasses.replace(gpu(11, victim=(90, 0, NOW - 60)), model="NVIDIA H100 80GB HBM3")
+    wanted = dataclasses.replace(job(1, cpus=2), gpu_type="a100")
+    d = decide(QueueState(NOW, [wanted], [a100, h100], node_use=cores({"a": 4}, a=[(90, math.inf, 3)])))
+    assert d.preemptions == {90: 1} and d.waiting == {1: PREEMPTING}
+    assert [(c.job_id, [g.id for g in c.gpus]) for c in d.claims] == [(1, [10])]
+    # The lowest priority, then the latest started, of such jobs first, and no more than it needs:
+    # 91 (priority 0, started later) alone frees the 2 cores job 1 lacks, and 90 runs on.
+    a100s = [dataclasses.replace(gpu(10), model="NVIDIA A100-SXM4-80GB")]
+    h100s = [dataclasses.replace(gpu(11, victim=(90, 0, NOW - 600)), model="NVIDIA H100 80GB HBM3"),
+             dataclasses.replace(gpu(12, victim=(91, 0, NOW - 60)), model="NVIDIA H100 80GB HBM3")]
+    d = decide(QueueState(NOW, [wanted], a100s + h100s,
+                          node_use=cores({"a": 4}, a=[(90, math.inf, 2), (91, math.inf, 2)])))
+    assert d.preemptions == {91: 1}
+    # A job that is not preemptible holding them: nobody is stopped, and it waits.
+    firm = [a100, dataclasses.replace(gpu(11, busy_until=math.inf), model="NVIDIA H100 80GB HBM3")]
+    d = decide(QueueState(NOW, [wanted], firm, node_use=cores({"a": 4}, a=[(92, math.inf, 3)])))
     assert d.preemptions == {} and d.waiting == {1: RESOURCES}
 
 
