@@ -24,8 +24,9 @@ ago holds its GPUs firmly until it may be preempted. A preemptible job waits for
 does in the queue, and counts against no user's limit.
 
 A job that reserves CPU cores or host memory (`--cpus`, `--host-mem`) is planned where its node has
-them free beside the running and planned jobs' for its whole limit too (service/node_use.py); a
-preemptible job's count as held, as no preemption stops one for them alone.
+them free beside the running and planned jobs' for its whole limit too (service/node_use.py); for
+a job that is not preemptible, beside those of jobs that are not preemptible alone, as for GPUs:
+it would stop the scavengers of the node for them (one within GPUQ_PREEMPT_EXEMPT counts as held).
 
 A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
 start) is planned after every job that may start now, from the moment the jobs it waits for are
@@ -166,14 +167,21 @@ class _Plan:
             if g.closes_at is not None:  # its node's window: to its end, or a resume no one can foresee
                 self.hold([g], max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at, None)
         # Each node's CPU cores and host memory over time, by (kind, node), where it counts them: the
-        # running jobs' reservations, then the planned jobs'.
+        # running jobs' reservations, then the planned jobs'; every one's (``node_use``, which a
+        # preemptible job counts), and those of jobs that are not preemptible (``node_firm``).
+        scavengers = {g.preemptible.job_id for g in state.gpus if g.preemptible is not None} | {
+            v.job_id for g in state.gpus for v, _, _ in g.preemptible_shares}
         self.node_use: dict[tuple[str, str], _Usage] = {}
+        self.node_firm: dict[tuple[str, str], _Usage] = {}
         for kind, use in state.node_use.items():
             for node, offered in use.offer.items():
                 usage = self.node_use[kind, node] = _Usage(offered + SLACK)
-                for end, amount in use.holds.get(node, {}).values():
+                firm_use = self.node_firm[kind, node] = _Usage(offered + SLACK)
+                for job_id, (end, amount) in use.holds.get(node, {}).items():
                     if end > state.now:
                         usage.hold(state.now, end, amount)
+                        if job_id not in scavengers:
+                            firm_use.hold(state.now, end, amount)
 
     def next_free(self, gpu: int, t: float, length: float, need: float | None, past: float = math.inf,
                   preemptible: bool = False) -> float:
@@ -195,9 +203,10 @@ class _Plan:
     def node_from(self, node: str, t: float, length: float, job: JobRequest, past: float = math.inf) -> float:
         """The first moment from ``t`` at which ``node`` has what ``job`` reserves of it (cores, host
         memory) free for ``length`` seconds (``t`` where it reserves none or the node counts none;
-        inf: never, or not before ``past``): each kind's first moment in turn, until one suits all."""
-        wants = [(self.node_use[kind, node], amount) for kind, amount in needs(job).items()
-                 if (kind, node) in self.node_use]
+        inf: never, or not before ``past``): each kind's first moment in turn, until one suits all.
+        A job that is not preemptible counts no preemptible job's reservation: it would stop them."""
+        counted = self.node_use if job.preemptible else self.node_firm
+        wants = [(counted[kind, node], amount) for kind, amount in needs(job).items() if (kind, node) in counted]
         moved = True
         while moved:
             moved = False
@@ -212,6 +221,8 @@ class _Plan:
         for kind, amount in needs(job).items():
             if (kind, node) in self.node_use:
                 self.node_use[kind, node].hold(start, end, amount)
+                if not job.preemptible:
+                    self.node_firm[kind, node].hold(start, end, amount)
 
     def array(self, job: JobRequest) -> _Usage | None:
         """The tasks of ``job``'s array over time, where it is a task of a limited array."""

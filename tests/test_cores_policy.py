@@ -121,6 +121,20 @@ def test_a_preemptible_job_on_a_gpu_the_waiting_job_cannot_use_is_stopped_for_th
     assert d.preemptions == {} and d.waiting == {1: RESOURCES}
 
 
+def test_the_forecast_plans_a_job_that_is_not_preemptible_past_a_scavengers_cores_and_a_preemptible_one_not():
+    # Job 1 waits for the A100 (a firm job's, 100 s more); the scavenger 90 on the H100 holds 3 of
+    # the 4 cores with no time limit. Its turn come, job 1 would stop 90 for them: it is expected
+    # when the A100 frees. A preemptible job in its place would wait for 90's cores: no moment.
+    a100 = dataclasses.replace(gpu(10, busy_until=NOW + 100), model="NVIDIA A100-SXM4-80GB")
+    h100 = dataclasses.replace(gpu(11, victim=(90, 0, NOW - 60)), model="NVIDIA H100 80GB HBM3")
+    held = cores({"a": 4}, a=[(90, math.inf, 3), (91, NOW + 100, 1)])
+    for preemptible, expected in ((False, NOW + 100), (True, None)):
+        wanted = dataclasses.replace(job(1, cpus=2, preemptible=preemptible), gpu_type="a100")
+        state = QueueState(NOW, [wanted], [a100, h100], node_use=held)
+        d = decide(state)
+        assert d.preemptions == {} and start_times(state, d)[1] == expected, preemptible
+
+
 def test_a_job_that_reserves_cores_is_listed_for_no_gpu_and_closes_the_lists_it_could_use():
     state = QueueState(NOW, [job(1, cpus=1), job(2)], [gpu(10, busy_until=NOW + 10)], node_use=cores({"a": 4}))
     assert next_up_choice.choose(state, decide(state), 2, 100) == {}
