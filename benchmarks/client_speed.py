@@ -16,7 +16,8 @@ the array, and a line for each task); then which heavy modules a `gpuq status` p
 Goals: `gpuq status` and `gpuq submit` p50 at most 150 ms; twelve submits at most 12 x 150 ms; a
 no-op `gpuq run -- true` (queued, run and followed to its end) at most 300 ms; no sqlalchemy,
 celery, kombu, redis, torch or aiohttp in a user's command. `gpuq alloc -- true` is timed too (an
-allocation held for `true` and given back), with no goal.
+allocation held for `true` and given back), and with `--cpus 1` (its gate asks the server for its
+cores before the shell starts), with no goal.
 
 Between groups the script waits (up to 2 minutes) for the stack's queue to empty, so the jobs a
 group submitted do not run on the CPU the next group is timed on. The matmul submits go last.
@@ -151,6 +152,8 @@ def main() -> int:
         # worker's start and end of `true`, and the answer that it ended, all inside the process.
         results["gpuq run -- true"], _ = runs([gpuq, "run", "--", "true"])
         results["gpuq alloc -- true"], _ = runs([gpuq, "alloc", "--", "true"])
+        # With --cpus the shell's gate asks the server for its cores before the shell starts.
+        results["gpuq alloc --cpus 1 -- true"], _ = runs([gpuq, "alloc", "--cpus", "1", "--", "true"])
 
         waited += wait_idle(settings)
         t0 = time.perf_counter()
