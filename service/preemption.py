@@ -85,11 +85,11 @@ def plan(job: JobRequest, nodes: Iterable[str], options: Callable[[str], list[tu
                 locked.remove(item)
                 if len(gpus) < job.gpus:
                     gpus.append(item[0])
-        if len(gpus) >= job.gpus:  # for the node's cores and memory
+        if len(gpus) >= job.gpus and node_short(node, [v.job_id for v in chosen]):  # for its cores and memory
             for victim in sorted({*pool, *others(node)} - set(chosen), key=victim_order):
+                chosen.append(victim)
                 if not node_short(node, [v.job_id for v in chosen]):
                     break
-                chosen.append(victim)
         if len(gpus) < job.gpus or node_short(node, [v.job_id for v in chosen]) or (
                 not chosen and all(g.clear for g in gpus)):
             continue  # too few; or free already, where the pass would have placed it if it could
