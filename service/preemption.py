@@ -63,8 +63,8 @@ def plan(job: JobRequest, nodes: Iterable[str], options: Callable[[str], list[tu
     (a whole-GPU job: all of them, none of them firm). ``node_short(node, victims)``: whether the node
     lacks the CPU cores or host memory ``job`` reserves (`--cpus`, `--host-mem`) even once those
     jobs let theirs go, so that more of them stop for theirs: those of ``options`` and the node's
-    other preemptible jobs (``others(node)``, on GPUs ``job`` could not use: another model, a node
-    it excludes none of, a GPU kept for a reservation), all in ``victim_order``. Jobs stop in
+    other preemptible jobs (``others(node)``, on GPUs ``job`` could not use: another model, too
+    little memory beside other programs, a GPU kept for a reservation). Jobs stop in
     ``victim_order`` until enough GPUs are usable, then until the node has the cores and memory,
     and only those the chosen GPUs (or the node's cores and memory) need are kept. A plan with no
     victims waits for GPUs that are being freed already."""
