@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuq.service.core_sets import format_list
+
 log = logging.getLogger("gpuq.worker")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -79,7 +81,7 @@ class JobCgroup:
     def _confine_to(self, name: str, cores: tuple[int, ...]) -> None:
         """Keep its processes on ``cores`` (its cpuset); on v1 its parent's memory nodes go with
         them, without which the kernel lets no process in. ``cores`` stays empty where it cannot be."""
-        listed = ",".join(str(core) for core in cores)
+        listed = format_list(cores)
         where = self._control(name, "cpuset", {"cpuset.cpus": listed}, lambda parent: {
             "cpuset.mems": (parent / "cpuset.mems").read_text().strip(), "cpuset.cpus": listed})
         if where is not None:

@@ -173,7 +173,7 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     oom_before = cgroup.oom_kills() if cgroup else 0
     # Shared with the child, which sets it once it joined the cgroup: then the cgroup alone finds
     # every process of the job (``Finder``), and the child may have ended before the worker looks.
-    joined = mmap.mmap(-1, 1)
+    joined = mmap.mmap(-1, 1) if cgroup is not None else None
     pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) if files is not None else None
     try:
         # Popen enters ``cwd`` before it calls preexec_fn, as the worker (root): a command to run as
@@ -194,8 +194,9 @@ def run_command(argv: list[str], cwd: str, env: Mapping[str, str], sink: OutputS
     finally:
         if pair is not None:
             pair[1].close()
-        contained = joined[0] == 1
-        joined.close()
+        contained = joined is not None and joined[0] == 1
+        if joined is not None:
+            joined.close()
     copies: tuple[Copy | None, Copy | None] = (None, None)
     if files is not None and pair is not None:
         with pair[0]:

@@ -39,7 +39,6 @@ from gpuq.workers.cgroup import JobCgroup
 log = logging.getLogger("gpuq.worker")
 
 
-
 @dataclass(frozen=True)
 class Binding:
     """The cores one job of this node is bound to, as its worker took them."""
