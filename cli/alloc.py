@@ -30,7 +30,7 @@ import typer
 from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
 from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises, say
-from gpuq.cli.submit import COMMAND_KEY, SubmitCommand, _cwd, typed
+from gpuq.cli.submit import COMMAND_KEY, CommandLine, _cwd, typed
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import GpuqError, InvalidSpec
@@ -44,7 +44,7 @@ app = typer.Typer()
 END_WAIT_SECONDS = 120.0
 
 
-@app.command(cls=SubmitCommand)
+@app.command(cls=CommandLine)
 def alloc(
     ctx: typer.Context,
     gpus: Annotated[numbers.GpuAsk, typer.Option("--gpus", "-G", help="GPUs to hold (1), all on this node; TYPE:COUNT "

@@ -1,4 +1,12 @@
-"""Options written in a job script, as sbatch reads ``#SBATCH`` lines: ``#GPUQ --gpus 2``.
+"""Job scripts, as sbatch takes them: `gpuq submit train.sh --lr 0.1`, and the options written in
+them as ``#SBATCH`` lines are: ``#GPUQ --gpus 2``.
+
+A script is named where a workload's name would go, as sbatch's one argument: the first word that
+is neither one of gpuq's options nor an option's value, when it is a path (a ``.`` or a ``/``,
+which no built-in workload's name has). Everything from it on is the job's command, untouched, as
+after ``--``: `gpuq submit train.sh --gpus 3` passes ``--gpus 3`` to the script. It runs where it is,
+as ``./train.sh`` (a bare name would be looked up in PATH); one that is not executable is run by
+the interpreter of its ``#!`` line, as the kernel would run it, since sbatch needs no ``chmod +x``.
 
 `gpuq submit -- ./train.sh` (or `-- bash train.sh`) reads the script's leading comment block, up
 to its first command, as sbatch does; each ``#GPUQ`` line there holds `gpuq submit` options,
@@ -25,16 +33,90 @@ HEAD_BYTES = 64 * 1024
 # Options that say how to submit, not what the job is: not for a script to set; --chdir, the
 # directory the script itself is found from; and --wrap, a command in place of the script.
 NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir", "wrap"}
+# What the kernel reads of a script's #! line (BINPRM_BUF_SIZE).
+SHEBANG_BYTES = 256
+
+
+def script_at(params: list[click.Parameter], args: list[str]) -> int | None:
+    """Where ``args`` (a `gpuq submit` command line before any ``--``) names a job script: the index
+    of its first word that is neither an option nor an option's value, if that word is a path (it
+    holds a ``.`` or a ``/``); else None (a workload's name, or no such word)."""
+    import click
+
+    takes_value = {name: not (param.is_flag or param.count)
+                   for param in params if isinstance(param, click.Option)
+                   for name in (*param.opts, *param.secondary_opts)}
+    at = 0
+    while at < len(args):
+        word = args[at]
+        if word == "-" or not word.startswith("-"):
+            return at if "." in word or "/" in word else None
+        if word.startswith("--"):
+            if "=" not in word and takes_value.get(word, False):
+                at += 1  # its value is the next word
+        else:  # -H, -G2 (its value attached), -HG 2 (flags, then one whose value is the next word)
+            for place in range(1, len(word)):
+                if takes_value.get("-" + word[place], False):
+                    at += place == len(word) - 1
+                    break
+        at += 1
+    return None
+
+
+def script_command(command: list[str], cwd: str) -> list[str]:
+    """The command that runs the job script ``command[0]`` (found from ``cwd``) with its arguments:
+    the script itself where it is executable, else its ``#!`` line's interpreter on it. InvalidSpec,
+    in one line, for a script that is not there or that nothing would run."""
+    word, rest = command[0], command[1:]
+    path = os.path.join(cwd, word)
+    run = word if "/" in word else "./" + word  # exec looks a bare name up in PATH, not here
+    if not os.path.isfile(path):
+        raise InvalidSpec(f"no such job script: {word} (in {cwd}); a built-in workload's name has no '.' or '/' "
+                          "(gpuq workloads)")
+    if os.access(path, os.X_OK):
+        return [run, *rest]
+    interpreter = shebang(path)
+    if interpreter is None:
+        guess = "python3" if word.endswith(".py") else "bash" if word.endswith(".sh") else "INTERPRETER"
+        raise InvalidSpec(f"{word} is not executable and has no #! line to say what runs it: chmod +x it, or name "
+                          f"its interpreter: gpuq submit -- {guess} {shlex.quote(word)}")
+    return [*interpreter, run, *rest]
+
+
+def shebang(path: str) -> list[str] | None:
+    """The interpreter a script's ``#!`` line names, as the kernel splits it: the program, and at most
+    one argument, the rest of the line whole (``#!/usr/bin/env -S python3 -u``); None without one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SHEBANG_BYTES)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    line = head[2:].split(b"\n", 1)[0].decode("utf-8", errors="surrogateescape").strip()
+    if not line:
+        return None
+    return line.split(None, 1)
 
 
 def script_of(command: list[str], cwd: str) -> str | None:
-    """The script a command runs, if one of its first two words names a file here (``./train.sh``,
-    ``bash train.sh``): the first that does, else None."""
-    for word in command[:2]:
+    """The script a command runs, if one of its first three words names a file here that is not a
+    program (``./train.sh``, ``bash train.sh``, ``/bin/bash -x train.sh``, ``/usr/bin/env -S python3 -u
+    ./train.py`` as a script's #! line runs it): the first that does, else None."""
+    for word in command[:3]:
         path = os.path.join(cwd, word)
-        if word and not word.startswith("-") and os.path.isfile(path):
+        if word and not word.startswith("-") and os.path.isfile(path) and not _is_program(path):
             return path
     return None
+
+
+def _is_program(path: str) -> bool:
+    """Whether the file is a compiled program (``/bin/bash``), not a script: a NUL in its head."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" in f.read(SHEBANG_BYTES)
+    except OSError:
+        return False
 
 
 def directive_lines(path: str) -> list[tuple[int, str]]:

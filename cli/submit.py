@@ -27,12 +27,14 @@ if TYPE_CHECKING:
 app = typer.Typer()
 
 COMMAND_KEY = "gpuq.command"
+# Set where the command is a job script named in a workload's place (cli/script.py): `gpuq submit train.sh`.
+SCRIPT_KEY = "gpuq.script"
 
 
 DETACH_KEY = "gpuq.detach"
 
 
-class SubmitCommand(TyperCommand):
+class CommandLine(TyperCommand):
     """Splits the command line at ``--``: what follows is the user's command, untouched."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
@@ -40,6 +42,21 @@ class SubmitCommand(TyperCommand):
             cut = args.index("--")
             ctx.meta[COMMAND_KEY] = args[cut + 1:]
             args = args[:cut]
+        return super().parse_args(ctx, args)
+
+
+class SubmitCommand(CommandLine):
+    """`gpuq submit`'s command line: split at ``--``, or at a job script named as sbatch takes one
+    (`gpuq submit -G 2 train.sh --lr 0.1`), which is the command from there on, its words untouched."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from gpuq.cli.script import script_at
+
+        before = args[:args.index("--")] if "--" in args else args
+        if (at := script_at(self.params, before)) is not None:
+            ctx.meta[COMMAND_KEY] = args[at:]
+            ctx.meta[SCRIPT_KEY] = True
+            args = args[:at]
         return super().parse_args(ctx, args)
 
 
@@ -183,6 +200,10 @@ def submit(
             raise InvalidSpec("--wrap: the command line is empty")
         command = ["sh", "-c", wrap]
     cwd = _cwd() if chdir is None else _directory(chdir)
+    if ctx.meta.get(SCRIPT_KEY) and command:
+        from gpuq.cli.script import script_command
+
+        command = script_command(command, cwd)
     if parsable and (as_json or test_only):
         raise InvalidSpec(f"give --{'json' if as_json else 'test-only'} or --parsable, not both")
     options: dict[str, Any] = {

@@ -363,7 +363,8 @@ def get_workload(name: str) -> Workload:
     try:
         return CATALOGUE[name]
     except KeyError:
-        # `gpuq submit ./train.sh`, as sbatch takes it: the hint shows their own command after --.
+        # `gpuq submit python`: the hint shows their own command after -- (a script's path, with its '.'
+        # or '/', is taken as a script by the client: cli/script.py).
         example = shlex.quote(name) if name.strip() and name.isprintable() and len(name) <= 200 else "python train.py"
         raise InvalidSpec(f"unknown workload {name!r}; known: {', '.join(sorted(CATALOGUE))} "
                           f"(a command goes after --: gpuq submit -- {example})") from None

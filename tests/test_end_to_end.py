@@ -79,6 +79,19 @@ def test_a_command_runs_without_a_shell_in_its_directory_with_its_gpus_and_keeps
         assert next(j for j in rows if j["id"] == job_id)["gpu_indices"] == [0, 1], args
 
 
+def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_gpuq_lines(stack, tmp_path):
+    s = stack.settings
+    # Not executable, as a script copied from a colleague often is: its #! line runs it.
+    (tmp_path / "train.sh").write_text("#!/bin/sh\n#GPUQ --gpus 2\n#GPUQ --name scripted\n"
+                                       "echo \"args $* on $CUDA_VISIBLE_DEVICES in $(pwd)\"\n")
+    result = run_cli(["submit", "--parsable", "train.sh", "--lr", "0.1", "--gpus", "1"], s, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    job_id = int(result.stdout)
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    assert run_cli(["logs", str(job_id)], s).stdout == f"args --lr 0.1 --gpus 1 on 0,1 in {tmp_path}\n"
+    assert json.loads(run_cli(["show", "--json", str(job_id)], s).stdout)["name"] == "scripted"
+
+
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
     s = stack.settings
     job_id = submit(s, ["--", sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"], cwd=tmp_path)

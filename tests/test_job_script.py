@@ -167,3 +167,77 @@ def test_a_command_that_is_no_script_here_reads_nothing(use_settings, tmp_path, 
     monkeypatch.chdir(tmp_path)
     job = submitted(["--", "true"])
     assert job["gpus"] == 1 and job["name"] == "true"
+
+
+def submit_command():
+    import typer.main
+
+    from gpuq.cli.submit import app as submit_app
+
+    return typer.main.get_command(submit_app).commands["submit"]
+
+
+@pytest.mark.parametrize("args,at", [
+    (["train.sh", "--lr", "0.1"], 0),
+    (["-G", "2", "--name", "a.b", "-H", "./train.sh", "--gpus", "3"], 5),  # an option's value is no script
+    (["--name=a.b", "-G2", "sub/run", "x"], 2),
+    (["-Hc", "1", "train.py"], 2),  # flags, then one whose value is the next word
+    (["-HG", "--time", "1h", "x.sh"], None),  # -G's value is '--time': '1h' is the first word, no path
+    (["matmul", "--size", "5", "./x.sh"], None),  # a workload's name comes first: its parameters follow
+    (["--gpus", "2"], None),
+    ([], None),
+])
+def test_a_script_is_the_first_word_past_the_options_and_their_values_with_a_dot_or_slash(args, at):
+    from gpuq.cli.script import script_at
+
+    assert script_at(submit_command().params, args) == at
+
+
+def test_a_scripts_shebang_is_split_as_the_kernel_splits_it(tmp_path):
+    from gpuq.cli.script import shebang
+
+    assert shebang(str(script(tmp_path, "#!/bin/bash\necho\n"))) == ["/bin/bash"]
+    assert shebang(str(script(tmp_path, "#! /usr/bin/env -S python3 -u  \nprint()\n"))) == ["/usr/bin/env",
+                                                                                         "-S python3 -u"]
+    assert shebang(str(script(tmp_path, "echo\n"))) is None
+    assert shebang(str(script(tmp_path, "#!\n"))) is None
+    assert shebang(str(tmp_path / "missing.sh")) is None
+
+
+def test_a_script_named_as_sbatch_takes_it_is_the_command_with_every_word_after_it(use_settings, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, SCRIPT, "run.sh")
+    # Executable: run where it is (a bare name would be looked up in PATH); the words after it are
+    # the script's, --gpus too, and its #GPUQ lines are read as for `-- ./run.sh`.
+    job = submitted(["--priority", "3", "run.sh", "--gpus", "3", "a b"])
+    assert job["argv"] == ["./run.sh", "--gpus", "3", "a b"], job
+    assert job["gpus"] == 2 and job["name"] == "from-script" and job["priority"] == 3
+    # Not executable: its #! line's interpreter runs it, as sbatch needs no chmod +x; its lines are
+    # read past an interpreter given as a path.
+    (tmp_path / "run.sh").chmod(0o644)
+    job = submitted(["run.sh", "--lr", "0.1"])
+    assert job["argv"] == ["/bin/bash", "./run.sh", "--lr", "0.1"] and job["gpus"] == 2, job
+    assert job["name"] == "from-script"
+    # Found from --chdir's directory, as the job runs there.
+    (tmp_path / "sub").mkdir()
+    script(tmp_path / "sub", "#!/bin/sh\n#GPUQ --name in-sub\necho\n", "go.sh")
+    job = submitted(["-D", "sub", "./go.sh"])
+    assert job["argv"] == ["./go.sh"] and job["name"] == "in-sub" and job["cwd"] == str(tmp_path / "sub")
+    # What follows -- after the script is its own, as any word after it.
+    assert submitted(["sub/go.sh", "--", "x"])["argv"] == ["sub/go.sh", "--", "x"]
+
+
+def test_a_script_nothing_would_run_is_refused_in_one_line_and_nothing_is_written(use_settings, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('no #! line')\n")
+    result = invoke(["submit", "train.py", "--lr", "0.1"])
+    assert result.exit_code == c.EXIT_USAGE and result.output == (
+        "gpuq: train.py is not executable and has no #! line to say what runs it: chmod +x it, or name its "
+        "interpreter: gpuq submit -- python3 train.py\n")
+    result = invoke(["run", "nothere.sh"])
+    assert result.exit_code == c.EXIT_USAGE and result.output == (
+        f"gpuq: no such job script: nothere.sh (in {tmp_path}); a built-in workload's name has no '.' or '/' "
+        "(gpuq workloads)\n")
+    assert jobs_in(use_settings) == 0

@@ -44,8 +44,11 @@ def invoke(args):
     (["submit", "--gpus", "3", "--", "true"], "more than any node has (the largest, testnode, has 2)"),
     (["submit", "--gpus", "2", "matmul"], "matmul runs on one GPU"),
     (["submit", "matmull"], "unknown workload 'matmull'"),
-    # sbatch's way: the hint is their own command after --.
-    (["submit", "./train.sh"], "(a command goes after --: gpuq submit -- ./train.sh)"),
+    # A word that is no workload: the hint is their own command after --.
+    (["submit", "python3"], "(a command goes after --: gpuq submit -- python3)"),
+    # A script's path, as sbatch takes one, that is not there; one nothing would run.
+    (["submit", "./train.sh"], "no such job script: ./train.sh (in "),
+    (["submit", "-G", "1", "train.sh", "--gpus", "2"], "no such job script: train.sh (in "),
     (["submit", "matmul", "--size", "big"], "--size must be a whole number; got 'big'"),
     (["submit", "matmul", "--size", "0"], "--size must be at least 1"),
     (["submit", "matmul", "--size", "9999999"], "--size must be at most 65536"),
