@@ -168,7 +168,8 @@ class _Plan:
                 self.hold([g], max(g.closes_at, state.now), math.inf if g.reopens_at is None else g.reopens_at, None)
         # Each node's CPU cores and host memory over time, by (kind, node), where it counts them: the
         # running jobs' reservations, then the planned jobs'; every one's (``node_use``, which a
-        # preemptible job counts), and those of jobs that are not preemptible (``node_firm``).
+        # preemptible job counts), and those of jobs that are not preemptible (``node_firm``): a
+        # preemptible job's until it may be preempted (GPUQ_PREEMPT_EXEMPT), as for its GPUs.
         scavengers = {g.preemptible.job_id for g in state.gpus if g.preemptible is not None} | {
             v.job_id for g in state.gpus for v, _, _ in g.preemptible_shares}
         self.node_use: dict[tuple[str, str], _Usage] = {}
@@ -180,8 +181,9 @@ class _Plan:
                 for job_id, (end, amount) in use.holds.get(node, {}).items():
                     if end > state.now:
                         usage.hold(state.now, end, amount)
-                        if job_id not in scavengers:
-                            firm_use.hold(state.now, end, amount)
+                        firm = state.now if job_id in scavengers else min(end, state.exempt_until.get(job_id, end))
+                        if firm > state.now:
+                            firm_use.hold(state.now, firm, amount)
 
     def next_free(self, gpu: int, t: float, length: float, need: float | None, past: float = math.inf,
                   preemptible: bool = False) -> float:

@@ -136,10 +136,13 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
     preempted_shares: dict[int, list[tuple[float, int]]] = defaultdict(list)
     exempt = settings.preempt_exempt_s
     exempt_until: dict[int, float] = {}
+    exempt_jobs: dict[int, float] = {}  # by job, for its node's cores and memory (a gang's rows: one job)
     uses = node_uses()
     for a in _ALLOCATED.run(conn, {}):
         gpu_id, user, started, limit, share_mib, gpu_share = a[:6]
         ends = (started or now).timestamp() + limit if limit else math.inf
+        if a.preemptible and (now - (started or now)).total_seconds() < exempt:
+            exempt_jobs[a.id] = (started or now).timestamp() + exempt
         if a.node is not None:  # a gang's rows hold its node's cores and memory once
             for kind, amount in needs(a).items():
                 uses[kind].holds.setdefault(a.node, {})[a.id] = (ends, amount)
@@ -251,7 +254,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
                               gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
                               user_gpu_limits=settings.gpu_limits,
                               user_holds=dict(holds) if settings.gpu_limited else {},
-                              shared_context_mib=settings.shared_context_mib, node_use=uses)
+                              shared_context_mib=settings.shared_context_mib, node_use=uses,
+                              exempt_until=exempt_jobs)
     return QueueRead(state, not_eligible, doomed, {row.id: row.reason for row in pending}, later, throttled,
                      array_limits, awaiting)
 

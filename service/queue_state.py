@@ -211,6 +211,9 @@ class QueueState:
     # Each node's CPU cores and host memory, and the running jobs' reservations of them (`--cpus`,
     # `--host-mem`), by kind (node_use.KINDS).
     node_use: dict[str, NodeUse] = field(default_factory=node_uses)
+    # Each running preemptible job still within GPUQ_PREEMPT_EXEMPT, by id: when it may be preempted.
+    # Until then its node's cores and memory are its own, in the forecast too (a scavenger's after).
+    exempt_until: dict[int, float] = field(default_factory=dict)
 
     def limit_of(self, user: str) -> int:
         """The GPUs ``user``'s jobs may hold at once; 0: no limit."""

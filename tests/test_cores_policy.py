@@ -135,6 +135,20 @@ def test_the_forecast_plans_a_job_that_is_not_preemptible_past_a_scavengers_core
         assert d.preemptions == {} and start_times(state, d)[1] == expected, preemptible
 
 
+def test_the_forecast_plans_a_firm_job_past_a_scavengers_cores_once_its_exempt_time_is_over():
+    # As above, but 90 started within GPUQ_PREEMPT_EXEMPT: its cores are its own until then, and no
+    # longer (they counted as held to its end, with no time limit: no moment at all).
+    a100 = dataclasses.replace(gpu(10, busy_until=NOW + 100), model="NVIDIA A100-SXM4-80GB")
+    held = cores({"a": 4}, a=[(90, math.inf, 3), (91, NOW + 100, 1)])
+    wanted = dataclasses.replace(job(1, cpus=2), gpu_type="a100")
+    for exempt_until, expected in ((NOW + 50, NOW + 100), (NOW + 300, NOW + 300)):
+        h100 = dataclasses.replace(gpu(11, busy_until=math.inf), model="NVIDIA H100 80GB HBM3",
+                                   exempt_until=exempt_until)
+        state = QueueState(NOW, [wanted], [a100, h100], node_use=held, exempt_until={90: exempt_until})
+        d = decide(state)
+        assert d.preemptions == {} and start_times(state, d)[1] == expected, exempt_until
+
+
 def test_a_job_that_reserves_cores_is_listed_for_no_gpu_and_closes_the_lists_it_could_use():
     state = QueueState(NOW, [job(1, cpus=1), job(2)], [gpu(10, busy_until=NOW + 10)], node_use=cores({"a": 4}))
     assert next_up_choice.choose(state, decide(state), 2, 100) == {}

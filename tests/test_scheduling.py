@@ -1170,3 +1170,20 @@ def test_why_rounds_a_running_jobs_time_left_up(left, text):
     from gpuq.service.explain import _within
 
     assert _within(left) == text  # 16 s left read "ends within 0 min"
+
+
+def test_a_running_preemptible_job_is_read_with_when_its_exempt_time_ends_and_none_past_it(settings):
+    # The forecast counts its node's cores and memory as its own until then (service/forecast.py).
+    from gpuq.service.queue_read import read_queue
+
+    s = settings.with_overrides(preempt_exempt="10m")
+    register(s, "a", 2)
+    scavenger, firm = submit(s, preemptible=True), submit(s)
+    Scheduler(s).schedule_once()
+    assert state_of(s, scavenger)[0] == state_of(s, firm)[0] == State.DISPATCHED
+    with write_scope(s) as session:
+        read = read_queue(session, s)
+    assert list(read.policy.exempt_until) == [scavenger]
+    assert abs(read.policy.exempt_until[scavenger] - (read.policy.now + 600)) < 60
+    with write_scope(s) as session:
+        assert read_queue(session, s.with_overrides(preempt_exempt="")).policy.exempt_until == {}
