@@ -18,15 +18,12 @@ the user's prompt.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 
 from gpuq.service.constants import ALLOC_GATE_SECONDS, ALLOC_GATE_SIGNALS, ALLOC_GATE_UNHELD_SIGNAL
 from gpuq.service.job_cpus import CORES_VARIABLE, CPUS_VARIABLE, not_held
 
-# What a list of cores may be (``0-3,8``): anything else from the server is not put in the shell's environment.
-_CORE_LIST = re.compile(r"[0-9]{1,5}(-[0-9]{1,5})?(,[0-9]{1,5}(-[0-9]{1,5})?){0,1023}", re.ASCII)
 # How long the shell waits for the server to say its cores, at most (then it starts without them).
 _CORES_TIMEOUT_SECONDS = 2.0
 
@@ -62,11 +59,13 @@ def _bound_cores(job_id: str | None) -> str | None:
         return None
     try:
         from gpuq.cli.client import Client
+        from gpuq.service.core_sets import format_list, parse_list
 
         cores = Client(timeout=_CORES_TIMEOUT_SECONDS).get(f"/jobs/{job_id}").get("cores")
+        # A list of cores, in the project's one form of them, or nothing: never a string that is not.
+        return format_list(parse_list(cores)) if isinstance(cores, str) and cores.strip() else None
     except Exception:  # noqa: BLE001 - the shell starts either way, only without the variable
         return None
-    return cores if isinstance(cores, str) and _CORE_LIST.fullmatch(cores) else None
 
 
 if __name__ == "__main__":

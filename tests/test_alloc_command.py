@@ -126,7 +126,8 @@ def test_the_gate_says_on_the_terminal_when_its_worker_could_not_hold_the_shell_
     assert held.communicate(timeout=20) == ("ran\n", "")
 
 
-@pytest.mark.parametrize("answer, told", [("0-1,4", "0-1,4"), ("0-1; rm -rf ~", ""), (None, ""), (7, "")])
+@pytest.mark.parametrize("answer, told", [("0-1,4", "0-1,4"), ("0,1,2,4", "0-2,4"), ("0-1; rm -rf ~", ""), ("3-1", ""),
+                                          ("", ""), (None, ""), (7, "")])
 def test_the_gate_tells_the_shell_its_cores_as_the_server_says_them_and_nothing_else(tmp_path, answer, told):
     """Once let through, an allocation with --cpus asks the server for its cores; what is not a list
     of cores (a forged answer, none: not bound) is not put in the shell's environment."""
