@@ -1,12 +1,12 @@
-"""Job scripts, as sbatch takes them: `gpuq submit train.sh --lr 0.1`, and the options written in
-them as ``#SBATCH`` lines are: ``#GPUQ --gpus 2``.
+"""Job scripts and programs named where a workload's would go, and the options written in scripts.
 
-A script is named where a workload's name would go, as sbatch's one argument: the first word that
-is neither one of gpuq's options nor an option's value, when it is a path (a ``.`` or a ``/``,
-which no built-in workload's name has). Everything from it on is the job's command, untouched, as
-after ``--``: `gpuq submit train.sh --gpus 3` passes ``--gpus 3`` to the script. It runs where it is,
-as ``./train.sh`` (a bare name would be looked up in PATH); one that is not executable is run by
-the interpreter of its ``#!`` line, as the kernel would run it, since sbatch needs no ``chmod +x``.
+`gpuq submit train.sh --lr 0.1` takes a script as sbatch takes one, `gpuq run nvidia-smi` a program
+as srun does: the first word that is neither one of gpuq's options nor an option's value, when it
+is no built-in workload's name, is the job's command from there on, its words untouched, as after
+``--`` (`gpuq submit train.sh --gpus 3` passes ``--gpus 3`` to the script). A path, or a file in the
+job's directory, is a script: it runs where it is, as ``./train.sh`` (a bare name would be looked
+up in PATH), and one that is not executable is run by the interpreter of its ``#!`` line, as the
+kernel would run it, since sbatch needs no ``chmod +x``. Any other word is a program on PATH.
 
 `gpuq submit -- ./train.sh` (or `-- bash train.sh`) reads the script's leading comment block, up
 to its first command, as sbatch does; each ``#GPUQ`` line there holds `gpuq submit` options,
@@ -33,14 +33,14 @@ HEAD_BYTES = 64 * 1024
 # Options that say how to submit, not what the job is: not for a script to set; --chdir, the
 # directory the script itself is found from; and --wrap, a command in place of the script.
 NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir", "wrap"}
-# What the kernel reads of a script's #! line (BINPRM_BUF_SIZE).
-SHEBANG_BYTES = 256
+# How much of a file is read to tell a compiled program from a script.
+PROGRAM_HEAD_BYTES = 256
 
 
-def script_at(params: list[click.Parameter], args: list[str]) -> int | None:
-    """Where ``args`` (a `gpuq submit` command line before any ``--``) names a job script: the index
-    of its first word that is neither an option nor an option's value, if that word is a path (it
-    holds a ``.`` or a ``/``); else None (a workload's name, or no such word)."""
+def first_word(params: list[click.Parameter], args: list[str]) -> int | None:
+    """The index of the first word of ``args`` (a `gpuq submit` command line before any ``--``)
+    that is neither an option nor an option's value: a workload's name, a script, a program; None
+    without one."""
     import click
 
     takes_value = {name: not (param.is_flag or param.count)
@@ -50,7 +50,7 @@ def script_at(params: list[click.Parameter], args: list[str]) -> int | None:
     while at < len(args):
         word = args[at]
         if word == "-" or not word.startswith("-"):
-            return at if "." in word or "/" in word else None
+            return at
         if word.startswith("--"):
             if "=" not in word and takes_value.get(word, False):
                 at += 1  # its value is the next word
@@ -63,40 +63,52 @@ def script_at(params: list[click.Parameter], args: list[str]) -> int | None:
     return None
 
 
-def script_command(command: list[str], cwd: str) -> list[str]:
-    """The command that runs the job script ``command[0]`` (found from ``cwd``) with its arguments:
-    the script itself where it is executable, else its ``#!`` line's interpreter on it. InvalidSpec,
-    in one line, for a script that is not there or that nothing would run."""
+def names_a_workload(word: str) -> bool:
+    """Whether ``word`` is a built-in workload's name, which goes before a script or a program of
+    the same name (``./train`` is the file)."""
+    from gpuq.service.workloads import CATALOGUE
+
+    return word in CATALOGUE
+
+
+def command_of(command: list[str], cwd: str) -> list[str]:
+    """The command that runs ``command`` as named in a workload's place, from ``cwd``: a path, or a
+    file there, is a job script (sbatch's), run where it is, by itself where it is executable, else
+    by its ``#!`` line's interpreter; any other word a program on PATH (srun's). InvalidSpec, in one
+    line, for a word that is none of them, or a script that nothing would run."""
+    from gpuq.service import reach
+    from gpuq.service.display import printable
+
     word, rest = command[0], command[1:]
     path = os.path.join(cwd, word)
-    run = word if "/" in word else "./" + word  # exec looks a bare name up in PATH, not here
+    shown, here = printable(word[:200]), printable(cwd)  # a word is anything: the error stays one line
+    if "/" not in word and not os.path.isfile(path):
+        if reach.which(word, os.environ.get("PATH", os.defpath), cwd) is None:
+            raise InvalidSpec(f"{shown} is none of gpuq's workloads (gpuq workloads), no file in {here} and no "
+                              "command on PATH")
+        return command
     if not os.path.isfile(path):
-        raise InvalidSpec(f"no such job script: {word} (in {cwd}); a built-in workload's name has no '.' or '/' "
-                          "(gpuq workloads)")
+        raise InvalidSpec(f"no such job script: {shown} (in {here})")
+    run = word if "/" in word else "./" + word  # exec looks a bare name up in PATH, not here
     if os.access(path, os.X_OK):
         return [run, *rest]
-    interpreter = shebang(path)
+    interpreter = _interpreter(path)
     if interpreter is None:
         guess = "python3" if word.endswith(".py") else "bash" if word.endswith(".sh") else "INTERPRETER"
-        raise InvalidSpec(f"{word} is not executable and has no #! line to say what runs it: chmod +x it, or name "
-                          f"its interpreter: gpuq submit -- {guess} {shlex.quote(word)}")
+        raise InvalidSpec(f"{shown} is not executable and has no #! line to say what runs it: chmod +x it, or name "
+                          f"its interpreter: gpuq submit -- {guess} {printable(shlex.quote(word))}")
     return [*interpreter, run, *rest]
 
 
-def shebang(path: str) -> list[str] | None:
-    """The interpreter a script's ``#!`` line names, as the kernel splits it: the program, and at most
-    one argument, the rest of the line whole (``#!/usr/bin/env -S python3 -u``); None without one."""
+def _interpreter(path: str) -> list[str] | None:
+    """What the kernel would run the script at ``path`` with (``launchable.kernel_argv``)."""
+    from gpuq.service.launchable import SHEBANG_BYTES, kernel_argv
+
     try:
         with open(path, "rb") as f:
-            head = f.read(SHEBANG_BYTES)
+            return kernel_argv(f.read(SHEBANG_BYTES))
     except OSError:
         return None
-    if not head.startswith(b"#!"):
-        return None
-    line = head[2:].split(b"\n", 1)[0].decode("utf-8", errors="surrogateescape").strip()
-    if not line:
-        return None
-    return line.split(None, 1)
 
 
 def script_of(command: list[str], cwd: str) -> str | None:
@@ -114,7 +126,7 @@ def _is_program(path: str) -> bool:
     """Whether the file is a compiled program (``/bin/bash``), not a script: a NUL in its head."""
     try:
         with open(path, "rb") as f:
-            return b"\0" in f.read(SHEBANG_BYTES)
+            return b"\0" in f.read(PROGRAM_HEAD_BYTES)
     except OSError:
         return False
 

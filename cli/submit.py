@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 app = typer.Typer()
 
 COMMAND_KEY = "gpuq.command"
-# Set where the command is a job script named in a workload's place (cli/script.py): `gpuq submit train.sh`.
-SCRIPT_KEY = "gpuq.script"
+# Set where the command is named in a workload's place (cli/script.py): `gpuq submit train.sh`, `gpuq run nvidia-smi`.
+NAMED_KEY = "gpuq.named"
 
 
 DETACH_KEY = "gpuq.detach"
@@ -46,16 +46,18 @@ class CommandLine(TyperCommand):
 
 
 class SubmitCommand(CommandLine):
-    """`gpuq submit`'s command line: split at ``--``, or at a job script named as sbatch takes one
-    (`gpuq submit -G 2 train.sh --lr 0.1`), which is the command from there on, its words untouched."""
+    """`gpuq submit`'s command line: split at ``--``, or where a job script or a program is named in
+    a workload's place (`gpuq submit -G 2 train.sh --lr 0.1`, `gpuq run nvidia-smi`), which is the
+    command from there on, its words untouched (cli/script.py)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from gpuq.cli.script import script_at
+        from gpuq.cli.script import first_word, names_a_workload
 
         before = args[:args.index("--")] if "--" in args else args
-        if (at := script_at(self.params, before)) is not None:
+        at = first_word(self.params, before)
+        if at is not None and not names_a_workload(before[at]):
             ctx.meta[COMMAND_KEY] = args[at:]
-            ctx.meta[SCRIPT_KEY] = True
+            ctx.meta[NAMED_KEY] = True
             args = args[:at]
         return super().parse_args(ctx, args)
 
@@ -83,15 +85,16 @@ your Ctrl-C, 1: cancelled otherwise, as by `gpuq cancel` or a failed --after dep
 
 Ctrl-C cancels the job (twice: leave at once); a closed terminal cancels it too, and a gpuq run
 killed outright ends it within GPUQ_ALLOC_KEEPALIVE (--detach: the job outlives it).
-`gpuq run matmul --size 500`, `gpuq run --gpus 2 -- python train.py`."""
+`gpuq run matmul --size 500`, `gpuq run nvidia-smi`, `gpuq run --gpus 2 -- python train.py`."""
 
 
 @app.command("run", cls=RunCommand, context_settings=_EXTRA, help=RUN_HELP)
 @app.command(cls=SubmitCommand, context_settings=_EXTRA)
 def submit(
     ctx: typer.Context,
-    workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`).",
-                                                   show_default=False)] = None,
+    workload: Annotated[str | None, typer.Argument(help="A built-in workload (see `gpuq workloads`); any other "
+                                                        "word is a job script or a program, its words after it "
+                                                        "its own, as after --.", show_default=False)] = None,
     gpus: Annotated[numbers.GpuAsk | None, typer.Option(
         "--gpus", "-G", help="GPUs the job needs, all on one node (default: 1, or the least a workload takes); "
         "TYPE:COUNT (a100:2) as sbatch's: COUNT of that --gpu-type.", show_default=False,
@@ -181,7 +184,7 @@ def submit(
                                               "--output's.")] = None,
     user: Annotated[str | None, typer.Option("--user", help="Submit as this user (root only).")] = None,
 ) -> None:
-    """Queue a job: `gpuq submit matmul --size 500` or `gpuq submit -- python train.py --lr 0.1`.
+    """Queue a job: `gpuq submit matmul --size 500`, `gpuq submit train.sh`, `gpuq submit -- python train.py`.
 
     A command runs without a shell, in the directory it was submitted from (or -D's), with
     CUDA_VISIBLE_DEVICES set to the GPUs it was given.
@@ -200,10 +203,10 @@ def submit(
             raise InvalidSpec("--wrap: the command line is empty")
         command = ["sh", "-c", wrap]
     cwd = _cwd() if chdir is None else _directory(chdir)
-    if ctx.meta.get(SCRIPT_KEY) and command:
-        from gpuq.cli.script import script_command
+    if ctx.meta.get(NAMED_KEY) and command:
+        from gpuq.cli.script import command_of
 
-        command = script_command(command, cwd)
+        command = command_of(command, cwd)
     if parsable and (as_json or test_only):
         raise InvalidSpec(f"give --{'json' if as_json else 'test-only'} or --parsable, not both")
     options: dict[str, Any] = {

@@ -47,6 +47,17 @@ def shebang_words(first: bytes) -> list[bytes] | None:
     return [w for w in line.replace(b"\t", b" ").split(b" ") if w]
 
 
+def kernel_argv(first: bytes) -> list[str] | None:
+    """What the kernel runs a script with (``first``: the start of the file): its ``#!`` line's
+    program and at most one argument, the rest of the line whole (``#!/usr/bin/env -S python3 -u``:
+    ``/usr/bin/env``, ``-S python3 -u``); None for a file without such a line."""
+    if not first.startswith(b"#!"):
+        return None
+    line = first[2:].split(b"\n", 1)[0].strip(b" \t")
+    words = line.replace(b"\t", b" ").split(b" ", 1) if line else []
+    return [os.fsdecode(w.strip(b" \t")) for w in words if w.strip(b" \t")] or None
+
+
 def interpreter_of(target: str) -> str | None:
     """The program ``target``'s ``#!`` line names (its first word, a carriage return kept), read
     as ``_start_of`` reads it: only a file its owner may read (under ``reach.as_owner``). None for

@@ -132,7 +132,8 @@ def test_a_hostile_command_submission_is_refused_in_one_line_and_writes_nothing(
     (["--", "echo", *(["z" * 100] * 2000)], "the command line is longer than 128 KiB"),
     (["--env", "FOO=1", "matmul"], "--env is for a command"),
     (["matmul", "--size", "1; rm -rf /"], "--size must be a whole number"),
-    (['{"kind": "command", "argv": ["rm", "-rf", "/"]}'], "unknown workload"),
+    (['{"kind": "command", "argv": ["rm", "-rf", "/"]}'], "no such job script: {"),  # a path: a '/'
+    (["evil\n\x1b[2Jname"], "evil\\n\\x1b[2Jname is none of gpuq's workloads"),  # one line, no escape
     (["train", "--model", "lenet$(id)"], "--model must be one of"),
     (["train", "--data-dir", "x" * 200_000], "the parameters are longer than 128 KiB"),
     (["train", "--data-dir", "no\nsuch\x1b[2J dir"], "no\\nsuch\\x1b[2J dir is not a directory"),

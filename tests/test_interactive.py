@@ -184,6 +184,9 @@ def test_run_keeps_stdout_and_stderr_apart_and_exits_with_the_commands_code(stac
     assert out.returncode == 3, out.stderr
     assert out.stdout == "to-out\nmore-out\n"
     assert "to-err" in out.stderr and "to-out" not in out.stderr
+    # A program named as srun takes one, without --: the words after it are its own.
+    named = run_cli(["run", "sh", "-c", "echo named $0 $1; exit 4", "--gpus", "2"], stack.settings)
+    assert (named.returncode, named.stdout) == (4, "named --gpus 2\n"), named.stderr
 
 
 def test_run_exits_128_plus_the_signal_124_past_its_time_and_prints_a_workloads_result(stack):

@@ -179,29 +179,27 @@ def submit_command():
 
 @pytest.mark.parametrize("args,at", [
     (["train.sh", "--lr", "0.1"], 0),
-    (["-G", "2", "--name", "a.b", "-H", "./train.sh", "--gpus", "3"], 5),  # an option's value is no script
+    (["-G", "2", "--name", "a.b", "-H", "./train.sh", "--gpus", "3"], 5),  # an option's value is no word of its own
     (["--name=a.b", "-G2", "sub/run", "x"], 2),
     (["-Hc", "1", "train.py"], 2),  # flags, then one whose value is the next word
-    (["-HG", "--time", "1h", "x.sh"], None),  # -G's value is '--time': '1h' is the first word, no path
-    (["matmul", "--size", "5", "./x.sh"], None),  # a workload's name comes first: its parameters follow
+    (["-HG", "--time", "1h", "x.sh"], 2),  # -G's value is '--time'
+    (["matmul", "--size", "5"], 0),
     (["--gpus", "2"], None),
     ([], None),
 ])
-def test_a_script_is_the_first_word_past_the_options_and_their_values_with_a_dot_or_slash(args, at):
-    from gpuq.cli.script import script_at
+def test_the_first_word_is_past_the_options_and_their_values(args, at):
+    from gpuq.cli.script import first_word
 
-    assert script_at(submit_command().params, args) == at
+    assert first_word(submit_command().params, args) == at
 
 
-def test_a_scripts_shebang_is_split_as_the_kernel_splits_it(tmp_path):
-    from gpuq.cli.script import shebang
+def test_a_scripts_shebang_is_split_as_the_kernel_splits_it():
+    from gpuq.service.launchable import kernel_argv
 
-    assert shebang(str(script(tmp_path, "#!/bin/bash\necho\n"))) == ["/bin/bash"]
-    assert shebang(str(script(tmp_path, "#! /usr/bin/env -S python3 -u  \nprint()\n"))) == ["/usr/bin/env",
-                                                                                         "-S python3 -u"]
-    assert shebang(str(script(tmp_path, "echo\n"))) is None
-    assert shebang(str(script(tmp_path, "#!\n"))) is None
-    assert shebang(str(tmp_path / "missing.sh")) is None
+    assert kernel_argv(b"#!/bin/bash\necho\n") == ["/bin/bash"]
+    assert kernel_argv(b"#! /usr/bin/env -S python3 -u  \nprint()\n") == ["/usr/bin/env", "-S python3 -u"]
+    assert kernel_argv(b"#!/usr/bin/python3\t-u\n") == ["/usr/bin/python3", "-u"]
+    assert kernel_argv(b"echo\n") is None and kernel_argv(b"#!\n") is None and kernel_argv(b"#!  \n") is None
 
 
 def test_a_script_named_as_sbatch_takes_it_is_the_command_with_every_word_after_it(use_settings, tmp_path,
@@ -222,10 +220,22 @@ def test_a_script_named_as_sbatch_takes_it_is_the_command_with_every_word_after_
     # Found from --chdir's directory, as the job runs there.
     (tmp_path / "sub").mkdir()
     script(tmp_path / "sub", "#!/bin/sh\n#GPUQ --name in-sub\necho\n", "go.sh")
-    job = submitted(["-D", "sub", "./go.sh"])
+    job = submitted(["-D", "sub", "go.sh"])
     assert job["argv"] == ["./go.sh"] and job["name"] == "in-sub" and job["cwd"] == str(tmp_path / "sub")
     # What follows -- after the script is its own, as any word after it.
     assert submitted(["sub/go.sh", "--", "x"])["argv"] == ["sub/go.sh", "--", "x"]
+
+
+def test_a_program_named_in_a_workloads_place_runs_from_path_and_a_workloads_name_is_the_workload(
+        use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = submitted(["-G", "1", "--name", "py", "python3", "-c", "print(1)", "--gpus", "2"])
+    assert job["argv"] == ["python3", "-c", "print(1)", "--gpus", "2"] and job["gpus"] == 1 and job["name"] == "py"
+    # A file named as a workload is not taken for it: ./sleep is the file.
+    script(tmp_path, "#!/bin/sh\necho\n", "sleep")
+    job = submitted(["sleep", "--seconds", "1"])
+    assert job["workload"] == "sleep" and job["argv"] is None
+    assert submitted(["./sleep"])["argv"] == ["./sleep"]
 
 
 def test_a_script_nothing_would_run_is_refused_in_one_line_and_nothing_is_written(use_settings, tmp_path,
@@ -238,6 +248,9 @@ def test_a_script_nothing_would_run_is_refused_in_one_line_and_nothing_is_writte
         "interpreter: gpuq submit -- python3 train.py\n")
     result = invoke(["run", "nothere.sh"])
     assert result.exit_code == c.EXIT_USAGE and result.output == (
-        f"gpuq: no such job script: nothere.sh (in {tmp_path}); a built-in workload's name has no '.' or '/' "
-        "(gpuq workloads)\n")
+        f"gpuq: nothere.sh is none of gpuq's workloads (gpuq workloads), no file in {tmp_path} and no command "
+        "on PATH\n")
+    result = invoke(["submit", "-G", "1", "sub/missing.sh"])
+    missing = f"gpuq: no such job script: sub/missing.sh (in {tmp_path})\n"
+    assert (result.exit_code, result.output) == (c.EXIT_USAGE, missing)
     assert jobs_in(use_settings) == 0

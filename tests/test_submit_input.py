@@ -43,12 +43,11 @@ def invoke(args):
     (["submit", "--gpus", "-2", "matmul"], "Invalid value for '--gpus': -2 is too small (1 or more)"),
     (["submit", "--gpus", "3", "--", "true"], "more than any node has (the largest, testnode, has 2)"),
     (["submit", "--gpus", "2", "matmul"], "matmul runs on one GPU"),
-    (["submit", "matmull"], "unknown workload 'matmull'"),
-    # A word that is no workload: the hint is their own command after --.
-    (["submit", "python3"], "(a command goes after --: gpuq submit -- python3)"),
-    # A script's path, as sbatch takes one, that is not there; one nothing would run.
+    # A word that is no workload, no file here and no program: named as none of them.
+    (["submit", "matmull"], "matmull is none of gpuq's workloads (gpuq workloads), no file in "),
+    # A script's path, as sbatch takes one, that is not there.
     (["submit", "./train.sh"], "no such job script: ./train.sh (in "),
-    (["submit", "-G", "1", "train.sh", "--gpus", "2"], "no such job script: train.sh (in "),
+    (["submit", "-G", "1", "train.sh", "--gpus", "2"], "train.sh is none of gpuq's workloads"),
     (["submit", "matmul", "--size", "big"], "--size must be a whole number; got 'big'"),
     (["submit", "matmul", "--size", "0"], "--size must be at least 1"),
     (["submit", "matmul", "--size", "9999999"], "--size must be at most 65536"),
