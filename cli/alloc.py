@@ -29,8 +29,9 @@ import typer
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
+from gpuq.cli.command_line import COMMAND_KEY, CommandLine
 from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises, say
-from gpuq.cli.submit import COMMAND_KEY, CommandLine, _cwd, typed
+from gpuq.cli.submit import _cwd, typed
 from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import GpuqError, InvalidSpec

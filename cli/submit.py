@@ -10,73 +10,18 @@ from __future__ import annotations
 import os
 import stat
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
-from typer.core import TyperCommand
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client, Overdue, Refused
+from gpuq.cli.command_line import COMMAND_KEY, DETACH_KEY, NAMED_KEY, RunCommand, SubmitCommand
 from gpuq.cli.render import print_json
 from gpuq.service import constants as c
 from gpuq.service.errors import InvalidSpec, Unreachable
 
-if TYPE_CHECKING:
-    import click
-
 app = typer.Typer()
-
-COMMAND_KEY = "gpuq.command"
-# Set where the command is named in a workload's place (cli/script.py): `gpuq submit train.sh`, `gpuq run nvidia-smi`.
-NAMED_KEY = "gpuq.named"
-
-
-DETACH_KEY = "gpuq.detach"
-
-
-class CommandLine(TyperCommand):
-    """Splits the command line at ``--``: what follows is the user's command, untouched."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if "--" in args:
-            cut = args.index("--")
-            ctx.meta[COMMAND_KEY] = args[cut + 1:]
-            args = args[:cut]
-        return super().parse_args(ctx, args)
-
-
-class SubmitCommand(CommandLine):
-    """`gpuq submit`'s command line: split at ``--``, or where a job script or a program is named in
-    a workload's place (`gpuq submit -G 2 train.sh --lr 0.1`, `gpuq run nvidia-smi`), which is the
-    command from there on, its words untouched (cli/script.py)."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from gpuq.cli.script import first_word, names_a_workload
-
-        before = args[:args.index("--")] if "--" in args else args
-        at = first_word(self.params, before)
-        if at is not None and not names_a_workload(before[at]):
-            ctx.meta[COMMAND_KEY] = args[at:]
-            ctx.meta[NAMED_KEY] = True
-            args = args[:at]
-        return super().parse_args(ctx, args)
-
-
-class RunCommand(SubmitCommand):
-    """`gpuq run`: `gpuq submit`'s options (the same function runs both) and ``--detach``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import click
-
-        super().__init__(*args, **kwargs)
-        for param in self.params:
-            # Still read, to be refused in one line, but not offered: run follows one job, in the terminal.
-            if param.name in ("array", "sweep", "as_json") and isinstance(param, click.Option):
-                param.hidden = True
-        self.params.append(click.Option(
-            ["--detach"], is_flag=True, expose_value=False, help="Leave once the job runs (`gpuq attach ID` "
-            "follows it again).", callback=lambda ctx, _, value: ctx.meta.__setitem__(DETACH_KEY, value)))
-
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 RUN_HELP = """Queue a job and follow it here, as srun does: why it waits, then its stdout and stderr as
