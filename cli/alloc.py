@@ -29,7 +29,7 @@ import typer
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client, Refused
-from gpuq.cli.command_line import COMMAND_KEY, CommandLine
+from gpuq.cli.command_line import COMMAND_KEY, AllocCommand
 from gpuq.cli.follow import HangUp, Waiting, end_line, exit_code_of, hang_up_raises, say
 from gpuq.cli.submit import _cwd, typed
 from gpuq.service import constants as c
@@ -45,7 +45,7 @@ app = typer.Typer()
 END_WAIT_SECONDS = 120.0
 
 
-@app.command(cls=CommandLine)
+@app.command(cls=AllocCommand)
 def alloc(
     ctx: typer.Context,
     gpus: Annotated[numbers.GpuAsk, typer.Option("--gpus", "-G", help="GPUs to hold (1), all on this node; TYPE:COUNT "
@@ -71,7 +71,7 @@ def alloc(
     priority: Annotated[int, typer.Option(help="Higher goes first (users up to the configured limit).",
                                           parser=numbers.integer)] = 0,
 ) -> None:
-    """Hold GPUs on this node for a shell (or the command after --), as salloc does.
+    """Hold GPUs on this node for a shell (or a command: `gpuq alloc jupyter lab`), as salloc does.
 
     `gpuq alloc --gpus 1 --time 2h` waits for a GPU here, then starts $SHELL with CUDA_VISIBLE_DEVICES,
     GPUQ_JOB_ID and GPUQ_ALLOC set; `exit` frees the GPU and everything started from the shell is

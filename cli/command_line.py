@@ -61,3 +61,17 @@ class RunCommand(SubmitCommand):
         self.params.append(click.Option(
             ["--detach"], is_flag=True, expose_value=False, help="Leave once the job runs (`gpuq attach ID` "
             "follows it again).", callback=lambda ctx, _, value: ctx.meta.__setitem__(DETACH_KEY, value)))
+
+
+class AllocCommand(CommandLine):
+    """`gpuq alloc`'s command line: split at ``--``, or at its first word past gpuq's options, as
+    salloc takes its command (`gpuq alloc -G 1 jupyter lab --no-browser`); its words untouched."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from gpuq.cli.script import first_word
+
+        before = args[:args.index("--")] if "--" in args else args
+        if (at := first_word(self.params, before)) is not None:
+            ctx.meta[COMMAND_KEY] = args[at:]
+            args = args[:at]
+        return super().parse_args(ctx, args)

@@ -44,8 +44,8 @@ def test_alloc_of_a_command_that_cannot_start_is_refused_as_submit_refuses_it_an
         assert allocated.returncode == submitted.returncode == c.EXIT_USAGE, allocated.stderr
         assert allocated.stderr == submitted.stderr, (allocated.stderr, submitted.stderr)
         assert allocated.stderr.count("\n") == 1 and allocated.stdout == ""
-    assert "gpuq: command not found: gpuq-no-such-command (not on PATH)\n" == \
-        run_cli(["alloc", "--", "gpuq-no-such-command"], s).stderr
+    for named in (["alloc", "--", "gpuq-no-such-command"], ["alloc", "-G", "1", "gpuq-no-such-command", "-G", "2"]):
+        assert run_cli(named, s).stderr == "gpuq: command not found: gpuq-no-such-command (not on PATH)\n", named
     assert _jobs(s) == before
 
 
@@ -61,6 +61,13 @@ def test_alloc_of_a_shell_that_cannot_start_says_to_set_shell_and_queues_nothing
     ran = run_cli(["alloc"], s, cwd=tmp_path, extra_env={"SHELL": "true"})
     assert ran.returncode == 0, ran.stderr
     assert _jobs(s) == before + 1
+
+
+def test_alloc_takes_a_command_named_without_dashes_as_salloc_does_every_word_after_it_its_own(one_gpu, tmp_path):
+    ran = run_cli(["alloc", "--time", "5m", "sh", "-c", "echo held $1; exit 3", "sh", "--time"], one_gpu.settings,
+                  cwd=tmp_path)
+    assert (ran.returncode, ran.stdout) == (3, "held --time\n"), ran.stderr
+    assert "until" in ran.stderr  # its time limit, 5 minutes from now, was gpuq's
 
 
 def test_the_shell_takes_from_the_servers_answer_only_simulated_memory_and_its_cores_as_numbers():
