@@ -66,9 +66,9 @@ def first_word(params: list[click.Parameter], args: list[str]) -> int | None:
 def names_a_workload(word: str) -> bool:
     """Whether ``word`` is a built-in workload's name, which goes before a script or a program of
     the same name (``./train`` is the file)."""
-    from gpuq.service.workloads import CATALOGUE
+    from gpuq.service.constants import WORKLOAD_NAMES
 
-    return word in CATALOGUE
+    return word in WORKLOAD_NAMES
 
 
 def command_of(command: list[str], cwd: str) -> list[str]:

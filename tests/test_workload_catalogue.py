@@ -24,6 +24,15 @@ def test_catalogue_holds_every_built_in_workload():
         assert w.entry.startswith("gpuq.workers.workloads.") and ":" in w.entry
 
 
+def test_the_clients_list_of_workload_names_is_the_catalogues():
+    # The client tells a workload from a script or a program by it (cli/script.py), and a name
+    # with a '.' or a '/' would be a path.
+    from gpuq.service.constants import WORKLOAD_NAMES
+
+    assert WORKLOAD_NAMES == set(CATALOGUE)
+    assert not any("." in name or "/" in name for name in WORKLOAD_NAMES)
+
+
 def test_defaults_are_valid_on_the_gpu_counts_each_workload_allows():
     assert validate("device-info", [], gpus=3) == {}
     assert validate("norm-log", [])["steps"] == 1000
