@@ -146,6 +146,10 @@ def main() -> int:
         results["gpuq status"], _ = runs([gpuq, "status"])
         results["gpuq submit -- true"], outs = runs([gpuq, "submit", "--", "true"])
         job_id = re.search(r"submitted job (\d+)", outs[-1]).group(1)
+        # A job script named as sbatch takes one: its #GPUQ lines read and its #! line split here.
+        with open(os.path.join(cwd, "job.sh"), "w") as script:
+            script.write("#!/bin/sh\n#GPUQ --name timed --time 5m\ntrue\n")
+        results["gpuq submit job.sh"], _ = runs([gpuq, "submit", "job.sh"])
         waited = wait_idle(settings)
         results[f"gpuq show {job_id}"], _ = runs([gpuq, "show", job_id])
         # Each queues a job and follows it to its end, on the idle stack: submit, placement, the
