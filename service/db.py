@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import select
 import threading
@@ -17,6 +16,7 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError, SQL
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuq.service import constants as c
+from gpuq.service import writer_lock
 from gpuq.service.dialect import is_sqlite_url, results_in_pipeline, sqlite_file
 from gpuq.service.errors import SchemaOutOfDate, Unreachable
 from gpuq.service.settings import Settings, mask_url
@@ -63,7 +63,7 @@ def _sqlite_begin(conn: Connection) -> None:
         return
     engine, lock = getattr(_scopes, "writer", (None, None))
     if lock is not None and engine is conn.engine and not lock.held_here():
-        # A write scope's writers' queue (``WriterLock``) is joined here, at its first statement,
+        # A write scope's writers' queue (``writer_lock.WriterLock``) is joined here, at its first statement,
         # not when the scope opens: making the session and checking out its connection need no lock.
         lock.acquire()
     _driver_begin(conn, "BEGIN IMMEDIATE")
@@ -79,68 +79,6 @@ def _driver_begin(conn: Connection, sql: str) -> None:
 _READ_ONLY = "gpuq_read_only"
 # The write scope open on this thread, as (its engine, its writers' queue): its first statement joins it.
 _scopes = threading.local()
-
-
-class WriterLock:
-    """One SQLite database's writers queue here, in the kernel, before they BEGIN IMMEDIATE.
-
-    SQLite's own busy handler polls: a writer that finds the lock taken sleeps 1, 2, 5, 10 ms
-    and more before it looks again, so under a few busy workers the lock often sits free while
-    everyone sleeps. A blocking flock() on a file beside the database wakes the next writer the
-    moment the last one lets go. Every gpuq process takes it around its write transactions, from
-    their BEGIN to their COMMIT; anything else writing to the file still gets SQLite's busy
-    handler, as before.
-    """
-
-    def __init__(self, database_path: str) -> None:
-        self.path = database_path + "-writer"
-        self._fd: int | None = None
-        self._pid = os.getpid()
-        # flock() is per open file, so this process's threads queue on a lock of their own first.
-        self._threads = threading.Lock()
-        self._owner: int | None = None
-
-    def held_here(self) -> bool:
-        return self._owner == threading.get_ident()
-
-    def acquire(self) -> None:
-        self._threads.acquire()
-        try:
-            if self._fd is None or self._pid != os.getpid():
-                self._fd, self._pid = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600), os.getpid()
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._threads.release()
-            raise
-        self._owner = threading.get_ident()
-
-    def close(self) -> None:
-        """Close the lock file (its flock with it), once no writer of this process holds it."""
-        with self._threads:
-            if self._fd is not None and self._pid == os.getpid():
-                os.close(self._fd)
-            self._fd = None
-
-    def release(self) -> None:
-        self._owner = None
-        try:
-            if self._fd is not None:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._threads.release()
-
-
-_writer_locks: dict[str, WriterLock] = {}
-
-
-def _writer_lock(url: str) -> WriterLock | None:
-    """The writers' queue of a SQLite database file; None for another database (its server queues)."""
-    path = sqlite_file(url)
-    if path is None:
-        return None
-    if url not in _writer_locks:
-        _writer_locks[url] = WriterLock(path)
-    return _writer_locks[url]
 
 
 _engines: dict[str, Engine] = {}
@@ -239,11 +177,9 @@ def dispose_engines() -> None:
     tests, between databases: a session opens hundreds)."""
     for engine in _engines.values():
         engine.dispose()
-    for lock in _writer_locks.values():
-        lock.close()
+    writer_lock.close_all()
     _engines.clear()
     _sessionmakers.clear()
-    _writer_locks.clear()
     _schema_ok.clear()
 
 
@@ -254,7 +190,7 @@ def _forget_after_fork() -> None:
         engine.dispose(close=False)
     _engines.clear()
     _sessionmakers.clear()
-    _writer_locks.clear()  # its thread lock may have been held by a thread the child lacks
+    writer_lock.forget()  # its thread lock may have been held by a thread the child lacks
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -275,7 +211,7 @@ def rows_changed(result: Result[Any]) -> int:
 @contextmanager
 def write_scope(settings: Settings) -> Iterator[Session]:
     """A session for writing, in one transaction: committed on success, rolled back on error. On
-    SQLite its first statement queues for the writers' lock (``WriterLock``) and takes the
+    SQLite its first statement queues for the writers' lock (``writer_lock.WriterLock``) and takes the
     database's write lock (BEGIN IMMEDIATE): reads belong in ``read_scope``, which takes neither.
 
     A database that cannot be reached raises Unreachable naming the URL (password masked).
@@ -297,7 +233,7 @@ def read_scope(settings: Settings) -> Iterator[Session]:
 
 @contextmanager
 def _scope(settings: Settings, read_only: bool) -> Iterator[Session]:
-    lock = None if read_only else _writer_lock(settings.database)
+    lock = None if read_only else writer_lock.of_database(settings.database)
     if lock is not None and lock.held_here():
         lock = None  # a scope inside another one on this thread: SQLite's own lock decides, as before
     outer = getattr(_scopes, "writer", (None, None))
@@ -339,7 +275,7 @@ def _read_options(url: str) -> dict[str, Any]:
 def checkpoint(settings: Settings) -> None:
     """Copy what the SQLite WAL holds back into the database file (PASSIVE: it waits for no reader
     or writer, and leaves what they still use for next time); nothing for another database."""
-    if _writer_lock(settings.database) is None:
+    if writer_lock.of_database(settings.database) is None:
         return
     raw = _engine(settings.database).raw_connection()
     try:

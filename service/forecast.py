@@ -26,7 +26,8 @@ does in the queue, and counts against no user's limit.
 A job that reserves CPU cores or host memory (`--cpus`, `--host-mem`) is planned where its node has
 them free beside the running and planned jobs' for its whole limit too (service/node_use.py); for
 a job that is not preemptible, beside those of jobs that are not preemptible alone, as for GPUs:
-it would stop the scavengers of the node for them (one within GPUQ_PREEMPT_EXEMPT counts as held).
+it would stop the scavengers of the node for them (one within GPUQ_PREEMPT_EXEMPT holds them until it
+may be preempted).
 
 A job that waits for other jobs (``Awaiting``: --after, afterany, aftercorr, or after: their
 start) is planned after every job that may start now, from the moment the jobs it waits for are
@@ -42,7 +43,6 @@ it is past the first ``depth`` jobs of the queue.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from gpuq.service import packing, policy
 from gpuq.service.node_use import SLACK, needs
 from gpuq.service.queue_state import Decision, GpuState, JobRequest, QueueState
+from gpuq.service.timeline import Timeline
 
 # How many of the queue's eligible jobs are planned (SLURM's backfill too looks only so far down the
 # queue: bf_max_job_test).
@@ -70,52 +71,6 @@ class Awaiting:
     not_before: float  # its begin time, or now (epoch s)
 
 
-class _Usage:
-    """One GPU's memory held by gpuq's jobs over time, a step function: ``held[i]`` MiB from
-    ``times[i]`` until the next moment (the last until for ever); a whole-GPU job holds inf."""
-
-    def __init__(self, room: float) -> None:
-        self.room = room  # what may be held at once: a GPU's memory less foreign processes', a user's limit
-        self.times: list[float] = [-math.inf]
-        self.held: list[float] = [0.0]
-
-    def fits(self, held: float, need: float | None) -> bool:
-        """Whether a job needing ``need`` MiB (None: the whole GPU) fits beside ``held``."""
-        return held == 0 if need is None else held + need <= self.room
-
-    def _at(self, t: float) -> int:
-        """The index of the step starting at ``t``, made where none did."""
-        i = bisect.bisect_left(self.times, t)
-        if i == len(self.times) or self.times[i] != t:
-            self.times.insert(i, t)
-            self.held.insert(i, self.held[i - 1])
-        return i
-
-    def hold(self, start: float, end: float, mib: float) -> None:
-        first = self._at(start)
-        last = len(self.times) if math.isinf(end) else self._at(end)
-        for i in range(first, last):
-            self.held[i] += mib
-
-    def next_free(self, t: float, length: float, need: float | None, past: float) -> float:
-        """The first moment from ``t`` from which a job needing ``need`` fits for ``length`` seconds
-        (inf: never, or not before ``past``, where the caller stops looking). Walks the steps from
-        ``t``'s: one the job does not fit beside moves its start to that step's end."""
-        i = bisect.bisect_right(self.times, t) - 1
-        start = t
-        while True:
-            if start > past:
-                return math.inf
-            ends = self.times[i + 1] if i + 1 < len(self.times) else math.inf
-            if not self.fits(self.held[i], need):
-                if math.isinf(ends):
-                    return math.inf
-                start = ends
-            elif ends >= start + length:
-                return start
-            i += 1
-
-
 class _Plan:
     """Each GPU's memory held over time by the running jobs and the jobs planned so far, under a
     user GPU limit each user's GPUs (their charge, as ``policy.decide`` counts it), and each
@@ -125,14 +80,14 @@ class _Plan:
                  freed: frozenset[int] = frozenset()) -> None:
         """``freed``: GPUs whose whole-GPU job is being preempted for a waiting job: held by that one."""
         # Each limited array's tasks over time, its running ones from now to their ends.
-        self.arrays: dict[int, _Usage] = {}
+        self.arrays: dict[int, Timeline] = {}
         for array_id, (most, ends) in arrays.items():
-            tasks = self.arrays[array_id] = _Usage(most)
+            tasks = self.arrays[array_id] = Timeline(most)
             for end in ends:
                 if end > state.now:
                     tasks.hold(state.now, end, 1)
         self.limit_of = state.limit_of
-        self.users: dict[str, _Usage] = {}
+        self.users: dict[str, Timeline] = {}
         # Users holding GPUs whose jobs' ends were not read: their room under the limit is unknown.
         self.unknown = {u for u, n in state.gpus_in_use.items() if n > 0 and u not in state.user_holds}
         for user, held in state.user_holds.items():
@@ -142,11 +97,11 @@ class _Plan:
                     usage.hold(state.now, end, charge)
         # Each GPU's holds a job that is not preemptible counts (none of the preemptible jobs': it
         # would stop them), and every hold, which a preemptible job counts.
-        self.usage: dict[int, _Usage] = {}
-        self.every: dict[int, _Usage] = {}
+        self.usage: dict[int, Timeline] = {}
+        self.every: dict[int, Timeline] = {}
         for g in state.gpus:
             room = g.memory_total_mib - g.foreign_mib
-            self.usage[g.id], self.every[g.id] = _Usage(room), _Usage(room)
+            self.usage[g.id], self.every[g.id] = Timeline(room), Timeline(room)
             load = packing.GpuLoad.of(g)
             if load.whole_until is not None and load.whole_until > state.now and g.id not in freed:
                 # A preemptible job still within GPUQ_PREEMPT_EXEMPT holds it as any job does until
@@ -172,12 +127,12 @@ class _Plan:
         # preemptible job's until it may be preempted (GPUQ_PREEMPT_EXEMPT), as for its GPUs.
         scavengers = {g.preemptible.job_id for g in state.gpus if g.preemptible is not None} | {
             v.job_id for g in state.gpus for v, _, _ in g.preemptible_shares}
-        self.node_use: dict[tuple[str, str], _Usage] = {}
-        self.node_firm: dict[tuple[str, str], _Usage] = {}
+        self.node_use: dict[tuple[str, str], Timeline] = {}
+        self.node_firm: dict[tuple[str, str], Timeline] = {}
         for kind, use in state.node_use.items():
             for node, offered in use.offer.items():
-                usage = self.node_use[kind, node] = _Usage(offered + SLACK)
-                firm_use = self.node_firm[kind, node] = _Usage(offered + SLACK)
+                usage = self.node_use[kind, node] = Timeline(offered + SLACK)
+                firm_use = self.node_firm[kind, node] = Timeline(offered + SLACK)
                 for job_id, (end, amount) in use.holds.get(node, {}).items():
                     if end > state.now:
                         usage.hold(state.now, end, amount)
@@ -226,17 +181,17 @@ class _Plan:
                 if not job.preemptible:
                     self.node_firm[kind, node].hold(start, end, amount)
 
-    def array(self, job: JobRequest) -> _Usage | None:
+    def array(self, job: JobRequest) -> Timeline | None:
         """The tasks of ``job``'s array over time, where it is a task of a limited array."""
         return None if job.array is None else self.arrays.get(job.array)
 
-    def user(self, name: str) -> _Usage | None:
+    def user(self, name: str) -> Timeline | None:
         """``name``'s GPUs held over time under their limit; None without one or where unknown."""
         limit = self.limit_of(name)
         if not limit or name in self.unknown:
             return None
         if name not in self.users:
-            self.users[name] = _Usage(limit + policy.LIMIT_SLACK)
+            self.users[name] = Timeline(limit + policy.LIMIT_SLACK)
         return self.users[name]
 
 

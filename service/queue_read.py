@@ -10,18 +10,18 @@ import math
 from collections import Counter, defaultdict, namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from gpuq.service import constants as c
-from gpuq.service import deadline, dependencies, node_drains, policy
+from gpuq.service import deadline, dependencies, held_back, node_drains, policy
 from gpuq.service.constants import State
 from gpuq.service.display import ADMIN_HELD, preemption_asked
 from gpuq.service.fair_share import FairShare
 from gpuq.service.forecast import Awaiting, start_times
+from gpuq.service.held_back import ArrayLimits
 from gpuq.service.inventory import live_cutoff
 from gpuq.service.lifecycle import waiting
 from gpuq.service.models import Allocation, Gpu, Job, table, utcnow
@@ -51,13 +51,6 @@ def pending_row(values: dict[str, Any]) -> Any:
 
 
 _ALL_PENDING = select(*_PENDING_COLUMNS).where(_t.state == State.PENDING)
-# The tasks of these arrays that hold GPUs now (dispatched or running: what `--array 0-99%4` counts
-# against its limit), with what their expected ends are counted from.
-_ARRAY_TASKS_STARTED = (select(_t.array_id, _t.started_at, _t.time_limit_s)
-                        .where(_t.array_id.in_(bindparam("arrays", expanding=True)),
-                               _t.state.in_((State.DISPATCHED, State.RUNNING))))
-
-
 _DRAINS = Prepared(node_drains.DRAINS)
 _ALLOCATED = Prepared(select(table(Allocation).c.gpu_id, _t.user, _t.started_at, _t.time_limit_s,
                              table(Allocation).c.share_mib, _t.gpu_share, _t.id, _t.preemptible, _t.priority,
@@ -83,10 +76,6 @@ def _users_waiting() -> Select[Any]:
 _WAITING_USERS = Prepared(_users_waiting())
 _USER_HEAD = Prepared(select(*_PENDING_COLUMNS).where(*waiting(), _t.user == bindparam("user"))
                       .order_by(_t.priority.desc(), _t.submitted_at, _t.id).limit(bindparam("head")))
-
-
-# Each limited array's limit and its running tasks' expected ends (epoch s; inf: no time limit).
-ArrayLimits = dict[int, tuple[int, list[float]]]
 
 
 @dataclass
@@ -248,8 +237,8 @@ def read_queue(session: Session, settings: Settings, fair_share: FairShare | Non
         job = request_of(row)
         if cut is None or policy.order_key(job, hours) <= cut:
             jobs.append(job)
-    jobs, throttled, array_limits = _within_array_limits(conn, pending, jobs, hours, not_eligible, now)
-    jobs = _one_singleton_each(conn, pending, jobs, hours, not_eligible)
+    jobs, throttled, array_limits = held_back.within_array_limits(conn, pending, jobs, hours, not_eligible, now)
+    jobs = held_back.one_singleton_each(conn, pending, jobs, hours, not_eligible)
     state = policy.QueueState(now=now.timestamp(), jobs=jobs, gpus=gpus, gpu_hours=hours,
                               gpus_in_use=in_use, user_gpu_limit=settings.user_gpu_limit,
                               user_gpu_limits=settings.gpu_limits,
@@ -303,77 +292,6 @@ def awaited(session: Session, read: QueueRead) -> tuple[list[Awaiting], dict[int
         begin = row.begin_at.timestamp() if row.begin_at is not None else now
         out.append(Awaiting(request_of(row), after, row.after_kind == AFTER_START, max(now, begin)))
     return out, ends
-
-
-def _within_array_limits(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest], hours: dict[str, float],
-                         not_eligible: dict[int, str], now: datetime
-                         ) -> tuple[list[policy.JobRequest], list[policy.JobRequest], ArrayLimits]:
-    """``jobs`` less the tasks of arrays at their limit (`--array 0-99%4`), which wait for "array
-    limit" (in ``not_eligible``): of an array whose tasks hold GPUs N times short of its limit,
-    only its first N eligible tasks in queue order are considered, as SLURM's array throttle. Also
-    the tasks held back, and each limited array's limit and its running tasks' expected ends (for
-    ``forecast.start_times``).
-
-    Whatever this pass places or lists on a GPU's next-up list comes from those N, so no more than
-    the limit start before the next pass counts again."""
-    limit: dict[int, int] = {}
-    for row in pending:
-        if row.array_limit is not None:
-            # An update may have changed some tasks' limit and not others': the lowest.
-            limit[row.array_id] = min(limit.get(row.array_id, row.array_limit), row.array_limit)
-    if not limit:
-        return jobs, [], {}
-    ends: dict[int, list[float]] = {array: [] for array in limit}
-    for array, started, seconds in conn.execute(_ARRAY_TASKS_STARTED, {"arrays": sorted(limit)}):
-        ends[array].append((started or now).timestamp() + seconds if seconds else math.inf)
-    room = {array: max(most - len(ends[array]), 0) for array, most in limit.items()}
-    kept, throttled = [], []
-    for job in sorted(jobs, key=lambda j: policy.order_key(j, hours)):
-        if job.array is not None:
-            if room[job.array] == 0:
-                not_eligible[job.id] = policy.ARRAY_LIMIT
-                throttled.append(job)
-                continue
-            room[job.array] -= 1
-        kept.append(job)
-    return kept, throttled, {array: (most, ends[array]) for array, most in limit.items()}
-
-
-_STARTED_NAMES = (select(_t.user, _t.name).distinct()
-                  .where(_t.state.in_((State.DISPATCHED, State.RUNNING)),
-                         _t.user.in_(bindparam("users", expanding=True)),
-                         _t.name.in_(bindparam("names", expanding=True))))
-
-
-def started_names(conn: Any, users: Sequence[str], names: Sequence[str]) -> set[tuple[str, str]]:
-    """Which of these users' job names a job holds GPUs under now (dispatched or running), as
-    (user, name): what a `--dependency singleton` job of that user and name waits for."""
-    return {(user, name) for user, name in conn.execute(_STARTED_NAMES, {"users": sorted(set(users)),
-                                                                         "names": sorted(set(names))})}
-
-
-def _one_singleton_each(conn: Any, pending: Sequence[Any], jobs: list[policy.JobRequest],
-                        hours: dict[str, float], not_eligible: dict[int, str]) -> list[policy.JobRequest]:
-    """``jobs`` less the `--dependency singleton` jobs that must wait (for "dependency", in
-    ``not_eligible``): each whose user has a job of its name holding GPUs, and of those left, each
-    but the first in queue order of its user and name. So one such job at a time starts under a
-    name, and from this pass only, never from a next-up list (``JobRequest.singleton``). Only jobs
-    ready otherwise count: one that waits for its ``--after`` or a begin time keeps no other back
-    (and so no two of them can wait for each other)."""
-    name_of = {row.id: (row.user, row.name) for row in pending if row.singleton}
-    ready = [j for j in jobs if j.id in name_of]
-    if not ready:
-        return jobs
-    taken = started_names(conn, [name_of[j.id][0] for j in ready], [name_of[j.id][1] for j in ready])
-    kept = []
-    for job in sorted(jobs, key=lambda j: policy.order_key(j, hours)):
-        if job.id in name_of:
-            if name_of[job.id] in taken:
-                not_eligible[job.id] = policy.DEPENDENCY
-                continue
-            taken.add(name_of[job.id])
-        kept.append(job)
-    return kept
 
 
 def request_of(row: Any) -> policy.JobRequest:

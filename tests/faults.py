@@ -72,7 +72,7 @@ def _in_transaction(proc: psutil.Process, database: str) -> bool:
     from gpuq.service.dialect import is_sqlite_url, sqlite_file
 
     if is_sqlite_url(database):
-        # A writer queues on its writers' lock file (service/db.WriterLock) before it begins: one
+        # A writer queues on its writers' lock file (service/writer_lock.py) before it begins: one
         # stopped holding that lock, between it and its BEGIN, held up every writer as well (a
         # submit waited 60 s in CI), and SQLite's own lock below was free.
         import fcntl

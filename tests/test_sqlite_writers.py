@@ -1,4 +1,4 @@
-"""SQLite's writers queue on a kernel lock beside the database file (service/db.WriterLock), held
+"""SQLite's writers queue on a kernel lock beside the database file (service/writer_lock.py), held
 for the whole write transaction, so a waiting writer wakes the moment the last one commits instead
 of polling in SQLite's busy handler; readers never take it."""
 
