@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from typing import TYPE_CHECKING, Any
 
 from gpuq.service.errors import InvalidSpec
@@ -33,14 +34,16 @@ HEAD_BYTES = 64 * 1024
 # Options that say how to submit, not what the job is: not for a script to set; --chdir, the
 # directory the script itself is found from; and --wrap, a command in place of the script.
 NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir", "wrap"}
+# A job's GPUs as a script's lines ask for them: a #GPUQ line's, in either form, over an #SBATCH line's.
+_GPU_ASKS = {"gpus", "gres", "gpu_type"}
 # How much of a file is read to tell a compiled program from a script.
 PROGRAM_HEAD_BYTES = 256
 
 
-def first_word(params: list[click.Parameter], args: list[str]) -> int | None:
+def first_word(params: list[click.Parameter], args: list[str], unknown: bool = False) -> int | None:
     """The index of the first word of ``args`` (a `gpuq submit` command line before any ``--``)
     that is neither an option nor an option's value: a workload's name, a script, a program; None
-    without one."""
+    without one. ``unknown``: or the first option that is none of ``params``' (a #GPUQ line's stray)."""
     import click
 
     takes_value = {name: not (param.is_flag or param.count)
@@ -52,10 +55,14 @@ def first_word(params: list[click.Parameter], args: list[str]) -> int | None:
         if word == "-" or not word.startswith("-"):
             return at
         if word.startswith("--"):
+            if unknown and word.split("=", 1)[0] not in takes_value:
+                return at
             if "=" not in word and takes_value.get(word, False):
                 at += 1  # its value is the next word
         else:  # -H, -G2 (its value attached), -HG 2 (flags, then one whose value is the next word)
             for place in range(1, len(word)):
+                if unknown and "-" + word[place] not in takes_value:
+                    return at
                 if takes_value.get("-" + word[place], False):
                     at += place == len(word) - 1
                     break
@@ -131,9 +138,10 @@ def _is_program(path: str) -> bool:
         return False
 
 
-def directive_lines(path: str) -> list[tuple[int, str]]:
-    """The ``#GPUQ`` lines of the script's leading comment block, each with its line number and
-    what follows the marker; a script that cannot be read or is not text has none."""
+def directive_lines(path: str, marker: str = DIRECTIVE) -> list[tuple[int, str]]:
+    """The ``#GPUQ`` lines (or ``marker``'s: ``#SBATCH``) of the script's leading comment block,
+    each with its line number and what follows the marker; a script that cannot be read or is not
+    text has none."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEAD_BYTES)
@@ -148,19 +156,22 @@ def directive_lines(path: str) -> list[tuple[int, str]]:
             continue
         if not line.startswith("#"):
             break  # the first command ends the block, as sbatch stops at it
-        if line.startswith(DIRECTIVE) and (len(line) == len(DIRECTIVE) or line[len(DIRECTIVE)].isspace()):
-            found.append((number, line[len(DIRECTIVE):].strip()))
+        if line.startswith(marker) and (len(line) == len(marker) or line[len(marker)].isspace()):
+            found.append((number, line[len(marker):].strip()))
     return found
 
 
 def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The options the command's script sets that the command line did not: parameter name →
     value, as ``ctx.params`` holds them; and where each came from (parameter name → ``train.sh
-    line 3``), for the server's refusal of one to name its line. InvalidSpec, naming the script's
-    line, for a directive the command would refuse."""
+    line 3``), for the server's refusal of one to name its line. Its ``#SBATCH`` lines are read
+    first (cli/sbatch_lines.py), its ``#GPUQ`` lines over them; the sbatch options left out are
+    said in one line on stderr. InvalidSpec, naming the script's line, for a directive the command
+    would refuse."""
     import click
     from click.core import ParameterSource
 
+    from gpuq.cli import sbatch_lines
     from gpuq.cli.errors import click_message
 
     path = script_of(command, cwd)
@@ -169,25 +180,44 @@ def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[di
     shown = os.path.relpath(path, cwd) if path.startswith(cwd) else path
     found: dict[str, Any] = {}
     origins: dict[str, str] = {}
-    for number, text in directive_lines(path):
+    left_out: list[str] = []
+    from_sbatch: set[str] = set()
+    lines = [(number, text, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
+             for number, text in directive_lines(path, marker)]
+    for number, text, marker in lines:
         where = f"{shown} line {number}"
         try:
             words = shlex.split(text, comments=True)
         except ValueError as exc:
-            raise InvalidSpec(f"{where}: {DIRECTIVE} {text[:80]}: {exc}") from None
+            raise InvalidSpec(f"{where}: {marker} {text[:80]}: {exc}") from None
+        if marker == sbatch_lines.MARKER:
+            try:
+                words, dropped = sbatch_lines.translate(words)
+            except InvalidSpec as exc:
+                raise InvalidSpec(f"{where}: {exc}") from None
+            left_out += [f"{option} (line {number})" for option in dropped]
         if not words:
             continue
         if "--" in words:  # the parser would take what follows for the job's command
-            raise InvalidSpec(f"{where}: '--': a {DIRECTIVE} line takes gpuq submit's options only")
+            raise InvalidSpec(f"{where}: '--': a {marker} line takes gpuq submit's options only")
+        if (at := first_word(ctx.command.params, words, unknown=True)) is not None:  # a word: the job's command
+            raise InvalidSpec(f"{where}: {words[at][:80]!r}: a {marker} line takes gpuq submit's options only")
         try:
             line = ctx.command.make_context(ctx.info_name, words, parent=ctx.parent)
         except click.ClickException as exc:
             raise InvalidSpec(f"{where}: {click_message(exc)}") from None
         stray = [*([line.params["workload"]] if line.params.get("workload") is not None else []), *line.args]
         if stray:
-            raise InvalidSpec(f"{where}: {stray[0][:80]!r}: a {DIRECTIVE} line takes gpuq submit's options only")
+            raise InvalidSpec(f"{where}: {stray[0][:80]!r}: a {marker} line takes gpuq submit's options only")
+        given = {name for name in line.params if line.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+        if marker == DIRECTIVE and given & _GPU_ASKS:  # its GPUs over the #SBATCH lines', in either form
+            for name in _GPU_ASKS & from_sbatch:
+                found.pop(name, None)
+                origins.pop(name, None)
+        elif marker == sbatch_lines.MARKER:
+            from_sbatch.update(given)
         for name, value in line.params.items():
-            if line.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+            if name not in given:
                 continue
             if name in NOT_IN_SCRIPTS:
                 raise InvalidSpec(f"{where}: --{name.replace('as_', '').replace('_', '-')} is given on the "
@@ -197,6 +227,11 @@ def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[di
             else:
                 found[name] = value
             origins[name] = where
+    if left_out:
+        from gpuq.service.display import printable
+
+        sys.stderr.write(printable(f"gpuq: left out of {shown}, as meaning nothing to gpuq: {', '.join(left_out)}")
+                         + "\n")
     kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
     return kept, {name: origins[name] for name in kept}

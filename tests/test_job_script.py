@@ -13,6 +13,7 @@ from gpuq.cli.app import app
 from gpuq.cli.script import directive_lines
 from gpuq.service import constants as c
 from gpuq.service.db import write_scope
+from gpuq.service.errors import InvalidSpec
 from gpuq.service.models import Job
 from gpuq.service.units import TIME_FORMS
 
@@ -253,4 +254,87 @@ def test_a_script_nothing_would_run_is_refused_in_one_line_and_nothing_is_writte
     result = invoke(["submit", "-G", "1", "sub/missing.sh"])
     missing = f"gpuq: no such job script: sub/missing.sh (in {tmp_path})\n"
     assert (result.exit_code, result.output) == (c.EXIT_USAGE, missing)
+    assert jobs_in(use_settings) == 0
+
+
+@pytest.mark.parametrize("words,gpuq,left_out", [
+    (["--job-name=train", "-t", "1:00:00"], ["--name", "train", "--time", "1:00:00"], []),
+    (["--gres=gpu:a100:2", "-c", "8", "--mem=32G"], ["--gres", "gpu:a100:2", "--cpus", "8", "--host-mem", "32G"], []),
+    (["--mem", "4000"], ["--host-mem", "4000M"], []),  # sbatch's unit: megabytes
+    (["-Jname", "-o", "logs/%x-%j.out", "-e", "err.log"], ["--name", "name", "--output", "logs/%x-%j.out", "--error",
+                                                          "err.log"], []),
+    (["--export=ALL"], ["--env", "ALL"], []),
+    (["--export=NONE"], [], []),
+    (["--export", "WANDB_MODE=offline,HF_HOME"], ["--env", "WANDB_MODE=offline", "--env", "HF_HOME"], []),
+    (["-H", "--requeue", "--array=0-9%2", "-d", "afterok:12"], ["--hold", "--requeue", "--array", "0-9%2",
+                                                               "--dependency", "afterok:12"], []),
+    (["-p", "gpu", "--account=lab", "-N", "1", "--ntasks=1", "--nice=5", "-q", "normal"], [],
+     ["-p gpu", "--account lab", "--nice 5", "-q normal"]),
+    (["--gpus-per-node=2", "--mail-type=END,FAIL", "-x", "n3"], ["--gpus", "2", "--mail-type", "END,FAIL",
+                                                                "--exclude", "n3"], []),
+])
+def test_an_sbatch_line_becomes_gpuq_submits_options_and_what_means_nothing_here_is_left_out(words, gpuq, left_out):
+    from gpuq.cli.sbatch_lines import translate
+
+    assert translate(words) == (gpuq, left_out)
+
+
+@pytest.mark.parametrize("words,message", [
+    (["-N", "2"], "#SBATCH -N 2: a gpuq job runs on one node, as one task"),
+    (["--ntasks=4"], "#SBATCH --ntasks 4: a gpuq job runs on one node, as one task"),
+    (["--exclusive"], "#SBATCH --exclusive: gpuq does not hold a whole node"),
+    (["--constraint=a100"], "#SBATCH --constraint a100: ask for a GPU model with --gres gpu:MODEL:N"),
+    (["--mem-per-cpu=4G"], "give the job's host memory as --mem"),
+    (["-D", "/tmp"], "give -D on the command line"),
+    (["--frobnicate=1"], "#SBATCH --frobnicate: not an option gpuq takes (gpuq submit --help)"),
+    (["train.py"], "'train.py': an #SBATCH line takes sbatch's options only"),
+    (["-t"], "-t needs a value"),
+])
+def test_an_sbatch_option_gpuq_cannot_honour_or_does_not_know_is_refused_naming_it(words, message):
+    from gpuq.cli.sbatch_lines import translate
+
+    with pytest.raises(InvalidSpec) as refused:
+        translate(words)
+    assert message in str(refused.value)
+
+
+SLURM_SCRIPT = """#!/bin/bash
+#SBATCH --job-name=resnet
+#SBATCH -p gpu --account=lab
+#SBATCH --gres=gpu:2 -c 4 --mem=4000
+#SBATCH --time=1:00:00
+#GPUQ --name from-gpuq
+srun python train.py
+"""
+
+
+def test_a_slurm_script_runs_as_it_is_its_gpuq_lines_over_its_sbatch_lines_and_what_is_left_out_said(
+        use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, SLURM_SCRIPT, "train.sbatch")
+    result = invoke(["submit", "--json", "train.sbatch"])
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.stdout)
+    assert job["argv"] == ["./train.sbatch"] and job["name"] == "from-gpuq" and job["gpus"] == 2, job
+    assert job["time_limit_s"] == 3600 and job["host_mem_mib"] == 4000 and job["cpus"] == 4, job
+    assert result.stderr == ("gpuq: left out of train.sbatch, as meaning nothing to gpuq: -p gpu (line 3), --account "
+                             "lab (line 3)\n")
+    # The command line over both.
+    result = invoke(["submit", "--json", "-G", "1", "-t", "5m", "train.sbatch"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["gpus"] == 1, result.output
+
+
+@pytest.mark.parametrize("line,message", [
+    ("#SBATCH --nodes=2", "job.sh line 2: #SBATCH --nodes 2: a gpuq job runs on one node, as one task"),
+    ("#SBATCH --gres=gpu:9", "--gpus 9 is more than any node has (the largest, testnode, has 2) (job.sh line 2)"),
+    ("#SBATCH --partition", "job.sh line 2: --partition needs a value"),
+    ("#GPUQ --gpus 2 train", "job.sh line 2: 'train': a #GPUQ line takes gpuq submit's options only"),
+])
+def test_a_bad_sbatch_line_is_refused_in_one_line_naming_it_and_nothing_is_written(use_settings, tmp_path, monkeypatch,
+                                                                                   line, message):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, f"#!/bin/sh\n{line}\ntrue\n")
+    result = invoke(["submit", "job.sh"])
+    assert result.exit_code == c.EXIT_USAGE, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("gpuq: ") and message in result.output
     assert jobs_in(use_settings) == 0

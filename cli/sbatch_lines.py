@@ -1,0 +1,121 @@
+"""A SLURM job script's ``#SBATCH`` lines, read as `gpuq submit` options: a lab's scripts run as
+they are (`gpuq submit train.sbatch`).
+
+Each option sbatch and gpuq both have becomes gpuq's (``--job-name`` is ``--name``, ``--mem``, the
+host memory of a node in SLURM, is ``--host-mem``, ``-c`` is ``--cpus``); options that mean nothing
+here (a partition, an account, a QOS, one node, one task) are read and left out, and the submit
+says which in one line; one gpuq cannot honour (two nodes, a whole node, a feature constraint)
+or does not know is refused in one line naming it, as a bad ``#GPUQ`` line is. A script's
+``#GPUQ`` lines go over its ``#SBATCH`` lines, and the command line over both (cli/script.py).
+"""
+
+from __future__ import annotations
+
+from gpuq.service.errors import InvalidSpec
+
+MARKER = "#SBATCH"
+
+# sbatch's options that gpuq submit has too, by long name: (short letter or "", gpuq's option).
+_SAME = {
+    "job-name": ("J", "--name"), "time": ("t", "--time"), "gres": ("", "--gres"), "gpus": ("G", "--gpus"),
+    "gpus-per-node": ("", "--gpus"), "gpus-per-task": ("", "--gpus"), "cpus-per-task": ("c", "--cpus"),
+    "mem": ("", "--host-mem"), "output": ("o", "--output"), "error": ("e", "--error"), "array": ("a", "--array"),
+    "mail-type": ("", "--mail-type"), "mail-user": ("", "--mail-user"), "dependency": ("d", "--dependency"),
+    "begin": ("b", "--begin"), "deadline": ("", "--deadline"), "signal": ("", "--signal"),
+    "exclude": ("x", "--exclude"), "nodelist": ("w", "--node"), "export": ("", "--env"),
+}
+# Flags, the same.
+_FLAGS = {"requeue": ("", "--requeue"), "no-requeue": ("", "--no-requeue"), "hold": ("H", "--hold")}
+# Options with no meaning for gpuq's one queue of GPUs: read, left out, and said so.
+_LEFT_OUT = {"partition": "p", "account": "A", "qos": "q", "comment": "", "open-mode": "", "time-min": "",
+             "nice": "", "reservation": "", "wckey": "", "get-user-env": "", "propagate": "", "hint": "",
+             "distribution": "m", "gpu-bind": "", "gpu-freq": "", "mem-bind": "", "cpu-freq": "",
+             "threads-per-core": "", "oversubscribe": "s", "kill-on-invalid-dep": "", "no-kill": "k",
+             "profile": "", "acctg-freq": "", "licenses": "L", "cluster": "M", "clusters": "M"}
+# Of those, the flags, and those whose value only follows an = (``--nice=10``).
+_LEFT_OUT_FLAGS = {"oversubscribe", "no-kill", "get-user-env", "parsable", "quiet", "verbose", "nice"}
+# A job runs on one node, as one task: these are read, and refused past one.
+_ONE = {"nodes": "N", "ntasks": "n", "ntasks-per-node": "", "tasks-per-node": ""}
+# What gpuq cannot honour, and what to ask instead.
+_REFUSED = {
+    "exclusive": "gpuq does not hold a whole node; ask for its GPUs (--gpus) and cores (--cpus)",
+    "constraint": "ask for a GPU model with --gres gpu:MODEL:N or --gpu-type",
+    "mem-per-cpu": "give the job's host memory as --mem",
+    "mem-per-gpu": "give the job's host memory as --mem",
+    "chdir": "give -D on the command line",
+    "wrap": "give --wrap on the command line",
+    "wait": "give --wait on the command line",
+    "test-only": "give --test-only on the command line",
+    "uid": "submit as another user with --user, as root",
+}
+_SHORT = {short: name for table in (_SAME, _FLAGS) for name, (short, _) in table.items() if short}
+_SHORT.update({short: name for table in (_LEFT_OUT, _ONE) for name, short in table.items() if short})
+_SHORT.update(D="chdir", W="wait", C="constraint", Q="quiet", v="verbose")
+
+
+def translate(words: list[str]) -> tuple[list[str], list[str]]:
+    """`gpuq submit`'s words for one ``#SBATCH`` line's, and the options it left out, as written
+    (``-p gpu``). InvalidSpec, in a line naming the option, for one gpuq cannot honour or does not
+    know, or a word that is no option."""
+    out: list[str] = []
+    left_out: list[str] = []
+    at = 0
+    while at < len(words):
+        word = words[at]
+        name, value, shown = _option(word)
+        if name is None:
+            raise InvalidSpec(f"{word[:80]!r}: an {MARKER} line takes sbatch's options only")
+        takes_value = name in _SAME or name in _ONE or (name in _LEFT_OUT and name not in _LEFT_OUT_FLAGS)
+        if takes_value and value is None:
+            if at + 1 == len(words):
+                raise InvalidSpec(f"{shown} needs a value")
+            at += 1
+            value = words[at]
+        at += 1
+        written = shown if value is None else f"{shown} {value}"
+        if name in _REFUSED:
+            raise InvalidSpec(f"{MARKER} {written[:80]}: {_REFUSED[name]}")
+        if name in _FLAGS:
+            out.append(_FLAGS[name][1])
+        elif name in _LEFT_OUT or name in _LEFT_OUT_FLAGS:
+            left_out.append(written)
+        elif name in _ONE:
+            assert value is not None
+            if value.strip() not in ("1", "1-1"):
+                raise InvalidSpec(f"{MARKER} {written[:80]}: a gpuq job runs on one node, as one task (its GPUs and "
+                                  "cores all there; a program of its own may start more processes)")
+        elif name == "export":
+            assert value is not None
+            out.extend(_exports(value))
+        elif name == "mem":
+            assert value is not None
+            out += ["--host-mem", value.strip() + ("M" if value.strip().isdigit() else "")]  # sbatch's unit: MB
+        elif name in _SAME:
+            assert value is not None
+            out += [_SAME[name][1], value]
+        else:
+            raise InvalidSpec(f"{MARKER} {shown}: not an option gpuq takes (gpuq submit --help)")
+    return out, left_out
+
+
+def _option(word: str) -> tuple[str | None, str | None, str]:
+    """The long name of the option ``word`` gives (None: not an option), its value where the word
+    holds it (``--time=10``, ``-t10``), and the option as written, without its value."""
+    if word.startswith("--") and len(word) > 2:
+        name, eq, value = word[2:].partition("=")
+        return name, value if eq else None, "--" + name
+    if word.startswith("-") and len(word) > 1 and word[1] != "-":
+        name = _SHORT.get(word[1], word[1])
+        return name, word[2:] or None, word[:2]
+    return None, None, word
+
+
+def _exports(value: str) -> list[str]:
+    """``--export``'s variables as ``--env`` words: ALL, all of yours gpuq passes on; NONE, gpuq's
+    default set alone; NAME or NAME=VALUE, each as --env takes it, ALL among them too."""
+    out: list[str] = []
+    for item in value.split(","):
+        item = item.strip()
+        if item and item.upper() != "NONE":
+            out += ["--env", "ALL" if item.upper() == "ALL" else item]
+    return out
