@@ -142,8 +142,8 @@ def submit(
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
     if wrap is not None:
         if command is not None or workload is not None:
-            raise InvalidSpec(f"give --wrap or {'a command after --' if command is not None else 'a workload'}, "
-                              "not both")
+            given = "a workload" if command is None else "a command" + ("" if ctx.meta.get(NAMED_KEY) else " after --")
+            raise InvalidSpec(f"give --wrap or {given}, not both")
         if not wrap.strip():
             raise InvalidSpec("--wrap: the command line is empty")
         command = ["sh", "-c", wrap]

@@ -317,6 +317,7 @@ def test_sbatchs_gres_and_wrap_ask_for_gpus_and_run_a_shell_line_and_misuse_is_o
                        (["--gres", "gpu:a100:x", "--", "true"], "Invalid value for '--gres': 'a100:x' is not a GPU"),
                        (["--wrap", "true", "--", "true"], "give --wrap or a command after --, not both"),
                        (["--wrap", "true", "matmul"], "give --wrap or a workload, not both"),
+                       (["--wrap", "true", "python3", "x.py"], "give --wrap or a command, not both"),
                        (["--wrap", " "], "--wrap: the command line is empty")]:
         refused = run_cli(["submit", *args], s, cwd=tmp_path)
         assert refused.returncode == c.EXIT_USAGE and refused.stderr.startswith(f"gpuq: {says}"), (args,
