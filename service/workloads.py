@@ -178,8 +178,12 @@ def parse_args(workload: Workload, args: Sequence[str]) -> dict[str, Any]:
     while i < len(items):
         token = items[i]
         if not token.startswith("--") or token == "--":
+            # `gpuq submit sleep 60` meant the program of the workload's name, most likely.
+            program = shlex.join([workload.name, *items])
+            program = program if len(program) <= 80 and program.isprintable() else f"{workload.name} ..."
             raise InvalidSpec(f"unexpected argument {token!r} after workload {workload.name}: "
-                              f"parameters are given as --name value")
+                              f"parameters are given as --name value (the program {workload.name}: gpuq submit "
+                              f"-- {program})")
         key, eq, value = token[2:].partition("=")
         negated = key.startswith("no-") and workload.param(key) is None
         p = workload.param(key[3:] if negated else key)

@@ -56,6 +56,8 @@ def invoke(args):
     (["submit", "matmul", "--size"], "--size needs a value"),
     (["submit", "matmul", "--size", "5", "--size", "6"], "--size is given twice"),
     (["submit", "matmul", "500"], "unexpected argument '500'"),
+    (["submit", "sleep", "60"], "unexpected argument '60' after workload sleep: parameters are given as --name value "
+                                "(the program sleep: gpuq submit -- sleep 60)"),
     (["submit"], "nothing to run"),
     (["submit", "--"], "no command given after --"),
     (["submit", "matmul", "--", "true"], "either a workload or a command"),
