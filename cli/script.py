@@ -36,6 +36,8 @@ HEAD_BYTES = 64 * 1024
 NOT_IN_SCRIPTS = {"user", "as_json", "test_only", "parsable", "wait", "chdir", "wrap"}
 # A job's GPUs as a script's lines ask for them: a #GPUQ line's, in either form, over an #SBATCH line's.
 _GPU_ASKS = {"gpus", "gres", "gpu_type"}
+# What a script given on stdin is called, in a job's name and its lines' errors.
+STDIN = "stdin"
 # How much of a file is read to tell a compiled program from a script.
 PROGRAM_HEAD_BYTES = 256
 
@@ -149,8 +151,13 @@ def directive_lines(path: str, marker: str = DIRECTIVE) -> list[tuple[int, str]]
         return []
     if b"\0" in head:
         return []  # a program, not a script
+    return lines_of(head.decode("utf-8", errors="replace"), marker)
+
+
+def lines_of(text: str, marker: str = DIRECTIVE) -> list[tuple[int, str]]:
+    """``directive_lines`` of a script's text."""
     found = []
-    for number, raw in enumerate(head.decode("utf-8", errors="replace").splitlines(), 1):
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line:
             continue
@@ -161,7 +168,23 @@ def directive_lines(path: str, marker: str = DIRECTIVE) -> list[tuple[int, str]]
     return found
 
 
-def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[dict[str, Any], dict[str, str]]:
+def from_stdin(text: str) -> list[str]:
+    """The command that runs a job script given on stdin (`gpuq submit < job.sh`, as sbatch reads
+    one): its ``#!`` line's interpreter (``/bin/sh`` without one) given the script's text with
+    ``-c``, so the job carries the script itself, as sbatch keeps a copy. InvalidSpec for a script
+    that is empty or not text."""
+    from gpuq.service.launchable import kernel_argv
+
+    if not text.strip():
+        raise InvalidSpec("nothing to run: name a workload (gpuq workloads), a job script or a command, or give a "
+                          "script on stdin (it was empty)")
+    if "\0" in text:
+        raise InvalidSpec("the script given on stdin is not text (a NUL byte)")
+    return [*(kernel_argv(text.encode("utf-8", "surrogateescape")[:PROGRAM_HEAD_BYTES]) or ["/bin/sh"]), "-c", text]
+
+
+def script_options(ctx: click.Context, command: list[str], cwd: str, text: str | None = None
+                   ) -> tuple[dict[str, Any], dict[str, str]]:
     """The options the command's script sets that the command line did not: parameter name →
     value, as ``ctx.params`` holds them; and where each came from (parameter name → ``train.sh
     line 3``), for the server's refusal of one to name its line. Its ``#SBATCH`` lines are read
@@ -174,22 +197,22 @@ def script_options(ctx: click.Context, command: list[str], cwd: str) -> tuple[di
     from gpuq.cli import sbatch_lines
     from gpuq.cli.errors import click_message
 
-    path = script_of(command, cwd)
+    path = script_of(command, cwd) if text is None else STDIN
     if path is None:
         return {}, {}
-    shown = os.path.relpath(path, cwd) if path.startswith(cwd) else path
+    shown = STDIN if text is not None else os.path.relpath(path, cwd) if path.startswith(cwd) else path
     found: dict[str, Any] = {}
     origins: dict[str, str] = {}
     left_out: list[str] = []
     from_sbatch: set[str] = set()
-    lines = [(number, text, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
-             for number, text in directive_lines(path, marker)]
-    for number, text, marker in lines:
+    lines = [(number, line, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
+             for number, line in (directive_lines(path, marker) if text is None else lines_of(text, marker))]
+    for number, line_text, marker in lines:
         where = f"{shown} line {number}"
         try:
-            words = shlex.split(text, comments=True)
+            words = shlex.split(line_text, comments=True)
         except ValueError as exc:
-            raise InvalidSpec(f"{where}: {marker} {text[:80]}: {exc}") from None
+            raise InvalidSpec(f"{where}: {marker} {line_text[:80]}: {exc}") from None
         if marker == sbatch_lines.MARKER:
             try:
                 words, dropped = sbatch_lines.translate(words)

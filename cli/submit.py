@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import uuid
 from typing import Annotated, Any
 
@@ -142,12 +143,23 @@ def submit(
         raise InvalidSpec(f"no such option: {stray[0]} (gpuq {ctx.command.name} --help)")
     if wrap is not None:
         if command is not None or workload is not None:
-            given = "a workload" if command is None else "a command" + ("" if ctx.meta.get(NAMED_KEY) else " after --")
-            raise InvalidSpec(f"give --wrap or {given}, not both")
+            other = "a workload" if command is None else "a command" + ("" if ctx.meta.get(NAMED_KEY) else " after --")
+            raise InvalidSpec(f"give --wrap or {other}, not both")
         if not wrap.strip():
             raise InvalidSpec("--wrap: the command line is empty")
         command = ["sh", "-c", wrap]
     cwd = _cwd() if chdir is None else _directory(chdir)
+    script_text = None
+    if command is None and workload is None and ctx.command.name == "submit" and not sys.stdin.isatty():
+        from gpuq.cli.script import STDIN, from_stdin
+
+        # `gpuq submit < job.sh`, as sbatch reads a script from stdin: the job carries its text.
+        read = sys.stdin.buffer.read(c.MAX_ARGV_BYTES + 1)
+        if len(read) > c.MAX_ARGV_BYTES:
+            raise InvalidSpec(f"the script given on stdin is longer than {c.MAX_ARGV_BYTES // 1024} KiB")
+        script_text = read.decode("utf-8", "surrogateescape")
+        command = from_stdin(script_text)
+        name = name if name is not None else STDIN
     if ctx.meta.get(NAMED_KEY) and command:
         from gpuq.cli.script import command_of
 
@@ -168,7 +180,7 @@ def submit(
         from gpuq.cli.script import script_options
 
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
-        scripted, origins = script_options(ctx, command, cwd)
+        scripted, origins = script_options(ctx, command, cwd, script_text)
         options.update(scripted)
     _fold_gres(options, origins)
     options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)

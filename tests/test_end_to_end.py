@@ -7,6 +7,7 @@ import json
 import os
 import pwd
 import re
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -19,7 +20,7 @@ from gpuq.service import job_output, jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from tests.conftest import cli_submit as submit
-from tests.conftest import output_of, run_cli, wait_for_state
+from tests.conftest import output_of, run_cli, settings_env, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -90,6 +91,14 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
     assert run_cli(["logs", str(job_id)], s).stdout == f"args --lr 0.1 --gpus 1 on 0,1 in {tmp_path}\n"
     assert json.loads(run_cli(["show", "--json", str(job_id)], s).stdout)["name"] == "scripted"
+    # Given on stdin, as `sbatch <<EOF` takes one: the job carries the script's text.
+    heredoc = subprocess.run([sys.executable, "-m", "gpuq.cli", "submit", "--parsable"], env=settings_env(s),
+                             cwd=tmp_path, input="#!/bin/sh\n#SBATCH --job-name=heredoc\necho \"here $0\"\n",
+                             capture_output=True, text=True, timeout=60)
+    assert heredoc.returncode == 0, heredoc.stderr
+    job_id = int(heredoc.stdout)
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    assert run_cli(["logs", str(job_id)], s).stdout == "here /bin/sh\n"
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):

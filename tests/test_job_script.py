@@ -338,3 +338,33 @@ def test_a_bad_sbatch_line_is_refused_in_one_line_naming_it_and_nothing_is_writt
     assert result.exit_code == c.EXIT_USAGE, result.output
     assert result.output.count("\n") == 1 and result.output.startswith("gpuq: ") and message in result.output
     assert jobs_in(use_settings) == 0
+
+
+def test_a_script_given_on_stdin_is_carried_by_the_job_with_its_lines_read_as_sbatch_reads_one(use_settings, tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = "#!/bin/bash\n#SBATCH -J heredoc -p gpu\n#GPUQ --gpus 2\necho $GPUQ_JOB_ID\n"
+    result = CliRunner().invoke(app, ["submit", "--json"], input=text, prog_name="gpuq")
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.stdout)
+    assert job["argv"] == ["/bin/bash", "-c", text] and job["name"] == "heredoc" and job["gpus"] == 2, job
+    assert result.stderr == "gpuq: left out of stdin, as meaning nothing to gpuq: -p gpu (line 2)\n"
+    # Without a #! line, sh runs it; without a name, the job is called after where it came from.
+    plain = CliRunner().invoke(app, ["submit", "--json", "-t", "5m"], input="echo hi\n", prog_name="gpuq")
+    assert json.loads(plain.stdout)["argv"] == ["/bin/sh", "-c", "echo hi\n"]
+    assert json.loads(plain.stdout)["name"] == "stdin"
+
+
+@pytest.mark.parametrize("given,message", [
+    ("", "nothing to run: name a workload (gpuq workloads), a job script or a command, or give a script on stdin"),
+    ("  \n", "nothing to run"),
+    ("echo \0", "the script given on stdin is not text (a NUL byte)"),
+    ("#" * (200 * 1024), "the script given on stdin is longer than 128 KiB"),
+    ("#!/bin/sh\n#SBATCH --nodes=2\ntrue\n", "stdin line 2: #SBATCH --nodes 2: a gpuq job runs on one node"),
+])
+def test_a_script_on_stdin_that_nothing_would_run_is_refused_in_one_line_and_nothing_is_written(use_settings, given,
+                                                                                                message):
+    result = CliRunner().invoke(app, ["submit"], input=given, prog_name="gpuq")
+    assert result.exit_code == c.EXIT_USAGE and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("gpuq: ") and message in result.output
+    assert jobs_in(use_settings) == 0
