@@ -184,13 +184,14 @@ def from_stdin(text: str) -> list[str]:
 
 
 def script_options(ctx: click.Context, command: list[str], cwd: str, text: str | None = None
-                   ) -> tuple[dict[str, Any], dict[str, str]]:
+                   ) -> tuple[dict[str, Any], dict[str, str], bool]:
     """The options the command's script sets that the command line did not: parameter name →
     value, as ``ctx.params`` holds them; and where each came from (parameter name → ``train.sh
     line 3``), for the server's refusal of one to name its line. Its ``#SBATCH`` lines are read
     first (cli/sbatch_lines.py), its ``#GPUQ`` lines over them; the sbatch options left out are
-    said in one line on stderr. InvalidSpec, naming the script's line, for a directive the command
-    would refuse."""
+    said in one line on stderr; and whether it has ``#SBATCH`` lines (a SLURM script: its job is
+    given SLURM's variables, service/slurm_names.py). InvalidSpec, naming the script's line, for a
+    directive the command would refuse."""
     import click
     from click.core import ParameterSource
 
@@ -199,7 +200,7 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
 
     path = script_of(command, cwd) if text is None else STDIN
     if path is None:
-        return {}, {}
+        return {}, {}, False
     shown = STDIN if text is not None else os.path.relpath(path, cwd) if path.startswith(cwd) else path
     found: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -257,7 +258,8 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
                          + "\n")
     kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
-    return kept, {name: origins[name] for name in kept}
+    slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)
+    return kept, {name: origins[name] for name in kept}, slurm
 
 
 def from_script(message: str, origins: dict[str, str]) -> str:

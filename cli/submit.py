@@ -180,8 +180,12 @@ def submit(
         from gpuq.cli.script import script_options
 
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
-        scripted, origins = script_options(ctx, command, cwd, script_text)
+        scripted, origins, slurm = script_options(ctx, command, cwd, script_text)
         options.update(scripted)
+        if slurm:  # as sbatch sets it; the worker gives the job SLURM's other names for its facts
+            from gpuq.service.slurm_names import MARK
+
+            options["env"] = [*options["env"], f"{MARK}={_cwd()}"]  # where it was run, -D or not
     _fold_gres(options, origins)
     options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)
     body: dict[str, Any] = {

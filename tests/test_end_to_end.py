@@ -93,12 +93,23 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     assert json.loads(run_cli(["show", "--json", str(job_id)], s).stdout)["name"] == "scripted"
     # Given on stdin, as `sbatch <<EOF` takes one: the job carries the script's text.
     heredoc = subprocess.run([sys.executable, "-m", "gpuq.cli", "submit", "--parsable"], env=settings_env(s),
-                             cwd=tmp_path, input="#!/bin/sh\n#SBATCH --job-name=heredoc\necho \"here $0\"\n",
+                             cwd=tmp_path, input="#!/bin/sh\n#SBATCH --job-name=heredoc\n"
+                             "echo \"here $0 $SLURM_JOB_ID $SLURM_JOB_NAME $SLURM_SUBMIT_DIR\"\n",
                              capture_output=True, text=True, timeout=60)
     assert heredoc.returncode == 0, heredoc.stderr
     job_id = int(heredoc.stdout)
     assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
-    assert run_cli(["logs", str(job_id)], s).stdout == "here /bin/sh\n"
+    # A SLURM script's body reads SLURM's names for its job's facts.
+    assert run_cli(["logs", str(job_id)], s).stdout == f"here /bin/sh {job_id} heredoc {tmp_path}\n"
+    # And an array's tasks their index, as an sbatch array script reads it.
+    (tmp_path / "array.sh").write_text("#!/bin/sh\n#SBATCH --array=4-5\necho task $SLURM_ARRAY_TASK_ID of "
+                                       "$SLURM_ARRAY_JOB_ID\n")
+    made = json.loads(run_cli(["submit", "--json", "array.sh"], s, cwd=tmp_path).stdout)
+    for task in made:
+        assert wait_for_state(s, task["id"], c.END_STATES) == State.SUCCEEDED, output_of(s, task["id"])
+        told = run_cli(["logs", str(task["id"])], s).stdout
+        assert told == f"task {task['array_index']} of {task['array_id']}\n", told
+    assert sorted(t["array_index"] for t in made) == [4, 5]
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):

@@ -319,6 +319,9 @@ def test_a_slurm_script_runs_as_it_is_its_gpuq_lines_over_its_sbatch_lines_and_w
     assert job["time_limit_s"] == 3600 and job["host_mem_mib"] == 4000 and job["cpus"] == 4, job
     assert result.stderr == ("gpuq: left out of train.sbatch, as meaning nothing to gpuq: -p gpu (line 3), --account "
                              "lab (line 3)\n")
+    # Marked as a SLURM script's, as sbatch sets it: its worker gives it SLURM's names for its facts.
+    with write_scope(use_settings) as session:
+        assert session.get(Job, job["id"]).env["SLURM_SUBMIT_DIR"] == str(tmp_path)
     # The command line over both.
     result = invoke(["submit", "--json", "-G", "1", "-t", "5m", "train.sbatch"])
     assert result.exit_code == 0 and json.loads(result.stdout)["gpus"] == 1, result.output
@@ -368,3 +371,22 @@ def test_a_script_on_stdin_that_nothing_would_run_is_refused_in_one_line_and_not
     assert result.exit_code == c.EXIT_USAGE and result.output.count("\n") == 1, result.output
     assert result.output.startswith("gpuq: ") and message in result.output
     assert jobs_in(use_settings) == 0
+
+
+def test_a_slurm_scripts_job_has_slurms_names_for_its_own_facts_and_none_of_sruns_task_variables():
+    from gpuq.service.slurm_names import variables
+
+    names = variables(12, "train[3]", "n1", 2, cpus=2.5, array_id=9, array_index=3)
+    assert names == {"SLURM_JOB_ID": "12", "SLURM_JOBID": "12", "SLURM_JOB_NAME": "train[3]",
+                     "SLURM_JOB_NODELIST": "n1", "SLURMD_NODENAME": "n1", "SLURM_JOB_NUM_NODES": "1",
+                     "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2", "SLURM_ARRAY_JOB_ID": "9",
+                     "SLURM_ARRAY_TASK_ID": "3", "SLURM_CPUS_PER_TASK": "3"}
+    assert "SLURM_ARRAY_TASK_ID" not in variables(12, "t", "n1", 1) and "SLURM_NTASKS" not in names
+
+
+def test_a_script_without_sbatch_lines_is_not_marked_as_slurms(use_settings, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, "#!/bin/sh\n#GPUQ --name plain\ntrue\n")
+    job = submitted(["job.sh"])
+    with write_scope(use_settings) as session:
+        assert "SLURM_SUBMIT_DIR" not in session.get(Job, job["id"]).env

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service import failures, output_files, simulated_memory, usage
+from gpuq.service import failures, output_files, simulated_memory, slurm_names, usage
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
@@ -277,6 +277,9 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
         GPUQ_NODE=node,
     )
     env.update(cpu_variables(job.cpus, job.env))
+    if slurm_names.MARK in job.env:  # submitted from a SLURM script: its variables under SLURM's names
+        env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
+                                         job.array_index))
     if identity is not None:
         env.update(identity.env())
     if settings is not None and settings.fake_gpus:
