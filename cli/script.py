@@ -6,7 +6,8 @@ is no built-in workload's name, is the job's command from there on, its words un
 ``--`` (`gpuq submit train.sh --gpus 3` passes ``--gpus 3`` to the script). A path, or a file in the
 job's directory, is a script: it runs where it is, as ``./train.sh`` (a bare name would be looked
 up in PATH), and one that is not executable is run by the interpreter of its ``#!`` line, as the
-kernel would run it, since sbatch needs no ``chmod +x``. Any other word is a program on PATH.
+kernel would run it, since sbatch needs no ``chmod +x``. Any other word is a program on PATH. A
+script may come on stdin too (`gpuq submit < job.sh`, ``from_stdin``): the job carries its text.
 
 `gpuq submit -- ./train.sh` (or `-- bash train.sh`) reads the script's leading comment block, up
 to its first command, as sbatch does; each ``#GPUQ`` line there holds `gpuq submit` options,
