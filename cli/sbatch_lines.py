@@ -87,6 +87,11 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
         elif name == "export":
             assert value is not None
             out.extend(_exports(value))
+        elif name == "mail-type":
+            assert value is not None
+            kept, dropped = _mail_events(value)
+            out += ["--mail-type", kept] if kept else []
+            left_out += [f"{shown} {event}" for event in dropped]
         elif name == "mem":
             assert value is not None
             out += ["--host-mem", value.strip() + ("M" if value.strip().isdigit() else "")]  # sbatch's unit: MB
@@ -119,3 +124,13 @@ def _exports(value: str) -> list[str]:
         if item and item.upper() != "NONE":
             out += ["--env", "ALL" if item.upper() == "ALL" else item]
     return out
+
+
+def _mail_events(value: str) -> tuple[str, list[str]]:
+    """``--mail-type``'s events gpuq mails (BEGIN, END, FAIL, REQUEUE, ALL, NONE), and SLURM's others
+    (TIME_LIMIT_80, ARRAY_TASKS, INVALID_DEPEND...), which gpuq sends no mail for."""
+    from gpuq.service.units import MAIL_EVENTS
+
+    events = [e.strip() for e in value.split(",") if e.strip()]
+    known = {*MAIL_EVENTS, "ALL", "NONE"}
+    return ",".join(e for e in events if e.upper() in known), [e for e in events if e.upper() not in known]
