@@ -104,7 +104,10 @@ _BEGIN_UNITS = {"": 1, "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "
                 "minute": 60, "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
                 "days": 86400}
 _CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$", re.ASCII)
-BEGIN_FORMS = "a time of day (16:00), a date and time (2026-12-24T09:00), or a wait (30m, 2h, now+1hour)"
+BEGIN_FORMS = ("a time of day (16:00, or SLURM's midnight, noon, fika, teatime), a date and time "
+               "(2026-12-24T09:00, today, tomorrow), or a wait (30m, 2h, now+1hour)")
+# SLURM's words for times of day (sbatch --begin): each its next coming, as 16:00 is.
+_BEGIN_CLOCK_WORDS = {"midnight": "00:00", "noon": "12:00", "fika": "15:00", "teatime": "16:00"}
 
 
 def parse_begin(text: str, now: datetime, option: str = "--begin") -> datetime:
@@ -114,8 +117,11 @@ def parse_begin(text: str, now: datetime, option: str = "--begin") -> datetime:
     ISO date and time. ``now`` is the submitter's, with their time zone: a time without a zone is
     theirs. At most MAX_TIME_S ahead. ``option``: the one read (``--deadline`` takes the same forms)."""
     t = text.strip()
-    if t.lower() == "now":
+    if t.lower() in ("now", "today"):  # today: its midnight, past already, as SLURM reads it
         return now.astimezone(UTC)
+    if t.lower() == "tomorrow":
+        return (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0).astimezone(UTC)
+    t = _BEGIN_CLOCK_WORDS.get(t.lower(), t)
     wait = _BEGIN_IN.match(t)
     if wait and (t.lower().startswith("now") or wait.group(2)):
         unit = _BEGIN_UNITS.get(wait.group(2).lower())

@@ -32,7 +32,10 @@ NOW = datetime(2026, 11, 27, 15, 30, tzinfo=timezone(timedelta(hours=1)))  # 14:
     ("now", "14:30"), ("2h", "16:30"), ("90m", "16:00"), ("now+1hour", "15:30"), ("now+60", "14:31"),
     ("16:00", "15:00"),  # today's, in the submitter's zone
     ("15:00", "2026-11-28 14:00"),  # past already: tomorrow's
-    ("2026-12-24T09:00+00:00", "2026-12-24 09:00")])
+    ("2026-12-24T09:00+00:00", "2026-12-24 09:00"),
+    # SLURM's words: each time of day its next coming, in the submitter's zone.
+    ("noon", "2026-11-28 11:00"), ("fika", "2026-11-28 14:00"), ("teatime", "15:00"), ("midnight", "23:00"),
+    ("today", "14:30"), ("Tomorrow", "23:00")])
 def test_begin_reads_a_wait_a_time_of_day_or_a_date_in_the_submitters_zone(text, moment):
     expected = f"{moment}:00" if " " in moment else f"2026-11-27 {moment}:00"
     assert parse_begin(text, NOW).strftime("%Y-%m-%d %H:%M:%S") == expected
@@ -122,4 +125,4 @@ def test_begin_through_the_cli_is_shown_and_updated_and_a_bad_one_is_one_line(us
     assert moved.returncode == 0 and moved.stdout.startswith(f"job {job['id']}: begin {begin.astimezone():%Y-%m-%d}")
     bad = run_cli(["submit", "--begin", "soon", "--", "true"], s, cwd=tmp_path)
     assert (bad.returncode, bad.stdout) == (c.EXIT_USAGE, "")
-    assert bad.stderr.startswith("gpuq: --begin takes a time of day (16:00)")
+    assert bad.stderr.startswith("gpuq: --begin takes a time of day (16:00, or SLURM's midnight")
