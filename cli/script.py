@@ -20,6 +20,7 @@ an edit before the job starts is what runs, unless ``--snapshot`` copied the wor
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
@@ -145,14 +146,26 @@ def directive_lines(path: str, marker: str = DIRECTIVE) -> list[tuple[int, str]]
     """The ``#GPUQ`` lines (or ``marker``'s: ``#SBATCH``) of the script's leading comment block,
     each with its line number and what follows the marker; a script that cannot be read or is not
     text has none."""
+    return lines_of(_head_text(path), marker)
+
+
+def _head_text(path: str) -> str:
+    """The start of a script (HEAD_BYTES), as text; empty for one that cannot be read or is a program."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEAD_BYTES)
     except OSError:
-        return []
-    if b"\0" in head:
-        return []  # a program, not a script
-    return lines_of(head.decode("utf-8", errors="replace"), marker)
+        return ""
+    return "" if b"\0" in head else head.decode("utf-8", errors="replace")
+
+
+def srun_lines(text: str) -> list[int]:
+    """The lines of a script's text that run ``srun``, SLURM's task launcher, which a gpuq job has
+    no use for (its one task is the script) and no node of gpuq's need have."""
+    return [number for number, line in enumerate(text.splitlines(), 1) if _SRUN.match(line)]
+
+
+_SRUN = re.compile(r"\s*(?:exec\s+)?srun(?:\s|$)")
 
 
 def lines_of(text: str, marker: str = DIRECTIVE) -> list[tuple[int, str]]:
@@ -207,8 +220,9 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     origins: dict[str, str] = {}
     left_out: list[str] = []
     from_sbatch: set[str] = set()
+    body = _head_text(path) if text is None else text
     lines = [(number, line, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
-             for number, line in (directive_lines(path, marker) if text is None else lines_of(text, marker))]
+             for number, line in lines_of(body, marker)]
     for number, line_text, marker in lines:
         where = f"{shown} line {number}"
         try:
@@ -252,11 +266,15 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
             else:
                 found[name] = value
             origins[name] = where
-    if left_out:
-        from gpuq.service.display import printable
+    from gpuq.service.display import printable
 
+    if left_out:
         sys.stderr.write(printable(f"gpuq: left out of {shown}, as meaning nothing to gpuq: {', '.join(left_out)}")
                          + "\n")
+    if srun := srun_lines(body):  # the job would fail there, after its wait in the queue: said now
+        sys.stderr.write(printable(f"gpuq: note: {shown} runs srun (line {', '.join(map(str, srun[:5]))}), SLURM's "
+                                   "task launcher, which gpuq does not provide: the job's one task is the script, "
+                                   "so run the command without it") + "\n")
     kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
     slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)

@@ -322,7 +322,9 @@ def test_a_slurm_script_runs_as_it_is_its_gpuq_lines_over_its_sbatch_lines_and_w
     assert job["argv"] == ["./train.sbatch"] and job["name"] == "from-gpuq" and job["gpus"] == 2, job
     assert job["time_limit_s"] == 3600 and job["host_mem_mib"] == 4000 and job["cpus"] == 4, job
     assert result.stderr == ("gpuq: left out of train.sbatch, as meaning nothing to gpuq: -p gpu (line 3), --account "
-                             "lab (line 3)\n")
+                             "lab (line 3)\n"
+                             "gpuq: note: train.sbatch runs srun (line 7), SLURM's task launcher, which gpuq does not "
+                             "provide: the job's one task is the script, so run the command without it\n")
     # Marked as a SLURM script's, as sbatch sets it: its worker gives it SLURM's names for its facts.
     with write_scope(use_settings) as session:
         assert session.get(Job, job["id"]).env["SLURM_SUBMIT_DIR"] == str(tmp_path)
@@ -394,3 +396,10 @@ def test_a_script_without_sbatch_lines_is_not_marked_as_slurms(use_settings, tmp
     job = submitted(["job.sh"])
     with write_scope(use_settings) as session:
         assert "SLURM_SUBMIT_DIR" not in session.get(Job, job["id"]).env
+
+
+def test_the_lines_of_a_script_that_run_srun_are_found():
+    from gpuq.cli.script import srun_lines
+
+    text = "#!/bin/sh\n# srun in a comment\nsrun python a.py\n  exec srun -n1 b\nsrunner x\necho srun\nsrun\n"
+    assert srun_lines(text) == [3, 4, 7]
