@@ -87,6 +87,8 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
         elif name == "export":
             assert value is not None
             out.extend(_exports(value))
+        elif name == "time" and value is not None and value.strip().upper() in ("UNLIMITED", "INFINITE"):
+            left_out.append(written)  # no limit asked: the queue's default (GPUQ_DEFAULT_TIME), if any, holds
         elif name == "mail-type":
             assert value is not None
             kept, dropped = _mail_events(value)

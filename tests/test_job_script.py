@@ -276,6 +276,7 @@ def test_a_script_nothing_would_run_is_refused_in_one_line_and_nothing_is_writte
     (["--mail-type=END,TIME_LIMIT_80,ARRAY_TASKS"], ["--mail-type", "END"],
      ["--mail-type TIME_LIMIT_80", "--mail-type ARRAY_TASKS"]),
     (["--mail-type=TIME_LIMIT"], [], ["--mail-type TIME_LIMIT"]),
+    (["--time=UNLIMITED", "-t", "infinite"], [], ["--time UNLIMITED", "-t infinite"]),
 ])
 def test_an_sbatch_line_becomes_gpuq_submits_options_and_what_means_nothing_here_is_left_out(words, gpuq, left_out):
     from gpuq.cli.sbatch_lines import translate
