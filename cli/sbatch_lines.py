@@ -11,6 +11,8 @@ or does not know is refused in one line naming it, as a bad ``#GPUQ`` line is. A
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpuq.service.errors import InvalidSpec
 
 MARKER = "#SBATCH"
@@ -136,3 +138,15 @@ def _mail_events(value: str) -> tuple[str, list[str]]:
     events = [e.strip() for e in value.split(",") if e.strip()]
     known = {*MAIL_EVENTS, "ALL", "NONE"}
     return ",".join(e for e in events if e.upper() in known), [e for e in events if e.upper() not in known]
+
+
+def sbatch_defaults(options: dict[str, Any], submit_dir: str) -> None:
+    """What sbatch gives a batch script that its lines and the command line did not ask otherwise,
+    into ``options`` (`gpuq submit`'s): ``SLURM_SUBMIT_DIR``, which marks the job as a SLURM
+    script's (its worker gives it SLURM's other names for its facts, service/slurm_names.py), and
+    its output in ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array's tasks) in its directory."""
+    from gpuq.service.slurm_names import MARK
+
+    options["env"] = [*options["env"], f"{MARK}={submit_dir}"]
+    if not options.get("output"):
+        options["output"] = "slurm-%A_%a.out" if options.get("array") else "slurm-%j.out"

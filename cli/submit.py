@@ -182,10 +182,10 @@ def submit(
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
         scripted, origins, slurm = script_options(ctx, command, cwd, script_text)
         options.update(scripted)
-        if slurm:  # as sbatch sets it; the worker gives the job SLURM's other names for its facts
-            from gpuq.service.slurm_names import MARK
+        if slurm:
+            from gpuq.cli.sbatch_lines import sbatch_defaults
 
-            options["env"] = [*options["env"], f"{MARK}={_cwd()}"]  # where it was run, -D or not
+            sbatch_defaults(options, _cwd())  # where it was run, -D or not
     _fold_gres(options, origins)
     options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)
     body: dict[str, Any] = {

@@ -101,6 +101,8 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
     # A SLURM script's body reads SLURM's names for its job's facts.
     assert run_cli(["logs", str(job_id)], s).stdout == f"here /bin/sh {job_id} heredoc {tmp_path}\n"
+    # Its output in the file sbatch would write, as well as in gpuq.
+    assert (tmp_path / f"slurm-{job_id}.out").read_text() == f"here /bin/sh {job_id} heredoc {tmp_path}\n"
     # And an array's tasks their index, as an sbatch array script reads it.
     (tmp_path / "array.sh").write_text("#!/bin/sh\n#SBATCH --array=4-5\necho task $SLURM_ARRAY_TASK_ID of "
                                        "$SLURM_ARRAY_JOB_ID\n")
@@ -109,6 +111,7 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
         assert wait_for_state(s, task["id"], c.END_STATES) == State.SUCCEEDED, output_of(s, task["id"])
         told = run_cli(["logs", str(task["id"])], s).stdout
         assert told == f"task {task['array_index']} of {task['array_id']}\n", told
+        assert (tmp_path / f"slurm-{task['array_id']}_{task['array_index']}.out").read_text() == told
     assert sorted(t["array_index"] for t in made) == [4, 5]
 
 

@@ -326,9 +326,16 @@ def test_a_slurm_script_runs_as_it_is_its_gpuq_lines_over_its_sbatch_lines_and_w
                              "lab (line 3)\n"
                              "gpuq: note: train.sbatch runs srun (line 7), SLURM's task launcher, which gpuq does not "
                              "provide: the job's one task is the script, so run the command without it\n")
-    # Marked as a SLURM script's, as sbatch sets it: its worker gives it SLURM's names for its facts.
+    # Marked as a SLURM script's, as sbatch sets it: its worker gives it SLURM's names for its facts;
+    # and its output goes where sbatch writes it.
     with write_scope(use_settings) as session:
         assert session.get(Job, job["id"]).env["SLURM_SUBMIT_DIR"] == str(tmp_path)
+    assert job["output_file"] == str(tmp_path / "slurm-%j.out"), job
+    script(tmp_path, "#!/bin/sh\n#SBATCH -a 1-2\ntrue\n", "array.sbatch")
+    tasks = json.loads(invoke(["submit", "--json", "array.sbatch"]).stdout)
+    assert {t["output_file"] for t in tasks} == {str(tmp_path / "slurm-%A_%a.out")}, tasks  # filled as each runs
+    script(tmp_path, "#!/bin/sh\n#SBATCH -o mine.log\ntrue\n", "own.sbatch")
+    assert json.loads(invoke(["submit", "--json", "own.sbatch"]).stdout)["output_file"] == str(tmp_path / "mine.log")
     # The command line over both.
     result = invoke(["submit", "--json", "-G", "1", "-t", "5m", "train.sbatch"])
     assert result.exit_code == 0 and json.loads(result.stdout)["gpus"] == 1, result.output
