@@ -160,8 +160,8 @@ def _head_text(path: str) -> str:
 
 
 def srun_lines(text: str) -> list[int]:
-    """The lines of a script's text that run ``srun``, SLURM's task launcher, which a gpuq job has
-    no use for (its one task is the script) and no node of gpuq's need have."""
+    """The lines of a script's text that run ``srun``, SLURM's task launcher, which only a SLURM
+    script's job finds on its PATH (gpuq.cli.srun, its command as the job's one task)."""
     return [number for number, line in enumerate(text.splitlines(), 1) if _SRUN.match(line)]
 
 
@@ -271,13 +271,13 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     if left_out:
         sys.stderr.write(printable(f"gpuq: left out of {shown}, as meaning nothing to gpuq: {', '.join(left_out)}")
                          + "\n")
-    if srun := srun_lines(body):  # the job would fail there, after its wait in the queue: said now
+    slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)
+    if not slurm and (srun := srun_lines(body)):  # it would fail there, after its wait in the queue: said now
         sys.stderr.write(printable(f"gpuq: note: {shown} runs srun (line {', '.join(map(str, srun[:5]))}), SLURM's "
-                                   "task launcher, which gpuq does not provide: the job's one task is the script, "
-                                   "so run the command without it") + "\n")
+                                   "task launcher, which a gpuq job finds only where its script has #SBATCH lines "
+                                   "(it runs the command as the job's one task)") + "\n")
     kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
-    slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)
     return kept, {name: origins[name] for name in kept}, slurm
 
 

@@ -94,15 +94,18 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     # Given on stdin, as `sbatch <<EOF` takes one: the job carries the script's text.
     heredoc = subprocess.run([sys.executable, "-m", "gpuq.cli", "submit", "--parsable"], env=settings_env(s),
                              cwd=tmp_path, input="#!/bin/sh\n#SBATCH --job-name=heredoc\n"
-                             "echo \"here $0 $SLURM_JOB_ID $SLURM_JOB_NAME $SLURM_SUBMIT_DIR\"\n",
+                             "echo \"here $0 $SLURM_JOB_ID $SLURM_JOB_NAME $SLURM_SUBMIT_DIR\"\n"
+                             "srun --ntasks=1 -c 1 -l sh -c 'echo step $0' \"$SLURM_JOB_ID\"\n",
                              capture_output=True, text=True, timeout=60)
     assert heredoc.returncode == 0, heredoc.stderr
     job_id = int(heredoc.stdout)
     assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
     # A SLURM script's body reads SLURM's names for its job's facts.
-    assert run_cli(["logs", str(job_id)], s).stdout == f"here /bin/sh {job_id} heredoc {tmp_path}\n"
+    # Its srun runs a step's command as the job's one task (gpuq.cli.srun).
+    told = f"here /bin/sh {job_id} heredoc {tmp_path}\nstep {job_id}\n"
+    assert run_cli(["logs", str(job_id)], s).stdout == told
     # Its output in the file sbatch would write, as well as in gpuq.
-    assert (tmp_path / f"slurm-{job_id}.out").read_text() == f"here /bin/sh {job_id} heredoc {tmp_path}\n"
+    assert (tmp_path / f"slurm-{job_id}.out").read_text() == told
     # And an array's tasks their index, as an sbatch array script reads it.
     (tmp_path / "array.sh").write_text("#!/bin/sh\n#SBATCH --array=4-5\necho task $SLURM_ARRAY_TASK_ID of "
                                        "$SLURM_ARRAY_JOB_ID\n")

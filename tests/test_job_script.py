@@ -4,6 +4,9 @@ sbatch reads ``#SBATCH``, below the command line's, and refused in one line nami
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 
 import pytest
 from sqlalchemy import func, select
@@ -323,9 +326,7 @@ def test_a_slurm_script_runs_as_it_is_its_gpuq_lines_over_its_sbatch_lines_and_w
     assert job["argv"] == ["./train.sbatch"] and job["name"] == "from-gpuq" and job["gpus"] == 2, job
     assert job["time_limit_s"] == 3600 and job["host_mem_mib"] == 4000 and job["cpus"] == 4, job
     assert result.stderr == ("gpuq: left out of train.sbatch, as meaning nothing to gpuq: -p gpu (line 3), --account "
-                             "lab (line 3)\n"
-                             "gpuq: note: train.sbatch runs srun (line 7), SLURM's task launcher, which gpuq does not "
-                             "provide: the job's one task is the script, so run the command without it\n")
+                             "lab (line 3)\n")  # its srun is the job's own (gpuq.cli.srun): nothing to say of it
     # Marked as a SLURM script's, as sbatch sets it: its worker gives it SLURM's names for its facts;
     # and its output goes where sbatch writes it.
     with write_scope(use_settings) as session:
@@ -398,12 +399,15 @@ def test_a_slurm_scripts_job_has_slurms_names_for_its_own_facts_and_none_of_srun
     assert "SLURM_ARRAY_TASK_ID" not in variables(12, "t", "n1", 1) and "SLURM_NTASKS" not in names
 
 
-def test_a_script_without_sbatch_lines_is_not_marked_as_slurms(use_settings, tmp_path, monkeypatch):
+def test_a_script_without_sbatch_lines_is_not_marked_as_slurms_and_its_srun_is_said_at_submit(use_settings, tmp_path,
+                                                                                                monkeypatch):
     monkeypatch.chdir(tmp_path)
-    script(tmp_path, "#!/bin/sh\n#GPUQ --name plain\ntrue\n")
-    job = submitted(["job.sh"])
+    script(tmp_path, "#!/bin/sh\n#GPUQ --name plain\nsrun true\n")
+    result = invoke(["submit", "--json", "job.sh"])
     with write_scope(use_settings) as session:
-        assert "SLURM_SUBMIT_DIR" not in session.get(Job, job["id"]).env
+        assert "SLURM_SUBMIT_DIR" not in session.get(Job, json.loads(result.stdout)["id"]).env
+    assert result.stderr == ("gpuq: note: job.sh runs srun (line 3), SLURM's task launcher, which a gpuq job finds "
+                             "only where its script has #SBATCH lines (it runs the command as the job's one task)\n")
 
 
 def test_the_lines_of_a_script_that_run_srun_are_found():
@@ -411,3 +415,48 @@ def test_the_lines_of_a_script_that_run_srun_are_found():
 
     text = "#!/bin/sh\n# srun in a comment\nsrun python a.py\n  exec srun -n1 b\nsrunner x\necho srun\nsrun\n"
     assert srun_lines(text) == [3, 4, 7]
+
+
+@pytest.mark.parametrize("argv,command,chdir,said", [
+    (["python", "train.py", "-n", "4"], ["python", "train.py", "-n", "4"], None, []),  # its words are its own
+    (["-n1", "--cpus-per-task=4", "--gres", "gpu:2", "-l", "--mpi=pmix", "-u", "python", "x.py"], ["python", "x.py"],
+     None, []),
+    (["--ntasks", "1", "-N", "1-1", "-D", "/tmp", "--", "-weird"], ["-weird"], "/tmp", []),
+    (["-o", "step.log", "--error=e.log", "true"], ["true"], None, ["--output step.log", "--error e.log"]),
+])
+def test_srun_in_a_job_runs_its_command_as_the_jobs_one_task(argv, command, chdir, said):
+    from gpuq.cli.srun import command_of
+
+    assert command_of(argv) == (command, chdir, said)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-n", "4", "python", "x.py"], "--ntasks 4: a gpuq job runs one task, the script, on one node"),
+    (["--nodes=2", "x"], "--nodes 2: a gpuq job runs one task"),
+    (["--frob", "x"], "--frob: not an option srun has"),
+    (["-c"], "-c needs a value"),
+    (["-l"], "no command to run"),
+])
+def test_srun_in_a_job_refuses_what_it_would_not_run(argv, message):
+    from gpuq.cli.srun import Refused, command_of
+
+    with pytest.raises(Refused, match=re.escape(message)):
+        command_of(argv)
+
+
+def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_differs(tmp_path):
+    from gpuq.workers.srun_shim import directory
+
+    where = directory(tmp_path)
+    shim = tmp_path / "slurm-bin" / "srun"
+    assert where == str(shim.parent) and (shim.stat().st_mode & 0o777) == 0o755
+    assert (shim.parent.stat().st_mode & 0o777) == 0o755 and "-m gpuq.cli.srun" in shim.read_text()
+    before = shim.stat().st_ino
+    directory(tmp_path)
+    assert shim.stat().st_ino == before  # the same text: left as it is
+    shim.write_text("#!/bin/sh\nexit 9\n")
+    directory(tmp_path)
+    assert "-m gpuq.cli.srun" in shim.read_text() and os.listdir(shim.parent) == ["srun"]
+    ran = subprocess.run([str(shim), "-n", "1", "sh", "-c", "echo ran $0", "here"], capture_output=True, text=True,
+                         timeout=60)
+    assert (ran.returncode, ran.stdout) == (0, "ran here\n"), ran.stderr

@@ -23,7 +23,7 @@ from gpuq.service.job_output import record_metric
 from gpuq.service.jobs import possible_mps_clients
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
-from gpuq.workers import mps
+from gpuq.workers import mps, srun_shim
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
 from gpuq.workers.core_binding import Binding, bound, held_to_cpus
@@ -280,6 +280,8 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     if slurm_names.MARK in job.env:  # submitted from a SLURM script: its variables under SLURM's names
         env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
                                          job.array_index))
+        if settings is not None:  # and its srun, which runs a step's command as the job's one task
+            env["PATH"] = srun_shim.directory(settings.home) + os.pathsep + env.get("PATH", os.defpath)
     if identity is not None:
         env.update(identity.env())
     if settings is not None and settings.fake_gpus:
