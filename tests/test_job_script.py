@@ -460,3 +460,7 @@ def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_di
     ran = subprocess.run([str(shim), "-n", "1", "sh", "-c", "echo ran $0", "here"], capture_output=True, text=True,
                          timeout=60)
     assert (ran.returncode, ran.stdout) == (0, "ran here\n"), ran.stderr
+    # A home it cannot write in (here a file, which even root cannot make a directory in): none, and
+    # the job runs without it.
+    (tmp_path / "a-file").write_text("")
+    assert directory(tmp_path / "a-file") is None

@@ -280,8 +280,9 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     if slurm_names.MARK in job.env:  # submitted from a SLURM script: its variables under SLURM's names
         env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
                                          job.array_index))
-        if settings is not None:  # and its srun, which runs a step's command as the job's one task
-            env["PATH"] = srun_shim.directory(settings.home) + os.pathsep + env.get("PATH", os.defpath)
+        shims = srun_shim.directory(settings.home) if settings is not None else None
+        if shims is not None:  # and its srun, which runs a step's command as the job's one task
+            env["PATH"] = shims + os.pathsep + env.get("PATH", os.defpath)
     if identity is not None:
         env.update(identity.env())
     if settings is not None and settings.fake_gpus:

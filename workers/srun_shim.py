@@ -6,17 +6,29 @@ need it; the directory holds nothing else."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import sys
 from pathlib import Path
 
+log = logging.getLogger("gpuq.worker")
+
 # The directory in gpuq's home, put first on a SLURM script's job's PATH.
 DIRECTORY = "slurm-bin"
 
 
-def directory(home: Path) -> str:
-    """The directory holding ``srun``, made (or made right) where it is not."""
+def directory(home: Path) -> str | None:
+    """The directory holding ``srun``, made (or made right) where it is not; None where it cannot
+    be (a home it may not write: logged, and the job runs without it, as it would have)."""
+    try:
+        return _made(home)
+    except OSError as exc:
+        log.warning("no srun for SLURM scripts' jobs: %s", exc)
+        return None
+
+
+def _made(home: Path) -> str:
     where = home / DIRECTORY
     text = ("#!/bin/sh\n# srun inside a gpuq job from a SLURM script: its command, as the job's one task.\n"
             f'exec {shlex.quote(sys.executable)} -m gpuq.cli.srun "$@"\n')
