@@ -7,6 +7,9 @@ here (a partition, an account, a QOS, one node, one task) are read and left out,
 says which in one line; one gpuq cannot honour (two nodes, a whole node, a feature constraint)
 or does not know is refused in one line naming it, as a bad ``#GPUQ`` line is. A script's
 ``#GPUQ`` lines go over its ``#SBATCH`` lines, and the command line over both (cli/script.py).
+What sbatch gives a batch script by default, gpuq gives a SLURM script's job too
+(``sbatch_defaults``: its output in slurm-%j.out, SLURM's names for its facts); its ``srun`` is
+gpuq.cli.srun.
 """
 
 from __future__ import annotations
