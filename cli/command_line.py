@@ -13,17 +13,30 @@ if TYPE_CHECKING:
     import click
 
 COMMAND_KEY = "gpuq.command"
-# Set where the command is named in a workload's place (cli/script.py): `gpuq submit train.sh`, `gpuq run nvidia-smi`.
+# Set where the command is named without -- (cli/script.py): `gpuq submit train.sh`, `gpuq run nvidia-smi`.
 NAMED_KEY = "gpuq.named"
 # `gpuq run --detach`: leave once the job runs.
 DETACH_KEY = "gpuq.detach"
 
 
 class CommandLine(TyperCommand):
-    """Splits the command line at ``--``: what follows is the user's command, untouched."""
+    """Splits the command line at ``--``, or at its first word past gpuq's options where that word
+    names the command (``names_command``): what follows is the user's command, untouched."""
+
+    def names_command(self, word: str) -> bool:
+        """Whether ``word``, the first past gpuq's options, starts the command without a ``--``."""
+        return False
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if "--" in args:
+        from gpuq.cli.script import first_word
+
+        before = args[:args.index("--")] if "--" in args else args
+        at = first_word(self.params, before)
+        if at is not None and self.names_command(before[at]):
+            ctx.meta[COMMAND_KEY] = args[at:]
+            ctx.meta[NAMED_KEY] = True
+            args = args[:at]
+        elif "--" in args:
             cut = args.index("--")
             ctx.meta[COMMAND_KEY] = args[cut + 1:]
             args = args[:cut]
@@ -31,20 +44,14 @@ class CommandLine(TyperCommand):
 
 
 class SubmitCommand(CommandLine):
-    """`gpuq submit`'s command line: split at ``--``, or where a job script or a program is named in
-    a workload's place (`gpuq submit -G 2 train.sh --lr 0.1`, `gpuq run nvidia-smi`), which is the
-    command from there on, its words untouched (cli/script.py)."""
+    """`gpuq submit`'s command line: a job script or a program may be named in a workload's place
+    (`gpuq submit -G 2 train.sh --lr 0.1`, `gpuq run nvidia-smi`), the command from there on
+    (cli/script.py)."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from gpuq.cli.script import first_word, names_a_workload
+    def names_command(self, word: str) -> bool:
+        from gpuq.cli.script import names_a_workload
 
-        before = args[:args.index("--")] if "--" in args else args
-        at = first_word(self.params, before)
-        if at is not None and not names_a_workload(before[at]):
-            ctx.meta[COMMAND_KEY] = args[at:]
-            ctx.meta[NAMED_KEY] = True
-            args = args[:at]
-        return super().parse_args(ctx, args)
+        return not names_a_workload(word)
 
 
 class RunCommand(SubmitCommand):
@@ -64,14 +71,8 @@ class RunCommand(SubmitCommand):
 
 
 class AllocCommand(CommandLine):
-    """`gpuq alloc`'s command line: split at ``--``, or at its first word past gpuq's options, as
-    salloc takes its command (`gpuq alloc -G 1 jupyter lab --no-browser`); its words untouched."""
+    """`gpuq alloc`'s command line: its first word past gpuq's options starts the command, as salloc
+    takes one (`gpuq alloc -G 1 jupyter lab --no-browser`)."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from gpuq.cli.script import first_word
-
-        before = args[:args.index("--")] if "--" in args else args
-        if (at := first_word(self.params, before)) is not None:
-            ctx.meta[COMMAND_KEY] = args[at:]
-            args = args[:at]
-        return super().parse_args(ctx, args)
+    def names_command(self, word: str) -> bool:
+        return True

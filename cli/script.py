@@ -93,12 +93,13 @@ def command_of(command: list[str], cwd: str) -> list[str]:
     word, rest = command[0], command[1:]
     path = os.path.join(cwd, word)
     shown, here = printable(word[:200]), printable(cwd)  # a word is anything: the error stays one line
-    if "/" not in word and not os.path.isfile(path):
+    is_file = os.path.isfile(path)
+    if "/" not in word and not is_file:
         if reach.which(word, os.environ.get("PATH", os.defpath), cwd) is None:
             raise InvalidSpec(f"{shown} is none of gpuq's workloads (gpuq workloads), no file in {here} and no "
                               "command on PATH")
         return command
-    if not os.path.isfile(path):
+    if not is_file:
         raise InvalidSpec(f"no such job script: {shown} (in {here})")
     run = word if "/" in word else "./" + word  # exec looks a bare name up in PATH, not here
     if os.access(path, os.X_OK):
@@ -239,15 +240,14 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
             continue
         if "--" in words:  # the parser would take what follows for the job's command
             raise InvalidSpec(f"{where}: '--': a {marker} line takes gpuq submit's options only")
-        if (at := first_word(ctx.command.params, words, unknown=True)) is not None:  # a word: the job's command
+        # A word, or an option it does not have: the parser would take them for the job's command
+        # (or a workload's name) and its parameters.
+        if (at := first_word(ctx.command.params, words, unknown=True)) is not None:
             raise InvalidSpec(f"{where}: {words[at][:80]!r}: a {marker} line takes gpuq submit's options only")
         try:
             line = ctx.command.make_context(ctx.info_name, words, parent=ctx.parent)
         except click.ClickException as exc:
             raise InvalidSpec(f"{where}: {click_message(exc)}") from None
-        stray = [*([line.params["workload"]] if line.params.get("workload") is not None else []), *line.args]
-        if stray:
-            raise InvalidSpec(f"{where}: {stray[0][:80]!r}: a {marker} line takes gpuq submit's options only")
         given = {name for name in line.params if line.get_parameter_source(name) == ParameterSource.COMMANDLINE}
         if marker == DIRECTIVE and given & _GPU_ASKS:  # its GPUs over the #SBATCH lines', in either form
             for name in _GPU_ASKS & from_sbatch:
