@@ -110,6 +110,12 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     return out, left_out
 
 
+def exports(words: list[str]) -> bool:
+    """Whether one ``#SBATCH`` line's words name ``--export``: without one in any line, sbatch gives
+    the job the submitter's whole environment (script_options adds ``--env ALL``)."""
+    return any(_option(word)[0] == "export" for word in words)
+
+
 def _option(word: str) -> tuple[str | None, str | None, str]:
     """The long name of the option ``word`` gives (None: not an option), its value where the word
     holds it (``--time=10``, ``-t10``), and the option as written, without its value."""

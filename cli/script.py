@@ -205,7 +205,8 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     line 3``), for the server's refusal of one to name its line. Its ``#SBATCH`` lines are read
     first (cli/sbatch_lines.py), its ``#GPUQ`` lines over them; the sbatch options left out are
     said in one line on stderr; and whether it has ``#SBATCH`` lines (a SLURM script: its job is
-    given SLURM's variables, service/slurm_names.py). InvalidSpec, naming the script's line, for a
+    given SLURM's variables, service/slurm_names.py, and, as sbatch's default is, with no
+    ``--export`` line, ``--env ALL``). InvalidSpec, naming the script's line, for a
     directive the command would refuse."""
     import click
     from click.core import ParameterSource
@@ -221,6 +222,7 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     origins: dict[str, str] = {}
     left_out: list[str] = []
     from_sbatch: set[str] = set()
+    exported = False  # an #SBATCH --export line
     body = _head_text(path) if text is None else text
     lines = [(number, line, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
              for number, line in lines_of(body, marker)]
@@ -231,6 +233,7 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
         except ValueError as exc:
             raise InvalidSpec(f"{where}: {marker} {line_text[:80]}: {exc}") from None
         if marker == sbatch_lines.MARKER:
+            exported = exported or sbatch_lines.exports(words)
             try:
                 words, dropped = sbatch_lines.translate(words)
             except InvalidSpec as exc:
@@ -272,6 +275,11 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
         sys.stderr.write(printable(f"gpuq: left out of {shown}, as meaning nothing to gpuq: {', '.join(left_out)}")
                          + "\n")
     slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)
+    if slurm and not exported:  # sbatch's default, --export=ALL; the command line's --env replaces it
+        from gpuq.service.constants import ENV_ALL
+
+        found["env"] = [ENV_ALL, *found.get("env", [])]
+        origins.setdefault("env", f"{shown}, sbatch's --export=ALL")
     if not slurm and (srun := srun_lines(body)):  # it would fail there, after its wait in the queue: said now
         sys.stderr.write(printable(f"gpuq: note: {shown} runs srun (line {', '.join(map(str, srun[:5]))}), SLURM's "
                                    "task launcher, which a gpuq job finds only where its script has #SBATCH lines "

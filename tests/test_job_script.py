@@ -203,6 +203,8 @@ def test_a_scripts_shebang_is_split_as_the_kernel_splits_it():
     assert kernel_argv(b"#!/bin/bash\necho\n") == ["/bin/bash"]
     assert kernel_argv(b"#! /usr/bin/env -S python3 -u  \nprint()\n") == ["/usr/bin/env", "-S python3 -u"]
     assert kernel_argv(b"#!/usr/bin/python3\t-u\n") == ["/usr/bin/python3", "-u"]
+    # The argument whole, as the kernel passes it: its own tabs kept, the blanks before it not.
+    assert kernel_argv(b"#!/usr/bin/env \t -S awk\t-f\n") == ["/usr/bin/env", "-S awk\t-f"]
     assert kernel_argv(b"echo\n") is None and kernel_argv(b"#!\n") is None and kernel_argv(b"#!  \n") is None
 
 
@@ -340,6 +342,38 @@ def test_a_slurm_script_runs_as_it_is_its_gpuq_lines_over_its_sbatch_lines_and_w
     # The command line over both.
     result = invoke(["submit", "--json", "-G", "1", "-t", "5m", "train.sbatch"])
     assert result.exit_code == 0 and json.loads(result.stdout)["gpus"] == 1, result.output
+
+
+def test_a_slurm_script_takes_the_submitters_whole_environment_unless_it_or_the_command_line_says_otherwise(
+        use_settings, tmp_path, monkeypatch):
+    # sbatch's --export default is ALL: a script relying on what its shell exported (a W&B project,
+    # a cache directory) runs as under SLURM. gpuq's own variables and the refused ones stay out.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_PROJECT", "resnet")
+    monkeypatch.setenv("LD_PRELOAD", "/tmp/hook.so")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+
+    def env_of(text: str, *args: str) -> dict:
+        script(tmp_path, text, "run.sbatch")
+        job = submitted([*args, "run.sbatch"])
+        with write_scope(use_settings) as session:
+            return session.get(Job, job["id"]).env
+
+    env = env_of("#!/bin/sh\n#SBATCH -J all\ntrue\n")
+    assert env["WANDB_PROJECT"] == "resnet" and "LD_PRELOAD" not in env and "CUDA_VISIBLE_DEVICES" not in env, env
+    env = env_of("#!/bin/sh\n#SBATCH -J all\n#GPUQ --env A=1\ntrue\n")
+    assert env["WANDB_PROJECT"] == "resnet" and env["A"] == "1", env
+    # --export=NONE: gpuq's default set alone (PATH, HOME...); --export=NAME: that one beside it.
+    env = env_of("#!/bin/sh\n#SBATCH --export=NONE\ntrue\n")
+    assert "WANDB_PROJECT" not in env and env["PATH"] == os.environ["PATH"], env
+    env = env_of("#!/bin/sh\n#SBATCH --export=HF_HOME=/data/hf\ntrue\n")
+    assert "WANDB_PROJECT" not in env and env["HF_HOME"] == "/data/hf", env
+    # The command line's --env replaces the script's, sbatch's default among them.
+    env = env_of("#!/bin/sh\n#SBATCH -J all\ntrue\n", "--env", "B=2")
+    assert "WANDB_PROJECT" not in env and env["B"] == "2", env
+    # A script of #GPUQ lines alone is gpuq's: its default set.
+    env = env_of("#!/bin/sh\n#GPUQ -J mine\ntrue\n")
+    assert "WANDB_PROJECT" not in env, env
 
 
 @pytest.mark.parametrize("line,message", [
