@@ -6,6 +6,7 @@ failed, workers/command.py, reads that line with ``interpreter_of``, as the owne
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 from gpuq.service import reach
@@ -54,7 +55,9 @@ def kernel_argv(first: bytes) -> list[str] | None:
     if not first.startswith(b"#!"):
         return None
     line = first[2:].split(b"\n", 1)[0].strip(b" \t")
-    words = line.replace(b"\t", b" ").split(b" ", 1) if line else []
+    # As binfmt_script: the program ends at the first blank (space or tab); the argument is the
+    # rest, its own tabs kept.
+    words = re.split(rb"[ \t]", line, maxsplit=1) if line else []
     return [os.fsdecode(w.strip(b" \t")) for w in words if w.strip(b" \t")] or None
 
 
