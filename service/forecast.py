@@ -36,9 +36,11 @@ each as if it succeeded. squeue --start gives such a job none.
 
 Unknown (None) where no such moment can be counted on: a job ahead on those GPUs (or of its user,
 under the limit) has no time limit (or the job itself has none and something is planned after
-it), it asks more GPUs than its user may hold, its user's limit holds it and their running jobs
-are not known, a job it waits for has no expected end (held, no time limit, itself unknown), or
-it is past the first ``depth`` jobs of the queue.
+it), the job is behind one the scheduler lets nothing pass (``Decision.blocked_by``: a gang with
+no moment to reserve, behind a running job without a limit) and that one has no start either, it
+asks more GPUs than its user may hold, its user's limit holds it and their running jobs are not
+known, a job it waits for has no expected end (held, no time limit, itself unknown), or it is past
+the first ``depth`` jobs of the queue.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ from gpuq.service.timeline import Timeline
 # queue: bf_max_job_test).
 DEPTH = 500
 # Why ``start_times`` counts on no moment for a job it planned, as `gpuq why` and `--test-only` say it.
-NO_START = (f"a job before it on the GPUs it needs has no time limit, or it is past the first {DEPTH} jobs of the "
-            "queue")
+NO_START = (f"a job before it on the GPUs it needs has no time limit, or waits behind one that has none, or it is "
+            f"past the first {DEPTH} jobs of the queue")
 
 
 @dataclass(frozen=True)
@@ -239,16 +241,30 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
     if throttled:  # in their places in the queue (decide's order is the queue's)
         waiting = sorted([*waiting, *throttled], key=lambda j: policy.order_key(j, state.gpu_hours))
     order = [*waiting, *sorted((job for job, _ in later), key=lambda j: policy.order_key(j, state.gpu_hours))]
+    blocker = jobs.get(decision.blocked_by) if decision.blocked_by is not None else None
+
+    def behind(job: JobRequest, first: float) -> float | None:
+        """``first``, or for a job after the one the scheduler lets nothing pass (``blocked_by``)
+        the moment that one starts, before which the scheduler starts it nowhere; None if unknown."""
+        if blocker is None or job.id == blocker.id or (
+                policy.order_key(job, state.gpu_hours) < policy.order_key(blocker, state.gpu_hours)):
+            return first
+        start = found.get(blocker.id)
+        return None if start is None else max(first, start)
+
+    def earliest(job: JobRequest, first: float) -> float | None:
+        first_here = behind(job, max(state.now, first))
+        return None if first_here is None else _earliest(job, state, by_node, plan, first_here, where)
+
     for looked, job in enumerate(order):
         if looked >= depth or (decision.waiting.get(job.id) == policy.USER_LIMIT and plan.user(job.user) is None):
             found[job.id] = None
             continue
-        found[job.id] = _earliest(job, state, by_node, plan, max(state.now, not_before.get(job.id, state.now)), where)
+        found[job.id] = earliest(job, not_before.get(job.id, state.now))
     if awaiting:
         lengths = {j.id: _length(j) for j in [*state.jobs, *throttled, *(job for job, _ in later)]}
         in_order = sorted(awaiting, key=lambda a: policy.order_key(a.job, state.gpu_hours))
-        _plan_awaiting(in_order, awaited_ends or {}, lengths, found, len(order), depth,
-                       lambda job, first: _earliest(job, state, by_node, plan, max(state.now, first), where))
+        _plan_awaiting(in_order, awaited_ends or {}, lengths, found, len(order), depth, earliest)
     return found
 
 

@@ -117,6 +117,7 @@ def decide(state: QueueState) -> Decision:
                 continue
             if job.gpu_type is None:
                 blocked = True
+                decision.blocked_by = job.id
             else:
                 gpus.fence(job)
     return decision

@@ -247,3 +247,6 @@ class Decision:
     preemptions: dict[int, int] = field(default_factory=dict)
     # The GPUs each waiting job that preempts holds for itself until they are free (as a placement).
     claims: list[Placement] = field(default_factory=list)
+    # The waiting job no reservation could protect (a job on its GPUs has no time limit): no job
+    # after it in the queue starts before it does.
+    blocked_by: int | None = None

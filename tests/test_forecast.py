@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuq.service.forecast import Awaiting, start_times
-from gpuq.service.policy import JobRequest, QueueState
+from gpuq.service.policy import JobRequest, QueueState, decide
 from tests.test_policy import NOW, gpu, job
 
 pytestmark = pytest.mark.timeout(30)
@@ -39,6 +39,24 @@ def test_behind_a_job_without_a_time_limit_nobody_can_count_on_a_start():
     # On another node a GPU frees in an hour: there it starts.
     gpus = [gpu(1, busy_until=math.inf), gpu(2, node="b", busy_until=NOW + HOUR)]
     assert start_times(QueueState(NOW, [job(4, limit=HOUR)], gpus)) == {4: NOW + HOUR}
+
+
+def test_behind_a_gang_the_scheduler_cannot_reserve_for_nothing_is_expected_to_start_on_the_free_gpu():
+    # GPU 1 runs a job with no time limit; GPU 2 is free. Job 1 needs both: no reservation can
+    # protect it, so the scheduler starts nothing after it (policy.decide), and the forecast says
+    # so instead of "now" for job 2 on the free GPU, however short it is.
+    gpus = [gpu(1, busy_until=math.inf), gpu(2)]
+    state = QueueState(NOW, [job(1, gpus=2, limit=HOUR), job(2), job(3, limit=60)], gpus)
+    decision = decide(state)
+    assert decision.placements == [] and decision.blocked_by == 1
+    assert start_times(state, decision) == {1: None, 2: None, 3: None}
+    # A job ahead of the gang (a higher priority, submitted after it) is not held behind it.
+    state = QueueState(NOW, [job(1, gpus=2, limit=HOUR), job(4, limit=60, priority=5)], gpus)
+    assert start_times(state) == {4: NOW, 1: None}
+    # Where the gang can be reserved for, what ends before its start still goes first.
+    gpus = [gpu(1, busy_until=NOW + HOUR), gpu(2)]
+    assert start_times(QueueState(NOW, [job(1, gpus=2, limit=HOUR), job(3, limit=60)], gpus)) == {
+        1: NOW + HOUR, 3: NOW}
 
 
 def test_a_job_with_no_limit_of_its_own_starts_once_nothing_is_planned_after_that_moment():

@@ -198,7 +198,8 @@ def test_why_names_the_job_that_goes_first_and_whether_by_priority_or_fair_share
         text = why(session, settings, anns)
     assert f"job {bobs} of bob (2 GPUs) goes first (fair share: " in text and text.endswith(
         "and it waits for GPUs; node a: GPU 0,1 run job 5 of ann; no start time can be counted on yet (a job "
-        "before it on the GPUs it needs has no time limit, or it is past the first 500 jobs of the queue)"), text
+        "before it on the GPUs it needs has no time limit, or waits behind one that has none, or it is past the "
+        "first 500 jobs of the queue)"), text
 
 
 def test_a_user_at_the_gpu_limit_waits_while_others_start(settings):
