@@ -7,9 +7,10 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
+from typer.core import TyperCommand
 
 from gpuq.cli import numbers
 from gpuq.cli.client import Client, Overdue, Refused
@@ -19,24 +20,29 @@ from gpuq.service import constants as c
 from gpuq.service.constants import State
 from gpuq.service.errors import InvalidSpec
 
+if TYPE_CHECKING:
+    import click
+
 app = typer.Typer()
 
 
 def selected(client: Client, job_ids: list[int] | None, array: int | None, mine: bool = False,
              ride_out: bool = False, deadline: float | None = None, name: str | None = None,
-             state: str | None = None) -> list[int]:
-    """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs, of
-    ``name`` and in ``state`` where given. ``ride_out`` and ``deadline`` as for ``Client.get``."""
+             state: str | None = None, user: str | None = None) -> list[int]:
+    """The jobs a command acts on: ids, an array's jobs, or (cancel) the caller's active jobs
+    (``user``'s, where root or an admin names another), of ``name`` and in ``state`` where given.
+    ``ride_out`` and ``deadline`` as for ``Client.get``."""
     if mine and (job_ids or array is not None):
         # scancel -u USER ID narrows to that user's; a union here would cancel every job of theirs.
-        raise InvalidSpec("--user cancels all your jobs: give it alone, without job ids or --array")
+        whose = f"-u {user} cancels all of {user}'s jobs" if user else "--me cancels all your jobs"
+        raise InvalidSpec(f"{whose}: give it alone, without job ids or --array")
     chosen = list(job_ids or [])
     if chosen:
         states_of(client, chosen, ride_out, deadline)  # every id must exist
     if array is not None:
         chosen += [r["id"] for r in client.get(f"/arrays/{array}", ride_out=ride_out, deadline=deadline)["jobs"]]
     if mine:
-        chosen += client.get("/jobs/active", name=name, state=state)["ids"]
+        chosen += client.get("/jobs/active", name=name, state=state, user=user)["ids"]
     if not chosen and not mine:
         raise InvalidSpec("name the jobs: ids, --array ID")
     return list(dict.fromkeys(chosen))
@@ -139,16 +145,35 @@ def _timed_out(timeout: float, left: str) -> NoReturn:
     raise typer.Exit(c.EXIT_TIMEOUT)
 
 
-@app.command()
+class CancelCommand(TyperCommand):
+    """`gpuq cancel`'s command line: ``-u``/``--user`` names a user, as scancel's does; bare (at the
+    end, before an option or an id), as gpuq's ``--user`` flag was, it is ``--me``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        args = list(args)
+        for at, word in enumerate(args):
+            if word == "--":
+                break
+            following = args[at + 1] if at + 1 < len(args) else None
+            if word in ("-u", "--user") and (following is None or following.startswith("-") or following.isdigit()):
+                args[at] = "--me"
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=CancelCommand)
 def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", parser=numbers.job_id)] = None,
            array: Annotated[int | None, typer.Option(help="Every job of this array (one summary line).",
                                                      parser=numbers.job_id)]
            = None,
-           user: Annotated[bool, typer.Option("--user", help="All my waiting and running jobs.")] = False,
-           name: Annotated[str | None, typer.Option("--name", "-n", help="My jobs of this name (an array's tasks "
-                                                    "too), or a pattern with * and ? (as scancel -n).")] = None,
-           state: Annotated[str | None, typer.Option("--state", "-t", help="My jobs in this state: pending or "
-                                                     "running (as scancel -t).")] = None,
+           me: Annotated[bool, typer.Option("--me", help="All my waiting and running jobs (as scancel --me).")]
+           = False,
+           user: Annotated[str | None, typer.Option("--user", "-u", help="All this user's waiting and running jobs "
+                                                    "(as scancel -u): yours, or anyone's for root and the admins.",
+                                                    show_default=False, metavar="USER")] = None,
+           name: Annotated[str | None, typer.Option("--name", "-n", help="My jobs (or -u's) of this name (an array's "
+                                                    "tasks too), or a pattern with * and ? (as scancel -n).")] = None,
+           state: Annotated[str | None, typer.Option("--state", "-t", help="My jobs (or -u's) in this state: "
+                                                     "pending or running (as scancel -t).")] = None,
            no_wait: Annotated[bool, typer.Option("--no-wait", help="Do not wait for running jobs to stop.")] = False,
            signal: Annotated[str | None, typer.Option("--signal", "-s", help="Send this signal to the running "
                                                       "jobs instead ([B:]SIG, e.g. USR1; B: to the main process "
@@ -156,9 +181,12 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
            ) -> None:
     """Cancel jobs: a waiting one at once, a running one by stopping its whole process tree. With
     --signal, send running jobs a signal instead (to save a checkpoint now, say)."""
-    mine = user or name is not None or state is not None
+    if user is not None and not user.strip():
+        raise InvalidSpec("-u needs a user name")
+    mine = me or user is not None or name is not None or state is not None
     if not job_ids and array is None and not mine:
-        raise InvalidSpec("name the jobs: ids, --array ID, --user for all of yours, or --name / --state")
+        raise InvalidSpec("name the jobs: ids, --array ID, --me for all of yours (-u USER for root and the admins), "
+                          "or --name / --state")
     if (name is not None or state is not None) and (job_ids or array is not None):
         # scancel narrows ids by them; a union here would cancel every job of that name.
         raise InvalidSpec("--name and --state choose among all your jobs: give them without job ids or --array")
@@ -167,7 +195,7 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
 
         JobSignal.parse_now(signal)  # bad input is refused before any request
     client = Client()
-    targets = selected(client, job_ids, array, mine, name=name, state=state)
+    targets = selected(client, job_ids, array, mine, name=name, state=state, user=user)
     if signal is not None:
         _signal(client, targets, signal, array, set(job_ids or []) if array is not None else set(targets))
         return
@@ -181,7 +209,7 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
     if len(targets) == 1 and ended:
         raise Refused(f"job {ended[0]['id']} already ended ({ended[0]['state']})", c.EXIT_CONFLICT)
     # An array's tasks are counted in one line (10,000 of them were 10,000 lines); jobs named by id,
-    # or --user's, a line each.
+    # or --me's, a line each.
     named = set(targets) if array is None else set(job_ids or [])
     tasks: dict[int, str] = {}  # an array's task → what became of it: its state, or "ended" before the cancel
     stopping = []
@@ -221,7 +249,7 @@ def cancel(job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.", 
 
 def _signal(client: Client, targets: list[int], signal: str, array: int | None, named: set[int]) -> None:
     """`gpuq cancel --signal`: ask the workers of the running jobs among ``targets`` to send them
-    ``signal``; a line for each job in ``named`` (by id, or --user's), one for an array's tasks,
+    ``signal``; a line for each job in ``named`` (by id, or --me's), one for an array's tasks,
     exit 4 where none of them was running."""
     if not targets:
         typer.echo("no active jobs to signal")
@@ -236,7 +264,7 @@ def _signal(client: Client, targets: list[int], signal: str, array: int | None, 
                        else f"job {job_id}: no signal sent: {why}")
         else:
             others[why] += 1
-    if others:  # an array's tasks (jobs named by id, or --user's, have a line each)
+    if others:  # an array's tasks (jobs named by id, or --me's, have a line each)
         sent = others.pop(None, 0)
         rest = "".join(f"; not to {n:,} ({why})" for why, n in sorted(others.items()))
         typer.echo(f"{sig} sent to {'the main processes of ' if main else ''}{sent:,} running "

@@ -32,7 +32,7 @@ from gpuq.service import constants as c
 from gpuq.service import history as history_of
 from gpuq.service.accounting import parse_when
 from gpuq.service.constants import State
-from gpuq.service.errors import InvalidSpec
+from gpuq.service.errors import InvalidSpec, NotAllowed
 from gpuq.service.models import Job, utcnow
 from gpuq.service.rights import Caller
 from gpuq.service.settings import Settings
@@ -232,16 +232,21 @@ def _ran_on(summary: Any) -> list[int] | None:
 
 @routes.get(P + "/jobs/active")
 async def active(request: web.Request) -> web.Response:
-    """The caller's waiting and running jobs (`gpuq cancel --user`); ``name`` (a name or a pattern)
-    and ``state`` (pending or running) narrow them (`gpuq cancel --name --state`, scancel's -n, -t)."""
+    """The caller's waiting and running jobs (`gpuq cancel --me`), or for root and the admins
+    another ``user``'s (`gpuq cancel -u NAME`, scancel's -u); ``name`` (a name or a pattern) and
+    ``state`` (pending or running) narrow them (`gpuq cancel --name --state`, scancel's -n, -t)."""
     settings, caller = acting(request)
     name, state = request.query.get("name"), request.query.get("state")
+    user = request.query.get("user", caller.user)
+    if user != caller.user and not rights.is_admin(settings, caller):
+        raise NotAllowed(f"only root or an admin (GPUQ_ADMINS) may act on another user's jobs (-u {user[:64]}); "
+                         f"you are {caller.user}")
     if name is not None and not name.strip():
         raise InvalidSpec("--name needs a name or a pattern")
     if state is not None and state not in _ACTIVE_BY_WORD:
         raise InvalidSpec(f"--state takes pending or running; got {state[:40]!r}")
     states = _ACTIVE_BY_WORD[state] if state is not None else c.ACTIVE_STATES
-    return web.json_response({"ids": await call(_active, settings, caller.user, name, states)})
+    return web.json_response({"ids": await call(_active, settings, user, name, states)})
 
 
 # `--state` as scancel's -t reads it: a dispatched job is on its way to running.

@@ -152,7 +152,7 @@ def test_logs_of_a_job_that_has_not_started_says_so_on_stderr_and_cancel_of_noth
     assert shown.stderr == "gpuq: job 1 has not started: pending (held); no output yet\n", shown.stderr
     assert invoke(["logs", "--json", "1"]).stderr == ""  # a document, as it was: state and empty output
     nothing = invoke(["cancel"])
-    assert nothing.exit_code == c.EXIT_USAGE and "--user for all of yours" in nothing.output, nothing.output
+    assert nothing.exit_code == c.EXIT_USAGE and "--me for all of yours" in nothing.output, nothing.output
 
 
 def test_why_and_devices_escape_what_a_user_or_a_process_wrote_before_a_terminal_sees_it(use_settings):

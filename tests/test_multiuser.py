@@ -234,10 +234,16 @@ def test_a_user_cannot_change_or_read_another_users_job(box):
     data = json.loads(as_json.stdout)
     assert data["user"] == a and data["last_output"] == []
     assert secret not in as_json.stdout and code_secret not in as_json.stdout
+    # Nor all of A's at once, as scancel -u names them.
+    for args in (["cancel", "-u", a], ["cancel", "--user", a, "-t", "pending"], ["cancel", "-u", a, "-s", "USR1"]):
+        line = _refused(box.gpuq(b, *args))
+        assert line == f"gpuq: only root or an admin (GPUQ_ADMINS) may act on another user's jobs (-u {a}); you are {b}"
     assert _sql_state(box.settings) == before
 
-    for job_id in (waiting, held):
-        assert box.gpuq(a, "cancel", str(job_id)).returncode == 0
+    # Root may: `scancel -u USER` as the machine's admin does it.
+    done = _run([GPUQ, "cancel", "-u", a, "-t", "pending"], env=box.env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"job {held} cancelled", f"job {waiting} cancelled"], done.stdout
 
 
 @pytest.mark.timeout(300)
@@ -505,7 +511,7 @@ def test_a_users_pending_jobs_are_capped_and_the_one_past_the_cap_writes_nothing
     # The cap is per user: the other user still submits.
     other = _submitted(box.gpuq(box.a, "submit", "--hold", "--", "true"))
     assert box.gpuq(box.a, "cancel", str(other)).returncode == 0
-    cancelled = box.gpuq(user, "cancel", "--user")
+    cancelled = box.gpuq(user, "cancel", "--me")
     assert cancelled.returncode == 0, cancelled.stderr
     assert _pending_of(box.settings, user) == 0
     # Below the cap again: a submit is taken (the limit counts pending jobs, not jobs ever made).

@@ -288,7 +288,7 @@ def test_cancel_signal_of_an_array_sends_it_to_its_running_tasks_and_counts_the_
     assert (sent.returncode, sent.stdout) == (
         0, f"SIGUSR1 sent to 1 running job of array {array}; not to 2 (pending, not running)\n"), sent
     assert wait_until(lambda: marks(tmp_path / "0", "main") == 1), one_gpu.logs()
-    mine = run_cli(["cancel", "-s", "B:USR1", "--user"], s)  # as `gpuq cancel --user`: a line for each job
+    mine = run_cli(["cancel", "-s", "B:USR1", "--me"], s)  # as `gpuq cancel --me`: a line for each job
     ids = [j["id"] for j in json.loads(made.stdout)]
     assert (mine.returncode, mine.stdout) == (0, f"job {ids[0]}: SIGUSR1 sent to its main process\n" + "".join(
         f"job {i}: no signal sent: pending, not running\n" for i in ids[1:])), mine

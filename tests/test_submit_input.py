@@ -2,6 +2,7 @@
 
 import json
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -249,9 +250,12 @@ def test_an_array_is_cancelled_by_its_id_and_cancel_user_takes_all_of_mine(use_s
     result = invoke(["cancel", "--array", "1"])
     assert result.exit_code == 0 and result.output == "cancelled 3 jobs of array 1\n"
     assert invoke(["cancel", "--array", "9"]).output.strip() == "gpuq: no array 9"
-    result = invoke(["cancel", "--user"])
+    result = invoke(["cancel", "--me"])
     assert result.exit_code == 0 and result.output.strip() == "job 4 cancelled"
-    assert invoke(["cancel", "--user"]).output.strip() == "no active jobs to cancel"
+    assert invoke(["cancel", "--me"]).output.strip() == "no active jobs to cancel"
+    # As scancel -u names the caller, and as gpuq's --user flag was: bare, it is --me.
+    for args in (["cancel", "-u", pwd.getpwuid(os.getuid()).pw_name], ["cancel", "--user"]):
+        assert invoke(args).output.strip() == "no active jobs to cancel", args
     assert invoke(["wait", "--array", "1"]).exit_code == c.EXIT_JOB_FAILED
 
 
@@ -259,10 +263,13 @@ def test_cancel_user_with_job_ids_or_an_array_is_refused_and_cancels_nothing(use
     # It took the union: `gpuq cancel --user 5` cancelled every job of the caller's, not job 5.
     assert invoke(["submit", "--array", "0-1", "--hold", "--", "true"]).exit_code == 0  # jobs 1-2
     assert invoke(["submit", "--hold", "--", "true"]).exit_code == 0  # job 3
-    for args in (["cancel", "--user", "1"], ["cancel", "--user", "--array", "1"]):
+    for args in (["cancel", "--user", "1"], ["cancel", "--me", "--array", "1"]):
         result = invoke(args)
         assert result.exit_code == c.EXIT_USAGE
-        assert result.output.strip() == "gpuq: --user cancels all your jobs: give it alone, without job ids or --array"
+        assert result.output.strip() == "gpuq: --me cancels all your jobs: give it alone, without job ids or --array"
+    result = invoke(["cancel", "-u", "someone", "2"])
+    assert result.output.strip() == ("gpuq: -u someone cancels all of someone's jobs: give it alone, without job "
+                                     "ids or --array")
     with write_scope(use_settings) as session:
         assert set(session.scalars(select(Job.state))) == {State.PENDING}
 
