@@ -8,6 +8,10 @@ of the ``alloc_keepalive`` setting. If it dies (ssh dropped, kill -9), the worke
 allocation within that setting plus about a second, and stops every process that carries its run
 id, as it does at every end: the shell's exit, the time limit (warned of on the terminal first), or
 `gpuq cancel`.
+
+The shell finds gpuq's srun first on its PATH (cli/srun.py, kept in the user's cache directory by
+service/srun_shim.py), so that a step run as in salloc's shell, `srun python train.py`, runs its
+command there, as the allocation's one task.
 """
 
 from __future__ import annotations
@@ -185,9 +189,14 @@ def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
 
 def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> int:
     """Run the shell (or ``command``) in this terminal while the allocation lasts; the exit code."""
+    from gpuq.service.srun_shim import for_user
+
     job_id = held["id"]
     env = shell_env(held, os.environ)
     gpus = env["CUDA_VISIBLE_DEVICES"]
+    srun = for_user(os.environ)
+    if srun is not None:  # a step as salloc's shell runs one, `srun python train.py`: the command, here
+        env["PATH"] = srun + os.pathsep + env.get("PATH", os.defpath)
     argv = command or [_shell()]
     until = f" until {time.strftime('%H:%M:%S', time.localtime(held['deadline']))}" if held["deadline"] else ""
     say(sys.stderr, f"gpuq: allocation {job_id}: GPU {gpus} on {held['node']}{until}"

@@ -1,12 +1,14 @@
-"""`srun` inside a gpuq job from a SLURM script: the command, run as the job's one task.
+"""`srun` inside a gpuq job from a SLURM script, or in a `gpuq alloc` shell: the command, run as the
+job's one task.
 
 A batch script written for SLURM runs its work through srun (`srun python train.py`), which asks
-slurmctld for a step of the job's allocation. A gpuq job has its GPUs, cores and memory already and
-one task, the script, so its worker puts this on the PATH of a SLURM script's job
-(workers/srun_shim.py): srun's options for a step inside the job (its cores, GPUs, binding, MPI,
-labels) are read and let be, the step being the job itself; ``--chdir`` is honoured; more than one
-node or task is refused in one line, since nothing here would start them; then the command
-replaces this process, so its exit status is the script's to read, as srun's is.
+slurmctld for a step of the job's allocation, and so does a user in salloc's shell. A gpuq job has
+its GPUs, cores and memory already and one task, the script (or the shell), so its worker puts this
+on the PATH of a SLURM script's job, and `gpuq alloc` on its shell's (service/srun_shim.py): srun's
+options for a step inside the job (its cores, GPUs, binding, MPI, labels) are read and let be, the
+step being the job itself; ``--chdir`` is honoured; more than one node or task is refused in one
+line, since nothing here would start them; then the command replaces this process, so its exit
+status is the script's to read, as srun's is.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def command_of(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
                 raise Refused(f"{word} needs a value")
             given, at = argv[at], at + 1
         if name in _ONE and given.strip() not in ("1", "1-1"):
-            raise Refused(f"--{name} {given[:20]}: a gpuq job runs one task, the script, on one node; start more "
-                          "processes from it yourself (torchrun --nproc-per-node N, say)")
+            raise Refused(f"--{name} {given[:20]}: a gpuq job runs one task on one node (its script, or an "
+                          "allocation's shell); start more processes from it yourself (torchrun --nproc-per-node N, "
+                          "say)")
         if name == "chdir":
             chdir = given
         elif name in _REDIRECTS:

@@ -407,15 +407,20 @@ def test_detach_leaves_a_running_job_and_attach_follows_it_to_its_exit_status(st
 
 # ---- gpuq alloc ----------------------------------------------------------------------------------
 
-def test_alloc_gives_a_shell_its_gpu_which_is_busy_while_it_lives_and_free_after_exit(stack, terminals):
+def test_alloc_gives_a_shell_its_gpu_which_is_busy_while_it_lives_and_free_after_exit(stack, terminals, tmp_path):
     marker = unique_sleep()
-    t = terminals(["alloc"], {**stack.env, "SHELL": "/bin/sh", "PS1": "alloc$ "})
+    t = terminals(["alloc"], {**stack.env, "SHELL": "/bin/sh", "PS1": "alloc$ ", "XDG_CACHE_HOME": str(tmp_path)})
     t.read_until("alloc$ ")
     job_id = newest_job(stack.settings)
     job, gpus = job_of(stack.settings, job_id)
     assert job.kind == c.KIND_INTERACTIVE and job.state == State.RUNNING and len(gpus) == 1
     t.type("echo CVD=$CUDA_VISIBLE_DEVICES JOB=$GPUQ_JOB_ID ALLOC=$GPUQ_ALLOC\n")
     t.read_until(f"CVD={gpus[0]} JOB={job_id} ALLOC={job_id}")
+    # A step as salloc's shell runs one: gpuq's srun (kept in the user's cache) runs it here.
+    t.type("srun -n 1 --gres=gpu:1 sh -c 'echo STEP=$CUDA_VISIBLE_DEVICES/$GPUQ_ALLOC'; srun -n 2 true\n")
+    t.read_until(f"STEP={gpus[0]}/{job_id}")
+    t.read_until("gpuq srun: --ntasks 2: a gpuq job runs one task")
+    assert (tmp_path / "gpuq" / "slurm-bin" / "srun").is_file()
     status = run_cli(["status", "--json"], stack.settings)
     busy = [g for g in __import__("json").loads(status.stdout)["gpus"] if g["index"] == gpus[0]]
     assert busy and busy[0]["job_id"] == job_id

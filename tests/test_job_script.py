@@ -465,7 +465,8 @@ def test_srun_in_a_job_runs_its_command_as_the_jobs_one_task(argv, command, chdi
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["-n", "4", "python", "x.py"], "--ntasks 4: a gpuq job runs one task, the script, on one node"),
+    (["-n", "4", "python", "x.py"], "--ntasks 4: a gpuq job runs one task on one node (its script, or an "
+                                    "allocation's shell)"),
     (["--nodes=2", "x"], "--nodes 2: a gpuq job runs one task"),
     (["--frob", "x"], "--frob: not an option srun has"),
     (["-c"], "-c needs a value"),
@@ -479,7 +480,7 @@ def test_srun_in_a_job_refuses_what_it_would_not_run(argv, message):
 
 
 def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_differs(tmp_path):
-    from gpuq.workers.srun_shim import directory
+    from gpuq.service.srun_shim import directory
 
     where = directory(tmp_path)
     shim = tmp_path / "slurm-bin" / "srun"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service import failures, output_files, simulated_memory, slurm_names, usage
+from gpuq.service import failures, output_files, simulated_memory, slurm_names, srun_shim, usage
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
@@ -23,7 +23,7 @@ from gpuq.service.job_output import record_metric
 from gpuq.service.jobs import possible_mps_clients
 from gpuq.service.settings import Settings
 from gpuq.service.workloads import get_workload
-from gpuq.workers import mps, srun_shim
+from gpuq.workers import mps
 from gpuq.workers.cgroup import JobCgroup
 from gpuq.workers.command import Ahead, CannotStart, run_command
 from gpuq.workers.core_binding import Binding, bound, held_to_cpus
