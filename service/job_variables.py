@@ -80,7 +80,9 @@ def job_env(requests: list[str], environ: Mapping[str, str] | None = None) -> di
         if len(value.encode("utf-8", "surrogateescape")) > MAX_ENV_VALUE_BYTES:
             raise InvalidSpec(f"--env {name}: the value is longer than {MAX_ENV_VALUE_BYTES // 1024} KiB")
     if sum(len(k) + len(v.encode("utf-8", "surrogateescape")) + 2 for k, v in env.items()) > MAX_ENV_BYTES:
-        raise InvalidSpec(f"the job's environment is larger than {MAX_ENV_BYTES // 1024} KiB")
+        raise InvalidSpec(f"the job's environment is larger than {MAX_ENV_BYTES // 1024} KiB"
+                          + (" (--env ALL, a SLURM script's default: name what it needs instead, --env NAME or "
+                             "#SBATCH --export=NAME,...)" if everything else ""))
     return env
 
 

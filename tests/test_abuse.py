@@ -164,6 +164,13 @@ def test_nul_bytes_and_undecodable_text_cannot_reach_a_job():
         "BASH_FUNC_x%%": "() { id; }", "NUL": "a\x00b", "BAD": "bad\udcff", "1X": "y", "HOME": "/home/a"})
     assert env == {"PATH": "/bin", "WANDB_API_KEY": "w", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
                    "HF_HOME": "/data/hf", "HOME": "/home/a"}
+    # An environment past the limit is refused in one line, which says what to do where --env ALL
+    # (a SLURM script's default) took it all.
+    big = {f"V{i}": "x" * 60_000 for i in range(5)}
+    with pytest.raises(InvalidSpec, match=r"larger than 256 KiB \(--env ALL, a SLURM script's default: name what"):
+        job_variables.job_env(["ALL"], big)
+    with pytest.raises(InvalidSpec, match=r"larger than 256 KiB$"):
+        job_variables.job_env([f"V{i}" for i in range(5)], big)
 
 
 # --- other users' jobs -------------------------------------------------------------------------
