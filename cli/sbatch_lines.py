@@ -14,6 +14,7 @@ gpuq.cli.srun.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuq.service.errors import InvalidSpec
@@ -39,7 +40,8 @@ _LEFT_OUT = {"partition": "p", "account": "A", "qos": "q", "comment": "", "open-
              "profile": "", "acctg-freq": "", "licenses": "L", "cluster": "M", "clusters": "M"}
 # Of those, the flags, and those whose value only follows an = (``--nice=10``).
 _LEFT_OUT_FLAGS = {"oversubscribe", "no-kill", "get-user-env", "parsable", "quiet", "verbose", "nice"}
-# A job runs on one node, as one task: these are read, and refused past one.
+# A job runs on one node (refused past one), and its tasks there: as many as these say, which its
+# srun starts (cli/srun.py).
 _ONE = {"nodes": "N", "ntasks": "n", "ntasks-per-node": "", "tasks-per-node": ""}
 # What gpuq cannot honour, and what to ask instead.
 _REFUSED = {
@@ -58,10 +60,28 @@ _SHORT.update({short: name for table in (_LEFT_OUT, _ONE) for name, short in tab
 _SHORT.update(D="chdir", W="wait", C="constraint", Q="quiet", v="verbose")
 
 
-def translate(words: list[str]) -> tuple[list[str], list[str]]:
+@dataclass
+class Lines:
+    """What a script's ``#SBATCH`` lines say beyond `gpuq submit`'s options, read line by line
+    (``translate``): whether one names ``--export``, its tasks on its node, and which of gpuq's
+    options they gave per task (``cpus`` from ``-c``, ``gpus`` from ``--gpus-per-task``), which the
+    job takes times its tasks (script_options)."""
+
+    exported: bool = False
+    tasks: int | None = None  # --ntasks, -n
+    tasks_per_node: int | None = None  # --ntasks-per-node: the same on one node
+    per_task: set[str] = field(default_factory=set)
+
+    @property
+    def task_count(self) -> int:
+        return self.tasks or self.tasks_per_node or 1
+
+
+def translate(words: list[str], seen: Lines | None = None) -> tuple[list[str], list[str]]:
     """`gpuq submit`'s words for one ``#SBATCH`` line's, and the options it left out, as written
-    (``-p gpu``). InvalidSpec, in a line naming the option, for one gpuq cannot honour or does not
-    know, or a word that is no option."""
+    (``-p gpu``); what else it says, into ``seen``. InvalidSpec, in a line naming the option, for
+    one gpuq cannot honour or does not know, or a word that is no option."""
+    seen = Lines() if seen is None else seen
     out: list[str] = []
     left_out: list[str] = []
     at = 0
@@ -84,13 +104,25 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
             out.append(_FLAGS[name][1])
         elif name in _LEFT_OUT or name in _LEFT_OUT_FLAGS:
             left_out.append(written)
-        elif name in _ONE:
+        elif name == "nodes":
             assert value is not None
             if value.strip() not in ("1", "1-1"):
-                raise InvalidSpec(f"{MARKER} {written[:80]}: a gpuq job runs on one node, as one task (its GPUs and "
-                                  "cores all there; a program of its own may start more processes)")
+                raise InvalidSpec(f"{MARKER} {written[:80]}: a gpuq job runs on one node (its GPUs, cores and "
+                                  "tasks all there)")
+        elif name in _ONE:
+            assert value is not None
+            count = value.strip()
+            from gpuq.service.slurm_names import MAX_TASKS
+
+            if not count.isdigit() or not 1 <= int(count) <= MAX_TASKS:
+                raise InvalidSpec(f"{MARKER} {written[:80]}: a count of tasks on the job's one node, 1 to {MAX_TASKS}")
+            if name == "ntasks":
+                seen.tasks = int(count)
+            else:
+                seen.tasks_per_node = int(count)
         elif name == "export":
             assert value is not None
+            seen.exported = True
             out.extend(_exports(value))
         elif name == "time" and value is not None and value.strip().upper() in ("UNLIMITED", "INFINITE"):
             left_out.append(written)  # no limit asked: the queue's default (GPUQ_DEFAULT_TIME), if any, holds
@@ -105,15 +137,13 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
         elif name in _SAME:
             assert value is not None
             out += [_SAME[name][1], value]
+            given = _SAME[name][1].lstrip("-")
+            if given in ("cpus", "gpus", "gres"):  # per task where it says so; the job's own otherwise
+                kind = "gpus" if given == "gres" else given
+                (seen.per_task.add if name.endswith("-per-task") else seen.per_task.discard)(kind)
         else:
             raise InvalidSpec(f"{MARKER} {shown}: not an option gpuq takes (gpuq submit --help)")
     return out, left_out
-
-
-def exports(words: list[str]) -> bool:
-    """Whether one ``#SBATCH`` line's words name ``--export``: without one in any line, sbatch gives
-    the job the submitter's whole environment (script_options adds ``--env ALL``)."""
-    return any(_option(word)[0] == "export" for word in words)
 
 
 def _option(word: str) -> tuple[str | None, str | None, str]:
@@ -149,13 +179,16 @@ def _mail_events(value: str) -> tuple[str, list[str]]:
     return ",".join(e for e in events if e.upper() in known), [e for e in events if e.upper() not in known]
 
 
-def sbatch_defaults(options: dict[str, Any], submit_dir: str) -> None:
+def sbatch_defaults(options: dict[str, Any], submit_dir: str, tasks: int = 1) -> None:
     """What sbatch gives a batch script that its lines and the command line did not ask otherwise,
     into ``options`` (`gpuq submit`'s): ``SLURM_SUBMIT_DIR``, which marks the job as a SLURM
-    script's (its worker gives it SLURM's other names for its facts, service/slurm_names.py), and
-    its output in ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array's tasks) in its directory."""
-    from gpuq.service.slurm_names import MARK
+    script's (its worker gives it SLURM's other names for its facts, service/slurm_names.py); its
+    ``tasks`` where more than one, which its srun starts (cli/srun.py); and its output in
+    ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array's tasks) in its directory."""
+    from gpuq.service.slurm_names import MARK, TASKS, TASKS_PER_NODE
 
     options["env"] = [*options["env"], f"{MARK}={submit_dir}"]
+    if tasks > 1:
+        options["env"] += [f"{TASKS}={tasks}", f"{TASKS_PER_NODE}={tasks}"]
     if not options.get("output"):
         options["output"] = "slurm-%A_%a.out" if options.get("array") else "slurm-%j.out"

@@ -30,6 +30,8 @@ from gpuq.service.errors import InvalidSpec
 if TYPE_CHECKING:
     import click
 
+    from gpuq.cli import sbatch_lines
+
 DIRECTIVE = "#GPUQ"
 # The head of a script that is read for directives: a job script's comment block is short.
 HEAD_BYTES = 64 * 1024
@@ -199,15 +201,16 @@ def from_stdin(text: str) -> list[str]:
 
 
 def script_options(ctx: click.Context, command: list[str], cwd: str, text: str | None = None
-                   ) -> tuple[dict[str, Any], dict[str, str], bool]:
+                   ) -> tuple[dict[str, Any], dict[str, str], sbatch_lines.Lines | None]:
     """The options the command's script sets that the command line did not: parameter name →
     value, as ``ctx.params`` holds them; and where each came from (parameter name → ``train.sh
     line 3``), for the server's refusal of one to name its line. Its ``#SBATCH`` lines are read
     first (cli/sbatch_lines.py), its ``#GPUQ`` lines over them; the sbatch options left out are
-    said in one line on stderr; and whether it has ``#SBATCH`` lines (a SLURM script: its job is
+    said in one line on stderr; and, where it has ``#SBATCH`` lines (a SLURM script: its job is
     given SLURM's variables, service/slurm_names.py, and, as sbatch's default is, with no
-    ``--export`` line, ``--env ALL``). InvalidSpec, naming the script's line, for a
-    directive the command would refuse."""
+    ``--export`` line, ``--env ALL``), what they say beyond gpuq's options (its tasks); None where
+    it has none. Cores and GPUs they give per task are the job's times its tasks. InvalidSpec,
+    naming the script's line, for a directive the command would refuse."""
     import click
     from click.core import ParameterSource
 
@@ -216,13 +219,13 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
 
     path = script_of(command, cwd) if text is None else STDIN
     if path is None:
-        return {}, {}, False
+        return {}, {}, None
     shown = STDIN if text is not None else os.path.relpath(path, cwd) if path.startswith(cwd) else path
     found: dict[str, Any] = {}
     origins: dict[str, str] = {}
     left_out: list[str] = []
     from_sbatch: set[str] = set()
-    exported = False  # an #SBATCH --export line
+    sbatch = sbatch_lines.Lines()  # what the #SBATCH lines say beyond gpuq's options
     body = _head_text(path) if text is None else text
     lines = [(number, line, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
              for number, line in lines_of(body, marker)]
@@ -233,9 +236,8 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
         except ValueError as exc:
             raise InvalidSpec(f"{where}: {marker} {line_text[:80]}: {exc}") from None
         if marker == sbatch_lines.MARKER:
-            exported = exported or sbatch_lines.exports(words)
             try:
-                words, dropped = sbatch_lines.translate(words)
+                words, dropped = sbatch_lines.translate(words, sbatch)
             except InvalidSpec as exc:
                 raise InvalidSpec(f"{where}: {exc}") from None
             left_out += [f"{option} (line {number})" for option in dropped]
@@ -252,6 +254,8 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
         except click.ClickException as exc:
             raise InvalidSpec(f"{where}: {click_message(exc)}") from None
         given = {name for name in line.params if line.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+        if marker == DIRECTIVE:  # a #GPUQ line's are the job's own, over any the #SBATCH lines gave per task
+            sbatch.per_task -= {"gpus" if name == "gres" else name for name in given}
         if marker == DIRECTIVE and given & _GPU_ASKS:  # its GPUs over the #SBATCH lines', in either form
             for name in _GPU_ASKS & from_sbatch:
                 found.pop(name, None)
@@ -275,18 +279,36 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
         sys.stderr.write(printable(f"gpuq: left out of {shown}, as meaning nothing to gpuq: {', '.join(left_out)}")
                          + "\n")
     slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)
-    if slurm and not exported:  # sbatch's default, --export=ALL; the command line's --env replaces it
+    if slurm and not sbatch.exported:  # sbatch's default, --export=ALL; the command line's --env replaces it
         from gpuq.service.constants import ENV_ALL
 
         found["env"] = [ENV_ALL, *found.get("env", [])]
         origins.setdefault("env", f"{shown}, sbatch's --export=ALL")
+    _per_task(found, sbatch)
     if not slurm and (srun := srun_lines(body)):  # it would fail there, after its wait in the queue: said now
         sys.stderr.write(printable(f"gpuq: note: {shown} runs srun (line {', '.join(map(str, srun[:5]))}), SLURM's "
                                    "task launcher, which a gpuq job finds only where its script has #SBATCH lines "
                                    "(it runs the command as the job's one task)") + "\n")
     kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
-    return kept, {name: origins[name] for name in kept}, slurm
+    return kept, {name: origins[name] for name in kept}, sbatch if slurm else None
+
+
+def _per_task(found: dict[str, Any], sbatch: sbatch_lines.Lines) -> None:
+    """The job's cores and GPUs where the #SBATCH lines gave them per task (``-c 4``,
+    ``--gpus-per-task=1``) and asked for more than one task: times its tasks, as SLURM gives a job."""
+    tasks = sbatch.task_count
+    if tasks == 1:
+        return
+    if "cpus" in sbatch.per_task and found.get("cpus") is not None:
+        try:
+            found["cpus"] = f"{float(found['cpus']) * tasks:g}"
+        except ValueError:
+            pass  # refused as it is, in the line the server says
+    if "gpus" in sbatch.per_task and found.get("gpus") is not None:
+        from dataclasses import replace
+
+        found["gpus"] = replace(found["gpus"], count=found["gpus"].count * tasks)
 
 
 def from_script(message: str, origins: dict[str, str]) -> str:

@@ -1,20 +1,33 @@
-"""`srun` inside a gpuq job from a SLURM script, or in a `gpuq alloc` shell: the command, run as the
-job's one task.
+"""`srun` inside a gpuq job from a SLURM script, or in a `gpuq alloc` shell: a step's command, run as
+the job's tasks.
 
 A batch script written for SLURM runs its work through srun (`srun python train.py`), which asks
 slurmctld for a step of the job's allocation, and so does a user in salloc's shell. A gpuq job has
-its GPUs, cores and memory already and one task, the script (or the shell), so its worker puts this
-on the PATH of a SLURM script's job, and `gpuq alloc` on its shell's (service/srun_shim.py): srun's
-options for a step inside the job (its cores, GPUs, binding, MPI, labels) are read and let be, the
-step being the job itself; ``--chdir`` is honoured; more than one node or task is refused in one
-line, since nothing here would start them; then the command replaces this process, so its exit
-status is the script's to read, as srun's is.
+its GPUs, cores and memory already, on one node, so its worker puts this on the PATH of a SLURM
+script's job, and `gpuq alloc` on its shell's (service/srun_shim.py): srun's options for a step
+inside the job (its cores, GPUs, binding, MPI) are read and let be, the step being the job itself;
+``--chdir`` is honoured; more than one node is refused in one line.
+
+A job of one task (the script's, or the shell's) runs the command in place of this process, so its
+exit status is the script's to read, as srun's is. A job whose script asked for more
+(``#SBATCH --ntasks-per-node=4``: ``SLURM_NTASKS`` in its environment, service/slurm_names.py) gets
+them here, as srun starts a step's tasks on one node: the command once per task (``-n`` of them at
+most), each with SLURM's variables for its place (``SLURM_PROCID``, ``SLURM_LOCALID``, ...), which
+PyTorch Lightning and hand-written DDP scripts read for their ranks; ``--label`` (``-l``) puts each
+line of output after its task's number; this process waits for all of them and ends with the
+highest exit status (128 + N for a task a signal N ended), forwarding the signals it is sent;
+``--kill-on-bad-exit`` (``-K``) stops the others (SIGTERM) once one fails, and ends with its status.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import threading
 
 # srun's options that take a value (long name: short letter, or ""), those of a step within the job.
 _VALUES = {
@@ -33,8 +46,10 @@ _FLAGS = {
     "no-kill": "k", "oversubscribe": "s", "hold": "H",
 }
 _SHORT = {short: name for table in (_VALUES, _FLAGS) for name, short in table.items() if short}
-# One node, one task: the job's.
-_ONE = {"nodes", "ntasks", "ntasks-per-node", "tasks-per-node"}
+# One node: the job's; and the step's tasks there.
+_TASKS = {"ntasks", "ntasks-per-node", "tasks-per-node"}
+# The signals passed on to a step's tasks (SIGKILL cannot be caught: the job's end stops them all).
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT", "SIGALRM")
 # Where its task's output would go instead of the job's: the job's own is kept, and this is said.
 _REDIRECTS = {"output", "error", "input"}
 
@@ -43,12 +58,22 @@ class Refused(Exception):
     """A command line this srun cannot run, in the words to say it."""
 
 
-def command_of(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
-    """srun's command line read: the command, the directory to run it in (``--chdir``; None: here),
-    and the options left out and said (a redirect of the task's output). Refused for more than one
-    node or task, an option srun does not have, or no command."""
-    chdir: str | None = None
-    said: list[str] = []
+@dataclass
+class Step:
+    """srun's command line read."""
+
+    command: list[str]
+    chdir: str | None = None  # --chdir; None: here
+    said: list[str] = field(default_factory=list)  # options left out and said (a redirect of the output)
+    tasks: int | None = None  # -n; None: the job's
+    label: bool = False  # -l
+    kill_on_bad_exit: bool = False  # -K
+
+
+def command_of(argv: list[str]) -> Step:
+    """srun's command line read. Refused for more than one node, a count of tasks that is none, an
+    option srun does not have, or no command."""
+    step = Step([])
     at = 0
     while at < len(argv) and argv[at].startswith("-") and argv[at] != "-":
         word = argv[at]
@@ -61,6 +86,10 @@ def command_of(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
         else:
             name, given = _SHORT.get(word[1], ""), word[2:] or None
         if name in _FLAGS and name not in _VALUES:
+            if name == "label":
+                step.label = True
+            elif name == "kill-on-bad-exit":
+                step.kill_on_bad_exit = given != "0"
             continue
         if name not in _VALUES:
             raise Refused(f"{word[:60]}: not an option srun has")
@@ -68,27 +97,48 @@ def command_of(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
             if at == len(argv):
                 raise Refused(f"{word} needs a value")
             given, at = argv[at], at + 1
-        if name in _ONE and given.strip() not in ("1", "1-1"):
-            raise Refused(f"--{name} {given[:20]}: a gpuq job runs one task on one node (its script, or an "
-                          "allocation's shell); start more processes from it yourself (torchrun --nproc-per-node N, "
-                          "say)")
+        if name == "nodes" and given.strip() not in ("1", "1-1"):
+            raise Refused(f"--nodes {given[:20]}: a gpuq job runs on one node, its tasks all there (its script's, or "
+                          "an allocation's shell's)")
+        if name in _TASKS:
+            if not given.strip().isdigit() or int(given) < 1:
+                raise Refused(f"--{name} {given[:20]}: a count of tasks, 1 or more")
+            step.tasks = int(given)
         if name == "chdir":
-            chdir = given
+            step.chdir = given
         elif name in _REDIRECTS:
-            said.append(f"--{name} {given}")
+            step.said.append(f"--{name} {given}")
     if at == len(argv):
         raise Refused("no command to run")
-    return argv[at:], chdir, said
+    step.command = argv[at:]
+    return step
 
 
 def main(argv: list[str]) -> int:
+    from gpuq.service.slurm_names import tasks_of
+
     try:
-        command, chdir, said = command_of(argv)
+        step = command_of(argv)
+        job_tasks = tasks_of(os.environ)
+        tasks = job_tasks if step.tasks is None else step.tasks
+        if tasks > job_tasks:
+            raise Refused(f"--ntasks {tasks}: the job has {job_tasks} task{'' if job_tasks == 1 else 's'} "
+                          f"(#SBATCH --ntasks-per-node=N asks for more; or start more processes from the one, "
+                          "torchrun --nproc-per-node N, say)")
     except Refused as refused:
         print(f"gpuq srun: {refused}", file=sys.stderr)
         return 2
-    if said:
-        print(f"gpuq srun: left out (its output is the job's): {', '.join(said)}", file=sys.stderr)
+    if step.said:
+        print(f"gpuq srun: left out (its output is the job's): {', '.join(step.said)}", file=sys.stderr)
+    if job_tasks == 1 and not step.label:  # the job's one task: this process becomes it
+        return _exec(step)
+    # Its tasks (or its one, its lines labelled): SLURM's variables for each where the job has more
+    # than one, none of them in a job of one, as there (module docstring).
+    return _tasks(step, tasks, job_tasks > 1)
+
+
+def _exec(step: Step) -> int:
+    command, chdir = step.command, step.chdir
     try:
         if chdir is not None:
             os.chdir(chdir)
@@ -100,6 +150,96 @@ def main(argv: list[str]) -> int:
         print(f"gpuq srun: {command[0] if chdir is None else chdir}: {exc.strerror}", file=sys.stderr)
         return 126
     return 0  # not reached: exec replaced this process
+
+
+def task_env(environ: dict[str, str], rank: int, tasks: int) -> dict[str, str]:
+    """A step's task's environment: SLURM's variables for its place among ``tasks`` on one node."""
+    return dict(environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                SLURM_NTASKS=str(tasks), SLURM_NPROCS=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks),
+                SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE=str(tasks), SLURM_NTASKS_PER_NODE=str(tasks),
+                SLURM_TASKS_PER_NODE=str(tasks))
+
+
+def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
+    """Run ``step``'s command as ``tasks`` tasks (each given ``task_env``'s variables where
+    ``variables``); the highest exit status among them."""
+    import signal
+    import subprocess
+    import threading
+
+    started: list[subprocess.Popen[bytes]] = []
+    received: list[int] = []  # the signals passed on so far: a task started after one is sent it too
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        for task in started:
+            if task.returncode is None:
+                try:
+                    task.send_signal(signum)
+                except OSError:
+                    pass
+
+    for name in _FORWARDED:  # before the first task starts: a signal sent once they run is theirs
+        signal.signal(getattr(signal, name), forward)
+    pipe = subprocess.PIPE if step.label else None
+    environ = dict(os.environ)
+    try:
+        for rank in range(tasks):
+            task = subprocess.Popen(step.command, cwd=step.chdir, stdout=pipe, stderr=pipe,
+                                    env=task_env(environ, rank, tasks) if variables else environ)
+            started.append(task)
+            for signum in list(received):
+                task.send_signal(signum)
+    except OSError as exc:
+        for task in started:
+            task.kill()
+            task.wait()
+        if isinstance(exc, FileNotFoundError) and (step.chdir is None or exc.filename != step.chdir):
+            print(f"gpuq srun: {step.command[0]}: command not found", file=sys.stderr)
+            return 127
+        print(f"gpuq srun: {step.command[0] if step.chdir is None else step.chdir}: {exc.strerror}", file=sys.stderr)
+        return 126
+
+    pumps: list[threading.Thread] = []
+    if step.label:
+        lock = threading.Lock()
+        width = len(str(tasks - 1))
+        for rank, task in enumerate(started):
+            for source, sink in ((task.stdout, sys.stdout.buffer), (task.stderr, sys.stderr.buffer)):
+                assert source is not None
+                pump = threading.Thread(target=_labelled, args=(source, sink, f"{rank:>{width}}: ".encode(), lock),
+                                        daemon=True)
+                pump.start()
+                pumps.append(pump)
+    worst = 0
+    first_bad = 0  # with -K: the status of the task that failed first, not of those stopped for it
+    left: dict[int, subprocess.Popen[bytes]] = {task.pid: task for task in started}
+    while left:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:  # those left were reaped by a signal's send (Popen.poll): their statuses
+            pid, status = next(iter(left)), None
+        if pid not in left:
+            continue
+        task = left.pop(pid)
+        if status is not None:
+            task.returncode = os.waitstatus_to_exitcode(status)
+        code = 0 if task.returncode is None else task.returncode if task.returncode >= 0 else 128 - task.returncode
+        worst = max(worst, code)
+        if code and step.kill_on_bad_exit and not first_bad:
+            first_bad = code
+            forward(signal.SIGTERM, None)
+    for pump in pumps:
+        pump.join(timeout=5)
+    return first_bad or worst
+
+
+def _labelled(source: IO[bytes], sink: IO[bytes], label: bytes, lock: threading.Lock) -> None:
+    """Each line of ``source`` onto ``sink`` after ``label``, as srun --label writes a task's."""
+    for line in source:
+        with lock:
+            sink.write(label + line if line.endswith(b"\n") else label + line + b"\n")
+            sink.flush()
 
 
 if __name__ == "__main__":

@@ -182,10 +182,10 @@ def submit(
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
         scripted, origins, slurm = script_options(ctx, command, cwd, script_text)
         options.update(scripted)
-        if slurm:
+        if slurm is not None:
             from gpuq.cli.sbatch_lines import sbatch_defaults
 
-            sbatch_defaults(options, _cwd())  # where it was run, -D or not
+            sbatch_defaults(options, _cwd(), slurm.task_count)  # where it was run, -D or not
     _fold_gres(options, origins)
     options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)
     body: dict[str, Any] = {

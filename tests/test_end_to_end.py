@@ -102,7 +102,7 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
     # A SLURM script's body reads SLURM's names for its job's facts.
     # Its srun runs a step's command as the job's one task (gpuq.cli.srun).
-    told = f"here /bin/sh {job_id} heredoc {tmp_path}\nstep {job_id}\n"
+    told = f"here /bin/sh {job_id} heredoc {tmp_path}\n0: step {job_id}\n"
     assert run_cli(["logs", str(job_id)], s).stdout == told
     # Its output in the file sbatch would write, as well as in gpuq.
     assert (tmp_path / f"slurm-{job_id}.out").read_text() == told
@@ -116,6 +116,15 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
         assert told == f"task {task['array_index']} of {task['array_id']}\n", told
         assert (tmp_path / f"slurm-{task['array_id']}_{task['array_index']}.out").read_text() == told
     assert sorted(t["array_index"] for t in made) == [4, 5]
+    # A script of two tasks, as a DDP script asks SLURM for them: its srun starts one a task, each
+    # told its rank, its cores shared among them.
+    (tmp_path / "ddp.sh").write_text(
+        "#!/bin/sh\n#SBATCH --ntasks-per-node=2 -c 1\necho tasks $SLURM_NTASKS\n"
+        "srun sh -c 'echo rank $SLURM_PROCID of $SLURM_NTASKS cpus $SLURM_CPUS_PER_TASK'\n")
+    job_id = submit(s, ["ddp.sh"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    told = run_cli(["logs", str(job_id)], s).stdout.splitlines()
+    assert told[0] == "tasks 2" and sorted(told[1:]) == ["rank 0 of 2 cpus 1", "rank 1 of 2 cpus 1"], told
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):

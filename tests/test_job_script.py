@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from sqlalchemy import func, select
@@ -290,8 +291,9 @@ def test_an_sbatch_line_becomes_gpuq_submits_options_and_what_means_nothing_here
 
 
 @pytest.mark.parametrize("words,message", [
-    (["-N", "2"], "#SBATCH -N 2: a gpuq job runs on one node, as one task"),
-    (["--ntasks=4"], "#SBATCH --ntasks 4: a gpuq job runs on one node, as one task"),
+    (["-N", "2"], "#SBATCH -N 2: a gpuq job runs on one node (its GPUs, cores and tasks all there)"),
+    (["--ntasks=0"], "#SBATCH --ntasks 0: a count of tasks on the job's one node, 1 to 1024"),
+    (["--ntasks-per-node", "many"], "#SBATCH --ntasks-per-node many: a count of tasks on the job's one node"),
     (["--exclusive"], "#SBATCH --exclusive: gpuq does not hold a whole node"),
     (["--constraint=a100"], "#SBATCH --constraint a100: ask for a GPU model with --gres gpu:MODEL:N"),
     (["--mem-per-cpu=4G"], "give the job's host memory as --mem"),
@@ -377,7 +379,8 @@ def test_a_slurm_script_takes_the_submitters_whole_environment_unless_it_or_the_
 
 
 @pytest.mark.parametrize("line,message", [
-    ("#SBATCH --nodes=2", "job.sh line 2: #SBATCH --nodes 2: a gpuq job runs on one node, as one task"),
+    ("#SBATCH --nodes=2", "job.sh line 2: #SBATCH --nodes 2: a gpuq job runs on one node (its GPUs, cores and "
+                          "tasks all there)"),
     ("#SBATCH --gres=gpu:9", "--gpus 9 is more than any node has (the largest, testnode, has 2) (job.sh line 2)"),
     ("#SBATCH --partition", "job.sh line 2: --partition needs a value"),
     ("#GPUQ --gpus 2 train", "job.sh line 2: 'train': a #GPUQ line takes gpuq submit's options only"),
@@ -423,14 +426,21 @@ def test_a_script_on_stdin_that_nothing_would_run_is_refused_in_one_line_and_not
 
 
 def test_a_slurm_scripts_job_has_slurms_names_for_its_own_facts_and_none_of_sruns_task_variables():
-    from gpuq.service.slurm_names import variables
+    from gpuq.service.slurm_names import tasks_of, variables
 
     names = variables(12, "train[3]", "n1", 2, cpus=2.5, array_id=9, array_index=3)
     assert names == {"SLURM_JOB_ID": "12", "SLURM_JOBID": "12", "SLURM_JOB_NAME": "train[3]",
-                     "SLURM_JOB_NODELIST": "n1", "SLURMD_NODENAME": "n1", "SLURM_JOB_NUM_NODES": "1",
-                     "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2", "SLURM_ARRAY_JOB_ID": "9",
-                     "SLURM_ARRAY_TASK_ID": "3", "SLURM_CPUS_PER_TASK": "3"}
+                     "SLURM_JOB_NODELIST": "n1", "SLURM_NODELIST": "n1", "SLURMD_NODENAME": "n1",
+                     "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
+                     "SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "3", "SLURM_CPUS_PER_TASK": "3"}
     assert "SLURM_ARRAY_TASK_ID" not in variables(12, "t", "n1", 1) and "SLURM_NTASKS" not in names
+    # A job of four tasks: its count, and its cores shared among them, as sbatch gives a batch script.
+    four = variables(12, "ddp", "n1", 4, cpus=8, tasks=4)
+    assert (four["SLURM_NTASKS"], four["SLURM_NTASKS_PER_NODE"], four["SLURM_CPUS_PER_TASK"]) == ("4", "4", "2")
+    assert "SLURM_PROCID" not in four  # each task's, which its srun sets in the tasks it starts
+    # The count as a job's environment gives it, which its user may have set to anything.
+    assert [tasks_of(env) for env in ({}, {"SLURM_NTASKS": "4"}, {"SLURM_NTASKS": "x"}, {"SLURM_NTASKS": "0"},
+                                      {"SLURM_NTASKS": "99999"})] == [4 - 3, 4, 1, 1, 1]
 
 
 def test_a_script_without_sbatch_lines_is_not_marked_as_slurms_and_its_srun_is_said_at_submit(use_settings, tmp_path,
@@ -461,13 +471,13 @@ def test_the_lines_of_a_script_that_run_srun_are_found():
 def test_srun_in_a_job_runs_its_command_as_the_jobs_one_task(argv, command, chdir, said):
     from gpuq.cli.srun import command_of
 
-    assert command_of(argv) == (command, chdir, said)
+    step = command_of(argv)
+    assert (step.command, step.chdir, step.said) == (command, chdir, said)
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["-n", "4", "python", "x.py"], "--ntasks 4: a gpuq job runs one task on one node (its script, or an "
-                                    "allocation's shell)"),
-    (["--nodes=2", "x"], "--nodes 2: a gpuq job runs one task"),
+    (["-n", "0", "python", "x.py"], "--ntasks 0: a count of tasks, 1 or more"),
+    (["--nodes=2", "x"], "--nodes 2: a gpuq job runs on one node, its tasks all there"),
     (["--frob", "x"], "--frob: not an option srun has"),
     (["-c"], "-c needs a value"),
     (["-l"], "no command to run"),
@@ -477,6 +487,75 @@ def test_srun_in_a_job_refuses_what_it_would_not_run(argv, message):
 
     with pytest.raises(Refused, match=re.escape(message)):
         command_of(argv)
+
+
+def _srun(args: list[str], tasks: int | None, tmp_path, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    if tasks is not None:
+        env["SLURM_NTASKS"] = str(tasks)
+    return subprocess.run([sys.executable, "-m", "gpuq.cli.srun", *args], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_srun_in_a_job_of_several_tasks_starts_one_a_task_each_told_its_rank_as_srun_does(tmp_path):
+    # A job whose script asked for four tasks (#SBATCH --ntasks-per-node=4): its srun starts the
+    # command four times, each told its place as SLURM tells a task, for Lightning or a DDP script.
+    show = "echo rank $SLURM_PROCID local $SLURM_LOCALID of $SLURM_NTASKS node $SLURM_NODEID; echo e$SLURM_PROCID >&2"
+    ran = _srun(["-l", "sh", "-c", show], 4, tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(ran.stdout.splitlines()) == [f"{r}: rank {r} local {r} of 4 node 0" for r in range(4)]
+    assert sorted(ran.stderr.splitlines()) == [f"{r}: e{r}" for r in range(4)]  # labelled, as srun -l
+    # -n picks fewer of them; the highest status is srun's; more than the job has is refused.
+    ran = _srun(["-n", "2", "sh", "-c", "echo $SLURM_NTASKS; exit $((SLURM_PROCID + 3))"], 4, tmp_path)
+    assert (ran.returncode, ran.stdout) == (4, "2\n2\n"), ran.stderr
+    ran = _srun(["-n", "5", "true"], 4, tmp_path)
+    assert ran.returncode == 2 and ran.stderr.startswith("gpuq srun: --ntasks 5: the job has 4 tasks"), ran.stderr
+    # -K: one task's failure stops the others, and its status is srun's.
+    ran = _srun(["-K", "sh", "-c", "[ $SLURM_PROCID = 1 ] && exit 5; exec sleep 60"], 3, tmp_path, timeout=30)
+    assert ran.returncode == 5, ran.stderr
+    # A task a signal ended: 128 + N; a command that is not there: 127, no task left behind.
+    assert _srun(["sh", "-c", "kill -9 $$"], 2, tmp_path).returncode == 137
+    ran = _srun(["no-such-command-here"], 2, tmp_path)
+    assert ran.returncode == 127 and "no-such-command-here: command not found" in ran.stderr
+    # The signals srun is sent reach its tasks.
+    (tmp_path / "trap.sh").write_text('trap "echo got TERM $SLURM_PROCID; exit 0" TERM\necho up\nwhile :; do '
+                                      'sleep 0.1; done\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_NTASKS": "2"}
+    srun = subprocess.Popen([sys.executable, "-m", "gpuq.cli.srun", "sh", "trap.sh"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)
+    assert srun.stdout is not None
+    assert [srun.stdout.readline(), srun.stdout.readline()] == ["up\n", "up\n"]
+    srun.terminate()
+    out, _ = srun.communicate(timeout=30)
+    assert srun.returncode == 0 and sorted(out.splitlines()) == ["got TERM 0", "got TERM 1"], out
+    # In a job of one task, the command is that task, with none of a task's variables.
+    ran = _srun(["-l", "sh", "-c", "echo one ${SLURM_PROCID:-none}"], None, tmp_path)
+    assert (ran.returncode, ran.stdout) == (0, "0: one none\n"), ran.stderr
+
+
+def test_a_slurm_scripts_tasks_reach_its_job_and_what_it_asks_per_task_is_times_its_tasks(use_settings, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script(tmp_path, "#!/bin/sh\n#SBATCH --ntasks-per-node=2 -c 3\n#SBATCH --gpus-per-task=1\nsrun python x.py\n",
+           "ddp.sbatch")
+    job = submitted(["ddp.sbatch"])
+    assert (job["cpus"], job["gpus"]) == (6, 2), job
+    with write_scope(use_settings) as session:
+        env = session.get(Job, job["id"]).env
+        assert (env["SLURM_NTASKS"], env["SLURM_NTASKS_PER_NODE"]) == ("2", "2"), env
+    # The job's own where a #GPUQ line or the command line gives them; the tasks stay.
+    script(tmp_path, "#!/bin/sh\n#SBATCH -n 2 -c 3 --gres=gpu:1\n#GPUQ --cpus 4\ntrue\n", "own.sbatch")
+    job = submitted(["own.sbatch"])
+    assert (job["cpus"], job["gpus"]) == (4, 1), job
+    job = submitted(["--cpus", "1", "--env", "A=1", "ddp.sbatch"])
+    assert (job["cpus"], job["gpus"]) == (1, 2), job
+    with write_scope(use_settings) as session:
+        assert session.get(Job, job["id"]).env["SLURM_NTASKS"] == "2"
+    # One task (none asked): no SLURM_NTASKS, which libraries read as srun's ranks.
+    script(tmp_path, "#!/bin/sh\n#SBATCH -c 2\ntrue\n", "one.sbatch")
+    job = submitted(["one.sbatch"])
+    with write_scope(use_settings) as session:
+        assert job["cpus"] == 2 and "SLURM_NTASKS" not in session.get(Job, job["id"]).env
 
 
 def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_differs(tmp_path):

@@ -279,7 +279,7 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     env.update(cpu_variables(job.cpus, job.env))
     if slurm_names.MARK in job.env:  # submitted from a SLURM script: its variables under SLURM's names
         env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
-                                         job.array_index))
+                                         job.array_index, slurm_names.tasks_of(job.env)))
         shims = srun_shim.directory(settings.home) if settings is not None else None
         if shims is not None:  # and its srun, which runs a step's command as the job's one task
             env["PATH"] = shims + os.pathsep + env.get("PATH", os.defpath)
