@@ -10,7 +10,7 @@ id, as it does at every end: the shell's exit, the time limit (warned of on the 
 `gpuq cancel`.
 
 The shell finds gpuq's srun first on its PATH (cli/srun.py, kept in the user's cache directory by
-service/srun_shim.py), so that a step run as in salloc's shell, `srun python train.py`, runs its
+service/slurm_bin.py), so that a step run as in salloc's shell, `srun python train.py`, runs its
 command there, as the allocation's one task.
 """
 
@@ -189,7 +189,7 @@ def shell_env(held: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
 
 def _hold(client: Client, held: dict[str, Any], command: list[str] | None) -> int:
     """Run the shell (or ``command``) in this terminal while the allocation lasts; the exit code."""
-    from gpuq.service.srun_shim import for_user
+    from gpuq.service.slurm_bin import for_user
 
     job_id = held["id"]
     env = shell_env(held, os.environ)

@@ -4,7 +4,7 @@ the job's tasks.
 A batch script written for SLURM runs its work through srun (`srun python train.py`), which asks
 slurmctld for a step of the job's allocation, and so does a user in salloc's shell. A gpuq job has
 its GPUs, cores and memory already, on one node, so its worker puts this on the PATH of a SLURM
-script's job, and `gpuq alloc` on its shell's (service/srun_shim.py): srun's options for a step
+script's job, and `gpuq alloc` on its shell's (service/slurm_bin.py): srun's options for a step
 inside the job (its cores, GPUs, binding, MPI) are read and let be, the step being the job itself;
 ``--chdir`` is honoured; more than one node is refused in one line.
 
@@ -122,9 +122,9 @@ def main(argv: list[str]) -> int:
         job_tasks = tasks_of(os.environ)
         tasks = job_tasks if step.tasks is None else step.tasks
         if tasks > job_tasks:
-            raise Refused(f"--ntasks {tasks}: the job has {job_tasks} task{'' if job_tasks == 1 else 's'} "
-                          f"(#SBATCH --ntasks-per-node=N asks for more; or start more processes from the one, "
-                          "torchrun --nproc-per-node N, say)")
+            raise Refused(f"--ntasks {tasks}: the job has {job_tasks} task{'' if job_tasks == 1 else 's'} (a "
+                          "SLURM script asks for more with #SBATCH --ntasks-per-node=N; or start more processes "
+                          "from one task: torchrun --nproc-per-node N, say)")
     except Refused as refused:
         print(f"gpuq srun: {refused}", file=sys.stderr)
         return 2

@@ -118,13 +118,16 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     assert sorted(t["array_index"] for t in made) == [4, 5]
     # A script of two tasks, as a DDP script asks SLURM for them: its srun starts one a task, each
     # told its rank, its cores shared among them.
+    # Its first node as such a script finds it for MASTER_ADDR, with scontrol.
     (tmp_path / "ddp.sh").write_text(
-        "#!/bin/sh\n#SBATCH --ntasks-per-node=2 -c 1\necho tasks $SLURM_NTASKS\n"
+        "#!/bin/sh\n#SBATCH --ntasks-per-node=2 -c 1\n"
+        "echo tasks $SLURM_NTASKS at $(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
         "srun sh -c 'echo rank $SLURM_PROCID of $SLURM_NTASKS cpus $SLURM_CPUS_PER_TASK'\n")
     job_id = submit(s, ["ddp.sh"], cwd=tmp_path)
     assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
     told = run_cli(["logs", str(job_id)], s).stdout.splitlines()
-    assert told[0] == "tasks 2" and sorted(told[1:]) == ["rank 0 of 2 cpus 1", "rank 1 of 2 cpus 1"], told
+    assert told[0] == f"tasks 2 at {s.node}", told
+    assert sorted(told[1:]) == ["rank 0 of 2 cpus 1", "rank 1 of 2 cpus 1"], told
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):

@@ -419,7 +419,7 @@ def test_alloc_gives_a_shell_its_gpu_which_is_busy_while_it_lives_and_free_after
     # A step as salloc's shell runs one: gpuq's srun (kept in the user's cache) runs it here.
     t.type("srun -n 1 --gres=gpu:1 sh -c 'echo STEP=$CUDA_VISIBLE_DEVICES/$GPUQ_ALLOC'; srun -n 2 true\n")
     t.read_until(f"STEP={gpus[0]}/{job_id}")
-    t.read_until("gpuq srun: --ntasks 2: a gpuq job runs one task")
+    t.read_until("gpuq srun: --ntasks 2: the job has 1 task (a SLURM script asks for more")
     assert (tmp_path / "gpuq" / "slurm-bin" / "srun").is_file()
     status = run_cli(["status", "--json"], stack.settings)
     busy = [g for g in __import__("json").loads(status.stdout)["gpus"] if g["index"] == gpus[0]]

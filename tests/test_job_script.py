@@ -558,8 +558,33 @@ def test_a_slurm_scripts_tasks_reach_its_job_and_what_it_asks_per_task_is_times_
         assert job["cpus"] == 2 and "SLURM_NTASKS" not in session.get(Job, job["id"]).env
 
 
+def test_scontrol_in_a_job_expands_host_lists_as_a_ddp_script_asks_and_refuses_the_rest_naming_gpuqs_command():
+    from gpuq.cli.scontrol import Refused, expand
+
+    assert expand("vm") == ["vm"]
+    assert expand("n[01-03,7]-ib,gpu") == ["n01-ib", "n02-ib", "n03-ib", "n7-ib", "gpu"]
+    assert expand("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+    for bad in ("n[1-", "n[3-1]", "n[a]", "n]1["):
+        with pytest.raises(Refused):
+            expand(bad)
+    env = {**os.environ, "SLURM_JOB_NODELIST": "n[1-2]"}
+
+    def scontrol(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gpuq.cli.scontrol", *args], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    # MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1), and the job's own list.
+    assert scontrol("show", "hostnames", "n[1-2]").stdout == "n1\nn2\n"
+    assert scontrol("show", "hostnames").stdout == "n1\nn2\n"
+    assert scontrol("show", "hostlist", "a,b").stdout == "a,b\n"
+    refused = scontrol("requeue", "5")
+    assert refused.returncode == 2 and refused.stderr == ("gpuq scontrol: requeue 5: only `show hostnames` and "
+                                                          "`show hostlist` run here, in a gpuq job; for this, gpuq "
+                                                          "requeue\n"), refused.stderr
+
+
 def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_differs(tmp_path):
-    from gpuq.service.srun_shim import directory
+    from gpuq.service.slurm_bin import directory
 
     where = directory(tmp_path)
     shim = tmp_path / "slurm-bin" / "srun"
@@ -570,7 +595,8 @@ def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_di
     assert shim.stat().st_ino == before  # the same text: left as it is
     shim.write_text("#!/bin/sh\nexit 9\n")
     directory(tmp_path)
-    assert "-m gpuq.cli.srun" in shim.read_text() and os.listdir(shim.parent) == ["srun"]
+    assert "-m gpuq.cli.srun" in shim.read_text() and sorted(os.listdir(shim.parent)) == ["scontrol", "srun"]
+    assert (shim.parent / "scontrol").stat().st_mode & 0o777 == 0o755
     ran = subprocess.run([str(shim), "-n", "1", "sh", "-c", "echo ran $0", "here"], capture_output=True, text=True,
                          timeout=60)
     assert (ran.returncode, ran.stdout) == (0, "ran here\n"), ran.stderr

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from gpuq.service import constants as c
-from gpuq.service import failures, output_files, simulated_memory, slurm_names, srun_shim, usage
+from gpuq.service import failures, output_files, simulated_memory, slurm_bin, slurm_names, usage
 from gpuq.service.constants import State
 from gpuq.service.db import read_scope, write_scope
 from gpuq.service.errors import JobCancelled
@@ -280,8 +280,8 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     if slurm_names.MARK in job.env:  # submitted from a SLURM script: its variables under SLURM's names
         env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
                                          job.array_index, slurm_names.tasks_of(job.env)))
-        shims = srun_shim.directory(settings.home) if settings is not None else None
-        if shims is not None:  # and its srun, which runs a step's command as the job's one task
+        shims = slurm_bin.directory(settings.home) if settings is not None else None
+        if shims is not None:  # and its srun, which runs a step's command as the job's tasks, and scontrol
             env["PATH"] = shims + os.pathsep + env.get("PATH", os.defpath)
     if identity is not None:
         env.update(identity.env())
