@@ -1,11 +1,13 @@
 """`scontrol` inside a gpuq job from a SLURM script, or in a `gpuq alloc` shell: what a batch
-script asks it for its own use, `scontrol show hostnames "$SLURM_JOB_NODELIST"`, the way a DDP
-script finds its first node for ``MASTER_ADDR``.
+script asks it for its own use.
 
 Put beside gpuq's srun on the job's PATH (service/slurm_bin.py). ``show hostnames`` (``hostname``)
-expands a SLURM host list (``n[01-03],gpu7``: one name a line) and ``show hostlist`` joins names
-into one, the job's own node list where none is given; anything else is refused in one line that
-names gpuq's command for it (`gpuq show`, `gpuq requeue`, `gpuq hold`...), exit 2.
+expands a SLURM host list (``n[01-03],gpu7``: one name a line), as a DDP script finds its first node
+for ``MASTER_ADDR``, and ``show hostlist`` joins names into one, the job's own node list where none
+is given. ``requeue``, ``requeuehold``, ``hold``, ``release`` and ``show job`` of job ids (the job's
+own where none is given: a script that requeues itself before its time limit, on the signal it
+asked for) are gpuq's commands for them, run as the job's user through gpuq's server. Anything else
+is refused in one line that names gpuq's command for it, exit 2.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import sys
 # For the refusal: scontrol's commands a job script may run, and gpuq's for each.
 _GPUQ_FOR = {"show job": "gpuq show", "requeue": "gpuq requeue", "requeuehold": "gpuq requeue --hold",
              "hold": "gpuq hold", "release": "gpuq release", "update": "gpuq update", "top": "gpuq update --priority"}
+# Those run as gpuq's: scontrol's words, and gpuq's command line before the job ids.
+_RUN_AS = {("requeue",): ["requeue"], ("requeuehold",): ["requeue", "--hold"], ("hold",): ["hold"],
+           ("release",): ["release"], ("show", "job"): ["show"]}
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
@@ -77,6 +82,9 @@ def main(argv: list[str]) -> int:
             names = expand(given)
             print("\n".join(names) if words[1] != "hostlist" else ",".join(names))
             return 0
+        for named, command in _RUN_AS.items():
+            if tuple(words[:len(named)]) == named:
+                return _gpuq(command, words[len(named):])
         asked = " ".join(words[:2]) if words[:2] == ["show", "job"] else words[0] if words else ""
         hint = f"; for this, {_GPUQ_FOR[asked]}" if asked in _GPUQ_FOR else ""
         raise Refused(f"{' '.join(argv)[:60] or 'no command'}: only `show hostnames` and `show hostlist` run here, "
@@ -84,6 +92,19 @@ def main(argv: list[str]) -> int:
     except Refused as refused:
         print(f"gpuq scontrol: {refused}", file=sys.stderr)
         return 2
+
+
+def _gpuq(command: list[str], ids: list[str]) -> int:
+    """gpuq's ``command`` of the job ids scontrol was given (``5,6`` or ``5 6``; the job's own,
+    ``SLURM_JOB_ID``, where none), in place of this process."""
+    jobs = [i for word in ids for i in word.split(",") if i] or [os.environ.get("SLURM_JOB_ID", "")]
+    if not all(jobs):
+        raise Refused(f"{' '.join(command)}: name a job (no SLURM_JOB_ID here)")
+    if command == ["show"] and len(jobs) > 1:
+        raise Refused("show job: one job at a time (gpuq show ID)")
+    argv = [sys.executable, "-m", "gpuq.cli", *command, *jobs]
+    os.execv(argv[0], argv)
+    return 0  # not reached: exec replaced this process
 
 
 if __name__ == "__main__":

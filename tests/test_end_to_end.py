@@ -128,6 +128,13 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     told = run_cli(["logs", str(job_id)], s).stdout.splitlines()
     assert told[0] == f"tasks 2 at {s.node}", told
     assert sorted(told[1:]) == ["rank 0 of 2 cpus 1", "rank 1 of 2 cpus 1"], told
+    # A script that requeues itself (as one does on the signal before its time limit) with
+    # scontrol: the job runs again under its id, through gpuq's server.
+    (tmp_path / "again.sh").write_text("#!/bin/sh\n#SBATCH -J again\nif [ -e ran-once ]; then echo second run; "
+                                       "exit 0; fi\ntouch ran-once\nscontrol requeue\nsleep 60\n")
+    job_id = submit(s, ["again.sh"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, c.END_STATES, timeout=90) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    assert run_cli(["logs", str(job_id)], s).stdout.endswith("second run\n")
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):

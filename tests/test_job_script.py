@@ -577,10 +577,13 @@ def test_scontrol_in_a_job_expands_host_lists_as_a_ddp_script_asks_and_refuses_t
     assert scontrol("show", "hostnames", "n[1-2]").stdout == "n1\nn2\n"
     assert scontrol("show", "hostnames").stdout == "n1\nn2\n"
     assert scontrol("show", "hostlist", "a,b").stdout == "a,b\n"
-    refused = scontrol("requeue", "5")
-    assert refused.returncode == 2 and refused.stderr == ("gpuq scontrol: requeue 5: only `show hostnames` and "
-                                                          "`show hostlist` run here, in a gpuq job; for this, gpuq "
-                                                          "requeue\n"), refused.stderr
+    refused = scontrol("update", "JobId=5", "TimeLimit=10")
+    assert refused.returncode == 2 and refused.stderr == ("gpuq scontrol: update JobId=5 TimeLimit=10: only `show "
+                                                          "hostnames` and `show hostlist` run here, in a gpuq job; for "
+                                                          "this, gpuq update\n"), refused.stderr
+    # A requeue names a job, the job's own where none is given.
+    refused = scontrol("requeue")
+    assert refused.returncode == 2 and refused.stderr == "gpuq scontrol: requeue: name a job (no SLURM_JOB_ID here)\n"
 
 
 def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_differs(tmp_path):

@@ -94,7 +94,9 @@ def test_a_command_gets_the_submitters_chosen_variables_and_gpuqs_and_none_of_th
     assert set(env) - env_default_names(env) - {"FROM_HERE", "SET"} == {
         "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUQ_JOB_ID", "GPUQ_JOB_NAME", "GPUQ_GPUS", "GPUQ_NODE",
         "GPUQ_WORKER", "GPUQ_RUN_ID", "GPUQ_UMASK",  # the submitter's umask, which the job is given
+        "GPUQ_SOCKET",  # its own stack's server, for a `gpuq` it runs (not another stack's on the machine)
         "GPUQ_SIMULATED_MEMORY_DIR"}  # simulated GPUs only: where a job declares simulated GPU memory
+    assert env["GPUQ_SOCKET"] == str(s.server_socket)
     assert not any(s.broker_url in v or s.database_url in v for v in env.values())
     with write_scope(s) as session:
         stored = jobs.get_job(session, job_id).env

@@ -264,8 +264,8 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
     """The environment a job runs with: the variables recorded at submit (the submitter's chosen
     ones, array and sweep values) and gpuq's own, nothing of the worker's (no database or broker
     URL, no password); its CPU cores' (service/job_cpus.py); HOME, USER, LOGNAME and SHELL from
-    ``identity``'s passwd entry if given; on simulated GPUs (``settings``), where it may declare
-    simulated GPU memory."""
+    ``identity``'s passwd entry if given; with ``settings``, where its stack's server is and, on
+    simulated GPUs, where it may declare simulated GPU memory."""
     env = dict(job.env)
     env.update(
         CUDA_VISIBLE_DEVICES=",".join(str(i) for i in job.gpu_indices),
@@ -277,6 +277,13 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
         GPUQ_NODE=node,
     )
     env.update(cpu_variables(job.cpus, job.env))
+    if settings is not None:
+        # Its own stack's server, for a `gpuq` the job runs (its scontrol requeue too): without it,
+        # a job of a user's own stack on a machine that has root's reached root's server.
+        if settings.server:
+            env["GPUQ_SERVER"] = settings.server
+        else:
+            env["GPUQ_SOCKET"] = str(settings.server_socket)
     if slurm_names.MARK in job.env:  # submitted from a SLURM script: its variables under SLURM's names
         env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
                                          job.array_index, slurm_names.tasks_of(job.env)))
