@@ -58,6 +58,9 @@ _REFUSED = {
 _SHORT = {short: name for table in (_SAME, _FLAGS) for name, (short, _) in table.items() if short}
 _SHORT.update({short: name for table in (_LEFT_OUT, _ONE) for name, short in table.items() if short})
 _SHORT.update(D="chdir", W="wait", C="constraint", Q="quiet", v="verbose")
+# The options refused that take a value (``translate`` names them): those whose value is no word of
+# their own take none.
+_REFUSED_FLAGS = {"exclusive", "wait", "test-only"}
 
 
 @dataclass
@@ -144,6 +147,56 @@ def translate(words: list[str], seen: Lines | None = None) -> tuple[list[str], l
         else:
             raise InvalidSpec(f"{MARKER} {shown}: not an option gpuq takes (gpuq submit --help)")
     return out, left_out
+
+
+# sbatch's options that only its command line gives, which gpuq submit has under the same names
+# (sbatch's name: whether it takes a value).
+COMMAND_LINE = {"chdir": True, "wrap": True, "wait": False, "test-only": False, "parsable": False}
+
+
+@dataclass
+class CommandLine:
+    """sbatch's command line read (cli/sbatch.py): `gpuq submit`'s options for those only a command
+    line gives (``--parsable``, ``-D DIR``...), ``--wrap``'s command, the other options' words as an
+    ``#SBATCH`` line would give them, and the script with its arguments."""
+
+    submit: list[str] = field(default_factory=list)
+    wrap: str | None = None
+    options: list[str] = field(default_factory=list)
+    script: list[str] = field(default_factory=list)
+
+
+_KNOWN = {*_SAME, *_FLAGS, *_LEFT_OUT, *_LEFT_OUT_FLAGS, *_ONE, *_REFUSED, *COMMAND_LINE}
+
+
+def command_line(argv: list[str]) -> CommandLine:
+    """``argv``, sbatch's arguments, read up to its script (the first word that is no option or
+    an option's value). InvalidSpec for an option without its value."""
+    read = CommandLine()
+    at = 0
+    while at < len(argv) and argv[at].startswith("-") and argv[at] != "-":
+        word = argv[at]
+        at += 1
+        if word == "--":
+            break
+        name, value, shown = _option(word)
+        if name is None or name not in _KNOWN:
+            raise InvalidSpec(f"{shown[:80]}: not an option sbatch has (or none gpuq knows)")
+        takes_value = COMMAND_LINE[name] if name in COMMAND_LINE else (
+            name in _SAME or name in _ONE or (name in _REFUSED and name not in _REFUSED_FLAGS)
+            or (name in _LEFT_OUT and name not in _LEFT_OUT_FLAGS))
+        if takes_value and value is None:
+            if at == len(argv):
+                raise InvalidSpec(f"{shown} needs a value")
+            value, at = argv[at], at + 1
+        if name == "wrap":
+            read.wrap = value
+        elif name in COMMAND_LINE:
+            read.submit += [f"--{name}"] + ([] if value is None else [value])
+        else:
+            read.options += [shown] + ([] if value is None else [value])
+    read.script = argv[at:]
+    return read
 
 
 def _option(word: str) -> tuple[str | None, str | None, str]:

@@ -200,8 +200,8 @@ def from_stdin(text: str) -> list[str]:
     return [*(kernel_argv(text.encode("utf-8", "surrogateescape")[:PROGRAM_HEAD_BYTES]) or ["/bin/sh"]), "-c", text]
 
 
-def script_options(ctx: click.Context, command: list[str], cwd: str, text: str | None = None
-                   ) -> tuple[dict[str, Any], dict[str, str], sbatch_lines.Lines | None]:
+def script_options(ctx: click.Context, command: list[str], cwd: str, text: str | None = None,
+                   sbatch_line: str | None = None) -> tuple[dict[str, Any], dict[str, str], sbatch_lines.Lines | None]:
     """The options the command's script sets that the command line did not: parameter name →
     value, as ``ctx.params`` holds them; and where each came from (parameter name → ``train.sh
     line 3``), for the server's refusal of one to name its line. Its ``#SBATCH`` lines are read
@@ -209,8 +209,10 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     said in one line on stderr; and, where it has ``#SBATCH`` lines (a SLURM script: its job is
     given SLURM's variables, service/slurm_names.py, and, as sbatch's default is, with no
     ``--export`` line, ``--env ALL``), what they say beyond gpuq's options (its tasks); None where
-    it has none. Cores and GPUs they give per task are the job's times its tasks. InvalidSpec,
-    naming the script's line, for a directive the command would refuse."""
+    it has none. Cores and GPUs they give per task are the job's times its tasks. ``sbatch_line``:
+    sbatch's command line's options (cli/sbatch.py), read as one more ``#SBATCH`` line over all the
+    script's lines; with it the job is a SLURM script's whatever its lines. InvalidSpec, naming
+    the script's line, for a directive the command would refuse."""
     import click
     from click.core import ParameterSource
 
@@ -218,19 +220,22 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     from gpuq.cli.errors import click_message
 
     path = script_of(command, cwd) if text is None else STDIN
-    if path is None:
+    if path is None and sbatch_line is None:
         return {}, {}, None
-    shown = STDIN if text is not None else os.path.relpath(path, cwd) if path.startswith(cwd) else path
+    shown = (command[0] if path is None else STDIN if text is not None
+             else os.path.relpath(path, cwd) if path.startswith(cwd) else path)
     found: dict[str, Any] = {}
     origins: dict[str, str] = {}
     left_out: list[str] = []
     from_sbatch: set[str] = set()
     sbatch = sbatch_lines.Lines()  # what the #SBATCH lines say beyond gpuq's options
-    body = _head_text(path) if text is None else text
+    body = "" if path is None else _head_text(path) if text is None else text
     lines = [(number, line, marker) for marker in (sbatch_lines.MARKER, DIRECTIVE)
              for number, line in lines_of(body, marker)]
+    if sbatch_line is not None:  # sbatch's command line, over every line of the script (number 0)
+        lines.append((0, sbatch_line, sbatch_lines.MARKER))
     for number, line_text, marker in lines:
-        where = f"{shown} line {number}"
+        where = f"{shown} line {number}" if number else "sbatch's command line"
         try:
             words = shlex.split(line_text, comments=True)
         except ValueError as exc:
@@ -240,7 +245,7 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
                 words, dropped = sbatch_lines.translate(words, sbatch)
             except InvalidSpec as exc:
                 raise InvalidSpec(f"{where}: {exc}") from None
-            left_out += [f"{option} (line {number})" for option in dropped]
+            left_out += [f"{option} (line {number})" if number else option for option in dropped]
         if not words:
             continue
         if "--" in words:  # the parser would take what follows for the job's command
@@ -258,6 +263,10 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
             sbatch.per_task -= {"gpus" if name == "gres" else name for name in given}
         if marker == DIRECTIVE and given & _GPU_ASKS:  # its GPUs over the #SBATCH lines', in either form
             for name in _GPU_ASKS & from_sbatch:
+                found.pop(name, None)
+                origins.pop(name, None)
+        elif number == 0 and given & _GPU_ASKS:  # sbatch's command line's over every line's
+            for name in _GPU_ASKS:
                 found.pop(name, None)
                 origins.pop(name, None)
         elif marker == sbatch_lines.MARKER:
@@ -278,7 +287,7 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
     if left_out:
         sys.stderr.write(printable(f"gpuq: left out of {shown}, as meaning nothing to gpuq: {', '.join(left_out)}")
                          + "\n")
-    slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)
+    slurm = any(marker == sbatch_lines.MARKER for _, _, marker in lines)  # sbatch's command line's too
     if slurm and not sbatch.exported:  # sbatch's default, --export=ALL; the command line's --env replaces it
         from gpuq.service.constants import ENV_ALL
 

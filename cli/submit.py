@@ -129,6 +129,9 @@ def submit(
     error: Annotated[str | None, typer.Option("--error", "-e", help="Write its stderr to this file instead of "
                                               "--output's.")] = None,
     user: Annotated[str | None, typer.Option("--user", help="Submit as this user (root only).")] = None,
+    sbatch_line: Annotated[str | None, typer.Option("--sbatch-line", hidden=True, help="sbatch's options, as gpuq's "
+                                                    "sbatch (cli/sbatch.py) passes its command line's: a SLURM "
+                                                    "script's job, these over its lines.")] = None,
 ) -> None:
     """Queue a job: `gpuq submit matmul --size 500`, `gpuq submit train.sh`, `gpuq submit -- python train.py`.
 
@@ -180,7 +183,7 @@ def submit(
         from gpuq.cli.script import script_options
 
         # A job script's #GPUQ lines, where the command line left an option out (as sbatch's).
-        scripted, origins, slurm = script_options(ctx, command, cwd, script_text)
+        scripted, origins, slurm = script_options(ctx, command, cwd, script_text, sbatch_line)
         options.update(scripted)
         if slurm is not None:
             from gpuq.cli.sbatch_lines import sbatch_defaults

@@ -1,8 +1,9 @@
 """The SLURM commands that a SLURM script's job, and an allocation's shell, find first on their
-PATH: ``srun`` (gpuq.cli.srun runs a step's command as the job's tasks) and ``scontrol`` (its
-``show hostnames``, gpuq.cli.scontrol). Each is a two-line script that names this process's
-Python, in a directory holding nothing else, written by the first process that needs it and
-again whenever its text is not what this one would write (a new install, another Python).
+PATH: ``srun`` (gpuq.cli.srun runs a step's command as the job's tasks), ``scontrol`` (its ``show
+hostnames`` and ``requeue``, gpuq.cli.scontrol) and ``sbatch`` (gpuq submit, gpuq.cli.sbatch).
+Each is a two-line script that names this process's Python, in a directory holding nothing else,
+written by the first process that needs it and again whenever its text is not what this one would
+write (a new install, another Python).
 
 A worker keeps them in gpuq's home for the jobs of every user (``directory``): readable and
 runnable by all. `gpuq alloc` keeps them in the user's own cache directory (``for_user``) for its
@@ -48,7 +49,7 @@ def for_user(environ: Mapping[str, str]) -> str | None:
 
 
 # Each command, and gpuq's module that runs it.
-COMMANDS = {"srun": "gpuq.cli.srun", "scontrol": "gpuq.cli.scontrol"}
+COMMANDS = {"srun": "gpuq.cli.srun", "scontrol": "gpuq.cli.scontrol", "sbatch": "gpuq.cli.sbatch"}
 
 
 def made(where: Path) -> str:

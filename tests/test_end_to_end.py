@@ -137,6 +137,30 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     assert run_cli(["logs", str(job_id)], s).stdout.endswith("second run\n")
 
 
+def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, tmp_path):
+    s = stack.settings
+    # The first part queues the second after itself, as a chain of jobs under a time limit does;
+    # sbatch's options (over the second's own lines) and its words as sbatch says them.
+    (tmp_path / "second.sbatch").write_text("#!/bin/sh\n#SBATCH -J from-lines -c 1\necho second $SLURM_JOB_NAME "
+                                            "after $1\n")
+    (tmp_path / "first.sbatch").write_text(
+        "#!/bin/sh\n#SBATCH -J first\n"
+        "sbatch --parsable -J second -p gpu -d afterok:$SLURM_JOB_ID second.sbatch $SLURM_JOB_ID > next.id\n"
+        "sbatch --hold --wrap 'echo wrapped'\n")
+    first = submit(s, ["first.sbatch"], cwd=tmp_path)
+    assert wait_for_state(s, first, c.END_STATES) == State.SUCCEEDED, output_of(s, first) + stack.logs()
+    told = run_cli(["logs", str(first)], s).stdout
+    second = int((tmp_path / "next.id").read_text())
+    assert re.fullmatch(r"Submitted batch job (\d+)\n", told.splitlines()[-1] + "\n"), told
+    assert "left out of second.sbatch, as meaning nothing to gpuq: -p gpu" in told, told
+    assert wait_for_state(s, second, c.END_STATES) == State.SUCCEEDED, output_of(s, second) + stack.logs()
+    assert run_cli(["logs", str(second)], s).stdout == f"second second after {first}\n"
+    wrapped = int(told.splitlines()[-1].split()[-1])
+    shown = json.loads(run_cli(["show", "--json", str(wrapped)], s).stdout)
+    assert shown["state"] == State.PENDING and "echo wrapped" in shown["argv"][-1], shown
+    assert run_cli(["cancel", str(wrapped)], s).returncode == 0
+
+
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
     s = stack.settings
     job_id = submit(s, ["--", sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"], cwd=tmp_path)

@@ -558,6 +558,20 @@ def test_a_slurm_scripts_tasks_reach_its_job_and_what_it_asks_per_task_is_times_
         assert job["cpus"] == 2 and "SLURM_NTASKS" not in session.get(Job, job["id"]).env
 
 
+def test_sbatchs_command_line_is_read_up_to_its_script_its_own_options_gpuq_submits():
+    from gpuq.cli.sbatch_lines import CommandLine, command_line
+
+    read = command_line(["-J", "next", "--parsable", "-D", "/w", "-p", "gpu", "--dependency=afterok:4", "--hold",
+                         "--export=NONE", "next.sh", "-J", "its own"])
+    assert read == CommandLine(submit=["--parsable", "--chdir", "/w"], wrap=None,
+                               options=["-J", "next", "-p", "gpu", "--dependency", "afterok:4", "--hold",
+                                        "--export", "NONE"], script=["next.sh", "-J", "its own"])
+    assert command_line(["--wrap", "echo hi", "-W"]) == CommandLine(submit=["--wait"], wrap="echo hi")
+    for argv, message in ((["--frob", "x"], "--frob: not an option sbatch has"), (["-J"], "-J needs a value")):
+        with pytest.raises(InvalidSpec, match=message):
+            command_line(argv)
+
+
 def test_scontrol_in_a_job_expands_host_lists_as_a_ddp_script_asks_and_refuses_the_rest_naming_gpuqs_command():
     from gpuq.cli.scontrol import Refused, expand
 
@@ -598,7 +612,7 @@ def test_the_srun_shim_is_written_once_runnable_by_everyone_and_again_when_it_di
     assert shim.stat().st_ino == before  # the same text: left as it is
     shim.write_text("#!/bin/sh\nexit 9\n")
     directory(tmp_path)
-    assert "-m gpuq.cli.srun" in shim.read_text() and sorted(os.listdir(shim.parent)) == ["scontrol", "srun"]
+    assert "-m gpuq.cli.srun" in shim.read_text() and sorted(os.listdir(shim.parent)) == ["sbatch", "scontrol", "srun"]
     assert (shim.parent / "scontrol").stat().st_mode & 0o777 == 0o755
     ran = subprocess.run([str(shim), "-n", "1", "sh", "-c", "echo ran $0", "here"], capture_output=True, text=True,
                          timeout=60)

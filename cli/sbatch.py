@@ -1,0 +1,47 @@
+"""`sbatch` inside a gpuq job from a SLURM script, or in a `gpuq alloc` shell: a job submitted as
+sbatch submits one, through `gpuq submit`, so that a script that queues its next part (``sbatch
+--dependency=afterok:$SLURM_JOB_ID next.sbatch``) runs as it did under SLURM.
+
+Put beside gpuq's srun on the job's PATH (service/slurm_bin.py). Its options are read as the
+script's ``#SBATCH`` lines are (cli/sbatch_lines.py), over them, as sbatch's command line goes over
+its script's lines; ``--parsable``, ``--wait``, ``--test-only`` and ``-D`` are gpuq submit's own;
+``--wrap`` is a script of that command line, as sbatch makes one; with no script named, the script
+is read from stdin. The job is a SLURM script's whatever its lines (its srun, SLURM's variables,
+its output in slurm-%j.out). It says what sbatch says, "Submitted batch job N" (the id alone with
+``--parsable``), and ends with gpuq's status.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+# The script sbatch makes of --wrap's command line.
+_WRAPPED = "#!/bin/sh\n# This script was created by sbatch --wrap.\n\n{}\n"
+
+
+def main(argv: list[str]) -> int:
+    from gpuq.cli.sbatch_lines import command_line
+    from gpuq.service.errors import InvalidSpec
+
+    try:
+        read = command_line(argv)
+        if read.wrap is not None and read.script:
+            raise InvalidSpec("give --wrap or a script, not both")
+    except InvalidSpec as refused:
+        print(f"gpuq sbatch: {refused}", file=sys.stderr)
+        return 2
+    parsable = "--parsable" in read.submit
+    said_by_gpuq = parsable or "--wait" in read.submit or "--test-only" in read.submit
+    argv = [sys.executable, "-m", "gpuq.cli", "submit", *read.submit, *([] if said_by_gpuq else ["--parsable"]),
+            "--sbatch-line", shlex.join(read.options), *read.script]  # the script named, as sbatch takes one
+    text = None if read.wrap is None else _WRAPPED.format(read.wrap)
+    done = subprocess.run(argv, input=text, text=True, stdout=None if said_by_gpuq else subprocess.PIPE)
+    if done.returncode == 0 and not said_by_gpuq:
+        print(f"Submitted batch job {done.stdout.strip()}")
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
