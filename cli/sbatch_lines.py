@@ -171,44 +171,37 @@ _KNOWN = {*_SAME, *_FLAGS, *_LEFT_OUT, *_LEFT_OUT_FLAGS, *_ONE, *_REFUSED, *COMM
 
 def command_line(argv: list[str]) -> CommandLine:
     """``argv``, sbatch's arguments, read up to its script (the first word that is no option or
-    an option's value). InvalidSpec for an option without its value."""
-    read = CommandLine()
-    at = 0
-    while at < len(argv) and argv[at].startswith("-") and argv[at] != "-":
-        word = argv[at]
-        at += 1
-        if word == "--":
-            break
-        name, value, shown = _option(word)
-        if name is None or name not in _KNOWN:
-            raise InvalidSpec(f"{shown[:80]}: not an option sbatch has (or none gpuq knows)")
-        takes_value = COMMAND_LINE[name] if name in COMMAND_LINE else (
+    an option's value). InvalidSpec for an option it does not know or one without its value."""
+    from gpuq.cli.slurm_options import Unreadable, leading
+
+    def takes_value(name: str) -> bool | None:
+        if name not in _KNOWN:
+            return None
+        return COMMAND_LINE[name] if name in COMMAND_LINE else (
             name in _SAME or name in _ONE or (name in _REFUSED and name not in _REFUSED_FLAGS)
             or (name in _LEFT_OUT and name not in _LEFT_OUT_FLAGS))
-        if takes_value and value is None:
-            if at == len(argv):
-                raise InvalidSpec(f"{shown} needs a value")
-            value, at = argv[at], at + 1
+
+    try:
+        options, script = leading(argv, _SHORT, takes_value)
+    except Unreadable as unread:
+        raise InvalidSpec(f"{unread.shown} needs a value" if unread.needs_value
+                          else f"{unread.shown}: not an option sbatch has (or none gpuq knows)") from None
+    read = CommandLine(script=script)
+    for name, value, shown in options:
         if name == "wrap":
             read.wrap = value
         elif name in COMMAND_LINE:
             read.submit += [f"--{name}"] + ([] if value is None else [value])
         else:
             read.options += [shown] + ([] if value is None else [value])
-    read.script = argv[at:]
     return read
 
 
 def _option(word: str) -> tuple[str | None, str | None, str]:
-    """The long name of the option ``word`` gives (None: not an option), its value where the word
-    holds it (``--time=10``, ``-t10``), and the option as written, without its value."""
-    if word.startswith("--") and len(word) > 2:
-        name, eq, value = word[2:].partition("=")
-        return name, value if eq else None, "--" + name
-    if word.startswith("-") and len(word) > 1 and word[1] != "-":
-        name = _SHORT.get(word[1], word[1])
-        return name, word[2:] or None, word[:2]
-    return None, None, word
+    """``slurm_options.option`` with sbatch's short letters."""
+    from gpuq.cli.slurm_options import option
+
+    return option(word, _SHORT)
 
 
 def _exports(value: str) -> list[str]:

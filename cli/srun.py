@@ -73,30 +73,24 @@ class Step:
 def command_of(argv: list[str]) -> Step:
     """srun's command line read. Refused for more than one node, a count of tasks that is none, an
     option srun does not have, or no command."""
-    step = Step([])
-    at = 0
-    while at < len(argv) and argv[at].startswith("-") and argv[at] != "-":
-        word = argv[at]
-        at += 1
-        if word == "--":
-            break
-        if word.startswith("--"):
-            name, eq, value = word[2:].partition("=")
-            given: str | None = value if eq else None
-        else:
-            name, given = _SHORT.get(word[1], ""), word[2:] or None
-        if name in _FLAGS and name not in _VALUES:
-            if name == "label":
-                step.label = True
-            elif name == "kill-on-bad-exit":
-                step.kill_on_bad_exit = given != "0"
+    from gpuq.cli.slurm_options import Unreadable, leading
+
+    def takes_value(name: str) -> bool | None:
+        return True if name in _VALUES else False if name in _FLAGS else None
+
+    try:
+        options, command = leading(argv, _SHORT, takes_value)
+    except Unreadable as unread:
+        raise Refused(f"{unread.shown} needs a value" if unread.needs_value
+                      else f"{unread.shown}: not an option srun has") from None
+    step = Step(command)
+    for name, given, _ in options:
+        if name == "label":
+            step.label = True
+        elif name == "kill-on-bad-exit":
+            step.kill_on_bad_exit = given != "0"
+        if given is None or name in _FLAGS:
             continue
-        if name not in _VALUES:
-            raise Refused(f"{word[:60]}: not an option srun has")
-        if given is None:
-            if at == len(argv):
-                raise Refused(f"{word} needs a value")
-            given, at = argv[at], at + 1
         if name == "nodes" and given.strip() not in ("1", "1-1"):
             raise Refused(f"--nodes {given[:20]}: a gpuq job runs on one node, its tasks all there (its script's, or "
                           "an allocation's shell's)")
@@ -108,9 +102,8 @@ def command_of(argv: list[str]) -> Step:
             step.chdir = given
         elif name in _REDIRECTS:
             step.said.append(f"--{name} {given}")
-    if at == len(argv):
+    if not command:
         raise Refused("no command to run")
-    step.command = argv[at:]
     return step
 
 
