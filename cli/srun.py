@@ -15,7 +15,8 @@ them here, as srun starts a step's tasks on one node: the command once per task 
 most), each with SLURM's variables for its place (``SLURM_PROCID``, ``SLURM_LOCALID``, ...), which
 PyTorch Lightning and hand-written DDP scripts read for their ranks; ``--label`` (``-l``) puts each
 line of output after its task's number; this process waits for all of them and ends with the
-highest exit status (128 + N for a task a signal N ended), forwarding the signals it is sent;
+highest exit status (128 + N for a task a signal N ended), passing on the signals a process of
+the job sends it (not those gpuq sends every process of the job, which reach each task already);
 ``--kill-on-bad-exit`` (``-K``) stops the others (SIGTERM) once one fails, and ends with its status.
 """
 
@@ -162,27 +163,38 @@ def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
 
     started: list[subprocess.Popen[bytes]] = []
     received: list[int] = []  # the signals passed on so far: a task started after one is sent it too
+    running: set[int] = set()  # the tasks not reaped yet, whose pids are theirs still
+    forwarded = {getattr(signal, name) for name in _FORWARDED}
 
-    def forward(signum: int, frame: object) -> None:
+    def forward(signum: int) -> None:
         received.append(signum)
-        for task in started:
-            if task.returncode is None:
-                try:
-                    task.send_signal(signum)
-                except OSError:
-                    pass
+        for pid in list(running):
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
 
-    for name in _FORWARDED:  # before the first task starts: a signal sent once they run is theirs
-        signal.signal(getattr(signal, name), forward)
+    def passing_on() -> None:
+        while True:
+            info = signal.sigwaitinfo(forwarded)
+            if _from_this_job(info.si_pid):
+                forward(info.si_signo)
+
+    # Taken by a thread of its own from before the first task starts, which knows who sent each.
+    # The tasks start with none of them blocked.
+    signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
+    threading.Thread(target=passing_on, daemon=True).start()
     pipe = subprocess.PIPE if step.label else None
     environ = dict(os.environ)
     try:
         for rank in range(tasks):
             task = subprocess.Popen(step.command, cwd=step.chdir, stdout=pipe, stderr=pipe,
-                                    env=task_env(environ, rank, tasks) if variables else environ)
+                                    env=task_env(environ, rank, tasks) if variables else environ,
+                                    preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded))
             started.append(task)
+            running.add(task.pid)
             for signum in list(received):
-                task.send_signal(signum)
+                os.kill(task.pid, signum)
     except OSError as exc:
         for task in started:
             task.kill()
@@ -210,21 +222,41 @@ def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
     while left:
         try:
             pid, status = os.wait()
-        except ChildProcessError:  # those left were reaped by a signal's send (Popen.poll): their statuses
-            pid, status = next(iter(left)), None
+        except ChildProcessError:
+            break
         if pid not in left:
             continue
+        running.discard(pid)
         task = left.pop(pid)
-        if status is not None:
-            task.returncode = os.waitstatus_to_exitcode(status)
-        code = 0 if task.returncode is None else task.returncode if task.returncode >= 0 else 128 - task.returncode
+        task.returncode = os.waitstatus_to_exitcode(status)
+        code = task.returncode if task.returncode >= 0 else 128 - task.returncode
         worst = max(worst, code)
         if code and step.kill_on_bad_exit and not first_bad:
             first_bad = code
-            forward(signal.SIGTERM, None)
+            forward(signal.SIGTERM)
     for pump in pumps:
         pump.join(timeout=5)
     return first_bad or worst
+
+
+def _from_this_job(pid: int) -> bool:
+    """Whether a signal from process ``pid`` is this srun's to pass on to its tasks: not one that
+    gpuq's worker sent every process of the job (`gpuq cancel --signal`, its stop, --signal's
+    warning), which reached each task already, but one the job sent it (its script's trap, as a
+    script passes on its --signal=B: warning), as srun passes on a signal it is sent. The worker is
+    a live process outside the job: its environment is another user's (a root worker's), or holds
+    not the job's GPUQ_RUN_ID. A sender gone already (a `/bin/kill`) was none of gpuq's."""
+    ours = os.environ.get("GPUQ_RUN_ID")
+    if not ours:  # run outside a gpuq job: every signal is a user's
+        return True
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            variables = environ.read()
+    except PermissionError:
+        return False
+    except OSError:
+        return True
+    return not variables or f"GPUQ_RUN_ID={ours}".encode() in variables.split(b"\0")
 
 
 def _labelled(source: IO[bytes], sink: IO[bytes], label: bytes, lock: threading.Lock) -> None:

@@ -225,6 +225,42 @@ def test_cancel_signal_reaches_every_process_of_a_running_job_and_b_its_main_one
     assert wait_for_state(s, job, c.END_STATES) == State.CANCELLED
 
 
+# A task of a SLURM script's step (cli/srun.py) noting when SIGUSR1 reaches it, by its rank.
+TASK_MARKS = NOTE + """
+who = "task" + os.environ["SLURM_PROCID"]
+signal.signal(signal.SIGUSR1, note(who))
+open(os.path.join(where, who + ".ready"), "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_cancel_signal_reaches_each_task_of_a_slurm_scripts_step_once_and_the_scripts_trap_through_srun(
+        one_gpu, tmp_path):
+    s = one_gpu.settings
+    (tmp_path / "task.py").write_text(TASK_MARKS)
+    # Its script passes on the B: signal to srun (once told to), which passes it on to its tasks.
+    (tmp_path / "step.sbatch").write_text(
+        "#!/bin/bash\n#SBATCH --ntasks-per-node=2 -t 2\n"
+        f"srun {sys.executable} task.py {tmp_path} &\nstep=$!\n"
+        "trap '[ -e pass-on ] && kill -USR1 $step' USR1\nwhile kill -0 $step 2>/dev/null; do wait $step; done\n")
+    job = cli_submit(s, ["step.sbatch"], cwd=tmp_path)
+    assert wait_until(lambda: all((tmp_path / f"task{r}.ready").exists() for r in (0, 1))), one_gpu.logs()
+    # To every process of the job: srun too, which passes on none of it (each task has it once).
+    sent = run_cli(["cancel", "--signal", "USR1", str(job)], s)
+    assert sent.returncode == 0, sent
+    assert wait_until(lambda: marks(tmp_path, "task0") == 1 and marks(tmp_path, "task1") == 1), one_gpu.logs()
+    time.sleep(1)
+    assert (marks(tmp_path, "task0"), marks(tmp_path, "task1")) == (1, 1)
+    # To the script alone: its trap sends it to srun, which passes it on to each task.
+    (tmp_path / "pass-on").touch()
+    sent = run_cli(["cancel", "-s", "B:USR1", str(job)], s)
+    assert sent.returncode == 0, sent
+    assert wait_until(lambda: marks(tmp_path, "task0") == 2 and marks(tmp_path, "task1") == 2), one_gpu.logs()
+    assert run_cli(["cancel", str(job)], s).returncode == 0
+    assert wait_for_state(s, job, c.END_STATES) == State.CANCELLED
+
+
 def test_cancel_signal_kill_ends_the_job_as_killed_by_it(one_gpu, tmp_path):
     s = one_gpu.settings
     job = cli_submit(s, ["--time", "2m", "--", sys.executable, "-c", READY_MARKS, str(tmp_path)])
