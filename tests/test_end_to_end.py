@@ -20,7 +20,7 @@ from gpuq.service import job_output, jobs
 from gpuq.service.constants import State
 from gpuq.service.db import write_scope
 from tests.conftest import cli_submit as submit
-from tests.conftest import output_of, run_cli, settings_env, wait_for_state
+from tests.conftest import free_port, output_of, run_cli, settings_env, wait_for_state
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -159,6 +159,32 @@ def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, t
     shown = json.loads(run_cli(["show", "--json", str(wrapped)], s).stdout)
     assert shown["state"] == State.PENDING and "echo wrapped" in shown["argv"][-1], shown
     assert run_cli(["cancel", str(wrapped)], s).returncode == 0
+
+
+DDP = """
+import os
+import torch
+import torch.distributed as dist
+rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                        world_size=world)
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+print(f"rank {rank} of {world} local {os.environ['SLURM_LOCALID']} sum {total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_slurm_ddp_script_runs_its_ranks_through_srun_and_torch_distributed_joins_them(stack, tmp_path):
+    # The shape of a lab's DDP script for SLURM: tasks on one node, srun starting one a rank, each
+    # finding its rank in SLURM's variables; torch.distributed (gloo, on the CPU) joins them.
+    s = stack.settings
+    (tmp_path / "ddp.py").write_text(DDP)
+    (tmp_path / "ddp.sbatch").write_text(f"#!/bin/sh\n#SBATCH --ntasks-per-node=3 -t 5\nsrun {sys.executable} ddp.py\n")
+    job_id = submit(s, ["--env", f"MASTER_PORT={free_port()}", "ddp.sbatch"], cwd=tmp_path)
+    assert wait_for_state(s, job_id, c.END_STATES, timeout=120) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
+    told = sorted(line for line in run_cli(["logs", str(job_id)], s).stdout.splitlines() if line.startswith("rank"))
+    assert told == [f"rank {r} of 3 local {r} sum 6" for r in range(3)], told
 
 
 def test_a_failing_command_fails_the_job_and_wait_says_so(stack, tmp_path):
