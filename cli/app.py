@@ -39,6 +39,7 @@ COMMANDS = {
     "up": ("stack", "app"), "down": ("stack", "app"), "reconfigure": ("stack", "app"), "unit": ("stack", "app"),
     "server": ("stack", "app"), "worker": ("stack", "app"), "scheduler": ("stack", "app"),
     "config": ("config", "app"), "dashboard": ("dashboard", "app"), "db": ("stack", "db_app"),
+    "sbatch": ("sbatch", "app"),
 }
 
 

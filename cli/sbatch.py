@@ -1,8 +1,9 @@
-"""`sbatch` inside a gpuq job from a SLURM script, or in a `gpuq alloc` shell: a job submitted as
-sbatch submits one, through `gpuq submit`, so that a script that queues its next part (``sbatch
---dependency=afterok:$SLURM_JOB_ID next.sbatch``) runs as it did under SLURM.
+"""`gpuq sbatch`, and the `sbatch` inside a gpuq job from a SLURM script or in a `gpuq alloc` shell: a
+job submitted as sbatch submits one, from its whole command line, through `gpuq submit`: so that a
+lab's sbatch lines work as they are (`alias sbatch='gpuq sbatch'`), and a script that queues its
+next part (``sbatch --dependency=afterok:$SLURM_JOB_ID next.sbatch``) runs as it did under SLURM.
 
-Put beside gpuq's srun on the job's PATH (service/slurm_bin.py). Its options are read as the
+In a job it is on the PATH beside gpuq's srun (service/slurm_bin.py). Its options are read as the
 script's ``#SBATCH`` lines are (cli/sbatch_lines.py), over them, as sbatch's command line goes over
 its script's lines; ``--parsable``, ``--wait``, ``--test-only`` and ``-D`` are gpuq submit's own;
 ``--wrap`` is a script of that command line, as sbatch makes one; with no script named, the script
@@ -17,14 +18,36 @@ import shlex
 import subprocess
 import sys
 
+import typer
+
+app = typer.Typer()
+
 # The script sbatch makes of --wrap's command line.
 _WRAPPED = "#!/bin/sh\n# This script was created by sbatch --wrap.\n\n{}\n"
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def sbatch(ctx: typer.Context) -> None:
+    """Queue a job as sbatch does, from its command line: `gpuq sbatch -J train --mem 16G -c 4 train.sbatch`.
+
+    sbatch's options are read as the script's #SBATCH lines are, over them (`alias sbatch='gpuq
+    sbatch'`); it says "Submitted batch job N". `gpuq submit --help` for gpuq's own options.
+    """
+    raise typer.Exit(main(ctx.args))
+
+
+_USAGE = ("usage: gpuq sbatch [sbatch's options] [script [its arguments]] | --wrap 'command line'\n"
+          "  options as an #SBATCH line takes them (-J, -t, -c, --mem, --gres, -a, -d, -o, --ntasks-per-node, ...),\n"
+          "  and --parsable, --wait, --test-only, -D DIR; no script: read from stdin. gpuq submit --help for gpuq's.")
 
 
 def main(argv: list[str]) -> int:
     from gpuq.cli.sbatch_lines import command_line
     from gpuq.service.errors import InvalidSpec
 
+    if any(word in ("--help", "-h", "--usage") for word in argv[:1]) or not argv and sys.stdin.isatty():
+        print(_USAGE)
+        return 0 if argv else 2
     try:
         read = command_line(argv)
         if read.wrap is not None and read.script:

@@ -32,7 +32,8 @@ NOT_READ = {"cancel", "hold", "release", "requeue", "update", "drain", "resume",
             "unit",  # a systemd unit file, not a document of the queue
             "worker", "scheduler", "db",
             "server", "dashboard",  # a server, like worker and scheduler: it prints no document
-            "run", "attach", "alloc"}  # the job's own output, or a shell: in the terminal, as it comes
+            "run", "attach", "alloc",  # the job's own output, or a shell: in the terminal, as it comes
+            "sbatch"}  # sbatch's words, "Submitted batch job N", as sbatch says them (gpuq submit --json)
 
 
 def gpuq(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:

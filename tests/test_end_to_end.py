@@ -159,6 +159,15 @@ def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, t
     shown = json.loads(run_cli(["show", "--json", str(wrapped)], s).stdout)
     assert shown["state"] == State.PENDING and "echo wrapped" in shown["argv"][-1], shown
     assert run_cli(["cancel", str(wrapped)], s).returncode == 0
+    # And from a user's shell, as `alias sbatch='gpuq sbatch'` runs their sbatch lines.
+    done = run_cli(["sbatch", "-J", "typed", "--mem=1G", "-c", "2", "--hold", "second.sbatch", "x"], s, cwd=tmp_path)
+    assert done.returncode == 0 and re.fullmatch(r"Submitted batch job \d+\n", done.stdout), done
+    shown = json.loads(run_cli(["show", "--json", done.stdout.split()[-1]], s).stdout)
+    assert (shown["name"], shown["cpus"], shown["host_mem_mib"], shown["held"]) == ("typed", 2, 1024, True), shown
+    assert run_cli(["cancel", str(shown["id"])], s).returncode == 0
+    done = run_cli(["sbatch", "--frobnicate", "second.sbatch"], s, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "") and done.stderr == (
+        "gpuq sbatch: --frobnicate: not an option sbatch has (or none gpuq knows)\n"), done
 
 
 DDP = """
