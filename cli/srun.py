@@ -15,8 +15,8 @@ them here, as srun starts a step's tasks on one node: the command once per task 
 most), each with SLURM's variables for its place (``SLURM_PROCID``, ``SLURM_LOCALID``, ...), which
 PyTorch Lightning and hand-written DDP scripts read for their ranks; ``--label`` (``-l``) puts each
 line of output after its task's number; this process waits for all of them and ends with the
-highest exit status (128 + N for a task a signal N ended), passing on the signals a process of
-the job sends it (not those gpuq sends every process of the job, which reach each task already);
+highest exit status (128 + N for a task a signal N ended), passing on the signals it is sent (not
+those gpuq's worker sends every process of the job, nor a terminal's, which reach each task already);
 ``--kill-on-bad-exit`` (``-K``) stops the others (SIGTERM) once one fails, and ends with its status.
 """
 
@@ -177,7 +177,9 @@ def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
     def passing_on() -> None:
         while True:
             info = signal.sigwaitinfo(forwarded)
-            if _from_this_job(info.si_pid):
+            # One the kernel sent (a terminal's Ctrl-C, its hangup) went to the tasks too: they
+            # share this process's group, as an allocation's shell's srun runs in the foreground.
+            if info.si_pid != 0 and not _sent_by_gpuq(info.si_pid):
                 forward(info.si_signo)
 
     # Taken by a thread of its own from before the first task starts, which knows who sent each.
@@ -239,24 +241,21 @@ def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
     return first_bad or worst
 
 
-def _from_this_job(pid: int) -> bool:
-    """Whether a signal from process ``pid`` is this srun's to pass on to its tasks: not one that
-    gpuq's worker sent every process of the job (`gpuq cancel --signal`, its stop, --signal's
-    warning), which reached each task already, but one the job sent it (its script's trap, as a
-    script passes on its --signal=B: warning), as srun passes on a signal it is sent. The worker is
-    a live process outside the job: its environment is another user's (a root worker's), or holds
-    not the job's GPUQ_RUN_ID. A sender gone already (a `/bin/kill`) was none of gpuq's."""
-    ours = os.environ.get("GPUQ_RUN_ID")
-    if not ours:  # run outside a gpuq job: every signal is a user's
-        return True
+def _sent_by_gpuq(pid: int) -> bool:
+    """Whether the process ``pid`` that sent this srun a signal is gpuq's worker (or its guard):
+    one it sent every process of the job (`gpuq cancel --signal`, a stop, --signal's warning),
+    which reached each task already, so it is not passed on again. Any other sender's (the job's
+    script, its user) is, as srun passes on a signal it is sent. Its command line tells (anyone
+    may read it, a root worker's too); a sender gone already (a `/bin/kill`) was none of gpuq's."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as environ:
-            variables = environ.read()
-    except PermissionError:
-        return False
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            words = cmdline.read().split(b"\0")
     except OSError:
-        return True
-    return not variables or f"GPUQ_RUN_ID={ours}".encode() in variables.split(b"\0")
+        return False
+    # `python -m gpuq.workers ...` as `gpuq up` starts one, `gpuq worker` (compose), `-m gpuq.cli worker`.
+    pairs = zip(words, words[1:], strict=False)
+    return any(word.startswith(b"gpuq.workers") for word in words) or any(
+        word == b"worker" and (before.endswith(b"gpuq") or before == b"gpuq.cli") for before, word in pairs)
 
 
 def _labelled(source: IO[bytes], sink: IO[bytes], label: bytes, lock: threading.Lock) -> None:

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from sqlalchemy import func, select
@@ -530,23 +529,20 @@ def test_srun_in_a_job_of_several_tasks_starts_one_a_task_each_told_its_rank_as_
     srun.terminate()
     out, _ = srun.communicate(timeout=30)
     assert srun.returncode == 0 and sorted(out.splitlines()) == ["got TERM 0", "got TERM 1"], out
-    # In a gpuq job (GPUQ_RUN_ID), a signal from a process of the job (its script's trap) is passed
-    # on; one from elsewhere, as gpuq's worker sends every process of the job, reached each task
-    # already: not passed on again, so a checkpoint handler runs once.
+    # A signal from gpuq's worker, which sends it every process of the job, reached each task
+    # already: not passed on again, so a checkpoint handler runs once; one from anyone else is.
     (tmp_path / "count.sh").write_text('n=0\ntrap "n=\\$((n+1)); echo usr1 \\$n" USR1\ntrap "exit 0" TERM\n'
                                        'echo up\nwhile :; do sleep 0.05; done\n')
-    env["GPUQ_RUN_ID"] = "run-of-this-job"
     srun = subprocess.Popen([sys.executable, "-m", "gpuq.cli.srun", "sh", "count.sh"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, text=True)
     assert srun.stdout is not None
     assert [srun.stdout.readline(), srun.stdout.readline()] == ["up\n", "up\n"]
-    srun.send_signal(signal.SIGUSR1)  # from this test's process: no process of the job
-    time.sleep(0.5)
-    kill = subprocess.run(["/bin/kill", "-USR1", str(srun.pid)], env={**env, "GPUQ_RUN_ID": "run-of-this-job"},
-                          timeout=30)
-    assert kill.returncode == 0
+    # As a worker's process names itself (python -m gpuq.workers), alive while srun looks.
+    as_worker = f"import os, time; os.kill({srun.pid}, {int(signal.SIGUSR1)}); time.sleep(1)"
+    subprocess.run([sys.executable, "-c", as_worker, "gpuq.workers", "--gpu", "0"], timeout=30)
+    srun.send_signal(signal.SIGUSR1)  # from this test's process: passed on
     assert sorted([srun.stdout.readline(), srun.stdout.readline()]) == ["usr1 1\n", "usr1 1\n"]
-    subprocess.run(["/bin/kill", "-TERM", str(srun.pid)], env=env, timeout=30)
+    srun.terminate()
     out, _ = srun.communicate(timeout=30)
     assert srun.returncode == 0 and out == "", out
     # In a job of one task, the command is that task, with none of a task's variables.
