@@ -74,6 +74,9 @@ class Lines:
     tasks: int | None = None  # --ntasks, -n
     tasks_per_node: int | None = None  # --ntasks-per-node: the same on one node
     per_task: set[str] = field(default_factory=set)
+    # Each task's GPUs where the job's are asked per task (--gpus-per-task) and it has several
+    # tasks: its srun gives each task its own, as SLURM binds them (script_options sets it).
+    gpus_per_task: int | None = None
 
     @property
     def task_count(self) -> int:
@@ -225,16 +228,20 @@ def _mail_events(value: str) -> tuple[str, list[str]]:
     return ",".join(e for e in events if e.upper() in known), [e for e in events if e.upper() not in known]
 
 
-def sbatch_defaults(options: dict[str, Any], submit_dir: str, tasks: int = 1) -> None:
+def sbatch_defaults(options: dict[str, Any], submit_dir: str, lines: Lines | None = None) -> None:
     """What sbatch gives a batch script that its lines and the command line did not ask otherwise,
     into ``options`` (`gpuq submit`'s): ``SLURM_SUBMIT_DIR``, which marks the job as a SLURM
     script's (its worker gives it SLURM's other names for its facts, service/slurm_names.py); its
-    ``tasks`` where more than one, which its srun starts (cli/srun.py); and its output in
-    ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array's tasks) in its directory."""
-    from gpuq.service.slurm_names import MARK, TASKS, TASKS_PER_NODE
+    tasks where its ``lines`` ask for more than one, which its srun starts (cli/srun.py), and each
+    one's GPUs where they were asked per task; and its output in ``slurm-%j.out``
+    (``slurm-%A_%a.out`` for an array's tasks) in its directory."""
+    from gpuq.service.slurm_names import GPUS_PER_TASK, MARK, TASKS, TASKS_PER_NODE
 
     options["env"] = [*options["env"], f"{MARK}={submit_dir}"]
+    tasks = 1 if lines is None else lines.task_count
     if tasks > 1:
         options["env"] += [f"{TASKS}={tasks}", f"{TASKS_PER_NODE}={tasks}"]
+    if tasks > 1 and lines is not None and lines.gpus_per_task:
+        options["env"].append(f"{GPUS_PER_TASK}={lines.gpus_per_task}")
     if not options.get("output"):
         options["output"] = "slurm-%A_%a.out" if options.get("array") else "slurm-%j.out"

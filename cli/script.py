@@ -300,6 +300,8 @@ def script_options(ctx: click.Context, command: list[str], cwd: str, text: str |
                                    "(it runs the command as the job's one task)") + "\n")
     kept = {name: value for name, value in found.items()
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE}
+    if "gpus" not in kept:  # the command line's GPUs are the job's, none of them a task's
+        sbatch.gpus_per_task = None
     return kept, {name: origins[name] for name in kept}, sbatch if slurm else None
 
 
@@ -317,6 +319,7 @@ def _per_task(found: dict[str, Any], sbatch: sbatch_lines.Lines) -> None:
     if "gpus" in sbatch.per_task and found.get("gpus") is not None:
         from dataclasses import replace
 
+        sbatch.gpus_per_task = found["gpus"].count
         found["gpus"] = replace(found["gpus"], count=found["gpus"].count * tasks)
 
 

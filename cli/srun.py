@@ -13,7 +13,9 @@ exit status is the script's to read, as srun's is. A job whose script asked for 
 (``#SBATCH --ntasks-per-node=4``: ``SLURM_NTASKS`` in its environment, service/slurm_names.py) gets
 them here, as srun starts a step's tasks on one node: the command once per task (``-n`` of them at
 most), each with SLURM's variables for its place (``SLURM_PROCID``, ``SLURM_LOCALID``, ...), which
-PyTorch Lightning and hand-written DDP scripts read for their ranks; ``--label`` (``-l``) puts each
+PyTorch Lightning and hand-written DDP scripts read for their ranks, and where the job's GPUs were
+asked per task (``--gpus-per-task``: ``SLURM_GPUS_PER_TASK``) its own of them, as SLURM binds
+them (``--gpu-bind=none``: all of the job's, as without); ``--label`` (``-l``) puts each
 line of output after its task's number; this process waits for all of them and ends with the
 highest exit status (128 + N for a task a signal N ended), passing on the signals it is sent (not
 those gpuq's worker sends every process of the job, nor a terminal's, which reach each task already);
@@ -29,6 +31,7 @@ from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Mapping
 
 # srun's options that take a value (long name: short letter, or ""), those of a step within the job.
 _VALUES = {
@@ -69,6 +72,8 @@ class Step:
     tasks: int | None = None  # -n; None: the job's
     label: bool = False  # -l
     kill_on_bad_exit: bool = False  # -K
+    gpus_per_task: int | None = None  # --gpus-per-task; None: the job's (SLURM_GPUS_PER_TASK)
+    gpu_bind: str | None = None  # --gpu-bind: none lets each task see all of the job's GPUs
 
 
 def command_of(argv: list[str]) -> Step:
@@ -99,6 +104,12 @@ def command_of(argv: list[str]) -> Step:
             if not given.strip().isdigit() or int(given) < 1:
                 raise Refused(f"--{name} {given[:20]}: a count of tasks, 1 or more")
             step.tasks = int(given)
+        if name == "gpus-per-task":
+            if not given.strip().isdigit() or int(given) < 1:
+                raise Refused(f"--gpus-per-task {given[:20]}: a count of GPUs, 1 or more")
+            step.gpus_per_task = int(given)
+        elif name == "gpu-bind":
+            step.gpu_bind = given
         if name == "chdir":
             step.chdir = given
         elif name in _REDIRECTS:
@@ -146,12 +157,31 @@ def _exec(step: Step) -> int:
     return 0  # not reached: exec replaced this process
 
 
-def task_env(environ: dict[str, str], rank: int, tasks: int) -> dict[str, str]:
-    """A step's task's environment: SLURM's variables for its place among ``tasks`` on one node."""
-    return dict(environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
-                SLURM_NTASKS=str(tasks), SLURM_NPROCS=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks),
-                SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE=str(tasks), SLURM_NTASKS_PER_NODE=str(tasks),
-                SLURM_TASKS_PER_NODE=str(tasks))
+def task_env(environ: dict[str, str], rank: int, tasks: int, gpus: int | None = None) -> dict[str, str]:
+    """A step's task's environment: SLURM's variables for its place among ``tasks`` on one node;
+    with ``gpus``, its own that many of the job's GPUs (the rank-th of them), as SLURM binds a task
+    to its GPUs where they were asked per task (``--gpus-per-task``, ``--gpu-bind=per_task``)."""
+    env = dict(environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+               SLURM_NTASKS=str(tasks), SLURM_NPROCS=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks),
+               SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE=str(tasks), SLURM_NTASKS_PER_NODE=str(tasks),
+               SLURM_TASKS_PER_NODE=str(tasks))
+    devices = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if gpus and len(devices) >= gpus * tasks:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[rank * gpus:(rank + 1) * gpus])
+    return env
+
+
+def gpus_per_task(step: Step, environ: Mapping[str, str]) -> int | None:
+    """The GPUs each of ``step``'s tasks is bound to: its --gpus-per-task, else the job's
+    (SLURM_GPUS_PER_TASK); None (each sees all the job's) with --gpu-bind=none or neither."""
+    from gpuq.service.slurm_names import GPUS_PER_TASK
+
+    if step.gpu_bind is not None and step.gpu_bind.strip().lower().startswith("none"):
+        return None
+    if step.gpus_per_task is not None:
+        return step.gpus_per_task
+    value = environ.get(GPUS_PER_TASK, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
@@ -188,10 +218,11 @@ def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
     threading.Thread(target=passing_on, daemon=True).start()
     pipe = subprocess.PIPE if step.label else None
     environ = dict(os.environ)
+    gpus = gpus_per_task(step, environ)
     try:
         for rank in range(tasks):
             task = subprocess.Popen(step.command, cwd=step.chdir, stdout=pipe, stderr=pipe,
-                                    env=task_env(environ, rank, tasks) if variables else environ,
+                                    env=task_env(environ, rank, tasks, gpus) if variables else environ,
                                     preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded))
             started.append(task)
             running.add(task.pid)

@@ -188,7 +188,7 @@ def submit(
         if slurm is not None:
             from gpuq.cli.sbatch_lines import sbatch_defaults
 
-            sbatch_defaults(options, _cwd(), slurm.task_count)  # where it was run, -D or not
+            sbatch_defaults(options, _cwd(), slurm)  # where it was run, -D or not
     _fold_gres(options, origins)
     options["gpus"], options["gpu_type"] = typed(options["gpus"], options["gpu_type"], origins)
     body: dict[str, Any] = {

@@ -20,6 +20,8 @@ MARK = "SLURM_SUBMIT_DIR"
 # Its tasks, where more than one: all on its one node.
 TASKS = "SLURM_NTASKS"
 TASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"
+# Each task's GPUs, where they were asked per task (--gpus-per-task): its srun binds each to its own.
+GPUS_PER_TASK = "SLURM_GPUS_PER_TASK"
 # The most a job may ask for.
 MAX_TASKS = 1024
 

@@ -490,8 +490,9 @@ def test_srun_in_a_job_refuses_what_it_would_not_run(argv, message):
         command_of(argv)
 
 
-def _srun(args: list[str], tasks: int | None, tmp_path, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+def _srun(args: list[str], tasks: int | None, tmp_path, timeout: float = 60,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **(env or {})}
     if tasks is not None:
         env["SLURM_NTASKS"] = str(tasks)
     return subprocess.run([sys.executable, "-m", "gpuq.cli.srun", *args], env=env, cwd=tmp_path, capture_output=True,
@@ -506,6 +507,19 @@ def test_srun_in_a_job_of_several_tasks_starts_one_a_task_each_told_its_rank_as_
     assert ran.returncode == 0, ran.stderr
     assert sorted(ran.stdout.splitlines()) == [f"{r}: rank {r} local {r} of 4 node 0" for r in range(4)]
     assert sorted(ran.stderr.splitlines()) == [f"{r}: e{r}" for r in range(4)]  # labelled, as srun -l
+    # GPUs asked per task (SLURM_GPUS_PER_TASK, or the step's --gpus-per-task): each task its own
+    # of the job's, as SLURM binds them, so a script's `cuda:0` is each rank's own GPU; --gpu-bind=none
+    # lets each see them all.
+    gpus = {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}
+    ran = _srun(["-l", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"], 4, tmp_path, env={**gpus, "SLURM_GPUS_PER_TASK": "1"})
+    assert sorted(ran.stdout.splitlines()) == ["0: 3", "1: 5", "2: 6", "3: 7"], ran.stderr
+    ran = _srun(["-l", "--gpu-bind=none", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"], 2, tmp_path,
+                env={**gpus, "SLURM_GPUS_PER_TASK": "1"})
+    assert sorted(ran.stdout.splitlines()) == ["0: 3,5,6,7", "1: 3,5,6,7"], ran.stderr
+    ran = _srun(["-l", "--gpus-per-task", "2", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"], 2, tmp_path, env=gpus)
+    assert sorted(ran.stdout.splitlines()) == ["0: 3,5", "1: 6,7"], ran.stderr
+    ran = _srun(["-l", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"], 2, tmp_path, env=gpus)  # none asked per task
+    assert sorted(ran.stdout.splitlines()) == ["0: 3,5,6,7", "1: 3,5,6,7"], ran.stderr
     # -n picks fewer of them; the highest status is srun's; more than the job has is refused.
     ran = _srun(["-n", "2", "sh", "-c", "echo $SLURM_NTASKS; exit $((SLURM_PROCID + 3))"], 4, tmp_path)
     assert (ran.returncode, ran.stdout) == (4, "2\n2\n"), ran.stderr
@@ -560,6 +574,7 @@ def test_a_slurm_scripts_tasks_reach_its_job_and_what_it_asks_per_task_is_times_
     with write_scope(use_settings) as session:
         env = session.get(Job, job["id"]).env
         assert (env["SLURM_NTASKS"], env["SLURM_NTASKS_PER_NODE"]) == ("2", "2"), env
+        assert env["SLURM_GPUS_PER_TASK"] == "1", env  # its srun binds each task to its own GPU
     # The job's own where a #GPUQ line or the command line gives them; the tasks stay.
     script(tmp_path, "#!/bin/sh\n#SBATCH -n 2 -c 3 --gres=gpu:1\n#GPUQ --cpus 4\ntrue\n", "own.sbatch")
     job = submitted(["own.sbatch"])
@@ -568,6 +583,9 @@ def test_a_slurm_scripts_tasks_reach_its_job_and_what_it_asks_per_task_is_times_
     assert (job["cpus"], job["gpus"]) == (1, 2), job
     with write_scope(use_settings) as session:
         assert session.get(Job, job["id"]).env["SLURM_NTASKS"] == "2"
+    job = submitted(["--gpus", "2", "ddp.sbatch"])  # the command line's GPUs are the job's: no task's own
+    with write_scope(use_settings) as session:
+        assert job["gpus"] == 2 and "SLURM_GPUS_PER_TASK" not in session.get(Job, job["id"]).env
     # One task (none asked): no SLURM_NTASKS, which libraries read as srun's ranks.
     script(tmp_path, "#!/bin/sh\n#SBATCH -c 2\ntrue\n", "one.sbatch")
     job = submitted(["one.sbatch"])
