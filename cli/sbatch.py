@@ -14,6 +14,7 @@ its output in slurm-%j.out). It says what sbatch says, "Submitted batch job N" (
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -45,16 +46,21 @@ def main(argv: list[str]) -> int:
     from gpuq.cli.sbatch_lines import command_line
     from gpuq.service.errors import InvalidSpec
 
-    if any(word in ("--help", "-h", "--usage") for word in argv[:1]) or not argv and sys.stdin.isatty():
+    if argv[:1] in (["--help"], ["-h"], ["--usage"]) or not argv and sys.stdin.isatty():
         print(_USAGE)
         return 0 if argv else 2
     try:
         read = command_line(argv)
         if read.wrap is not None and read.script:
             raise InvalidSpec("give --wrap or a script, not both")
+        if read.script and not os.path.isfile(read.script[0]):
+            raise InvalidSpec(f"{read.script[0][:200]}: no such file (sbatch takes a script; gpuq submit takes a "
+                              "command too)")
     except InvalidSpec as refused:
         print(f"gpuq sbatch: {refused}", file=sys.stderr)
         return 2
+    if read.script and os.sep not in read.script[0]:  # a file here, whatever workload shares its name
+        read.script[0] = os.path.join(os.curdir, read.script[0])
     parsable = "--parsable" in read.submit
     said_by_gpuq = parsable or "--wait" in read.submit or "--test-only" in read.submit
     argv = [sys.executable, "-m", "gpuq.cli", "submit", *read.submit, *([] if said_by_gpuq else ["--parsable"]),

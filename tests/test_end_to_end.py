@@ -168,6 +168,15 @@ def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, t
     done = run_cli(["sbatch", "--frobnicate", "second.sbatch"], s, cwd=tmp_path)
     assert (done.returncode, done.stdout) == (2, "") and done.stderr == (
         "gpuq sbatch: --frobnicate: not an option sbatch has (or none gpuq knows)\n"), done
+    # A script that is no file is none (sbatch takes a script), and one that shares a workload's
+    # name is the file all the same.
+    done = run_cli(["sbatch", "missing.sbatch"], s, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("gpuq sbatch: missing.sbatch: no such file"), done
+    (tmp_path / "train").write_text("#!/bin/sh\necho the train script\n")
+    done = run_cli(["sbatch", "--parsable", "train"], s, cwd=tmp_path)
+    assert done.returncode == 0, done
+    assert wait_for_state(s, int(done.stdout), c.END_STATES) == State.SUCCEEDED
+    assert run_cli(["logs", done.stdout.strip()], s).stdout == "the train script\n"
 
 
 DDP = """
