@@ -1,15 +1,18 @@
 """A SLURM job script's ``#SBATCH`` lines, read as `gpuq submit` options: a lab's scripts run as
-they are (`gpuq submit train.sbatch`).
+they are (`gpuq submit train.sbatch`); and sbatch's command line (``command_line``, for `gpuq
+sbatch`, cli/sbatch.py), whose options are read as one more such line.
 
 Each option sbatch and gpuq both have becomes gpuq's (``--job-name`` is ``--name``, ``--mem``, the
 host memory of a node in SLURM, is ``--host-mem``, ``-c`` is ``--cpus``); options that mean nothing
-here (a partition, an account, a QOS, one node, one task) are read and left out, and the submit
-says which in one line; one gpuq cannot honour (two nodes, a whole node, a feature constraint)
-or does not know is refused in one line naming it, as a bad ``#GPUQ`` line is. A script's
-``#GPUQ`` lines go over its ``#SBATCH`` lines, and the command line over both (cli/script.py).
-What sbatch gives a batch script by default, gpuq gives a SLURM script's job too
-(``sbatch_defaults``: its output in slurm-%j.out, SLURM's names for its facts); its ``srun`` is
-gpuq.cli.srun.
+here (a partition, an account, a QOS, one node) are read and left out, and the submit says which in
+one line; one gpuq cannot honour (two nodes, a whole node, a feature constraint) or does not know
+is refused in one line naming it, as a bad ``#GPUQ`` line is. Tasks on the node (``--ntasks``,
+``--ntasks-per-node``) are the job's (``Lines``), and what is asked per task (``-c``,
+``--gpus-per-task``) the job takes times its tasks. A script's ``#GPUQ`` lines go over its
+``#SBATCH`` lines, and the command line over both (cli/script.py). What sbatch gives a batch script
+by default, gpuq gives a SLURM script's job too (``sbatch_defaults``: its output in slurm-%j.out,
+SLURM's names for its facts and tasks, all of its submitter's environment without ``--export``);
+its ``srun`` is gpuq.cli.srun.
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ _REFUSED = {
 _SHORT = {short: name for table in (_SAME, _FLAGS) for name, (short, _) in table.items() if short}
 _SHORT.update({short: name for table in (_LEFT_OUT, _ONE) for name, short in table.items() if short})
 _SHORT.update(D="chdir", W="wait", C="constraint", Q="quiet", v="verbose")
-# The options refused that take a value (``translate`` names them): those whose value is no word of
-# their own take none.
+# Of those refused, the flags: the others take a value, which a command line gives as a word of its own.
 _REFUSED_FLAGS = {"exclusive", "wait", "test-only"}
 
 
