@@ -32,8 +32,17 @@ MAX_ENV_VALUE_BYTES = 64 * 1024
 MAX_ENV_BYTES = 256 * 1024
 
 
+# What ``--env ALL`` leaves out besides: SLURM's names for a job's facts, which a SLURM script's job
+# is given by its worker (service/slurm_names.py) and its srun; those of the job an sbatch ran in
+# (SLURM_NTASKS, SLURM_JOB_ID...) are not the new job's.
+_NOT_ALL_PREFIXES = ("SLURM_",)
+
+
 def _may_pass(name: str, value: str) -> bool:
-    """Whether ``--env ALL`` passes this variable on: one ``--env NAME`` would take, text without NUL."""
+    """Whether ``--env ALL`` passes this variable on: one ``--env NAME`` would take, text without
+    NUL, none of SLURM's names for a job."""
+    if name.startswith(_NOT_ALL_PREFIXES):
+        return False
     try:
         check_env_name(name)
     except InvalidSpec:

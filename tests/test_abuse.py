@@ -161,7 +161,8 @@ def test_nul_bytes_and_undecodable_text_cannot_reach_a_job():
     env = job_variables.job_env(["ALL", "HF_HOME=/data/hf"], {
         "PATH": "/bin", "LD_PRELOAD": "/tmp/evil.so", "GPUQ_BROKER_URL": "redis://x", "WANDB_API_KEY": "w",
         "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "HF_HOME": "/home/a/hf", "CUDA_VISIBLE_DEVICES": "3",
-        "BASH_FUNC_x%%": "() { id; }", "NUL": "a\x00b", "BAD": "bad\udcff", "1X": "y", "HOME": "/home/a"})
+        "BASH_FUNC_x%%": "() { id; }", "NUL": "a\x00b", "BAD": "bad\udcff", "1X": "y", "HOME": "/home/a",
+        "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"})  # the submitting job's, as an sbatch in a job has them
     assert env == {"PATH": "/bin", "WANDB_API_KEY": "w", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
                    "HF_HOME": "/data/hf", "HOME": "/home/a"}
     # An environment past the limit is refused in one line, which says what to do where --env ALL
