@@ -141,10 +141,11 @@ def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, t
     s = stack.settings
     # The first part queues the second after itself, as a chain of jobs under a time limit does;
     # sbatch's options (over the second's own lines) and its words as sbatch says them.
+    # Its tasks are its own: none of the first part's (its SLURM_NTASKS is in sbatch's environment).
     (tmp_path / "second.sbatch").write_text("#!/bin/sh\n#SBATCH -J from-lines -c 1\necho second $SLURM_JOB_NAME "
-                                            "after $1\n")
+                                            "after $1 tasks ${SLURM_NTASKS:-one}\n")
     (tmp_path / "first.sbatch").write_text(
-        "#!/bin/sh\n#SBATCH -J first\n"
+        "#!/bin/sh\n#SBATCH -J first --ntasks-per-node=2\n"
         "sbatch --parsable -J second -p gpu -d afterok:$SLURM_JOB_ID second.sbatch $SLURM_JOB_ID > next.id\n"
         "sbatch --hold --wrap 'echo wrapped'\n")
     first = submit(s, ["first.sbatch"], cwd=tmp_path)
@@ -154,7 +155,7 @@ def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, t
     assert re.fullmatch(r"Submitted batch job (\d+)\n", told.splitlines()[-1] + "\n"), told
     assert "left out of second.sbatch, as meaning nothing to gpuq: -p gpu" in told, told
     assert wait_for_state(s, second, c.END_STATES) == State.SUCCEEDED, output_of(s, second) + stack.logs()
-    assert run_cli(["logs", str(second)], s).stdout == f"second second after {first}\n"
+    assert run_cli(["logs", str(second)], s).stdout == f"second second after {first} tasks one\n"
     wrapped = int(told.splitlines()[-1].split()[-1])
     shown = json.loads(run_cli(["show", "--json", str(wrapped)], s).stdout)
     assert shown["state"] == State.PENDING and "echo wrapped" in shown["argv"][-1], shown
