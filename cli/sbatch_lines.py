@@ -89,69 +89,77 @@ def translate(words: list[str], seen: Lines | None = None) -> tuple[list[str], l
     """`gpuq submit`'s words for one ``#SBATCH`` line's, and the options it left out, as written
     (``-p gpu``); what else it says, into ``seen``. InvalidSpec, in a line naming the option, for
     one gpuq cannot honour or does not know, or a word that is no option."""
+    from gpuq.cli.slurm_options import Leading, Unreadable
+
     seen = Lines() if seen is None else seen
     out: list[str] = []
     left_out: list[str] = []
-    at = 0
-    while at < len(words):
-        word = words[at]
-        name, value, shown = _option(word)
-        if name is None:
-            raise InvalidSpec(f"{word[:80]!r}: an {MARKER} line takes sbatch's options only")
-        takes_value = name in _SAME or name in _ONE or (name in _LEFT_OUT and name not in _LEFT_OUT_FLAGS)
-        if takes_value and value is None:
-            if at + 1 == len(words):
-                raise InvalidSpec(f"{shown} needs a value")
-            at += 1
-            value = words[at]
-        at += 1
-        written = shown if value is None else f"{shown} {value}"
-        if name in _REFUSED:
-            raise InvalidSpec(f"{MARKER} {written[:80]}: {_REFUSED[name]}")
-        if name in _FLAGS:
-            out.append(_FLAGS[name][1])
-        elif name in _LEFT_OUT or name in _LEFT_OUT_FLAGS:
-            left_out.append(written)
-        elif name == "nodes":
-            assert value is not None
-            if value.strip() not in ("1", "1-1"):
-                raise InvalidSpec(f"{MARKER} {written[:80]}: a gpuq job runs on one node (its GPUs, cores and "
-                                  "tasks all there)")
-        elif name in _ONE:
-            assert value is not None
-            count = value.strip()
-            from gpuq.service.slurm_names import MAX_TASKS
-
-            if not count.isdigit() or not 1 <= int(count) <= MAX_TASKS:
-                raise InvalidSpec(f"{MARKER} {written[:80]}: a count of tasks on the job's one node, 1 to {MAX_TASKS}")
-            if name == "ntasks":
-                seen.tasks = int(count)
-            else:
-                seen.tasks_per_node = int(count)
-        elif name == "export":
-            assert value is not None
-            seen.exported = True
-            out.extend(_exports(value))
-        elif name == "time" and value is not None and value.strip().upper() in ("UNLIMITED", "INFINITE"):
-            left_out.append(written)  # no limit asked: the queue's default (GPUQ_DEFAULT_TIME), if any, holds
-        elif name == "mail-type":
-            assert value is not None
-            kept, dropped = _mail_events(value)
-            out += ["--mail-type", kept] if kept else []
-            left_out += [f"{shown} {event}" for event in dropped]
-        elif name == "mem":
-            assert value is not None
-            out += ["--host-mem", value.strip() + ("M" if value.strip().isdigit() else "")]  # sbatch's unit: MB
-        elif name in _SAME:
-            assert value is not None
-            out += [_SAME[name][1], value]
-            given = _SAME[name][1].lstrip("-")
-            if given in ("cpus", "gpus", "gres"):  # per task where it says so; the job's own otherwise
-                kind = "gpus" if given == "gres" else given
-                (seen.per_task.add if name.endswith("-per-task") else seen.per_task.discard)(kind)
-        else:
-            raise InvalidSpec(f"{MARKER} {shown}: not an option gpuq takes (gpuq submit --help)")
+    options = Leading(words, _SHORT, _takes_value)  # an option gpuq does not know is refused below
+    try:
+        for name, value, shown in options:
+            _one(name, value, shown, seen, out, left_out)
+    except Unreadable as unread:
+        raise InvalidSpec(f"{unread.shown} needs a value") from None
+    stray = ["--"] if options.dashes else options.rest
+    if stray:
+        raise InvalidSpec(f"{stray[0][:80]!r}: an {MARKER} line takes sbatch's options only")
     return out, left_out
+
+
+def _takes_value(name: str) -> bool:
+    """Whether an ``#SBATCH`` line's option takes a value (one that is refused or unknown, none)."""
+    return name in _SAME or name in _ONE or (name in _LEFT_OUT and name not in _LEFT_OUT_FLAGS)
+
+
+def _one(name: str, value: str | None, shown: str, seen: Lines, out: list[str], left_out: list[str]) -> None:
+    """One option of an ``#SBATCH`` line: gpuq's words for it onto ``out``, or onto ``left_out``
+    as written; what else it says into ``seen``. InvalidSpec for one refused or unknown."""
+    written = shown if value is None else f"{shown} {value}"
+    if name in _REFUSED:
+        raise InvalidSpec(f"{MARKER} {written[:80]}: {_REFUSED[name]}")
+    if name in _FLAGS:
+        out.append(_FLAGS[name][1])
+    elif name in _LEFT_OUT or name in _LEFT_OUT_FLAGS:
+        left_out.append(written)
+    elif name == "nodes":
+        assert value is not None
+        if value.strip() not in ("1", "1-1"):
+            raise InvalidSpec(f"{MARKER} {written[:80]}: a gpuq job runs on one node (its GPUs, cores and "
+                              "tasks all there)")
+    elif name in _ONE:
+        assert value is not None
+        count = value.strip()
+        from gpuq.service.slurm_names import MAX_TASKS
+
+        if not count.isdigit() or not 1 <= int(count) <= MAX_TASKS:
+            raise InvalidSpec(f"{MARKER} {written[:80]}: a count of tasks on the job's one node, 1 to {MAX_TASKS}")
+        if name == "ntasks":
+            seen.tasks = int(count)
+        else:
+            seen.tasks_per_node = int(count)
+    elif name == "export":
+        assert value is not None
+        seen.exported = True
+        out.extend(_exports(value))
+    elif name == "time" and value is not None and value.strip().upper() in ("UNLIMITED", "INFINITE"):
+        left_out.append(written)  # no limit asked: the queue's default (GPUQ_DEFAULT_TIME), if any, holds
+    elif name == "mail-type":
+        assert value is not None
+        kept, dropped = _mail_events(value)
+        out += ["--mail-type", kept] if kept else []
+        left_out += [f"{shown} {event}" for event in dropped]
+    elif name == "mem":
+        assert value is not None
+        out += ["--host-mem", value.strip() + ("M" if value.strip().isdigit() else "")]  # sbatch's unit: MB
+    elif name in _SAME:
+        assert value is not None
+        out += [_SAME[name][1], value]
+        given = _SAME[name][1].lstrip("-")
+        if given in ("cpus", "gpus", "gres"):  # per task where it says so; the job's own otherwise
+            kind = "gpus" if given == "gres" else given
+            (seen.per_task.add if name.endswith("-per-task") else seen.per_task.discard)(kind)
+    else:
+        raise InvalidSpec(f"{MARKER} {shown}: not an option gpuq takes (gpuq submit --help)")
 
 
 # sbatch's options that only its command line gives, which gpuq submit has under the same names
@@ -177,22 +185,22 @@ _KNOWN = {*_SAME, *_FLAGS, *_LEFT_OUT, *_LEFT_OUT_FLAGS, *_ONE, *_REFUSED, *COMM
 def command_line(argv: list[str]) -> CommandLine:
     """``argv``, sbatch's arguments, read up to its script (the first word that is no option or
     an option's value). InvalidSpec for an option it does not know or one without its value."""
-    from gpuq.cli.slurm_options import Unreadable, leading
+    from gpuq.cli.slurm_options import Leading, Unreadable
 
     def takes_value(name: str) -> bool | None:
         if name not in _KNOWN:
             return None
         return COMMAND_LINE[name] if name in COMMAND_LINE else (
-            name in _SAME or name in _ONE or (name in _REFUSED and name not in _REFUSED_FLAGS)
-            or (name in _LEFT_OUT and name not in _LEFT_OUT_FLAGS))
+            _takes_value(name) or (name in _REFUSED and name not in _REFUSED_FLAGS))
 
+    options = Leading(argv, _SHORT, takes_value)
     try:
-        options, script = leading(argv, _SHORT, takes_value)
+        found = list(options)
     except Unreadable as unread:
         raise InvalidSpec(f"{unread.shown} needs a value" if unread.needs_value
                           else f"{unread.shown}: not an option sbatch has (or none gpuq knows)") from None
-    read = CommandLine(script=script)
-    for name, value, shown in options:
+    read = CommandLine(script=options.rest)
+    for name, value, shown in found:
         if name == "wrap":
             read.wrap = value
         elif name in COMMAND_LINE:
@@ -200,13 +208,6 @@ def command_line(argv: list[str]) -> CommandLine:
         else:
             read.options += [shown] + ([] if value is None else [value])
     return read
-
-
-def _option(word: str) -> tuple[str | None, str | None, str]:
-    """``slurm_options.option`` with sbatch's short letters."""
-    from gpuq.cli.slurm_options import option
-
-    return option(word, _SHORT)
 
 
 def _exports(value: str) -> list[str]:

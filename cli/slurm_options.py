@@ -5,7 +5,7 @@ Each command knows its own options: the short letters and which take a value."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 
 class Unreadable(ValueError):
@@ -28,25 +28,33 @@ def option(word: str, short: Mapping[str, str]) -> tuple[str | None, str | None,
     return None, None, word
 
 
-def leading(argv: list[str], short: Mapping[str, str], takes_value: Callable[[str], bool | None]
-            ) -> tuple[list[tuple[str, str | None, str]], list[str]]:
-    """The options at the head of ``argv``, each as (long name, value or None, as written), and
-    the words after them. ``takes_value(name)``: whether that option takes a value; None for one
-    the command does not have (Unreadable)."""
-    found: list[tuple[str, str | None, str]] = []
-    at = 0
-    while at < len(argv) and argv[at].startswith("-") and argv[at] != "-":
-        word = argv[at]
-        at += 1
-        if word == "--":
-            break
-        name, value, shown = option(word, short)
-        wants = None if name is None else takes_value(name)
-        if name is None or wants is None:
-            raise Unreadable(shown)
-        if wants and value is None:
-            if at == len(argv):
-                raise Unreadable(shown, needs_value=True)
-            value, at = argv[at], at + 1
-        found.append((name, value, shown))
-    return found, argv[at:]
+class Leading:
+    """The options at the head of ``argv``, read as they are iterated, each as (long name, value or
+    None, as written), so that a caller acting on each meets its errors in the order of the words;
+    then ``rest``, the words after them, and ``dashes``, whether ``--`` ended them.
+    ``takes_value(name)``: whether that option takes a value; None for one the command does not
+    have (Unreadable, as for one without its value)."""
+
+    def __init__(self, argv: list[str], short: Mapping[str, str], takes_value: Callable[[str], bool | None]) -> None:
+        self.argv, self.short, self.takes_value = argv, short, takes_value
+        self.rest: list[str] = []
+        self.dashes = False
+
+    def __iter__(self) -> Iterator[tuple[str, str | None, str]]:
+        argv, at = self.argv, 0
+        while at < len(argv) and argv[at].startswith("-") and argv[at] != "-":
+            word = argv[at]
+            at += 1
+            if word == "--":
+                self.dashes = True
+                break
+            name, value, shown = option(word, self.short)
+            wants = None if name is None else self.takes_value(name)
+            if name is None or wants is None:
+                raise Unreadable(shown)
+            if wants and value is None:
+                if at == len(argv):
+                    raise Unreadable(shown, needs_value=True)
+                value, at = argv[at], at + 1
+            yield name, value, shown
+        self.rest = argv[at:]

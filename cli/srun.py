@@ -79,17 +79,18 @@ class Step:
 def command_of(argv: list[str]) -> Step:
     """srun's command line read. Refused for more than one node, a count of tasks that is none, an
     option srun does not have, or no command."""
-    from gpuq.cli.slurm_options import Unreadable, leading
+    from gpuq.cli.slurm_options import Leading, Unreadable
 
     def takes_value(name: str) -> bool | None:
         return True if name in _VALUES else False if name in _FLAGS else None
 
+    read = Leading(argv, _SHORT, takes_value)
     try:
-        options, command = leading(argv, _SHORT, takes_value)
+        options = list(read)
     except Unreadable as unread:
         raise Refused(f"{unread.shown} needs a value" if unread.needs_value
                       else f"{unread.shown}: not an option srun has") from None
-    step = Step(command)
+    step = Step(read.rest)
     for name, given, _ in options:
         if name == "label":
             step.label = True
@@ -114,7 +115,7 @@ def command_of(argv: list[str]) -> Step:
             step.chdir = given
         elif name in _REDIRECTS:
             step.said.append(f"--{name} {given}")
-    if not command:
+    if not step.command:
         raise Refused("no command to run")
     return step
 
