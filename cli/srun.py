@@ -96,28 +96,31 @@ def command_of(argv: list[str]) -> Step:
             step.label = True
         elif name == "kill-on-bad-exit":
             step.kill_on_bad_exit = given != "0"
-        if given is None or name in _FLAGS:
+        elif given is None or name in _FLAGS:
             continue
-        if name == "nodes" and given.strip() not in ("1", "1-1"):
+        elif name == "nodes" and given.strip() not in ("1", "1-1"):
             raise Refused(f"--nodes {given[:20]}: a gpuq job runs on one node, its tasks all there (its script's, or "
                           "an allocation's shell's)")
-        if name in _TASKS:
-            if not given.strip().isdigit() or int(given) < 1:
-                raise Refused(f"--{name} {given[:20]}: a count of tasks, 1 or more")
-            step.tasks = int(given)
-        if name == "gpus-per-task":
-            if not given.strip().isdigit() or int(given) < 1:
-                raise Refused(f"--gpus-per-task {given[:20]}: a count of GPUs, 1 or more")
-            step.gpus_per_task = int(given)
+        elif name in _TASKS:
+            step.tasks = _count(name, given, "tasks")
+        elif name == "gpus-per-task":
+            step.gpus_per_task = _count(name, given, "GPUs")
         elif name == "gpu-bind":
             step.gpu_bind = given
-        if name == "chdir":
+        elif name == "chdir":
             step.chdir = given
         elif name in _REDIRECTS:
             step.said.append(f"--{name} {given}")
     if not step.command:
         raise Refused("no command to run")
     return step
+
+
+def _count(name: str, given: str, of: str) -> int:
+    """An option's count, 1 or more; Refused naming the option for anything else."""
+    if not given.strip().isdigit() or int(given) < 1:
+        raise Refused(f"--{name} {given[:20]}: a count of {of}, 1 or more")
+    return int(given)
 
 
 def main(argv: list[str]) -> int:
@@ -149,13 +152,19 @@ def _exec(step: Step) -> int:
         if chdir is not None:
             os.chdir(chdir)
         os.execvp(command[0], command)
-    except FileNotFoundError:
-        print(f"gpuq srun: {command[0]}: command not found", file=sys.stderr)
-        return 127
     except OSError as exc:
-        print(f"gpuq srun: {command[0] if chdir is None else chdir}: {exc.strerror}", file=sys.stderr)
-        return 126
+        return _not_started(step, exc)
     return 0  # not reached: exec replaced this process
+
+
+def _not_started(step: Step, exc: OSError) -> int:
+    """Says why ``step``'s command could not start, as a shell would; its exit status (127: no such
+    command, 126: the command or its directory cannot be used)."""
+    if isinstance(exc, FileNotFoundError) and (step.chdir is None or exc.filename != step.chdir):
+        print(f"gpuq srun: {step.command[0]}: command not found", file=sys.stderr)
+        return 127
+    print(f"gpuq srun: {step.command[0] if step.chdir is None else step.chdir}: {exc.strerror}", file=sys.stderr)
+    return 126
 
 
 def task_env(environ: dict[str, str], rank: int, tasks: int, gpus: int | None = None) -> dict[str, str]:
@@ -233,11 +242,7 @@ def _tasks(step: Step, tasks: int, variables: bool = True) -> int:
         for task in started:
             task.kill()
             task.wait()
-        if isinstance(exc, FileNotFoundError) and (step.chdir is None or exc.filename != step.chdir):
-            print(f"gpuq srun: {step.command[0]}: command not found", file=sys.stderr)
-            return 127
-        print(f"gpuq srun: {step.command[0] if step.chdir is None else step.chdir}: {exc.strerror}", file=sys.stderr)
-        return 126
+        return _not_started(step, exc)
 
     pumps: list[threading.Thread] = []
     if step.label:

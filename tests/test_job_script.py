@@ -562,6 +562,10 @@ def test_srun_in_a_job_of_several_tasks_starts_one_a_task_each_told_its_rank_as_
     # In a job of one task, the command is that task, with none of a task's variables.
     ran = _srun(["-l", "sh", "-c", "echo one ${SLURM_PROCID:-none}"], None, tmp_path)
     assert (ran.returncode, ran.stdout) == (0, "0: one none\n"), ran.stderr
+    # A directory that is not there is named, one task or several (it was "command not found").
+    for tasks in (None, 2):
+        ran = _srun(["-D", str(tmp_path / "gone"), "true"], tasks, tmp_path)
+        assert (ran.returncode, ran.stderr) == (126, f"gpuq srun: {tmp_path / 'gone'}: No such file or directory\n")
 
 
 def test_a_slurm_scripts_tasks_reach_its_job_and_what_it_asks_per_task_is_times_its_tasks(use_settings, tmp_path,
