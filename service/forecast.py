@@ -242,12 +242,12 @@ def start_times(state: QueueState, decision: Decision | None = None, depth: int 
         waiting = sorted([*waiting, *throttled], key=lambda j: policy.order_key(j, state.gpu_hours))
     order = [*waiting, *sorted((job for job, _ in later), key=lambda j: policy.order_key(j, state.gpu_hours))]
     blocker = jobs.get(decision.blocked_by) if decision.blocked_by is not None else None
+    blocker_key = policy.order_key(blocker, state.gpu_hours) if blocker is not None else None
 
     def behind(job: JobRequest, first: float) -> float | None:
         """``first``, or for a job after the one the scheduler lets nothing pass (``blocked_by``)
         the moment that one starts, before which the scheduler starts it nowhere; None if unknown."""
-        if blocker is None or job.id == blocker.id or (
-                policy.order_key(job, state.gpu_hours) < policy.order_key(blocker, state.gpu_hours)):
+        if blocker is None or blocker_key is None or policy.order_key(job, state.gpu_hours) <= blocker_key:
             return first
         start = found.get(blocker.id)
         return None if start is None else max(first, start)

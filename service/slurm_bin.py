@@ -31,7 +31,7 @@ def directory(home: Path) -> str | None:
     try:
         return made(home / DIRECTORY)
     except OSError as exc:
-        log.warning("no srun or scontrol for SLURM scripts' jobs: %s", exc)
+        log.warning("no srun, scontrol or sbatch for SLURM scripts' jobs: %s", exc)
         return None
 
 

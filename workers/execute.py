@@ -288,7 +288,7 @@ def job_env(job: JobRun, node: str, identity: Identity | None = None,
         env.update(slurm_names.variables(job.id, job.name, node, len(job.gpu_indices), job.cpus, job.array_id,
                                          job.array_index, slurm_names.tasks_of(job.env)))
         shims = slurm_bin.directory(settings.home) if settings is not None else None
-        if shims is not None:  # and its srun, which runs a step's command as the job's tasks, and scontrol
+        if shims is not None:  # and its srun (a step's command as the job's tasks), scontrol and sbatch
             env["PATH"] = shims + os.pathsep + env.get("PATH", os.defpath)
     if identity is not None:
         env.update(identity.env())
