@@ -80,6 +80,16 @@ def test_a_command_runs_without_a_shell_in_its_directory_with_its_gpus_and_keeps
         assert next(j for j in rows if j["id"] == job_id)["gpu_indices"] == [0, 1], args
 
 
+def script_ran(stack, where, name: str, text: str, args: tuple[str, ...] = (), timeout: float = 60) -> tuple[int, str]:
+    """The job of script ``name`` (written in ``where`` with ``text``, submitted from there with
+    ``args`` before it), once it succeeded, and its output."""
+    (where / name).write_text(text)
+    job_id = submit(stack.settings, [*args, name], cwd=where)
+    state = wait_for_state(stack.settings, job_id, c.END_STATES, timeout=timeout)
+    assert state == State.SUCCEEDED, output_of(stack.settings, job_id) + stack.logs()
+    return job_id, run_cli(["logs", str(job_id)], stack.settings).stdout
+
+
 def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_gpuq_lines(stack, tmp_path):
     s = stack.settings
     # Not executable, as a script copied from a colleague often is: its #! line runs it.
@@ -119,22 +129,18 @@ def test_a_job_script_named_as_sbatch_takes_it_runs_with_its_arguments_and_its_g
     # A script of two tasks, as a DDP script asks SLURM for them: its srun starts one a task, each
     # told its rank, its cores shared among them.
     # Its first node as such a script finds it for MASTER_ADDR, with scontrol.
-    (tmp_path / "ddp.sh").write_text(
+    _, told = script_ran(stack, tmp_path, "ddp.sh", (
         "#!/bin/sh\n#SBATCH --ntasks-per-node=2 -c 1\n"
         "echo tasks $SLURM_NTASKS at $(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
-        "srun sh -c 'echo rank $SLURM_PROCID of $SLURM_NTASKS cpus $SLURM_CPUS_PER_TASK'\n")
-    job_id = submit(s, ["ddp.sh"], cwd=tmp_path)
-    assert wait_for_state(s, job_id, c.END_STATES) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
-    told = run_cli(["logs", str(job_id)], s).stdout.splitlines()
+        "srun sh -c 'echo rank $SLURM_PROCID of $SLURM_NTASKS cpus $SLURM_CPUS_PER_TASK'\n"))
+    told = told.splitlines()
     assert told[0] == f"tasks 2 at {s.node}", told
     assert sorted(told[1:]) == ["rank 0 of 2 cpus 1", "rank 1 of 2 cpus 1"], told
     # A script that requeues itself (as one does on the signal before its time limit) with
     # scontrol: the job runs again under its id, through gpuq's server.
-    (tmp_path / "again.sh").write_text("#!/bin/sh\n#SBATCH -J again\nif [ -e ran-once ]; then echo second run; "
-                                       "exit 0; fi\ntouch ran-once\nscontrol requeue\nsleep 60\n")
-    job_id = submit(s, ["again.sh"], cwd=tmp_path)
-    assert wait_for_state(s, job_id, c.END_STATES, timeout=90) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
-    assert run_cli(["logs", str(job_id)], s).stdout.endswith("second run\n")
+    _, told = script_ran(stack, tmp_path, "again.sh", "#!/bin/sh\n#SBATCH -J again\nif [ -e ran-once ]; then echo "
+                         "second run; exit 0; fi\ntouch ran-once\nscontrol requeue\nsleep 60\n", timeout=90)
+    assert told.endswith("second run\n")
 
 
 def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, tmp_path):
@@ -144,13 +150,10 @@ def test_a_slurm_script_queues_its_next_part_with_sbatch_as_under_slurm(stack, t
     # Its tasks are its own: none of the first part's (its SLURM_NTASKS is in sbatch's environment).
     (tmp_path / "second.sbatch").write_text("#!/bin/sh\n#SBATCH -J from-lines -c 1\necho second $SLURM_JOB_NAME "
                                             "after $1 tasks ${SLURM_NTASKS:-one}\n")
-    (tmp_path / "first.sbatch").write_text(
+    first, told = script_ran(stack, tmp_path, "first.sbatch", (
         "#!/bin/sh\n#SBATCH -J first --ntasks-per-node=2\n"
         "sbatch --parsable -J second -p gpu -d afterok:$SLURM_JOB_ID second.sbatch $SLURM_JOB_ID > next.id\n"
-        "sbatch --hold --wrap 'echo wrapped'\n")
-    first = submit(s, ["first.sbatch"], cwd=tmp_path)
-    assert wait_for_state(s, first, c.END_STATES) == State.SUCCEEDED, output_of(s, first) + stack.logs()
-    told = run_cli(["logs", str(first)], s).stdout
+        "sbatch --hold --wrap 'echo wrapped'\n"))
     second = int((tmp_path / "next.id").read_text())
     assert re.fullmatch(r"Submitted batch job (\d+)\n", told.splitlines()[-1] + "\n"), told
     assert "left out of second.sbatch, as meaning nothing to gpuq: -p gpu" in told, told
@@ -197,12 +200,10 @@ dist.destroy_process_group()
 def test_a_slurm_ddp_script_runs_its_ranks_through_srun_and_torch_distributed_joins_them(stack, tmp_path):
     # The shape of a lab's DDP script for SLURM: tasks on one node, srun starting one a rank, each
     # finding its rank in SLURM's variables; torch.distributed (gloo, on the CPU) joins them.
-    s = stack.settings
     (tmp_path / "ddp.py").write_text(DDP)
-    (tmp_path / "ddp.sbatch").write_text(f"#!/bin/sh\n#SBATCH --ntasks-per-node=3 -t 5\nsrun {sys.executable} ddp.py\n")
-    job_id = submit(s, ["--env", f"MASTER_PORT={free_port()}", "ddp.sbatch"], cwd=tmp_path)
-    assert wait_for_state(s, job_id, c.END_STATES, timeout=120) == State.SUCCEEDED, output_of(s, job_id) + stack.logs()
-    told = sorted(line for line in run_cli(["logs", str(job_id)], s).stdout.splitlines() if line.startswith("rank"))
+    _, told = script_ran(stack, tmp_path, "ddp.sbatch", f"#!/bin/sh\n#SBATCH --ntasks-per-node=3 -t 5\nsrun "
+                         f"{sys.executable} ddp.py\n", ("--env", f"MASTER_PORT={free_port()}"), timeout=120)
+    told = sorted(line for line in told.splitlines() if line.startswith("rank"))
     assert told == [f"rank {r} of 3 local {r} sum 6" for r in range(3)], told
 
 
